@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Configures (once) and builds with ninja + ccache. BUILD_DIR defaults to build/.
+# Extra arguments are passed to cmake at configure time.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${BUILD_DIR:-$root/build}
+python=${DFLASH_PYTHON:-$root/.venv/bin/python}
+if [ ! -f "$build/build.ninja" ]; then
+  torch_prefix=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$torch_prefix" \
+    -DDFLASH_PYTHON="$python" "$@"
+fi
+cmake --build "$build" -j "${JOBS:-$(nproc)}"

@@ -1,0 +1,12 @@
+// cli: the `dflash` command line. Each subcommand lives in its own cmd_*.cpp and registers
+// itself here; main.cpp only wires them together.
+#pragma once
+#include <CLI/CLI.hpp>
+
+namespace dflash::cli {
+
+// Each adds one subcommand to `app`; the subcommand's callback does the work.
+void add_info_command(CLI::App& app);
+void add_bench_target_command(CLI::App& app);
+
+}  // namespace dflash::cli
