@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Gathers the Debian packages the build needs beyond LibTorch into .deps/root (ignored), for
+# the GPU machine, which reaches no registry: `apt-get download` + `dpkg -x`, no install.
+# Run here, then name .deps in the device tool's `carry`.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$root/.deps/debs" "$root/.deps/root"
+cd "$root/.deps/debs"
+packages=(nlohmann-json3-dev libfmt-dev libfmt9 libcli11-dev libgtest-dev libgmock-dev
+  libpcre2-dev libpcre2-8-0)
+for p in "${packages[@]}"; do
+  ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download "$p" >/dev/null
+done
+for f in *.deb; do dpkg -x "$f" "$root/.deps/root"; done
+# Debian's .so links are absolute; make them relative so the tree can move.
+find "$root/.deps/root" -type l | while read -r link; do
+  target=$(readlink "$link")
+  case "$target" in /*) ln -sfn "$(basename "$target")" "$link" ;; esac
+done
+du -sh "$root/.deps/root"
