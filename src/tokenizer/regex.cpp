@@ -1,0 +1,103 @@
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include "tokenizer/regex.h"
+
+#include <pcre2.h>
+
+#include "common/error.h"
+
+namespace dflash::tok {
+
+struct SplitRegex::Impl {
+  pcre2_code* code = nullptr;
+  bool jit = false;
+};
+
+std::string SplitRegex::translate(std::string_view p) {
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      char e = p[i + 1];
+      ++i;
+      if (e == 's') {
+        out += in_class ? "\\s\\x{85}" : "[\\s\\x{85}]";
+      } else if (e == 'S') {
+        if (in_class) fail("regex {:?}: \\S inside a character class is not supported", p);
+        out += "[^\\s\\x{85}]";
+      } else {
+        out += '\\';
+        out += e;
+      }
+      continue;
+    }
+    if (!in_class && c == '[') {
+      in_class = true;
+      out += c;
+      // A ']' right after '[' or '[^' is a literal member, not the end of the class.
+      if (i + 1 < p.size() && p[i + 1] == '^') out += p[++i];
+      if (i + 1 < p.size() && p[i + 1] == ']') out += p[++i];
+      continue;
+    }
+    if (in_class && c == '[') fail("regex {:?}: nested character classes are not supported", p);
+    if (in_class && c == ']') in_class = false;
+    out += c;
+  }
+  return out;
+}
+
+SplitRegex::SplitRegex(std::string_view pattern) : impl_(std::make_unique<Impl>()) {
+  std::string translated = translate(pattern);
+  int err = 0;
+  PCRE2_SIZE err_off = 0;
+  impl_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(),
+                              PCRE2_UTF | PCRE2_UCP, &err, &err_off, nullptr);
+  if (!impl_->code) {
+    PCRE2_UCHAR msg[256];
+    pcre2_get_error_message(err, msg, sizeof msg);
+    fail("cannot compile pre-tokenizer regex {:?} at offset {}: {}", pattern, err_off,
+         reinterpret_cast<const char*>(msg));
+  }
+  impl_->jit = pcre2_jit_compile(impl_->code, PCRE2_JIT_COMPLETE) == 0;
+}
+
+SplitRegex::~SplitRegex() {
+  if (impl_ && impl_->code) pcre2_code_free(impl_->code);
+}
+
+namespace {
+// One match-data block per thread and pattern size: encode() runs on many threads at once.
+struct MatchData {
+  pcre2_match_data* data = nullptr;
+  MatchData() : data(pcre2_match_data_create(16, nullptr)) {}
+  ~MatchData() { pcre2_match_data_free(data); }
+};
+}  // namespace
+
+bool SplitRegex::find(std::string_view s, size_t from, size_t& begin, size_t& end) const {
+  thread_local MatchData md;
+  auto subject = reinterpret_cast<PCRE2_SPTR>(s.data());
+  while (from <= s.size()) {
+    int rc = impl_->jit ? pcre2_jit_match(impl_->code, subject, s.size(), from, 0, md.data, nullptr)
+                        : pcre2_match(impl_->code, subject, s.size(), from, PCRE2_NO_UTF_CHECK,
+                                      md.data, nullptr);
+    if (rc == PCRE2_ERROR_NOMATCH) return false;
+    if (rc < 0) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(rc, msg, sizeof msg);
+      fail("pre-tokenizer regex match failed: {}", reinterpret_cast<const char*>(msg));
+    }
+    PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.data);
+    if (ov[1] > ov[0]) {
+      begin = ov[0];
+      end = ov[1];
+      return true;
+    }
+    // An empty match splits nothing; retry one code point further on.
+    from = ov[0] + 1;
+    while (from < s.size() && (static_cast<unsigned char>(s[from]) & 0xC0) == 0x80) ++from;
+  }
+  return false;
+}
+
+}  // namespace dflash::tok

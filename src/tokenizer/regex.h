@@ -1,0 +1,33 @@
+// tokenizer: a PCRE2 regex with the semantics HF tokenizers gets from Oniguruma, for the
+// Split pre-tokenizer patterns of Qwen2/Qwen3, Llama-3 and GPT-2.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace dflash::tok {
+
+class SplitRegex {
+ public:
+  // Compiles `pattern` (Oniguruma syntax as in tokenizer.json) with UTF and Unicode
+  // properties; throws dflash::Error for a pattern it cannot translate exactly.
+  explicit SplitRegex(std::string_view pattern);
+  ~SplitRegex();
+  SplitRegex(const SplitRegex&) = delete;
+  SplitRegex& operator=(const SplitRegex&) = delete;
+
+  // Finds the first non-empty match in subject[from...]; false when none. `subject` must be
+  // valid UTF-8 (not re-checked).
+  bool find(std::string_view subject, size_t from, size_t& begin, size_t& end) const;
+
+  // Oniguruma's \s is PCRE2's (Unicode Z categories and \t\n\v\f\r) plus U+0085; this rewrites
+  // \s and \S so PCRE2 matches exactly what Oniguruma does. Exposed for tests.
+  static std::string translate(std::string_view pattern);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dflash::tok

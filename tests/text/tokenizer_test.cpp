@@ -1,0 +1,175 @@
+// Parity of dflash::tok::Tokenizer with HF tokenizers: ids (with and without special tokens),
+// decoded text and round trips on GSM8K test and the stress corpus, for the Qwen3-, Llama-3-
+// and GPT-2-style tokenizers the fixture trains.
+#include "tokenizer/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <string_view>
+
+#include "common/error.h"
+#include "text_fixtures.h"
+#include "tokenizer/unicode.h"
+
+namespace dflash::tok {
+namespace {
+
+using dflash::testing::load_fixture_json;
+using dflash::testing::tokenizer_fixtures;
+
+std::string show(std::string_view s) {
+  nlohmann::json j = std::string(s);
+  return j.dump().substr(0, 300);
+}
+
+class TokenizerParity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TokenizerParity, IdsMatchHfOnGsm8kAndStressCorpus) {
+  auto dir = tokenizer_fixtures() / GetParam();
+  auto ref = load_fixture_json(dir / "parity.json");
+  ASSERT_FALSE(ref.is_null());
+  Tokenizer tok = Tokenizer::load(dir);
+  const auto& texts = ref["texts"];
+  size_t gsm = ref["num_gsm8k"].get<size_t>(), mismatches = 0, tokens = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    auto text = texts[i].get<std::string>();
+    auto want = ref["ids"][i].get<std::vector<int32_t>>();
+    auto got = tok.encode(text, false);
+    tokens += got.size();
+    if (got != want && ++mismatches <= 5) {
+      ADD_FAILURE() << (i < gsm ? "gsm8k" : "stress") << " text " << i << " " << show(text)
+                    << "\n got " << ::testing::PrintToString(got) << "\nwant "
+                    << ::testing::PrintToString(want);
+    }
+    auto want_sp = ref["ids_special"][i].get<std::vector<int32_t>>();
+    EXPECT_EQ(tok.encode(text, true), want_sp) << "with special tokens, text " << i;
+  }
+  EXPECT_EQ(mismatches, 0u) << "of " << texts.size() << " texts";
+  EXPECT_GT(texts.size(), gsm + 1000);  // the stress corpus is really there
+  EXPECT_GT(tokens, 100000u);
+}
+
+TEST_P(TokenizerParity, DecodeMatchesHfAndRoundTrips) {
+  auto dir = tokenizer_fixtures() / GetParam();
+  auto ref = load_fixture_json(dir / "parity.json");
+  ASSERT_FALSE(ref.is_null());
+  Tokenizer tok = Tokenizer::load(dir);
+  size_t bad = 0;
+  for (size_t i = 0; i < ref["texts"].size(); ++i) {
+    auto text = ref["texts"][i].get<std::string>();
+    auto ids = ref["ids"][i].get<std::vector<int32_t>>();
+    std::string decoded = tok.decode(ids, false);
+    if (decoded != ref["decoded"][i].get<std::string>() && ++bad <= 5) {
+      ADD_FAILURE() << "decode of text " << i << " " << show(text) << " -> " << show(decoded);
+    }
+    EXPECT_EQ(tok.decode(ids, true), ref["decoded_skip"][i].get<std::string>()) << i;
+    // Round trip: the exact input, or its NFC where the tokenizer normalizes.
+    EXPECT_EQ(decoded, tok.has_normalizer() ? nfc(text) : text) << "round trip of text " << i;
+  }
+  EXPECT_EQ(bad, 0u);
+  for (size_t i = 0; i < ref["random_ids"].size(); ++i) {
+    auto ids = ref["random_ids"][i].get<std::vector<int32_t>>();
+    EXPECT_EQ(tok.decode(ids, false), ref["random_decoded"][i].get<std::string>())
+        << "random ids " << ::testing::PrintToString(ids);
+  }
+}
+
+TEST_P(TokenizerParity, BatchEncodingEqualsSequential) {
+  auto dir = tokenizer_fixtures() / GetParam();
+  auto ref = load_fixture_json(dir / "parity.json");
+  ASSERT_FALSE(ref.is_null());
+  Tokenizer tok = Tokenizer::load(dir);
+  std::vector<std::string> owned;
+  for (const auto& t : ref["texts"]) owned.push_back(t.get<std::string>());
+  std::vector<std::string_view> views(owned.begin(), owned.end());
+  for (int threads : {1, 3}) {
+    auto batch = tok.encode_batch(views, false, threads);
+    ASSERT_EQ(batch.size(), owned.size());
+    for (size_t i = 0; i < owned.size(); ++i) {
+      ASSERT_EQ(batch[i], ref["ids"][i].get<std::vector<int32_t>>()) << threads << " " << i;
+    }
+  }
+}
+
+TEST_P(TokenizerParity, OffsetsTileTheText) {
+  auto dir = tokenizer_fixtures() / GetParam();
+  auto ref = load_fixture_json(dir / "parity.json");
+  ASSERT_FALSE(ref.is_null());
+  Tokenizer tok = Tokenizer::load(dir);
+  std::vector<int32_t> ids;
+  std::vector<uint32_t> offsets;
+  for (const auto& t : ref["texts"]) {
+    auto text = t.get<std::string>();
+    tok.encode(text, false, ids, &offsets);
+    ASSERT_EQ(ids.size(), offsets.size());
+    for (size_t k = 0; k < offsets.size(); ++k) {
+      ASSERT_LE(offsets[k], text.size());
+      if (k) {
+        ASSERT_LE(offsets[k - 1], offsets[k]) << show(text);
+      }
+    }
+    // Where nothing was normalized, each token's bytes are exactly the text at its offset.
+    if (!tok.has_normalizer() || nfc(text) == text) {
+      for (size_t k = 0; k < ids.size(); ++k) {
+        std::string piece = tok.decode(std::span(&ids[k], 1), false);
+        size_t end = k + 1 < ids.size() ? offsets[k + 1] : text.size();
+        std::string raw = text.substr(offsets[k], end - offsets[k]);
+        if (piece.find("\xEF\xBF\xBD") == std::string::npos) {
+          ASSERT_EQ(piece, raw) << show(text);
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Styles, TokenizerParity, ::testing::Values("qwen3", "llama3", "gpt2"));
+
+TEST(Tokenizer, RejectsInvalidUtf8) {
+  Tokenizer tok = Tokenizer::load(tokenizer_fixtures() / "qwen3");
+  EXPECT_THROW(tok.encode("ab\xC3(", false), dflash::Error);
+  EXPECT_THROW(tok.encode("\xED\xA0\x80", false), dflash::Error);  // a surrogate
+}
+
+TEST(Tokenizer, SpecialTokenLookups) {
+  Tokenizer tok = Tokenizer::load(tokenizer_fixtures() / "qwen3");
+  int32_t im_end = tok.token_to_id("<|im_end|>");
+  ASSERT_GE(im_end, 0);
+  EXPECT_TRUE(tok.is_special(im_end));
+  EXPECT_FALSE(tok.is_special(tok.token_to_id("<think>")));
+  EXPECT_EQ(tok.id_to_token(im_end), "<|im_end|>");
+  EXPECT_EQ(tok.token_to_id("no such token"), -1);
+  EXPECT_EQ(tok.encode("<|im_end|>", false), std::vector<int32_t>{im_end});
+}
+
+TEST(Tokenizer, UnsupportedPartsAreClearErrors) {
+  auto base = load_fixture_json(tokenizer_fixtures() / "gpt2" / "tokenizer.json");
+  ASSERT_FALSE(base.is_null());
+  auto expect_error = [&](nlohmann::json j, const std::string& needle) {
+    try {
+      Tokenizer::from_json(j.dump(), "t.json");
+      ADD_FAILURE() << "accepted " << needle;
+    } catch (const dflash::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  auto j = base;
+  j["model"]["type"] = "WordPiece";
+  expect_error(j, "unsupported model type");
+  j = base;
+  j["normalizer"] = {{"type", "Lowercase"}};
+  expect_error(j, "unsupported normalizer");
+  j = base;
+  j["pre_tokenizer"] = {{"type", "Metaspace"}};
+  expect_error(j, "unsupported pre_tokenizer");
+  j = base;
+  j["model"]["byte_fallback"] = true;
+  expect_error(j, "byte_fallback");
+  j = base;
+  j["added_tokens"][0]["lstrip"] = true;
+  expect_error(j, "lstrip");
+  expect_error(nlohmann::json::object(), "unexpected structure");
+  EXPECT_THROW(Tokenizer::from_json("{not json", "t.json"), dflash::Error);
+}
+
+}  // namespace
+}  // namespace dflash::tok
