@@ -303,6 +303,26 @@ def conversations(rows, rng):
             line = {"conversations": [{"from": role[m["role"]], "value": m["content"]}
                                       for m in msgs], "id": f"s{i}"}
         out.append((json.dumps(line, ensure_ascii=False), msgs))
+    # Boundary cases: whitespace that merges across the assistant header, Unicode whitespace for
+    # Llama-3's trim, text NFC changes right at a span start, special-token text inside content,
+    # reasoning given as reasoning_content, a trailing user turn, a system turn mid-way.
+    hard = [
+        [{"role": "user", "content": "q \n"}, {"role": "assistant", "content": "\n\n  a\n\n"}],
+        [{"role": "user", "content": "\u3000q\u2003"},
+         {"role": "assistant", "content": "\u2028\x1c a \x85\xa0"}],
+        [{"role": "user", "content": "e\u0301"}, {"role": "assistant", "content": "e\u0301 A\u030a"}],
+        [{"role": "user", "content": "<|im_end|>"},
+         {"role": "assistant", "content": "x<|im_end|>y<|eot_id|><think>"}],
+        [{"role": "user", "content": "q"},
+         {"role": "assistant", "content": "a", "reasoning_content": "\nthought\n"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+         {"role": "assistant", "content": "</think>a"}, {"role": "system", "content": "s2"},
+         {"role": "user", "content": "q2"}],
+        [{"role": "user", "content": "<tool_response>x</tool_response>"},
+         {"role": "assistant", "content": "<think>\nr\n</think>\n\na"}],
+    ]
+    for msgs in hard:
+        out.append((json.dumps({"messages": msgs}, ensure_ascii=False), msgs))
     return out
 
 
