@@ -6,7 +6,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$root/.deps/debs" "$root/.deps/root"
 cd "$root/.deps/debs"
-packages=(nlohmann-json3-dev libfmt-dev libfmt9 libcli11-dev libgtest-dev libgmock-dev
+packages=(nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev
   libpcre2-dev libpcre2-8-0)
 for p in "${packages[@]}"; do
   ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download "$p" >/dev/null
