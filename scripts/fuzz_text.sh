@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Builds the tokenizer and chat libFuzzer targets with clang++-14 (ASan + UBSan) straight from
+# the dflash_text sources, then runs each for SECONDS (default 600) on one core, seeded from
+# the test fixtures. Logs and crash files land in $OUT (default build-fuzz-text/).
+# Usage: scripts/fuzz_text.sh [SECONDS]   (run the make_fixtures test first)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+secs=${1:-600}
+out=${OUT:-$root/build-fuzz-text}
+fixtures=${DFLASH_FUZZ_FIXTURES:-$root/build-text/fixtures/tokenizer}
+export DFLASH_FUZZ_FIXTURES=$fixtures
+mkdir -p "$out"
+flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+  -I"$root/src" $(pkg-config --cflags libpcre2-8 2>/dev/null || true))
+libs=(-lfmt -lpcre2-8)
+srcs=("$root"/src/tokenizer/*.cpp "$root"/src/data/*.cpp "$root"/src/common/*.cpp)
+for target in tokenizer_fuzz chat_fuzz; do
+  if [ ! -x "$out/$target" ] || [ -n "$(find "$root/src/tokenizer" "$root/src/data" \
+      "$root/tests/fuzz/$target.cpp" -newer "$out/$target" -print -quit)" ]; then
+    echo "building $target"
+    clang++-14 "${flags[@]}" "${srcs[@]}" "$root/tests/fuzz/$target.cpp" -o "$out/$target" \
+      "${libs[@]}" -lpthread
+  fi
+done
+# Seeds: stress texts and chat lines from the fixtures.
+"$root/.venv/bin/python" - "$fixtures" "$out" <<'PY'
+import json, pathlib, sys
+fx, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+for name in ("tokenizer_seeds", "chat_seeds"):
+    (out / name).mkdir(exist_ok=True)
+texts = json.loads((fx / "qwen3" / "parity.json").read_text())["texts"]
+for i, t in enumerate(texts[::8]):
+    (out / "tokenizer_seeds" / f"s{i}").write_bytes(bytes([i % 6]) + t.encode())
+for i, line in enumerate(json.loads((fx / "chat.json").read_text())["lines"]):
+    (out / "chat_seeds" / f"c{i}").write_bytes(line.encode())
+PY
+for target in tokenizer_fuzz chat_fuzz; do
+  seeds=$out/${target%_fuzz}_seeds
+  mkdir -p "$out/${target}_corpus" "$out/${target}_crashes"
+  echo "running $target for ${secs}s"
+  "$out/$target" "$out/${target}_corpus" "$seeds" -max_total_time="$secs" -max_len=4096 \
+    -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 \
+    -artifact_prefix="$out/${target}_crashes/" >"$out/$target.log" 2>&1 || {
+    echo "$target FAILED: see $out/$target.log"; tail -30 "$out/$target.log"; exit 1; }
+  grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$out/$target.log" | sed "s/^/$target /"
+done
