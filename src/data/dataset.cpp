@@ -78,14 +78,28 @@ void ShardWriter::add(std::span<const int32_t> ids, std::span<const uint8_t> mas
 }
 
 nlohmann::json ShardWriter::write(const std::filesystem::path& path) {
+  // Streamed section by section (no second copy of the shard in memory), CRC computed on the way.
   Header h = layout(samples(), tokens());
-  std::string bytes(h.file_size, '\0');
-  std::memcpy(bytes.data(), &h, sizeof h);
-  std::memcpy(bytes.data() + h.ids_offset, ids_.data(), 4 * ids_.size());
-  std::memcpy(bytes.data() + h.mask_offset, mask_.data(), mask_.size());
-  std::memcpy(bytes.data() + h.index_offset, index_.data(), 8 * index_.size());
-  uint32_t crc = crc32c(bytes.data(), bytes.size());
-  write_file_atomic(path, bytes);
+  uint32_t crc = 0;
+  write_file_atomic(path, [&](int fd) {
+    uint64_t at = 0;
+    auto put = [&](const void* data, size_t n) {
+      write_all(fd, data, n, path);
+      crc = crc32c(data, n, crc);
+      at += n;
+    };
+    auto pad_to = [&](uint64_t offset) {
+      static const char zeros[8] = {};
+      if (offset > at) put(zeros, offset - at);
+    };
+    put(&h, sizeof h);
+    put(ids_.data(), 4 * ids_.size());
+    pad_to(h.mask_offset);
+    put(mask_.data(), mask_.size());
+    pad_to(h.index_offset);
+    put(index_.data(), 8 * index_.size());
+    if (at != h.file_size) fail("{}: wrote {} bytes, expected {}", path.string(), at, h.file_size);
+  });
   nlohmann::json entry = {{"file", path.filename().string()},
                           {"samples", h.samples},
                           {"tokens", h.tokens},

@@ -28,10 +28,12 @@ struct PrepareOptions {
   OverlongPolicy overlong = OverlongPolicy::kTruncate;
   // DFlash anchors need two consecutive supervised tokens; fewer cannot train anything.
   size_t min_loss_tokens = 2;
-  int threads = 0;                    // 0: all hardware threads
-  uint64_t shard_tokens = 64u << 20;  // tokens per shard (shard size ~5 bytes per token)
-  bool strict = false;                // the first bad line is fatal
-  bool overwrite = false;             // replace an existing prepared dataset in out_dir
+  int threads = 0;  // 0: all hardware threads
+  // Tokens per shard (~5 bytes each); one shard is buffered in memory, so this also bounds the
+  // writer's memory: 16M tokens is ~80 MB.
+  uint64_t shard_tokens = 16u << 20;
+  bool strict = false;     // the first bad line is fatal
+  bool overwrite = false;  // replace an existing prepared dataset in out_dir
 };
 
 struct PrepareProgress {
