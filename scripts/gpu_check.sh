@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call's worth of work on the GPU machine: build, run every test (GPU tests
+# included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
+# them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
+# Stages: build test target load drafter (default: all).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$root/gpu-out}
+mkdir -p "$out"
+stages=${*:-build test target load drafter}
+build=${BUILD_DIR:-$root/build-gpu}
+dflash=$build/src/dflash
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+has() { [[ " $stages " == *" $1 "* ]]; }
+step() { echo "=== $* ($(date +%T))"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$out/gpu.txt"
+if has build; then
+  step build
+  "$root/scripts/gpu_build.sh" > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+  tail -3 "$out/build.log"
+fi
+if has test; then
+  step test
+  (cd "$build" && ctest -j 8 --output-on-failure --timeout 600) > "$out/ctest.log" 2>&1
+  grep -E "tests passed|FAILED|Failed|\*\*\*" "$out/ctest.log" | tail -20
+fi
+if has target; then
+  step bench-target
+  "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1,2,4,8 \
+    --warmup 3 --iters 10 --json "$out/bench_target.json" 2>&1 | tee "$out/bench_target.txt"
+fi
+if has load; then
+  step load
+  ckpt=/tmp/qwen3-8b-random
+  "$dflash" random-model --preset qwen3-8b --out "$ckpt" 2>&1 | tee "$out/load.txt"
+  sync
+  # Cold page cache where the machine allows it, so the load reads the disk.
+  echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "page cache dropped" | tee -a "$out/load.txt"
+  "$dflash" info "$ckpt" --load cuda 2>&1 | tee -a "$out/load.txt"
+  rm -rf "$ckpt"
+fi
+if has drafter && "$dflash" bench-drafter --help > /dev/null 2>&1; then
+  step bench-drafter
+  "$dflash" bench-drafter --device cuda --json "$out/bench_drafter.json" 2>&1 | tee "$out/bench_drafter.txt"
+fi
+step done

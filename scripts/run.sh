@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job on a small embedded default: set up, build, then run the most complete
+# pipeline that exists on a tiny generated Qwen3-shaped target (CPU, or the GPU if present).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+"$root/scripts/setup.sh"
+"$root/scripts/build.sh"
+dflash=${BUILD_DIR:-$root/build}/src/dflash
+run=${RUN_DIR:-$root/runs/demo}
+mkdir -p "$run"
+"$dflash" random-model --preset tiny --out "$run/target"
+"$dflash" info "$run/target" --load cpu
+"$dflash" bench-target --preset tiny --device cpu --seq-len 256 --batches 1,4 --warmup 1 --iters 3

@@ -1,0 +1,69 @@
+// `dflash info MODEL_DIR`: what a model directory holds, and optionally how fast it loads.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <map>
+
+#include "cli/commands.h"
+#include "io/safetensors.h"
+#include "models/config.h"
+#include "models/target.h"
+#include "obs/stats.h"
+
+namespace dflash::cli {
+namespace {
+
+struct InfoOptions {
+  std::string dir;
+  std::string load_device;
+};
+
+void run_info(const InfoOptions& o) {
+  auto config = models::load_model_config(std::filesystem::path(o.dir) / "config.json");
+  auto ckpt = io::Checkpoint::open(o.dir);
+  int64_t params = 0;
+  std::map<std::string, int64_t> dtypes;
+  for (const auto& name : ckpt.names()) {
+    const auto& info = ckpt.info(name);
+    int64_t n = 1;
+    for (int64_t d : info.shape) n *= d;
+    params += n;
+    dtypes[std::string(c10::toString(info.dtype))] += n;
+  }
+  fmt::print("model:        {}\n", o.dir);
+  fmt::print("architecture: {}\n", models::architecture_name(config.arch));
+  fmt::print("layers:       {}\n", config.num_layers);
+  fmt::print("hidden size:  {} (FFN {}, heads {}/{} x {})\n", config.hidden_size,
+             config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim);
+  fmt::print("vocabulary:   {}{}\n", config.vocab_size,
+             config.tie_word_embeddings ? " (LM head tied to embedding)" : "");
+  fmt::print("parameters:   {} ({:.3f} B; config implies {})\n", params, params / 1e9,
+             config.num_parameters());
+  for (const auto& [dtype, n] : dtypes) fmt::print("dtype:        {} ({} parameters)\n", dtype, n);
+  fmt::print("weights:      {:.2f} GiB on disk; {:.2f} GiB in bf16\n",
+             ckpt.total_bytes() / double(1 << 30), params * 2.0 / (1 << 30));
+  if (o.load_device.empty()) return;
+  at::Device device(o.load_device);
+  auto t0 = std::chrono::steady_clock::now();
+  auto model = models::TargetModel::load(o.dir, device, at::kBFloat16);
+  obs::synchronize(device);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print("load:         {:.2f} s to {} ({:.2f} GB/s); peak host RSS {:.2f} GiB\n", secs,
+             o.load_device, ckpt.total_bytes() / secs / 1e9,
+             obs::peak_rss_bytes() / double(1 << 30));
+}
+
+}  // namespace
+
+void add_info_command(CLI::App& app) {
+  auto opts = std::make_shared<InfoOptions>();
+  auto* cmd = app.add_subcommand("info", "Describe a Hugging Face model directory");
+  cmd->add_option("model_dir", opts->dir, "directory with config.json and *.safetensors")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  cmd->add_option("--load", opts->load_device,
+                  "also load the weights (bf16) onto this device (e.g. cuda, cpu) and time it");
+  cmd->callback([opts] { run_info(*opts); });
+}
+
+}  // namespace dflash::cli

@@ -1,0 +1,56 @@
+// models: building blocks shared by the target decoders and the DFlash drafter, written as
+// plain functions over tensors. Sequences are packed: activations are [tokens, ...] with no
+// padding, and a PackedBatch says where each sequence starts.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "models/config.h"
+
+namespace dflash::models {
+
+// Several variable-length sequences laid end to end. Lengths stay on the host (they drive
+// kernel arguments); cu_seqlens and positions live on the device of the activations.
+struct PackedBatch {
+  std::vector<int64_t> lengths;
+  at::Tensor cu_seqlens;  // int32 [n+1], prefix sums of lengths
+  at::Tensor positions;   // int64 [tokens], 0..len-1 within each sequence
+  int64_t total = 0;
+  int64_t max_length = 0;
+
+  static PackedBatch from_lengths(const std::vector<int64_t>& lengths, at::Device device);
+  int64_t size() const { return static_cast<int64_t>(lengths.size()); }
+};
+
+// RMSNorm over the last dimension, computed in fp32 as transformers does.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Rotary embedding tables for a config (default or llama3-scaled frequencies).
+class Rotary {
+ public:
+  Rotary(const ModelConfig& config, at::Device device);
+  // cos and sin, [tokens, head_dim], in `dtype`, for the given absolute positions.
+  std::pair<at::Tensor, at::Tensor> tables(const at::Tensor& positions, at::ScalarType dtype) const;
+  const at::Tensor& inv_freq() const { return inv_freq_; }
+
+ private:
+  at::Tensor inv_freq_;  // fp32 [head_dim/2]
+};
+
+// x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]. Rotate-half convention (HF).
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// Causal self-attention within each sequence of a packed batch, grouped-query.
+// q: [tokens, Hq, D], k/v: [tokens, Hkv, D] -> [tokens, Hq, D].
+// On CUDA in bf16/fp16 this is one variable-length flash-attention call; elsewhere one
+// scaled_dot_product_attention per sequence.
+at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const PackedBatch& batch);
+
+// SwiGLU MLP with gate and up projections fused in one weight [2F, H] (gate rows first).
+at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down);
+
+}  // namespace dflash::models

@@ -1,0 +1,232 @@
+#include "models/target.h"
+
+#include <c10/core/GradMode.h>
+#include <fmt/ranges.h>
+
+
+#include "common/error.h"
+#include "io/safetensors.h"
+
+namespace dflash::models {
+namespace {
+
+std::string layer_prefix(int64_t i) { return fmt::format("model.layers.{}.", i); }
+
+// Every tensor a config implies, with its expected shape, in Hugging Face naming.
+std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  out.push_back({"model.embed_tokens.weight", {c.vocab_size, h}});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = layer_prefix(i);
+    out.push_back({p + "input_layernorm.weight", {h}});
+    out.push_back({p + "post_attention_layernorm.weight", {h}});
+    out.push_back({p + "self_attn.q_proj.weight", {q, h}});
+    out.push_back({p + "self_attn.k_proj.weight", {kv, h}});
+    out.push_back({p + "self_attn.v_proj.weight", {kv, h}});
+    out.push_back({p + "self_attn.o_proj.weight", {h, q}});
+    if (c.attention_bias) {
+      out.push_back({p + "self_attn.q_proj.bias", {q}});
+      out.push_back({p + "self_attn.k_proj.bias", {kv}});
+      out.push_back({p + "self_attn.v_proj.bias", {kv}});
+    }
+    if (c.qk_norm) {
+      out.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
+      out.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
+    }
+    out.push_back({p + "mlp.gate_proj.weight", {c.intermediate_size, h}});
+    out.push_back({p + "mlp.up_proj.weight", {c.intermediate_size, h}});
+    out.push_back({p + "mlp.down_proj.weight", {h, c.intermediate_size}});
+  }
+  out.push_back({"model.norm.weight", {h}});
+  if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", {c.vocab_size, h}});
+  return out;
+}
+
+}  // namespace
+
+TargetModel::TargetModel(ModelConfig config, at::Device device)
+    : config_(std::move(config)), rotary_(config_, device) {}
+
+TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device device,
+                              at::ScalarType dtype) {
+  TargetModel m(load_model_config(dir / "config.json"), device);
+  const ModelConfig& c = m.config_;
+  auto ckpt = io::Checkpoint::open(dir);
+  std::vector<std::string> names;
+  for (const auto& [name, shape] : expected_tensors(c)) {
+    if (!ckpt.contains(name)) {
+      fail("{}: tensor {} is missing (config.json implies it)", dir.string(), name);
+    }
+    const auto& info = ckpt.info(name);
+    if (info.shape != shape) {
+      fail("{}: tensor {} has shape [{}], config.json implies [{}]", dir.string(), name,
+           fmt::join(info.shape, ", "), fmt::join(shape, ", "));
+    }
+    names.push_back(name);
+  }
+  auto w = ckpt.load(names, device, dtype);
+  auto take = [&](const std::string& name) {
+    auto node = w.extract(name);
+    return node.mapped();
+  };
+  m.embed_ = take("model.embed_tokens.weight");
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = layer_prefix(i);
+    TargetLayerWeights l;
+    l.input_norm = take(p + "input_layernorm.weight");
+    l.post_attention_norm = take(p + "post_attention_layernorm.weight");
+    l.w_qkv = at::cat({take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
+                       take(p + "self_attn.v_proj.weight")});
+    if (c.attention_bias) {
+      l.b_qkv = at::cat({take(p + "self_attn.q_proj.bias"), take(p + "self_attn.k_proj.bias"),
+                         take(p + "self_attn.v_proj.bias")});
+    }
+    if (c.qk_norm) {
+      l.q_norm = take(p + "self_attn.q_norm.weight");
+      l.k_norm = take(p + "self_attn.k_norm.weight");
+    }
+    l.w_o = take(p + "self_attn.o_proj.weight");
+    l.w_gate_up = at::cat({take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")});
+    l.w_down = take(p + "mlp.down_proj.weight");
+    m.layers_.push_back(std::move(l));
+  }
+  m.norm_ = take("model.norm.weight");
+  m.lm_head_ = c.tie_word_embeddings ? m.embed_ : take("lm_head.weight");
+  return m;
+}
+
+TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::ScalarType dtype,
+                                uint64_t seed) {
+  c.validate("random target");
+  TargetModel m(c, device);
+  at::manual_seed(seed);
+  auto opts = at::TensorOptions().device(device).dtype(dtype);
+  auto normal = [&](std::vector<int64_t> shape) { return at::randn(shape, opts) * 0.02; };
+  auto ones = [&](int64_t n) { return at::ones({n}, opts); };
+  const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  m.embed_ = normal({c.vocab_size, h});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    TargetLayerWeights l;
+    l.input_norm = ones(h);
+    l.post_attention_norm = ones(h);
+    l.w_qkv = normal({q + 2 * kv, h});
+    if (c.attention_bias) l.b_qkv = normal({q + 2 * kv});
+    if (c.qk_norm) {
+      l.q_norm = ones(c.head_dim);
+      l.k_norm = ones(c.head_dim);
+    }
+    l.w_o = normal({h, q});
+    l.w_gate_up = normal({2 * c.intermediate_size, h});
+    l.w_down = normal({h, c.intermediate_size});
+    m.layers_.push_back(std::move(l));
+  }
+  m.norm_ = ones(h);
+  m.lm_head_ = c.tie_word_embeddings ? m.embed_ : normal({c.vocab_size, h});
+  return m;
+}
+
+at::Tensor TargetModel::embed(const at::Tensor& tokens) const { return at::embedding(embed_, tokens); }
+
+at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_); }
+
+at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, const at::Tensor& x,
+                                      const at::Tensor& cos, const at::Tensor& sin,
+                                      const PackedBatch& batch) const {
+  const ModelConfig& c = config_;
+  const int64_t t = x.size(0), d = c.head_dim;
+  const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
+  auto h = rms_norm(x, w.input_norm, c.rms_norm_eps);
+  auto qkv = w.b_qkv.defined() ? at::linear(h, w.w_qkv, w.b_qkv) : at::linear(h, w.w_qkv);
+  auto q = qkv.narrow(1, 0, nq).view({t, c.num_heads, d});
+  auto k = qkv.narrow(1, nq, nkv).view({t, c.num_kv_heads, d});
+  auto v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
+  if (c.qk_norm) {
+    q = rms_norm(q, w.q_norm, c.rms_norm_eps);
+    k = rms_norm(k, w.k_norm, c.rms_norm_eps);
+  }
+  q = apply_rotary(q, cos, sin);
+  k = apply_rotary(k, cos, sin);
+  auto attn = packed_causal_attention(q, k, v, batch).reshape({t, nq});
+  auto x1 = x + at::linear(attn, w.w_o);
+  return x1 + swiglu_mlp(rms_norm(x1, w.post_attention_norm, c.rms_norm_eps), w.w_gate_up, w.w_down);
+}
+
+ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& batch,
+                                   const ForwardRequest& request) const {
+  c10::NoGradGuard no_grad;
+  if (tokens.dim() != 1 || tokens.size(0) != batch.total) {
+    fail("target forward: tokens must be [{}] (the packed batch), got [{}]", batch.total,
+         fmt::join(tokens.sizes(), ", "));
+  }
+  for (int64_t id : request.tap_layers) {
+    if (id < 0 || id >= config_.num_layers) {
+      fail("target forward: tap layer {} is out of range [0, {})", id, config_.num_layers);
+    }
+  }
+  ForwardResult result;
+  result.taps.resize(request.tap_layers.size());
+  auto x = embed(tokens);
+  auto [cos, sin] = rotary_.tables(batch.positions, x.scalar_type());
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    x = decoder_layer(layers_[i], x, cos, sin, batch);
+    // Holding x only where tapped lets every other layer's output be freed.
+    for (size_t j = 0; j < request.tap_layers.size(); ++j) {
+      if (request.tap_layers[j] == i) result.taps[j] = x;
+    }
+  }
+  if (request.logits == Logits::kNone) return result;
+  if (request.logits == Logits::kLast) {
+    auto last = batch.cu_seqlens.narrow(0, 1, batch.size()).to(at::kLong) - 1;
+    x = x.index_select(0, last);
+  }
+  result.logits = lm_head(rms_norm(x, norm_, config_.rms_norm_eps));
+  return result;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() const {
+  const ModelConfig& c = config_;
+  const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.push_back({"model.embed_tokens.weight", embed_});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const auto& l = layers_[i];
+    const std::string p = layer_prefix(i);
+    out.push_back({p + "input_layernorm.weight", l.input_norm});
+    out.push_back({p + "post_attention_layernorm.weight", l.post_attention_norm});
+    out.push_back({p + "self_attn.q_proj.weight", l.w_qkv.narrow(0, 0, q)});
+    out.push_back({p + "self_attn.k_proj.weight", l.w_qkv.narrow(0, q, kv)});
+    out.push_back({p + "self_attn.v_proj.weight", l.w_qkv.narrow(0, q + kv, kv)});
+    if (c.attention_bias) {
+      out.push_back({p + "self_attn.q_proj.bias", l.b_qkv.narrow(0, 0, q)});
+      out.push_back({p + "self_attn.k_proj.bias", l.b_qkv.narrow(0, q, kv)});
+      out.push_back({p + "self_attn.v_proj.bias", l.b_qkv.narrow(0, q + kv, kv)});
+    }
+    if (c.qk_norm) {
+      out.push_back({p + "self_attn.q_norm.weight", l.q_norm});
+      out.push_back({p + "self_attn.k_norm.weight", l.k_norm});
+    }
+    out.push_back({p + "self_attn.o_proj.weight", l.w_o});
+    out.push_back({p + "mlp.gate_proj.weight", l.w_gate_up.narrow(0, 0, c.intermediate_size)});
+    out.push_back({p + "mlp.up_proj.weight",
+                   l.w_gate_up.narrow(0, c.intermediate_size, c.intermediate_size)});
+    out.push_back({p + "mlp.down_proj.weight", l.w_down});
+  }
+  out.push_back({"model.norm.weight", norm_});
+  if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", lm_head_});
+  return out;
+}
+
+double prefill_flops(const ModelConfig& c, const std::vector<int64_t>& lengths,
+                     int64_t logit_rows) {
+  const double h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  const double linear_params = h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size;
+  double flops = 0;
+  for (int64_t n : lengths) {
+    const double s = static_cast<double>(n);
+    flops += c.num_layers * (2 * linear_params * s + 2 * s * (s + 1) * q);
+  }
+  return flops + 2.0 * h * c.vocab_size * logit_rows;
+}
+
+}  // namespace dflash::models

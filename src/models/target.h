@@ -1,0 +1,80 @@
+// models: the frozen target decoder (Qwen3, Qwen2, Llama). It owns its weights, runs packed
+// multi-sequence prefill and returns logits and the hidden states of requested layers.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <optional>
+#include <vector>
+
+#include "models/config.h"
+#include "models/layers.h"
+
+namespace dflash::models {
+
+struct TargetLayerWeights {
+  at::Tensor input_norm, post_attention_norm;
+  at::Tensor w_qkv;  // [(Hq + 2 Hkv) * D, H]: q, k and v projections fused into one matmul
+  at::Tensor b_qkv;  // undefined unless attention_bias
+  at::Tensor q_norm, k_norm;  // [D], Qwen3 only
+  at::Tensor w_o;             // [H, Hq * D]
+  at::Tensor w_gate_up;       // [2F, H]
+  at::Tensor w_down;          // [H, F]
+};
+
+enum class Logits { kNone, kLast, kAll };
+
+struct ForwardRequest {
+  std::vector<int64_t> tap_layers;  // decoder layer ids whose output to return
+  Logits logits = Logits::kLast;
+};
+
+struct ForwardResult {
+  at::Tensor logits;              // [sequences, V] for kLast, [tokens, V] for kAll
+  std::vector<at::Tensor> taps;   // one [tokens, H] per tap_layers entry, same order
+};
+
+class TargetModel {
+ public:
+  // Reads config.json and the safetensors weights of a Hugging Face model directory.
+  static TargetModel load(const std::filesystem::path& dir, at::Device device, at::ScalarType dtype);
+  // Random weights (normal, std 0.02; norms at 1) for benchmarks that need no files.
+  static TargetModel random(const ModelConfig& config, at::Device device, at::ScalarType dtype,
+                            uint64_t seed);
+
+  // tokens: int64 [batch.total]. No autograd state is kept.
+  ForwardResult forward(const at::Tensor& tokens, const PackedBatch& batch,
+                        const ForwardRequest& request) const;
+
+  // Transformer body only, for callers (the drafter) that share embedding and LM head.
+  at::Tensor embed(const at::Tensor& tokens) const;
+  at::Tensor lm_head(const at::Tensor& hidden) const;  // hidden already normed
+
+  const ModelConfig& config() const { return config_; }
+  const at::Tensor& embedding() const { return embed_; }
+  const at::Tensor& lm_head_weight() const { return lm_head_; }
+  const at::Tensor& final_norm() const { return norm_; }
+  const std::vector<TargetLayerWeights>& layers() const { return layers_; }
+  at::Device device() const { return embed_.device(); }
+  at::ScalarType dtype() const { return embed_.scalar_type(); }
+
+  // Tensor names and weights as Hugging Face lays them out (for writing checkpoints).
+  std::vector<std::pair<std::string, at::Tensor>> hf_state_dict() const;
+
+ private:
+  TargetModel(ModelConfig config, at::Device device);
+  at::Tensor decoder_layer(const TargetLayerWeights& w, const at::Tensor& x, const at::Tensor& cos,
+                           const at::Tensor& sin, const PackedBatch& batch) const;
+
+  ModelConfig config_;
+  Rotary rotary_;
+  at::Tensor embed_, norm_, lm_head_;  // lm_head_ aliases embed_ when tied
+  std::vector<TargetLayerWeights> layers_;
+};
+
+// Floating-point operations of one prefill: projections, causal attention (only the
+// unmasked half counted) and `logit_rows` rows of the LM head.
+double prefill_flops(const ModelConfig& config, const std::vector<int64_t>& lengths,
+                     int64_t logit_rows);
+
+}  // namespace dflash::models

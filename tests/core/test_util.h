@@ -1,0 +1,30 @@
+// Helpers shared by the LibTorch tests: fixture paths and tensor comparisons.
+#pragma once
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+namespace dflash::testing {
+
+inline std::filesystem::path fixture(const std::string& relative) {
+  return std::filesystem::path(DFLASH_FIXTURES) / relative;
+}
+
+// ||actual - expected|| / ||expected||, in float64.
+inline double relative_error(const at::Tensor& actual, const at::Tensor& expected) {
+  auto a = actual.to(at::kDouble).cpu(), e = expected.to(at::kDouble).cpu();
+  return (a - e).norm().item<double>() / std::max(e.norm().item<double>(), 1e-30);
+}
+
+#define EXPECT_CLOSE(actual, expected, tol)                                          \
+  do {                                                                               \
+    auto&& a_ = (actual);                                                            \
+    auto&& e_ = (expected);                                                          \
+    ASSERT_EQ(a_.sizes(), e_.sizes()) << #actual " vs " #expected;                   \
+    EXPECT_FALSE(a_.isnan().any().item<bool>()) << #actual " has NaN";               \
+    EXPECT_LE(::dflash::testing::relative_error(a_, e_), (tol)) << #actual " vs " #expected; \
+  } while (0)
+
+}  // namespace dflash::testing
