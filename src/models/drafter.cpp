@@ -1,0 +1,582 @@
+#include "models/drafter.h"
+
+#include <c10/core/GradMode.h>
+#include <fmt/ranges.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <map>
+#include <optional>
+#include <set>
+
+#include "common/error.h"
+#include "common/file.h"
+#include "io/safetensors.h"
+#include "models/target.h"
+
+namespace dflash::models {
+namespace {
+
+using nlohmann::json;
+
+// The BRIEF's gamma for the block sizes the paper trained; 7 otherwise (its B = 16 value).
+double default_gamma(int64_t block_size) {
+  if (block_size == 10) return 5.0;
+  if (block_size == 8) return 4.0;
+  return 7.0;
+}
+
+std::string layer_name(int64_t i, const char* rest) { return fmt::format("layers.{}.{}", i, rest); }
+
+}  // namespace
+
+std::vector<int64_t> default_target_layer_ids(int64_t target_layers, int64_t k) {
+  if (k < 1) fail("drafter: the number of tapped target layers must be at least 1, got {}", k);
+  if (target_layers < 5) {
+    fail("drafter: the default tap spread needs a target of at least 5 layers (ids 1..L-3), "
+         "the target has {}; pass target_layer_ids explicitly",
+         target_layers);
+  }
+  // K = 1 makes the formula divide by zero: tap the middle layer.
+  if (k == 1) return {target_layers / 2};
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < k; ++i) {
+    // nearbyint rounds half to even, as Python's round() in the reference trainers does.
+    ids.push_back(static_cast<int64_t>(std::nearbyint(
+        1.0 + static_cast<double>(i) * static_cast<double>(target_layers - 4) /
+                  static_cast<double>(k - 1))));
+  }
+  return ids;
+}
+
+void DrafterConfig::validate(const ModelConfig& target) const {
+  const std::string who = "drafter config";
+  layers.validate(who);
+  if (!layers.qk_norm || layers.attention_bias) {
+    fail("{}: drafter layers are Qwen3 layers (q_norm/k_norm, no attention bias)", who);
+  }
+  if (layers.hidden_size != target.hidden_size) {
+    fail("{}: hidden_size {} differs from the target's {}; the drafter must have the target's "
+         "width (it reads target features and uses the target's LM head)",
+         who, layers.hidden_size, target.hidden_size);
+  }
+  if (layers.vocab_size != target.vocab_size) {
+    fail("{}: vocab_size {} differs from the target's {} (the drafter uses the target's LM head)",
+         who, layers.vocab_size, target.vocab_size);
+  }
+  if (num_target_layers != target.num_layers) {
+    fail("{}: num_target_layers is {} but the target has {} layers (a drafter trained for "
+         "another target?)",
+         who, num_target_layers, target.num_layers);
+  }
+  if (target_layer_ids.empty()) fail("{}: target_layer_ids is empty", who);
+  std::set<int64_t> seen;
+  for (int64_t id : target_layer_ids) {
+    if (id < 0 || id >= target.num_layers) {
+      fail("{}: target layer id {} is out of range [0, {}) for the target", who, id,
+           target.num_layers);
+    }
+    if (!seen.insert(id).second) fail("{}: target layer id {} appears twice", who, id);
+  }
+  if (block_size < 2) fail("{}: block_size must be at least 2, got {}", who, block_size);
+  if (mask_token_id < 0 || mask_token_id >= target.vocab_size) {
+    fail("{}: mask_token_id {} is outside the target vocabulary [0, {})", who, mask_token_id,
+         target.vocab_size);
+  }
+  if (!(gamma > 0)) fail("{}: gamma must be positive, got {}", who, gamma);
+}
+
+DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOptions& o) {
+  if (o.num_layers < 1) fail("drafter: num_layers must be at least 1, got {}", o.num_layers);
+  DrafterConfig c;
+  c.layers = target;
+  c.layers.arch = Architecture::kQwen3;
+  c.layers.qk_norm = true;
+  c.layers.attention_bias = false;
+  c.layers.tie_word_embeddings = false;
+  c.layers.num_layers = o.num_layers;
+  c.layers.torch_dtype = "bfloat16";
+  c.target_layer_ids = o.target_layer_ids.empty()
+                           ? default_target_layer_ids(target.num_layers, o.num_layers)
+                           : o.target_layer_ids;
+  c.num_target_layers = target.num_layers;
+  c.block_size = o.block_size;
+  c.mask_token_id = o.mask_token_id;
+  c.gamma = o.gamma;
+  c.validate(target);
+  return c;
+}
+
+json drafter_config_json(const DrafterConfig& c) {
+  json j = to_hf_json(c.layers);
+  j["architectures"] = {"DFlashDraftModel"};
+  j["model_type"] = "qwen3";
+  j["attention_bias"] = false;
+  j["tie_word_embeddings"] = false;
+  j["use_sliding_window"] = false;
+  j["attention_dropout"] = 0.0;
+  j["layer_types"] = std::vector<std::string>(c.layers.num_layers, "full_attention");
+  if (!j.contains("rope_scaling")) j["rope_scaling"] = nullptr;
+  j["block_size"] = c.block_size;
+  j["num_target_layers"] = c.num_target_layers;
+  j["dflash_config"] = {{"mask_token_id", c.mask_token_id},
+                        {"target_layer_ids", c.target_layer_ids}};
+  return j;
+}
+
+DrafterConfig parse_drafter_config(const json& j, const std::string& origin) {
+  if (!j.is_object()) fail("{}: expected a JSON object", origin);
+  auto arch = j.find("architectures");
+  if (arch == j.end() || !arch->is_array() || arch->empty() ||
+      (*arch)[0] != json("DFlashDraftModel")) {
+    fail("{}: architectures must be [\"DFlashDraftModel\"] (is this a DFlash drafter?)", origin);
+  }
+  DrafterConfig c;
+  c.layers = parse_model_config(j, origin);
+  if (c.layers.arch != Architecture::kQwen3) {
+    fail("{}: model_type must be \"qwen3\" for a DFlash drafter", origin);
+  }
+  try {
+    c.block_size = j.at("block_size").get<int64_t>();
+    c.num_target_layers = j.at("num_target_layers").get<int64_t>();
+    const json& d = j.at("dflash_config");
+    c.mask_token_id = d.at("mask_token_id").get<int64_t>();
+    c.target_layer_ids = d.at("target_layer_ids").get<std::vector<int64_t>>();
+  } catch (const json::exception& e) {
+    fail("{}: DFlash fields (block_size, num_target_layers, dflash_config.mask_token_id, "
+         "dflash_config.target_layer_ids) missing or of the wrong type: {}",
+         origin, e.what());
+  }
+  c.gamma = default_gamma(c.block_size);
+  return c;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> drafter_parameter_shapes(
+    const DrafterConfig& config) {
+  const ModelConfig& c = config.layers;
+  const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  const int64_t f = c.intermediate_size;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  out.push_back({"fc.weight", {h, config.num_taps() * h}});
+  out.push_back({"hidden_norm.weight", {h}});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    out.push_back({layer_name(i, "input_layernorm.weight"), {h}});
+    out.push_back({layer_name(i, "post_attention_layernorm.weight"), {h}});
+    out.push_back({layer_name(i, "self_attn.q_proj.weight"), {q, h}});
+    out.push_back({layer_name(i, "self_attn.k_proj.weight"), {kv, h}});
+    out.push_back({layer_name(i, "self_attn.v_proj.weight"), {kv, h}});
+    out.push_back({layer_name(i, "self_attn.o_proj.weight"), {h, q}});
+    out.push_back({layer_name(i, "self_attn.q_norm.weight"), {c.head_dim}});
+    out.push_back({layer_name(i, "self_attn.k_norm.weight"), {c.head_dim}});
+    out.push_back({layer_name(i, "mlp.gate_proj.weight"), {f, h}});
+    out.push_back({layer_name(i, "mlp.up_proj.weight"), {f, h}});
+    out.push_back({layer_name(i, "mlp.down_proj.weight"), {h, f}});
+  }
+  out.push_back({"norm.weight", {h}});
+  return out;
+}
+
+TargetHead TargetHead::of(const TargetModel& target) {
+  // lm_head_weight() is the embedding tensor itself for tied targets: no fresh head, no copy.
+  return {target.embedding(), target.lm_head_weight()};
+}
+
+at::Tensor block_positions(const std::vector<int64_t>& anchors, int64_t block_size) {
+  std::vector<int64_t> pos;
+  pos.reserve(anchors.size() * block_size);
+  for (int64_t a : anchors) {
+    for (int64_t k = 0; k < block_size; ++k) pos.push_back(a + k);
+  }
+  return at::tensor(pos, at::kLong);
+}
+
+at::Tensor dense_block_mask(int64_t context_len, const std::vector<int64_t>& anchors,
+                            int64_t block_size, at::Device device) {
+  const int64_t n = static_cast<int64_t>(anchors.size()), rows = n * block_size;
+  auto anchor = at::tensor(anchors, at::kLong).to(device).repeat_interleave(block_size);  // [rows]
+  auto key = at::arange(context_len, at::TensorOptions().dtype(at::kLong).device(device));
+  auto ctx = key.unsqueeze(0) < anchor.unsqueeze(1);  // strictly before the anchor
+  auto block_of_row = at::arange(rows, key.options()).div(block_size, "floor");
+  auto own = block_of_row.unsqueeze(1) == block_of_row.unsqueeze(0);  // own block, both ways
+  return at::cat({ctx, own}, 1);
+}
+
+Drafter::Drafter(DrafterConfig config, at::Device device)
+    : config_(std::move(config)), rotary_(config_.layers, device) {}
+
+void Drafter::allocate(at::Device device) {
+  const ModelConfig& c = config_.layers;
+  auto opts = at::TensorOptions().device(device).dtype(at::kFloat);
+  auto normal = [&](std::vector<int64_t> shape) { return at::empty(shape, opts).normal_(0, 0.02); };
+  auto ones = [&](int64_t n) { return at::ones({n}, opts); };
+  const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  fc_ = normal({h, config_.num_taps() * h});
+  hidden_norm_ = ones(h);
+  layers_.clear();
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    DrafterLayerWeights l;
+    l.input_norm = ones(h);
+    l.post_attention_norm = ones(h);
+    l.q_proj = normal({q, h});
+    l.k_proj = normal({kv, h});
+    l.v_proj = normal({kv, h});
+    l.o_proj = normal({h, q});
+    l.q_norm = ones(c.head_dim);
+    l.k_norm = ones(c.head_dim);
+    l.gate_proj = normal({c.intermediate_size, h});
+    l.up_proj = normal({c.intermediate_size, h});
+    l.down_proj = normal({h, c.intermediate_size});
+    layers_.push_back(std::move(l));
+  }
+  norm_ = ones(h);
+}
+
+void Drafter::register_parameters() {
+  named_.clear();
+  named_.push_back({"fc.weight", fc_});
+  named_.push_back({"hidden_norm.weight", hidden_norm_});
+  for (int64_t i = 0; i < static_cast<int64_t>(layers_.size()); ++i) {
+    auto& l = layers_[i];
+    named_.push_back({layer_name(i, "input_layernorm.weight"), l.input_norm});
+    named_.push_back({layer_name(i, "post_attention_layernorm.weight"), l.post_attention_norm});
+    named_.push_back({layer_name(i, "self_attn.q_proj.weight"), l.q_proj});
+    named_.push_back({layer_name(i, "self_attn.k_proj.weight"), l.k_proj});
+    named_.push_back({layer_name(i, "self_attn.v_proj.weight"), l.v_proj});
+    named_.push_back({layer_name(i, "self_attn.o_proj.weight"), l.o_proj});
+    named_.push_back({layer_name(i, "self_attn.q_norm.weight"), l.q_norm});
+    named_.push_back({layer_name(i, "self_attn.k_norm.weight"), l.k_norm});
+    named_.push_back({layer_name(i, "mlp.gate_proj.weight"), l.gate_proj});
+    named_.push_back({layer_name(i, "mlp.up_proj.weight"), l.up_proj});
+    named_.push_back({layer_name(i, "mlp.down_proj.weight"), l.down_proj});
+  }
+  named_.push_back({"norm.weight", norm_});
+  const auto shapes = drafter_parameter_shapes(config_);
+  for (size_t i = 0; i < named_.size(); ++i) {
+    // The export's name list and the weights the forward uses must never drift apart.
+    if (shapes[i].first != named_[i].first || named_[i].second.sizes() != at::IntArrayRef(shapes[i].second)) {
+      fail("drafter: internal parameter list mismatch at {}", named_[i].first);
+    }
+    named_[i].second.requires_grad_(true);
+  }
+}
+
+Drafter Drafter::random(const DrafterConfig& config, at::Device device, uint64_t seed) {
+  Drafter d(config, device);
+  at::manual_seed(seed);
+  d.allocate(device);
+  d.register_parameters();
+  return d;
+}
+
+Drafter Drafter::from_target_layers(const DrafterConfig& config, const TargetModel& target,
+                                    const std::vector<int64_t>& source_layers, uint64_t seed) {
+  const ModelConfig& t = target.config();
+  config.validate(t);
+  if (static_cast<int64_t>(source_layers.size()) != config.layers.num_layers) {
+    fail("drafter init: {} source layers given for {} drafter layers", source_layers.size(),
+         config.layers.num_layers);
+  }
+  const ModelConfig& c = config.layers;
+  if (c.num_heads != t.num_heads || c.num_kv_heads != t.num_kv_heads ||
+      c.head_dim != t.head_dim || c.intermediate_size != t.intermediate_size) {
+    fail("drafter init: copying target layers needs the target's layer shape (heads {}/{}, "
+         "head_dim {}, intermediate {})",
+         t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size);
+  }
+  Drafter d = random(config, target.device(), seed);
+  const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < source_layers.size(); ++i) {
+    const int64_t src = source_layers[i];
+    if (src < 0 || src >= t.num_layers) {
+      fail("drafter init: source layer {} is out of range [0, {})", src, t.num_layers);
+    }
+    const TargetLayerWeights& s = target.layers()[src];
+    DrafterLayerWeights& l = d.layers_[i];
+    l.input_norm.copy_(s.input_norm);
+    l.post_attention_norm.copy_(s.post_attention_norm);
+    l.q_proj.copy_(s.w_qkv.narrow(0, 0, q));
+    l.k_proj.copy_(s.w_qkv.narrow(0, q, kv));
+    l.v_proj.copy_(s.w_qkv.narrow(0, q + kv, kv));
+    l.o_proj.copy_(s.w_o);
+    if (s.q_norm.defined()) l.q_norm.copy_(s.q_norm);
+    if (s.k_norm.defined()) l.k_norm.copy_(s.k_norm);
+    l.gate_proj.copy_(s.w_gate_up.narrow(0, 0, c.intermediate_size));
+    l.up_proj.copy_(s.w_gate_up.narrow(0, c.intermediate_size, c.intermediate_size));
+    l.down_proj.copy_(s.w_down);
+  }
+  return d;
+}
+
+Drafter Drafter::load(const std::filesystem::path& dir, const ModelConfig& target,
+                      at::Device device) {
+  const auto config_path = dir / "config.json";
+  json j;
+  try {
+    j = json::parse(read_file(config_path));
+  } catch (const json::exception& e) {
+    fail("{}: malformed JSON: {}", config_path.string(), e.what());
+  }
+  DrafterConfig config = parse_drafter_config(j, config_path.string());
+  try {
+    config.validate(target);
+  } catch (const Error& e) {
+    fail("{}: does not fit the target: {}", dir.string(), e.what());
+  }
+  Drafter out(config, device);
+  out.allocate(device);
+  out.register_parameters();
+  auto ckpt = io::Checkpoint::open(dir);
+  std::vector<std::pair<std::string, at::Tensor>> values;
+  for (const auto& [name, p] : out.named_) {
+    if (!ckpt.contains(name)) fail("{}: tensor {} is missing", dir.string(), name);
+    values.push_back({name, ckpt.tensor(name)});
+  }
+  out.assign(values, dir.string());
+  return out;
+}
+
+void Drafter::assign(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                     const std::string& origin) {
+  std::map<std::string, at::Tensor> by_name(values.begin(), values.end());
+  c10::NoGradGuard no_grad;
+  for (auto& [name, p] : named_) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) fail("{}: tensor {} is missing", origin, name);
+    if (it->second.sizes() != p.sizes()) {
+      fail("{}: tensor {} has shape {}, the drafter config implies {} (another config?)", origin,
+           name, it->second.sizes(), p.sizes());
+    }
+    if (!at::isFloatingType(it->second.scalar_type())) {
+      fail("{}: tensor {} is not floating point", origin, name);
+    }
+    p.copy_(it->second);
+  }
+}
+
+std::vector<at::Tensor> Drafter::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, p] : named_) out.push_back(p);
+  return out;
+}
+
+int64_t Drafter::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& [name, p] : named_) n += p.numel();
+  return n;
+}
+
+void Drafter::save(const std::filesystem::path& dir) const {
+  std::filesystem::create_directories(dir);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, p] : named_) tensors.push_back({name, p.detach().to(at::kBFloat16)});
+  io::write_checkpoint(dir, tensors, /*max_shard_bytes=*/~0ull);
+  write_file_atomic(dir / "config.json", drafter_config_json(config_).dump(2));
+}
+
+at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) const {
+  const int64_t kh = config_.num_taps() * config_.layers.hidden_size;
+  if (features.dim() != 2 || features.size(1) != kh) {
+    fail("drafter: features must be [tokens, {}] ({} taps x hidden {}), got {}", kh,
+         config_.num_taps(), config_.layers.hidden_size, features.sizes());
+  }
+  auto fused = at::linear(features.to(dtype), fc_.to(dtype));
+  return rms_norm(fused, hidden_norm_.to(dtype), config_.layers.rms_norm_eps);
+}
+
+// Keys each block sees, gathered from [context K/V (T rows) ; block K/V (blocks*B rows)]:
+// the context rows of its sequence before its anchor, then its own B rows. Built on the
+// device with no host sync (the total is known on the host).
+struct GatherPlan {
+  at::Tensor index;      // int64 [sum(a_i + B)]
+  at::Tensor cu_keys;    // int32 [blocks+1]
+  at::Tensor cu_queries; // int32 [blocks+1]
+  int64_t max_keys = 0;
+  std::vector<int64_t> key_lengths;
+};
+
+static GatherPlan gather_plan(const PackedBatch& batch, const BlockLayout& layout, at::Device device) {
+  const int64_t n = layout.num_blocks(), bs = layout.block_size;
+  std::vector<int64_t> ctx_start(batch.size() + 1, 0);
+  for (int64_t s = 0; s < batch.size(); ++s) ctx_start[s + 1] = ctx_start[s] + batch.lengths[s];
+  std::vector<int64_t> start(n), anchor(n), lengths(n);
+  std::vector<int32_t> cu_k(n + 1, 0), cu_q(n + 1, 0);
+  GatherPlan plan;
+  for (int64_t i = 0; i < n; ++i) {
+    start[i] = ctx_start[layout.sequence[i]];
+    anchor[i] = layout.anchor[i];
+    lengths[i] = anchor[i] + bs;
+    cu_k[i + 1] = static_cast<int32_t>(cu_k[i] + lengths[i]);
+    cu_q[i + 1] = static_cast<int32_t>(cu_q[i] + bs);
+    plan.max_keys = std::max(plan.max_keys, lengths[i]);
+  }
+  const int64_t total = cu_k.back();
+  auto to = [&](at::Tensor t) { return device.is_cpu() ? t : t.pin_memory().to(device, true); };
+  auto lens = to(at::tensor(lengths, at::kLong));
+  auto a = to(at::tensor(anchor, at::kLong));
+  auto s = to(at::tensor(start, at::kLong));
+  plan.cu_keys = to(at::tensor(cu_k, at::kInt));
+  plan.cu_queries = to(at::tensor(cu_q, at::kInt));
+  auto ids = at::arange(n, lens.options());
+  auto block = at::repeat_interleave(ids, lens, /*dim=*/0, /*output_size=*/total);
+  auto offset = at::arange(total, lens.options()) - plan.cu_keys.to(at::kLong).index_select(0, block);
+  auto a_row = a.index_select(0, block);
+  auto in_ctx = offset < a_row;
+  auto ctx_index = s.index_select(0, block) + offset;
+  auto blk_index = batch.total + block * bs + (offset - a_row);
+  plan.index = at::where(in_ctx, ctx_index, blk_index);
+  plan.key_lengths = std::move(lengths);
+  return plan;
+}
+
+at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch,
+                            const BlockLayout& layout, const TargetHead& head,
+                            at::ScalarType dtype, DrafterAttention attention) const {
+  const int64_t n = layout.num_blocks();
+  if (features.size(0) != batch.total) {
+    fail("drafter: features have {} rows, the packed batch has {} tokens", features.size(0),
+         batch.total);
+  }
+  if (layout.block_size != config_.block_size) {
+    fail("drafter: block layout has block size {}, the drafter {}", layout.block_size,
+         config_.block_size);
+  }
+  if (n == 0) fail("drafter: no blocks to run");
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = layout.sequence[i];
+    if (s < 0 || s >= batch.size() || (i > 0 && s < layout.sequence[i - 1])) {
+      fail("drafter: blocks must be grouped by sequence in batch order (block {})", i);
+    }
+    if (layout.anchor[i] < 0 || layout.anchor[i] >= batch.lengths[s]) {
+      fail("drafter: anchor {} of block {} is outside its sequence of length {}",
+           layout.anchor[i], i, batch.lengths[s]);
+    }
+  }
+  if (head.embedding.size(1) != config_.layers.hidden_size) {
+    fail("drafter: target embedding width {} differs from the drafter's {}",
+         head.embedding.size(1), config_.layers.hidden_size);
+  }
+  if (attention == DrafterAttention::kAuto) {
+    const bool flash = features.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
+    attention = flash ? DrafterAttention::kGathered : DrafterAttention::kDense;
+  }
+  auto ctx = context(features, dtype);
+  // The embedding is frozen: at::embedding of a tensor without requires_grad records nothing.
+  auto x = at::embedding(head.embedding, layout.input_ids).to(dtype);
+  auto [ctx_cos, ctx_sin] = rotary_.tables(batch.positions, dtype);
+  auto [blk_cos, blk_sin] = rotary_.tables(layout.positions, dtype);
+  std::optional<GatherPlan> gather;
+  if (attention == DrafterAttention::kGathered) gather = gather_plan(batch, layout, x.device());
+  for (const auto& layer : layers_) {
+    x = layer_forward(layer, x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch, layout, dtype,
+                      gather ? &*gather : nullptr);
+  }
+  return rms_norm(x, norm_.to(dtype), config_.layers.rms_norm_eps);
+}
+
+at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& x,
+                                  const at::Tensor& ctx, const at::Tensor& ctx_cos,
+                                  const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
+                                  const at::Tensor& blk_sin, const PackedBatch& batch,
+                                  const BlockLayout& layout, at::ScalarType dtype,
+                                  const GatherPlan* gather) const {
+  const ModelConfig& c = config_.layers;
+  const double eps = c.rms_norm_eps;
+  const int64_t rows = x.size(0), t = ctx.size(0), d = c.head_dim, bs = layout.block_size;
+  auto cast = [&](const at::Tensor& p) { return p.to(dtype); };
+  auto h = rms_norm(x, cast(w.input_norm), eps);
+  auto q = at::linear(h, cast(w.q_proj)).view({rows, c.num_heads, d});
+  q = apply_rotary(rms_norm(q, cast(w.q_norm), eps), blk_cos, blk_sin);
+  // K/V injection: the same k_proj/v_proj (and k_norm, RoPE at absolute positions) over the
+  // context rows and the block rows. The context is not passed through input_layernorm
+  // (z-lab's DFlashDraftModel feeds hidden_norm(fc(taps)) straight to k_proj/v_proj), and it
+  // skips Q, O and the MLP.
+  const auto k_w = cast(w.k_proj), v_w = cast(w.v_proj), k_norm = cast(w.k_norm);
+  auto k_blk = apply_rotary(rms_norm(at::linear(h, k_w).view({rows, c.num_kv_heads, d}), k_norm, eps),
+                            blk_cos, blk_sin);
+  auto v_blk = at::linear(h, v_w).view({rows, c.num_kv_heads, d});
+  auto k_ctx = apply_rotary(rms_norm(at::linear(ctx, k_w).view({t, c.num_kv_heads, d}), k_norm, eps),
+                            ctx_cos, ctx_sin);
+  auto v_ctx = at::linear(ctx, v_w).view({t, c.num_kv_heads, d});
+
+  at::Tensor attn;  // [rows, Hq, D]
+  if (gather == nullptr) {
+    std::vector<at::Tensor> outs;
+    int64_t ctx_start = 0, block = 0;
+    for (int64_t s = 0; s < batch.size(); ++s) {
+      const int64_t len = batch.lengths[s];
+      std::vector<int64_t> anchors;
+      const int64_t first = block;
+      while (block < layout.num_blocks() && layout.sequence[block] == s) {
+        anchors.push_back(layout.anchor[block++]);
+      }
+      if (!anchors.empty()) {
+        const int64_t nrows = static_cast<int64_t>(anchors.size()) * bs;
+        auto keys = at::cat({k_ctx.narrow(0, ctx_start, len), k_blk.narrow(0, first * bs, nrows)});
+        auto vals = at::cat({v_ctx.narrow(0, ctx_start, len), v_blk.narrow(0, first * bs, nrows)});
+        auto mask = dense_block_mask(len, anchors, bs, x.device());
+        auto view = [](const at::Tensor& a) { return a.transpose(0, 1).unsqueeze(0); };
+        auto o = at::scaled_dot_product_attention(view(q.narrow(0, first * bs, nrows)), view(keys),
+                                                  view(vals), mask, 0.0, false, std::nullopt,
+                                                  /*enable_gqa=*/true);
+        outs.push_back(o.squeeze(0).transpose(0, 1));
+      }
+      ctx_start += len;
+    }
+    attn = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+  } else {
+    // Block-sparse: each block's keys are gathered into their own varlen segment, so work and
+    // memory are linear in sum(a_i + B) and nothing is spent on masked-out keys.
+    const GatherPlan& plan = *gather;
+    auto k_g = at::cat({k_ctx, k_blk}).index_select(0, plan.index);
+    auto v_g = at::cat({v_ctx, v_blk}).index_select(0, plan.index);
+    if (q.is_cuda()) {
+      attn = std::get<0>(at::_flash_attention_forward(q, k_g, v_g, plan.cu_queries, plan.cu_keys,
+                                                       bs, plan.max_keys, 0.0,
+                                                       /*is_causal=*/false,
+                                                       /*return_debug_mask=*/false));
+    } else {
+      // The same segments, one SDPA each: lets CPU tests check the gather plan.
+      std::vector<at::Tensor> outs;
+      int64_t key_start = 0;
+      for (int64_t i = 0; i < layout.num_blocks(); ++i) {
+        const int64_t nk = plan.key_lengths[i];
+        auto view = [](const at::Tensor& a) { return a.transpose(0, 1).unsqueeze(0); };
+        auto o = at::scaled_dot_product_attention(
+            view(q.narrow(0, i * bs, bs)), view(k_g.narrow(0, key_start, nk)),
+            view(v_g.narrow(0, key_start, nk)), {}, 0.0, false, std::nullopt, true);
+        outs.push_back(o.squeeze(0).transpose(0, 1));
+        key_start += nk;
+      }
+      attn = at::cat(outs, 0);
+    }
+  }
+  auto x1 = x + at::linear(attn.reshape({rows, c.num_heads * d}), cast(w.o_proj));
+  auto h2 = rms_norm(x1, cast(w.post_attention_norm), eps);
+  auto act = at::silu(at::linear(h2, cast(w.gate_proj))) * at::linear(h2, cast(w.up_proj));
+  return x1 + at::linear(act, cast(w.down_proj));
+}
+
+double drafter_step_flops(const DrafterConfig& config, const std::vector<int64_t>& lengths,
+                          const std::vector<int64_t>& anchors, int64_t logit_rows) {
+  const ModelConfig& c = config.layers;
+  const double h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  const double f = c.intermediate_size, bs = config.block_size;
+  double tokens = 0;
+  for (int64_t n : lengths) tokens += static_cast<double>(n);
+  const double block_rows = static_cast<double>(anchors.size()) * bs;
+  double keys = 0;  // sum over block rows of the keys they attend to
+  for (int64_t a : anchors) keys += bs * (static_cast<double>(a) + bs);
+  const double layer_block = 2 * block_rows * (h * (q + 2 * kv) + q * h + 3 * h * f);
+  const double layer_ctx = 2 * tokens * h * 2 * kv;
+  const double layer_attn = 4 * keys * q;  // QK^T and PV
+  const double fc = 2 * tokens * config.num_taps() * h * h;
+  const double forward = fc + c.num_layers * (layer_block + layer_ctx + layer_attn);
+  const double head = 2 * static_cast<double>(logit_rows) * h * c.vocab_size;
+  // Backward is twice the forward (input and weight grads); the frozen LM head needs only the
+  // input grad, so it costs one more forward's worth.
+  return 3 * forward + 2 * head;
+}
+
+}  // namespace dflash::models

@@ -1,0 +1,168 @@
+// models: the DFlash drafter. It owns the drafter's configuration (validated against the
+// target), its fp32 master parameters, their initialization, the forward pass over packed
+// training blocks (K/V injection of the fused target context into every non-causal layer),
+// and the inference-engine checkpoint format (config.json + model.safetensors) in both
+// directions. Embedding and LM head are the target's and are only ever borrowed (TargetHead).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/config.h"
+#include "models/layers.h"
+
+namespace dflash::models {
+
+class TargetModel;
+struct GatherPlan;  // drafter.cpp: per-block key index for block-sparse attention
+
+// DFlash's default tap spread (BRIEF): id_i = round(1 + i*(L-4)/(K-1)); [1, 9, 17, 25, 33] for
+// L = 36, K = 5; ties round to even as Python's round(). K = 1 taps layer L/2. Requires L >= 5.
+std::vector<int64_t> default_target_layer_ids(int64_t target_layers, int64_t k);
+
+struct DrafterConfig {
+  // Shape of the drafter's Qwen3 layers; num_layers is N. Width, heads, RoPE and vocabulary come
+  // from the target (same width is required; the vocabulary is the target's LM head).
+  ModelConfig layers;
+  std::vector<int64_t> target_layer_ids;  // K tapped target decoder layers, in feature order
+  int64_t num_target_layers = 0;          // L of the target these ids refer to
+  int64_t block_size = 16;
+  int64_t mask_token_id = 151669;
+  double gamma = 7.0;  // loss weight decay exp(-(k-1)/gamma); not part of the export
+
+  int64_t num_taps() const { return static_cast<int64_t>(target_layer_ids.size()); }
+  // Throws naming the field if the config is inconsistent on its own or with `target`
+  // (layer ids out of range or repeated, mask id outside the vocabulary, widths that differ).
+  void validate(const ModelConfig& target) const;
+};
+
+// Options for deriving a drafter config from a target config.
+struct DrafterOptions {
+  int64_t num_layers = 5;
+  std::vector<int64_t> target_layer_ids;  // empty: default spread with K = num_layers
+  int64_t block_size = 16;
+  int64_t mask_token_id = 151669;
+  double gamma = 7.0;
+};
+DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOptions& options);
+
+// The export's config.json (BRIEF: DFlashDraftModel, Qwen3 fields, block_size,
+// num_target_layers, dflash_config {mask_token_id, target_layer_ids}) and its inverse.
+nlohmann::json drafter_config_json(const DrafterConfig& config);
+DrafterConfig parse_drafter_config(const nlohmann::json& json, const std::string& origin);
+
+// Every drafter parameter as named in the export, with its shape, in a fixed order (the
+// order of Drafter::named_parameters).
+std::vector<std::pair<std::string, std::vector<int64_t>>> drafter_parameter_shapes(
+    const DrafterConfig& config);
+
+// The target's frozen token embedding and LM head, borrowed (never copied). For a target with
+// tied embeddings lm_head is the embedding tensor itself.
+struct TargetHead {
+  at::Tensor embedding;  // [V, H]
+  at::Tensor lm_head;    // [V, H]
+  static TargetHead of(const TargetModel& target);
+};
+
+// Where each block of a packed training batch sits. Host vectors drive the index building;
+// the tensors live on the compute device.
+struct BlockLayout {
+  int64_t block_size = 0;
+  std::vector<int64_t> sequence;  // per block: index of its sequence in the packed batch
+  std::vector<int64_t> anchor;    // per block: anchor position a within that sequence
+  at::Tensor input_ids;           // int64 [blocks*B]: token a, then MASK x (B-1)
+  at::Tensor positions;           // int64 [blocks*B]: a + k (absolute positions)
+  int64_t num_blocks() const { return static_cast<int64_t>(anchor.size()); }
+};
+
+// Positions of the block tokens: token k of the block with anchor a sits at a + k.
+at::Tensor block_positions(const std::vector<int64_t>& anchors, int64_t block_size);
+
+// Dense attention mask of one sequence with context length `context_len` and blocks at
+// `anchors`: [blocks*B, context_len + blocks*B], true = may attend. Block queries see context
+// keys j < a (strictly) and every token of their own block; nothing of other blocks.
+at::Tensor dense_block_mask(int64_t context_len, const std::vector<int64_t>& anchors,
+                            int64_t block_size, at::Device device);
+
+enum class DrafterAttention {
+  kAuto,      // gathered + flash on CUDA in bf16/fp16, dense otherwise
+  kDense,     // per sequence, SDPA with dense_block_mask (small shapes, reference path)
+  kGathered,  // per block, keys gathered from the context prefix + own block (block-sparse)
+};
+
+struct DrafterLayerWeights {
+  at::Tensor input_norm, post_attention_norm;  // [H]
+  at::Tensor q_proj, k_proj, v_proj, o_proj;   // [Hq*D, H], [Hkv*D, H] x2, [H, Hq*D]
+  at::Tensor q_norm, k_norm;                   // [D]
+  at::Tensor gate_proj, up_proj, down_proj;    // [F, H] x2, [H, F]
+};
+
+class Drafter {
+ public:
+  // Fresh weights: linear layers normal(0, 0.02), norms at one (the Qwen3 initializer).
+  static Drafter random(const DrafterConfig& config, at::Device device, uint64_t seed);
+  // As random, then drafter layer i is a copy of target layer source_layers[i] (attention,
+  // norms and MLP; q_norm/k_norm stay at one for targets without them). fc, hidden_norm and
+  // norm keep their fresh values.
+  static Drafter from_target_layers(const DrafterConfig& config, const TargetModel& target,
+                                    const std::vector<int64_t>& source_layers, uint64_t seed);
+  // Reads an export directory (config.json + model.safetensors, any float dtype) into fp32
+  // master weights; `target` is the config the drafter will run against.
+  static Drafter load(const std::filesystem::path& dir, const ModelConfig& target,
+                      at::Device device);
+  // Writes config.json and model.safetensors (bf16, the engines' tensor names) atomically.
+  void save(const std::filesystem::path& dir) const;
+
+  // Fused context: hidden_norm(fc(features)), features [T, K*H] in any float dtype.
+  at::Tensor context(const at::Tensor& features, at::ScalarType dtype) const;
+
+  // Drafter hidden states after the final norm, [blocks*B, H], in `dtype` (params are cast
+  // from their fp32 masters, so gradients reach them in fp32). `features` are the
+  // concatenated taps [batch.total, K*H] of the packed sequences in `batch`.
+  at::Tensor forward(const at::Tensor& features, const PackedBatch& batch,
+                     const BlockLayout& layout, const TargetHead& head, at::ScalarType dtype,
+                     DrafterAttention attention = DrafterAttention::kAuto) const;
+
+  const DrafterConfig& config() const { return config_; }
+  // Every trainable parameter, named as in the export, in a fixed order.
+  const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const {
+    return named_;
+  }
+  std::vector<at::Tensor> parameters() const;
+  int64_t num_parameters() const;
+  at::Device device() const { return fc_.device(); }
+  // Replaces parameter values in place (checkpoint resume); names and shapes must match.
+  void assign(const std::vector<std::pair<std::string, at::Tensor>>& values,
+              const std::string& origin);
+
+ private:
+  Drafter(DrafterConfig config, at::Device device);
+  void allocate(at::Device device);
+  void register_parameters();
+  at::Tensor layer_forward(const DrafterLayerWeights& w, const at::Tensor& x,
+                           const at::Tensor& ctx, const at::Tensor& ctx_cos,
+                           const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
+                           const at::Tensor& blk_sin, const PackedBatch& batch,
+                           const BlockLayout& layout, at::ScalarType dtype,
+                           const GatherPlan* gather) const;
+
+  DrafterConfig config_;
+  Rotary rotary_;
+  at::Tensor fc_, hidden_norm_, norm_;
+  std::vector<DrafterLayerWeights> layers_;
+  std::vector<std::pair<std::string, at::Tensor>> named_;
+};
+
+// Floating-point operations of one drafter training step (forward + backward) for a packed
+// batch: projections and MLP over block tokens, context fc and K/V projections, attention over
+// the keys each block actually sees, and the LM head over `logit_rows` rows (no weight grad).
+double drafter_step_flops(const DrafterConfig& config, const std::vector<int64_t>& lengths,
+                          const std::vector<int64_t>& anchors, int64_t logit_rows);
+
+}  // namespace dflash::models

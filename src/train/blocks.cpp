@@ -1,0 +1,116 @@
+#include "train/blocks.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/error.h"
+
+namespace dflash::train {
+namespace {
+
+// splitmix64: a fully specified generator (std distributions are implementation-defined, and
+// anchors must be identical on every platform and after a resume).
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+std::vector<int64_t> anchor_candidates(const std::vector<uint8_t>& loss_mask) {
+  std::vector<int64_t> out;
+  for (size_t a = 0; a + 1 < loss_mask.size(); ++a) {
+    if (loss_mask[a] && loss_mask[a + 1]) out.push_back(static_cast<int64_t>(a));
+  }
+  return out;
+}
+
+std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& loss_mask, int64_t max_anchors,
+                                    uint64_t seed, int64_t epoch, int64_t sample_id) {
+  auto cand = anchor_candidates(loss_mask);
+  const size_t m = std::min(cand.size(), static_cast<size_t>(std::max<int64_t>(max_anchors, 0)));
+  uint64_t state = seed;
+  splitmix64(state);
+  state ^= static_cast<uint64_t>(epoch) * 0xD1B54A32D192ED03ull;
+  splitmix64(state);
+  state ^= static_cast<uint64_t>(sample_id) * 0x8CB92BA72F3D8DD7ull;
+  // Partial Fisher-Yates: the first m entries become a uniform sample without replacement.
+  for (size_t i = 0; i < m; ++i) {
+    const uint64_t span = cand.size() - i;
+    const size_t j = i + static_cast<size_t>(splitmix64(state) % span);
+    std::swap(cand[i], cand[j]);
+  }
+  cand.resize(m);
+  std::sort(cand.begin(), cand.end());
+  return cand;
+}
+
+std::vector<int64_t> block_labels(const std::vector<int64_t>& tokens,
+                                  const std::vector<uint8_t>& loss_mask, int64_t anchor,
+                                  int64_t block_size) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<int64_t> labels(block_size, kNoLabel);
+  for (int64_t k = 1; k < block_size; ++k) {
+    const int64_t pos = anchor + k;  // block position k predicts the token k after the anchor
+    if (pos < n && loss_mask[pos]) labels[k] = tokens[pos];
+  }
+  return labels;
+}
+
+double position_weight(int64_t k, double gamma) {
+  return std::exp(-static_cast<double>(k - 1) / gamma);
+}
+
+BlockTargets build_blocks(const std::vector<std::vector<int64_t>>& tokens,
+                          const std::vector<std::vector<uint8_t>>& loss_masks,
+                          const std::vector<std::vector<int64_t>>& anchors,
+                          const models::DrafterConfig& config, at::Device device) {
+  if (tokens.size() != loss_masks.size() || tokens.size() != anchors.size()) {
+    fail("build_blocks: {} token lists, {} loss masks, {} anchor lists", tokens.size(),
+         loss_masks.size(), anchors.size());
+  }
+  const int64_t bs = config.block_size;
+  BlockTargets t;
+  t.layout.block_size = bs;
+  std::vector<int64_t> ids, rows, labels, ks;
+  std::vector<float> weights;
+  for (size_t s = 0; s < tokens.size(); ++s) {
+    const int64_t n = static_cast<int64_t>(tokens[s].size());
+    if (static_cast<int64_t>(loss_masks[s].size()) != n) {
+      fail("build_blocks: sequence {} has {} tokens but a loss mask of {}", s, n,
+           loss_masks[s].size());
+    }
+    for (size_t i = 0; i < anchors[s].size(); ++i) {
+      const int64_t a = anchors[s][i];
+      if (a < 0 || a >= n) fail("build_blocks: anchor {} outside sequence {} of length {}", a, s, n);
+      if (i > 0 && a <= anchors[s][i - 1]) fail("build_blocks: anchors of sequence {} not ascending", s);
+      const int64_t block = t.layout.num_blocks();
+      t.layout.sequence.push_back(static_cast<int64_t>(s));
+      t.layout.anchor.push_back(a);
+      ids.push_back(tokens[s][a]);
+      for (int64_t k = 1; k < bs; ++k) ids.push_back(config.mask_token_id);
+      auto lab = block_labels(tokens[s], loss_masks[s], a, bs);
+      for (int64_t k = 1; k < bs; ++k) {
+        if (lab[k] == kNoLabel) continue;
+        rows.push_back(block * bs + k);
+        labels.push_back(lab[k]);
+        ks.push_back(k);
+        weights.push_back(static_cast<float>(position_weight(k, config.gamma)));
+        t.weight_sum += weights.back();
+      }
+    }
+  }
+  auto to = [&](at::Tensor x) { return device.is_cpu() ? x : x.pin_memory().to(device, true); };
+  t.layout.input_ids = to(at::tensor(ids, at::kLong));
+  t.layout.positions = to(models::block_positions(t.layout.anchor, bs));
+  t.label_rows = to(at::tensor(rows, at::kLong));
+  t.labels = to(at::tensor(labels, at::kLong));
+  t.label_k = to(at::tensor(ks, at::kLong));
+  t.weights = to(at::tensor(weights, at::kFloat));
+  t.num_labels = static_cast<int64_t>(rows.size());
+  return t;
+}
+
+}  // namespace dflash::train

@@ -1,0 +1,53 @@
+// train: turning supervised sequences into DFlash training blocks. This file owns anchor
+// sampling (seeded, counter-based, reproducible), block inputs ([token a, MASK x (B-1)]),
+// their absolute positions, and the labels with their loss weights exp(-(k-1)/gamma).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "models/drafter.h"
+
+namespace dflash::train {
+
+// Positions a with loss_mask[a] and loss_mask[a+1] (a+1 inside the sequence), ascending.
+std::vector<int64_t> anchor_candidates(const std::vector<uint8_t>& loss_mask);
+
+// Up to `max_anchors` candidates drawn without replacement, returned ascending. The draw is
+// a pure function of (seed, epoch, sample_id), so resuming or reordering the data stream
+// reproduces it and every epoch resamples.
+std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& loss_mask, int64_t max_anchors,
+                                    uint64_t seed, int64_t epoch, int64_t sample_id);
+
+// Label of block position k (0..B-1) for the block anchored at a: token a+k when k >= 1,
+// a+k < length and loss_mask[a+k]; otherwise kNoLabel.
+inline constexpr int64_t kNoLabel = -100;
+std::vector<int64_t> block_labels(const std::vector<int64_t>& tokens,
+                                  const std::vector<uint8_t>& loss_mask, int64_t anchor,
+                                  int64_t block_size);
+
+// Loss weight of block position k >= 1.
+double position_weight(int64_t k, double gamma);
+
+// Everything the loss needs about a step's blocks, with label rows compacted: only rows that
+// carry a label go through the final norm, the LM head and the cross entropy.
+struct BlockTargets {
+  models::BlockLayout layout;
+  at::Tensor label_rows;  // int64 [M]: row index into blocks*B
+  at::Tensor labels;      // int64 [M]
+  at::Tensor weights;     // fp32 [M]
+  at::Tensor label_k;     // int64 [M]: block position 1..B-1
+  double weight_sum = 0;  // host copy of weights.sum()
+  int64_t num_labels = 0;
+};
+
+// Blocks for sequences `tokens`/`loss_masks` (host) anchored at `anchors` (one list per
+// sequence, ascending; sequences with no anchors get no blocks). Blocks are grouped by
+// sequence in order; `sequence` in the layout indexes the given sequences.
+BlockTargets build_blocks(const std::vector<std::vector<int64_t>>& tokens,
+                          const std::vector<std::vector<uint8_t>>& loss_masks,
+                          const std::vector<std::vector<int64_t>>& anchors,
+                          const models::DrafterConfig& config, at::Device device);
+
+}  // namespace dflash::train

@@ -1,0 +1,153 @@
+// The inference-engine export: config.json fields and tensor names/dtypes as the BRIEF lists
+// them, a bitwise round trip (export -> load -> export), `dflash export` from a training
+// checkpoint, the Python reference loading the export and reproducing our drafter outputs,
+// and clear errors for drafters that do not fit the target.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "common/file.h"
+#include "drafter_test_util.h"
+#include "train/blocks.h"
+
+namespace dflash {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::DflashCase;
+
+fs::path temp_dir(const std::string& name) {
+  auto d = fs::temp_directory_path() /
+           fmt::format("dflash_{}_{}_{}", name, ::getpid(),
+                       ::testing::UnitTest::GetInstance()->random_seed());
+  testing::remove_tree(d);
+  fs::create_directories(d);
+  return d;
+}
+
+TEST(DrafterExport, ConfigAndTensorsAreWhatEnginesLoad) {
+  DflashCase c("tied");
+  auto dir = temp_dir("export_fields");
+  c.drafter->save(dir);
+  auto j = nlohmann::json::parse(read_file(dir / "config.json"));
+  const auto& cfg = c.drafter->config();
+  EXPECT_EQ(j["architectures"], nlohmann::json::array({"DFlashDraftModel"}));
+  EXPECT_EQ(j["model_type"], "qwen3");
+  for (const char* key : {"hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                          "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size",
+                          "attention_bias", "layer_types", "tie_word_embeddings", "block_size",
+                          "num_target_layers"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(j["num_hidden_layers"], cfg.layers.num_layers);
+  EXPECT_EQ(j["block_size"], cfg.block_size);
+  EXPECT_EQ(j["num_target_layers"], c.target->config().num_layers);
+  EXPECT_EQ(j["layer_types"].size(), static_cast<size_t>(cfg.layers.num_layers));
+  EXPECT_EQ(j["dflash_config"]["mask_token_id"], cfg.mask_token_id);
+  EXPECT_EQ(j["dflash_config"]["target_layer_ids"].get<std::vector<int64_t>>(),
+            cfg.target_layer_ids);
+  auto file = io::SafetensorsFile::open(dir / "model.safetensors");
+  std::set<std::string> names;
+  for (const auto& t : file->tensors()) {
+    names.insert(t.name);
+    EXPECT_EQ(t.dtype, at::kBFloat16) << t.name;
+  }
+  std::set<std::string> expected = {"fc.weight", "hidden_norm.weight", "norm.weight"};
+  for (int64_t i = 0; i < cfg.layers.num_layers; ++i) {
+    for (const char* rest :
+         {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+          "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+          "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+          "mlp.up_proj.weight", "mlp.down_proj.weight"}) {
+      expected.insert(fmt::format("layers.{}.{}", i, rest));
+    }
+  }
+  EXPECT_EQ(names, expected);  // no embedding, no LM head
+  const int64_t h = cfg.layers.hidden_size;
+  EXPECT_EQ(file->find("fc.weight")->shape, (std::vector<int64_t>{h, 3 * h}));
+  testing::remove_tree(dir);
+}
+
+TEST(DrafterExport, RoundTripIsBitwise) {
+  DflashCase c("untied");
+  auto a = temp_dir("roundtrip_a"), b = temp_dir("roundtrip_b");
+  c.drafter->save(a);
+  auto loaded = models::Drafter::load(a, c.target->config(), at::kCPU);
+  for (size_t i = 0; i < loaded.named_parameters().size(); ++i) {
+    const auto& [name, p] = loaded.named_parameters()[i];
+    // Loading widens bf16 to the fp32 masters exactly.
+    EXPECT_TRUE(p.equal(c.drafter->named_parameters()[i].second.to(at::kBFloat16).to(at::kFloat)))
+        << name;
+  }
+  loaded.save(b);
+  EXPECT_EQ(read_file(a / "model.safetensors"), read_file(b / "model.safetensors"));
+  EXPECT_EQ(read_file(a / "config.json"), read_file(b / "config.json"));
+  testing::remove_tree(a);
+  testing::remove_tree(b);
+}
+
+TEST(DrafterExport, LoadRejectsDrafterOfAnotherTarget) {
+  DflashCase c("tied");
+  auto dir = temp_dir("reject");
+  c.drafter->save(dir);
+  auto other = c.target->config();
+  other.num_layers = 12;
+  EXPECT_THROW(models::Drafter::load(dir, other, at::kCPU), Error);
+  other = c.target->config();
+  other.hidden_size = 32;
+  try {
+    models::Drafter::load(dir, other, at::kCPU);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("hidden_size"), std::string::npos) << e.what();
+  }
+  // A tensor whose shape disagrees with config.json.
+  auto j = nlohmann::json::parse(read_file(dir / "config.json"));
+  j["intermediate_size"] = 128;
+  write_file_atomic(dir / "config.json", j.dump());
+  try {
+    models::Drafter::load(dir, c.target->config(), at::kCPU);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shape"), std::string::npos) << e.what();
+  }
+  testing::remove_tree(dir);
+}
+
+TEST(DrafterExport, PythonReferenceLoadsExportAndAgrees) {
+  const char* python = std::getenv("DFLASH_PYTHON");
+  ASSERT_NE(python, nullptr) << "DFLASH_PYTHON is not set (ctest sets it)";
+  DflashCase c("tied");
+  auto dir = temp_dir("pycheck");
+  c.drafter->save(dir / "export");
+  // Our side: the drafter as loaded back from the export (bf16 values, fp32 compute).
+  auto loaded = models::Drafter::load(dir / "export", c.target->config(), at::kCPU);
+  auto blocks = train::build_blocks(c.input.tokens, c.input.loss_masks, c.anchors,
+                                    loaded.config(), at::kCPU);
+  std::vector<int64_t> kept;
+  for (size_t s = 0; s < c.lengths.size(); ++s) kept.push_back(c.lengths[s]);
+  auto batch = models::PackedBatch::from_lengths(kept, at::kCPU);
+  auto ours = loaded.forward(c.input.features, batch, blocks.layout,
+                             models::TargetHead::of(*c.target), at::kFloat);
+  io::write_safetensors(dir / "inputs.safetensors",
+                        {{"tokens", c.tensor("tokens")},
+                         {"lengths", c.tensor("lengths")},
+                         {"anchors", c.tensor("anchors")},
+                         {"anchor_counts", c.tensor("anchor_counts")}});
+  const std::string cmd = fmt::format(
+      "cd '{}/tests/python' && '{}' dflash_export_check.py '{}' '{}' '{}' '{}'", DFLASH_SOURCE_DIR,
+      python, (dir / "export").string(), (c.dir / "target").string(),
+      (dir / "inputs.safetensors").string(), (dir / "out.safetensors").string());
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  auto theirs = io::SafetensorsFile::open(dir / "out.safetensors")->tensor("hidden");
+  EXPECT_CLOSE(ours.detach(), theirs, 1e-4);
+  testing::remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace dflash

@@ -1,0 +1,306 @@
+// The training loop: exact resume (2N straight steps == N steps, a fresh process state loaded
+// from the checkpoint, N more steps, bitwise on CPU), checkpoint pruning and the stop signal,
+// non-finite loss handling, skipped sequences, gradient accumulation, AdamW and the schedule.
+#include <gtest/gtest.h>
+
+#include <csignal>
+
+#include "drafter_test_util.h"
+#include "train/blocks.h"
+#include "train/optim.h"
+
+namespace dflash {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::DflashCase;
+
+// Deterministic synthetic stream over the fixture's tiny target: micro-batch `position` is two
+// sequences whose tokens are a function of the position; features come from our target.
+class SyntheticData : public train::DataSource {
+ public:
+  explicit SyntheticData(const DflashCase& c, bool poison = false) : c_(c), poison_(poison) {}
+  train::StepInput get(int64_t position) override {
+    train::StepInput in;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + position);
+    std::vector<int64_t> lengths = {20 + position % 5, 31};
+    int64_t total = 0;
+    for (size_t s = 0; s < lengths.size(); ++s) {
+      auto t = at::randint(c_.target->config().vocab_size, {lengths[s]}, gen, at::kLong);
+      in.tokens.push_back(testing::to_vector<int64_t>(t));
+      std::vector<uint8_t> mask(lengths[s], 1);
+      for (int i = 0; i < 4; ++i) mask[i] = 0;  // a "prompt"
+      in.loss_masks.push_back(mask);
+      in.sample_ids.push_back(position * 2 + static_cast<int64_t>(s));
+      total += lengths[s];
+    }
+    in.epoch = position / 3;
+    std::vector<int64_t> flat;
+    for (auto& t : in.tokens) flat.insert(flat.end(), t.begin(), t.end());
+    in.features = testing::taps(*c_.target, at::tensor(flat, at::kLong), lengths,
+                                c_.drafter->config().target_layer_ids);
+    if (poison_) in.features[0][0] = std::nan("");
+    (void)total;
+    return in;
+  }
+
+ private:
+  const DflashCase& c_;
+  bool poison_;
+};
+
+train::TrainerOptions options(const fs::path& dir) {
+  train::TrainerOptions o;
+  o.lr = 1e-3;
+  o.total_steps = 8;
+  o.warmup_ratio = 0.25;
+  o.accumulation = 2;
+  o.max_anchors = 6;
+  o.seed = 17;
+  o.adamw.weight_decay = 0.01;
+  o.checkpoint_dir = dir;
+  o.checkpoint_every = 2;
+  o.keep_last = 2;
+  return o;
+}
+
+fs::path temp_dir(const std::string& name) {
+  auto d = fs::temp_directory_path() / fmt::format("dflash_{}_{}", name, ::getpid());
+  testing::remove_tree(d);
+  return d;
+}
+
+TEST(TrainLoop, ResumeFromCheckpointIsBitwiseExact) {
+  const int64_t n = 2;
+  auto dir_a = temp_dir("resume_a"), dir_b = temp_dir("resume_b");
+  DflashCase straight("tied");
+  SyntheticData data_a(straight);
+  train::Trainer a(*straight.drafter, models::TargetHead::of(*straight.target), options(dir_a),
+                   data_a);
+  std::vector<double> losses_a;
+  a.run(2 * n, [&](const train::StepLog& l) { losses_a.push_back(l.loss); });
+
+  std::vector<double> losses_b;
+  {
+    DflashCase first("tied");
+    SyntheticData data(first);
+    train::Trainer b(*first.drafter, models::TargetHead::of(*first.target), options(dir_b), data);
+    b.run(n, [&](const train::StepLog& l) { losses_b.push_back(l.loss); });
+  }  // everything of the first run is gone, as after kill -9
+  DflashCase resumed("tied");
+  // Different fresh weights before loading, so nothing carries over by accident.
+  for (auto p : resumed.drafter->parameters()) p.detach().add_(0.5);
+  SyntheticData data_r(resumed);
+  train::Trainer r(*resumed.drafter, models::TargetHead::of(*resumed.target), options(dir_b),
+                   data_r);
+  r.load_checkpoint(dir_b);
+  EXPECT_EQ(r.steps_done(), n);
+  EXPECT_EQ(r.data_position(), 2 * n);
+  r.run(2 * n, [&](const train::StepLog& l) { losses_b.push_back(l.loss); });
+
+  EXPECT_EQ(losses_a, losses_b);
+  const auto& pa = straight.drafter->named_parameters();
+  const auto& pr = resumed.drafter->named_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(pa[i].second.equal(pr[i].second)) << pa[i].first;
+  }
+  // keep_last = 2 of the checkpoints at steps 2 and 4.
+  std::vector<std::string> kept;
+  for (const auto& e : fs::directory_iterator(dir_a)) kept.push_back(e.path().filename());
+  std::sort(kept.begin(), kept.end());
+  EXPECT_EQ(kept, (std::vector<std::string>{"step-00000002", "step-00000004"}));
+  // The final checkpoints of both runs hold identical optimizer state.
+  auto sa = io::SafetensorsFile::open(dir_a / "step-00000004" / "state.safetensors");
+  auto sb = io::SafetensorsFile::open(dir_b / "step-00000004" / "state.safetensors");
+  for (const auto& t : sa->tensors()) {
+    EXPECT_TRUE(sa->tensor(t.name).equal(sb->tensor(t.name))) << t.name;
+  }
+  // `dflash export` of a run directory takes its newest checkpoint.
+  auto out = temp_dir("resume_export");
+  train::export_drafter(dir_a, out);
+  auto exported = models::Drafter::load(out, straight.target->config(), at::kCPU);
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(exported.named_parameters()[i].second.equal(
+        pa[i].second.detach().to(at::kBFloat16).to(at::kFloat)));
+  }
+  testing::remove_tree(dir_a);
+  testing::remove_tree(dir_b);
+  testing::remove_tree(out);
+}
+
+TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
+  auto dir = temp_dir("other_config");
+  {
+    DflashCase c("tied");
+    SyntheticData data(c);
+    train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), options(dir), data);
+    t.run(1);
+  }
+  DflashCase other("untied");
+  SyntheticData data(other);
+  train::Trainer t(*other.drafter, models::TargetHead::of(*other.target), options(dir), data);
+  try {
+    t.load_checkpoint(dir);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("another drafter config"), std::string::npos) << e.what();
+  }
+  testing::remove_tree(dir);
+}
+
+TEST(TrainLoop, StopSignalCheckpointsAndReturns) {
+  auto dir = temp_dir("signal");
+  DflashCase c("tied");
+  SyntheticData data(c);
+  auto o = options(dir);
+  o.checkpoint_every = 0;
+  train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), o, data);
+  train::install_stop_signals();
+  train::clear_stop_request();
+  const int64_t done = t.run(8, [](const train::StepLog& l) {
+    if (l.step == 1) std::raise(SIGTERM);
+  });
+  train::clear_stop_request();
+  EXPECT_EQ(done, 1);
+  EXPECT_TRUE(fs::exists(dir / "step-00000001" / "trainer.json"));
+  testing::remove_tree(dir);
+}
+
+TEST(TrainLoop, NonFiniteLossIsSkippedCountedAndStopsTheRun) {
+  DflashCase c("tied");
+  SyntheticData data(c, /*poison=*/true);
+  auto o = options({});
+  o.step.check_features = false;  // let the NaN reach the loss
+  o.max_nonfinite_in_a_row = 3;
+  auto before = c.drafter->named_parameters()[0].second.clone();
+  train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), o, data);
+  auto l = t.step();
+  EXPECT_TRUE(l.skipped_nonfinite);
+  EXPECT_EQ(t.nonfinite_total(), 1);
+  EXPECT_EQ(t.steps_done(), 0);
+  EXPECT_TRUE(c.drafter->named_parameters()[0].second.equal(before));  // no update
+  t.step();
+  try {
+    t.step();
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("3 steps in a row"), std::string::npos) << e.what();
+  }
+  // With the check on (the default), NaN features are an error naming the cause.
+  o.step.check_features = true;
+  train::Trainer checked(*c.drafter, models::TargetHead::of(*c.target), o, data);
+  try {
+    checked.step();
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NaN"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TrainLoop, TooFewSupervisedSequencesAreSkippedAndCounted) {
+  DflashCase c("tied");
+  // The fixture's 4th sequence has a single supervised token: no anchor candidate.
+  class Fixed : public train::DataSource {
+   public:
+    explicit Fixed(const DflashCase& c) : c_(c) {}
+    train::StepInput get(int64_t) override { return c_.input; }
+    const DflashCase& c_;
+  } data(c);
+  auto o = options({});
+  o.accumulation = 1;
+  train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), o, data);
+  auto l = t.step();
+  EXPECT_EQ(l.skipped_sequences, 1);
+  EXPECT_EQ(t.skipped_sequences_total(), 1);
+  EXPECT_GT(l.blocks, 0);
+  ASSERT_EQ(l.accuracy.size(), 7u);
+  EXPECT_DOUBLE_EQ(l.acceptance, train::simulated_acceptance(l.accuracy));
+}
+
+TEST(TrainLoop, AccumulationEqualsOneBigBatch) {
+  DflashCase c("tied");
+  auto head = models::TargetHead::of(*c.target);
+  train::StepOptions so;
+  // One micro-batch with all sequences, normalised by its weight sum...
+  auto full = train::forward_backward(*c.drafter, head, c.input, c.anchors, 1.0, so);
+  std::vector<at::Tensor> big;
+  for (auto& p : c.drafter->parameters()) big.push_back(p.grad().clone() / full.weight_sum);
+  c.zero_grads();
+  // ...equals two micro-batches normalised by the same total.
+  auto split = [&](size_t from, size_t to) {
+    train::StepInput in;
+    int64_t row = 0, rows = 0;
+    for (size_t s = 0; s < c.input.tokens.size(); ++s) {
+      const int64_t n = static_cast<int64_t>(c.input.tokens[s].size());
+      if (s < from) row += n;
+      if (s >= from && s < to) {
+        in.tokens.push_back(c.input.tokens[s]);
+        in.loss_masks.push_back(c.input.loss_masks[s]);
+        in.sample_ids.push_back(static_cast<int64_t>(s));
+        rows += n;
+      }
+    }
+    in.features = c.input.features.narrow(0, row, rows);
+    std::vector<std::vector<int64_t>> anchors(c.anchors.begin() + from, c.anchors.begin() + to);
+    return train::forward_backward(*c.drafter, head, in, anchors, 1.0 / full.weight_sum, so);
+  };
+  auto r1 = split(0, 2);
+  auto r2 = split(2, 4);
+  EXPECT_DOUBLE_EQ(r1.weight_sum + r2.weight_sum, full.weight_sum);
+  auto params = c.drafter->parameters();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_CLOSE(params[i].grad(), big[i], 1e-5);
+}
+
+TEST(TrainLoop, TrainingReducesTheLoss) {
+  DflashCase c("tied");
+  class Fixed : public train::DataSource {
+   public:
+    explicit Fixed(const DflashCase& c) : c_(c) {}
+    train::StepInput get(int64_t) override { return c_.input; }
+    const DflashCase& c_;
+  } data(c);
+  auto o = options({});
+  o.accumulation = 1;
+  o.total_steps = 40;
+  o.lr = 5e-3;
+  train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), o, data);
+  double first = 0, last = 0;
+  t.run(40, [&](const train::StepLog& l) {
+    if (l.step == 1) first = l.loss;
+    last = l.loss;
+  });
+  // Random tokens: only memorising this one batch can lower the loss (from ~log V).
+  EXPECT_LT(last, 0.8 * first) << first << " -> " << last;
+}
+
+TEST(Optim, AdamWMatchesTheFormula) {
+  auto p = at::tensor({1.0f, -2.0f});
+  p.requires_grad_(true);
+  train::AdamWOptions o;
+  o.weight_decay = 0.1;
+  train::AdamW adam({p}, o);
+  p.mutable_grad() = at::tensor({0.5f, 0.25f});
+  adam.step(0.01);
+  // Step 1: m = 0.1 g, v = 0.001 g^2, m_hat = g, v_hat = g^2: update = lr * g/(|g| + eps).
+  for (int i = 0; i < 2; ++i) {
+    const double x = i == 0 ? 1.0 : -2.0, g = i == 0 ? 0.5 : 0.25;
+    const double expected = x * (1 - 0.01 * 0.1) - 0.01 * g / (std::abs(g) + 1e-8);
+    EXPECT_NEAR(p[i].item<double>(), expected, 1e-6);
+  }
+}
+
+TEST(Optim, ClipAndSchedule) {
+  auto p = at::zeros({2});
+  p.requires_grad_(true);
+  p.mutable_grad() = at::tensor({3.0f, 4.0f});
+  auto norm = train::clip_grad_norm({p}, 1.0);
+  EXPECT_NEAR(norm.item<double>(), 5.0, 1e-6);
+  EXPECT_NEAR(p.grad().norm().item<double>(), 1.0, 1e-5);
+  EXPECT_DOUBLE_EQ(train::cosine_lr(0, 100, 4, 1.0, 0.0), 0.25);
+  EXPECT_DOUBLE_EQ(train::cosine_lr(3, 100, 4, 1.0, 0.0), 1.0);
+  EXPECT_NEAR(train::cosine_lr(52, 100, 4, 1.0, 0.0), 0.5, 1e-12);
+  EXPECT_NEAR(train::cosine_lr(100, 100, 4, 1.0, 0.1), 0.1, 1e-12);
+}
+
+}  // namespace
+}  // namespace dflash
