@@ -9,6 +9,7 @@ cd "$root"
 build=${BUILD_DIR:-$root/build-text}
 py=$root/.venv/bin/python
 threads=${1:-$(nproc)}
+repeat=${REPEAT:-2}
 work=${WORK:-$build/bench-text}
 mkdir -p "$work"
 torch_inc=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))')
@@ -35,9 +36,9 @@ cat "$work/gsm8k_chat.jsonl" "$work/gsm8k_chat.jsonl" "$work/gsm8k_chat.jsonl" \
   "$work/gsm8k_chat.jsonl" > "$work/gsm8k_chat_x4.jsonl"
 fx=$build/fixtures/tokenizer
 for kind in qwen3 llama3; do
-  echo "== encode, $kind-style tokenizer, GSM8K train x4"
-  "$work/tokenizer_bench" encode "$fx/$kind" "$work/texts.jsonl" 4 1 "$threads"
-  for t in 1 "$threads"; do "$py" bench/tokenizer_bench_hf.py "$fx/$kind" "$work/texts.jsonl" 4 "$t"; done
+  echo "== encode, $kind-style tokenizer, GSM8K train x$repeat"
+  "$work/tokenizer_bench" encode "$fx/$kind" "$work/texts.jsonl" "$repeat" 1 "$threads"
+  for t in 1 "$threads"; do "$py" bench/tokenizer_bench_hf.py "$fx/$kind" "$work/texts.jsonl" "$repeat" "$t"; done
 done
 echo "== prepare, GSM8K train as chat (qwen3); 1M-token shards so x1 and x4 share a memory bound"
 export SHARD_TOKENS=${SHARD_TOKENS:-1048576}

@@ -36,7 +36,7 @@ TEST_P(ChatParity, TextIdsAndMasksMatchTransformers) {
   EXPECT_GT(supervised, 10000u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, ChatParity, ::testing::Values("qwen3", "llama3"));
+INSTANTIATE_TEST_SUITE_P(chat, ChatParity, ::testing::Values("qwen3", "llama3"));
 
 std::string reason(std::string_view line) {
   try {

@@ -122,7 +122,7 @@ TEST_P(TokenizerParity, OffsetsTileTheText) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Styles, TokenizerParity, ::testing::Values("qwen3", "llama3", "gpt2"));
+INSTANTIATE_TEST_SUITE_P(tokenizer, TokenizerParity, ::testing::Values("qwen3", "llama3", "gpt2"));
 
 TEST(Tokenizer, RejectsInvalidUtf8) {
   Tokenizer tok = Tokenizer::load(tokenizer_fixtures() / "qwen3");
