@@ -25,7 +25,7 @@ struct PackedBatch {
   int64_t size() const { return static_cast<int64_t>(lengths.size()); }
 };
 
-// RMSNorm over the last dimension, computed in fp32 as transformers does.
+// RMSNorm over the last dimension, accumulated in fp32.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Rotary embedding tables for a config (default or llama3-scaled frequencies).
