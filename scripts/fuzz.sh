@@ -47,4 +47,4 @@ jobs=${FUZZ_JOBS:-1}
 # New inputs go to the first directory (kept across runs); the seeds are read only.
 cd "$out"
 exec "$bin" "$corpus" "$out/seeds/$target" "${flags[@]}" -max_len=16384 \
-  -max_total_time="$seconds" -print_final_stats=1 -artifact_prefix="$out/crash-$target-" "$@"
+  -max_total_time="$seconds" -timeout=10 -print_final_stats=1 -artifact_prefix="$out/crash-$target-" "$@"

@@ -81,11 +81,12 @@ class Checkpoint {
   bool contains(const std::string& name) const;
   const TensorInfo& info(const std::string& name) const;  // throws naming the tensor if absent
   at::Tensor tensor(const std::string& name) const;       // zero-copy CPU view
-  // Loads tensors straight to `device` converting to `dtype`. The bytes are read with pread
-  // (never through the mapping, so the page cache is the only copy the kernel keeps) into a
-  // pinned double buffer of `staging_bytes`, and copied on a side stream while the next chunk
-  // is read; peak host memory is the staging size, not the checkpoint size. On a CPU device
-  // bytes are read straight into the result when no conversion is needed.
+  // Loads tensors straight to `device` converting to `dtype`. Bytes are read with pread into a
+  // pinned double buffer of `staging_bytes` and copied on a side stream while the next chunk is
+  // read, so peak host memory is the staging size, not the checkpoint size. pread rather than
+  // the mapping: mapped pages would fault in 4 KiB at a time and stay resident in this process.
+  // On a CPU device bytes are read straight into the result when no conversion is needed.
+  // Returns when every copy has finished; names may repeat and come in any order.
   std::map<std::string, at::Tensor> load(const std::vector<std::string>& names, at::Device device,
                                          at::ScalarType dtype,
                                          size_t staging_bytes = 256 << 20) const;
