@@ -8,6 +8,8 @@ namespace dflash::cli {
 // Each adds one subcommand to `app`; the subcommand's callback does the work.
 void add_info_command(CLI::App& app);
 void add_bench_target_command(CLI::App& app);
+void add_export_command(CLI::App& app);
+void add_bench_drafter_command(CLI::App& app);
 void add_prepare_command(CLI::App& app);
 
 }  // namespace dflash::cli

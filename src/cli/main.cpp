@@ -11,6 +11,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   dflash::cli::add_info_command(app);
   dflash::cli::add_bench_target_command(app);
+  dflash::cli::add_export_command(app);
+  dflash::cli::add_bench_drafter_command(app);
   dflash::cli::add_prepare_command(app);
   try {
     app.parse(argc, argv);

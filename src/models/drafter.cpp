@@ -3,10 +3,9 @@
 #include <c10/core/GradMode.h>
 #include <fmt/ranges.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 
@@ -34,18 +33,19 @@ std::string layer_name(int64_t i, const char* rest) { return fmt::format("layers
 std::vector<int64_t> default_target_layer_ids(int64_t target_layers, int64_t k) {
   if (k < 1) fail("drafter: the number of tapped target layers must be at least 1, got {}", k);
   if (target_layers < 5) {
-    fail("drafter: the default tap spread needs a target of at least 5 layers (ids 1..L-3), "
-         "the target has {}; pass target_layer_ids explicitly",
-         target_layers);
+    fail(
+        "drafter: the default tap spread needs a target of at least 5 layers (ids 1..L-3), "
+        "the target has {}; pass target_layer_ids explicitly",
+        target_layers);
   }
   // K = 1 makes the formula divide by zero: tap the middle layer.
   if (k == 1) return {target_layers / 2};
   std::vector<int64_t> ids;
   for (int64_t i = 0; i < k; ++i) {
     // nearbyint rounds half to even, as Python's round() in the reference trainers does.
-    ids.push_back(static_cast<int64_t>(std::nearbyint(
-        1.0 + static_cast<double>(i) * static_cast<double>(target_layers - 4) /
-                  static_cast<double>(k - 1))));
+    ids.push_back(static_cast<int64_t>(
+        std::nearbyint(1.0 + static_cast<double>(i) * static_cast<double>(target_layers - 4) /
+                                 static_cast<double>(k - 1))));
   }
   return ids;
 }
@@ -57,18 +57,20 @@ void DrafterConfig::validate(const ModelConfig& target) const {
     fail("{}: drafter layers are Qwen3 layers (q_norm/k_norm, no attention bias)", who);
   }
   if (layers.hidden_size != target.hidden_size) {
-    fail("{}: hidden_size {} differs from the target's {}; the drafter must have the target's "
-         "width (it reads target features and uses the target's LM head)",
-         who, layers.hidden_size, target.hidden_size);
+    fail(
+        "{}: hidden_size {} differs from the target's {}; the drafter must have the target's "
+        "width (it reads target features and uses the target's LM head)",
+        who, layers.hidden_size, target.hidden_size);
   }
   if (layers.vocab_size != target.vocab_size) {
     fail("{}: vocab_size {} differs from the target's {} (the drafter uses the target's LM head)",
          who, layers.vocab_size, target.vocab_size);
   }
   if (num_target_layers != target.num_layers) {
-    fail("{}: num_target_layers is {} but the target has {} layers (a drafter trained for "
-         "another target?)",
-         who, num_target_layers, target.num_layers);
+    fail(
+        "{}: num_target_layers is {} but the target has {} layers (a drafter trained for "
+        "another target?)",
+        who, num_target_layers, target.num_layers);
   }
   if (target_layer_ids.empty()) fail("{}: target_layer_ids is empty", who);
   std::set<int64_t> seen;
@@ -144,9 +146,10 @@ DrafterConfig parse_drafter_config(const json& j, const std::string& origin) {
     c.mask_token_id = d.at("mask_token_id").get<int64_t>();
     c.target_layer_ids = d.at("target_layer_ids").get<std::vector<int64_t>>();
   } catch (const json::exception& e) {
-    fail("{}: DFlash fields (block_size, num_target_layers, dflash_config.mask_token_id, "
-         "dflash_config.target_layer_ids) missing or of the wrong type: {}",
-         origin, e.what());
+    fail(
+        "{}: DFlash fields (block_size, num_target_layers, dflash_config.mask_token_id, "
+        "dflash_config.target_layer_ids) missing or of the wrong type: {}",
+        origin, e.what());
   }
   c.gamma = default_gamma(c.block_size);
   return c;
@@ -254,7 +257,8 @@ void Drafter::register_parameters() {
   const auto shapes = drafter_parameter_shapes(config_);
   for (size_t i = 0; i < named_.size(); ++i) {
     // The export's name list and the weights the forward uses must never drift apart.
-    if (shapes[i].first != named_[i].first || named_[i].second.sizes() != at::IntArrayRef(shapes[i].second)) {
+    if (shapes[i].first != named_[i].first ||
+        named_[i].second.sizes() != at::IntArrayRef(shapes[i].second)) {
       fail("drafter: internal parameter list mismatch at {}", named_[i].first);
     }
     named_[i].second.requires_grad_(true);
@@ -278,11 +282,12 @@ Drafter Drafter::from_target_layers(const DrafterConfig& config, const TargetMod
          config.layers.num_layers);
   }
   const ModelConfig& c = config.layers;
-  if (c.num_heads != t.num_heads || c.num_kv_heads != t.num_kv_heads ||
-      c.head_dim != t.head_dim || c.intermediate_size != t.intermediate_size) {
-    fail("drafter init: copying target layers needs the target's layer shape (heads {}/{}, "
-         "head_dim {}, intermediate {})",
-         t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size);
+  if (c.num_heads != t.num_heads || c.num_kv_heads != t.num_kv_heads || c.head_dim != t.head_dim ||
+      c.intermediate_size != t.intermediate_size) {
+    fail(
+        "drafter init: copying target layers needs the target's layer shape (heads {}/{}, "
+        "head_dim {}, intermediate {})",
+        t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size);
   }
   Drafter d = random(config, target.device(), seed);
   const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
@@ -389,14 +394,15 @@ at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) co
 // the context rows of its sequence before its anchor, then its own B rows. Built on the
 // device with no host sync (the total is known on the host).
 struct GatherPlan {
-  at::Tensor index;      // int64 [sum(a_i + B)]
-  at::Tensor cu_keys;    // int32 [blocks+1]
-  at::Tensor cu_queries; // int32 [blocks+1]
+  at::Tensor index;       // int64 [sum(a_i + B)]
+  at::Tensor cu_keys;     // int32 [blocks+1]
+  at::Tensor cu_queries;  // int32 [blocks+1]
   int64_t max_keys = 0;
   std::vector<int64_t> key_lengths;
 };
 
-static GatherPlan gather_plan(const PackedBatch& batch, const BlockLayout& layout, at::Device device) {
+static GatherPlan gather_plan(const PackedBatch& batch, const BlockLayout& layout,
+                              at::Device device) {
   const int64_t n = layout.num_blocks(), bs = layout.block_size;
   std::vector<int64_t> ctx_start(batch.size() + 1, 0);
   for (int64_t s = 0; s < batch.size(); ++s) ctx_start[s + 1] = ctx_start[s] + batch.lengths[s];
@@ -420,7 +426,8 @@ static GatherPlan gather_plan(const PackedBatch& batch, const BlockLayout& layou
   plan.cu_queries = to(at::tensor(cu_q, at::kInt));
   auto ids = at::arange(n, lens.options());
   auto block = at::repeat_interleave(ids, lens, /*dim=*/0, /*output_size=*/total);
-  auto offset = at::arange(total, lens.options()) - plan.cu_keys.to(at::kLong).index_select(0, block);
+  auto offset =
+      at::arange(total, lens.options()) - plan.cu_keys.to(at::kLong).index_select(0, block);
   auto a_row = a.index_select(0, block);
   auto in_ctx = offset < a_row;
   auto ctx_index = s.index_select(0, block) + offset;
@@ -431,8 +438,8 @@ static GatherPlan gather_plan(const PackedBatch& batch, const BlockLayout& layou
 }
 
 at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch,
-                            const BlockLayout& layout, const TargetHead& head,
-                            at::ScalarType dtype, DrafterAttention attention) const {
+                            const BlockLayout& layout, const TargetHead& head, at::ScalarType dtype,
+                            DrafterAttention attention) const {
   const int64_t n = layout.num_blocks();
   if (features.size(0) != batch.total) {
     fail("drafter: features have {} rows, the packed batch has {} tokens", features.size(0),
@@ -449,13 +456,13 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
       fail("drafter: blocks must be grouped by sequence in batch order (block {})", i);
     }
     if (layout.anchor[i] < 0 || layout.anchor[i] >= batch.lengths[s]) {
-      fail("drafter: anchor {} of block {} is outside its sequence of length {}",
-           layout.anchor[i], i, batch.lengths[s]);
+      fail("drafter: anchor {} of block {} is outside its sequence of length {}", layout.anchor[i],
+           i, batch.lengths[s]);
     }
   }
   if (head.embedding.size(1) != config_.layers.hidden_size) {
-    fail("drafter: target embedding width {} differs from the drafter's {}",
-         head.embedding.size(1), config_.layers.hidden_size);
+    fail("drafter: target embedding width {} differs from the drafter's {}", head.embedding.size(1),
+         config_.layers.hidden_size);
   }
   if (attention == DrafterAttention::kAuto) {
     const bool flash = features.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
@@ -493,11 +500,11 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
   // (z-lab's DFlashDraftModel feeds hidden_norm(fc(taps)) straight to k_proj/v_proj), and it
   // skips Q, O and the MLP.
   const auto k_w = cast(w.k_proj), v_w = cast(w.v_proj), k_norm = cast(w.k_norm);
-  auto k_blk = apply_rotary(rms_norm(at::linear(h, k_w).view({rows, c.num_kv_heads, d}), k_norm, eps),
-                            blk_cos, blk_sin);
+  auto k_blk = apply_rotary(
+      rms_norm(at::linear(h, k_w).view({rows, c.num_kv_heads, d}), k_norm, eps), blk_cos, blk_sin);
   auto v_blk = at::linear(h, v_w).view({rows, c.num_kv_heads, d});
-  auto k_ctx = apply_rotary(rms_norm(at::linear(ctx, k_w).view({t, c.num_kv_heads, d}), k_norm, eps),
-                            ctx_cos, ctx_sin);
+  auto k_ctx = apply_rotary(
+      rms_norm(at::linear(ctx, k_w).view({t, c.num_kv_heads, d}), k_norm, eps), ctx_cos, ctx_sin);
   auto v_ctx = at::linear(ctx, v_w).view({t, c.num_kv_heads, d});
 
   at::Tensor attn;  // [rows, Hq, D]
@@ -533,9 +540,9 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
     auto v_g = at::cat({v_ctx, v_blk}).index_select(0, plan.index);
     if (q.is_cuda()) {
       attn = std::get<0>(at::_flash_attention_forward(q, k_g, v_g, plan.cu_queries, plan.cu_keys,
-                                                       bs, plan.max_keys, 0.0,
-                                                       /*is_causal=*/false,
-                                                       /*return_debug_mask=*/false));
+                                                      bs, plan.max_keys, 0.0,
+                                                      /*is_causal=*/false,
+                                                      /*return_debug_mask=*/false));
     } else {
       // The same segments, one SDPA each: lets CPU tests check the gather plan.
       std::vector<at::Tensor> outs;

@@ -6,10 +6,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
-#include <nlohmann/json_fwd.hpp>
-
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -131,9 +130,7 @@ class Drafter {
 
   const DrafterConfig& config() const { return config_; }
   // Every trainable parameter, named as in the export, in a fixed order.
-  const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const {
-    return named_;
-  }
+  const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_; }
   std::vector<at::Tensor> parameters() const;
   int64_t num_parameters() const;
   at::Device device() const { return fc_.device(); }
@@ -145,12 +142,11 @@ class Drafter {
   Drafter(DrafterConfig config, at::Device device);
   void allocate(at::Device device);
   void register_parameters();
-  at::Tensor layer_forward(const DrafterLayerWeights& w, const at::Tensor& x,
-                           const at::Tensor& ctx, const at::Tensor& ctx_cos,
-                           const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
-                           const at::Tensor& blk_sin, const PackedBatch& batch,
-                           const BlockLayout& layout, at::ScalarType dtype,
-                           const GatherPlan* gather) const;
+  at::Tensor layer_forward(const DrafterLayerWeights& w, const at::Tensor& x, const at::Tensor& ctx,
+                           const at::Tensor& ctx_cos, const at::Tensor& ctx_sin,
+                           const at::Tensor& blk_cos, const at::Tensor& blk_sin,
+                           const PackedBatch& batch, const BlockLayout& layout,
+                           at::ScalarType dtype, const GatherPlan* gather) const;
 
   DrafterConfig config_;
   Rotary rotary_;

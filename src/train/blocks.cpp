@@ -84,8 +84,10 @@ BlockTargets build_blocks(const std::vector<std::vector<int64_t>>& tokens,
     }
     for (size_t i = 0; i < anchors[s].size(); ++i) {
       const int64_t a = anchors[s][i];
-      if (a < 0 || a >= n) fail("build_blocks: anchor {} outside sequence {} of length {}", a, s, n);
-      if (i > 0 && a <= anchors[s][i - 1]) fail("build_blocks: anchors of sequence {} not ascending", s);
+      if (a < 0 || a >= n)
+        fail("build_blocks: anchor {} outside sequence {} of length {}", a, s, n);
+      if (i > 0 && a <= anchors[s][i - 1])
+        fail("build_blocks: anchors of sequence {} not ascending", s);
       const int64_t block = t.layout.num_blocks();
       t.layout.sequence.push_back(static_cast<int64_t>(s));
       t.layout.anchor.push_back(a);

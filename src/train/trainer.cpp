@@ -6,12 +6,11 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <map>
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
 #include "common/file.h"
@@ -103,8 +102,9 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
          total);
   }
   if (options.check_features && !at::isfinite(in.features).all().item<bool>()) {
-    fail("training step: the target features contain NaN or Inf (bad target weights or "
-         "activations overflowing in the target's dtype)");
+    fail(
+        "training step: the target features contain NaN or Inf (bad target weights or "
+        "activations overflowing in the target's dtype)");
   }
   // Sequences without anchors are left out of the drafter's packed batch entirely.
   std::vector<std::vector<int64_t>> tokens, anchor_lists;
@@ -136,12 +136,11 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
   auto features = feature_parts.size() == n ? in.features : at::cat(feature_parts, 0);
   auto batch = models::PackedBatch::from_lengths(lengths, device);
   auto blocks = build_blocks(tokens, masks, anchor_lists, config, device);
-  auto hidden = drafter.forward(features, batch, blocks.layout, head, options.dtype,
-                                options.attention);
+  auto hidden =
+      drafter.forward(features, batch, blocks.layout, head, options.dtype, options.attention);
   auto rows = hidden.index_select(0, blocks.label_rows);
-  auto loss = chunked_head_loss(rows, head.lm_head, blocks.labels, blocks.weights,
-                                blocks.label_k, config.block_size, grad_scale,
-                                options.head_chunk_rows);
+  auto loss = chunked_head_loss(rows, head.lm_head, blocks.labels, blocks.weights, blocks.label_k,
+                                config.block_size, grad_scale, options.head_chunk_rows);
   if (rows.requires_grad() && blocks.num_labels > 0) rows.backward(loss.grad_hidden);
   r.weighted_ce = loss.weighted_ce;
   r.correct = loss.correct;
@@ -205,9 +204,10 @@ StepLog Trainer::step() {
   }
   skipped_sequences_total_ += log.skipped_sequences;
   data_position_ += options_.accumulation;
-  log.lr = cosine_lr(step_, options_.total_steps,
-                     std::llround(options_.warmup_ratio * static_cast<double>(options_.total_steps)),
-                     options_.lr, options_.min_lr);
+  log.lr =
+      cosine_lr(step_, options_.total_steps,
+                std::llround(options_.warmup_ratio * static_cast<double>(options_.total_steps)),
+                options_.lr, options_.min_lr);
   auto params = drafter_.parameters();
   auto zero_grads = [&] {
     for (auto& p : params) p.mutable_grad() = at::Tensor();
@@ -222,8 +222,8 @@ StepLog Trainer::step() {
   for (size_t m = 0; m < inputs.size(); ++m) {
     // Normalised by the weights of all valid labels of the whole optimizer step, so
     // accumulation over micro-batches equals one big batch.
-    auto r = forward_backward(drafter_, head_, inputs[m], anchors[m], 1.0 / denominator,
-                              options_.step);
+    auto r =
+        forward_backward(drafter_, head_, inputs[m], anchors[m], 1.0 / denominator, options_.step);
     wce = m == 0 ? r.weighted_ce : wce + r.weighted_ce;
     correct = m == 0 ? r.correct : correct + r.correct;
     count = m == 0 ? r.count : count + r.count;
@@ -243,13 +243,15 @@ StepLog Trainer::step() {
     ++nonfinite_in_a_row_;
     log.skipped_nonfinite = true;
     log.step = step_;
-    fmt::print(stderr, "train: step {}: non-finite loss ({}) or grad norm ({}); step skipped "
+    fmt::print(stderr,
+               "train: step {}: non-finite loss ({}) or grad norm ({}); step skipped "
                "({} in a row, {} in total)\n",
                step_, log.loss, log.grad_norm, nonfinite_in_a_row_, nonfinite_total_);
     if (nonfinite_in_a_row_ >= options_.max_nonfinite_in_a_row) {
-      fail("train: {} steps in a row had a non-finite loss or gradient; stopping (check the "
-           "learning rate, the data and the target features)",
-           nonfinite_in_a_row_);
+      fail(
+          "train: {} steps in a row had a non-finite loss or gradient; stopping (check the "
+          "learning rate, the data and the target features)",
+          nonfinite_in_a_row_);
     }
     return log;
   }
@@ -321,7 +323,8 @@ std::filesystem::path Trainer::save_checkpoint() {
     if (e.is_directory() && n.starts_with("step-")) steps.push_back(e.path());
   }
   std::sort(steps.begin(), steps.end());
-  const int64_t excess = static_cast<int64_t>(steps.size()) - std::max<int64_t>(options_.keep_last, 1);
+  const int64_t excess =
+      static_cast<int64_t>(steps.size()) - std::max<int64_t>(options_.keep_last, 1);
   for (int64_t i = 0; i < excess; ++i) remove_tree(steps[i]);
   return final_dir;
 }
@@ -358,7 +361,8 @@ void Trainer::load_checkpoint(const std::filesystem::path& path) {
   for (size_t i = 0; i < named.size(); ++i) {
     const std::string& name = named[i].first;
     for (const char* prefix : {"param/", "exp_avg/", "exp_avg_sq/"}) {
-      if (!file->find(prefix + name)) fail("{}: state has no tensor {}{}", dir.string(), prefix, name);
+      if (!file->find(prefix + name))
+        fail("{}: state has no tensor {}{}", dir.string(), prefix, name);
     }
     params.push_back({name, file->tensor("param/" + name)});
     auto load_into = [&](at::Tensor& dst, const std::string& key) {
@@ -412,7 +416,8 @@ void export_drafter(const std::filesystem::path& source, const std::filesystem::
   } else {
     auto file = io::SafetensorsFile::open(dir / "state.safetensors");
     for (const auto& [name, shape] : shapes) {
-      if (!file->find("param/" + name)) fail("{}: state has no tensor param/{}", dir.string(), name);
+      if (!file->find("param/" + name))
+        fail("{}: state has no tensor param/{}", dir.string(), name);
       add(name, file->tensor("param/" + name), shape);
     }
   }

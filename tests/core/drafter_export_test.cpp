@@ -4,10 +4,9 @@
 // and clear errors for drafters that do not fit the target.
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "common/file.h"
@@ -21,9 +20,9 @@ namespace fs = std::filesystem;
 using testing::DflashCase;
 
 fs::path temp_dir(const std::string& name) {
-  auto d = fs::temp_directory_path() /
-           fmt::format("dflash_{}_{}_{}", name, ::getpid(),
-                       ::testing::UnitTest::GetInstance()->random_seed());
+  auto d =
+      fs::temp_directory_path() / fmt::format("dflash_{}_{}_{}", name, ::getpid(),
+                                              ::testing::UnitTest::GetInstance()->random_seed());
   testing::remove_tree(d);
   fs::create_directories(d);
   return d;
@@ -37,11 +36,11 @@ TEST(DrafterExport, ConfigAndTensorsAreWhatEnginesLoad) {
   const auto& cfg = c.drafter->config();
   EXPECT_EQ(j["architectures"], nlohmann::json::array({"DFlashDraftModel"}));
   EXPECT_EQ(j["model_type"], "qwen3");
-  for (const char* key : {"hidden_size", "intermediate_size", "num_hidden_layers",
-                          "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                          "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size",
-                          "attention_bias", "layer_types", "tie_word_embeddings", "block_size",
-                          "num_target_layers"}) {
+  for (const char* key :
+       {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+        "max_position_embeddings", "vocab_size", "attention_bias", "layer_types",
+        "tie_word_embeddings", "block_size", "num_target_layers"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["num_hidden_layers"], cfg.layers.num_layers);
@@ -127,22 +126,21 @@ TEST(DrafterExport, PythonReferenceLoadsExportAndAgrees) {
   c.drafter->save(dir / "export");
   // Our side: the drafter as loaded back from the export (bf16 values, fp32 compute).
   auto loaded = models::Drafter::load(dir / "export", c.target->config(), at::kCPU);
-  auto blocks = train::build_blocks(c.input.tokens, c.input.loss_masks, c.anchors,
-                                    loaded.config(), at::kCPU);
+  auto blocks =
+      train::build_blocks(c.input.tokens, c.input.loss_masks, c.anchors, loaded.config(), at::kCPU);
   std::vector<int64_t> kept;
   for (size_t s = 0; s < c.lengths.size(); ++s) kept.push_back(c.lengths[s]);
   auto batch = models::PackedBatch::from_lengths(kept, at::kCPU);
   auto ours = loaded.forward(c.input.features, batch, blocks.layout,
                              models::TargetHead::of(*c.target), at::kFloat);
-  io::write_safetensors(dir / "inputs.safetensors",
-                        {{"tokens", c.tensor("tokens")},
-                         {"lengths", c.tensor("lengths")},
-                         {"anchors", c.tensor("anchors")},
-                         {"anchor_counts", c.tensor("anchor_counts")}});
-  const std::string cmd = fmt::format(
-      "cd '{}/tests/python' && '{}' dflash_export_check.py '{}' '{}' '{}' '{}'", DFLASH_SOURCE_DIR,
-      python, (dir / "export").string(), (c.dir / "target").string(),
-      (dir / "inputs.safetensors").string(), (dir / "out.safetensors").string());
+  io::write_safetensors(dir / "inputs.safetensors", {{"tokens", c.tensor("tokens")},
+                                                     {"lengths", c.tensor("lengths")},
+                                                     {"anchors", c.tensor("anchors")},
+                                                     {"anchor_counts", c.tensor("anchor_counts")}});
+  const std::string cmd =
+      fmt::format("cd '{}/tests/python' && '{}' dflash_export_check.py '{}' '{}' '{}' '{}'",
+                  DFLASH_SOURCE_DIR, python, (dir / "export").string(), (c.dir / "target").string(),
+                  (dir / "inputs.safetensors").string(), (dir / "out.safetensors").string());
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   auto theirs = io::SafetensorsFile::open(dir / "out.safetensors")->tensor("hidden");
   EXPECT_CLOSE(ours.detach(), theirs, 1e-4);

@@ -17,6 +17,9 @@ struct ParityParam {
   std::string fixture;
   DrafterAttention attention;
 };
+void PrintTo(const ParityParam& p, std::ostream* os) {
+  *os << p.fixture << (p.attention == DrafterAttention::kDense ? "/dense" : "/gathered");
+}
 
 class DrafterParity : public ::testing::TestWithParam<ParityParam> {};
 
@@ -58,16 +61,16 @@ TEST_P(DrafterParity, StepMatchesReference) {
   EXPECT_GT(checked, 10);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, DrafterParity,
-    ::testing::Values(ParityParam{"tied", DrafterAttention::kDense},
-                      ParityParam{"tied", DrafterAttention::kGathered},
-                      ParityParam{"untied", DrafterAttention::kDense},
-                      ParityParam{"untied", DrafterAttention::kGathered}),
-    [](const auto& info) {
-      return info.param.fixture +
-             (info.param.attention == DrafterAttention::kDense ? "_dense" : "_gathered");
-    });
+INSTANTIATE_TEST_SUITE_P(Cases, DrafterParity,
+                         ::testing::Values(ParityParam{"tied", DrafterAttention::kDense},
+                                           ParityParam{"tied", DrafterAttention::kGathered},
+                                           ParityParam{"untied", DrafterAttention::kDense},
+                                           ParityParam{"untied", DrafterAttention::kGathered}),
+                         [](const auto& info) {
+                           return info.param.fixture +
+                                  (info.param.attention == DrafterAttention::kDense ? "_dense"
+                                                                                    : "_gathered");
+                         });
 
 }  // namespace
 }  // namespace dflash

@@ -5,6 +5,8 @@
 // attention paths (the parity tests add the end-to-end check against the reference).
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "drafter_test_util.h"
 #include "train/blocks.h"
 
@@ -26,7 +28,7 @@ TEST(DflashPitfalls, ContextMaskIsStrictAndBlocksAreBidirectional) {
   // Context of 5 tokens, blocks of 2 anchored at 0 and 3.
   auto mask = models::dense_block_mask(5, {0, 3}, 2, at::kCPU);
   //                  context 0..4     block0  block1
-  auto expected = bools({{0, 0, 0, 0, 0, 1, 1, 0, 0},    // anchor 0: no context at all
+  auto expected = bools({{0, 0, 0, 0, 0, 1, 1, 0, 0},  // anchor 0: no context at all
                          {0, 0, 0, 0, 0, 1, 1, 0, 0},
                          {1, 1, 1, 0, 0, 0, 0, 1, 1},    // anchor 3: keys 0,1,2 (< 3)
                          {1, 1, 1, 0, 0, 0, 0, 1, 1}});  // every row sees its whole block
@@ -37,8 +39,8 @@ TEST(DflashPitfalls, ContextMaskIsStrictAndBlocksAreBidirectional) {
 at::Tensor run(const DflashCase& c, const at::Tensor& features, const models::BlockLayout& layout,
                DrafterAttention attention) {
   auto batch = models::PackedBatch::from_lengths(c.lengths, at::kCPU);
-  return c.drafter->forward(features, batch, layout, models::TargetHead::of(*c.target), at::kFloat,
-                            attention)
+  return c.drafter
+      ->forward(features, batch, layout, models::TargetHead::of(*c.target), at::kFloat, attention)
       .detach();
 }
 
@@ -117,7 +119,8 @@ TEST(DflashPitfalls, BlockInputsAndPositions) {
   auto t = train::build_blocks({{40, 41, 42, 43, 44, 45}}, {{1, 1, 1, 1, 1, 1}}, {{1, 4}},
                                c.drafter->config(), at::kCPU);
   const int64_t m = c.drafter->config().mask_token_id;  // 3, block size 5
-  EXPECT_TRUE(t.layout.input_ids.equal(at::tensor(std::vector<int64_t>{41, m, m, m, m, 44, m, m, m, m}, at::kLong)));
+  EXPECT_TRUE(t.layout.input_ids.equal(
+      at::tensor(std::vector<int64_t>{41, m, m, m, m, 44, m, m, m, m}, at::kLong)));
   EXPECT_TRUE(t.layout.positions.equal(at::tensor({1, 2, 3, 4, 5, 4, 5, 6, 7, 8}, at::kLong)));
   // Rows with labels: block 0 k=1..4 (tokens 42..45), block 1 k=1 (token 45).
   EXPECT_TRUE(t.label_rows.equal(at::tensor({1, 2, 3, 4, 6}, at::kLong)));
@@ -132,8 +135,8 @@ TEST(DflashPitfalls, PositionsAreAbsoluteAndConsistent) {
   auto base = run(c, c.input.features, layout, DrafterAttention::kDense);
   auto shifted = layout;
   shifted.positions = layout.positions + 1;
-  EXPECT_FALSE(at::allclose(run(c, c.input.features, shifted, DrafterAttention::kDense), base,
-                            1e-5, 1e-6));
+  EXPECT_FALSE(
+      at::allclose(run(c, c.input.features, shifted, DrafterAttention::kDense), base, 1e-5, 1e-6));
 }
 
 TEST(DflashPitfalls, TiedTargetLendsItsEmbeddingAsLmHead) {
@@ -145,8 +148,7 @@ TEST(DflashPitfalls, TiedTargetLendsItsEmbeddingAsLmHead) {
   // The drafter owns no [V, H] tensor: nothing could be freshly initialised.
   const auto& tc = c.target->config();
   for (const auto& [name, p] : c.drafter->named_parameters()) {
-    EXPECT_FALSE(p.dim() == 2 && p.size(0) == tc.vocab_size && p.size(1) == tc.hidden_size)
-        << name;
+    EXPECT_FALSE(p.dim() == 2 && p.size(0) == tc.vocab_size && p.size(1) == tc.hidden_size) << name;
   }
   // And the step depends on the head actually lent: the target's reproduces the reference's
   // gradients, a fresh head does not.
@@ -201,11 +203,39 @@ TEST(DflashAnchors, SamplingFollowsTheRules) {
   EXPECT_TRUE(std::is_sorted(a.begin(), a.end()));
   EXPECT_EQ(std::adjacent_find(a.begin(), a.end()), a.end());  // without replacement
   for (auto x : a) EXPECT_TRUE(mask[x] && mask[x + 1]) << x;
-  EXPECT_EQ(a, train::sample_anchors(mask, 20, 1, 0, 5));  // reproducible
-  EXPECT_NE(a, train::sample_anchors(mask, 20, 1, 1, 5));  // resampled each epoch
-  EXPECT_NE(a, train::sample_anchors(mask, 20, 2, 0, 5));  // seeded
+  EXPECT_EQ(a, train::sample_anchors(mask, 20, 1, 0, 5));      // reproducible
+  EXPECT_NE(a, train::sample_anchors(mask, 20, 1, 1, 5));      // resampled each epoch
+  EXPECT_NE(a, train::sample_anchors(mask, 20, 2, 0, 5));      // seeded
   EXPECT_EQ(train::sample_anchors(mask, 512, 1, 0, 5), cand);  // all when fewer than the cap
   EXPECT_TRUE(train::sample_anchors(std::vector<uint8_t>{1, 0, 1}, 512, 1, 0, 0).empty());
+}
+
+TEST(DrafterInit, FreshWeightsAndCopiesOfTargetLayers) {
+  DflashCase c("tied");
+  const auto& cfg = c.drafter->config();
+  auto d = models::Drafter::random(cfg, at::kCPU, 3);
+  for (const auto& [name, p] : d.named_parameters()) {
+    if (name.ends_with("norm.weight")) {
+      EXPECT_TRUE(p.eq(1).all().item<bool>()) << name;
+    } else {
+      EXPECT_NEAR(p.std().item<double>(), 0.02, 0.004) << name;
+    }
+  }
+  EXPECT_TRUE(models::Drafter::random(cfg, at::kCPU, 3)
+                  .named_parameters()[0]
+                  .second.equal(d.named_parameters()[0].second));  // seeded
+  auto t = models::Drafter::from_target_layers(cfg, *c.target, {5, 6, 7}, 3);
+  const auto& src = c.target->layers()[6];
+  const auto& tc = c.target->config();
+  const int64_t q = tc.num_heads * tc.head_dim, kv = tc.num_kv_heads * tc.head_dim;
+  std::map<std::string, at::Tensor> by_name(t.named_parameters().begin(),
+                                            t.named_parameters().end());
+  EXPECT_TRUE(by_name["layers.1.self_attn.k_proj.weight"].equal(src.w_qkv.narrow(0, q, kv)));
+  EXPECT_TRUE(by_name["layers.1.self_attn.q_norm.weight"].equal(src.q_norm));
+  EXPECT_TRUE(by_name["layers.1.mlp.up_proj.weight"].equal(
+      src.w_gate_up.narrow(0, tc.intermediate_size, tc.intermediate_size)));
+  EXPECT_TRUE(by_name["layers.1.post_attention_layernorm.weight"].equal(src.post_attention_norm));
+  EXPECT_TRUE(by_name["fc.weight"].equal(d.named_parameters()[0].second));  // fresh, same seed
 }
 
 TEST(DflashConfig, BadConfigsGiveClearErrors) {
@@ -244,8 +274,9 @@ TEST(DflashConfig, BadConfigsGiveClearErrors) {
   auto nan = c.input;
   nan.features = nan.features.clone();
   nan.features[3][0] = std::nan("");
-  EXPECT_THROW(train::forward_backward(d, models::TargetHead::of(*c.target), nan, c.anchors, 1.0, {}),
-               Error);
+  EXPECT_THROW(
+      train::forward_backward(d, models::TargetHead::of(*c.target), nan, c.anchors, 1.0, {}),
+      Error);
 }
 
 }  // namespace

@@ -2,13 +2,12 @@
 // drafter, sequences and anchors) loaded into C++ objects, and target taps computed in C++.
 #pragma once
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 
 #include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "common/error.h"
 #include "io/safetensors.h"

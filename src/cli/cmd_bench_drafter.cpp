@@ -1,0 +1,157 @@
+// `dflash bench-drafter`: time of one full DFlash training step (anchor sampling, drafter
+// forward, chunked LM-head loss, backward, clipping, AdamW) at a given shape with random
+// weights and random tapped features, so it needs no files: median step time after warm-up,
+// achieved TFLOP/s (models::drafter_step_flops) and peak GPU memory.
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "common/error.h"
+#include "common/file.h"
+#include "models/drafter.h"
+#include "obs/stats.h"
+#include "train/blocks.h"
+#include "train/trainer.h"
+
+namespace dflash::cli {
+namespace {
+
+struct BenchDrafterOptions {
+  std::string preset = "qwen3-8b";
+  std::string device = "cuda";
+  int64_t seq_len = -1;  // -1: preset default (2048 for qwen3-8b, 256 for tiny)
+  int64_t anchors = -1;  // -1: preset default (512, 32)
+  int64_t block_size = 16;
+  int64_t layers = 5;
+  int64_t head_chunk = 2048;
+  std::string attention = "auto";
+  int warmup = 3;
+  int iters = 10;
+  std::string json_out;
+};
+
+// The same micro-batch every step: one sequence, a 64-token unsupervised "prompt".
+class FixedBatch : public train::DataSource {
+ public:
+  explicit FixedBatch(train::StepInput input) : input_(std::move(input)) {}
+  train::StepInput get(int64_t) override { return input_; }
+
+ private:
+  train::StepInput input_;
+};
+
+void run_bench(const BenchDrafterOptions& o) {
+  const at::Device device(o.device);
+  const bool tiny = o.preset == "tiny";
+  const int64_t seq = o.seq_len > 0 ? o.seq_len : (tiny ? 256 : 2048);
+  const int64_t anchors = o.anchors > 0 ? o.anchors : (tiny ? 32 : 512);
+  auto target = models::preset_config(o.preset);
+  const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  models::DrafterOptions dopt;
+  dopt.num_layers = o.layers;
+  dopt.block_size = o.block_size;
+  dopt.mask_token_id = target.vocab_size - 1;
+  auto config = models::make_drafter_config(target, dopt);
+  auto drafter = models::Drafter::random(config, device, 0);
+
+  // Frozen target pieces: embedding and LM head (tied presets share one tensor), and
+  // features standing in for the K tapped layers.
+  auto opts = at::TensorOptions().device(device).dtype(dtype);
+  models::TargetHead head;
+  head.embedding = at::randn({target.vocab_size, target.hidden_size}, opts) * 0.02;
+  head.lm_head = target.tie_word_embeddings
+                     ? head.embedding
+                     : at::randn({target.vocab_size, target.hidden_size}, opts) * 0.02;
+  train::StepInput input;
+  input.features = at::randn({seq, config.num_taps() * target.hidden_size}, opts);
+  auto tokens = at::randint(target.vocab_size, {seq}, at::TensorOptions().dtype(at::kLong));
+  input.tokens.push_back(
+      std::vector<int64_t>(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + seq));
+  std::vector<uint8_t> mask(seq, 1);
+  for (int64_t i = 0; i < std::min<int64_t>(64, seq / 4); ++i) mask[i] = 0;
+  input.loss_masks.push_back(mask);
+  input.sample_ids.push_back(0);
+  FixedBatch data(input);
+
+  train::TrainerOptions topt;
+  topt.max_anchors = anchors;
+  topt.total_steps = 1000;
+  topt.step.dtype = dtype;
+  topt.step.head_chunk_rows = o.head_chunk;
+  if (o.attention == "dense") {
+    topt.step.attention = models::DrafterAttention::kDense;
+  } else if (o.attention == "gathered") {
+    topt.step.attention = models::DrafterAttention::kGathered;
+  } else if (o.attention != "auto") {
+    fail("bench-drafter: --attention must be auto, dense or gathered, got {}", o.attention);
+  }
+  train::Trainer trainer(drafter, head, topt, data);
+
+  const auto sampled = train::sample_anchors(mask, anchors, 0, 0, 0);
+  int64_t labels = 0;
+  for (int64_t a : sampled) labels += std::min(config.block_size - 1, seq - 1 - a);
+  const double flops = models::drafter_step_flops(config, {seq}, sampled, labels);
+  fmt::print(
+      "bench-drafter: target {} ({} layers, H {}), drafter {} layers ({:.3f} B params), taps [{}],"
+      " seq {}, anchors {}, B {}, {} on {}, warmup {}, iters {}\n",
+      o.preset, target.num_layers, target.hidden_size, config.layers.num_layers,
+      drafter.num_parameters() / 1e9, fmt::join(config.target_layer_ids, ","), seq, sampled.size(),
+      config.block_size, c10::toString(dtype), o.device, o.warmup, o.iters);
+  const int dev = device.index() < 0 ? 0 : device.index();
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(dev);
+  train::StepLog last;
+  auto times = obs::time_steps(device, o.warmup, o.iters, [&] { last = trainer.step(); });
+  const double ms = obs::median(times) * 1e3;
+  double peak_gib = 0;
+  if (device.is_cuda()) {
+    peak_gib = c10::cuda::CUDACachingAllocator::getDeviceStats(dev).allocated_bytes[0].peak /
+               double(1 << 30);
+  }
+  const double tflops = flops / (ms / 1e3) / 1e12;
+  fmt::print("{:>12} {:>12} {:>10} {:>14} {:>10}\n", "median ms", "tokens/s", "TFLOP/s",
+             "peak GPU GiB", "loss");
+  fmt::print("{:>12.2f} {:>12.0f} {:>10.3g} {:>14.2f} {:>10.4f}\n", ms, seq / (ms / 1e3), tflops,
+             peak_gib, last.loss);
+  if (!o.json_out.empty()) {
+    nlohmann::json doc = {{"preset", o.preset},
+                          {"device", o.device},
+                          {"seq_len", seq},
+                          {"anchors", sampled.size()},
+                          {"block_size", o.block_size},
+                          {"drafter_params", drafter.num_parameters()},
+                          {"median_ms", ms},
+                          {"tflops", tflops},
+                          {"step_flops", flops},
+                          {"peak_gpu_gib", peak_gib},
+                          {"times_s", times},
+                          {"loss", last.loss}};
+    write_file_atomic(o.json_out, doc.dump(2));
+  }
+}
+
+}  // namespace
+
+void add_bench_drafter_command(CLI::App& app) {
+  auto o = std::make_shared<BenchDrafterOptions>();
+  auto* cmd = app.add_subcommand(
+      "bench-drafter", "Measure one DFlash drafter training step (random weights and features)");
+  cmd->add_option("--preset", o->preset, "target shape: qwen3-8b or tiny")->capture_default_str();
+  cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
+  cmd->add_option("--seq-len", o->seq_len, "tokens in the sequence (default 2048; tiny 256)");
+  cmd->add_option("--anchors", o->anchors, "blocks per sequence (default 512; tiny 32)");
+  cmd->add_option("--block-size", o->block_size)->capture_default_str();
+  cmd->add_option("--layers", o->layers, "drafter layers (= tapped layers)")->capture_default_str();
+  cmd->add_option("--head-chunk", o->head_chunk, "LM-head rows per loss chunk")
+      ->capture_default_str();
+  cmd->add_option("--attention", o->attention, "auto, dense or gathered")->capture_default_str();
+  cmd->add_option("--warmup", o->warmup)->capture_default_str();
+  cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
+      ->capture_default_str();
+  cmd->add_option("--json", o->json_out, "also write the results here");
+  cmd->callback([o] { run_bench(*o); });
+}
+
+}  // namespace dflash::cli
