@@ -53,11 +53,23 @@ void write_file_atomic(const std::filesystem::path& path, const std::function<vo
     ::unlink(tmpl.c_str());
     fail("cannot rename {} to {}: {}", tmpl, path.string(), std::strerror(err));
   }
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
+  fsync_dir(dir);
+}
+
+void fsync_dir(const std::filesystem::path& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
   }
+}
+
+void remove_tree(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(std::filesystem::symlink_status(path, ec))) {
+    for (const auto& e : std::filesystem::directory_iterator(path, ec)) remove_tree(e.path());
+  }
+  std::filesystem::remove(path, ec);
 }
 
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes) {

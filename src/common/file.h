@@ -21,4 +21,12 @@ void write_file_atomic(const std::filesystem::path& path, const std::function<vo
 // Writes all of `size` bytes at `data` to `fd`, retrying short writes; names `path` on error.
 void write_all(int fd, const void* data, size_t size, const std::filesystem::path& path);
 
+// fsyncs a directory so that a rename or unlink inside it survives a crash.
+void fsync_dir(const std::filesystem::path& dir);
+
+// Removes a file or directory tree, ignoring what is already gone. Not
+// std::filesystem::remove_all: the copy libtorch.so exports (which the dynamic linker binds
+// first in programs linked with it) crashes on non-empty directories.
+void remove_tree(const std::filesystem::path& path);
+
 }  // namespace dflash

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/file.h"
 #include "models/config.h"
 #include "models/target.h"
 #include "test_util.h"
@@ -124,7 +125,7 @@ TEST(TargetModelErrors, WeightShapeDisagreesWithConfig) {
   // A copy of a fixture model whose config claims a wider FFN than its weights have.
   auto src = testing::fixture("models/qwen3_tied");
   auto dir = std::filesystem::temp_directory_path() / "dflash_shape_mismatch";
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
   std::filesystem::create_directories(dir);
   std::filesystem::copy_file(src / "model.safetensors", dir / "model.safetensors");
   auto j = json::parse(std::ifstream(src / "config.json"));
@@ -143,7 +144,7 @@ TEST(TargetModelErrors, MissingTensor) {
   // An untied config over tied weights: lm_head.weight is not in the file.
   auto src = testing::fixture("models/qwen3_tied");
   auto dir = std::filesystem::temp_directory_path() / "dflash_missing_tensor";
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
   std::filesystem::create_directories(dir);
   std::filesystem::copy_file(src / "model.safetensors", dir / "model.safetensors");
   auto j = json::parse(std::ifstream(src / "config.json"));

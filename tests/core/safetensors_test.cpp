@@ -70,16 +70,6 @@ std::string error_of(F&& f) {
   return "";
 }
 
-// std::filesystem::remove_all is avoided: the copy that libtorch.so exports (and that the
-// dynamic linker binds first) crashes on non-empty directories.
-void remove_tree(const fs::path& path) {
-  std::error_code ec;
-  if (fs::is_directory(fs::symlink_status(path, ec))) {
-    for (const auto& entry : fs::directory_iterator(path, ec)) remove_tree(entry.path());
-  }
-  fs::remove(path, ec);
-}
-
 // A fresh directory per test, removed afterwards. Lower case so that `ctest -R safetensors`
 // selects these tests.
 class safetensors : public ::testing::Test {
