@@ -1,5 +1,6 @@
 // `dflash bench-target`: prefill throughput of a random-weight target (no files needed), and
 // `dflash random-model`: writes such a model as a Hugging Face directory.
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -10,8 +11,6 @@
 #include "io/safetensors.h"
 #include "models/target.h"
 #include "obs/stats.h"
-
-#include <c10/cuda/CUDACachingAllocator.h>
 
 namespace dflash::cli {
 namespace {
@@ -39,17 +38,20 @@ void run_bench(const BenchOptions& o) {
   auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   auto model = models::TargetModel::random(config, device, dtype, 0);
   const auto taps = default_taps(config.num_layers);
-  fmt::print("bench-target: {} ({:.2f} B params), {} on {}, seq {}, taps [{}], warmup {}, iters {}\n",
-             o.preset, config.num_parameters() / 1e9, c10::toString(dtype), o.device, o.seq_len,
-             fmt::join(taps, ","), o.warmup, o.iters);
+  fmt::print(
+      "bench-target: {} ({:.2f} B params), {} on {}, seq {}, taps [{}], warmup {}, iters {}\n",
+      o.preset, config.num_parameters() / 1e9, c10::toString(dtype), o.device, o.seq_len,
+      fmt::join(taps, ","), o.warmup, o.iters);
   fmt::print("{:>6} {:>10} {:>12} {:>10} {:>14}\n", "batch", "median ms", "tokens/s", "TFLOP/s",
              "peak GPU GiB");
   nlohmann::json rows = nlohmann::json::array();
   for (int64_t b : o.batches) {
     std::vector<int64_t> lengths(b, o.seq_len);
     auto batch = models::PackedBatch::from_lengths(lengths, device);
-    auto tokens = at::randint(config.vocab_size, {batch.total}, at::TensorOptions().dtype(at::kLong).device(device));
-    if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+    auto tokens = at::randint(config.vocab_size, {batch.total},
+                              at::TensorOptions().dtype(at::kLong).device(device));
+    if (device.is_cuda())
+      c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
     auto times = obs::time_steps(device, o.warmup, o.iters, [&] {
       model.forward(tokens, batch, {taps, models::Logits::kLast});
     });
@@ -58,12 +60,18 @@ void run_bench(const BenchOptions& o) {
     const double tflops = models::prefill_flops(config, lengths, b) / (ms / 1e3) / 1e12;
     double peak_gib = 0;
     if (device.is_cuda()) {
-      auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+      auto stats =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
       peak_gib = stats.allocated_bytes[0].peak / double(1 << 30);
     }
     fmt::print("{:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f}\n", b, ms, tps, tflops, peak_gib);
-    rows.push_back({{"batch", b}, {"seq_len", o.seq_len}, {"median_ms", ms}, {"tokens_per_s", tps},
-                    {"tflops", tflops}, {"peak_gpu_gib", peak_gib}, {"times_s", times}});
+    rows.push_back({{"batch", b},
+                    {"seq_len", o.seq_len},
+                    {"median_ms", ms},
+                    {"tokens_per_s", tps},
+                    {"tflops", tflops},
+                    {"peak_gpu_gib", peak_gib},
+                    {"times_s", times}});
   }
   if (!o.json_out.empty()) {
     nlohmann::json doc = {{"preset", o.preset}, {"device", o.device}, {"rows", rows}};
@@ -84,8 +92,10 @@ void run_random_model(const RandomModelOptions& o) {
   at::Device device = at::hasCUDA() ? at::Device("cuda") : at::Device("cpu");
   auto model = models::TargetModel::random(config, device, at::kBFloat16, o.seed);
   std::filesystem::create_directories(o.out);
-  io::write_checkpoint(o.out, model.hf_state_dict(), static_cast<uint64_t>(o.shard_gib * (1ull << 30)));
-  write_file_atomic(std::filesystem::path(o.out) / "config.json", models::to_hf_json(config).dump(2));
+  io::write_checkpoint(o.out, model.hf_state_dict(),
+                       static_cast<uint64_t>(o.shard_gib * (1ull << 30)));
+  write_file_atomic(std::filesystem::path(o.out) / "config.json",
+                    models::to_hf_json(config).dump(2));
   fmt::print("random-model: wrote {} ({:.3f} B params, bf16) to {}\n", o.preset,
              config.num_parameters() / 1e9, o.out);
 }
@@ -94,18 +104,23 @@ void run_random_model(const RandomModelOptions& o) {
 
 void add_bench_target_command(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
-  auto* cmd = app.add_subcommand("bench-target", "Measure target prefill throughput (random weights)");
+  auto* cmd =
+      app.add_subcommand("bench-target", "Measure target prefill throughput (random weights)");
   cmd->add_option("--preset", o->preset, "model shape: qwen3-8b or tiny")->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
   cmd->add_option("--seq-len", o->seq_len, "tokens per sequence")->capture_default_str();
-  cmd->add_option("--batches", o->batches, "sequences per prefill, one run each")->delimiter(',')->capture_default_str();
+  cmd->add_option("--batches", o->batches, "sequences per prefill, one run each")
+      ->delimiter(',')
+      ->capture_default_str();
   cmd->add_option("--warmup", o->warmup)->capture_default_str();
-  cmd->add_option("--iters", o->iters, "timed steps; the median is reported")->capture_default_str();
+  cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
+      ->capture_default_str();
   cmd->add_option("--json", o->json_out, "also write the results here");
   cmd->callback([o] { run_bench(*o); });
 
   auto r = std::make_shared<RandomModelOptions>();
-  auto* rm = app.add_subcommand("random-model", "Write a random-weight target as a HF model directory");
+  auto* rm =
+      app.add_subcommand("random-model", "Write a random-weight target as a HF model directory");
   rm->add_option("--preset", r->preset, "model shape: qwen3-8b or tiny")->capture_default_str();
   rm->add_option("--out", r->out, "output directory")->required();
   rm->add_option("--seed", r->seed)->capture_default_str();

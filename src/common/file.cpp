@@ -38,7 +38,8 @@ void write_file_atomic(const std::filesystem::path& path, const std::function<vo
   std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
   std::string tmpl = (dir / ("." + path.filename().string() + ".tmp.XXXXXX")).string();
   int fd = ::mkstemp(tmpl.data());
-  if (fd < 0) fail("cannot create a temporary file beside {}: {}", path.string(), std::strerror(errno));
+  if (fd < 0)
+    fail("cannot create a temporary file beside {}: {}", path.string(), std::strerror(errno));
   try {
     fill(fd);
     if (::fsync(fd) != 0) fail("fsync of {} failed: {}", tmpl, std::strerror(errno));

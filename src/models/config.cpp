@@ -117,7 +117,8 @@ ModelConfig parse_model_config(const json& j, const std::string& origin) {
     fail("{}: mlp_bias = true is not supported", origin);
   }
   std::string hidden_act = optional_field<std::string>(j, "hidden_act", "silu", origin);
-  if (hidden_act != "silu") fail("{}: hidden_act \"{}\" is not supported (silu)", origin, hidden_act);
+  if (hidden_act != "silu")
+    fail("{}: hidden_act \"{}\" is not supported (silu)", origin, hidden_act);
   c.torch_dtype = optional_field<std::string>(
       j, "dtype", optional_field<std::string>(j, "torch_dtype", "bfloat16", origin), origin);
   c.validate(origin);

@@ -1,10 +1,9 @@
 // models: target decoders (Qwen3, Qwen2, Llama) as plain tensor code, their config.json, and
 // the layers the DFlash drafter shares with them.
 #pragma once
-#include <nlohmann/json_fwd.hpp>
-
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 

@@ -19,7 +19,9 @@ PackedBatch PackedBatch::from_lengths(const std::vector<int64_t>& lengths, at::D
     for (int64_t p = 0; p < lengths[i]; ++p) pos.push_back(p);
   }
   b.total = cu.back();
-  auto to_device = [&](at::Tensor t) { return device.is_cpu() ? t : t.pin_memory().to(device, true); };
+  auto to_device = [&](at::Tensor t) {
+    return device.is_cpu() ? t : t.pin_memory().to(device, true);
+  };
   b.cu_seqlens = to_device(at::tensor(cu, at::kInt));
   b.positions = to_device(at::tensor(pos, at::kLong));
   return b;
@@ -34,7 +36,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 Rotary::Rotary(const ModelConfig& c, at::Device device) {
   // fp32 arithmetic on the CPU mirrors transformers' own computation of the table.
-  auto exponents = at::arange(0, c.head_dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(c.head_dim);
+  auto exponents =
+      at::arange(0, c.head_dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(c.head_dim);
   auto inv_freq = 1.0 / at::pow(c.rope_theta, exponents);
   if (c.rope_scaling) {
     const auto& s = *c.rope_scaling;
@@ -43,7 +46,8 @@ Rotary::Rotary(const ModelConfig& c, at::Device device) {
     const double high_wavelen = old_len / s.high_freq_factor;
     auto wavelen = 2 * std::numbers::pi / inv_freq;
     auto scaled = at::where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq);
-    auto smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    auto smooth =
+        (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
     auto smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
     auto medium = at::logical_not(wavelen < high_wavelen) & at::logical_not(wavelen > low_wavelen);
     inv_freq = at::where(medium, smoothed, scaled);
@@ -68,7 +72,8 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 
 at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const PackedBatch& batch) {
-  const bool flash = q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+  const bool flash =
+      q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
   if (flash) {
     auto out = at::_flash_attention_forward(q, k, v, batch.cu_seqlens, batch.cu_seqlens,
                                             batch.max_length, batch.max_length, 0.0,
@@ -80,9 +85,11 @@ at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, con
   int64_t start = 0;
   for (int64_t len : batch.lengths) {
     // [L, H, D] -> [1, H, L, D]
-    auto view = [&](const at::Tensor& t) { return t.narrow(0, start, len).transpose(0, 1).unsqueeze(0); };
-    auto o = at::scaled_dot_product_attention(view(q), view(k), view(v), {}, 0.0, /*is_causal=*/true,
-                                              std::nullopt, /*enable_gqa=*/true);
+    auto view = [&](const at::Tensor& t) {
+      return t.narrow(0, start, len).transpose(0, 1).unsqueeze(0);
+    };
+    auto o = at::scaled_dot_product_attention(
+        view(q), view(k), view(v), {}, 0.0, /*is_causal=*/true, std::nullopt, /*enable_gqa=*/true);
     outs.push_back(o.squeeze(0).transpose(0, 1));
     start += len;
   }

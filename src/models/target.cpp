@@ -3,7 +3,6 @@
 #include <c10/core/GradMode.h>
 #include <fmt/ranges.h>
 
-
 #include "common/error.h"
 #include "io/safetensors.h"
 
@@ -126,9 +125,13 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
   return m;
 }
 
-at::Tensor TargetModel::embed(const at::Tensor& tokens) const { return at::embedding(embed_, tokens); }
+at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
+  return at::embedding(embed_, tokens);
+}
 
-at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_); }
+at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const {
+  return at::linear(hidden, lm_head_);
+}
 
 at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, const at::Tensor& x,
                                       const at::Tensor& cos, const at::Tensor& sin,
@@ -149,7 +152,8 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, const at::Ten
   k = apply_rotary(k, cos, sin);
   auto attn = packed_causal_attention(q, k, v, batch).reshape({t, nq});
   auto x1 = x + at::linear(attn, w.w_o);
-  return x1 + swiglu_mlp(rms_norm(x1, w.post_attention_norm, c.rms_norm_eps), w.w_gate_up, w.w_down);
+  return x1 +
+         swiglu_mlp(rms_norm(x1, w.post_attention_norm, c.rms_norm_eps), w.w_gate_up, w.w_down);
 }
 
 ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& batch,

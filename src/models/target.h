@@ -14,8 +14,8 @@ namespace dflash::models {
 
 struct TargetLayerWeights {
   at::Tensor input_norm, post_attention_norm;
-  at::Tensor w_qkv;  // [(Hq + 2 Hkv) * D, H]: q, k and v projections fused into one matmul
-  at::Tensor b_qkv;  // undefined unless attention_bias
+  at::Tensor w_qkv;           // [(Hq + 2 Hkv) * D, H]: q, k and v projections fused into one matmul
+  at::Tensor b_qkv;           // undefined unless attention_bias
   at::Tensor q_norm, k_norm;  // [D], Qwen3 only
   at::Tensor w_o;             // [H, Hq * D]
   at::Tensor w_gate_up;       // [2F, H]
@@ -30,14 +30,15 @@ struct ForwardRequest {
 };
 
 struct ForwardResult {
-  at::Tensor logits;              // [sequences, V] for kLast, [tokens, V] for kAll
-  std::vector<at::Tensor> taps;   // one [tokens, H] per tap_layers entry, same order
+  at::Tensor logits;             // [sequences, V] for kLast, [tokens, V] for kAll
+  std::vector<at::Tensor> taps;  // one [tokens, H] per tap_layers entry, same order
 };
 
 class TargetModel {
  public:
   // Reads config.json and the safetensors weights of a Hugging Face model directory.
-  static TargetModel load(const std::filesystem::path& dir, at::Device device, at::ScalarType dtype);
+  static TargetModel load(const std::filesystem::path& dir, at::Device device,
+                          at::ScalarType dtype);
   // Random weights (normal, std 0.02; norms at 1) for benchmarks that need no files.
   static TargetModel random(const ModelConfig& config, at::Device device, at::ScalarType dtype,
                             uint64_t seed);

@@ -1,13 +1,15 @@
 // config.json parsing: supported families, rope scaling, and the errors for everything else.
+#include "models/config.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
 #include "common/file.h"
-#include "models/config.h"
 #include "models/target.h"
 #include "test_util.h"
 
@@ -19,9 +21,9 @@ using nlohmann::json;
 using ::testing::HasSubstr;
 
 json qwen3() {
-  return json{{"model_type", "qwen3"},       {"vocab_size", 100},       {"hidden_size", 32},
-              {"intermediate_size", 64},      {"num_hidden_layers", 2},  {"num_attention_heads", 4},
-              {"num_key_value_heads", 2},     {"head_dim", 8},           {"rope_theta", 1e6},
+  return json{{"model_type", "qwen3"},      {"vocab_size", 100},      {"hidden_size", 32},
+              {"intermediate_size", 64},    {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+              {"num_key_value_heads", 2},   {"head_dim", 8},          {"rope_theta", 1e6},
               {"tie_word_embeddings", true}};
 }
 
@@ -58,8 +60,11 @@ TEST(ModelConfig, Qwen2HasQkvBiasAndLlamaDerivesHeadDim) {
 TEST(ModelConfig, Llama3RopeScalingInBothSpellings) {
   auto j = qwen3();
   j["model_type"] = "llama";
-  json rs = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
-             {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+  json rs = {{"rope_type", "llama3"},
+             {"factor", 8.0},
+             {"low_freq_factor", 1.0},
+             {"high_freq_factor", 4.0},
+             {"original_max_position_embeddings", 8192}};
   j["rope_scaling"] = rs;
   ASSERT_TRUE(parse_model_config(j, "c").rope_scaling.has_value());
   j.erase("rope_scaling");
@@ -121,45 +126,41 @@ TEST(ModelConfigErrors, MalformedJsonNamesTheFile) {
   }
 }
 
-TEST(TargetModelErrors, WeightShapeDisagreesWithConfig) {
-  // A copy of a fixture model whose config claims a wider FFN than its weights have.
+// A copy of the tied Qwen3 fixture whose config.json `edit` changes; returns the error that
+// loading it gives.
+std::string load_error_with_config(const std::string& name,
+                                   const std::function<void(json&)>& edit) {
   auto src = testing::fixture("models/qwen3_tied");
-  auto dir = std::filesystem::temp_directory_path() / "dflash_shape_mismatch";
+  auto dir = std::filesystem::temp_directory_path() / ("dflash_" + name);
   remove_tree(dir);
   std::filesystem::create_directories(dir);
   std::filesystem::copy_file(src / "model.safetensors", dir / "model.safetensors");
   auto j = json::parse(std::ifstream(src / "config.json"));
-  j["intermediate_size"] = j["intermediate_size"].get<int>() * 2;
+  edit(j);
   std::ofstream(dir / "config.json") << j.dump();
+  std::string error = "no error";
   try {
     models::TargetModel::load(dir, at::kCPU, at::kFloat);
-    FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("tensor model.layers.0.mlp.gate_proj.weight has shape [96, 64], "
-                                    "config.json implies [192, 64]"));
+    error = e.what();
   }
+  remove_tree(dir);
+  return error;
+}
+
+TEST(TargetModelErrors, WeightShapeDisagreesWithConfig) {
+  auto error = load_error_with_config("shape_mismatch", [](json& j) {
+    j["intermediate_size"] = j["intermediate_size"].get<int>() * 2;
+  });
+  EXPECT_THAT(error, HasSubstr("tensor model.layers.0.mlp.gate_proj.weight has shape [96, 64], "
+                               "config.json implies [192, 64]"));
 }
 
 TEST(TargetModelErrors, MissingTensor) {
   // An untied config over tied weights: lm_head.weight is not in the file.
-  auto src = testing::fixture("models/qwen3_tied");
-  auto dir = std::filesystem::temp_directory_path() / "dflash_missing_tensor";
-  remove_tree(dir);
-  std::filesystem::create_directories(dir);
-  std::filesystem::copy_file(src / "model.safetensors", dir / "model.safetensors");
-  auto j = json::parse(std::ifstream(src / "config.json"));
-  j["tie_word_embeddings"] = false;
-  std::ofstream(dir / "config.json") << j.dump();
-  EXPECT_THROW(
-      {
-        try {
-          models::TargetModel::load(dir, at::kCPU, at::kFloat);
-        } catch (const Error& e) {
-          EXPECT_THAT(e.what(), HasSubstr("tensor lm_head.weight is missing"));
-          throw;
-        }
-      },
-      Error);
+  auto error =
+      load_error_with_config("missing_tensor", [](json& j) { j["tie_word_embeddings"] = false; });
+  EXPECT_THAT(error, HasSubstr("tensor lm_head.weight is missing"));
 }
 
 }  // namespace

@@ -18,12 +18,12 @@ inline double relative_error(const at::Tensor& actual, const at::Tensor& expecte
   return (a - e).norm().item<double>() / std::max(e.norm().item<double>(), 1e-30);
 }
 
-#define EXPECT_CLOSE(actual, expected, tol)                                          \
-  do {                                                                               \
-    auto&& a_ = (actual);                                                            \
-    auto&& e_ = (expected);                                                          \
-    ASSERT_EQ(a_.sizes(), e_.sizes()) << #actual " vs " #expected;                   \
-    EXPECT_FALSE(a_.isnan().any().item<bool>()) << #actual " has NaN";               \
+#define EXPECT_CLOSE(actual, expected, tol)                                                  \
+  do {                                                                                       \
+    auto&& a_ = (actual);                                                                    \
+    auto&& e_ = (expected);                                                                  \
+    ASSERT_EQ(a_.sizes(), e_.sizes()) << #actual " vs " #expected;                           \
+    EXPECT_FALSE(a_.isnan().any().item<bool>()) << #actual " has NaN";                       \
     EXPECT_LE(::dflash::testing::relative_error(a_, e_), (tol)) << #actual " vs " #expected; \
   } while (0)
 
