@@ -7,14 +7,15 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 build=${BUILD_DIR:-$root/build-text}
-py=$root/.venv/bin/python
+py=${DFLASH_PYTHON:-$root/.venv/bin/python}
 threads=${1:-$(nproc)}
 repeat=${REPEAT:-2}
 work=${WORK:-$build/bench-text}
 mkdir -p "$work"
 torch_inc=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))')
 g++ -std=c++20 -O2 -DFMT_HEADER_ONLY -I"$root/src" -isystem "$torch_inc" \
-  bench/tokenizer_bench.cpp "$build/src/libdflash_text.a" -lpcre2-8 -lpthread -o "$work/tokenizer_bench"
+  ${BENCH_CXXFLAGS:-} bench/tokenizer_bench.cpp "$build/src/libdflash_text.a" -lpcre2-8 -lpthread \
+  -o "$work/tokenizer_bench"
 data=${GSM8K:-/work/shared/data/gsm8k}
 "$py" - "$data" "$work" <<'PY'
 import json, sys, pathlib
@@ -34,7 +35,7 @@ with open(work / "gsm8k_chat.jsonl", "w") as f:  # alternate the two input forms
 PY
 cat "$work/gsm8k_chat.jsonl" "$work/gsm8k_chat.jsonl" "$work/gsm8k_chat.jsonl" \
   "$work/gsm8k_chat.jsonl" > "$work/gsm8k_chat_x4.jsonl"
-fx=$build/fixtures/tokenizer
+fx=${FIXTURES:-$build/fixtures/tokenizer}
 for kind in qwen3 llama3; do
   echo "== encode, $kind-style tokenizer, GSM8K train x$repeat"
   "$work/tokenizer_bench" encode "$fx/$kind" "$work/texts.jsonl" "$repeat" 1 "$threads"

@@ -48,4 +48,13 @@ if has drafter && "$dflash" bench-drafter --help > /dev/null 2>&1; then
   step bench-drafter
   "$dflash" bench-drafter --device cuda --json "$out/bench_drafter.json" 2>&1 | tee "$out/bench_drafter.txt"
 fi
+if has tokenizer && [ -d "$root/.deps/bench" ]; then
+  # Tokenizer throughput on a quiet many-core machine: the fixture tokenizers and GSM8K text
+  # travel in .deps/bench (copied there by hand from build-text/fixtures and ../shared).
+  step tokenizer
+  BUILD_DIR=$build GSM8K=$root/.deps/bench/gsm8k WORK=/tmp/bench-text \
+    DFLASH_PYTHON=$(command -v python3) FIXTURES=$root/.deps/bench/fx \
+    BENCH_CXXFLAGS="-I$root/.deps/root/usr/include -L$root/.deps/root/usr/lib/x86_64-linux-gnu -Wl,-rpath,$root/.deps/root/usr/lib/x86_64-linux-gnu" \
+    bash "$root/bench/run_tokenizer_bench.sh" 16 2>&1 | tee "$out/tokenizer_bench.txt"
+fi
 step done
