@@ -536,8 +536,16 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
     // Block-sparse: each block's keys are gathered into their own varlen segment, so work and
     // memory are linear in sum(a_i + B) and nothing is spent on masked-out keys.
     const GatherPlan& plan = *gather;
-    auto k_g = at::cat({k_ctx, k_blk}).index_select(0, plan.index);
-    auto v_g = at::cat({v_ctx, v_blk}).index_select(0, plan.index);
+    // The gather is an embedding lookup because its backward matters: each context row is read
+    // by up to every block, and embedding's CUDA backward sums duplicates by sorting the index
+    // (segmented, deterministic) where index_select's would contend on atomics.
+    const int64_t kv_width = c.num_kv_heads * d;
+    auto gather_rows = [&](const at::Tensor& ctx_part, const at::Tensor& blk_part) {
+      auto all = at::cat({ctx_part, blk_part}).view({-1, kv_width});
+      return at::embedding(all, plan.index).view({-1, c.num_kv_heads, d});
+    };
+    auto k_g = gather_rows(k_ctx, k_blk);
+    auto v_g = gather_rows(v_ctx, v_blk);
     if (q.is_cuda()) {
       attn = std::get<0>(at::_flash_attention_forward(q, k_g, v_g, plan.cu_queries, plan.cu_keys,
                                                       bs, plan.max_keys, 0.0,
