@@ -4,5 +4,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
 "$root/scripts/build.sh"
+# Tests run two at a time (ctest -j); one OpenMP thread each avoids oversubscribing the cores.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cd "${BUILD_DIR:-$root/build}"
 ctest --output-on-failure -j "${JOBS:-$(nproc)}" "$@"

@@ -1,6 +1,7 @@
 #include "common/file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -41,6 +42,8 @@ void write_file_atomic(const std::filesystem::path& path, const std::function<vo
   if (fd < 0)
     fail("cannot create a temporary file beside {}: {}", path.string(), std::strerror(errno));
   try {
+    // mkstemp creates the file 0600; a written file should be as readable as any other.
+    if (::fchmod(fd, 0644) != 0) fail("chmod of {} failed: {}", tmpl, std::strerror(errno));
     fill(fd);
     if (::fsync(fd) != 0) fail("fsync of {} failed: {}", tmpl, std::strerror(errno));
   } catch (...) {

@@ -42,24 +42,6 @@ double label_weight_sum(const StepInput& in, const std::vector<std::vector<int64
   return sum;
 }
 
-void fsync_dir(const std::filesystem::path& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-// Not std::filesystem::remove_all: the copy libtorch.so exports (which the dynamic linker binds
-// first) crashes on non-empty directories.
-void remove_tree(const std::filesystem::path& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(std::filesystem::symlink_status(path, ec))) {
-    for (const auto& e : std::filesystem::directory_iterator(path, ec)) remove_tree(e.path());
-  }
-  std::filesystem::remove(path, ec);
-}
-
 json read_json(const std::filesystem::path& path) {
   try {
     return json::parse(read_file(path));

@@ -23,7 +23,7 @@ fs::path temp_dir(const std::string& name) {
   auto d =
       fs::temp_directory_path() / fmt::format("dflash_{}_{}_{}", name, ::getpid(),
                                               ::testing::UnitTest::GetInstance()->random_seed());
-  testing::remove_tree(d);
+  remove_tree(d);
   fs::create_directories(d);
   return d;
 }
@@ -69,7 +69,7 @@ TEST(DrafterExport, ConfigAndTensorsAreWhatEnginesLoad) {
   EXPECT_EQ(names, expected);  // no embedding, no LM head
   const int64_t h = cfg.layers.hidden_size;
   EXPECT_EQ(file->find("fc.weight")->shape, (std::vector<int64_t>{h, 3 * h}));
-  testing::remove_tree(dir);
+  remove_tree(dir);
 }
 
 TEST(DrafterExport, RoundTripIsBitwise) {
@@ -86,8 +86,8 @@ TEST(DrafterExport, RoundTripIsBitwise) {
   loaded.save(b);
   EXPECT_EQ(read_file(a / "model.safetensors"), read_file(b / "model.safetensors"));
   EXPECT_EQ(read_file(a / "config.json"), read_file(b / "config.json"));
-  testing::remove_tree(a);
-  testing::remove_tree(b);
+  remove_tree(a);
+  remove_tree(b);
 }
 
 TEST(DrafterExport, LoadRejectsDrafterOfAnotherTarget) {
@@ -115,7 +115,7 @@ TEST(DrafterExport, LoadRejectsDrafterOfAnotherTarget) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("shape"), std::string::npos) << e.what();
   }
-  testing::remove_tree(dir);
+  remove_tree(dir);
 }
 
 TEST(DrafterExport, PythonReferenceLoadsExportAndAgrees) {
@@ -144,7 +144,7 @@ TEST(DrafterExport, PythonReferenceLoadsExportAndAgrees) {
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   auto theirs = io::SafetensorsFile::open(dir / "out.safetensors")->tensor("hidden");
   EXPECT_CLOSE(ours.detach(), theirs, 1e-4);
-  testing::remove_tree(dir);
+  remove_tree(dir);
 }
 
 }  // namespace

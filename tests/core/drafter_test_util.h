@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/file.h"
 #include "io/safetensors.h"
 #include "models/drafter.h"
 #include "models/target.h"
@@ -28,16 +29,6 @@ std::vector<T> to_vector(const at::Tensor& t) {
     auto l = c.to(at::kLong);
     return std::vector<T>(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
   }
-}
-
-// std::filesystem::remove_all is avoided: libtorch.so's exported copy crashes on non-empty
-// directories.
-inline void remove_tree(const std::filesystem::path& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(std::filesystem::symlink_status(path, ec))) {
-    for (const auto& e : std::filesystem::directory_iterator(path, ec)) remove_tree(e.path());
-  }
-  std::filesystem::remove(path, ec);
 }
 
 // Concatenated taps [tokens, K*H] of `ids` computed by our target.

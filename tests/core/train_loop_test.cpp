@@ -66,7 +66,7 @@ train::TrainerOptions options(const fs::path& dir) {
 
 fs::path temp_dir(const std::string& name) {
   auto d = fs::temp_directory_path() / fmt::format("dflash_{}_{}", name, ::getpid());
-  testing::remove_tree(d);
+  remove_tree(d);
   return d;
 }
 
@@ -123,9 +123,9 @@ TEST(TrainLoop, ResumeFromCheckpointIsBitwiseExact) {
     EXPECT_TRUE(exported.named_parameters()[i].second.equal(
         pa[i].second.detach().to(at::kBFloat16).to(at::kFloat)));
   }
-  testing::remove_tree(dir_a);
-  testing::remove_tree(dir_b);
-  testing::remove_tree(out);
+  remove_tree(dir_a);
+  remove_tree(dir_b);
+  remove_tree(out);
 }
 
 TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
@@ -145,7 +145,7 @@ TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("another drafter config"), std::string::npos) << e.what();
   }
-  testing::remove_tree(dir);
+  remove_tree(dir);
 }
 
 TEST(TrainLoop, StopSignalCheckpointsAndReturns) {
@@ -163,7 +163,7 @@ TEST(TrainLoop, StopSignalCheckpointsAndReturns) {
   train::clear_stop_request();
   EXPECT_EQ(done, 1);
   EXPECT_TRUE(fs::exists(dir / "step-00000001" / "trainer.json"));
-  testing::remove_tree(dir);
+  remove_tree(dir);
 }
 
 TEST(TrainLoop, NonFiniteLossIsSkippedCountedAndStopsTheRun) {
