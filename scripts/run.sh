@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a small embedded default: set up, build, then run the most complete
-# pipeline that exists on a tiny generated Qwen3-shaped target (CPU, or the GPU if present).
+# pipeline that exists on a tiny generated Qwen3-shaped target, on the CPU: write the model,
+# describe and load it, time its prefill, and time DFlash drafter training steps at that shape.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
@@ -11,3 +12,4 @@ mkdir -p "$run"
 "$dflash" random-model --preset tiny --out "$run/target"
 "$dflash" info "$run/target" --load cpu
 "$dflash" bench-target --preset tiny --device cpu --seq-len 256 --batches 1,4 --warmup 1 --iters 3
+"$dflash" bench-drafter --preset tiny --device cpu --warmup 1 --iters 3
