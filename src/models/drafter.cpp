@@ -546,13 +546,16 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
     };
     auto k_g = gather_rows(k_ctx, k_blk);
     auto v_g = gather_rows(v_ctx, v_blk);
-    if (q.is_cuda()) {
+    const bool flash =
+        q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+    if (flash) {
       attn = std::get<0>(at::_flash_attention_forward(q, k_g, v_g, plan.cu_queries, plan.cu_keys,
                                                       bs, plan.max_keys, 0.0,
                                                       /*is_causal=*/false,
                                                       /*return_debug_mask=*/false));
     } else {
-      // The same segments, one SDPA each: lets CPU tests check the gather plan.
+      // The same segments, one SDPA each (flash has no fp32): lets CPU and fp32 GPU tests
+      // check the gather plan.
       std::vector<at::Tensor> outs;
       int64_t key_start = 0;
       for (int64_t i = 0; i < layout.num_blocks(); ++i) {

@@ -50,13 +50,14 @@ struct DflashCase {
 
   at::Tensor tensor(const std::string& name) const { return ref->tensor(name); }
 
-  explicit DflashCase(const std::string& name) {
+  // Target and drafter (fp32) on `device`; the reference stays on the CPU.
+  explicit DflashCase(const std::string& name, at::Device device = at::kCPU) {
     dir = fixture("dflash/" + name);
     ref = io::SafetensorsFile::open(dir / "reference.safetensors");
     target = std::make_unique<models::TargetModel>(
-        models::TargetModel::load(dir / "target", at::kCPU, at::kFloat));
+        models::TargetModel::load(dir / "target", device, at::kFloat));
     drafter = std::make_unique<models::Drafter>(
-        models::Drafter::load(dir / "drafter_init", target->config(), at::kCPU));
+        models::Drafter::load(dir / "drafter_init", target->config(), device));
     lengths = to_vector<int64_t>(tensor("lengths"));
     auto tokens = to_vector<int64_t>(tensor("tokens"));
     auto masks = to_vector<uint8_t>(tensor("loss_mask"));
@@ -73,7 +74,8 @@ struct DflashCase {
       start += n;
       astart += counts[s];
     }
-    input.features = taps(*target, tensor("tokens"), lengths, drafter->config().target_layer_ids);
+    input.features =
+        taps(*target, tensor("tokens").to(device), lengths, drafter->config().target_layer_ids);
   }
 
   void zero_grads() const {
