@@ -13,6 +13,11 @@
 namespace dflash::cli {
 namespace {
 
+std::string human_bytes(double bytes) {
+  if (bytes >= double(1 << 30)) return fmt::format("{:.2f} GiB", bytes / double(1 << 30));
+  return fmt::format("{:.1f} MiB", bytes / double(1 << 20));
+}
+
 struct InfoOptions {
   std::string dir;
   std::string load_device;
@@ -40,17 +45,16 @@ void run_info(const InfoOptions& o) {
   fmt::print("parameters:   {} ({:.3f} B; config implies {})\n", params, params / 1e9,
              config.num_parameters());
   for (const auto& [dtype, n] : dtypes) fmt::print("dtype:        {} ({} parameters)\n", dtype, n);
-  fmt::print("weights:      {:.2f} GiB on disk; {:.2f} GiB in bf16\n",
-             ckpt.total_bytes() / double(1 << 30), params * 2.0 / (1 << 30));
+  fmt::print("weights:      {} on disk; {} in bf16\n", human_bytes(ckpt.total_bytes()),
+             human_bytes(params * 2.0));
   if (o.load_device.empty()) return;
   at::Device device(o.load_device);
   auto t0 = std::chrono::steady_clock::now();
   auto model = models::TargetModel::load(o.dir, device, at::kBFloat16);
   obs::synchronize(device);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fmt::print("load:         {:.2f} s to {} ({:.2f} GB/s); peak host RSS {:.2f} GiB\n", secs,
-             o.load_device, ckpt.total_bytes() / secs / 1e9,
-             obs::peak_rss_bytes() / double(1 << 30));
+  fmt::print("load:         {:.2f} s to {} ({:.2f} GB/s); peak host RSS {}\n", secs, o.load_device,
+             ckpt.total_bytes() / secs / 1e9, human_bytes(obs::peak_rss_bytes()));
 }
 
 }  // namespace
