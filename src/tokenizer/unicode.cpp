@@ -70,38 +70,51 @@ char32_t compose_pair(char32_t a, char32_t b) {
   return 0;
 }
 
+// The multi-byte sequence whose lead byte is p[i] (>= 0x80): how many of its bytes form a
+// valid prefix (0 when the lead byte itself is invalid) and whether that prefix is a whole
+// character. Ranges per the Unicode standard's table of well-formed UTF-8.
+struct Utf8Scan {
+  size_t valid;
+  bool complete;
+};
+
+Utf8Scan scan_utf8(const unsigned char* p, size_t i, size_t n) {
+  const unsigned char b = p[i];
+  int need;
+  unsigned char lo = 0x80, hi = 0xBF;
+  if (b >= 0xC2 && b <= 0xDF) {
+    need = 1;
+  } else if (b >= 0xE0 && b <= 0xEF) {
+    need = 2;
+    if (b == 0xE0) lo = 0xA0;
+    if (b == 0xED) hi = 0x9F;
+  } else if (b >= 0xF0 && b <= 0xF4) {
+    need = 3;
+    if (b == 0xF0) lo = 0x90;
+    if (b == 0xF4) hi = 0x8F;
+  } else {
+    return {0, false};
+  }
+  int got = 0;
+  for (size_t j = i + 1; got < need && j < n; ++j, ++got) {
+    const unsigned char c = p[j];
+    if (got == 0 ? (c < lo || c > hi) : (c < 0x80 || c > 0xBF)) break;
+  }
+  return {static_cast<size_t>(got) + 1, got == need};
+}
+
 }  // namespace
 
 size_t find_invalid_utf8(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  size_t n = s.size(), i = 0;
-  while (i < n) {
-    unsigned char b = p[i];
-    if (b < 0x80) {
+  for (size_t i = 0, n = s.size(); i < n;) {
+    if (p[i] < 0x80) {
       ++i;
       continue;
     }
-    int need;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) {
-      need = 1;
-    } else if (b >= 0xE0 && b <= 0xEF) {
-      need = 2;
-      if (b == 0xE0) lo = 0xA0;
-      if (b == 0xED) hi = 0x9F;
-    } else if (b >= 0xF0 && b <= 0xF4) {
-      need = 3;
-      if (b == 0xF0) lo = 0x90;
-      if (b == 0xF4) hi = 0x8F;
-    } else {
-      return i;
-    }
-    if (i + need >= n) return i;
-    if (p[i + 1] < lo || p[i + 1] > hi) return i;
-    for (int k = 2; k <= need; ++k) {
-      if (p[i + k] < 0x80 || p[i + k] > 0xBF) return i;
-    }
-    i += need + 1;
+    const Utf8Scan scan = scan_utf8(p, i, n);
+    if (!scan.complete) return i;
+    i += scan.valid;
   }
   return std::string_view::npos;
 }
@@ -110,47 +123,19 @@ std::string utf8_lossy(std::string_view s) {
   std::string out;
   out.reserve(s.size());
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  size_t n = s.size(), i = 0;
-  while (i < n) {
-    unsigned char b = p[i];
-    if (b < 0x80) {
-      out.push_back(static_cast<char>(b));
-      ++i;
+  for (size_t i = 0, n = s.size(); i < n;) {
+    if (p[i] < 0x80) {
+      out.push_back(static_cast<char>(p[i++]));
       continue;
     }
-    int need;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) {
-      need = 1;
-    } else if (b >= 0xE0 && b <= 0xEF) {
-      need = 2;
-      if (b == 0xE0) lo = 0xA0;
-      if (b == 0xED) hi = 0x9F;
-    } else if (b >= 0xF0 && b <= 0xF4) {
-      need = 3;
-      if (b == 0xF0) lo = 0x90;
-      if (b == 0xF4) hi = 0x8F;
-    } else {
-      out += "\xEF\xBF\xBD";
-      ++i;
-      continue;
-    }
-    // Consume the longest valid prefix of the sequence; a broken one becomes one U+FFFD.
-    size_t j = i + 1;
-    int got = 0;
-    while (got < need && j < n) {
-      unsigned char c = p[j];
-      bool ok = got == 0 ? (c >= lo && c <= hi) : (c >= 0x80 && c <= 0xBF);
-      if (!ok) break;
-      ++j;
-      ++got;
-    }
-    if (got == need) {
-      out.append(s.data() + i, j - i);
+    // A broken sequence's longest valid prefix (at least its lead byte) becomes one U+FFFD.
+    const Utf8Scan scan = scan_utf8(p, i, n);
+    if (scan.complete) {
+      out.append(s.data() + i, scan.valid);
     } else {
       out += "\xEF\xBF\xBD";
     }
-    i = j;
+    i += std::max<size_t>(scan.valid, 1);
   }
   return out;
 }
