@@ -3,7 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
-#include "common/file.h"
+#include "common/json_file.h"
 
 namespace dflash::models {
 namespace {
@@ -154,14 +154,7 @@ int64_t ModelConfig::num_parameters() const {
 }
 
 ModelConfig load_model_config(const std::filesystem::path& config_json) {
-  std::string text = read_file(config_json);
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    fail("{}: malformed JSON: {}", config_json.string(), e.what());
-  }
-  return parse_model_config(j, config_json.string());
+  return parse_model_config(read_json_file(config_json), config_json.string());
 }
 
 ModelConfig qwen3_8b_config() {

@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/file.h"
+#include "common/json_file.h"
 #include "io/safetensors.h"
 #include "models/target.h"
 
@@ -317,13 +318,7 @@ Drafter Drafter::from_target_layers(const DrafterConfig& config, const TargetMod
 Drafter Drafter::load(const std::filesystem::path& dir, const ModelConfig& target,
                       at::Device device) {
   const auto config_path = dir / "config.json";
-  json j;
-  try {
-    j = json::parse(read_file(config_path));
-  } catch (const json::exception& e) {
-    fail("{}: malformed JSON: {}", config_path.string(), e.what());
-  }
-  DrafterConfig config = parse_drafter_config(j, config_path.string());
+  DrafterConfig config = parse_drafter_config(read_json_file(config_path), config_path.string());
   try {
     config.validate(target);
   } catch (const Error& e) {

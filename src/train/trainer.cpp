@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "common/file.h"
+#include "common/json_file.h"
 #include "io/safetensors.h"
 #include "train/blocks.h"
 #include "train/loss.h"
@@ -40,14 +41,6 @@ double label_weight_sum(const StepInput& in, const std::vector<std::vector<int64
     }
   }
   return sum;
-}
-
-json read_json(const std::filesystem::path& path) {
-  try {
-    return json::parse(read_file(path));
-  } catch (const json::exception& e) {
-    fail("{}: malformed JSON: {}", path.string(), e.what());
-  }
 }
 
 }  // namespace
@@ -329,13 +322,13 @@ std::filesystem::path resolve_checkpoint(const std::filesystem::path& p) {
 
 void Trainer::load_checkpoint(const std::filesystem::path& path) {
   const auto dir = resolve_checkpoint(path);
-  const json config = read_json(dir / "config.json");
+  const json config = read_json_file(dir / "config.json");
   const json ours = models::drafter_config_json(drafter_.config());
   if (config != ours) {
     fail("{}: checkpoint is for another drafter config:\n  checkpoint {}\n  this run   {}",
          dir.string(), config.dump(), ours.dump());
   }
-  const json state = read_json(dir / "trainer.json");
+  const json state = read_json_file(dir / "trainer.json");
   auto file = io::SafetensorsFile::open(dir / "state.safetensors");
   std::vector<std::pair<std::string, at::Tensor>> params;
   const auto& named = drafter_.named_parameters();
@@ -378,7 +371,7 @@ void export_drafter(const std::filesystem::path& source, const std::filesystem::
   const bool is_export = fs::exists(source / "model.safetensors") ||
                          fs::exists(source / "model.safetensors.index.json");
   const fs::path dir = is_export ? source : resolve_checkpoint(source);
-  const json j = read_json(dir / "config.json");
+  const json j = read_json_file(dir / "config.json");
   const auto config = models::parse_drafter_config(j, (dir / "config.json").string());
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   auto add = [&](const std::string& name, const at::Tensor& t, const std::vector<int64_t>& shape) {
