@@ -26,9 +26,9 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 if ! .venv/bin/python -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null \
-   || ! .venv/bin/python -c "import transformers, safetensors, tokenizers, numpy" 2>/dev/null; then
+   || ! .venv/bin/python -c "import transformers, safetensors, tokenizers, numpy, tensorboard" 2>/dev/null; then
   echo "setup: installing torch==$TORCH_VERSION and the Python test references into .venv"
   .venv/bin/pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" \
-    transformers safetensors tokenizers numpy jinja2
+    transformers safetensors tokenizers numpy jinja2 tensorboard
 fi
 echo "setup: done"
