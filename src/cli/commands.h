@@ -11,5 +11,6 @@ void add_bench_target_command(CLI::App& app);
 void add_export_command(CLI::App& app);
 void add_bench_drafter_command(CLI::App& app);
 void add_prepare_command(CLI::App& app);
+void add_train_command(CLI::App& app);
 
 }  // namespace dflash::cli

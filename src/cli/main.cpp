@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   dflash::cli::add_export_command(app);
   dflash::cli::add_bench_drafter_command(app);
   dflash::cli::add_prepare_command(app);
+  dflash::cli::add_train_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
