@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/file.h"
 
 namespace {
 
@@ -40,9 +41,9 @@ class tensorboard : public ::testing::Test {
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     dir_ = fs::temp_directory_path() / fmt::format("dflash_tb_{}_{}", ::getpid(), info->name());
-    fs::remove_all(dir_);
+    dflash::remove_tree(dir_);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { dflash::remove_tree(dir_); }
 
   fs::path dir_;
 };
