@@ -46,7 +46,9 @@ if has load; then
 fi
 if has drafter && "$dflash" bench-drafter --help > /dev/null 2>&1; then
   step bench-drafter
-  "$dflash" bench-drafter --device cuda --json "$out/bench_drafter.json" 2>&1 | tee "$out/bench_drafter.txt"
+  "$dflash" bench-drafter --device cuda --json "$out/bench_drafter.json" \
+    --profile "$out/drafter_trace.json" 2>&1 | tee "$out/bench_drafter.txt"
+  gzip -f "$out/drafter_trace.json"
 fi
 if has tokenizer && [ -d "$root/.deps/bench" ]; then
   # Tokenizer throughput on a quiet many-core machine: the fixture tokenizers and GSM8K text

@@ -1,7 +1,9 @@
 // `dflash bench-drafter`: time of one full DFlash training step (anchor sampling, drafter
-// forward, chunked LM-head loss, backward, clipping, AdamW) at a given shape with random
-// weights and random tapped features, so it needs no files: median step time after warm-up,
-// achieved TFLOP/s (models::drafter_step_flops) and peak GPU memory.
+// forward, chunked LM-head loss, backward, clipping, AdamW) at a given shape, fed with the
+// tapped features of a random-weight target of the preset's shape, so it needs no files:
+// median drafter step after warm-up, achieved TFLOP/s (models::drafter_step_flops), the
+// online step (target prefill + drafter step) and peak GPU memory with the target resident.
+// --profile adds where the drafter step's GPU time goes (obs::profile_device).
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -12,6 +14,8 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "models/drafter.h"
+#include "models/target.h"
+#include "obs/profile.h"
 #include "obs/stats.h"
 #include "train/blocks.h"
 #include "train/trainer.h"
@@ -31,13 +35,16 @@ struct BenchDrafterOptions {
   int warmup = 3;
   int iters = 10;
   std::string json_out;
+  std::string profile;  // Chrome trace path; empty: no profile
 };
 
-// The same micro-batch every step: one sequence, a 64-token unsupervised "prompt".
+// The same sequence every step (a 64-token unsupervised "prompt"); the online step swaps in
+// freshly computed features.
 class FixedBatch : public train::DataSource {
  public:
   explicit FixedBatch(train::StepInput input) : input_(std::move(input)) {}
   train::StepInput get(int64_t) override { return input_; }
+  void set_features(at::Tensor features) { input_.features = std::move(features); }
 
  private:
   train::StepInput input_;
@@ -45,6 +52,7 @@ class FixedBatch : public train::DataSource {
 
 void run_bench(const BenchDrafterOptions& o) {
   const at::Device device(o.device);
+  if (!o.profile.empty() && !device.is_cuda()) fail("bench-drafter: --profile needs a CUDA device");
   const bool tiny = o.preset == "tiny";
   const int64_t seq = o.seq_len > 0 ? o.seq_len : (tiny ? 256 : 2048);
   const int64_t anchors = o.anchors > 0 ? o.anchors : (tiny ? 32 : 512);
@@ -57,17 +65,19 @@ void run_bench(const BenchDrafterOptions& o) {
   auto config = models::make_drafter_config(target, dopt);
   auto drafter = models::Drafter::random(config, device, 0);
 
-  // Frozen target pieces: embedding and LM head (tied presets share one tensor), and
-  // features standing in for the K tapped layers.
-  auto opts = at::TensorOptions().device(device).dtype(dtype);
-  models::TargetHead head;
-  head.embedding = at::randn({target.vocab_size, target.hidden_size}, opts) * 0.02;
-  head.lm_head = target.tie_word_embeddings
-                     ? head.embedding
-                     : at::randn({target.vocab_size, target.hidden_size}, opts) * 0.02;
-  train::StepInput input;
-  input.features = at::randn({seq, config.num_taps() * target.hidden_size}, opts);
+  // The frozen target: its embedding and LM head are the drafter's, its taps the features.
+  auto target_model = models::TargetModel::random(target, device, dtype, 1);
+  const auto head = models::TargetHead::of(target_model);
   auto tokens = at::randint(target.vocab_size, {seq}, at::TensorOptions().dtype(at::kLong));
+  auto batch = models::PackedBatch::from_lengths({seq}, device);
+  auto tokens_dev = tokens.to(device);
+  auto prefill = [&] {
+    auto r =
+        target_model.forward(tokens_dev, batch, {config.target_layer_ids, models::Logits::kNone});
+    return at::cat(r.taps, 1);
+  };
+  train::StepInput input;
+  input.features = prefill();
   input.tokens.push_back(
       std::vector<int64_t>(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + seq));
   std::vector<uint8_t> mask(seq, 1);
@@ -101,35 +111,64 @@ void run_bench(const BenchDrafterOptions& o) {
       drafter.num_parameters() / 1e9, fmt::join(config.target_layer_ids, ","), seq, sampled.size(),
       config.block_size, c10::toString(dtype), o.device, o.warmup, o.iters);
   const int dev = device.index() < 0 ? 0 : device.index();
+  auto peak_gib = [&] {
+    return device.is_cuda()
+               ? c10::cuda::CUDACachingAllocator::getDeviceStats(dev).allocated_bytes[0].peak /
+                     double(1 << 30)
+               : 0.0;
+  };
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(dev);
   train::StepLog last;
   auto times = obs::time_steps(device, o.warmup, o.iters, [&] { last = trainer.step(); });
   const double ms = obs::median(times) * 1e3;
-  double peak_gib = 0;
-  if (device.is_cuda()) {
-    peak_gib = c10::cuda::CUDACachingAllocator::getDeviceStats(dev).allocated_bytes[0].peak /
-               double(1 << 30);
-  }
+  const double drafter_peak = peak_gib();
+  // Online: the target prefill that produces the features, then the drafter step on them.
+  auto online_times = obs::time_steps(device, 1, o.iters, [&] {
+    data.set_features(prefill());
+    last = trainer.step();
+  });
+  const double online_ms = obs::median(online_times) * 1e3;
   const double tflops = flops / (ms / 1e3) / 1e12;
-  fmt::print("{:>12} {:>12} {:>10} {:>14} {:>10}\n", "median ms", "tokens/s", "TFLOP/s",
-             "peak GPU GiB", "loss");
-  fmt::print("{:>12.2f} {:>12.0f} {:>10.3g} {:>14.2f} {:>10.4f}\n", ms, seq / (ms / 1e3), tflops,
-             peak_gib, last.loss);
-  if (!o.json_out.empty()) {
-    nlohmann::json doc = {{"preset", o.preset},
-                          {"device", o.device},
-                          {"seq_len", seq},
-                          {"anchors", sampled.size()},
-                          {"block_size", o.block_size},
-                          {"drafter_params", drafter.num_parameters()},
-                          {"median_ms", ms},
-                          {"tflops", tflops},
-                          {"step_flops", flops},
-                          {"peak_gpu_gib", peak_gib},
-                          {"times_s", times},
-                          {"loss", last.loss}};
-    write_file_atomic(o.json_out, doc.dump(2));
+  fmt::print("{:>16} {:>12} {:>12} {:>10} {:>14} {:>10}\n", "step", "median ms", "tokens/s",
+             "TFLOP/s", "peak GPU GiB", "loss");
+  fmt::print("{:>16} {:>12.2f} {:>12.0f} {:>10.3g} {:>14.2f} {:>10.4f}\n", "drafter", ms,
+             seq / (ms / 1e3), tflops, drafter_peak, last.loss);
+  fmt::print("{:>16} {:>12.2f} {:>12.0f} {:>10} {:>14.2f}\n", "target + drafter", online_ms,
+             seq / (online_ms / 1e3), "", peak_gib());
+  nlohmann::json doc = {{"preset", o.preset},
+                        {"device", o.device},
+                        {"seq_len", seq},
+                        {"anchors", sampled.size()},
+                        {"block_size", o.block_size},
+                        {"drafter_params", drafter.num_parameters()},
+                        {"median_ms", ms},
+                        {"tflops", tflops},
+                        {"step_flops", flops},
+                        {"peak_gpu_gib", drafter_peak},
+                        {"times_s", times},
+                        {"online_median_ms", online_ms},
+                        {"online_tokens_per_s", seq / (online_ms / 1e3)},
+                        {"online_peak_gpu_gib", peak_gib()},
+                        {"online_times_s", online_times},
+                        {"loss", last.loss}};
+  if (!o.profile.empty()) {
+    constexpr int kProfiledSteps = 2;
+    auto p = obs::profile_device(
+        [&] {
+          for (int i = 0; i < kProfiledSteps; ++i) trainer.step();
+          obs::synchronize(device);
+        },
+        kProfiledSteps, o.profile);
+    fmt::print("profile of the drafter step (trace: {}):\n{}", o.profile,
+               obs::format_profile(p, 30));
+    nlohmann::json cats = nlohmann::json::object();
+    for (const auto& c : p.categories) cats[c.name] = c.total_ms;
+    doc["profile"] = {{"device_ms", p.device_ms},
+                      {"wall_ms", p.wall_ms},
+                      {"launches", p.launches},
+                      {"categories_ms", cats}};
   }
+  if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
 
 }  // namespace
@@ -137,7 +176,8 @@ void run_bench(const BenchDrafterOptions& o) {
 void add_bench_drafter_command(CLI::App& app) {
   auto o = std::make_shared<BenchDrafterOptions>();
   auto* cmd = app.add_subcommand(
-      "bench-drafter", "Measure one DFlash drafter training step (random weights and features)");
+      "bench-drafter",
+      "Measure one DFlash drafter training step on a random-weight target's features");
   cmd->add_option("--preset", o->preset, "target shape: qwen3-8b or tiny")->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
   cmd->add_option("--seq-len", o->seq_len, "tokens in the sequence (default 2048; tiny 256)");
@@ -151,6 +191,8 @@ void add_bench_drafter_command(CLI::App& app) {
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
       ->capture_default_str();
   cmd->add_option("--json", o->json_out, "also write the results here");
+  cmd->add_option("--profile", o->profile,
+                  "profile two drafter steps: GPU time per kernel, Chrome trace written here");
   cmd->callback([o] { run_bench(*o); });
 }
 
