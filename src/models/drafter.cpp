@@ -541,29 +541,41 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
     };
     auto k_g = gather_rows(k_ctx, k_blk);
     auto v_g = gather_rows(v_ctx, v_blk);
+    // GQA folded into the query rows: the G = Hq/Hkv query heads that share a KV head become
+    // G*B query rows of one KV head, so attention runs with Hkv heads and no GQA. Flash's GQA
+    // backward would otherwise expand dK/dV of every gathered key to Hq heads and sum them
+    // back (the biggest cost of the step when measured), and a block's 16 queries alone
+    // would fill an eighth of a 128-row tile.
+    const int64_t n = layout.num_blocks(), hkv = c.num_kv_heads, groups = c.num_heads / hkv;
+    auto q_packed =
+        q.view({n, bs, hkv, groups, d}).permute({0, 3, 1, 2, 4}).reshape({n * groups * bs, hkv, d});
+    const int64_t q_rows = groups * bs;
+    at::Tensor packed;  // [n*G*B, Hkv, D]
     const bool flash =
         q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
     if (flash) {
-      attn = std::get<0>(at::_flash_attention_forward(q, k_g, v_g, plan.cu_queries, plan.cu_keys,
-                                                      bs, plan.max_keys, 0.0,
-                                                      /*is_causal=*/false,
-                                                      /*return_debug_mask=*/false));
+      packed = std::get<0>(at::_flash_attention_forward(
+          q_packed, k_g, v_g, plan.cu_queries * groups, plan.cu_keys, q_rows, plan.max_keys, 0.0,
+          /*is_causal=*/false, /*return_debug_mask=*/false));
     } else {
       // The same segments, one SDPA each (flash has no fp32): lets CPU and fp32 GPU tests
-      // check the gather plan.
+      // check the gather plan and the head packing.
       std::vector<at::Tensor> outs;
       int64_t key_start = 0;
-      for (int64_t i = 0; i < layout.num_blocks(); ++i) {
+      for (int64_t i = 0; i < n; ++i) {
         const int64_t nk = plan.key_lengths[i];
         auto view = [](const at::Tensor& a) { return a.transpose(0, 1).unsqueeze(0); };
-        auto o = at::scaled_dot_product_attention(
-            view(q.narrow(0, i * bs, bs)), view(k_g.narrow(0, key_start, nk)),
-            view(v_g.narrow(0, key_start, nk)), {}, 0.0, false, std::nullopt, true);
+        auto o = at::scaled_dot_product_attention(view(q_packed.narrow(0, i * q_rows, q_rows)),
+                                                  view(k_g.narrow(0, key_start, nk)),
+                                                  view(v_g.narrow(0, key_start, nk)));
         outs.push_back(o.squeeze(0).transpose(0, 1));
         key_start += nk;
       }
-      attn = at::cat(outs, 0);
+      packed = at::cat(outs, 0);
     }
+    attn = packed.view({n, groups, bs, hkv, d})
+               .permute({0, 2, 3, 1, 4})
+               .reshape({rows, c.num_heads, d});
   }
   auto x1 = x + at::linear(attn.reshape({rows, c.num_heads * d}), cast(w.o_proj));
   auto h2 = rms_norm(x1, cast(w.post_attention_norm), eps);
