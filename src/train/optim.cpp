@@ -11,14 +11,17 @@ namespace dflash::train {
 
 AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions options)
     : params_(std::move(params)), options_(options) {
+  if (params_.empty()) fail("AdamW: no parameters");
   for (const auto& p : params_) {
     if (p.scalar_type() != at::kFloat) fail("AdamW: master weights must be fp32");
+    if (p.device() != params_[0].device()) fail("AdamW: parameters on more than one device");
     exp_avg_.push_back(at::zeros_like(p));
     exp_avg_sq_.push_back(at::zeros_like(p));
   }
+  step_count_ = at::zeros({}, params_[0].options());
 }
 
-void AdamW::step(double lr) {
+void AdamW::step(double lr, const std::optional<at::Tensor>& grad_divisor) {
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& p : params_) {
@@ -26,31 +29,28 @@ void AdamW::step(double lr) {
     grads.push_back(p.grad());
   }
   ++steps_;
+  step_count_.fill_(static_cast<double>(steps_));
+  // One step tensor serves every parameter: the kernel only reads it.
+  const std::vector<at::Tensor> steps(params_.size(), step_count_);
   const auto& o = options_;
-  const double bc1 = 1 - std::pow(o.beta1, static_cast<double>(steps_));
-  const double bc2 = 1 - std::pow(o.beta2, static_cast<double>(steps_));
-  if (o.weight_decay != 0) at::_foreach_mul_(params_, 1 - lr * o.weight_decay);
-  at::_foreach_lerp_(exp_avg_, grads, 1 - o.beta1);
-  at::_foreach_mul_(exp_avg_sq_, o.beta2);
-  at::_foreach_addcmul_(exp_avg_sq_, grads, grads, 1 - o.beta2);
-  auto denom = at::_foreach_sqrt(exp_avg_sq_);
-  at::_foreach_div_(denom, std::sqrt(bc2));
-  at::_foreach_add_(denom, o.eps);
-  at::_foreach_addcdiv_(params_, exp_avg_, denom, -lr / bc1);
+  at::_fused_adamw_(params_, grads, exp_avg_, exp_avg_sq_, /*max_exp_avg_sqs=*/{}, steps, lr,
+                    o.beta1, o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false,
+                    /*maximize=*/false, grad_divisor, /*found_inf=*/std::nullopt);
 }
 
-at::Tensor clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
+at::Tensor grad_norm(const std::vector<at::Tensor>& params) {
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& p : params) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
   if (grads.empty()) return at::zeros({});
-  auto norms = at::_foreach_norm(grads, 2);
-  auto total = at::stack(norms).norm(2);
-  auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
-  at::_foreach_mul_(grads, coef);
-  return total;
+  return at::stack(at::_foreach_norm(grads, 2)).norm(2);
+}
+
+at::Tensor clip_divisor(const at::Tensor& norm, double max_norm) {
+  if (max_norm <= 0) fail("clip: max_norm must be positive, got {}", max_norm);
+  return ((norm + 1e-6) / max_norm).clamp_min(1.0);
 }
 
 double cosine_lr(int64_t step, int64_t total_steps, int64_t warmup_steps, double peak_lr,

@@ -1,10 +1,11 @@
-// train: the optimizer side of a step: AdamW over fp32 master weights (multi-tensor foreach
-// kernels, the same arithmetic as torch.optim.AdamW's foreach path), global grad-norm
-// clipping, and the warmup + cosine learning-rate schedule.
+// train: the optimizer side of a step: AdamW over fp32 master weights (ATen's fused AdamW
+// kernel, torch.optim.AdamW(fused=True): one pass over params, grads and moments), global
+// grad-norm clipping folded into that pass, and the warmup + cosine learning-rate schedule.
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace dflash::train {
@@ -19,8 +20,10 @@ struct AdamWOptions {
 class AdamW {
  public:
   AdamW(std::vector<at::Tensor> params, AdamWOptions options);
-  // One update with learning rate `lr` from the params' .grad (all must be defined).
-  void step(double lr);
+  // One update with learning rate `lr` from the params' .grad (all must be defined). With
+  // `grad_divisor` (a device scalar, e.g. from clip_divisor) the gradients are divided by it
+  // inside the same kernel, which is how clipping costs no pass of its own.
+  void step(double lr, const std::optional<at::Tensor>& grad_divisor = std::nullopt);
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }
   std::vector<at::Tensor>& exp_avg() { return exp_avg_; }
@@ -28,13 +31,16 @@ class AdamW {
 
  private:
   std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_;
+  at::Tensor step_count_;  // fp32 device scalar: the fused kernel reads the bias-correction step
   AdamWOptions options_;
   int64_t steps_ = 0;
 };
 
-// Scales all gradients so their global L2 norm is at most max_norm; returns the norm before
-// clipping as a device scalar (no host sync here).
-at::Tensor clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
+// Global L2 norm of all gradients as a device scalar (no host sync here).
+at::Tensor grad_norm(const std::vector<at::Tensor>& params);
+// What to divide gradients by so their global norm is at most max_norm (>= 1; 1 when already
+// within): the grad_divisor of AdamW::step.
+at::Tensor clip_divisor(const at::Tensor& norm, double max_norm);
 
 // Linear warmup over warmup_steps (lr reaches peak at step warmup_steps-1), then cosine decay
 // to min_lr at total_steps.

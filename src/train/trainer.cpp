@@ -209,8 +209,10 @@ StepLog Trainer::step() {
   auto acc = (correct / count.clamp_min(1)).cpu();
   for (int64_t k = 1; k < bs; ++k) log.accuracy.push_back(acc[k].item<double>());
   log.acceptance = simulated_acceptance(log.accuracy);
+  at::Tensor norm;
   if (std::isfinite(log.loss)) {
-    log.grad_norm = clip_grad_norm(params, options_.clip_norm).item<double>();
+    norm = grad_norm(params);
+    log.grad_norm = norm.item<double>();
   }
   if (!std::isfinite(log.loss) || !std::isfinite(log.grad_norm)) {
     zero_grads();
@@ -231,7 +233,7 @@ StepLog Trainer::step() {
     return log;
   }
   nonfinite_in_a_row_ = 0;
-  optimizer_.step(log.lr);
+  optimizer_.step(log.lr, clip_divisor(norm, options_.clip_norm));
   zero_grads();
   log.step = ++step_;
   return log;

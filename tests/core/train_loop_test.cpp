@@ -293,9 +293,13 @@ TEST(Optim, ClipAndSchedule) {
   auto p = at::zeros({2});
   p.requires_grad_(true);
   p.mutable_grad() = at::tensor({3.0f, 4.0f});
-  auto norm = train::clip_grad_norm({p}, 1.0);
+  auto norm = train::grad_norm({p});
   EXPECT_NEAR(norm.item<double>(), 5.0, 1e-6);
-  EXPECT_NEAR(p.grad().norm().item<double>(), 1.0, 1e-5);
+  train::AdamW adam({p}, {});
+  adam.step(0.01, train::clip_divisor(norm, 1.0));
+  // The first moment holds (1 - beta1) times the clipped gradient, of norm 1.
+  EXPECT_NEAR(adam.exp_avg()[0].norm().item<double>(), 0.1, 1e-6);
+  EXPECT_NEAR(train::clip_divisor(at::tensor(0.5), 1.0).item<double>(), 1.0, 0);
   EXPECT_DOUBLE_EQ(train::cosine_lr(0, 100, 4, 1.0, 0.0), 0.25);
   EXPECT_DOUBLE_EQ(train::cosine_lr(3, 100, 4, 1.0, 0.0), 1.0);
   EXPECT_NEAR(train::cosine_lr(52, 100, 4, 1.0, 0.0), 0.5, 1e-12);
