@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include "common/error.h"
+#include "kernels/cross_entropy.h"
 
 namespace dflash::train {
 
@@ -31,19 +32,15 @@ HeadLoss chunked_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head,
     auto y = labels.narrow(0, start, n);
     auto w = weights.narrow(0, start, n);
     auto k = label_k.narrow(0, start, n);
-    auto logits = at::linear(h, w_head).to(at::kFloat);  // [n, V], this chunk only
-    auto lse = at::logsumexp(logits, {1}, /*keepdim=*/true);
-    auto target = logits.gather(1, y.unsqueeze(1));
-    out.weighted_ce.add_(((lse - target).squeeze(1) * w).sum());
-    auto pred = logits.argmax(1);
-    out.predictions.narrow(0, start, n).copy_(pred);
-    out.correct.index_add_(0, k, pred.eq(y).to(at::kFloat));
+    auto logits = at::linear(h, w_head);  // [n, V] in the compute dtype, this chunk only
+    // The fused kernel turns the logits into d(grad_scale * weighted CE)/d(logits) in place.
+    auto r = kernels::cross_entropy_rows_(logits, y, w * grad_scale);
+    out.weighted_ce.add_((r.loss * w).sum());
+    out.predictions.narrow(0, start, n).copy_(r.argmax);
+    out.correct.index_add_(0, k, r.argmax.eq(y).to(at::kFloat));
     out.count.index_add_(0, k, at::ones({n}, f32));
-    // d CE / d logits = softmax - onehot; reuse the logits buffer for it.
-    auto grad = logits.sub_(lse).exp_();
-    grad.scatter_add_(1, y.unsqueeze(1), at::full({n, 1}, -1.0, f32));
-    grad.mul_((w * grad_scale).unsqueeze(1));
-    out.grad_hidden.narrow(0, start, n).copy_(at::mm(grad.to(hidden.scalar_type()), w_head));
+    auto grad_rows = out.grad_hidden.narrow(0, start, n);
+    at::mm_out(grad_rows, logits, w_head);
   }
   return out;
 }

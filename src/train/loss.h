@@ -20,7 +20,8 @@ struct HeadLoss {
 // hidden: [M, H] final drafter states of the labelled rows (dtype of the compute);
 // lm_head: [V, H]; labels int64 [M]; weights fp32 [M]; label_k int64 [M] in [0, B).
 // The gradient is of `grad_scale * weighted_ce` (grad_scale = 1 / normaliser). Logits are
-// computed in hidden's dtype and reduced in fp32, `chunk_rows` rows at a time.
+// computed in hidden's dtype and reduced in fp32 (kernels::cross_entropy_rows_), `chunk_rows`
+// rows at a time.
 HeadLoss chunked_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head,
                            const at::Tensor& labels, const at::Tensor& weights,
                            const at::Tensor& label_k, int64_t block_size, double grad_scale,

@@ -1,0 +1,164 @@
+// One thread block per row: pass 1 keeps a running max, sum of exponentials and argmax per
+// thread (online softmax) and reduces them across the block; pass 2 rereads the row (mostly
+// from L2) and writes coef * (softmax - onehot) over it. Loads are 16 bytes wide.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cfloat>
+#include <cstdint>
+
+namespace dflash::kernels {
+namespace {
+
+constexpr int kThreads = 1024;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half(x);
+}
+
+// Running state of one thread: max m, sum of exp(x - m), and the first index holding m.
+struct Partial {
+  float m;
+  float s;
+  int64_t arg;
+};
+
+__device__ __forceinline__ Partial combine(Partial a, Partial b) {
+  if (b.m > a.m || (b.m == a.m && b.arg < a.arg)) {
+    Partial t = a;
+    a = b;
+    b = t;
+  }
+  // a holds the larger max (ties: the smaller index); rescale b's sum to it.
+  const float s = a.s + (b.s == 0.f ? 0.f : b.s * __expf(b.m - a.m));
+  return {a.m, s, a.arg};
+}
+
+__device__ __forceinline__ void add(Partial& p, float x, int64_t i) {
+  if (x > p.m) {
+    p.s = p.s * __expf(p.m - x) + 1.f;
+    p.m = x;
+    p.arg = i;
+  } else {
+    p.s += __expf(x - p.m);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    cross_entropy_rows_kernel(T* __restrict__ logits, const int64_t* __restrict__ labels,
+                              const float* __restrict__ coef, float* __restrict__ loss,
+                              int64_t* __restrict__ argmax, int64_t vocab) {
+  constexpr int kVec = 16 / sizeof(T);
+  T* row = logits + blockIdx.x * vocab;
+  // 16-byte vectors need an aligned row start; a vocab that is not a multiple of the vector
+  // width (or an odd base pointer) falls back to scalar accesses.
+  const bool vec = vocab % kVec == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  Partial p{-FLT_MAX, 0.f, INT64_MAX};
+  if (vec) {
+    const int64_t nvec = vocab / kVec;
+    for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
+      const uint4 raw = reinterpret_cast<const uint4*>(row)[v];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) add(p, to_float(e[j]), v * kVec + j);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < vocab; i += kThreads) add(p, to_float(row[i]), i);
+  }
+  // Block reduction: warps by shuffle, then the warp results in shared memory.
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    Partial o{__shfl_down_sync(0xffffffffu, p.m, offset),
+              __shfl_down_sync(0xffffffffu, p.s, offset),
+              __shfl_down_sync(0xffffffffu, p.arg, offset)};
+    p = combine(p, o);
+  }
+  __shared__ Partial warp_partial[kThreads / 32];
+  __shared__ float row_lse;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_partial[warp] = p;
+  __syncthreads();
+  if (warp == 0) {
+    p = lane < kThreads / 32 ? warp_partial[lane] : Partial{-FLT_MAX, 0.f, INT64_MAX};
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      Partial o{__shfl_down_sync(0xffffffffu, p.m, offset),
+                __shfl_down_sync(0xffffffffu, p.s, offset),
+                __shfl_down_sync(0xffffffffu, p.arg, offset)};
+      p = combine(p, o);
+    }
+    if (lane == 0) {
+      const float lse = p.m + __logf(p.s);
+      row_lse = lse;
+      const int64_t label = labels[blockIdx.x];
+      // A label outside the vocabulary poisons the loss (caught as non-finite) instead of
+      // reading out of bounds.
+      loss[blockIdx.x] = label >= 0 && label < vocab ? lse - to_float(row[label]) : NAN;
+      argmax[blockIdx.x] = p.arg;
+    }
+  }
+  __syncthreads();
+  const float lse = row_lse, c = coef[blockIdx.x];
+  const int64_t label = labels[blockIdx.x];
+  if (vec) {
+    const int64_t nvec = vocab / kVec;
+    for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
+      uint4 raw = reinterpret_cast<const uint4*>(row)[v];
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float g = __expf(to_float(e[j]) - lse) - (v * kVec + j == label ? 1.f : 0.f);
+        e[j] = from_float<T>(c * g);
+      }
+      reinterpret_cast<uint4*>(row)[v] = raw;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < vocab; i += kThreads) {
+      const float g = __expf(to_float(row[i]) - lse) - (i == label ? 1.f : 0.f);
+      row[i] = from_float<T>(c * g);
+    }
+  }
+}
+
+template <typename T>
+void launch(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef, at::Tensor& loss,
+            at::Tensor& argmax) {
+  const auto stream = at::cuda::getCurrentCUDAStream(logits.device().index());
+  cross_entropy_rows_kernel<T><<<static_cast<unsigned>(logits.size(0)), kThreads, 0, stream>>>(
+      reinterpret_cast<T*>(logits.data_ptr()), labels.data_ptr<int64_t>(), coef.data_ptr<float>(),
+      loss.data_ptr<float>(), argmax.data_ptr<int64_t>(), logits.size(1));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void cross_entropy_rows_cuda(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef,
+                             at::Tensor& loss, at::Tensor& argmax) {
+  switch (logits.scalar_type()) {
+    case at::kBFloat16:
+      return launch<__nv_bfloat16>(logits, labels, coef, loss, argmax);
+    case at::kHalf:
+      return launch<__half>(logits, labels, coef, loss, argmax);
+    case at::kFloat:
+      return launch<float>(logits, labels, coef, loss, argmax);
+    default:
+      TORCH_CHECK(false, "cross entropy: unsupported logits dtype ", logits.scalar_type());
+  }
+}
+
+}  // namespace dflash::kernels
