@@ -1,6 +1,7 @@
 // common: the error type every component throws and small helpers shared by all of them.
 #pragma once
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // messages name shapes (IntArrayRef) and vectors
 
 #include <stdexcept>
 #include <utility>

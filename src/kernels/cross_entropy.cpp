@@ -1,7 +1,5 @@
 #include "kernels/cross_entropy.h"
 
-#include <fmt/ranges.h>
-
 #include "common/error.h"
 
 namespace dflash::kernels {

@@ -385,53 +385,6 @@ at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) co
   return rms_norm(fused, hidden_norm_.to(dtype), config_.layers.rms_norm_eps);
 }
 
-// Keys each block sees, gathered from [context K/V (T rows) ; block K/V (blocks*B rows)]:
-// the context rows of its sequence before its anchor, then its own B rows. Built on the
-// device with no host sync (the total is known on the host).
-struct GatherPlan {
-  at::Tensor index;       // int64 [sum(a_i + B)]
-  at::Tensor cu_keys;     // int32 [blocks+1]
-  at::Tensor cu_queries;  // int32 [blocks+1]
-  int64_t max_keys = 0;
-  std::vector<int64_t> key_lengths;
-};
-
-static GatherPlan gather_plan(const PackedBatch& batch, const BlockLayout& layout,
-                              at::Device device) {
-  const int64_t n = layout.num_blocks(), bs = layout.block_size;
-  std::vector<int64_t> ctx_start(batch.size() + 1, 0);
-  for (int64_t s = 0; s < batch.size(); ++s) ctx_start[s + 1] = ctx_start[s] + batch.lengths[s];
-  std::vector<int64_t> start(n), anchor(n), lengths(n);
-  std::vector<int32_t> cu_k(n + 1, 0), cu_q(n + 1, 0);
-  GatherPlan plan;
-  for (int64_t i = 0; i < n; ++i) {
-    start[i] = ctx_start[layout.sequence[i]];
-    anchor[i] = layout.anchor[i];
-    lengths[i] = anchor[i] + bs;
-    cu_k[i + 1] = static_cast<int32_t>(cu_k[i] + lengths[i]);
-    cu_q[i + 1] = static_cast<int32_t>(cu_q[i] + bs);
-    plan.max_keys = std::max(plan.max_keys, lengths[i]);
-  }
-  const int64_t total = cu_k.back();
-  auto to = [&](at::Tensor t) { return device.is_cpu() ? t : t.pin_memory().to(device, true); };
-  auto lens = to(at::tensor(lengths, at::kLong));
-  auto a = to(at::tensor(anchor, at::kLong));
-  auto s = to(at::tensor(start, at::kLong));
-  plan.cu_keys = to(at::tensor(cu_k, at::kInt));
-  plan.cu_queries = to(at::tensor(cu_q, at::kInt));
-  auto ids = at::arange(n, lens.options());
-  auto block = at::repeat_interleave(ids, lens, /*dim=*/0, /*output_size=*/total);
-  auto offset =
-      at::arange(total, lens.options()) - plan.cu_keys.to(at::kLong).index_select(0, block);
-  auto a_row = a.index_select(0, block);
-  auto in_ctx = offset < a_row;
-  auto ctx_index = s.index_select(0, block) + offset;
-  auto blk_index = batch.total + block * bs + (offset - a_row);
-  plan.index = at::where(in_ctx, ctx_index, blk_index);
-  plan.key_lengths = std::move(lengths);
-  return plan;
-}
-
 at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch,
                             const BlockLayout& layout, const TargetHead& head, at::ScalarType dtype,
                             DrafterAttention attention) const {
@@ -468,8 +421,11 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
   auto x = at::embedding(head.embedding, layout.input_ids).to(dtype);
   auto [ctx_cos, ctx_sin] = rotary_.tables(batch.positions, dtype);
   auto [blk_cos, blk_sin] = rotary_.tables(layout.positions, dtype);
-  std::optional<GatherPlan> gather;
-  if (attention == DrafterAttention::kGathered) gather = gather_plan(batch, layout, x.device());
+  std::optional<kernels::PrefixGatherPlan> gather;
+  if (attention == DrafterAttention::kGathered) {
+    gather = kernels::PrefixGatherPlan::build(batch.lengths, layout.sequence, layout.anchor,
+                                              layout.block_size, x.device());
+  }
   for (const auto& layer : layers_) {
     x = layer_forward(layer, x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch, layout, dtype,
                       gather ? &*gather : nullptr);
@@ -482,7 +438,7 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
                                   const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
                                   const at::Tensor& blk_sin, const PackedBatch& batch,
                                   const BlockLayout& layout, at::ScalarType dtype,
-                                  const GatherPlan* gather) const {
+                                  const kernels::PrefixGatherPlan* gather) const {
   const ModelConfig& c = config_.layers;
   const double eps = c.rms_norm_eps;
   const int64_t rows = x.size(0), t = ctx.size(0), d = c.head_dim, bs = layout.block_size;
@@ -530,14 +486,13 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
   } else {
     // Block-sparse: each block's keys are gathered into their own varlen segment, so work and
     // memory are linear in sum(a_i + B) and nothing is spent on masked-out keys.
-    const GatherPlan& plan = *gather;
-    // The gather is an embedding lookup because its backward matters: each context row is read
-    // by up to every block, and embedding's CUDA backward sums duplicates by sorting the index
-    // (segmented, deterministic) where index_select's would contend on atomics.
+    const kernels::PrefixGatherPlan& plan = *gather;
+    // Each context row is read by up to every block; kernels::prefix_gather's backward sums
+    // those reads per row without sorting the index or atomics.
     const int64_t kv_width = c.num_kv_heads * d;
     auto gather_rows = [&](const at::Tensor& ctx_part, const at::Tensor& blk_part) {
       auto all = at::cat({ctx_part, blk_part}).view({-1, kv_width});
-      return at::embedding(all, plan.index).view({-1, c.num_kv_heads, d});
+      return kernels::prefix_gather(all, plan).view({-1, c.num_kv_heads, d});
     };
     auto k_g = gather_rows(k_ctx, k_blk);
     auto v_g = gather_rows(v_ctx, v_blk);
@@ -555,7 +510,8 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
         q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
     if (flash) {
       packed = std::get<0>(at::_flash_attention_forward(
-          q_packed, k_g, v_g, plan.cu_queries * groups, plan.cu_keys, q_rows, plan.max_keys, 0.0,
+          q_packed, k_g, v_g, at::arange(n + 1, plan.cu_keys.options()) * q_rows, plan.cu_keys,
+          q_rows, plan.max_keys, 0.0,
           /*is_causal=*/false, /*return_debug_mask=*/false));
     } else {
       // The same segments, one SDPA each (flash has no fp32): lets CPU and fp32 GPU tests

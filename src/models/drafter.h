@@ -13,13 +13,13 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/prefix_gather.h"
 #include "models/config.h"
 #include "models/layers.h"
 
 namespace dflash::models {
 
 class TargetModel;
-struct GatherPlan;  // drafter.cpp: per-block key index for block-sparse attention
 
 // DFlash's default tap spread (BRIEF): id_i = round(1 + i*(L-4)/(K-1)); [1, 9, 17, 25, 33] for
 // L = 36, K = 5; ties round to even as Python's round(). K = 1 taps layer L/2. Requires L >= 5.
@@ -146,7 +146,7 @@ class Drafter {
                            const at::Tensor& ctx_cos, const at::Tensor& ctx_sin,
                            const at::Tensor& blk_cos, const at::Tensor& blk_sin,
                            const PackedBatch& batch, const BlockLayout& layout,
-                           at::ScalarType dtype, const GatherPlan* gather) const;
+                           at::ScalarType dtype, const kernels::PrefixGatherPlan* gather) const;
 
   DrafterConfig config_;
   Rotary rotary_;

@@ -17,7 +17,8 @@ namespace {
 std::string categorize(const std::string& name) {
   auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
   if (has("Memcpy") || has("Memset") || has("memcpy") || has("memset")) return "copy";
-  if (has("flash") || has("fmha") || has("attention")) return "attention";
+  if (has("dflash::kernels")) return "dflash kernels";
+  if (has("flash_fwd") || has("flash_bwd") || has("fmha") || has("attention")) return "attention";
   if (has("gemm") || has("nvjet") || has("cutlass") || has("sm90_xmma") || has("cublas") ||
       has("splitKreduce")) {
     return "matmul";

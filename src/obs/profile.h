@@ -11,7 +11,7 @@ namespace dflash::obs {
 
 struct KernelTime {
   std::string name;
-  std::string category;  // matmul, attention, elementwise, reduction, copy, other
+  std::string category;  // matmul, attention, dflash kernels, elementwise, reduction, copy, other
   double total_ms = 0;
   int64_t launches = 0;
 };

@@ -4,6 +4,7 @@
 
 #include "common/error.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/prefix_gather.h"
 #include "test_util.h"
 
 namespace dflash {
@@ -61,6 +62,54 @@ TEST(CrossEntropyKernelArgs, BadShapesAreNamed) {
   }
   auto strided = at::zeros({5, 2}).t();
   EXPECT_THROW(kernels::cross_entropy_rows_(strided, at::zeros({2}, at::kLong), coef), Error);
+}
+
+// Three sequences (the middle one without blocks), anchors not sorted within a sequence.
+kernels::PrefixGatherPlan sample_plan(at::Device device) {
+  return kernels::PrefixGatherPlan::build({100, 37, 64}, {0, 0, 0, 2, 2}, {50, 0, 99, 63, 10},
+                                          /*block_size=*/4, device);
+}
+
+TEST(PrefixGather, SegmentsAreContextPrefixThenOwnBlock) {
+  auto plan = kernels::PrefixGatherPlan::build({5, 4}, {0, 0, 1}, {2, 0, 3}, 2, at::kCPU);
+  // Context rows 0..8 (sequence 1 starts at 5), block rows 9.. (block i at 9 + 2i).
+  std::vector<int64_t> expected = {0,  1,  9, 10,  // block 0: keys 0,1 of seq 0, then itself
+                                   11, 12,         // block 1: anchor 0 sees no context
+                                   5,  6,  7, 13, 14};
+  EXPECT_TRUE(at::equal(plan.index, at::tensor(expected, at::kLong))) << plan.index;
+  EXPECT_EQ(plan.key_lengths, (std::vector<int64_t>{4, 2, 5}));
+  EXPECT_EQ(plan.max_keys, 5);
+  auto rows = at::randn({15, 3}).requires_grad_(true);
+  auto grad = at::randn({11, 3});
+  kernels::prefix_gather(rows, plan).backward(grad);
+  auto expected_grad = at::zeros({15, 3}).index_add_(0, plan.index, grad);
+  EXPECT_TRUE(at::allclose(rows.grad(), expected_grad));
+  EXPECT_THROW(kernels::PrefixGatherPlan::build({5}, {0}, {5}, 2, at::kCPU), Error);
+  EXPECT_THROW(kernels::PrefixGatherPlan::build({5, 4}, {1, 0}, {0, 0}, 2, at::kCPU), Error);
+}
+
+TEST(PrefixGather, CudaBackwardMatchesReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto cpu_plan = sample_plan(at::kCPU);
+  auto plan = sample_plan(at::kCUDA);
+  for (auto [dtype, width] : {std::pair{at::kBFloat16, 64}, std::pair{at::kFloat, 40}}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto grad = at::randn({cpu_plan.index.size(0), width}).to(dtype);
+    auto expected = kernels::prefix_gather_backward_reference(grad, cpu_plan);
+    auto actual = kernels::prefix_gather_backward(grad.cuda(), plan).cpu();
+    // Both sum in fp32; the order differs, so allow the last bit of the output dtype.
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+    EXPECT_TRUE(at::allclose(actual.to(at::kFloat), expected.to(at::kFloat), tol, tol))
+        << (actual.to(at::kFloat) - expected.to(at::kFloat)).abs().max();
+    // Through autograd, as the drafter uses it.
+    auto rows = at::randn({expected.size(0), width}, at::TensorOptions().device(at::kCUDA))
+                    .to(dtype)
+                    .requires_grad_(true);
+    auto out = kernels::prefix_gather(rows, plan);
+    EXPECT_TRUE(at::equal(out.cpu(), rows.detach().cpu().index_select(0, cpu_plan.index)));
+    out.backward(grad.cuda());
+    EXPECT_TRUE(at::equal(rows.grad().cpu(), actual));
+  }
 }
 
 }  // namespace

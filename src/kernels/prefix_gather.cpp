@@ -1,0 +1,129 @@
+#include "kernels/prefix_gather.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "common/error.h"
+
+namespace dflash::kernels {
+
+void prefix_gather_backward_cuda(const at::Tensor& grad, const PrefixGatherPlan& plan,
+                                 at::Tensor& out);  // prefix_gather.cu
+
+PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
+                                         const std::vector<int64_t>& sequence,
+                                         const std::vector<int64_t>& anchors, int64_t block_size,
+                                         at::Device device) {
+  const int64_t n = static_cast<int64_t>(anchors.size());
+  const int64_t num_seqs = static_cast<int64_t>(lengths.size());
+  if (static_cast<int64_t>(sequence.size()) != n) fail("prefix gather: sequence/anchor sizes");
+  std::vector<int64_t> row_start(num_seqs + 1, 0), block_start(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) row_start[s + 1] = row_start[s] + lengths[s];
+  PrefixGatherPlan plan;
+  plan.context_rows = row_start.back();
+  plan.block_size = block_size;
+  std::vector<int64_t> start(n);
+  std::vector<int32_t> cu_k(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = sequence[i];
+    if (s < 0 || s >= num_seqs || (i > 0 && s < sequence[i - 1])) {
+      fail("prefix gather: blocks must be grouped by sequence in order (block {})", i);
+    }
+    if (anchors[i] < 0 || anchors[i] >= lengths[s]) {
+      fail("prefix gather: anchor {} of block {} outside its sequence of length {}", anchors[i], i,
+           lengths[s]);
+    }
+    block_start[s + 1] = i + 1;
+    start[i] = row_start[s];
+    const int64_t keys = anchors[i] + block_size;
+    plan.key_lengths.push_back(keys);
+    plan.max_keys = std::max(plan.max_keys, keys);
+    if (cu_k[i] + keys > INT32_MAX) fail("prefix gather: more than 2^31 gathered keys");
+    cu_k[i + 1] = static_cast<int32_t>(cu_k[i] + keys);
+  }
+  for (int64_t s = 0; s < num_seqs; ++s)
+    block_start[s + 1] = std::max(block_start[s + 1], block_start[s]);
+  const int64_t total = cu_k.back();
+  auto to = [&](at::Tensor t) { return device.is_cpu() ? t : t.pin_memory().to(device, true); };
+  auto lens = to(at::tensor(plan.key_lengths, at::kLong));
+  plan.anchor = to(at::tensor(anchors, at::kLong));
+  plan.cu_keys = to(at::tensor(cu_k, at::kInt));
+  plan.seq_row_start = to(at::tensor(row_start, at::kLong));
+  plan.seq_block_start = to(at::tensor(block_start, at::kLong));
+  auto s = to(at::tensor(start, at::kLong));
+  // The index on the device, no host loop over keys: block id and offset of every key.
+  auto block = at::repeat_interleave(at::arange(n, lens.options()), lens, 0, total);
+  auto offset =
+      at::arange(total, lens.options()) - plan.cu_keys.to(at::kLong).index_select(0, block);
+  auto a_row = plan.anchor.index_select(0, block);
+  plan.index = at::where(offset < a_row, s.index_select(0, block) + offset,
+                         plan.context_rows + block * block_size + (offset - a_row));
+  return plan;
+}
+
+at::Tensor prefix_gather_backward_reference(const at::Tensor& grad, const PrefixGatherPlan& plan) {
+  const int64_t rows = plan.context_rows + plan.anchor.size(0) * plan.block_size;
+  auto out = at::zeros({rows, grad.size(1)}, grad.options().dtype(at::kFloat));
+  out.index_add_(0, plan.index, grad.to(at::kFloat));
+  return out.to(grad.scalar_type());
+}
+
+at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan& plan) {
+  if (grad.dim() != 2 || grad.size(0) != plan.index.size(0)) {
+    fail("prefix gather backward: gradient {} does not fit the plan's {} keys", grad.sizes(),
+         plan.index.size(0));
+  }
+  auto g = grad.contiguous();
+  // The kernel moves 16-byte vectors: rows must be 16-byte aligned.
+  const bool aligned = reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0 &&
+                       (g.size(1) * g.element_size()) % 16 == 0;
+  if (!g.is_cuda() || !aligned) return prefix_gather_backward_reference(g, plan);
+  const int64_t rows = plan.context_rows + plan.anchor.size(0) * plan.block_size;
+  auto out = at::empty({rows, grad.size(1)}, grad.options());
+  if (rows > 0 && g.size(1) > 0) prefix_gather_backward_cuda(g, plan, out);
+  return out;
+}
+
+namespace {
+
+// The plan's tensors travel in the autograd context (the plan object itself may be gone by
+// the time backward runs).
+struct PrefixGatherFunction : public torch::autograd::Function<PrefixGatherFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& rows,
+                            const PrefixGatherPlan& plan) {
+    auto& d = ctx->saved_data;
+    d["index"] = plan.index;
+    d["cu_keys"] = plan.cu_keys;
+    d["anchor"] = plan.anchor;
+    d["seq_row_start"] = plan.seq_row_start;
+    d["seq_block_start"] = plan.seq_block_start;
+    d["context_rows"] = plan.context_rows;
+    d["block_size"] = plan.block_size;
+    return rows.index_select(0, plan.index);
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    auto& d = ctx->saved_data;
+    PrefixGatherPlan plan;
+    plan.index = d["index"].toTensor();
+    plan.cu_keys = d["cu_keys"].toTensor();
+    plan.anchor = d["anchor"].toTensor();
+    plan.seq_row_start = d["seq_row_start"].toTensor();
+    plan.seq_block_start = d["seq_block_start"].toTensor();
+    plan.context_rows = d["context_rows"].toInt();
+    plan.block_size = d["block_size"].toInt();
+    return {prefix_gather_backward(grads[0], plan), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor prefix_gather(const at::Tensor& rows, const PrefixGatherPlan& plan) {
+  const int64_t expected = plan.context_rows + plan.anchor.size(0) * plan.block_size;
+  if (rows.dim() != 2 || rows.size(0) != expected) {
+    fail("prefix gather: rows {} do not fit the plan ({} context + {} block rows)", rows.sizes(),
+         plan.context_rows, expected - plan.context_rows);
+  }
+  return PrefixGatherFunction::apply(rows, plan);
+}
+
+}  // namespace dflash::kernels

@@ -1,0 +1,109 @@
+// One thread block per output row, 16 bytes of the row per thread. A context row sums the
+// gradient of every block of its sequence whose anchor lies beyond it (in block order, fp32);
+// a block row copies its block's last B gathered rows back.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/prefix_gather.h"
+
+namespace dflash::kernels {
+namespace {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half(x);
+}
+
+template <typename T>
+__global__ void prefix_gather_backward_kernel(const T* __restrict__ grad, T* __restrict__ out,
+                                              int64_t width, int64_t context_rows,
+                                              int64_t block_size, int64_t num_seqs,
+                                              const int32_t* __restrict__ cu_keys,
+                                              const int64_t* __restrict__ anchor,
+                                              const int64_t* __restrict__ seq_row_start,
+                                              const int64_t* __restrict__ seq_block_start) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t row = blockIdx.x;
+  const int64_t nvec = width / kVec;
+  T* dst = out + row * width;
+  if (row >= context_rows) {
+    const int64_t b = (row - context_rows) / block_size, t = (row - context_rows) % block_size;
+    const T* src = grad + (cu_keys[b] + anchor[b] + t) * width;
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+    }
+    return;
+  }
+  int64_t s = 0;  // the sequence holding this row (few sequences: a linear scan)
+  while (s + 1 < num_seqs && seq_row_start[s + 1] <= row) ++s;
+  const int64_t j = row - seq_row_start[s];
+  const int64_t first = seq_block_start[s], last = seq_block_start[s + 1];
+  for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+    float acc[kVec];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) acc[k] = 0.f;
+    for (int64_t b = first; b < last; ++b) {
+      if (anchor[b] <= j) continue;  // block b's queries see keys strictly before its anchor
+      const uint4 raw = reinterpret_cast<const uint4*>(grad + (cu_keys[b] + j) * width)[v];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) acc[k] += to_float(e[k]);
+    }
+    uint4 packed;
+    T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) o[k] = from_float<T>(acc[k]);
+    reinterpret_cast<uint4*>(dst)[v] = packed;
+  }
+}
+
+template <typename T>
+void launch(const at::Tensor& grad, const PrefixGatherPlan& plan, at::Tensor& out) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t width = grad.size(1);
+  TORCH_CHECK(width % kVec == 0, "prefix gather backward: row width ", width,
+              " is not a multiple of ", kVec);
+  const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, width / kVec)));
+  const auto stream = at::cuda::getCurrentCUDAStream(grad.device().index());
+  prefix_gather_backward_kernel<T><<<static_cast<unsigned>(out.size(0)), threads, 0, stream>>>(
+      reinterpret_cast<const T*>(grad.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), width,
+      plan.context_rows, plan.block_size, plan.seq_row_start.size(0) - 1,
+      plan.cu_keys.data_ptr<int32_t>(), plan.anchor.data_ptr<int64_t>(),
+      plan.seq_row_start.data_ptr<int64_t>(), plan.seq_block_start.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void prefix_gather_backward_cuda(const at::Tensor& grad, const PrefixGatherPlan& plan,
+                                 at::Tensor& out) {
+  switch (grad.scalar_type()) {
+    case at::kBFloat16:
+      return launch<__nv_bfloat16>(grad, plan, out);
+    case at::kHalf:
+      return launch<__half>(grad, plan, out);
+    case at::kFloat:
+      return launch<float>(grad, plan, out);
+    default:
+      TORCH_CHECK(false, "prefix gather backward: unsupported dtype ", grad.scalar_type());
+  }
+}
+
+}  // namespace dflash::kernels

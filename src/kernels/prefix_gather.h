@@ -1,0 +1,43 @@
+// prefix_gather: the keys (or values) each DFlash block attends to, laid out one segment per
+// block for variable-length attention: the context rows of its sequence before its anchor,
+// then its own B rows. The forward is an index copy; the backward sums, for every context
+// row, the gradients of all blocks that saw it. ATen's gather backward does that by sorting
+// the whole index (embedding backward) or with atomics (index_add); the CUDA kernel here
+// instead walks, per context row, the blocks of its sequence: no sort, no atomics, one read of
+// the gradient, fp32 accumulation in a fixed order (deterministic).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace dflash::kernels {
+
+struct PrefixGatherPlan {
+  int64_t context_rows = 0;  // T: rows of the packed context; block rows follow them
+  int64_t block_size = 0;
+  int64_t max_keys = 0;
+  std::vector<int64_t> key_lengths;  // per block: a_i + B (host copy, for per-block loops)
+  at::Tensor index;                  // int64 [keys]: source row of each gathered row
+  at::Tensor cu_keys;                // int32 [blocks + 1]: segment starts
+  at::Tensor anchor;                 // int64 [blocks]
+  at::Tensor seq_row_start;          // int64 [sequences + 1]: first context row per sequence
+  at::Tensor seq_block_start;        // int64 [sequences + 1]: first block per sequence
+
+  // Blocks must be grouped by sequence in order; anchors[i] < lengths[sequence[i]].
+  static PrefixGatherPlan build(const std::vector<int64_t>& lengths,
+                                const std::vector<int64_t>& sequence,
+                                const std::vector<int64_t>& anchors, int64_t block_size,
+                                at::Device device);
+};
+
+// rows: [T + blocks*B, W] (context rows, then block rows), any layout of W contiguous per row.
+// Returns [keys, W]; differentiable with respect to rows.
+at::Tensor prefix_gather(const at::Tensor& rows, const PrefixGatherPlan& plan);
+
+// The backward alone: grad [keys, W] -> [T + blocks*B, W]. CUDA: the kernel; elsewhere (and as
+// the test reference) index_add in fp32.
+at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan& plan);
+at::Tensor prefix_gather_backward_reference(const at::Tensor& grad, const PrefixGatherPlan& plan);
+
+}  // namespace dflash::kernels
