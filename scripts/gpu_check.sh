@@ -2,7 +2,7 @@
 # One device call's worth of work on the GPU machine: build, run every test (GPU tests
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
-# Stages: build test target load drafter (default: all).
+# Stages: build test target load drafter train tokenizer (default: the first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/gpu-out}
@@ -49,6 +49,10 @@ if has drafter && "$dflash" bench-drafter --help > /dev/null 2>&1; then
   "$dflash" bench-drafter --device cuda --json "$out/bench_drafter.json" \
     --profile "$out/drafter_trace.json" 2>&1 | tee "$out/bench_drafter.txt"
   gzip -f "$out/drafter_trace.json"
+fi
+if has train; then
+  step train
+  (cd "$root" && bash bench/train_e2e.sh "$dflash" "$out" 40)
 fi
 if has tokenizer && [ -d "$root/.deps/bench" ]; then
   # Tokenizer throughput on a quiet many-core machine: the fixture tokenizers and GSM8K text

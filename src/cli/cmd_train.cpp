@@ -62,13 +62,6 @@ struct TrainArgs {
 
 constexpr int64_t kQwen3MaskToken = 151669;
 
-// The paper's gamma for the block sizes it trained (BRIEF); 7 otherwise.
-double gamma_for(int64_t block_size) {
-  if (block_size == 10) return 5.0;
-  if (block_size == 8) return 4.0;
-  return 7.0;
-}
-
 std::string clock_text(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
   auto s = static_cast<long>(seconds + 0.5);
@@ -186,7 +179,7 @@ void run_train(const TrainArgs& a, const CLI::App& cmd) {
     o.num_layers = a.drafter_layers;
     o.target_layer_ids = a.target_layer_ids;
     o.block_size = a.block_size;
-    o.gamma = gamma_for(a.block_size);
+    o.gamma = models::default_gamma(a.block_size);
     o.mask_token_id = a.mask_token_id;
     if (o.mask_token_id < 0) {
       o.mask_token_id = kQwen3MaskToken < tc.vocab_size ? kQwen3MaskToken : tc.vocab_size - 1;

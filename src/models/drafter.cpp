@@ -20,16 +20,15 @@ namespace {
 
 using nlohmann::json;
 
-// The BRIEF's gamma for the block sizes the paper trained; 7 otherwise (its B = 16 value).
+std::string layer_name(int64_t i, const char* rest) { return fmt::format("layers.{}.{}", i, rest); }
+
+}  // namespace
+
 double default_gamma(int64_t block_size) {
   if (block_size == 10) return 5.0;
   if (block_size == 8) return 4.0;
   return 7.0;
 }
-
-std::string layer_name(int64_t i, const char* rest) { return fmt::format("layers.{}.{}", i, rest); }
-
-}  // namespace
 
 std::vector<int64_t> default_target_layer_ids(int64_t target_layers, int64_t k) {
   if (k < 1) fail("drafter: the number of tapped target layers must be at least 1, got {}", k);

@@ -25,6 +25,10 @@ class TargetModel;
 // L = 36, K = 5; ties round to even as Python's round(). K = 1 taps layer L/2. Requires L >= 5.
 std::vector<int64_t> default_target_layer_ids(int64_t target_layers, int64_t k);
 
+// The BRIEF's loss-weight gamma for the block sizes the paper trained (16: 7, 10: 5, 8: 4);
+// 7 otherwise.
+double default_gamma(int64_t block_size);
+
 struct DrafterConfig {
   // Shape of the drafter's Qwen3 layers; num_layers is N. Width, heads, RoPE and vocabulary come
   // from the target (same width is required; the vocabulary is the target's LM head).

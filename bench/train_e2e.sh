@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# End-to-end `dflash train` on one GPU: a random-weight Qwen3-8B-shaped target written to disk,
+# a prepared dataset of random 2048-token samples (64-token unsupervised prompt), then a short
+# run with the default drafter (5 layers, 512 anchors, B 16), a final checkpoint and an export.
+# Reports the median tokens/s of the steps after warm-up from the run's own metrics.jsonl.
+# Usage: bench/train_e2e.sh DFLASH_BINARY OUT_DIR [steps]
+set -euo pipefail
+dflash=$1
+out=$2
+steps=${3:-40}
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=${WORK:-/tmp/dflash-train-e2e}
+rm -rf "$work" && mkdir -p "$work"
+"$dflash" random-model --preset qwen3-8b --out "$work/target" > /dev/null
+python3 - "$work/data" <<'PY'
+import pathlib, random, sys
+sys.path.insert(0, "tests/cli")
+from train_kill_resume import write_prepared
+rng = random.Random(0)
+samples = [([rng.randrange(151643) for _ in range(2048)], [0] * 64 + [1] * 1984) for _ in range(64)]
+write_prepared(pathlib.Path(sys.argv[1]), samples, 151936)
+PY
+start=$(date +%s.%N)
+"$dflash" train --target "$work/target" --data "$work/data" --out "$work/run" --steps "$steps" \
+  --device cuda --log-seconds 10 2>&1 | tee "$out/train_e2e.txt"
+end=$(date +%s.%N)
+start_export=$(date +%s.%N)
+"$dflash" export "$work/run" "$work/export" 2>&1 | tail -1
+end_export=$(date +%s.%N)
+python3 - "$work/run/metrics.jsonl" "$steps" "$start" "$end" "$start_export" "$end_export" <<'PY' | tee -a "$out/train_e2e.txt"
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+steps = int(sys.argv[2])
+warm = [r for r in rows if r["step"] > min(10, steps // 2)]
+tps = statistics.median(r["tokens_per_s"] for r in warm)
+print(f"train_e2e: {len(rows)} steps logged, median {tps:.0f} tokens/s over steps "
+      f"{warm[0]['step']}..{warm[-1]['step']}; last loss {rows[-1]['loss']:.4f}; "
+      f"whole command {float(sys.argv[4]) - float(sys.argv[3]):.1f} s "
+      f"(target load, steps, checkpoint); export {float(sys.argv[6]) - float(sys.argv[5]):.1f} s")
+PY
+cp "$work/run/metrics.jsonl" "$out/train_e2e_metrics.jsonl"
+rm -rf "$work"
