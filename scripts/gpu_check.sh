@@ -32,7 +32,9 @@ fi
 if has target; then
   step bench-target
   "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1,2,4,8 \
-    --warmup 3 --iters 10 --json "$out/bench_target.json" 2>&1 | tee "$out/bench_target.txt"
+    --warmup 3 --iters 10 --json "$out/bench_target.json" --profile "$out/target_trace.json" \
+    2>&1 | tee "$out/bench_target.txt"
+  gzip -f "$out/target_trace.json"
 fi
 if has load; then
   step load

@@ -7,9 +7,11 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "common/error.h"
 #include "common/file.h"
 #include "io/safetensors.h"
 #include "models/target.h"
+#include "obs/profile.h"
 #include "obs/stats.h"
 
 namespace dflash::cli {
@@ -23,6 +25,7 @@ struct BenchOptions {
   int warmup = 3;
   int iters = 10;
   std::string json_out;
+  std::string profile;  // Chrome trace path; empty: no profile
 };
 
 // DFlash's default tap spread for 5 drafter layers (BRIEF: round(1 + i*(L-4)/(K-1))).
@@ -34,6 +37,7 @@ std::vector<int64_t> default_taps(int64_t layers) {
 
 void run_bench(const BenchOptions& o) {
   at::Device device(o.device);
+  if (!o.profile.empty() && !device.is_cuda()) fail("bench-target: --profile needs a CUDA device");
   auto config = models::preset_config(o.preset);
   auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   auto model = models::TargetModel::random(config, device, dtype, 0);
@@ -73,10 +77,31 @@ void run_bench(const BenchOptions& o) {
                     {"peak_gpu_gib", peak_gib},
                     {"times_s", times}});
   }
-  if (!o.json_out.empty()) {
-    nlohmann::json doc = {{"preset", o.preset}, {"device", o.device}, {"rows", rows}};
-    write_file_atomic(o.json_out, doc.dump(2));
+  nlohmann::json doc = {{"preset", o.preset}, {"device", o.device}, {"rows", rows}};
+  if (!o.profile.empty() && !o.batches.empty()) {
+    constexpr int kProfiled = 3;
+    std::vector<int64_t> lengths(o.batches.front(), o.seq_len);
+    auto batch = models::PackedBatch::from_lengths(lengths, device);
+    auto tokens = at::randint(config.vocab_size, {batch.total},
+                              at::TensorOptions().dtype(at::kLong).device(device));
+    auto p = obs::profile_device(
+        [&] {
+          for (int i = 0; i < kProfiled; ++i) {
+            model.forward(tokens, batch, {taps, models::Logits::kLast});
+          }
+          obs::synchronize(device);
+        },
+        kProfiled, o.profile);
+    fmt::print("profile of a prefill of {} x {} tokens (trace: {}):\n{}", o.batches.front(),
+               o.seq_len, o.profile, obs::format_profile(p, 20));
+    nlohmann::json cats = nlohmann::json::object();
+    for (const auto& c : p.categories) cats[c.name] = c.total_ms;
+    doc["profile"] = {{"device_ms", p.device_ms},
+                      {"wall_ms", p.wall_ms},
+                      {"launches", p.launches},
+                      {"categories_ms", cats}};
   }
+  if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
 
 struct RandomModelOptions {
@@ -116,6 +141,8 @@ void add_bench_target_command(CLI::App& app) {
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
       ->capture_default_str();
   cmd->add_option("--json", o->json_out, "also write the results here");
+  cmd->add_option("--profile", o->profile,
+                  "profile the first batch size: GPU time per kernel, Chrome trace written here");
   cmd->callback([o] { run_bench(*o); });
 
   auto r = std::make_shared<RandomModelOptions>();

@@ -13,6 +13,7 @@
 #include "common/file.h"
 #include "common/json_file.h"
 #include "io/safetensors.h"
+#include "kernels/rotary.h"
 #include "models/target.h"
 
 namespace dflash::models {
@@ -444,16 +445,16 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
   auto cast = [&](const at::Tensor& p) { return p.to(dtype); };
   auto h = rms_norm(x, cast(w.input_norm), eps);
   auto q = at::linear(h, cast(w.q_proj)).view({rows, c.num_heads, d});
-  q = apply_rotary(rms_norm(q, cast(w.q_norm), eps), blk_cos, blk_sin);
+  q = kernels::rotary(rms_norm(q, cast(w.q_norm), eps), blk_cos, blk_sin);
   // K/V injection: the same k_proj/v_proj (and k_norm, RoPE at absolute positions) over the
   // context rows and the block rows. The context is not passed through input_layernorm
   // (z-lab's DFlashDraftModel feeds hidden_norm(fc(taps)) straight to k_proj/v_proj), and it
   // skips Q, O and the MLP.
   const auto k_w = cast(w.k_proj), v_w = cast(w.v_proj), k_norm = cast(w.k_norm);
-  auto k_blk = apply_rotary(
+  auto k_blk = kernels::rotary(
       rms_norm(at::linear(h, k_w).view({rows, c.num_kv_heads, d}), k_norm, eps), blk_cos, blk_sin);
   auto v_blk = at::linear(h, v_w).view({rows, c.num_kv_heads, d});
-  auto k_ctx = apply_rotary(
+  auto k_ctx = kernels::rotary(
       rms_norm(at::linear(ctx, k_w).view({t, c.num_kv_heads, d}), k_norm, eps), ctx_cos, ctx_sin);
   auto v_ctx = at::linear(ctx, v_w).view({t, c.num_kv_heads, d});
 

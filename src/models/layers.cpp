@@ -62,14 +62,6 @@ std::pair<at::Tensor, at::Tensor> Rotary::tables(const at::Tensor& positions,
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 
-at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  auto x1 = x.narrow(-1, 0, half);
-  auto x2 = x.narrow(-1, half, half);
-  auto rotated = at::cat({-x2, x1}, -1);
-  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
-}
-
 at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const PackedBatch& batch) {
   const bool flash =

@@ -28,7 +28,8 @@ struct PackedBatch {
 // RMSNorm over the last dimension, accumulated in fp32.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
-// Rotary embedding tables for a config (default or llama3-scaled frequencies).
+// Rotary embedding tables for a config (default or llama3-scaled frequencies), applied by
+// kernels::rotary (rotate-half convention, as HF).
 class Rotary {
  public:
   Rotary(const ModelConfig& config, at::Device device);
@@ -39,9 +40,6 @@ class Rotary {
  private:
   at::Tensor inv_freq_;  // fp32 [head_dim/2]
 };
-
-// x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]. Rotate-half convention (HF).
-at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 // Causal self-attention within each sequence of a packed batch, grouped-query.
 // q: [tokens, Hq, D], k/v: [tokens, Hkv, D] -> [tokens, Hq, D].

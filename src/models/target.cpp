@@ -5,6 +5,7 @@
 
 #include "common/error.h"
 #include "io/safetensors.h"
+#include "kernels/rotary.h"
 
 namespace dflash::models {
 namespace {
@@ -148,8 +149,8 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, const at::Ten
     q = rms_norm(q, w.q_norm, c.rms_norm_eps);
     k = rms_norm(k, w.k_norm, c.rms_norm_eps);
   }
-  q = apply_rotary(q, cos, sin);
-  k = apply_rotary(k, cos, sin);
+  q = kernels::rotary(q, cos, sin);
+  k = kernels::rotary(k, cos, sin);
   auto attn = packed_causal_attention(q, k, v, batch).reshape({t, nq});
   auto x1 = x + at::linear(attn, w.w_o);
   return x1 +

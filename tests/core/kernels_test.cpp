@@ -5,6 +5,7 @@
 #include "common/error.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/prefix_gather.h"
+#include "kernels/rotary.h"
 #include "test_util.h"
 
 namespace dflash {
@@ -110,6 +111,42 @@ TEST(PrefixGather, CudaBackwardMatchesReference) {
     out.backward(grad.cuda());
     EXPECT_TRUE(at::equal(rows.grad().cpu(), actual));
   }
+}
+
+TEST(Rotary, CudaMatchesReferenceValuesAndGradients) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(0);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const int64_t t = 37, heads = 4, d = 64;
+    auto angles = at::randn({t, d / 2}) * 3;
+    auto cos = at::cat({angles.cos(), angles.cos()}, 1).to(dtype);
+    auto sin = at::cat({angles.sin(), angles.sin()}, 1).to(dtype);
+    // A strided input, as the target's q slice of its fused QKV output.
+    auto fused = at::randn({t, 3 * heads * d}).to(dtype);
+    auto x = fused.narrow(1, heads * d, heads * d).view({t, heads, d});
+    auto grad = at::randn({t, heads, d}).to(dtype);
+
+    auto x_ref = x.to(at::kFloat).clone().requires_grad_(true);
+    auto ref = kernels::rotary_reference(x_ref, cos.to(at::kFloat), sin.to(at::kFloat));
+    ref.backward(grad.to(at::kFloat));
+
+    auto fused_gpu = fused.cuda().requires_grad_(true);
+    auto x_gpu = fused_gpu.narrow(1, heads * d, heads * d).view({t, heads, d});
+    ASSERT_NE(x_gpu.stride(0), heads * d);  // the kernel reads the strided slice in place
+    auto out = kernels::rotary(x_gpu, cos.cuda(), sin.cuda());
+    out.backward(grad.cuda());
+    const double tol = dtype == at::kFloat ? 1e-6 : 1e-2;
+    EXPECT_TRUE(at::allclose(out.cpu().to(at::kFloat), ref.detach(), tol, tol));
+    auto x_grad = fused_gpu.grad().narrow(1, heads * d, heads * d).view({t, heads, d});
+    EXPECT_TRUE(at::allclose(x_grad.cpu().to(at::kFloat), x_ref.grad(), tol, tol));
+  }
+}
+
+TEST(Rotary, BadShapesAreNamed) {
+  auto x = at::zeros({3, 2, 8});
+  EXPECT_THROW(kernels::rotary(x, at::zeros({3, 4}), at::zeros({3, 4})), Error);
+  EXPECT_THROW(kernels::rotary(at::zeros({3, 2, 7}), at::zeros({3, 7}), at::zeros({3, 7})), Error);
 }
 
 }  // namespace
