@@ -3,34 +3,16 @@
 // from L2) and writes coef * (softmax - onehot) over it. Loads are 16 bytes wide.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cfloat>
 #include <cstdint>
+
+#include "kernels/float_cast.cuh"
 
 namespace dflash::kernels {
 namespace {
 
 constexpr int kThreads = 1024;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half(x);
-}
 
 // Running state of one thread: max m, sum of exp(x - m), and the first index holding m.
 struct Partial {
@@ -149,16 +131,8 @@ void launch(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef
 
 void cross_entropy_rows_cuda(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef,
                              at::Tensor& loss, at::Tensor& argmax) {
-  switch (logits.scalar_type()) {
-    case at::kBFloat16:
-      return launch<__nv_bfloat16>(logits, labels, coef, loss, argmax);
-    case at::kHalf:
-      return launch<__half>(logits, labels, coef, loss, argmax);
-    case at::kFloat:
-      return launch<float>(logits, labels, coef, loss, argmax);
-    default:
-      TORCH_CHECK(false, "cross entropy: unsupported logits dtype ", logits.scalar_type());
-  }
+  dispatch_float(logits.scalar_type(), "cross entropy",
+                 [&](auto tag) { launch<decltype(tag)>(logits, labels, coef, loss, argmax); });
 }
 
 }  // namespace dflash::kernels

@@ -3,33 +3,14 @@
 // a block row copies its block's last B gathered rows back.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cstdint>
 
+#include "kernels/float_cast.cuh"
 #include "kernels/prefix_gather.h"
 
 namespace dflash::kernels {
 namespace {
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half(x);
-}
 
 template <typename T>
 __global__ void prefix_gather_backward_kernel(const T* __restrict__ grad, T* __restrict__ out,
@@ -94,16 +75,8 @@ void launch(const at::Tensor& grad, const PrefixGatherPlan& plan, at::Tensor& ou
 
 void prefix_gather_backward_cuda(const at::Tensor& grad, const PrefixGatherPlan& plan,
                                  at::Tensor& out) {
-  switch (grad.scalar_type()) {
-    case at::kBFloat16:
-      return launch<__nv_bfloat16>(grad, plan, out);
-    case at::kHalf:
-      return launch<__half>(grad, plan, out);
-    case at::kFloat:
-      return launch<float>(grad, plan, out);
-    default:
-      TORCH_CHECK(false, "prefix gather backward: unsupported dtype ", grad.scalar_type());
-  }
+  dispatch_float(grad.scalar_type(), "prefix gather backward",
+                 [&](auto tag) { launch<decltype(tag)>(grad, plan, out); });
 }
 
 }  // namespace dflash::kernels

@@ -2,31 +2,13 @@
 // outputs, computing in fp32 from the tables' values.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cstdint>
 
+#include "kernels/float_cast.cuh"
+
 namespace dflash::kernels {
 namespace {
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half(x);
-}
 
 template <typename T, typename C, bool kBackward>
 __global__ void rotary_kernel(const T* __restrict__ x, const C* __restrict__ cos,
@@ -81,36 +63,16 @@ void launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, b
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T>
-void launch_tables(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
-                   at::Tensor& out) {
-  switch (cos.scalar_type()) {
-    case at::kBFloat16:
-      return launch<T, __nv_bfloat16>(x, cos, sin, backward, out);
-    case at::kHalf:
-      return launch<T, __half>(x, cos, sin, backward, out);
-    case at::kFloat:
-      return launch<T, float>(x, cos, sin, backward, out);
-    default:
-      TORCH_CHECK(false, "rotary: unsupported table dtype ", cos.scalar_type());
-  }
-}
-
 }  // namespace
 
 void rotary_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
                  at::Tensor& out) {
   TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), "rotary: cos and sin dtypes differ");
-  switch (x.scalar_type()) {
-    case at::kBFloat16:
-      return launch_tables<__nv_bfloat16>(x, cos, sin, backward, out);
-    case at::kHalf:
-      return launch_tables<__half>(x, cos, sin, backward, out);
-    case at::kFloat:
-      return launch_tables<float>(x, cos, sin, backward, out);
-    default:
-      TORCH_CHECK(false, "rotary: unsupported dtype ", x.scalar_type());
-  }
+  dispatch_float(x.scalar_type(), "rotary", [&](auto x_tag) {
+    dispatch_float(cos.scalar_type(), "rotary tables", [&](auto table_tag) {
+      launch<decltype(x_tag), decltype(table_tag)>(x, cos, sin, backward, out);
+    });
+  });
 }
 
 }  // namespace dflash::kernels

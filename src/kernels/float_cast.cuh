@@ -1,0 +1,45 @@
+// Device-side conversions between the storage dtypes the kernels accept (fp32, bf16, fp16)
+// and the fp32 they compute in, and the host-side dispatch from an ATen dtype to them.
+#pragma once
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace dflash::kernels {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half(x);
+}
+
+// Calls f(T{}) with T the device type of `dtype` (float, __nv_bfloat16 or __half).
+template <typename F>
+void dispatch_float(c10::ScalarType dtype, const char* what, F&& f) {
+  switch (dtype) {
+    case c10::ScalarType::BFloat16:
+      return f(__nv_bfloat16{});
+    case c10::ScalarType::Half:
+      return f(__half{});
+    case c10::ScalarType::Float:
+      return f(float{});
+    default:
+      TORCH_CHECK(false, what, ": unsupported dtype ", dtype);
+  }
+}
+
+}  // namespace dflash::kernels
