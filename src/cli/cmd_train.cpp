@@ -301,9 +301,12 @@ void run_train(const TrainArgs& a, const CLI::App& cmd) {
   std::unique_ptr<FILE, int (*)(FILE*)> metrics(std::fopen(metrics_path.c_str(), "a"),
                                                 &std::fclose);
   if (!metrics) fail("{}: cannot open for appending", metrics_path.string());
-  // TensorBoard: a new event file per process; after a resume the steps past the checkpoint
-  // appear twice in the killed process's file and this one.
+  // TensorBoard: a new event file per process, opened with a SessionLog START at the first
+  // step this process writes, so that TensorBoard drops what a killed process wrote past the
+  // checkpoint (as metrics.jsonl does above) instead of showing those steps twice.
   obs::TensorBoardWriter tb(run_dir / "tb");
+  tb.add_session_start(trainer.steps_done() + 1);
+  tb.flush();
 
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();

@@ -44,8 +44,10 @@ double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// Event{ double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
-// A step of 0 is left out, as proto3 does for a default; the oneof members are always written.
+// Event{ double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5;
+// SessionLog session_log = 7; }  (file_version, summary and session_log are a oneof; 6 is the
+// deprecated LogMessage log_message.) A step of 0 is left out, as proto3 does for a default;
+// the oneof members are always written.
 std::string event_header(int64_t step) {
   std::string event;
   put_key(event, 1, 1);
@@ -142,6 +144,17 @@ void TensorBoardWriter::add_scalars(int64_t step,
   std::string summary = scalar_summary(values);  // validates before anything is written
   std::string event = event_header(step);
   put_bytes(event, 5, summary);
+  write_event(event);
+}
+
+void TensorBoardWriter::add_session_start(int64_t step) {
+  // SessionLog{ SessionStatus status = 1; string checkpoint_path = 2; string msg = 3; },
+  // SessionStatus{ STATUS_UNSPECIFIED = 0; START = 1; STOP = 2; CHECKPOINT = 3; }
+  std::string session_log;
+  put_key(session_log, 1, 0);
+  put_varint(session_log, 1);
+  std::string event = event_header(step);
+  put_bytes(event, 7, session_log);
   write_event(event);
 }
 

@@ -1,7 +1,8 @@
 // obs: TensorBoard event files written directly (no protobuf, no TensorFlow). An event file is
 // a sequence of TFRecords, each holding one hand-encoded `tensorboard.Event` protobuf; only
-// the fields scalars need are written (Event.wall_time/step/file_version/summary,
-// Summary.value, Summary.Value.tag/simple_value). Standard library only (no LibTorch).
+// the fields scalars and restarts need are written (Event.wall_time/step/file_version/summary/
+// session_log, Summary.value, Summary.Value.tag/simple_value, SessionLog.status). Standard
+// library only (no LibTorch).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +44,15 @@ class TensorBoardWriter {
   void add_scalar(const std::string& tag, double value, int64_t step);
   // One Event holding several scalars of the same step (e.g. loss, lr, accuracy).
   void add_scalars(int64_t step, const std::vector<std::pair<std::string, double>>& values);
+  // An Event `session_log { status: START }` at `step`, the first step this process will
+  // write, as TensorFlow writes at the start of every session. TensorBoard reads it as a
+  // (re)start: with purge_orphaned_data (its default) it drops the events already read, from
+  // earlier files of the directory, whose step is >= `step`; so after a crash and a resume from
+  // step N, a START at N + 1 hides the killed process's steps past the checkpoint, which this
+  // process writes again. TensorBoard's plugin accumulator (behind its UI) takes the first START
+  // of a run as the initial one and purges only on later ones: write one at the start of every
+  // process, fresh runs included.
+  void add_session_start(int64_t step);
 
   // Hands buffered records to the OS (fflush). Throws dflash::Error on failure.
   void flush();

@@ -11,7 +11,10 @@ dataset written here in the prepared-shard format (docs/DATA.md).
 The final checkpoints of A and B (weights and optimizer state) and their exports must be
 byte-identical, B's metrics.jsonl must hold steps 1..2N once each with A's values, and, as a
 control that the comparison can fail, a resume from checkpoint N with its Adam moments zeroed
-must not match.
+must not match. Where the `tensorboard` package imports, TensorBoard reading B's tb/ (the
+killed process's event file and the resumed one's) must also show steps 1..2N once each with
+A's losses: the resumed process's SessionLog START at step N+1 hides the killed one's later
+steps.
 """
 import json
 import os
@@ -145,6 +148,30 @@ KILL_POINTS = {
 }
 
 
+def tensorboard_losses(tb: pathlib.Path):
+    """train/loss as TensorBoard shows it, as [(step, float32 bits)], through both its
+    EventAccumulator and the multiplexer behind its UI (which must agree); None without the
+    `tensorboard` package."""
+    try:
+        from tensorboard.backend.event_processing import event_accumulator
+        from tensorboard.backend.event_processing import plugin_event_multiplexer
+        from tensorboard.util import tensor_util
+    except ImportError:
+        return None
+    bits = lambda x: struct.unpack("<I", struct.pack("<f", x))[0]
+    acc = event_accumulator.EventAccumulator(str(tb), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    losses = [(s.step, bits(s.value)) for s in acc.Scalars("train/loss")]
+    mux = plugin_event_multiplexer.EventMultiplexer(
+        size_guidance={plugin_event_multiplexer.event_accumulator.TENSORS: 0})
+    mux.AddRunsFromDirectory(str(tb))
+    mux.Reload()
+    ui = [(t.step, bits(tensor_util.make_ndarray(t.tensor_proto).item()))
+          for t in mux.Tensors(".", "train/loss")]
+    assert ui == losses, (ui, losses)
+    return losses
+
+
 def zero_adam_moments(state: pathlib.Path):
     raw = bytearray(state.read_bytes())
     (header_len,) = struct.unpack("<Q", raw[:8])
@@ -217,7 +244,7 @@ def main():
             assert killed_at > N
             left = sorted(p.name for p in b.iterdir())
             print(f"{name}: killed after step {killed_at} was logged; left {left}")
-            report.append(f"{name} (step {killed_at}, left {left})")
+            report_line = f"{name} (step {killed_at}, left {left}"
             if scenario == 0:
                 shutil.copytree(b, control)
 
@@ -244,6 +271,16 @@ def main():
             for x, y in zip(ma, mb):
                 for k in same:
                     assert x[k] == y[k], (name, x["step"], k, x[k], y[k])
+
+            # TensorBoard over B's two event files: each step once, with A's values.
+            losses = tensorboard_losses(b / "tb")
+            if losses is not None:
+                assert len(list((b / "tb").iterdir())) == 2, sorted((b / "tb").iterdir())
+                expected = [(m["step"], struct.unpack("<I", struct.pack("<f", m["loss"]))[0])
+                            for m in ma]
+                assert losses == expected, (name, losses, expected)
+            tb_note = "" if losses is not None else ", tensorboard not importable"
+            report.append(report_line + tb_note + ")")
 
         # Control: the same resume with the checkpoint's Adam moments zeroed must differ, so
         # the comparison above can fail.

@@ -18,6 +18,8 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/error.h"
@@ -35,6 +37,25 @@ std::string read_bytes(const fs::path& path) {
 }
 
 uint32_t f32_bits(double v) { return std::bit_cast<uint32_t>(static_cast<float>(v)); }
+
+// What TensorBoard reads from the event files in `dir` (tests/python/tensorboard_check.py).
+json tensorboard_read(const fs::path& dir) {
+  const char* python = std::getenv("DFLASH_PYTHON");
+  if (!python) ADD_FAILURE() << "DFLASH_PYTHON is not set (ctest sets it)";
+  if (!python) return json();
+  fs::path script = fs::path(DFLASH_SOURCE_DIR) / "tests/python/tensorboard_check.py";
+  std::string cmd = fmt::format("'{}' '{}' '{}' 2>&1", python, script.string(), dir.string());
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (!pipe) ADD_FAILURE() << "popen failed: " << cmd;
+  if (!pipe) return json();
+  std::string output;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), pipe)) output.append(buf, n);
+  int status = ::pclose(pipe);
+  if (status != 0) ADD_FAILURE() << output;
+  if (status != 0) return json();
+  return json::parse(output.substr(output.rfind("\n{") + 1));
+}
 
 class tensorboard : public ::testing::Test {
  protected:
@@ -123,8 +144,6 @@ TEST_F(tensorboard, ErrorsNameThePath) {
 
 // The file read back by TensorBoard's own reader (CRC-checked) and its EventAccumulator.
 TEST_F(tensorboard, TensorBoardReadsOurScalars) {
-  const char* python = std::getenv("DFLASH_PYTHON");
-  ASSERT_NE(python, nullptr) << "DFLASH_PYTHON is not set (ctest sets it)";
   const double inf = std::numeric_limits<double>::infinity();
   struct Scalar {
     std::string tag;
@@ -160,16 +179,8 @@ TEST_F(tensorboard, TensorBoardReadsOurScalars) {
   }
   events.push_back({{"after_flush", 7.0, 5'000'000'002}});
 
-  fs::path script = fs::path(DFLASH_SOURCE_DIR) / "tests/python/tensorboard_check.py";
-  std::string cmd = fmt::format("'{}' '{}' '{}' 2>&1", python, script.string(), dir_.string());
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), pipe)) output.append(buf, n);
-  ASSERT_EQ(::pclose(pipe), 0) << output;
-  json result = json::parse(output.substr(output.rfind("\n{") + 1));
-
+  const json result = tensorboard_read(dir_);
+  ASSERT_FALSE(result.is_null());
   ASSERT_EQ(result["files"].size(), 1u);
   EXPECT_EQ(result["files"][0], path.filename().string());
   EXPECT_EQ(result["file_version"], 2.0);  // the accumulator's parse of "brain.Event:2"
@@ -210,6 +221,80 @@ TEST_F(tensorboard, TensorBoardReadsOurScalars) {
   EXPECT_EQ(scalars["eval/accept_len"][0]["step"].get<int64_t>(), 2);
   EXPECT_EQ(scalars["tag with spaces/ü"][0]["bits"].get<uint32_t>(), f32_bits(1.0 / 3.0));
   EXPECT_EQ(scalars["after_flush"][0]["step"].get<int64_t>(), 5'000'000'002);
+  EXPECT_EQ(result["plugin_scalars"], scalars);  // the UI's backend reads the same
+}
+
+// A run killed after step 8 and resumed from its checkpoint at step 4: the first process's
+// file holds steps 1..8, the second's (a later name, so read after it) steps 5..8 again, with
+// other values. Each process starts with a SessionLog START at its first step, as `dflash
+// train` does; TensorBoard then drops the first file's 5..8 and shows each step once.
+TEST_F(tensorboard, SessionStartHidesTheStepsOfAKilledRun) {
+  auto values = [](int64_t step, double base) {
+    return std::vector<std::pair<std::string, double>>{{"train/loss", base + step},
+                                                       {"train/lr", (base + step) / 1000}};
+  };
+  // Without the first process's START (as written by a dflash before add_session_start),
+  // only the plain EventAccumulator purges: the plugin accumulator takes the one START it
+  // sees as the run's first, not as a restart.
+  for (bool first_start : {true, false}) {
+    SCOPED_TRACE(first_start);
+    dflash::remove_tree(dir_);
+    std::vector<fs::path> paths;
+    {
+      TensorBoardWriter killed(dir_);
+      paths.push_back(killed.path());
+      if (first_start) killed.add_session_start(1);
+      for (int64_t step = 1; step <= 8; ++step) killed.add_scalars(step, values(step, 100));
+      killed.flush();
+      TensorBoardWriter resumed(dir_);
+      paths.push_back(resumed.path());
+      resumed.add_session_start(5);
+      for (int64_t step = 5; step <= 8; ++step) resumed.add_scalars(step, values(step, 200));
+    }
+    const json result = tensorboard_read(dir_);
+    ASSERT_FALSE(result.is_null());
+    ASSERT_EQ(result["files"].size(), 2u);
+    EXPECT_EQ(result["files"][0], paths[0].filename().string());
+    EXPECT_EQ(result["files"][1], paths[1].filename().string());
+
+    // The records as written: the START events decode as SessionLog{status: START}.
+    std::vector<std::tuple<std::string, std::string, int64_t>> starts;
+    size_t summaries = 0;
+    for (const json& e : result["events"]) {
+      if (e["what"] == "summary") ++summaries;
+      if (e["what"] != "session_log") continue;
+      EXPECT_EQ(e["status"], "START");
+      starts.emplace_back(e["file"].get<std::string>(), e["status"].get<std::string>(),
+                          e["step"].get<int64_t>());
+    }
+    EXPECT_EQ(summaries, 12u);  // both copies of 5..8 are in the files
+    std::vector<std::tuple<std::string, std::string, int64_t>> expected_starts;
+    if (first_start) expected_starts.emplace_back(paths[0].filename().string(), "START", 1);
+    expected_starts.emplace_back(paths[1].filename().string(), "START", 5);
+    EXPECT_EQ(starts, expected_starts);
+
+    for (const char* view : {"scalars", "plugin_scalars"}) {
+      SCOPED_TRACE(view);
+      const bool purged = first_start || std::string(view) == "scalars";
+      const json& scalars = result[view];
+      ASSERT_EQ(scalars.size(), 2u) << scalars.dump();
+      for (size_t k = 0; k < 2; ++k) {
+        const std::string tag = values(0, 0)[k].first;
+        SCOPED_TRACE(tag);
+        std::vector<std::pair<int64_t, uint32_t>> seen, expected;
+        for (const json& s : scalars[tag]) {
+          seen.emplace_back(s["step"].get<int64_t>(), s["bits"].get<uint32_t>());
+        }
+        for (int64_t step = 1; step <= (purged ? 4 : 8); ++step) {
+          expected.emplace_back(step, f32_bits(values(step, 100)[k].second));
+        }
+        for (int64_t step = 5; step <= 8; ++step) {
+          expected.emplace_back(step, f32_bits(values(step, 200)[k].second));
+        }
+        EXPECT_EQ(seen, expected);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -1,12 +1,18 @@
 """Reads the TensorBoard event files in a log directory with TensorBoard's own code and prints
 what it found as JSON, for tests/core/tensorboard_test.cpp.
 
-Two independent views:
+Three independent views:
   - "events": every record, read by TensorBoard's TFRecord reader (which checks both CRCs and
     raises on a mismatch or a truncated record) and parsed by TensorBoard's Event protobuf;
     each record must re-serialize to exactly its bytes (no unknown or misencoded fields).
-  - "scalars": what TensorBoard's EventAccumulator (the backend behind the UI) shows per tag.
-Float values are also given as their float32 bit patterns, so NaN and infinities compare.
+  - "scalars": what TensorBoard's EventAccumulator shows per tag, with its defaults (so with
+    purge_orphaned_data: a SessionLog START drops the events read before it at its step or
+    later).
+  - "plugin_scalars": the same through the EventMultiplexer over the directory and its plugin
+    accumulators, the Python backend behind the UI (`tensorboard --load_fast=false`), which
+    keeps scalars as tensors and purges only on a run's second and later STARTs.
+Both accumulators read a directory's event files in name order. Float values are also given
+as their float32 bit patterns, so NaN and infinities compare.
 
 usage: tensorboard_check.py LOGDIR
 """
@@ -16,10 +22,11 @@ import pathlib
 import struct
 import sys
 
-from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.backend.event_processing import event_accumulator, plugin_event_multiplexer
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub import errors
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
+from tensorboard.util import tensor_util
 
 
 def f32_bits(x):
@@ -63,10 +70,13 @@ def main():
                     }
                     for v in event.summary.value
                 ]
+            elif e["what"] == "session_log":
+                e["status"] = event_pb2.SessionLog.SessionStatus.Name(event.session_log.status)
+            e["file"] = path.name
             out["events"].append(e)
 
     acc = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance={event_accumulator.SCALARS: 0}, purge_orphaned_data=False
+        str(logdir), size_guidance={event_accumulator.SCALARS: 0}
     )
     acc.Reload()
     out["file_version"] = acc.file_version
@@ -75,6 +85,24 @@ def main():
             {"step": s.step, "wall_time": s.wall_time, "bits": f32_bits(s.value)}
             for s in acc.Scalars(tag)
         ]
+
+    mux = plugin_event_multiplexer.EventMultiplexer(
+        size_guidance={plugin_event_multiplexer.event_accumulator.TENSORS: 0}
+    )
+    mux.AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    out["plugin_scalars"] = {}
+    for run, tags in mux.Runs().items():
+        assert run == ".", f"unexpected run {run!r}: the event files sit in LOGDIR itself"
+        for tag in tags["tensors"]:
+            out["plugin_scalars"][tag] = [
+                {
+                    "step": t.step,
+                    "wall_time": t.wall_time,
+                    "bits": f32_bits(tensor_util.make_ndarray(t.tensor_proto).item()),
+                }
+                for t in mux.Tensors(run, tag)
+            ]
     print(json.dumps(out))
 
 
