@@ -12,14 +12,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 work=${WORK:-/tmp/dflash-train-e2e}
 rm -rf "$work" && mkdir -p "$work"
 "$dflash" random-model --preset qwen3-8b --out "$work/target" > /dev/null
-python3 - "$work/data" <<'PY'
-import pathlib, random, sys
-sys.path.insert(0, "tests/cli")
-from train_kill_resume import write_prepared
-rng = random.Random(0)
-samples = [([rng.randrange(151643) for _ in range(2048)], [0] * 64 + [1] * 1984) for _ in range(64)]
-write_prepared(pathlib.Path(sys.argv[1]), samples, 151936)
-PY
+python3 "$root/scripts/random_dataset.py" "$work/data" --samples 64 --length 2048 --prompt 64 \
+  --vocab 151643
 start=$(date +%s.%N)
 "$dflash" train --target "$work/target" --data "$work/data" --out "$work/run" --steps "$steps" \
   --device cuda --log-seconds 10 2>&1 | tee "$out/train_e2e.txt"

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # The main job on a small embedded default: set up, build, then run the most complete
 # pipeline that exists on a tiny generated Qwen3-shaped target, on the CPU: write the model,
-# describe and load it, time its prefill, and time DFlash drafter training steps at that shape.
+# describe and load it, time its prefill and DFlash drafter training steps at that shape, then
+# train a drafter on a small random dataset with `dflash train` and export it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
 "$root/scripts/build.sh"
 dflash=${BUILD_DIR:-$root/build}/src/dflash
 run=${RUN_DIR:-$root/runs/demo}
+rm -rf "$run/data" "$run/train" "$run/export"  # a rerun starts the demo afresh
 mkdir -p "$run"
 "$dflash" random-model --preset tiny --out "$run/target"
 "$dflash" info "$run/target" --load cpu
 "$dflash" bench-target --preset tiny --device cpu --seq-len 256 --batches 1,4 --warmup 1 --iters 3
 "$dflash" bench-drafter --preset tiny --device cpu --warmup 1 --iters 3
+"$root/.venv/bin/python" "$root/scripts/random_dataset.py" "$run/data" --samples 32 --length 192 \
+  --prompt 32 --vocab 512
+"$dflash" train --target "$run/target" --data "$run/data" --out "$run/train" --steps 20 \
+  --max-anchors 32 --checkpoint-every 10 --device cpu
+"$dflash" export "$run/train" "$run/export"

@@ -28,61 +28,13 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
+from random_dataset import write_prepared  # noqa: E402
+
 N = 4
 STEPS = 2 * N
 
 
-def crc32c(data: bytes) -> int:
-    table = crc32c.table
-    if table is None:
-        table = []
-        for i in range(256):
-            c = i
-            for _ in range(8):
-                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-            table.append(c)
-        crc32c.table = table
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-crc32c.table = None
-
-
-def align8(x: int) -> int:
-    return (x + 7) & ~7
-
-
-def write_prepared(out: pathlib.Path, samples, vocab: int):
-    """samples: list of (ids, mask). One shard, version 1 (src/data/dataset.h)."""
-    out.mkdir(parents=True)
-    ids = [t for s, _ in samples for t in s]
-    mask = [m for _, ms in samples for m in ms]
-    assert all(0 <= t < vocab for t in ids)
-    index = [0]
-    for s, _ in samples:
-        index.append(index[-1] + len(s))
-    n_samples, n_tokens = len(samples), len(ids)
-    ids_off = 64
-    mask_off = align8(ids_off + 4 * n_tokens)
-    index_off = align8(mask_off + n_tokens)
-    size = index_off + 8 * (n_samples + 1)
-    header = struct.pack("<8sIIQQQQQQ", b"DFSHARD1", 1, 64, n_samples, n_tokens, ids_off,
-                         mask_off, index_off, size)
-    body = bytearray(header)
-    body += struct.pack(f"<{n_tokens}i", *ids)
-    body += bytes(mask_off - len(body))
-    body += bytes(mask)
-    body += bytes(index_off - len(body))
-    body += struct.pack(f"<{n_samples + 1}Q", *index)
-    assert len(body) == size
-    (out / "shard-00000.bin").write_bytes(bytes(body))
-    manifest = {"format": "dflash-prepared", "format_version": 1,
-                "shards": [{"file": "shard-00000.bin", "samples": n_samples, "tokens": n_tokens,
-                            "bytes": size, "crc32c": f"{crc32c(bytes(body)):08x}"}]}
-    (out / "manifest.json").write_text(json.dumps(manifest))
 
 
 def run(cmd, **kw):
