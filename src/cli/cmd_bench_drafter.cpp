@@ -161,12 +161,7 @@ void run_bench(const BenchDrafterOptions& o) {
         kProfiledSteps, o.profile);
     fmt::print("profile of the drafter step (trace: {}):\n{}", o.profile,
                obs::format_profile(p, 30));
-    nlohmann::json cats = nlohmann::json::object();
-    for (const auto& c : p.categories) cats[c.name] = c.total_ms;
-    doc["profile"] = {{"device_ms", p.device_ms},
-                      {"wall_ms", p.wall_ms},
-                      {"launches", p.launches},
-                      {"categories_ms", cats}};
+    doc["profile"] = obs::profile_json(p);
   }
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }

@@ -94,12 +94,7 @@ void run_bench(const BenchOptions& o) {
         kProfiled, o.profile);
     fmt::print("profile of a prefill of {} x {} tokens (trace: {}):\n{}", o.batches.front(),
                o.seq_len, o.profile, obs::format_profile(p, 20));
-    nlohmann::json cats = nlohmann::json::object();
-    for (const auto& c : p.categories) cats[c.name] = c.total_ms;
-    doc["profile"] = {{"device_ms", p.device_ms},
-                      {"wall_ms", p.wall_ms},
-                      {"launches", p.launches},
-                      {"categories_ms", cats}};
+    doc["profile"] = obs::profile_json(p);
   }
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }

@@ -87,6 +87,15 @@ DeviceProfile profile_device(const std::function<void()>& work, int repeats,
   return out;
 }
 
+nlohmann::json profile_json(const DeviceProfile& p) {
+  nlohmann::json categories = nlohmann::json::object();
+  for (const auto& c : p.categories) categories[c.name] = c.total_ms;
+  return {{"device_ms", p.device_ms},
+          {"wall_ms", p.wall_ms},
+          {"launches", p.launches},
+          {"categories_ms", categories}};
+}
+
 std::string format_profile(const DeviceProfile& p, int top) {
   std::string s = fmt::format(
       "GPU time per step: {:.2f} ms in {} kernels and copies; wall {:.2f} ms ({:.0f}% busy)\n",

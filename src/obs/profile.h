@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,9 @@ struct DeviceProfile {
 // the times, so the profile of N identical steps reads per step.
 DeviceProfile profile_device(const std::function<void()>& work, int repeats,
                              const std::string& trace_path);
+
+// The totals and per-category times, for a benchmark's JSON results.
+nlohmann::json profile_json(const DeviceProfile& profile);
 
 // A table of the categories and the `top` kernels, for a terminal.
 std::string format_profile(const DeviceProfile& profile, int top);
