@@ -6,8 +6,10 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$root/.deps/debs" "$root/.deps/root"
 cd "$root/.deps/debs"
+# libgloo-dev for its headers only (ProcessGroupGloo.hpp includes them; gloo itself is inside
+# LibTorch); libyaml-cpp0.7 is the .so behind libyaml-cpp-dev's link.
 packages=(nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev
-  libpcre2-dev libpcre2-8-0)
+  libpcre2-dev libpcre2-8-0 libgloo-dev libyaml-cpp-dev libyaml-cpp0.7)
 for p in "${packages[@]}"; do
   ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download "$p" >/dev/null
 done
