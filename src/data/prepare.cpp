@@ -3,12 +3,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <deque>
 #include <fstream>
-#include <mutex>
 #include <thread>
 
+#include "common/bounded_queue.h"
 #include "common/error.h"
 #include "common/file.h"
 #include "data/checksum.h"
@@ -19,6 +17,10 @@ namespace {
 
 constexpr size_t kChunkLines = 256;
 constexpr size_t kChunkBytes = 1 << 20;
+// How long one stage may wait on another before prepare fails with a message naming both,
+// instead of hanging. Reading, tokenizing or writing one chunk (kChunkBytes plus a line) takes
+// far less, even on a loaded machine.
+constexpr std::chrono::milliseconds kStageTimeout = std::chrono::minutes(10);
 
 struct Chunk {
   uint64_t seq = 0;
@@ -40,43 +42,6 @@ struct ChunkResult {
   size_t source = 0;
   uint64_t first_line = 0, bytes = 0;
   std::vector<LineResult> lines;
-};
-
-// A queue with a capacity, so a fast reader cannot run ahead of slow workers without bound.
-template <class T>
-class BoundedQueue {
- public:
-  explicit BoundedQueue(size_t capacity) : capacity_(capacity) {}
-  bool push(T item) {
-    std::unique_lock lock(mu_);
-    not_full_.wait(lock, [&] { return q_.size() < capacity_ || closed_; });
-    if (closed_) return false;
-    q_.push_back(std::move(item));
-    not_empty_.notify_one();
-    return true;
-  }
-  std::optional<T> pop() {
-    std::unique_lock lock(mu_);
-    not_empty_.wait(lock, [&] { return !q_.empty() || closed_; });
-    if (q_.empty()) return std::nullopt;
-    T item = std::move(q_.front());
-    q_.pop_front();
-    not_full_.notify_one();
-    return item;
-  }
-  void close() {
-    std::lock_guard lock(mu_);
-    closed_ = true;
-    not_empty_.notify_all();
-    not_full_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable not_empty_, not_full_;
-  std::deque<T> q_;
-  size_t capacity_;
-  bool closed_ = false;
 };
 
 std::string category_of(const std::string& reason) {
@@ -143,6 +108,68 @@ std::vector<uint64_t> histogram_edges(size_t max_length) {
   return edges;
 }
 
+// The reader stage: cuts the inputs into chunks and hands each to the tokenizers on `work`,
+// announcing its number on `order` first. `order` is what tells the writer which chunk comes
+// next and where the stream ends, and its capacity caps the chunks in flight between reading
+// and writing, which bounds memory whatever the input size.
+Status read_chunks(const PrepareOptions& opt, BoundedQueue<uint64_t>& order,
+                   BoundedQueue<Chunk>& work, PrepareSummary& summary) {
+  uint64_t seq = 0;
+  for (size_t s = 0; s < opt.inputs.size(); ++s) {
+    std::ifstream in(opt.inputs[s], std::ios::binary);
+    if (!in) return Status::error(fmt::format("{}: cannot open", opt.inputs[s].string()));
+    Chunk chunk{seq, s, 1, 0, {}};
+    uint64_t line_no = 0;
+    std::string line;
+    auto hand_out = [&] {
+      if (Status st = order.push(seq); !st.ok()) return st;
+      Status st = work.push(std::move(chunk));
+      chunk = Chunk{++seq, s, line_no + 1, 0, {}};
+      return st;
+    };
+    while (std::getline(in, line)) {
+      ++line_no;
+      chunk.bytes += line.size() + 1;
+      chunk.lines.push_back(std::move(line));
+      if (chunk.lines.size() >= kChunkLines || chunk.bytes >= kChunkBytes) {
+        if (Status st = hand_out(); !st.ok()) return st;
+      }
+    }
+    if (in.bad()) return Status::error(fmt::format("{}: read error", opt.inputs[s].string()));
+    if (!chunk.lines.empty()) {
+      if (Status st = hand_out(); !st.ok()) return st;
+    }
+    summary.sources[s].lines = line_no;
+  }
+  return Status::OK();
+}
+
+// A tokenizer stage: chunks from `work` to `done`, in whatever order they finish. A bad line is
+// a result (the writer reports it in input order); anything else a line throws fails the run,
+// with the line's file and number.
+Status tokenize_chunks(BoundedQueue<Chunk>& work, BoundedQueue<ChunkResult>& done,
+                       const tok::Tokenizer& tokenizer, const ChatConfig& chat,
+                       const PrepareOptions& opt) {
+  for (;;) {
+    auto next = work.pop();
+    if (!next.ok()) return next.status();
+    if (!next->has_value()) return Status::OK();
+    const Chunk& chunk = **next;
+    ChunkResult r{chunk.seq, chunk.source, chunk.first_line, chunk.bytes, {}};
+    r.lines.resize(chunk.lines.size());
+    for (size_t i = 0; i < chunk.lines.size(); ++i) {
+      try {
+        process_line(chunk.lines[i], tokenizer, chat, opt, r.lines[i]);
+      } catch (...) {
+        return Status::error(fmt::format("{}:{}: {}", opt.inputs[chunk.source].string(),
+                                         chunk.first_line + i,
+                                         Status::from_current_exception().message()));
+      }
+    }
+    if (Status st = done.push(std::move(r)); !st.ok()) return st;
+  }
+}
+
 }  // namespace
 
 PrepareSummary prepare_dataset(const PrepareOptions& opt,
@@ -183,82 +210,22 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
   int threads = opt.threads > 0
                     ? opt.threads
                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  BoundedQueue<Chunk> work(2 * threads);
-  std::mutex done_mu;
-  std::condition_variable done_cv;
-  std::map<uint64_t, ChunkResult> done;  // finished chunks waiting for their turn to be written
-  std::optional<uint64_t> total_chunks;  // set by the reader when it has handed out all chunks
-  std::atomic<bool> stop{false};
-  std::exception_ptr reader_error;
-  // In-flight chunks (queued, being processed, or finished but unwritten) are capped, which
-  // bounds memory whatever the input size.
+  // Three stages: the reader, `threads` tokenizers, and this thread writing in input order.
+  // Failures travel between them as Status through the queues: a stage that fails closes or
+  // cancels its queues with the reason, and whoever waits on them wakes up with it.
   const size_t max_in_flight = 4 * static_cast<size_t>(threads) + 2;
-  std::atomic<size_t> in_flight{0};
-  std::mutex flight_mu;
-  std::condition_variable flight_cv;
-
-  std::thread reader([&] {
-    try {
-      uint64_t seq = 0;
-      for (size_t s = 0; s < opt.inputs.size() && !stop; ++s) {
-        std::ifstream in(opt.inputs[s], std::ios::binary);
-        if (!in) fail("{}: cannot open", opt.inputs[s].string());
-        Chunk chunk{seq, s, 1, 0, {}};
-        uint64_t line_no = 0;
-        std::string line;
-        auto flush = [&] {
-          {
-            std::unique_lock lock(flight_mu);
-            flight_cv.wait(lock, [&] { return in_flight < max_in_flight || stop; });
-            ++in_flight;
-          }
-          work.push(std::move(chunk));
-          chunk = Chunk{++seq, s, line_no + 1, 0, {}};
-        };
-        while (!stop && std::getline(in, line)) {
-          ++line_no;
-          chunk.bytes += line.size() + 1;
-          chunk.lines.push_back(std::move(line));
-          if (chunk.lines.size() >= kChunkLines || chunk.bytes >= kChunkBytes) flush();
-        }
-        if (in.bad()) fail("{}: read error", opt.inputs[s].string());
-        if (!chunk.lines.empty()) flush();
-        summary.sources[s].lines = line_no;
-      }
-      std::lock_guard lock(done_mu);
-      total_chunks = seq;
-      done_cv.notify_all();
-    } catch (...) {
-      std::lock_guard lock(done_mu);
-      reader_error = std::current_exception();
-      total_chunks = 0;  // the writer stops at once and rethrows
-      done_cv.notify_all();
+  BoundedQueue<uint64_t> order("chunk order", max_in_flight, kStageTimeout, "reader", "writer");
+  BoundedQueue<Chunk> work("chunks", 2 * static_cast<size_t>(threads), kStageTimeout, "reader",
+                           "tokenizer");
+  BoundedQueue<ChunkResult> done("tokenized chunks", max_in_flight, kStageTimeout, "tokenizer",
+                                 "writer");
+  std::atomic<int> tokenizers_running{threads};
+  std::vector<std::thread> stages;
+  stages.reserve(threads + 1);
+  auto join_stages = [&] {
+    for (auto& t : stages) {
+      if (t.joinable()) t.join();
     }
-    work.close();
-  });
-
-  std::vector<std::thread> workers;
-  for (int t = 0; t < threads; ++t) {
-    workers.emplace_back([&] {
-      while (auto chunk = work.pop()) {
-        ChunkResult r{chunk->seq, chunk->source, chunk->first_line, chunk->bytes, {}};
-        r.lines.resize(chunk->lines.size());
-        for (size_t i = 0; i < chunk->lines.size() && !stop; ++i) {
-          process_line(chunk->lines[i], tokenizer, chat, opt, r.lines[i]);
-        }
-        std::lock_guard lock(done_mu);
-        done.emplace(r.seq, std::move(r));
-        done_cv.notify_all();
-      }
-    });
-  }
-
-  auto finish_threads = [&] {
-    stop = true;
-    work.close();
-    flight_cv.notify_all();
-    reader.join();
-    for (auto& w : workers) w.join();
   };
 
   nlohmann::json shards = nlohmann::json::array();
@@ -274,21 +241,42 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
     shards.push_back(writer.write(opt.out_dir / name));
   };
   try {
-    for (uint64_t next = 0;; ++next) {
-      ChunkResult r;
-      {
-        std::unique_lock lock(done_mu);
-        done_cv.wait(lock,
-                     [&] { return done.count(next) || (total_chunks && next >= *total_chunks); });
-        if (!done.count(next)) break;  // every chunk the reader handed out is written
-        r = std::move(done[next]);
-        done.erase(next);
+    stages.emplace_back([&] {
+      Status st;
+      try {
+        st = read_chunks(opt, order, work, summary);
+      } catch (...) {
+        st = Status::from_current_exception();
       }
-      {
-        std::lock_guard lock(flight_mu);
-        --in_flight;
+      order.close(st);
+      work.close(st);
+    });
+    for (int t = 0; t < threads; ++t) {
+      stages.emplace_back([&] {
+        Status st;
+        try {
+          st = tokenize_chunks(work, done, tokenizer, chat, opt);
+        } catch (...) {
+          st = Status::from_current_exception();
+        }
+        // The last tokenizer out ends the stream; a failure ends it at once.
+        bool last = --tokenizers_running == 0;
+        if (!st.ok() || last) done.close(st);
+      });
+    }
+    std::map<uint64_t, ChunkResult> early;  // tokenized ahead of their turn to be written
+    for (;;) {
+      // value() turns a stage's failure into dflash::Error with its message, on this thread.
+      std::optional<uint64_t> next = order.pop().value();
+      if (!next) break;  // every chunk the reader handed out is written
+      while (!early.count(*next)) {
+        std::optional<ChunkResult> r = done.pop().value();
+        if (!r) fail("prepare: the tokenizers ended before chunk {}", *next);
+        uint64_t seq = r->seq;
+        early.emplace(seq, std::move(*r));
       }
-      flight_cv.notify_one();
+      auto node = early.extract(*next);
+      ChunkResult& r = node.mapped();
       auto& src = summary.sources[r.source];
       for (size_t i = 0; i < r.lines.size(); ++i) {
         LineResult& lr = r.lines[i];
@@ -324,11 +312,15 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
       }
     }
   } catch (...) {
-    finish_threads();
+    // Whatever stopped this thread stops the other stages too, then surfaces unchanged.
+    Status why = Status::from_current_exception();
+    order.cancel(why);
+    work.cancel(why);
+    done.cancel(why);
+    join_stages();
     throw;
   }
-  finish_threads();
-  if (reader_error) std::rethrow_exception(reader_error);
+  join_stages();
   flush_shard();
   summary.shards = shards.size();
   summary.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
