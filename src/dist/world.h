@@ -14,8 +14,8 @@ struct World {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";  // host of rank 0, which serves the rendezvous store
   int master_port = 29500;
-  std::string launcher =
-      "single";  // "torchrun", "local" (dflash --nproc-per-node), "slurm", "single"
+  // Where the values came from: "torchrun", "local" (dflash --nproc-per-node), "slurm", "single".
+  std::string launcher = "single";
 };
 
 // Reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
