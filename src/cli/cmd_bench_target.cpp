@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "io/safetensors.h"
+#include "models/drafter.h"
 #include "models/target.h"
 #include "obs/profile.h"
 #include "obs/stats.h"
@@ -28,20 +29,15 @@ struct BenchOptions {
   std::string profile;  // Chrome trace path; empty: no profile
 };
 
-// DFlash's default tap spread for 5 drafter layers (BRIEF: round(1 + i*(L-4)/(K-1))).
-std::vector<int64_t> default_taps(int64_t layers) {
-  std::vector<int64_t> ids;
-  for (int i = 0; i < 5; ++i) ids.push_back(std::llround(1 + i * (layers - 4) / 4.0));
-  return ids;
-}
-
 void run_bench(const BenchOptions& o) {
   at::Device device(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-target: --profile needs a CUDA device");
   auto config = models::preset_config(o.preset);
   auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   auto model = models::TargetModel::random(config, device, dtype, 0);
-  const auto taps = default_taps(config.num_layers);
+  // The layers the default drafter taps, so the prefill keeps what training keeps.
+  const auto taps =
+      models::default_target_layer_ids(config.num_layers, models::DrafterOptions{}.num_layers);
   fmt::print(
       "bench-target: {} ({:.2f} B params), {} on {}, seq {}, taps [{}], warmup {}, iters {}\n",
       o.preset, config.num_parameters() / 1e9, c10::toString(dtype), o.device, o.seq_len,

@@ -39,14 +39,19 @@ std::vector<int64_t> default_target_layer_ids(int64_t target_layers, int64_t k) 
         "the target has {}; pass target_layer_ids explicitly",
         target_layers);
   }
-  // K = 1 makes the formula divide by zero: tap the middle layer.
+  // K = 1 makes the formula divide by zero: tap the middle layer (L // 2).
   if (k == 1) return {target_layers / 2};
   std::vector<int64_t> ids;
   for (int64_t i = 0; i < k; ++i) {
-    // nearbyint rounds half to even, as Python's round() in the reference trainers does.
-    ids.push_back(static_cast<int64_t>(
-        std::nearbyint(1.0 + static_cast<double>(i) * static_cast<double>(target_layers - 4) /
-                                 static_cast<double>(k - 1))));
+    // Python evaluates 1 + i*(L-4)/(K-1) as an exact integer product, one correctly rounded
+    // true division and a float add; the same steps in double give the same value bit for bit.
+    const double x =
+        1.0 + static_cast<double>(i * (target_layers - 4)) / static_cast<double>(k - 1);
+    // Python's round() breaks ties to even (20.5 -> 20 for L = 30); std::round breaks them away
+    // from zero, and nearbyint depends on the floating-point environment's rounding mode.
+    double r = std::round(x);
+    if (std::abs(r - x) == 0.5) r = 2.0 * std::round(x / 2.0);
+    ids.push_back(static_cast<int64_t>(r));
   }
   return ids;
 }
@@ -209,10 +214,13 @@ at::Tensor dense_block_mask(int64_t context_len, const std::vector<int64_t>& anc
 Drafter::Drafter(DrafterConfig config, at::Device device)
     : config_(std::move(config)), rotary_(config_.layers, device) {}
 
-void Drafter::allocate(at::Device device) {
+void Drafter::allocate(at::Device device, const std::optional<at::Generator>& gen) {
   const ModelConfig& c = config_.layers;
   auto opts = at::TensorOptions().device(device).dtype(at::kFloat);
-  auto normal = [&](std::vector<int64_t> shape) { return at::empty(shape, opts).normal_(0, 0.02); };
+  auto normal = [&](std::vector<int64_t> shape) {
+    auto t = at::empty(shape, opts);
+    return gen ? t.normal_(0, 0.02, *gen) : t;
+  };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   fc_ = normal({h, config_.num_taps() * h});
@@ -268,8 +276,7 @@ void Drafter::register_parameters() {
 
 Drafter Drafter::random(const DrafterConfig& config, at::Device device, uint64_t seed) {
   Drafter d(config, device);
-  at::manual_seed(seed);
-  d.allocate(device);
+  d.allocate(device, seeded_generator(device, seed));
   d.register_parameters();
   return d;
 }
@@ -325,7 +332,7 @@ Drafter Drafter::load(const std::filesystem::path& dir, const ModelConfig& targe
     fail("{}: does not fit the target: {}", dir.string(), e.what());
   }
   Drafter out(config, device);
-  out.allocate(device);
+  out.allocate(device, std::nullopt);
   out.register_parameters();
   auto ckpt = io::Checkpoint::open(dir);
   std::vector<std::pair<std::string, at::Tensor>> values;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -144,7 +145,9 @@ class Drafter {
 
  private:
   Drafter(DrafterConfig config, at::Device device);
-  void allocate(at::Device device);
+  // Linear weights normal(0, 0.02) from `gen`; without one they are left uninitialized for
+  // load() to overwrite. Norms at one either way.
+  void allocate(at::Device device, const std::optional<at::Generator>& gen);
   void register_parameters();
   at::Tensor layer_forward(const DrafterLayerWeights& w, const at::Tensor& x, const at::Tensor& ctx,
                            const at::Tensor& ctx_cos, const at::Tensor& ctx_sin,

@@ -1,5 +1,7 @@
 #include "models/target.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 #include <fmt/ranges.h>
 
@@ -96,13 +98,22 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
   return m;
 }
 
+at::Generator seeded_generator(at::Device device, uint64_t seed) {
+  if (device.is_cpu()) return at::make_generator<at::CPUGeneratorImpl>(seed);
+  if (!device.is_cuda()) fail("random weights: no generator for device {}", device.str());
+  // Drawn where the weights live: 8B numbers take minutes on a CPU.
+  at::Generator gen = at::cuda::detail::createCUDAGenerator(device.index());
+  gen.set_current_seed(seed);
+  return gen;
+}
+
 TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::ScalarType dtype,
                                 uint64_t seed) {
   c.validate("random target");
   TargetModel m(c, device);
-  at::manual_seed(seed);
+  auto gen = seeded_generator(device, seed);
   auto opts = at::TensorOptions().device(device).dtype(dtype);
-  auto normal = [&](std::vector<int64_t> shape) { return at::randn(shape, opts) * 0.02; };
+  auto normal = [&](std::vector<int64_t> shape) { return at::randn(shape, gen, opts) * 0.02; };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   m.embed_ = normal({c.vocab_size, h});

@@ -12,6 +12,11 @@
 
 namespace dflash::models {
 
+// A generator for `device` (CPU or CUDA) seeded with `seed`, for random weights: the same seed
+// gives the same weights on a given device, and no other thread's draws interleave (reseeding
+// ATen's global generator with at::manual_seed would race with them).
+at::Generator seeded_generator(at::Device device, uint64_t seed);
+
 struct TargetLayerWeights {
   at::Tensor input_norm, post_attention_norm;
   at::Tensor w_qkv;           // [(Hq + 2 Hkv) * D, H]: q, k and v projections fused into one matmul

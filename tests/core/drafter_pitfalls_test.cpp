@@ -168,12 +168,28 @@ TEST(DflashPitfalls, TiedTargetLendsItsEmbeddingAsLmHead) {
   EXPECT_GT(testing::relative_error(grad_with(fresh), c.tensor("grad/" + probe)), 1e-1);
 }
 
+// Expected lists computed by hand in Python: [L // 2] if K == 1 else
+// [int(round(1 + i*(L-4)/(K-1))) for i in range(K)].
 TEST(DflashPitfalls, DefaultTargetLayerIds) {
-  EXPECT_EQ(models::default_target_layer_ids(36, 5), (std::vector<int64_t>{1, 9, 17, 25, 33}));
-  EXPECT_EQ(models::default_target_layer_ids(28, 5), (std::vector<int64_t>{1, 7, 13, 19, 25}));
-  EXPECT_EQ(models::default_target_layer_ids(8, 3), (std::vector<int64_t>{1, 3, 5}));
-  // 1 + i*1.5 = 2.5 rounds to 2 (half to even, as Python's round).
-  EXPECT_EQ(models::default_target_layer_ids(10, 5), (std::vector<int64_t>{1, 2, 4, 6, 7}));
+  using Ids = std::vector<int64_t>;
+  EXPECT_EQ(models::default_target_layer_ids(36, 5), (Ids{1, 9, 17, 25, 33}));
+  EXPECT_EQ(models::default_target_layer_ids(28, 5), (Ids{1, 7, 13, 19, 25}));
+  EXPECT_EQ(models::default_target_layer_ids(8, 3), (Ids{1, 3, 5}));
+  // Exact .5 ties round half to even, as Python's round(): 7.5 -> 8 but 20.5 -> 20 (rounding
+  // half away from zero would give 21).
+  EXPECT_EQ(models::default_target_layer_ids(30, 5), (Ids{1, 8, 14, 20, 27}));
+  EXPECT_EQ(models::default_target_layer_ids(10, 5), (Ids{1, 2, 4, 6, 7}));      // 2.5, 5.5
+  EXPECT_EQ(models::default_target_layer_ids(22, 5), (Ids{1, 6, 10, 14, 19}));   // 5.5, 14.5
+  EXPECT_EQ(models::default_target_layer_ids(94, 5), (Ids{1, 24, 46, 68, 91}));  // 23.5, 68.5
+  // Inexact quotients (15.666..., 9.571...).
+  EXPECT_EQ(models::default_target_layer_ids(48, 4), (Ids{1, 16, 30, 45}));
+  EXPECT_EQ(models::default_target_layer_ids(64, 8), (Ids{1, 10, 18, 27, 35, 44, 52, 61}));
+  EXPECT_EQ(models::default_target_layer_ids(30, 2), (Ids{1, 27}));
+  // K = 1: L // 2.
+  EXPECT_EQ(models::default_target_layer_ids(30, 1), (Ids{15}));
+  EXPECT_EQ(models::default_target_layer_ids(7, 1), (Ids{3}));
+  EXPECT_THROW(models::default_target_layer_ids(30, 0), Error);
+  EXPECT_THROW(models::default_target_layer_ids(4, 2), Error);
 }
 
 // Taps of ids shifted by one do not match transformers' hidden_states[id + 1], so the parity
