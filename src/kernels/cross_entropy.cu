@@ -3,6 +3,7 @@
 // from L2) and writes coef * (softmax - onehot) over it. Loads are 16 bytes wide.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <cfloat>
 #include <cstdint>
@@ -131,6 +132,8 @@ void launch(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef
 
 void cross_entropy_rows_cuda(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef,
                              at::Tensor& loss, at::Tensor& argmax) {
+  // <<<>>> launches on the current device, which need not be the one the logits live on.
+  const c10::cuda::CUDAGuard guard(logits.device());
   dispatch_float(logits.scalar_type(), "cross entropy",
                  [&](auto tag) { launch<decltype(tag)>(logits, labels, coef, loss, argmax); });
 }

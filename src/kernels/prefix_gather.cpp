@@ -72,6 +72,10 @@ at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan
     fail("prefix gather backward: gradient {} does not fit the plan's {} keys", grad.sizes(),
          plan.index.size(0));
   }
+  if (plan.index.device() != grad.device()) {
+    fail("prefix gather backward: gradient on {}, plan on {}", grad.device().str(),
+         plan.index.device().str());
+  }
   auto g = grad.contiguous();
   // The kernel moves 16-byte vectors: rows must be 16-byte aligned.
   const bool aligned = reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0 &&

@@ -3,6 +3,7 @@
 // a block row copies its block's last B gathered rows back.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <cstdint>
 
@@ -75,6 +76,8 @@ void launch(const at::Tensor& grad, const PrefixGatherPlan& plan, at::Tensor& ou
 
 void prefix_gather_backward_cuda(const at::Tensor& grad, const PrefixGatherPlan& plan,
                                  at::Tensor& out) {
+  // <<<>>> launches on the current device, which need not be the one grad lives on.
+  const c10::cuda::CUDAGuard guard(grad.device());
   dispatch_float(grad.scalar_type(), "prefix gather backward",
                  [&](auto tag) { launch<decltype(tag)>(grad, plan, out); });
 }

@@ -51,6 +51,10 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     fail("rotary: cos/sin must be [{}, {}], got {} and {}", x.size(0), x.size(2), cos.sizes(),
          sin.sizes());
   }
+  if (cos.device() != x.device() || sin.device() != x.device()) {
+    fail("rotary: x, cos and sin must be on one device, got {}, {} and {}", x.device().str(),
+         cos.device().str(), sin.device().str());
+  }
   if (!x.is_cuda() || x.stride(2) != 1) return rotary_reference(x, cos, sin);
   if (cos.requires_grad() || sin.requires_grad()) fail("rotary: the tables must be constants");
   return RotaryFunction::apply(x, cos, sin);

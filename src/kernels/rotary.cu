@@ -2,6 +2,7 @@
 // outputs, computing in fp32 from the tables' values.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <cstdint>
 
@@ -68,6 +69,8 @@ void launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, b
 void rotary_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
                  at::Tensor& out) {
   TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), "rotary: cos and sin dtypes differ");
+  // <<<>>> launches on the current device, which need not be the one x lives on.
+  const c10::cuda::CUDAGuard guard(x.device());
   dispatch_float(x.scalar_type(), "rotary", [&](auto x_tag) {
     dispatch_float(cos.scalar_type(), "rotary tables", [&](auto table_tag) {
       launch<decltype(x_tag), decltype(table_tag)>(x, cos, sin, backward, out);

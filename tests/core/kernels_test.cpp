@@ -1,5 +1,7 @@
 // kernels/: each CUDA kernel against its ATen reference computed on the CPU (GPU cases skip
 // where there is no GPU; the argument checks run everywhere).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <gtest/gtest.h>
 
 #include "common/error.h"
@@ -147,6 +149,49 @@ TEST(Rotary, BadShapesAreNamed) {
   auto x = at::zeros({3, 2, 8});
   EXPECT_THROW(kernels::rotary(x, at::zeros({3, 4}), at::zeros({3, 4})), Error);
   EXPECT_THROW(kernels::rotary(at::zeros({3, 2, 7}), at::zeros({3, 7}), at::zeros({3, 7})), Error);
+}
+
+// Each kernel on the last device while device 0 is current (a second GPU's tensors in a
+// process that has not switched devices): a launcher that took the current device would launch
+// on device 0 with a stream of another device, or read memory that is not there.
+TEST(KernelsGpu, RunOnTheInputsDeviceNotTheCurrentOne) {
+  const int64_t devices = at::hasCUDA() ? at::cuda::device_count() : 0;
+  if (devices < 2) GTEST_SKIP() << "needs 2 CUDA devices, found " << devices;
+  const c10::cuda::CUDAGuard current(c10::DeviceIndex{0});
+  const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(devices - 1));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto randn = [&](at::IntArrayRef shape) { return at::randn(shape, gen); };
+
+  auto logits = randn({6, 1000}) * 3;
+  auto labels = at::randint(1000, {6}, gen, at::TensorOptions().dtype(at::kLong));
+  auto coef = at::rand({6}, gen);
+  auto want_grad = logits.clone();
+  auto want = kernels::cross_entropy_rows_reference_(want_grad, labels, coef);
+  auto grad = logits.to(dev);
+  auto got = kernels::cross_entropy_rows_(grad, labels.to(dev), coef.to(dev));
+  EXPECT_EQ(got.loss.device(), dev);
+  EXPECT_TRUE(at::allclose(got.loss.cpu(), want.loss, 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(got.argmax.cpu(), want.argmax));
+  EXPECT_TRUE(at::allclose(grad.cpu(), want_grad, 1e-6, 1e-6));
+
+  auto cpu_plan = sample_plan(at::kCPU);
+  auto plan = sample_plan(dev);
+  auto keys_grad = randn({cpu_plan.index.size(0), 40});
+  auto gathered = kernels::prefix_gather_backward(keys_grad.to(dev), plan);
+  EXPECT_EQ(gathered.device(), dev);
+  EXPECT_TRUE(at::allclose(
+      gathered.cpu(), kernels::prefix_gather_backward_reference(keys_grad, cpu_plan), 1e-5, 1e-5));
+
+  const int64_t t = 9, heads = 2, d = 16;
+  auto angles = randn({t, d / 2});
+  auto cos = at::cat({angles.cos(), angles.cos()}, 1),
+       sin = at::cat({angles.sin(), angles.sin()}, 1);
+  auto x = randn({t, heads, d});
+  auto rotated = kernels::rotary(x.to(dev), cos.to(dev), sin.to(dev));
+  EXPECT_EQ(rotated.device(), dev);
+  EXPECT_TRUE(at::allclose(rotated.cpu(), kernels::rotary_reference(x, cos, sin), 1e-6, 1e-6));
+
+  EXPECT_EQ(c10::cuda::current_device(), 0);  // the launchers restore the caller's device
 }
 
 }  // namespace
