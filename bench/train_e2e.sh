@@ -8,12 +8,10 @@ set -euo pipefail
 dflash=$1
 out=$2
 steps=${3:-40}
-root=$(cd "$(dirname "$0")/.." && pwd)
 work=${WORK:-/tmp/dflash-train-e2e}
 rm -rf "$work" && mkdir -p "$work"
 "$dflash" random-model --preset qwen3-8b --out "$work/target" > /dev/null
-python3 "$root/scripts/random_dataset.py" "$work/data" --samples 64 --length 2048 --prompt 64 \
-  --vocab 151643
+"$dflash" random-data --out "$work/data" --samples 64 --length 2048 --prompt 64 --vocab 151643
 start=$(date +%s.%N)
 "$dflash" train --target "$work/target" --data "$work/data" --out "$work/run" --steps "$steps" \
   --device cuda --log-seconds 10 2>&1 | tee "$out/train_e2e.txt"

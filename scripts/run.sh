@@ -15,8 +15,7 @@ mkdir -p "$run"
 "$dflash" info "$run/target" --load cpu
 "$dflash" bench-target --preset tiny --device cpu --seq-len 256 --batches 1,4 --warmup 1 --iters 3
 "$dflash" bench-drafter --preset tiny --device cpu --warmup 1 --iters 3
-"$root/.venv/bin/python" "$root/scripts/random_dataset.py" "$run/data" --samples 32 --length 192 \
-  --prompt 32 --vocab 512
+"$dflash" random-data --out "$run/data" --samples 32 --length 192 --prompt 32 --vocab 512
 "$dflash" train --target "$run/target" --data "$run/data" --out "$run/train" --steps 20 \
   --max-anchors 32 --checkpoint-every 10 --device cpu
 "$dflash" export "$run/train" "$run/export"

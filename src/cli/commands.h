@@ -11,6 +11,7 @@ void add_bench_target_command(CLI::App& app);
 void add_export_command(CLI::App& app);
 void add_bench_drafter_command(CLI::App& app);
 void add_prepare_command(CLI::App& app);
+void add_random_data_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 
 }  // namespace dflash::cli

@@ -9,9 +9,10 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/crc32c.h"
 #include "common/error.h"
 #include "common/file.h"
-#include "data/checksum.h"
+#include "common/random.h"
 
 namespace dflash::data {
 namespace {
@@ -42,30 +43,6 @@ Header layout(uint64_t samples, uint64_t tokens) {
   h.file_size = h.index_offset + 8 * (samples + 1);
   return h;
 }
-
-// splitmix64: a tiny, well-mixed generator whose output is the same on every platform.
-struct SplitMix {
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [0, bound) without modulo bias (Lemire's method).
-  uint64_t below(uint64_t bound) {
-    unsigned __int128 m = static_cast<unsigned __int128>(next()) * bound;
-    auto low = static_cast<uint64_t>(m);
-    if (low < bound) {
-      uint64_t threshold = (0 - bound) % bound;
-      while (low < threshold) {
-        m = static_cast<unsigned __int128>(next()) * bound;
-        low = static_cast<uint64_t>(m);
-      }
-    }
-    return static_cast<uint64_t>(m >> 64);
-  }
-};
 
 }  // namespace
 
@@ -109,6 +86,45 @@ nlohmann::json ShardWriter::write(const std::filesystem::path& path) {
   mask_.clear();
   index_.assign(1, 0);
   return entry;
+}
+
+DatasetWriter::DatasetWriter(std::filesystem::path dir, uint64_t shard_tokens, bool overwrite)
+    : dir_(std::move(dir)), shard_tokens_(shard_tokens) {
+  if (shard_tokens_ == 0) fail("shard size must be positive");
+  std::filesystem::create_directories(dir_);
+  auto manifest_path = dir_ / "manifest.json";
+  if (std::filesystem::exists(manifest_path)) {
+    if (!overwrite) {
+      fail("{} already holds a prepared dataset; pass --overwrite to replace it", dir_.string());
+    }
+    std::filesystem::remove(manifest_path);
+  }
+  for (const auto& e : std::filesystem::directory_iterator(dir_)) {
+    auto name = e.path().filename().string();
+    if (name.starts_with("shard-") && name.ends_with(".bin")) {
+      if (!overwrite) fail("{} holds shard files; pass --overwrite", dir_.string());
+      std::filesystem::remove(e.path());
+    }
+  }
+}
+
+void DatasetWriter::add(std::span<const int32_t> ids, std::span<const uint8_t> mask) {
+  if (shard_.tokens() > 0 && shard_.tokens() + ids.size() > shard_tokens_) flush();
+  shard_.add(ids, mask);
+}
+
+void DatasetWriter::flush() {
+  if (shard_.samples() == 0) return;
+  shards_.push_back(shard_.write(dir_ / fmt::format("shard-{:05d}.bin", shards_.size())));
+}
+
+size_t DatasetWriter::finish(nlohmann::json fields) {
+  flush();
+  fields["format"] = "dflash-prepared";
+  fields["format_version"] = kDatasetFormatVersion;
+  fields["shards"] = shards_;
+  write_file_atomic(dir_ / "manifest.json", fields.dump(2) + "\n");
+  return shards_.size();
 }
 
 struct Dataset::Shard {
@@ -227,8 +243,8 @@ EpochSampler::EpochSampler(size_t num_samples, uint64_t seed, size_t rank, size_
 std::vector<uint32_t> EpochSampler::permutation(uint64_t epoch) const {
   std::vector<uint32_t> p(n_);
   for (size_t i = 0; i < n_; ++i) p[i] = static_cast<uint32_t>(i);
-  SplitMix rng{seed_ ^ (0xD1B54A32D192ED03ull * (epoch + 1))};
-  for (size_t i = n_; i > 1; --i) std::swap(p[i - 1], p[rng.below(i)]);  // Fisher-Yates
+  uint64_t state = seed_ ^ (0xD1B54A32D192ED03ull * (epoch + 1));
+  for (size_t i = n_; i > 1; --i) std::swap(p[i - 1], p[uniform_below(state, i)]);  // Fisher-Yates
   return p;
 }
 

@@ -40,6 +40,27 @@ class ShardWriter {
   std::vector<uint64_t> index_{0};
 };
 
+// Writes a prepared directory, the one writer of the format: samples fill shards of at most
+// `shard_tokens` tokens (a longer sample gets a shard of its own), and finish() writes the
+// manifest last.
+class DatasetWriter {
+ public:
+  // Refuses a directory that already holds a dataset (manifest or shards) unless `overwrite`,
+  // which removes the old manifest before anything else so a half-replaced dataset never opens.
+  DatasetWriter(std::filesystem::path dir, uint64_t shard_tokens, bool overwrite);
+  void add(std::span<const int32_t> ids, std::span<const uint8_t> mask);
+  // Writes the last shard and manifest.json: `fields` (what made the data) plus the format,
+  // its version and the shard entries. Returns the number of shards.
+  size_t finish(nlohmann::json fields);
+
+ private:
+  void flush();
+  std::filesystem::path dir_;
+  uint64_t shard_tokens_;
+  ShardWriter shard_;
+  nlohmann::json shards_ = nlohmann::json::array();
+};
+
 class Dataset {
  public:
   // Opens a prepared directory: checks the manifest's format version, each shard's size and

@@ -8,8 +8,6 @@
 
 #include "common/bounded_queue.h"
 #include "common/error.h"
-#include "common/file.h"
-#include "data/checksum.h"
 #include "data/dataset.h"
 
 namespace dflash::data {
@@ -190,22 +188,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
     summary.sources.push_back(std::move(src));
     summary.input_bytes += summary.sources.back().bytes;
   }
-  std::filesystem::create_directories(opt.out_dir);
-  auto manifest_path = opt.out_dir / "manifest.json";
-  if (std::filesystem::exists(manifest_path)) {
-    if (!opt.overwrite) {
-      fail("{} already holds a prepared dataset; pass --overwrite to replace it",
-           opt.out_dir.string());
-    }
-    std::filesystem::remove(manifest_path);  // first, so a half-replaced dataset never opens
-  }
-  for (const auto& e : std::filesystem::directory_iterator(opt.out_dir)) {
-    auto name = e.path().filename().string();
-    if (name.starts_with("shard-") && name.ends_with(".bin")) {
-      if (!opt.overwrite) fail("{} holds shard files; pass --overwrite", opt.out_dir.string());
-      std::filesystem::remove(e.path());
-    }
-  }
+  DatasetWriter writer(opt.out_dir, opt.shard_tokens, opt.overwrite);
 
   int threads = opt.threads > 0
                     ? opt.threads
@@ -228,18 +211,11 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
     }
   };
 
-  nlohmann::json shards = nlohmann::json::array();
-  ShardWriter writer;
   auto hist_edges = histogram_edges(opt.max_length);
   summary.histogram_edges = hist_edges;
   summary.length_histogram.assign(hist_edges.size() - 1, 0);
   uint64_t bytes_done = 0, lines_done = 0;
   auto last_progress = Clock::now();
-  auto flush_shard = [&] {
-    if (writer.samples() == 0) return;
-    auto name = fmt::format("shard-{:05d}.bin", shards.size());
-    shards.push_back(writer.write(opt.out_dir / name));
-  };
   try {
     stages.emplace_back([&] {
       Status st;
@@ -290,7 +266,6 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
           continue;
         }
         const auto& s = lr.sample;
-        if (writer.tokens() > 0 && writer.tokens() + s.ids.size() > opt.shard_tokens) flush_shard();
         writer.add(s.ids, s.mask);
         ++src.samples;
         ++summary.samples;
@@ -321,13 +296,6 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
     throw;
   }
   join_stages();
-  flush_shard();
-  summary.shards = shards.size();
-  summary.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (progress) {
-    progress(
-        {summary.input_bytes, summary.input_bytes, lines_done, summary.samples, summary.seconds});
-  }
 
   auto tok_path = std::filesystem::is_directory(opt.tokenizer_dir)
                       ? opt.tokenizer_dir / "tokenizer.json"
@@ -347,13 +315,8 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
                          {"max", hist_edges[i + 1] - 1},
                          {"samples", summary.length_histogram[i]}});
   }
-  nlohmann::json manifest = {
-      {"format", "dflash-prepared"},
-      {"format_version", kDatasetFormatVersion},
-      {"tokenizer",
-       {{"path", tok_path.string()},
-        {"sha256", sha256_hex(read_file(tok_path))},
-        {"vocab_size", tokenizer.vocab_size()}}},
+  nlohmann::json fields = {
+      {"tokenizer", {{"path", tok_path.string()}, {"vocab_size", tokenizer.vocab_size()}}},
       {"chat_format", chat_format_name(chat.format)},
       {"max_length", opt.max_length},
       {"overlong", opt.overlong == OverlongPolicy::kTruncate ? "truncate" : "skip"},
@@ -365,9 +328,13 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
         {"loss_tokens", summary.loss_tokens},
         {"truncated", summary.truncated},
         {"skipped", summary.skipped}}},
-      {"length_histogram", histogram},
-      {"shards", shards}};
-  write_file_atomic(manifest_path, manifest.dump(2) + "\n");
+      {"length_histogram", histogram}};
+  summary.shards = writer.finish(std::move(fields));
+  summary.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (progress) {
+    progress(
+        {summary.input_bytes, summary.input_bytes, lines_done, summary.samples, summary.seconds});
+  }
   return summary;
 }
 

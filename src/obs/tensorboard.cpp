@@ -9,8 +9,8 @@
 #include <cstring>
 #include <system_error>
 
+#include "common/crc32c.h"
 #include "common/error.h"
-#include "data/checksum.h"
 
 namespace dflash::obs {
 namespace {
@@ -86,7 +86,7 @@ std::string hostname() {
 }  // namespace
 
 uint32_t tfrecord_masked_crc(const void* data, size_t size) {
-  uint32_t crc = data::crc32c(data, size);
+  uint32_t crc = crc32c(data, size);
   return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
 }
 

@@ -3,7 +3,7 @@
 Usage: train_kill_resume.py DFLASH_BINARY
 
 On the CPU with tiny shapes: a random tiny target (`dflash random-model`) and a small prepared
-dataset written here in the prepared-shard format (docs/DATA.md).
+dataset of random tokens (`dflash random-data`).
   A: `dflash train --steps 2N --checkpoint-every N` straight through.
   B: the same command in another directory; once checkpoint N is complete (its directory
      appears by rename only when whole), `kill -9` either after step N+1 is logged or while
@@ -19,7 +19,6 @@ steps.
 import json
 import os
 import pathlib
-import random
 import shutil
 import signal
 import struct
@@ -28,13 +27,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
-from random_dataset import write_prepared  # noqa: E402
-
 N = 4
 STEPS = 2 * N
-
-
 
 
 def run(cmd, **kw):
@@ -144,15 +138,9 @@ def main():
         target = work / "target"
         run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "1"])
         vocab = json.loads((target / "config.json").read_text())["vocab_size"]
-        rng = random.Random(0)
-        samples = []
-        for _ in range(24):
-            n = rng.randint(40, 90)
-            prompt = rng.randint(4, 12)
-            samples.append(([rng.randrange(vocab) for _ in range(n)],
-                            [0] * prompt + [1] * (n - prompt)))
         data = work / "data"
-        write_prepared(data, samples, vocab)
+        run([dflash, "random-data", "--out", data, "--samples", "24", "--length", "65",
+             "--length-jitter", "25", "--prompt", "8", "--vocab", str(vocab)])
 
         def train(out, *extra):
             return [dflash, "train", "--target", target, "--data", data, "--out", out,

@@ -1,6 +1,6 @@
-// Prepared datasets: `prepare_dataset` over chat JSONL with bad lines, the memory-mapped reader
-// (samples equal to tokenizing the lines directly; corruption and truncation detected), the
-// seeded resumable sampler, and the checksums.
+// Prepared datasets: `prepare_dataset` over chat JSONL with bad lines, random datasets, the
+// memory-mapped reader (samples equal to tokenizing the lines directly; corruption and
+// truncation detected) and the seeded resumable sampler.
 #include "data/dataset.h"
 
 #include <gtest/gtest.h>
@@ -8,27 +8,17 @@
 #include <fstream>
 #include <set>
 
-#include "data/checksum.h"
 #include "data/prepare.h"
+#include "data/random_dataset.h"
 #include "text_fixtures.h"
 
 namespace dflash::data {
 namespace {
 
 namespace fs = std::filesystem;
+using dflash::testing::fresh_test_dir;
 using dflash::testing::load_fixture_json;
 using dflash::testing::tokenizer_fixtures;
-
-TEST(Checksum, KnownVectors) {
-  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
-  EXPECT_EQ(crc32c("", 0), 0u);
-  std::string big(1000, 'x');
-  EXPECT_EQ(crc32c(big.data() + 3, 500, crc32c(big.data(), 3)), crc32c(big.data(), 503));
-  EXPECT_EQ(sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
-  EXPECT_EQ(sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
-  EXPECT_EQ(sha256_hex(std::string(1000, 'a')),
-            "41edece42d63e8d9bf515a9ba6932e1c20cbc9f5a5d134645adb5db1b9737ea3");
-}
 
 TEST(EpochSampler, PermutationsAreSeededDistinctAndResumable) {
   EpochSampler a(1000, 42), b(1000, 42), c(1000, 43);
@@ -59,10 +49,7 @@ TEST(EpochSampler, PermutationsAreSeededDistinctAndResumable) {
 class PrepareTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("dflash_prepare_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    dir_ = fresh_test_dir("dflash_prepare_");
     fs::create_directories(dir_);
     auto ref = load_fixture_json(tokenizer_fixtures() / "chat.json");
     ASSERT_FALSE(ref.is_null());
@@ -138,7 +125,7 @@ TEST_F(PrepareTest, WritesWhatTokenizingEachLineGives) {
   const auto& m = d.manifest();
   EXPECT_EQ(m["format_version"], kDatasetFormatVersion);
   EXPECT_EQ(m["chat_format"], "qwen3");
-  EXPECT_EQ(m["tokenizer"]["sha256"].get<std::string>().size(), 64u);
+  EXPECT_EQ(m["tokenizer"]["path"], (opt_.tokenizer_dir / "tokenizer.json").string());
   EXPECT_EQ(m["totals"]["samples"], good_.size());
   uint64_t hist = 0;
   for (auto c : s.length_histogram) hist += c;
@@ -217,6 +204,90 @@ TEST_F(PrepareTest, CorruptedOrTruncatedShardsAreDetected) {
   }
   fs::remove(opt_.out_dir / "manifest.json");
   EXPECT_THROW(Dataset::open(opt_.out_dir), dflash::Error);
+}
+
+// Manifests written before the tokenizer's SHA-256 was dropped still open.
+TEST_F(PrepareTest, OpensManifestsWithTheOldTokenizerHash) {
+  run();
+  auto path = opt_.out_dir / "manifest.json";
+  auto manifest = nlohmann::json::parse(read_file(path));
+  manifest["tokenizer"]["sha256"] = std::string(64, 'a');
+  write_file_atomic(path, manifest.dump(2));
+  EXPECT_EQ(Dataset::open(opt_.out_dir).size(), good_.size());
+}
+
+class RandomDatasetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fresh_test_dir("dflash_random_");
+    opt_.out_dir = dir_ / "a";
+    opt_.samples = 40;
+    opt_.length = 30;
+    opt_.length_jitter = 10;
+    opt_.prompt = 7;
+    opt_.vocab = 50;
+    opt_.seed = 3;
+    opt_.shard_tokens = 200;  // several shards
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+  RandomDatasetOptions opt_;
+};
+
+TEST_F(RandomDatasetTest, WritesPromptThenSupervisedTokensInThePreparedFormat) {
+  auto s = write_random_dataset(opt_);
+  Dataset d = Dataset::open(opt_.out_dir);
+  ASSERT_EQ(d.size(), opt_.samples);
+  EXPECT_EQ(d.tokens(), s.tokens);
+  EXPECT_GT(s.shards, 1u);
+  EXPECT_EQ(d.manifest()["shards"].size(), s.shards);
+  std::set<size_t> lengths;
+  std::set<int32_t> ids;
+  uint64_t loss = 0;
+  for (size_t i = 0; i < d.size(); ++i) {
+    auto x = d[i];
+    lengths.insert(x.ids.size());
+    ASSERT_GE(x.ids.size(), 20u);
+    ASSERT_LE(x.ids.size(), 40u);
+    for (size_t t = 0; t < x.ids.size(); ++t) {
+      ASSERT_EQ(x.mask[t], t < opt_.prompt ? 0 : 1) << i << " " << t;
+      ASSERT_LT(x.ids[t], 50);
+      ASSERT_GE(x.ids[t], 0);
+      ids.insert(x.ids[t]);
+      loss += x.mask[t];
+    }
+  }
+  EXPECT_EQ(loss, s.loss_tokens);
+  EXPECT_GT(lengths.size(), 10u);  // the jitter spreads the lengths
+  EXPECT_EQ(ids.size(), 50u);      // every id of a small vocabulary is drawn
+}
+
+TEST_F(RandomDatasetTest, TheSeedDecidesTheBytes) {
+  write_random_dataset(opt_);
+  opt_.out_dir = dir_ / "b";
+  write_random_dataset(opt_);
+  opt_.out_dir = dir_ / "c";
+  opt_.seed = 4;
+  write_random_dataset(opt_);
+  auto shard = [&](const char* run) { return read_file(dir_ / run / "shard-00000.bin"); };
+  EXPECT_EQ(shard("a"), shard("b"));
+  EXPECT_NE(shard("a"), shard("c"));
+}
+
+TEST_F(RandomDatasetTest, RejectsShapesWithoutSupervisedTokens) {
+  opt_.prompt = 20;  // the shortest sample has 20 tokens
+  EXPECT_THROW(write_random_dataset(opt_), dflash::Error);
+  opt_.prompt = 7;
+  opt_.length_jitter = 31;
+  EXPECT_THROW(write_random_dataset(opt_), dflash::Error);
+  opt_.length_jitter = 0;
+  opt_.vocab = 0;
+  EXPECT_THROW(write_random_dataset(opt_), dflash::Error);
+  opt_.vocab = 50;
+  EXPECT_NO_THROW(write_random_dataset(opt_));
+  EXPECT_THROW(write_random_dataset(opt_), dflash::Error);  // already there, no overwrite
+  opt_.overwrite = true;
+  EXPECT_NO_THROW(write_random_dataset(opt_));
 }
 
 }  // namespace
