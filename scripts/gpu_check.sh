@@ -2,7 +2,7 @@
 # One device call's worth of work on the GPU machine: build, run every test (GPU tests
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
-# Stages: build test target load drafter train tokenizer (default: the first five).
+# Stages: build test target load drafter train pipeline tokenizer (default: the first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/gpu-out}
@@ -55,6 +55,30 @@ fi
 if has train; then
   step train
   (cd "$root" && bash bench/train_e2e.sh "$dflash" "$out" 40)
+fi
+if has pipeline; then
+  # The multi-rank pipeline: equivalence of topologies and kill/resume under NCCL (fp32), then
+  # `dflash bench` (random Qwen3-8B-shaped target, 1.05B drafter, 2048 tokens, 512 anchors) on
+  # one GPU and, where there are two, both topologies.
+  step pipeline-test
+  python3 "$root/tests/cli/dist_train.py" "$dflash" auto > "$out/dist_train_gpu.log" 2>&1
+  echo "dist_train exit $?"; tail -12 "$out/dist_train_gpu.log"
+  gpus=$(nvidia-smi -L | wc -l)
+  step bench 1 GPU
+  "$dflash" bench --steps 30 --warmup 8 --json "$out/bench_1gpu.json" 2>&1 | grep -v "^train:" \
+    | tee "$out/bench.txt"
+  if [ "$gpus" -ge 2 ]; then
+    for acc in 1 4; do
+      step bench 2 GPUs colocated accumulation $acc
+      "$dflash" bench --nproc-per-node 2 --batch-size 2 --accumulation $acc --steps $((24 / acc + 6)) \
+        --warmup 4 --json "$out/bench_2gpu_colocated_acc$acc.json" 2>&1 | grep -v "^train:" \
+        | tee -a "$out/bench.txt"
+    done
+    step bench 2 GPUs disaggregated 1 target + 1 trainer
+    "$dflash" bench --nproc-per-node 2 --topology disaggregated --target-ranks 1 --steps 30 \
+      --warmup 8 --json "$out/bench_2gpu_disaggregated.json" 2>&1 | grep -v "^train:" \
+      | tee -a "$out/bench.txt"
+  fi
 fi
 if has tokenizer && [ -d "$root/.deps/bench" ]; then
   # Tokenizer throughput on a quiet many-core machine: the fixture tokenizers and GSM8K text

@@ -9,7 +9,7 @@ cd "$root"
 TORCH_VERSION=2.11.0
 APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config python3-venv
   nlohmann-json3-dev libfmt-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libpcre2-dev clang-14 libclang-rt-14-dev)
+  libpcre2-dev clang-14 libclang-rt-14-dev libgloo-dev libyaml-cpp-dev)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -40,14 +40,14 @@ struct BenchDrafterOptions {
 
 // The same sequence every step (a 64-token unsupervised "prompt"); the online step swaps in
 // freshly computed features.
-class FixedBatch : public train::DataSource {
+class FixedBatch : public train::BatchSource {
  public:
-  explicit FixedBatch(train::StepInput input) : input_(std::move(input)) {}
-  train::StepInput get(int64_t) override { return input_; }
-  void set_features(at::Tensor features) { input_.features = std::move(features); }
+  explicit FixedBatch(train::MicroBatch batch) : batch_(std::move(batch)) {}
+  train::MicroBatch get(int64_t) override { return batch_; }
+  void set_features(at::Tensor features) { batch_.features = std::move(features); }
 
  private:
-  train::StepInput input_;
+  train::MicroBatch batch_;
 };
 
 void run_bench(const BenchDrafterOptions& o) {
@@ -76,18 +76,19 @@ void run_bench(const BenchDrafterOptions& o) {
         target_model.forward(tokens_dev, batch, {config.target_layer_ids, models::Logits::kNone});
     return at::cat(r.taps, 1);
   };
-  train::StepInput input;
-  input.features = prefill();
-  input.tokens.push_back(
-      std::vector<int64_t>(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + seq));
+  const std::vector<int32_t> ids(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + seq);
   std::vector<uint8_t> mask(seq, 1);
   for (int64_t i = 0; i < std::min<int64_t>(64, seq / 4); ++i) mask[i] = 0;
-  input.loss_masks.push_back(mask);
-  input.sample_ids.push_back(0);
-  FixedBatch data(input);
+  train::AnchorOptions aopt;
+  aopt.max_anchors = anchors;
+  const train::SampleView sample{0, ids, mask};
+  auto micro = train::form_micro_batch(0, 0, {&sample, 1}, seq, aopt, config, false).to(device);
+  micro.step_weight_sum = micro.blocks.weight_sum;
+  micro.global_tokens = seq;
+  micro.features = prefill();
+  FixedBatch data(micro);
 
   train::TrainerOptions topt;
-  topt.max_anchors = anchors;
   topt.total_steps = 1000;
   topt.step.dtype = dtype;
   topt.step.head_chunk_rows = o.head_chunk;
@@ -100,10 +101,8 @@ void run_bench(const BenchDrafterOptions& o) {
   }
   train::Trainer trainer(drafter, head, topt, data);
 
-  const auto sampled = train::sample_anchors(mask, anchors, 0, 0, 0);
-  int64_t labels = 0;
-  for (int64_t a : sampled) labels += std::min(config.block_size - 1, seq - 1 - a);
-  const double flops = models::drafter_step_flops(config, {seq}, sampled, labels);
+  const auto& sampled = micro.blocks.layout.anchor;
+  const double flops = models::drafter_step_flops(config, {seq}, sampled, micro.blocks.num_labels);
   fmt::print(
       "bench-drafter: target {} ({} layers, H {}), drafter {} layers ({:.3f} B params), taps [{}],"
       " seq {}, anchors {}, B {}, {} on {}, warmup {}, iters {}\n",
@@ -119,13 +118,17 @@ void run_bench(const BenchDrafterOptions& o) {
   };
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(dev);
   train::StepLog last;
-  auto times = obs::time_steps(device, o.warmup, o.iters, [&] { last = trainer.step(); });
+  auto step = [&] {
+    trainer.train_step();
+    for (auto& l : trainer.take_logs(false)) last = l;
+  };
+  auto times = obs::time_steps(device, o.warmup, o.iters, step);
   const double ms = obs::median(times) * 1e3;
   const double drafter_peak = peak_gib();
   // Online: the target prefill that produces the features, then the drafter step on them.
   auto online_times = obs::time_steps(device, 1, o.iters, [&] {
     data.set_features(prefill());
-    last = trainer.step();
+    step();
   });
   const double online_ms = obs::median(online_times) * 1e3;
   const double tflops = flops / (ms / 1e3) / 1e12;
@@ -155,7 +158,7 @@ void run_bench(const BenchDrafterOptions& o) {
     constexpr int kProfiledSteps = 2;
     auto p = obs::profile_device(
         [&] {
-          for (int i = 0; i < kProfiledSteps; ++i) trainer.step();
+          for (int i = 0; i < kProfiledSteps; ++i) step();
           obs::synchronize(device);
         },
         kProfiledSteps, o.profile);

@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
-#include "train/trainer.h"
+#include "train/export.h"
 
 namespace dflash::cli {
 

@@ -13,5 +13,6 @@ void add_bench_drafter_command(CLI::App& app);
 void add_prepare_command(CLI::App& app);
 void add_random_data_command(CLI::App& app);
 void add_train_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
 
 }  // namespace dflash::cli

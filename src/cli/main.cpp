@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   dflash::cli::add_prepare_command(app);
   dflash::cli::add_random_data_command(app);
   dflash::cli::add_train_command(app);
+  dflash::cli::add_bench_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

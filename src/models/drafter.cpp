@@ -374,12 +374,17 @@ int64_t Drafter::num_parameters() const {
   return n;
 }
 
-void Drafter::save(const std::filesystem::path& dir) const {
+void write_drafter_export(const std::filesystem::path& dir, const DrafterConfig& config,
+                          const std::vector<std::pair<std::string, at::Tensor>>& named) {
   std::filesystem::create_directories(dir);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& [name, p] : named_) tensors.push_back({name, p.detach().to(at::kBFloat16)});
+  for (const auto& [name, t] : named) tensors.push_back({name, t.detach().to(at::kBFloat16)});
   io::write_checkpoint(dir, tensors, /*max_shard_bytes=*/~0ull);
-  write_file_atomic(dir / "config.json", drafter_config_json(config_).dump(2));
+  write_file_atomic(dir / "config.json", drafter_config_json(config).dump(2));
+}
+
+void Drafter::save(const std::filesystem::path& dir) const {
+  write_drafter_export(dir, config_, named_);
 }
 
 at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) const {

@@ -61,6 +61,11 @@ DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOption
 nlohmann::json drafter_config_json(const DrafterConfig& config);
 DrafterConfig parse_drafter_config(const nlohmann::json& json, const std::string& origin);
 
+// Writes the export (config.json + bf16 model.safetensors, atomically): the one writer of the
+// format, for Drafter::save and `dflash export` alike.
+void write_drafter_export(const std::filesystem::path& dir, const DrafterConfig& config,
+                          const std::vector<std::pair<std::string, at::Tensor>>& named);
+
 // Every drafter parameter as named in the export, with its shape, in a fixed order (the
 // order of Drafter::named_parameters).
 std::vector<std::pair<std::string, std::vector<int64_t>>> drafter_parameter_shapes(

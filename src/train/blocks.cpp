@@ -4,20 +4,9 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "common/random.h"
 
 namespace dflash::train {
-namespace {
-
-// splitmix64: a fully specified generator (std distributions are implementation-defined, and
-// anchors must be identical on every platform and after a resume).
-uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
 
 std::vector<int64_t> anchor_candidates(const std::vector<uint8_t>& loss_mask) {
   std::vector<int64_t> out;
@@ -28,8 +17,10 @@ std::vector<int64_t> anchor_candidates(const std::vector<uint8_t>& loss_mask) {
 }
 
 std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& loss_mask, int64_t max_anchors,
-                                    uint64_t seed, int64_t epoch, int64_t sample_id) {
+                                    uint64_t seed, int64_t epoch, int64_t sample_id,
+                                    int64_t min_anchors) {
   auto cand = anchor_candidates(loss_mask);
+  if (static_cast<int64_t>(cand.size()) < min_anchors) return {};
   const size_t m = std::min(cand.size(), static_cast<size_t>(std::max<int64_t>(max_anchors, 0)));
   uint64_t state = seed;
   splitmix64(state);
@@ -39,7 +30,7 @@ std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& loss_mask, int64
   // Partial Fisher-Yates: the first m entries become a uniform sample without replacement.
   for (size_t i = 0; i < m; ++i) {
     const uint64_t span = cand.size() - i;
-    const size_t j = i + static_cast<size_t>(splitmix64(state) % span);
+    const size_t j = i + static_cast<size_t>(uniform_below(state, span));
     std::swap(cand[i], cand[j]);
   }
   cand.resize(m);

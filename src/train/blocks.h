@@ -14,11 +14,13 @@ namespace dflash::train {
 // Positions a with loss_mask[a] and loss_mask[a+1] (a+1 inside the sequence), ascending.
 std::vector<int64_t> anchor_candidates(const std::vector<uint8_t>& loss_mask);
 
-// Up to `max_anchors` candidates drawn without replacement, returned ascending. The draw is
-// a pure function of (seed, epoch, sample_id), so resuming or reordering the data stream
-// reproduces it and every epoch resamples.
+// Up to `max_anchors` candidates drawn without replacement, returned ascending; none when there
+// are fewer than `min_anchors` candidates. The draw is a pure function of (seed, epoch,
+// sample_id), so resuming or reordering the data stream reproduces it and every epoch
+// resamples.
 std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& loss_mask, int64_t max_anchors,
-                                    uint64_t seed, int64_t epoch, int64_t sample_id);
+                                    uint64_t seed, int64_t epoch, int64_t sample_id,
+                                    int64_t min_anchors = 1);
 
 // Label of block position k (0..B-1) for the block anchored at a: token a+k when k >= 1,
 // a+k < length and loss_mask[a+k]; otherwise kNoLabel.

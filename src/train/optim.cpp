@@ -21,21 +21,30 @@ AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions options)
   step_count_ = at::zeros({}, params_[0].options());
 }
 
-void AdamW::step(double lr, const std::optional<at::Tensor>& grad_divisor) {
+int64_t AdamW::steps() const { return std::llround(step_count_.item<double>()); }
+
+void AdamW::set_steps(int64_t steps) { step_count_.fill_(static_cast<double>(steps)); }
+
+void AdamW::step(double lr, const std::optional<at::Tensor>& grad_divisor,
+                 const std::optional<at::Tensor>& found_inf) {
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& p : params_) {
     if (!p.grad().defined()) fail("AdamW: a parameter has no gradient");
     grads.push_back(p.grad());
   }
-  ++steps_;
-  step_count_.fill_(static_cast<double>(steps_));
+  // The kernel reads the incremented count for its bias correction; a skipped step keeps it.
+  if (found_inf) {
+    step_count_.add_(1.0 - *found_inf);
+  } else {
+    step_count_.add_(1.0);
+  }
   // One step tensor serves every parameter: the kernel only reads it.
   const std::vector<at::Tensor> steps(params_.size(), step_count_);
   const auto& o = options_;
   at::_fused_adamw_(params_, grads, exp_avg_, exp_avg_sq_, /*max_exp_avg_sqs=*/{}, steps, lr,
                     o.beta1, o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false,
-                    /*maximize=*/false, grad_divisor, /*found_inf=*/std::nullopt);
+                    /*maximize=*/false, grad_divisor, found_inf);
 }
 
 at::Tensor grad_norm(const std::vector<at::Tensor>& params) {

@@ -22,18 +22,23 @@ class AdamW {
   AdamW(std::vector<at::Tensor> params, AdamWOptions options);
   // One update with learning rate `lr` from the params' .grad (all must be defined). With
   // `grad_divisor` (a device scalar, e.g. from clip_divisor) the gradients are divided by it
-  // inside the same kernel, which is how clipping costs no pass of its own.
-  void step(double lr, const std::optional<at::Tensor>& grad_divisor = std::nullopt);
-  int64_t steps() const { return steps_; }
-  void set_steps(int64_t steps) { steps_ = steps; }
+  // inside the same kernel, which is how clipping costs no pass of its own. With `found_inf`
+  // (fp32 device scalar, 1 = skip) a step with non-finite gradients is skipped on the device:
+  // neither the weights, the moments nor the step count change, and the host never waits.
+  void step(double lr, const std::optional<at::Tensor>& grad_divisor = std::nullopt,
+            const std::optional<at::Tensor>& found_inf = std::nullopt);
+  // Updates applied so far (reads the device counter: a host sync, for checkpoints).
+  int64_t steps() const;
+  void set_steps(int64_t steps);
   std::vector<at::Tensor>& exp_avg() { return exp_avg_; }
   std::vector<at::Tensor>& exp_avg_sq() { return exp_avg_sq_; }
+  const std::vector<at::Tensor>& exp_avg() const { return exp_avg_; }
+  const std::vector<at::Tensor>& exp_avg_sq() const { return exp_avg_sq_; }
 
  private:
   std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_;
   at::Tensor step_count_;  // fp32 device scalar: the fused kernel reads the bias-correction step
   AdamWOptions options_;
-  int64_t steps_ = 0;
 };
 
 // Global L2 norm of all gradients as a device scalar (no host sync here).

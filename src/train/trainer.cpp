@@ -1,47 +1,21 @@
 #include "train/trainer.h"
 
 #include <c10/core/GradMode.h>
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <unistd.h>
 
-#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <csignal>
-#include <map>
-#include <nlohmann/json.hpp>
 
 #include "common/error.h"
-#include "common/file.h"
-#include "common/json_file.h"
-#include "io/safetensors.h"
-#include "train/blocks.h"
-#include "train/loss.h"
+#include "dist/comm.h"
 
 namespace dflash::train {
 namespace {
 
-using nlohmann::json;
-
 std::atomic<bool> g_stop{false};
 
 extern "C" void on_stop_signal(int) { g_stop.store(true); }
-
-double label_weight_sum(const StepInput& in, const std::vector<std::vector<int64_t>>& anchors,
-                        const models::DrafterConfig& c) {
-  double sum = 0;
-  for (size_t s = 0; s < in.tokens.size(); ++s) {
-    for (int64_t a : anchors[s]) {
-      auto labels = block_labels(in.tokens[s], in.loss_masks[s], a, c.block_size);
-      for (int64_t k = 1; k < c.block_size; ++k) {
-        // Rounded through fp32 exactly as build_blocks stores the weights.
-        if (labels[k] != kNoLabel) sum += static_cast<float>(position_weight(k, c.gamma));
-      }
-    }
-  }
-  return sum;
-}
 
 }  // namespace
 
@@ -55,352 +29,188 @@ void install_stop_signals() {
 bool stop_requested() { return g_stop.load(); }
 void clear_stop_request() { g_stop.store(false); }
 
-MicroResult forward_backward(const models::Drafter& drafter, const models::TargetHead& head,
-                             const StepInput& in, const std::vector<std::vector<int64_t>>& anchors,
-                             double grad_scale, const StepOptions& options) {
-  const auto& config = drafter.config();
-  const size_t n = in.tokens.size();
-  if (in.loss_masks.size() != n || anchors.size() != n) {
-    fail("training step: {} sequences, {} loss masks, {} anchor lists", n, in.loss_masks.size(),
-         anchors.size());
-  }
-  const int64_t width = config.num_taps() * config.layers.hidden_size;
-  if (!in.features.defined() || in.features.dim() != 2 || in.features.size(1) != width) {
-    fail("training step: features must be [tokens, {}] ({} taps x hidden {}), got {}", width,
-         config.num_taps(), config.layers.hidden_size,
-         in.features.defined() ? in.features.sizes() : at::IntArrayRef{});
-  }
-  int64_t total = 0;
-  for (const auto& t : in.tokens) total += static_cast<int64_t>(t.size());
-  if (in.features.size(0) != total) {
-    fail("training step: features have {} rows, the sequences {} tokens", in.features.size(0),
-         total);
-  }
-  if (options.check_features && !at::isfinite(in.features).all().item<bool>()) {
-    fail(
-        "training step: the target features contain NaN or Inf (bad target weights or "
-        "activations overflowing in the target's dtype)");
-  }
-  // Sequences without anchors are left out of the drafter's packed batch entirely.
-  std::vector<std::vector<int64_t>> tokens, anchor_lists;
-  std::vector<std::vector<uint8_t>> masks;
-  std::vector<int64_t> lengths;
-  std::vector<at::Tensor> feature_parts;
-  int64_t offset = 0;
-  for (size_t s = 0; s < n; ++s) {
-    const int64_t len = static_cast<int64_t>(in.tokens[s].size());
-    if (!anchors[s].empty()) {
-      tokens.push_back(in.tokens[s]);
-      masks.push_back(in.loss_masks[s]);
-      anchor_lists.push_back(anchors[s]);
-      lengths.push_back(len);
-      feature_parts.push_back(in.features.narrow(0, offset, len));
-    }
-    offset += len;
-  }
-  const at::Device device = in.features.device();
-  auto f32 = at::TensorOptions().device(device).dtype(at::kFloat);
-  MicroResult r;
-  if (tokens.empty()) {
-    r.weighted_ce = at::zeros({}, f32);
-    r.correct = at::zeros({config.block_size}, f32);
-    r.count = at::zeros({config.block_size}, f32);
-    r.predictions = at::empty({0}, f32.dtype(at::kLong));
-    return r;
-  }
-  auto features = feature_parts.size() == n ? in.features : at::cat(feature_parts, 0);
-  auto batch = models::PackedBatch::from_lengths(lengths, device);
-  auto blocks = build_blocks(tokens, masks, anchor_lists, config, device);
-  auto hidden =
-      drafter.forward(features, batch, blocks.layout, head, options.dtype, options.attention);
-  auto rows = hidden.index_select(0, blocks.label_rows);
-  auto loss = chunked_head_loss(rows, head.lm_head, blocks.labels, blocks.weights, blocks.label_k,
-                                config.block_size, grad_scale, options.head_chunk_rows);
-  if (rows.requires_grad() && blocks.num_labels > 0) rows.backward(loss.grad_hidden);
-  r.weighted_ce = loss.weighted_ce;
-  r.correct = loss.correct;
-  r.count = loss.count;
-  r.predictions = loss.predictions;
-  r.weight_sum = blocks.weight_sum;
-  r.blocks = blocks.layout.num_blocks();
-  r.labels = blocks.num_labels;
-  return r;
-}
-
-double simulated_acceptance(const std::vector<double>& accuracy) {
-  double tau = 1, prod = 1;
-  for (double a : accuracy) {
-    prod *= a;
-    tau += prod;
-  }
-  return tau;
-}
-
 Trainer::Trainer(models::Drafter& drafter, models::TargetHead head, TrainerOptions options,
-                 DataSource& data)
+                 BatchSource& data, dist::Comm* data_parallel)
     : drafter_(drafter),
       head_(std::move(head)),
       options_(std::move(options)),
       data_(data),
-      optimizer_(drafter.parameters(), options_.adamw) {
+      dp_(data_parallel && data_parallel->size() > 1 ? data_parallel : nullptr),
+      params_(drafter.parameters()),
+      optimizer_(params_, options_.adamw) {
   if (options_.accumulation < 1) fail("trainer: accumulation must be at least 1");
   if (options_.total_steps < 1) fail("trainer: total_steps must be at least 1");
   if (head_.lm_head.size(0) != drafter.config().layers.vocab_size) {
     fail("trainer: the target LM head has {} rows, the drafter config a vocabulary of {}",
          head_.lm_head.size(0), drafter.config().layers.vocab_size);
   }
+  state_.seed = options_.seed;
+  if (dp_) {
+    // One buffer holds every gradient (as views the backward accumulates into) and the step's
+    // figures after them, so the data-parallel reduction is a single all-reduce.
+    int64_t numel = 0;
+    for (const auto& p : params_) numel += p.numel();
+    const int64_t bs = drafter.config().block_size;
+    flat_grads_ = at::zeros({numel + 2 * bs + 2}, params_[0].options());
+    int64_t offset = 0;
+    for (auto& p : params_) {
+      p.mutable_grad() = flat_grads_.narrow(0, offset, p.numel()).view(p.sizes());
+      offset += p.numel();
+    }
+  }
 }
 
-StepLog Trainer::step() {
+void Trainer::train_step() {
   const auto& config = drafter_.config();
   const int64_t bs = config.block_size;
-  std::vector<StepInput> inputs;
-  std::vector<std::vector<std::vector<int64_t>>> anchors;
-  StepLog log;
-  double denominator = 0;
-  for (int64_t m = 0; m < options_.accumulation; ++m) {
-    inputs.push_back(data_.get(data_position_ + m));
-    const StepInput& in = inputs.back();
-    if (in.sample_ids.size() != in.tokens.size()) {
-      fail("trainer: data source gave {} sample ids for {} sequences", in.sample_ids.size(),
-           in.tokens.size());
-    }
-    auto& a = anchors.emplace_back();
-    for (size_t s = 0; s < in.tokens.size(); ++s) {
-      if (static_cast<int64_t>(anchor_candidates(in.loss_masks[s]).size()) < options_.min_anchors) {
-        a.emplace_back();
-        ++log.skipped_sequences;
-        continue;
-      }
-      a.push_back(sample_anchors(in.loss_masks[s], options_.max_anchors, options_.seed, in.epoch,
-                                 in.sample_ids[s]));
-    }
-    denominator += label_weight_sum(in, a, config);
-  }
-  skipped_sequences_total_ += log.skipped_sequences;
-  data_position_ += options_.accumulation;
-  log.lr =
-      cosine_lr(step_, options_.total_steps,
+  Pending p;
+  p.log.step = state_.step + 1;
+  p.log.lr =
+      cosine_lr(state_.step, options_.total_steps,
                 std::llround(options_.warmup_ratio * static_cast<double>(options_.total_steps)),
                 options_.lr, options_.min_lr);
-  auto params = drafter_.parameters();
-  auto zero_grads = [&] {
-    for (auto& p : params) p.mutable_grad() = at::Tensor();
-  };
-  if (denominator <= 0) {
-    // No supervised label in the whole step: nothing to learn from, not an error.
-    log.step = step_;
-    log.accuracy.assign(bs - 1, 0.0);
-    return log;
+  const at::Device device = drafter_.device();
+  const int64_t num_params = dp_ ? flat_grads_.numel() - (2 * bs + 2) : 0;
+  // [wce, correct[B], count[B], stop votes]: reduced across trainer ranks with the gradients.
+  at::Tensor figures = dp_ ? flat_grads_.narrow(0, num_params, 2 * bs + 2)
+                           : at::zeros({2 * bs + 2}, params_[0].options());
+  if (dp_) flat_grads_.zero_();
+  for (int64_t m = 0; m < options_.accumulation; ++m) {
+    MicroBatch mb = data_.get(state_.data_position + m);
+    if (m == 0) p.weight_sum = mb.step_weight_sum;
+    if (mb.step_weight_sum != p.weight_sum) {
+      fail("trainer: micro-batch {} carries normaliser {}, the step's first {}", mb.position,
+           mb.step_weight_sum, p.weight_sum);
+    }
+    p.log.skipped_sequences += mb.skipped_sequences;
+    p.log.tokens += mb.global_tokens;
+    if (p.weight_sum <= 0) continue;  // no supervised label in the whole step: nothing to learn
+    auto r = forward_backward(drafter_, head_, mb, 1.0 / p.weight_sum, options_.step);
+    figures.narrow(0, 0, 1).add_(r.weighted_ce.view({1}));
+    figures.narrow(0, 1, bs).add_(r.correct);
+    figures.narrow(0, 1 + bs, bs).add_(r.count);
+    p.log.blocks += r.blocks;
+    p.log.labels += r.labels;
   }
-  at::Tensor wce, correct, count;
-  for (size_t m = 0; m < inputs.size(); ++m) {
-    // Normalised by the weights of all valid labels of the whole optimizer step, so
-    // accumulation over micro-batches equals one big batch.
-    auto r =
-        forward_backward(drafter_, head_, inputs[m], anchors[m], 1.0 / denominator, options_.step);
-    wce = m == 0 ? r.weighted_ce : wce + r.weighted_ce;
-    correct = m == 0 ? r.correct : correct + r.correct;
-    count = m == 0 ? r.count : count + r.count;
-    log.blocks += r.blocks;
-    log.labels += r.labels;
-  }
-  log.loss = wce.item<double>() / denominator;
-  auto acc = (correct / count.clamp_min(1)).cpu();
-  for (int64_t k = 1; k < bs; ++k) log.accuracy.push_back(acc[k].item<double>());
-  log.acceptance = simulated_acceptance(log.accuracy);
+  state_.data_position += options_.accumulation;
+  state_.skipped_sequences_total += p.log.skipped_sequences;
+  ++state_.step;
+  if (stop_requested()) figures.narrow(0, 2 * bs + 1, 1).fill_(1.0);
   at::Tensor norm;
-  if (std::isfinite(log.loss)) {
-    norm = grad_norm(params);
-    log.grad_norm = norm.item<double>();
+  {
+    c10::NoGradGuard no_grad;
+    if (dp_) {
+      std::vector<at::Tensor> buffers{flat_grads_};
+      dp_->all_reduce_sum(buffers, "grad_all_reduce");
+      norm = flat_grads_.narrow(0, 0, num_params).norm();
+    } else {
+      norm = grad_norm(params_);
+    }
   }
-  if (!std::isfinite(log.loss) || !std::isfinite(log.grad_norm)) {
-    zero_grads();
-    ++nonfinite_total_;
-    ++nonfinite_in_a_row_;
-    log.skipped_nonfinite = true;
-    log.step = step_;
+  if (p.weight_sum > 0) {
+    // A non-finite loss or gradient skips the update on the device (AdamW's found_inf).
+    auto found_inf = at::logical_not(at::isfinite(norm) & at::isfinite(figures[0])).to(at::kFloat);
+    optimizer_.step(p.log.lr, clip_divisor(norm, options_.clip_norm), found_inf);
+    figures = at::cat({figures, norm.view({1}).to(at::kFloat), found_inf.view({1})});
+  } else {
+    figures = at::cat({figures, at::zeros({2}, figures.options())});
+  }
+  if (!dp_) {
+    for (auto& t : params_) t.mutable_grad() = at::Tensor();
+  }
+  // The figures come back without blocking: pinned host memory and an event on GPU runs.
+  if (device.is_cuda()) {
+    p.figures = at::empty(figures.sizes(), figures.options().device(at::kCPU).pinned_memory(true));
+    p.figures.copy_(figures, /*non_blocking=*/true);
+    p.copied.emplace(device.type());
+    p.copied->record(c10::Stream(c10::Stream::DEFAULT, device));
+  } else {
+    p.figures = figures.clone();
+  }
+  pending_.push_back(std::move(p));
+}
+
+StepLog Trainer::finish(Pending& p) {
+  if (p.copied) p.copied->synchronize();
+  const int64_t bs = drafter_.config().block_size;
+  const float* f = p.figures.data_ptr<float>();
+  StepLog log = std::move(p.log);
+  if (p.weight_sum > 0) {
+    log.loss = f[0] / p.weight_sum;
+    for (int64_t k = 1; k < bs; ++k)
+      log.accuracy.push_back(f[1 + k] / std::max(f[1 + bs + k], 1.f));
+  } else {
+    log.accuracy.assign(bs - 1, 0.0);
+  }
+  log.acceptance = simulated_acceptance(log.accuracy);
+  log.grad_norm = f[2 * bs + 2];
+  log.skipped_nonfinite = f[2 * bs + 3] > 0;
+  if (f[2 * bs + 1] > 0) stop_agreed_ = true;
+  if (log.skipped_nonfinite) {
+    ++state_.nonfinite_total;
+    ++state_.nonfinite_in_a_row;
     fmt::print(stderr,
-               "train: step {}: non-finite loss ({}) or grad norm ({}); step skipped "
+               "train: step {}: non-finite loss ({}) or grad norm ({}); update skipped "
                "({} in a row, {} in total)\n",
-               step_, log.loss, log.grad_norm, nonfinite_in_a_row_, nonfinite_total_);
-    if (nonfinite_in_a_row_ >= options_.max_nonfinite_in_a_row) {
+               log.step, log.loss, log.grad_norm, state_.nonfinite_in_a_row,
+               state_.nonfinite_total);
+    if (state_.nonfinite_in_a_row >= options_.max_nonfinite_in_a_row) {
       fail(
           "train: {} steps in a row had a non-finite loss or gradient; stopping (check the "
           "learning rate, the data and the target features)",
-          nonfinite_in_a_row_);
+          state_.nonfinite_in_a_row);
     }
-    return log;
+  } else if (p.weight_sum > 0) {
+    state_.nonfinite_in_a_row = 0;
   }
-  nonfinite_in_a_row_ = 0;
-  optimizer_.step(log.lr, clip_divisor(norm, options_.clip_norm));
-  zero_grads();
-  log.step = ++step_;
   return log;
+}
+
+std::vector<StepLog> Trainer::take_logs(bool wait) {
+  std::vector<StepLog> logs;
+  while (!pending_.empty() && (wait || pending_.size() > 1)) {
+    logs.push_back(finish(pending_.front()));
+    pending_.pop_front();
+  }
+  return logs;
 }
 
 int64_t Trainer::run(int64_t steps, const std::function<void(const StepLog&)>& log) {
   const bool checkpoints = !options_.checkpoint_dir.empty();
-  while (step_ < steps && !stop_requested()) {
-    auto l = step();
-    if (log) log(l);
-    if (checkpoints && options_.checkpoint_every > 0 && step_ % options_.checkpoint_every == 0 &&
-        step_ != last_saved_step_) {
+  auto emit = [&](bool wait) {
+    for (const auto& l : take_logs(wait)) {
+      if (log) log(l);
+    }
+  };
+  // Every trainer rank reads the same reduced figures of step n after queueing step n+1, so
+  // all of them see a stop vote at the same step and stop together.
+  while (state_.step < steps && !stop_agreed_) {
+    train_step();
+    emit(false);
+    if (checkpoints && options_.checkpoint_every > 0 &&
+        state_.step % options_.checkpoint_every == 0) {
+      emit(true);
       save_checkpoint();
     }
   }
-  if (checkpoints && step_ != last_saved_step_) save_checkpoint();
-  return step_;
+  emit(true);
+  if (checkpoints && state_.step != last_saved_step_) save_checkpoint();
+  return state_.step;
 }
 
 std::filesystem::path Trainer::save_checkpoint() {
-  namespace fs = std::filesystem;
   if (options_.checkpoint_dir.empty()) fail("trainer: no checkpoint directory configured");
-  c10::NoGradGuard no_grad;
-  const fs::path root = options_.checkpoint_dir;
-  fs::create_directories(root);
-  const std::string name = fmt::format("step-{:08d}", step_);
-  const fs::path final_dir = root / name, tmp = root / ("." + name + ".tmp");
-  remove_tree(tmp);
-  fs::create_directories(tmp);
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  const auto& named = drafter_.named_parameters();
-  for (size_t i = 0; i < named.size(); ++i) {
-    tensors.push_back({"param/" + named[i].first, named[i].second.detach()});
-    tensors.push_back({"exp_avg/" + named[i].first, optimizer_.exp_avg()[i]});
-    tensors.push_back({"exp_avg_sq/" + named[i].first, optimizer_.exp_avg_sq()[i]});
-  }
-  io::write_safetensors(tmp / "state.safetensors", tensors, {{"format", "pt"}});
-  write_file_atomic(tmp / "config.json", models::drafter_config_json(drafter_.config()).dump(2));
-  json state = {{"step", step_},
-                {"optimizer_steps", optimizer_.steps()},
-                {"data_position", data_position_},
-                {"nonfinite_total", nonfinite_total_},
-                {"nonfinite_in_a_row", nonfinite_in_a_row_},
-                {"skipped_sequences_total", skipped_sequences_total_},
-                {"gamma", drafter_.config().gamma},
-                // Anchor sampling is counter-based: (seed, epoch, sample id) is its whole state.
-                {"rng", {{"anchor_seed", options_.seed}}},
-                {"schedule",
-                 {{"lr", options_.lr},
-                  {"min_lr", options_.min_lr},
-                  {"warmup_ratio", options_.warmup_ratio},
-                  {"total_steps", options_.total_steps}}}};
-  write_file_atomic(tmp / "trainer.json", state.dump(2));
-  fsync_dir(tmp);
-  // The directory appears under its final name only once complete.
-  remove_tree(final_dir);
-  fs::rename(tmp, final_dir);
-  fsync_dir(root);
-  last_saved_step_ = step_;
-  // Keep the newest keep_last step directories.
-  std::vector<fs::path> steps;
-  for (const auto& e : fs::directory_iterator(root)) {
-    const auto n = e.path().filename().string();
-    if (e.is_directory() && n.starts_with("step-")) steps.push_back(e.path());
-  }
-  std::sort(steps.begin(), steps.end());
-  const int64_t excess =
-      static_cast<int64_t>(steps.size()) - std::max<int64_t>(options_.keep_last, 1);
-  for (int64_t i = 0; i < excess; ++i) remove_tree(steps[i]);
-  return final_dir;
-}
-
-std::filesystem::path resolve_checkpoint(const std::filesystem::path& p) {
-  namespace fs = std::filesystem;
-  if (fs::exists(p / "trainer.json")) return p;
-  if (!fs::is_directory(p)) fail("{}: not a checkpoint or run directory", p.string());
-  fs::path best;
-  for (const auto& e : fs::directory_iterator(p)) {
-    const auto n = e.path().filename().string();
-    if (e.is_directory() && n.starts_with("step-") && fs::exists(e.path() / "trainer.json") &&
-        (best.empty() || e.path().filename() > best.filename())) {
-      best = e.path();
-    }
-  }
-  if (best.empty()) fail("{}: no step-* checkpoint inside", p.string());
-  return best;
+  // The counters must include every step's figures (non-finite steps): take_logs(true) first.
+  if (!pending_.empty()) fail("trainer: checkpoint with {} steps' figures unread", pending_.size());
+  last_saved_step_ = state_.step;
+  if (!options_.write_checkpoints) return {};
+  return train::save_checkpoint(options_.checkpoint_dir, options_.keep_last, drafter_, optimizer_,
+                                state_);
 }
 
 void Trainer::load_checkpoint(const std::filesystem::path& path) {
-  const auto dir = resolve_checkpoint(path);
-  const json config = read_json_file(dir / "config.json");
-  const json ours = models::drafter_config_json(drafter_.config());
-  if (config != ours) {
-    fail("{}: checkpoint is for another drafter config:\n  checkpoint {}\n  this run   {}",
-         dir.string(), config.dump(), ours.dump());
-  }
-  const json state = read_json_file(dir / "trainer.json");
-  auto file = io::SafetensorsFile::open(dir / "state.safetensors");
-  std::vector<std::pair<std::string, at::Tensor>> params;
-  const auto& named = drafter_.named_parameters();
-  c10::NoGradGuard no_grad;
-  for (size_t i = 0; i < named.size(); ++i) {
-    const std::string& name = named[i].first;
-    for (const char* prefix : {"param/", "exp_avg/", "exp_avg_sq/"}) {
-      if (!file->find(prefix + name))
-        fail("{}: state has no tensor {}{}", dir.string(), prefix, name);
-    }
-    params.push_back({name, file->tensor("param/" + name)});
-    auto load_into = [&](at::Tensor& dst, const std::string& key) {
-      auto src = file->tensor(key);
-      if (src.sizes() != dst.sizes() || src.scalar_type() != at::kFloat) {
-        fail("{}: {} has shape {} {}, expected fp32 {}", dir.string(), key, src.sizes(),
-             c10::toString(src.scalar_type()), dst.sizes());
-      }
-      dst.copy_(src);
-    };
-    load_into(optimizer_.exp_avg()[i], "exp_avg/" + name);
-    load_into(optimizer_.exp_avg_sq()[i], "exp_avg_sq/" + name);
-  }
-  drafter_.assign(params, dir.string());
-  try {
-    step_ = state.at("step").get<int64_t>();
-    optimizer_.set_steps(state.at("optimizer_steps").get<int64_t>());
-    data_position_ = state.at("data_position").get<int64_t>();
-    nonfinite_total_ = state.at("nonfinite_total").get<int64_t>();
-    nonfinite_in_a_row_ = state.at("nonfinite_in_a_row").get<int64_t>();
-    skipped_sequences_total_ = state.at("skipped_sequences_total").get<int64_t>();
-    options_.seed = state.at("rng").at("anchor_seed").get<uint64_t>();
-  } catch (const json::exception& e) {
-    fail("{}: trainer.json is incomplete: {}", (dir / "trainer.json").string(), e.what());
-  }
-  last_saved_step_ = step_;
-}
-
-void export_drafter(const std::filesystem::path& source, const std::filesystem::path& out_dir) {
-  namespace fs = std::filesystem;
-  const bool is_export = fs::exists(source / "model.safetensors") ||
-                         fs::exists(source / "model.safetensors.index.json");
-  const fs::path dir = is_export ? source : resolve_checkpoint(source);
-  const json j = read_json_file(dir / "config.json");
-  const auto config = models::parse_drafter_config(j, (dir / "config.json").string());
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  auto add = [&](const std::string& name, const at::Tensor& t, const std::vector<int64_t>& shape) {
-    if (t.sizes() != at::IntArrayRef(shape)) {
-      fail("{}: tensor {} has shape {}, config.json implies {}", dir.string(), name, t.sizes(),
-           at::IntArrayRef(shape));
-    }
-    tensors.push_back({name, t.to(at::kBFloat16)});
-  };
-  const auto shapes = models::drafter_parameter_shapes(config);
-  if (is_export) {
-    auto ckpt = io::Checkpoint::open(dir);
-    for (const auto& [name, shape] : shapes) {
-      if (!ckpt.contains(name)) fail("{}: tensor {} is missing", dir.string(), name);
-      add(name, ckpt.tensor(name), shape);
-    }
-  } else {
-    auto file = io::SafetensorsFile::open(dir / "state.safetensors");
-    for (const auto& [name, shape] : shapes) {
-      if (!file->find("param/" + name))
-        fail("{}: state has no tensor param/{}", dir.string(), name);
-      add(name, file->tensor("param/" + name), shape);
-    }
-  }
-  fs::create_directories(out_dir);
-  io::write_checkpoint(out_dir, tensors, /*max_shard_bytes=*/~0ull);
-  write_file_atomic(out_dir / "config.json", models::drafter_config_json(config).dump(2));
+  state_ = train::load_checkpoint(path, drafter_, optimizer_);
+  last_saved_step_ = state_.step;
 }
 
 }  // namespace dflash::train

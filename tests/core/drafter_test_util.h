@@ -68,7 +68,6 @@ struct DflashCase {
       const size_t n = static_cast<size_t>(lengths[s]);
       input.tokens.emplace_back(tokens.begin() + start, tokens.begin() + start + n);
       input.loss_masks.emplace_back(masks.begin() + start, masks.begin() + start + n);
-      input.sample_ids.push_back(static_cast<int64_t>(s));
       anchors.emplace_back(flat_anchors.begin() + astart,
                            flat_anchors.begin() + astart + counts[s]);
       start += n;

@@ -6,7 +6,12 @@
 #include <csignal>
 
 #include "drafter_test_util.h"
+#include "pipeline/features.h"
+#include "pipeline/prefetch.h"
+#include "pipeline/samples.h"
+#include "pipeline/stream.h"
 #include "train/blocks.h"
+#include "train/export.h"
 #include "train/optim.h"
 
 namespace dflash {
@@ -15,38 +20,66 @@ namespace {
 namespace fs = std::filesystem;
 using testing::DflashCase;
 
-// Deterministic synthetic stream over the fixture's tiny target: micro-batch `position` is two
-// sequences whose tokens are a function of the position; features come from our target.
-class SyntheticData : public train::DataSource {
+// The real data path over the fixture's tiny target: synthetic samples, the global stream
+// (anchors, blocks, the step's normaliser), the batch-forming thread and the target's features.
+struct Pipeline {
+  Pipeline(const DflashCase& c, int64_t accumulation = 2, bool poison = false)
+      : samples(12, 30, 4, c.target->config().vocab_size, 3),
+        stream(samples, stream_options(accumulation), c.drafter->config()),
+        batches(
+            "batches", [this](int64_t p) { return stream.form(p, 0, 1, false); }, 2,
+            std::chrono::seconds(30)),
+        features(*c.target, c.drafter->config().target_layer_ids, batches),
+        poison(poison) {}
+  static pipeline::StreamOptions stream_options(int64_t accumulation) {
+    pipeline::StreamOptions o;
+    o.batch_size = 2;
+    o.accumulation = accumulation;
+    o.anchors.max_anchors = 6;
+    o.anchors.seed = 17;
+    return o;
+  }
+  pipeline::SyntheticSamples samples;
+  pipeline::GlobalStream stream;
+  pipeline::Prefetcher batches;
+  pipeline::ColocatedSource features;
+  bool poison;
+};
+
+class Source : public train::BatchSource {
  public:
-  explicit SyntheticData(const DflashCase& c, bool poison = false) : c_(c), poison_(poison) {}
-  train::StepInput get(int64_t position) override {
-    train::StepInput in;
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + position);
-    std::vector<int64_t> lengths = {20 + position % 5, 31};
-    int64_t total = 0;
-    for (size_t s = 0; s < lengths.size(); ++s) {
-      auto t = at::randint(c_.target->config().vocab_size, {lengths[s]}, gen, at::kLong);
-      in.tokens.push_back(testing::to_vector<int64_t>(t));
-      std::vector<uint8_t> mask(lengths[s], 1);
-      for (int i = 0; i < 4; ++i) mask[i] = 0;  // a "prompt"
-      in.loss_masks.push_back(mask);
-      in.sample_ids.push_back(position * 2 + static_cast<int64_t>(s));
-      total += lengths[s];
-    }
-    in.epoch = position / 3;
-    std::vector<int64_t> flat;
-    for (auto& t : in.tokens) flat.insert(flat.end(), t.begin(), t.end());
-    in.features = testing::taps(*c_.target, at::tensor(flat, at::kLong), lengths,
-                                c_.drafter->config().target_layer_ids);
-    if (poison_) in.features[0][0] = std::nan("");
-    (void)total;
-    return in;
+  explicit Source(Pipeline& p) : p_(p) {}
+  train::MicroBatch get(int64_t position) override {
+    auto mb = p_.features.get(position);
+    if (p_.poison) mb.features[0][0] = std::nan("");
+    return mb;
   }
 
  private:
-  const DflashCase& c_;
-  bool poison_;
+  Pipeline& p_;
+};
+
+// The fixture's own sequences as one micro-batch (its 4th has too few supervised tokens).
+class FixtureBatch : public train::BatchSource {
+ public:
+  explicit FixtureBatch(const DflashCase& c) {
+    std::vector<std::vector<int32_t>> ids;
+    for (const auto& t : c.input.tokens) ids.emplace_back(t.begin(), t.end());
+    std::vector<train::SampleView> views;
+    for (size_t s = 0; s < ids.size(); ++s) {
+      views.push_back({static_cast<int64_t>(s), ids[s], c.input.loss_masks[s]});
+    }
+    train::AnchorOptions a;
+    a.max_anchors = 6;
+    mb_ = train::form_micro_batch(0, 0, views, 3072, a, c.drafter->config(), false).to(at::kCPU);
+    mb_.step_weight_sum = mb_.blocks.weight_sum;
+    mb_.features =
+        testing::taps(*c.target, mb_.tokens, mb_.lengths, c.drafter->config().target_layer_ids);
+  }
+  train::MicroBatch get(int64_t) override { return mb_; }
+
+ private:
+  train::MicroBatch mb_;
 };
 
 train::TrainerOptions options(const fs::path& dir) {
@@ -55,7 +88,6 @@ train::TrainerOptions options(const fs::path& dir) {
   o.total_steps = 8;
   o.warmup_ratio = 0.25;
   o.accumulation = 2;
-  o.max_anchors = 6;
   o.seed = 17;
   o.adamw.weight_decay = 0.01;
   o.checkpoint_dir = dir;
@@ -74,7 +106,8 @@ TEST(TrainLoop, ResumeFromCheckpointIsBitwiseExact) {
   const int64_t n = 2;
   auto dir_a = temp_dir("resume_a"), dir_b = temp_dir("resume_b");
   DflashCase straight("tied");
-  SyntheticData data_a(straight);
+  Pipeline pipe_a(straight);
+  Source data_a(pipe_a);
   train::Trainer a(*straight.drafter, models::TargetHead::of(*straight.target), options(dir_a),
                    data_a);
   std::vector<double> losses_a;
@@ -83,14 +116,16 @@ TEST(TrainLoop, ResumeFromCheckpointIsBitwiseExact) {
   std::vector<double> losses_b;
   {
     DflashCase first("tied");
-    SyntheticData data(first);
+    Pipeline pipe(first);
+    Source data(pipe);
     train::Trainer b(*first.drafter, models::TargetHead::of(*first.target), options(dir_b), data);
     b.run(n, [&](const train::StepLog& l) { losses_b.push_back(l.loss); });
   }  // everything of the first run is gone, as after kill -9
   DflashCase resumed("tied");
   // Different fresh weights before loading, so nothing carries over by accident.
   for (auto p : resumed.drafter->parameters()) p.detach().add_(0.5);
-  SyntheticData data_r(resumed);
+  Pipeline pipe_r(resumed);
+  Source data_r(pipe_r);
   train::Trainer r(*resumed.drafter, models::TargetHead::of(*resumed.target), options(dir_b),
                    data_r);
   r.load_checkpoint(dir_b);
@@ -132,12 +167,14 @@ TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
   auto dir = temp_dir("other_config");
   {
     DflashCase c("tied");
-    SyntheticData data(c);
+    Pipeline pipe(c);
+    Source data(pipe);
     train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), options(dir), data);
     t.run(1);
   }
   DflashCase other("untied");
-  SyntheticData data(other);
+  Pipeline pipe(other);
+  Source data(pipe);
   train::Trainer t(*other.drafter, models::TargetHead::of(*other.target), options(dir), data);
   try {
     t.load_checkpoint(dir);
@@ -151,7 +188,8 @@ TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
 TEST(TrainLoop, StopSignalCheckpointsAndReturns) {
   auto dir = temp_dir("signal");
   DflashCase c("tied");
-  SyntheticData data(c);
+  Pipeline pipe(c);
+  Source data(pipe);
   auto o = options(dir);
   o.checkpoint_every = 0;
   train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), o, data);
@@ -161,60 +199,58 @@ TEST(TrainLoop, StopSignalCheckpointsAndReturns) {
     if (l.step == 1) std::raise(SIGTERM);
   });
   train::clear_stop_request();
-  EXPECT_EQ(done, 1);
-  EXPECT_TRUE(fs::exists(dir / "step-00000001" / "trainer.json"));
+  // Step 1's figures are read once step 2 is queued, so the signal votes in step 3; the loop
+  // reads that vote after queueing step 4 and stops there, as every trainer rank does (they
+  // all read the same reduced vote at the same step).
+  EXPECT_EQ(done, 4);
+  EXPECT_TRUE(fs::exists(dir / "step-00000004" / "trainer.json"));
   remove_tree(dir);
 }
 
-TEST(TrainLoop, NonFiniteLossIsSkippedCountedAndStopsTheRun) {
+TEST(TrainLoop, NonFiniteLossIsSkippedOnTheDeviceCountedAndStopsTheRun) {
   DflashCase c("tied");
-  SyntheticData data(c, /*poison=*/true);
+  Pipeline pipe(c, 2, /*poison=*/true);
+  Source data(pipe);
   auto o = options({});
-  o.step.check_features = false;  // let the NaN reach the loss
   o.max_nonfinite_in_a_row = 3;
   auto before = c.drafter->named_parameters()[0].second.clone();
   train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), o, data);
-  auto l = t.step();
-  EXPECT_TRUE(l.skipped_nonfinite);
-  EXPECT_EQ(t.nonfinite_total(), 1);
-  EXPECT_EQ(t.steps_done(), 0);
-  EXPECT_TRUE(c.drafter->named_parameters()[0].second.equal(before));  // no update
-  t.step();
+  t.train_step();
+  auto logs = t.take_logs(true);
+  ASSERT_EQ(logs.size(), 1u);
+  EXPECT_TRUE(logs[0].skipped_nonfinite);
+  EXPECT_EQ(t.state().nonfinite_total, 1);
+  EXPECT_EQ(t.steps_done(), 1);  // the step is taken (its data consumed), the update skipped
+  EXPECT_TRUE(c.drafter->named_parameters()[0].second.equal(before));
   try {
-    t.step();
+    t.run(8);
     ADD_FAILURE();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("3 steps in a row"), std::string::npos) << e.what();
-  }
-  // With the check on (the default), NaN features are an error naming the cause.
-  o.step.check_features = true;
-  train::Trainer checked(*c.drafter, models::TargetHead::of(*c.target), o, data);
-  try {
-    checked.step();
-    ADD_FAILURE();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("NaN"), std::string::npos) << e.what();
   }
 }
 
 TEST(TrainLoop, TooFewSupervisedSequencesAreSkippedAndCounted) {
   DflashCase c("tied");
-  // The fixture's 4th sequence has a single supervised token: no anchor candidate.
-  class Fixed : public train::DataSource {
-   public:
-    explicit Fixed(const DflashCase& c) : c_(c) {}
-    train::StepInput get(int64_t) override { return c_.input; }
-    const DflashCase& c_;
-  } data(c);
+  FixtureBatch data(c);
   auto o = options({});
   o.accumulation = 1;
   train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), o, data);
-  auto l = t.step();
+  t.train_step();
+  auto l = t.take_logs(true).at(0);
   EXPECT_EQ(l.skipped_sequences, 1);
-  EXPECT_EQ(t.skipped_sequences_total(), 1);
+  EXPECT_EQ(t.state().skipped_sequences_total, 1);
   EXPECT_GT(l.blocks, 0);
   ASSERT_EQ(l.accuracy.size(), 7u);
-  EXPECT_DOUBLE_EQ(l.acceptance, train::simulated_acceptance(l.accuracy));
+}
+
+TEST(TrainLoop, SimulatedAcceptanceByHand) {
+  // 1 + a1 + a1 a2 + a1 a2 a3 + ...
+  EXPECT_DOUBLE_EQ(train::simulated_acceptance({}), 1.0);
+  EXPECT_DOUBLE_EQ(train::simulated_acceptance({0.0, 1.0, 1.0}), 1.0);
+  EXPECT_DOUBLE_EQ(train::simulated_acceptance({1.0, 1.0, 1.0}), 4.0);
+  EXPECT_DOUBLE_EQ(train::simulated_acceptance({0.5, 0.5}), 1.75);
+  EXPECT_DOUBLE_EQ(train::simulated_acceptance({0.5, 1.0, 0.0, 1.0}), 2.0);
 }
 
 TEST(TrainLoop, AccumulationEqualsOneBigBatch) {
@@ -236,7 +272,6 @@ TEST(TrainLoop, AccumulationEqualsOneBigBatch) {
       if (s >= from && s < to) {
         in.tokens.push_back(c.input.tokens[s]);
         in.loss_masks.push_back(c.input.loss_masks[s]);
-        in.sample_ids.push_back(static_cast<int64_t>(s));
         rows += n;
       }
     }
@@ -253,12 +288,7 @@ TEST(TrainLoop, AccumulationEqualsOneBigBatch) {
 
 TEST(TrainLoop, TrainingReducesTheLoss) {
   DflashCase c("tied");
-  class Fixed : public train::DataSource {
-   public:
-    explicit Fixed(const DflashCase& c) : c_(c) {}
-    train::StepInput get(int64_t) override { return c_.input; }
-    const DflashCase& c_;
-  } data(c);
+  FixtureBatch data(c);
   auto o = options({});
   o.accumulation = 1;
   o.total_steps = 40;

@@ -1,0 +1,89 @@
+#include "pipeline/features.h"
+
+#include <c10/core/GradMode.h>
+
+#include <deque>
+
+#include "common/error.h"
+#include "dist/comm.h"
+
+namespace dflash::pipeline {
+
+int Topology::feature_rank(int64_t position, int trainer) const {
+  return trainers + static_cast<int>((position * trainers + trainer) % targets);
+}
+
+Topology::Work Topology::target_work(int rank, int64_t start, int64_t item) const {
+  const int t = rank - trainers;
+  // Pair index i = position * trainers + trainer; this rank serves i = t (mod targets).
+  const int64_t first_pair = start * trainers;
+  const int64_t k0 = first_pair <= t ? 0 : (first_pair - t + targets - 1) / targets;
+  const int64_t pair = t + (k0 + item) * targets;
+  return {pair / trainers, static_cast<int>(pair % trainers)};
+}
+
+int feature_tag(int64_t position) { return static_cast<int>(position % (int64_t{1} << 30)); }
+
+at::Tensor target_features(const models::TargetModel& target, const std::vector<int64_t>& taps,
+                           const train::MicroBatch& batch) {
+  c10::NoGradGuard no_grad;
+  auto out = target.forward(batch.tokens, batch.packed, {taps, models::Logits::kNone});
+  return out.taps.size() == 1 ? out.taps[0] : at::cat(out.taps, 1);
+}
+
+ColocatedSource::ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps,
+                                 Prefetcher& batches)
+    : target_(target), taps_(std::move(taps)), batches_(batches) {}
+
+train::MicroBatch ColocatedSource::get(int64_t position) {
+  auto mb = batches_.get(position).to(target_.device());
+  if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, mb);
+  return mb;
+}
+
+ReceivedSource::ReceivedSource(dist::Comm& world, Topology topology, int trainer,
+                               int64_t feature_width, at::ScalarType feature_dtype,
+                               at::Device device, Prefetcher& batches)
+    : world_(world),
+      topology_(topology),
+      trainer_(trainer),
+      width_(feature_width),
+      dtype_(feature_dtype),
+      device_(device),
+      batches_(batches) {}
+
+train::MicroBatch ReceivedSource::get(int64_t position) {
+  auto mb = batches_.get(position).to(device_);
+  if (mb.lengths.empty()) return mb;  // the target rank sends nothing for an empty share
+  mb.features = at::empty({mb.num_tokens(), width_}, at::TensorOptions(device_).dtype(dtype_));
+  world_.recv(mb.features, topology_.feature_rank(position, trainer_), feature_tag(position),
+              "feature_recv");
+  return mb;
+}
+
+void serve_features(dist::Comm& world, Topology topology, const models::TargetModel& target,
+                    const std::vector<int64_t>& taps, Prefetcher& batches, int64_t start,
+                    int64_t end, size_t in_flight, const std::function<bool()>& stop) {
+  const int rank = world.rank();
+  std::deque<dist::Comm::Pending> sends;
+  for (int64_t item = 0;; ++item) {
+    const auto work = topology.target_work(rank, start, item);
+    if (work.position >= end || stop()) break;
+    auto mb = batches.get(item).to(target.device());
+    if (mb.lengths.empty()) continue;
+    auto features = target_features(target, taps, mb);
+    sends.push_back(
+        world.isend(features, work.trainer, feature_tag(work.position), "feature_send"));
+    // Backpressure: the oldest transfer must finish before more are started.
+    while (sends.size() > in_flight) {
+      sends.front().wait();
+      sends.pop_front();
+    }
+  }
+  while (!sends.empty()) {
+    sends.front().wait();
+    sends.pop_front();
+  }
+}
+
+}  // namespace dflash::pipeline

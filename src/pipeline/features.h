@@ -1,0 +1,88 @@
+// pipeline: the feature stage, the frozen target's tapped hidden states for each micro-batch.
+// Colocated, every rank runs the target on its own share of the data. Disaggregated, target
+// ranks run only the target and send each trainer rank its share's features GPU to GPU
+// (NCCL send/recv through c10d; Gloo on CPU), a bounded number in flight so memory stays
+// bounded whatever the speed of either side; trainer ranks receive them.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "models/target.h"
+#include "pipeline/prefetch.h"
+#include "pipeline/stream.h"
+#include "train/trainer.h"
+
+namespace dflash::dist {
+class Comm;
+}
+
+namespace dflash::pipeline {
+
+// Ranks [0, trainers) train; ranks [trainers, trainers + targets) only run the target
+// (targets = 0: colocated, every rank does both).
+struct Topology {
+  int trainers = 1;
+  int targets = 0;
+  bool disaggregated() const { return targets > 0; }
+  int world() const { return trainers + targets; }
+  // The target rank that computes trainer `trainer`'s share of micro-batch `position`: the
+  // (position, trainer) pairs are dealt round-robin over the target ranks.
+  int feature_rank(int64_t position, int trainer) const;
+  // Item `item` (0, 1, ...) of target rank `rank` from micro-batch `start` on.
+  struct Work {
+    int64_t position = 0;
+    int trainer = 0;
+  };
+  Work target_work(int rank, int64_t start, int64_t item) const;
+};
+
+// Concatenated taps [tokens, K*H] of a micro-batch whose tokens are on the target's device.
+at::Tensor target_features(const models::TargetModel& target, const std::vector<int64_t>& taps,
+                           const train::MicroBatch& batch);
+
+// Colocated: this rank's share formed by `batches` (item = position), features from the local
+// target.
+class ColocatedSource : public train::BatchSource {
+ public:
+  ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps,
+                  Prefetcher& batches);
+  train::MicroBatch get(int64_t position) override;
+
+ private:
+  const models::TargetModel& target_;
+  std::vector<int64_t> taps_;
+  Prefetcher& batches_;
+};
+
+// Disaggregated trainer rank `trainer`: its share formed by `batches` (item = position),
+// features received from the target rank that computed them.
+class ReceivedSource : public train::BatchSource {
+ public:
+  ReceivedSource(dist::Comm& world, Topology topology, int trainer, int64_t feature_width,
+                 at::ScalarType feature_dtype, at::Device device, Prefetcher& batches);
+  train::MicroBatch get(int64_t position) override;
+
+ private:
+  dist::Comm& world_;
+  Topology topology_;
+  int trainer_;
+  int64_t width_;
+  at::ScalarType dtype_;
+  at::Device device_;
+  Prefetcher& batches_;
+};
+
+// A target rank's loop: for its items from micro-batch `start` up to `end` (exclusive), the
+// target forward and a send to the trainer rank; at most `in_flight` sends outstanding.
+// `batches` forms item i as Topology::target_work says. Returns early when `stop()` is true.
+void serve_features(dist::Comm& world, Topology topology, const models::TargetModel& target,
+                    const std::vector<int64_t>& taps, Prefetcher& batches, int64_t start,
+                    int64_t end, size_t in_flight, const std::function<bool()>& stop);
+
+// Tag of the transfer of micro-batch `position` (Gloo matches sends and receives by tag).
+int feature_tag(int64_t position);
+
+}  // namespace dflash::pipeline

@@ -1,0 +1,681 @@
+#include "pipeline/run.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "common/error.h"
+#include "common/file.h"
+#include "common/json_file.h"
+#include "dist/comm.h"
+#include "dist/world.h"
+#include "models/drafter.h"
+#include "models/target.h"
+#include "models/target_head.h"
+#include "obs/stats.h"
+#include "obs/tensorboard.h"
+#include "pipeline/features.h"
+#include "pipeline/prefetch.h"
+#include "pipeline/samples.h"
+#include "pipeline/stream.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace dflash::pipeline {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kQwen3MaskToken = 151669;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+std::string clock_text(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  auto s = static_cast<long>(seconds + 0.5);
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+                   : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+std::string rate_text(double x) {
+  if (x >= 1e6) return fmt::format("{:.2f}M", x / 1e6);
+  if (x >= 1e3) return fmt::format("{:.1f}K", x / 1e3);
+  return fmt::format("{:.1f}", x);
+}
+
+at::ScalarType parse_dtype(const std::string& name, const at::Device& device) {
+  if (name == "auto") return device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
+  if (name == "fp32" || name == "float32") return at::kFloat;
+  fail("dtype must be auto, bf16 or fp32, got \"{}\"", name);
+}
+
+double cpu_seconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+double peak_rss_gib() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / (1024.0 * 1024.0);  // ru_maxrss is in KiB
+}
+
+// The options that define the data stream and the schedule: a resumed run must use the same.
+json stream_options(const RunConfig& c, int64_t steps) {
+  return {{"steps", steps},
+          {"batch_size", c.batch_size},
+          {"accumulation", c.accumulation},
+          {"lr", c.lr},
+          {"min_lr", c.min_lr},
+          {"warmup_ratio", c.warmup_ratio},
+          {"weight_decay", c.weight_decay},
+          {"clip_norm", c.clip_norm},
+          {"max_anchors", c.max_anchors},
+          {"max_seq_len", c.max_seq_len},
+          {"seed", c.seed}};
+}
+
+// Keeps the metrics lines of steps up to `last_step` (those the checkpoint we continue from
+// has seen) and drops the rest, including a line cut short by a kill. Returns the elapsed
+// seconds recorded in the last line kept.
+double truncate_metrics(const fs::path& path, int64_t last_step) {
+  if (!fs::exists(path)) return 0;
+  std::istringstream in(read_file(path));
+  std::string line, kept;
+  double elapsed = 0;
+  while (std::getline(in, line)) {
+    json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) continue;
+    if (j["step"].get<int64_t>() > last_step) continue;
+    kept += line + "\n";
+    if (j.contains("elapsed_s") && j["elapsed_s"].is_number()) {
+      elapsed = j["elapsed_s"].get<double>();
+    }
+  }
+  write_file_atomic(path, kept);
+  return elapsed;
+}
+
+// This process's place in the job.
+struct Rank {
+  dist::World world;
+  Topology topology;
+  at::Device device = at::kCPU;
+  at::ScalarType dtype = at::kFloat;
+  std::unique_ptr<dist::Comm> comm;      // every rank
+  std::unique_ptr<dist::Comm> trainers;  // disaggregated: the trainer ranks' group
+  bool trains() const { return world.rank < topology.trainers; }
+  bool leads() const { return world.rank == 0; }
+  dist::Comm& data_parallel() const { return trainers ? *trainers : *comm; }
+};
+
+Rank join(const RunConfig& c) {
+  Rank r;
+  r.world = dist::world_from_env();
+  r.device = dist::device_for(r.world, c.device);
+  r.dtype = parse_dtype(c.dtype, r.device);
+  if (c.topology == "colocated") {
+    r.topology = {r.world.world_size, 0};
+  } else if (c.topology == "disaggregated") {
+    if (c.target_ranks < 1 || c.target_ranks >= r.world.world_size) {
+      fail("--topology disaggregated needs 1 <= --target-ranks < world size ({}), got {}",
+           r.world.world_size, c.target_ranks);
+    }
+    r.topology = {r.world.world_size - static_cast<int>(c.target_ranks),
+                  static_cast<int>(c.target_ranks)};
+  } else {
+    fail("--topology must be colocated or disaggregated, got \"{}\"", c.topology);
+  }
+  if (c.batch_size < r.topology.trainers) {
+    fail(
+        "--batch-size {} gives some of the {} trainer ranks no sequence (it counts sequences "
+        "per micro-batch over all ranks)",
+        c.batch_size, r.topology.trainers);
+  }
+  dist::CommOptions co;
+  co.timeout = std::chrono::milliseconds(static_cast<int64_t>(c.timeout_s * 1000));
+  r.comm = dist::Comm::create(r.world, r.device, co);
+  if (r.topology.disaggregated() && r.trains()) {
+    std::vector<int> ranks;
+    for (int i = 0; i < r.topology.trainers; ++i) ranks.push_back(i);
+    r.trainers = r.comm->subgroup(ranks, "trainers");
+  }
+  return r;
+}
+
+models::DrafterConfig drafter_config(const RunConfig& c, const models::ModelConfig& tc,
+                                     bool announce) {
+  models::DrafterOptions o;
+  o.num_layers = c.drafter_layers;
+  o.target_layer_ids = c.target_layer_ids;
+  o.block_size = c.block_size;
+  o.gamma = models::default_gamma(c.block_size);
+  o.mask_token_id = c.mask_token_id;
+  if (o.mask_token_id < 0) {
+    o.mask_token_id = kQwen3MaskToken < tc.vocab_size ? kQwen3MaskToken : tc.vocab_size - 1;
+    if (o.mask_token_id != kQwen3MaskToken && announce) {
+      fmt::print(
+          "train: note: the target's vocabulary ({}) has no token {} (Qwen3's MASK); using the "
+          "last id, {}, as the mask token (set --mask-token-id to choose)\n",
+          tc.vocab_size, kQwen3MaskToken, o.mask_token_id);
+    }
+  }
+  return models::make_drafter_config(tc, o);
+}
+
+// Everything a rank holds for the job.
+struct Job {
+  Rank rank;
+  RunConfig config;
+  models::ModelConfig target_config;
+  std::optional<models::TargetModel> target;  // ranks that run the target
+  models::TargetHead head;                    // trainer ranks
+  std::optional<models::Drafter> drafter;     // trainer ranks
+  const SampleSource* samples = nullptr;
+  int64_t steps = 0;
+  int64_t batches_per_epoch = 0;
+};
+
+StreamOptions stream_options_of(const RunConfig& c) {
+  StreamOptions so;
+  so.batch_size = c.batch_size;
+  so.accumulation = c.accumulation;
+  so.max_seq_len = c.max_seq_len;
+  so.anchors.max_anchors = c.max_anchors;
+  so.anchors.seed = static_cast<uint64_t>(c.seed);
+  return so;
+}
+
+// Trainer ranks start from rank 0's weights, whatever each initialised.
+void broadcast_drafter(Job& job) {
+  if (job.rank.data_parallel().size() <= 1) return;
+  auto params = job.drafter->parameters();
+  c10::NoGradGuard no_grad;
+  job.rank.data_parallel().broadcast(params, 0, "drafter_init_broadcast");
+}
+
+using StepCallback = std::function<void(const train::StepLog&)>;
+
+// The loop of this rank; `resume`: trainer ranks continue from the newest checkpoint in
+// `run_dir`, target ranks from the data position rank 0 broadcasts. Returns the steps done.
+int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallback& on_step) {
+  const RunConfig& c = job.config;
+  Rank& r = job.rank;
+  const Topology topo = r.topology;
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c.timeout_s * 1000));
+  const bool pin = r.device.is_cuda();
+  const models::DrafterConfig dc =
+      job.drafter ? job.drafter->config() : drafter_config(c, job.target_config, false);
+  GlobalStream stream(*job.samples, stream_options_of(c), dc);
+  int64_t start_position = 0;
+  // Rank 0 knows where the run stands; every rank (target ranks too) starts there.
+  auto agree_on_start = [&](int64_t position) {
+    std::vector<at::Tensor> where{at::tensor(std::vector<int64_t>{position}).to(r.device)};
+    r.comm->broadcast(where, 0, "resume_position");
+    start_position = where[0].cpu().item<int64_t>();
+  };
+  if (!r.trains()) {
+    agree_on_start(0);
+    Prefetcher batches(
+        "target_batches",
+        [&](int64_t item) {
+          const auto w = topo.target_work(r.world.rank, start_position, item);
+          return stream.form(w.position, w.trainer, topo.trainers, pin);
+        },
+        static_cast<size_t>(c.prefetch), timeout);
+    serve_features(*r.comm, topo, *job.target, dc.target_layer_ids, batches, start_position,
+                   job.steps * c.accumulation, static_cast<size_t>(c.prefetch),
+                   [] { return train::stop_requested(); });
+    return job.steps;
+  }
+  const int trainer = r.world.rank;
+  Prefetcher batches(
+      "batches",
+      [&](int64_t position) { return stream.form(position, trainer, topo.trainers, pin); },
+      static_cast<size_t>(c.prefetch), timeout);
+  std::unique_ptr<train::BatchSource> source;
+  if (topo.disaggregated()) {
+    source = std::make_unique<ReceivedSource>(
+        *r.comm, topo, trainer, dc.num_taps() * dc.layers.hidden_size, r.dtype, r.device, batches);
+  } else {
+    source = std::make_unique<ColocatedSource>(*job.target, dc.target_layer_ids, batches);
+  }
+  train::TrainerOptions to;
+  to.lr = c.lr;
+  to.min_lr = c.min_lr;
+  to.warmup_ratio = c.warmup_ratio;
+  to.total_steps = job.steps;
+  to.adamw.weight_decay = c.weight_decay;
+  to.clip_norm = c.clip_norm;
+  to.accumulation = c.accumulation;
+  to.seed = static_cast<uint64_t>(c.seed);
+  to.step.dtype = r.dtype;
+  to.checkpoint_dir = run_dir;
+  to.write_checkpoints = r.leads();
+  to.checkpoint_every = c.checkpoint_every;
+  to.keep_last = c.keep_last;
+  train::Trainer loop(*job.drafter, job.head, to, *source, &r.data_parallel());
+  if (resume) {
+    const auto from = train::resolve_checkpoint(run_dir);
+    loop.load_checkpoint(from);
+    if (r.leads()) {
+      fmt::print("train: resumed from {} (step {}, micro-batch {})\n", from.string(),
+                 loop.steps_done(), loop.data_position());
+    }
+  }
+  agree_on_start(loop.data_position());
+  if (start_position != loop.data_position()) {
+    fail(
+        "rank {}: its checkpoint is at micro-batch {}, rank 0's at {} (ranks read different "
+        "run directories?)",
+        r.world.rank, loop.data_position(), start_position);
+  }
+  return loop.run(job.steps, on_step);
+}
+
+// The steps `c` asks for: --steps, or --epochs worth of optimizer steps.
+int64_t total_steps(const RunConfig& c, int64_t batches_per_epoch) {
+  if (c.steps > 0) return c.steps;
+  const double steps = std::ceil(c.epochs * static_cast<double>(batches_per_epoch) /
+                                 static_cast<double>(c.accumulation));
+  return std::max<int64_t>(static_cast<int64_t>(steps), 1);
+}
+
+// Rank 0's view of a run's progress: metrics.jsonl, TensorBoard scalars, the progress line.
+class RunLog {
+ public:
+  RunLog(const fs::path& run_dir, int64_t first_step, int64_t steps, double log_seconds)
+      : metrics_path_(run_dir / "metrics.jsonl"),
+        elapsed_before_(truncate_metrics(metrics_path_, first_step)),
+        metrics_(std::fopen(metrics_path_.c_str(), "a"), &std::fclose),
+        tb_(run_dir / "tb"),
+        first_step_(first_step),
+        steps_(steps),
+        log_seconds_(log_seconds) {
+    if (!metrics_) fail("{}: cannot open for appending", metrics_path_.string());
+    // A SessionLog START at the first step this process writes makes TensorBoard drop what a
+    // killed process wrote past the checkpoint, as truncate_metrics does for metrics.jsonl.
+    tb_.add_session_start(first_step + 1);
+    tb_.flush();
+  }
+
+  void add(const train::StepLog& l) {
+    const auto now = Clock::now();
+    const double dt = std::chrono::duration<double>(now - last_step_).count();
+    const double session = std::chrono::duration<double>(now - start_).count();
+    last_step_ = now;
+    session_tokens_ += l.tokens;
+    const double rate = dt > 0 ? static_cast<double>(l.tokens) / dt : 0.0;
+    json line = {{"step", l.step},
+                 {"loss", l.loss},
+                 {"accuracy", l.accuracy},
+                 {"acceptance", l.acceptance},
+                 {"grad_norm", l.grad_norm},
+                 {"lr", l.lr},
+                 {"blocks", l.blocks},
+                 {"labels", l.labels},
+                 {"skipped_sequences", l.skipped_sequences},
+                 {"tokens", l.tokens},
+                 {"tokens_per_s", rate},
+                 {"elapsed_s", elapsed_before_ + session}};
+    if (l.skipped_nonfinite) line["nonfinite"] = true;
+    const std::string text = line.dump() + "\n";
+    if (std::fputs(text.c_str(), metrics_.get()) < 0 || std::fflush(metrics_.get()) != 0) {
+      fail("{}: write failed", metrics_path_.string());
+    }
+    std::vector<std::pair<std::string, double>> scalars = {{"train/loss", l.loss},
+                                                           {"train/acceptance", l.acceptance},
+                                                           {"train/grad_norm", l.grad_norm},
+                                                           {"train/lr", l.lr},
+                                                           {"train/tokens_per_s", rate}};
+    for (size_t k = 0; k < l.accuracy.size(); ++k) {
+      scalars.push_back({fmt::format("accuracy/position_{:02d}", k + 1), l.accuracy[k]});
+    }
+    tb_.add_scalars(l.step, scalars);
+    tb_.flush();
+    if (l.step == first_step_ + 1 || l.step >= steps_ ||
+        std::chrono::duration<double>(now - last_print_).count() >= log_seconds_) {
+      last_print_ = now;
+      const double steps_per_s =
+          static_cast<double>(l.step - first_step_) / std::max(session, 1e-9);
+      fmt::print(
+          stderr,
+          "train: step {}/{} ({:.1f}%) | loss {:.4f} | acc1 {:.3f} | tau {:.2f} | lr {:.2e} "
+          "| {:.2f} steps/s {} tokens/s | elapsed {} | ETA {}\n",
+          l.step, steps_, 100.0 * static_cast<double>(l.step) / static_cast<double>(steps_), l.loss,
+          l.accuracy.empty() ? 0.0 : l.accuracy[0], l.acceptance, l.lr, steps_per_s,
+          rate_text(static_cast<double>(session_tokens_) / std::max(session, 1e-9)),
+          clock_text(elapsed_before_ + session),
+          clock_text(steps_per_s > 0 ? static_cast<double>(steps_ - l.step) / steps_per_s : NAN));
+      std::fflush(stderr);
+    }
+  }
+  const fs::path& metrics_path() const { return metrics_path_; }
+
+ private:
+  fs::path metrics_path_;
+  double elapsed_before_;
+  std::unique_ptr<FILE, int (*)(FILE*)> metrics_;
+  obs::TensorBoardWriter tb_;
+  int64_t first_step_, steps_;
+  double log_seconds_;
+  Clock::time_point start_ = Clock::now(), last_step_ = start_, last_print_ = start_;
+  int64_t session_tokens_ = 0;
+};
+
+// run_config.json (what the run is) and run_config.yaml (the resolved config, reusable with
+// --config); a resumed run must keep the data stream and the schedule.
+void write_run_config(const Job& job, const fs::path& run_dir, bool resuming) {
+  const RunConfig& c = job.config;
+  const auto& dc = job.drafter->config();
+  const fs::path config_path = run_dir / "run_config.json";
+  json run_config = {{"drafter", models::drafter_config_json(dc)},
+                     {"gamma", dc.gamma},
+                     {"target", fs::absolute(c.target).lexically_normal().string()},
+                     {"data", fs::absolute(c.data).lexically_normal().string()},
+                     {"options", stream_options(c, job.steps)},
+                     {"init",
+                      {{"from", c.init_from},
+                       {"from_target_layers", c.init_from_target_layers},
+                       {"seed", c.seed}}},
+                     {"world_size", job.rank.world.world_size},
+                     {"topology", c.topology},
+                     {"trainer_ranks", job.rank.topology.trainers},
+                     {"device", job.rank.device.str()},
+                     {"dtype", c10::toString(job.rank.dtype)},
+                     {"dflash_version", DFLASH_VERSION}};
+  if (resuming && fs::exists(config_path)) {
+    const json saved = read_json_file(config_path);
+    std::vector<std::string> differ;
+    for (const auto& [key, value] : run_config["options"].items()) {
+      if (key == "steps") continue;
+      if (saved.contains("options") && saved["options"].contains(key) &&
+          saved["options"][key] != value) {
+        differ.push_back(
+            fmt::format("{} {} (run: {})", key, value.dump(), saved["options"][key].dump()));
+      }
+    }
+    if (!differ.empty()) {
+      fail(
+          "--resume with options that differ from the run in {}: {}; pass the run's values so "
+          "it continues the same data stream and schedule",
+          run_dir.string(), fmt::join(differ, ", "));
+    }
+    const json old_steps = saved.value("options", json::object()).value("steps", json());
+    if (!old_steps.is_null() && old_steps != json(job.steps)) {
+      fmt::print("train: note: --steps {} (the run had {}): the lr schedule changes from here\n",
+                 job.steps, old_steps.dump());
+    }
+    for (const char* key : {"target", "data", "world_size", "topology"}) {
+      if (saved.contains(key) && saved[key] != run_config[key]) {
+        fmt::print("train: note: {} is {} (the run had {})\n", key, run_config[key].dump(),
+                   saved[key].dump());
+      }
+    }
+  }
+  fs::create_directories(run_dir);
+  write_file_atomic(config_path, run_config.dump(2) + "\n");
+  write_file_atomic(run_dir / "run_config.yaml", to_yaml(c));
+}
+
+// The drafter of a trainer rank: from --init-from, from target layers, or fresh.
+models::Drafter make_drafter(const Job& job, bool resuming) {
+  const RunConfig& c = job.config;
+  if (!c.init_from.empty()) {
+    if (!c.init_from_target_layers.empty()) {
+      fail("--init-from and --init-from-target-layers exclude each other");
+    }
+    return models::Drafter::load(c.init_from, job.target_config, job.rank.device);
+  }
+  const auto config = drafter_config(c, job.target_config, job.rank.leads());
+  if (!c.init_from_target_layers.empty() && !resuming) {
+    if (!job.target) {
+      fail("--init-from-target-layers needs the target on the trainer rank (colocated)");
+    }
+    return models::Drafter::from_target_layers(config, *job.target, c.init_from_target_layers,
+                                               static_cast<uint64_t>(c.seed));
+  }
+  return models::Drafter::random(config, job.rank.device, static_cast<uint64_t>(c.seed));
+}
+
+}  // namespace
+
+void run_training(const RunConfig& c) {
+  if (c.target.empty() || c.data.empty() || c.out.empty()) {
+    fail("train: --target, --data and --out are required (on the command line or in --config)");
+  }
+  Job job;
+  job.config = c;
+  job.rank = join(c);
+  Rank& r = job.rank;
+  const fs::path run_dir = c.out;
+  const bool existing = !train::list_checkpoints(run_dir).empty();
+  if (existing && !c.resume) {
+    fail(
+        "{} already holds checkpoints of a training run (newest {}); pass --resume to continue "
+        "it, or choose another --out (nothing was overwritten)",
+        run_dir.string(), train::resolve_checkpoint(run_dir).filename().string());
+  }
+  if (c.resume && !existing && r.leads()) {
+    fmt::print("train: --resume: no checkpoint in {} yet, starting a new run\n", run_dir.string());
+  }
+  const bool resuming = c.resume && existing;
+  const auto t0 = Clock::now();
+  const bool runs_target = !r.trains() || !r.topology.disaggregated();
+  job.target_config = models::load_model_config(fs::path(c.target) / "config.json");
+  if (runs_target) {
+    job.target.emplace(models::TargetModel::load(c.target, r.device, r.dtype));
+    job.head = models::TargetHead::of(*job.target);
+  } else {
+    job.head = models::load_target_head(c.target, r.device, r.dtype);
+  }
+  const auto& tc = job.target_config;
+  auto dataset = data::Dataset::open(c.data);
+  DatasetSamples samples(dataset);
+  job.samples = &samples;
+  if (r.leads()) {
+    fmt::print(
+        "train: target {} ({} layers, hidden {}, vocabulary {}) in {}, loaded in {:.1f} s; "
+        "{} rank(s) ({}: {} training{}), rank 0 on {}\n",
+        c.target, tc.num_layers, tc.hidden_size, tc.vocab_size, c10::toString(r.dtype),
+        seconds_since(t0), r.world.world_size, c.topology, r.topology.trainers,
+        r.topology.disaggregated() ? fmt::format(", {} running the target", r.topology.targets)
+                                   : std::string(),
+        r.device.str());
+    fmt::print("train: data {} ({} samples, {} tokens)\n", c.data, dataset.size(),
+               dataset.tokens());
+  }
+  const auto dc = drafter_config(c, tc, false);
+  GlobalStream probe(samples, stream_options_of(c), dc);
+  job.batches_per_epoch = probe.batches_per_epoch();
+  job.steps = total_steps(c, job.batches_per_epoch);
+  if (r.trains()) {
+    job.drafter.emplace(make_drafter(job, resuming));
+    broadcast_drafter(job);
+  }
+  std::optional<RunLog> log;
+  if (r.leads()) {
+    write_run_config(job, run_dir, resuming);
+    const int64_t first_step =
+        resuming ? read_json_file(train::resolve_checkpoint(run_dir) / "trainer.json")
+                       .at("step")
+                       .get<int64_t>()
+                 : 0;
+    const auto& d = job.drafter->config();
+    fmt::print(
+        "train: drafter {} layers, taps [{}], block {}, mask token {}, {:.2f} M parameters; "
+        "{} steps of {} x {} sequences ({} micro-batches per epoch), lr {:g}\n",
+        d.layers.num_layers, fmt::join(d.target_layer_ids, ","), d.block_size, d.mask_token_id,
+        static_cast<double>(job.drafter->num_parameters()) / 1e6, job.steps, c.accumulation,
+        c.batch_size, job.batches_per_epoch, c.lr);
+    if (first_step >= job.steps) {
+      fmt::print("train: the run is already at step {} of {}; nothing to train\n", first_step,
+                 job.steps);
+    }
+    std::fflush(stdout);  // so that a log file shows these before the progress lines (stderr)
+    log.emplace(run_dir, first_step, job.steps, c.log_seconds);
+  }
+  // Fault injection for the tests: DFLASH_KILL_AT=RANK:STEP makes that rank kill itself with
+  // SIGKILL (no chance to clean up, as a crash or an OOM kill) once step STEP is logged.
+  int kill_rank = -1;
+  int64_t kill_step = -1;
+  if (const char* k = std::getenv("DFLASH_KILL_AT")) {
+    if (std::sscanf(k, "%d:%ld", &kill_rank, &kill_step) != 2) {
+      fail("DFLASH_KILL_AT must be RANK:STEP, got \"{}\"", k);
+    }
+  }
+  train::install_stop_signals();
+  const int64_t done = run_rank(job, resuming, run_dir, [&](const train::StepLog& l) {
+    if (log) log->add(l);
+    if (r.world.rank == kill_rank && l.step == kill_step) ::raise(SIGKILL);
+  });
+  if (!r.leads()) return;
+  const fs::path newest = train::resolve_checkpoint(run_dir);
+  if (train::stop_requested()) {
+    fmt::print("train: stopped by a signal at step {} of {}; checkpoint {}\n", done, job.steps,
+               newest.string());
+    fmt::print("  continue with the same command plus --resume\n");
+    return;
+  }
+  fmt::print("train: done, {} steps; checkpoints in {} (newest {})\n", done, run_dir.string(),
+             newest.filename().string());
+  fmt::print("  metrics: {}\n", log->metrics_path().string());
+  fmt::print("  export for SGLang/vLLM: dflash export {} {}/export\n", run_dir.string(),
+             run_dir.string());
+}
+
+void run_bench(const RunConfig& config, const BenchConfig& bench) {
+  RunConfig c = config;
+  if (c.steps <= bench.warmup) fail("bench: --steps must exceed --warmup ({})", bench.warmup);
+  Job job;
+  job.config = c;
+  job.rank = join(c);
+  Rank& r = job.rank;
+  job.target_config = models::preset_config(bench.preset);
+  const auto& tc = job.target_config;
+  const bool runs_target = !r.trains() || !r.topology.disaggregated();
+  if (runs_target) {
+    job.target.emplace(models::TargetModel::random(tc, r.device, r.dtype, 1));
+    job.head = models::TargetHead::of(*job.target);
+  } else {
+    // A trainer rank of a disaggregated bench needs only a head of the right shape.
+    auto opts = at::TensorOptions().device(r.device).dtype(r.dtype);
+    job.head.embedding = at::randn({tc.vocab_size, tc.hidden_size}, opts) * 0.02;
+    job.head.lm_head = tc.tie_word_embeddings
+                           ? job.head.embedding
+                           : at::randn({tc.vocab_size, tc.hidden_size}, opts) * 0.02;
+  }
+  SyntheticSamples samples(bench.samples, bench.seq_len, std::min<int64_t>(64, bench.seq_len / 4),
+                           tc.vocab_size, static_cast<uint64_t>(c.seed));
+  job.samples = &samples;
+  job.steps = c.steps;
+  if (r.trains()) {
+    job.drafter.emplace(make_drafter(job, false));
+    broadcast_drafter(job);
+  }
+  // FLOPs of one global step: the target's prefill and the drafter's step for every sequence.
+  const auto dc = drafter_config(c, tc, false);
+  GlobalStream probe(samples, stream_options_of(c), dc);
+  const auto one = probe.form(0, 0, static_cast<int>(c.batch_size), false);
+  const double flops_per_sequence =
+      models::prefill_flops(tc, one.lengths, 0) +
+      models::drafter_step_flops(dc, one.lengths, one.blocks.layout.anchor, one.blocks.num_labels);
+  const double step_flops = flops_per_sequence * static_cast<double>(c.batch_size * c.accumulation);
+
+  std::vector<double> step_seconds;
+  auto last = Clock::now();
+  // Target ranks have no steps of their own: their CPU is measured over the whole run.
+  double cpu_at_warmup = cpu_seconds();
+  Clock::time_point wall_at_warmup = last;
+  int64_t tokens_per_step = 0;
+  if (r.device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(r.device.index());
+  run_rank(job, false, {}, [&](const train::StepLog& l) {
+    const auto now = Clock::now();
+    if (l.step == bench.warmup) {
+      cpu_at_warmup = cpu_seconds();
+      wall_at_warmup = now;
+    } else if (l.step > bench.warmup) {
+      step_seconds.push_back(std::chrono::duration<double>(now - last).count());
+    }
+    tokens_per_step = l.tokens;
+    last = now;
+  });
+  // Every rank's host CPU and memory, gathered to rank 0.
+  const double cores =
+      (cpu_seconds() - cpu_at_warmup) / std::max(seconds_since(wall_at_warmup), 1e-9);
+  int64_t gpu_peak = 0, gpu_reserved = 0;
+  if (r.device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(r.device.index());
+    using c10::CachingAllocator::StatType;
+    gpu_peak = stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak;
+    gpu_reserved = stats.reserved_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak;
+  }
+  const auto all =
+      r.comm->all_gather_int64({static_cast<int64_t>(cores * 1000), gpu_peak, gpu_reserved,
+                                static_cast<int64_t>(peak_rss_gib() * (1 << 30))},
+                               "bench_report");
+  if (!r.leads()) return;
+  const double step_s = obs::median(step_seconds);
+  const double tokens_per_s = static_cast<double>(tokens_per_step) / step_s;
+  const int gpus = r.world.world_size;
+  json report = {{"preset", bench.preset},
+                 {"topology", c.topology},
+                 {"ranks", gpus},
+                 {"trainer_ranks", r.topology.trainers},
+                 {"seq_len", bench.seq_len},
+                 {"batch_size", c.batch_size},
+                 {"accumulation", c.accumulation},
+                 {"max_anchors", c.max_anchors},
+                 {"drafter_parameters", job.drafter->num_parameters()},
+                 {"timed_steps", step_seconds.size()},
+                 {"step_ms_median", step_s * 1e3},
+                 {"tokens_per_s", tokens_per_s},
+                 {"tokens_per_s_per_gpu", tokens_per_s / gpus},
+                 {"tflops_per_gpu", step_flops / step_s / gpus / 1e12},
+                 {"per_rank", json::array()}};
+  fmt::print(
+      "bench: {} x {} ({}), {} rank(s), {} training; global batch {} x {} sequences of {} tokens, "
+      "{} anchors, block {}\n",
+      bench.preset, dc.layers.num_layers, c.topology, gpus, r.topology.trainers, c.accumulation,
+      c.batch_size, bench.seq_len, c.max_anchors, dc.block_size);
+  fmt::print(
+      "bench: step {:.1f} ms (median of {}) = {:.0f} tokens/s, {:.0f} per GPU, {:.0f} TFLOP/s per "
+      "GPU (target prefill + drafter step)\n",
+      step_s * 1e3, step_seconds.size(), tokens_per_s, tokens_per_s / gpus,
+      step_flops / step_s / gpus / 1e12);
+  for (size_t i = 0; i < all.size(); ++i) {
+    const auto& v = all[i];
+    report["per_rank"].push_back({{"rank", i},
+                                  {"host_cpu_cores", static_cast<double>(v[0]) / 1000},
+                                  {"gpu_allocated_peak_gib", static_cast<double>(v[1]) / (1 << 30)},
+                                  {"gpu_reserved_peak_gib", static_cast<double>(v[2]) / (1 << 30)},
+                                  {"host_rss_peak_gib", static_cast<double>(v[3]) / (1 << 30)}});
+    fmt::print(
+        "bench: rank {}: host CPU {:.2f} cores, GPU peak {:.1f} GiB allocated / {:.1f} GiB "
+        "reserved, host RSS peak {:.1f} GiB\n",
+        i, static_cast<double>(v[0]) / 1000, static_cast<double>(v[1]) / (1 << 30),
+        static_cast<double>(v[2]) / (1 << 30), static_cast<double>(v[3]) / (1 << 30));
+  }
+  if (!bench.json_out.empty()) write_file_atomic(bench.json_out, report.dump(2) + "\n");
+}
+
+}  // namespace dflash::pipeline

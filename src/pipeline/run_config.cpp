@@ -1,0 +1,162 @@
+#include "pipeline/run_config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <CLI/CLI.hpp>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace dflash::pipeline {
+namespace {
+
+std::string option_name(const char* key) {
+  std::string s = std::string("--") + key;
+  for (char& c : s) {
+    if (c == '_') c = '-';
+  }
+  return s;
+}
+
+template <class T>
+void read_value(const YAML::Node& node, T& out, const std::string& where) {
+  try {
+    out = node.as<T>();
+  } catch (const YAML::Exception& e) {
+    fail("{}: expected {}: {}", where,
+         std::is_same_v<T, std::string>            ? "a string"
+         : std::is_same_v<T, bool>                 ? "true or false"
+         : std::is_same_v<T, std::vector<int64_t>> ? "a list of integers"
+         : std::is_same_v<T, double>               ? "a number"
+                                                   : "an integer",
+         e.what());
+  }
+}
+
+}  // namespace
+
+const std::vector<ConfigKey>& config_keys() {
+  static const std::vector<ConfigKey> keys = {
+      {"target", &RunConfig::target, "target model directory (Hugging Face layout)"},
+      {"data", &RunConfig::data, "prepared dataset directory (from `dflash prepare`)"},
+      {"out", &RunConfig::out, "run directory: checkpoints, metrics, run config"},
+      {"drafter_layers", &RunConfig::drafter_layers, "drafter decoder layers"},
+      {"target_layer_ids", &RunConfig::target_layer_ids,
+       "tapped target layers (default: DFlash's spread, one per drafter layer)"},
+      {"block_size", &RunConfig::block_size, "DFlash block size"},
+      {"mask_token_id", &RunConfig::mask_token_id,
+       "MASK token (default: 151669 if inside the vocabulary, else the last id)"},
+      {"init_from", &RunConfig::init_from,
+       "initialise from a drafter export directory (its config defines the drafter)"},
+      {"init_from_target_layers", &RunConfig::init_from_target_layers,
+       "initialise drafter layer i as a copy of target layer ids[i]"},
+      {"steps", &RunConfig::steps, "optimizer steps in total (default: --epochs worth)"},
+      {"epochs", &RunConfig::epochs, "epochs over the data when --steps is not given"},
+      {"batch_size", &RunConfig::batch_size,
+       "sequences per micro-batch, all ranks together (the global batch is this x accumulation)"},
+      {"accumulation", &RunConfig::accumulation, "micro-batches per optimizer step"},
+      {"lr", &RunConfig::lr, "peak learning rate"},
+      {"min_lr", &RunConfig::min_lr, "learning rate at the end of the cosine"},
+      {"warmup_ratio", &RunConfig::warmup_ratio, "share of steps with linear warmup"},
+      {"weight_decay", &RunConfig::weight_decay, "AdamW weight decay"},
+      {"clip_norm", &RunConfig::clip_norm, "global gradient-norm clip"},
+      {"max_anchors", &RunConfig::max_anchors, "blocks per sequence (anchors sampled per epoch)"},
+      {"max_seq_len", &RunConfig::max_seq_len, "longer samples are cut to this many tokens"},
+      {"seed", &RunConfig::seed, "drafter init, data order and anchors"},
+      {"checkpoint_every", &RunConfig::checkpoint_every,
+       "checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)"},
+      {"keep_last", &RunConfig::keep_last, "checkpoints kept"},
+      {"resume", &RunConfig::resume, "continue from the newest checkpoint in --out"},
+      {"log_seconds", &RunConfig::log_seconds, "seconds between progress lines"},
+      {"device", &RunConfig::device,
+       "auto (cuda:LOCAL_RANK when there is a GPU, else cpu), cpu, cuda or cuda:N"},
+      {"dtype", &RunConfig::dtype, "compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32"},
+      {"topology", &RunConfig::topology,
+       "colocated (every rank runs target and drafter) or disaggregated (target ranks feed "
+       "trainer ranks)"},
+      {"target_ranks", &RunConfig::target_ranks,
+       "disaggregated: how many ranks only run the target (the first world-T ranks train)"},
+      {"prefetch", &RunConfig::prefetch, "micro-batches formed ahead / feature sends in flight"},
+      {"timeout_s", &RunConfig::timeout_s,
+       "seconds any stage or rank may wait on another before the run stops with an error"},
+  };
+  return keys;
+}
+
+void add_config_options(CLI::App& cmd, RunConfig& cli, std::string& config_file) {
+  cmd.add_option("--config", config_file,
+                 "YAML run config (keys as the options below, with '_'); options override it")
+      ->check(CLI::ExistingFile);
+  for (const auto& key : config_keys()) {
+    std::visit(
+        [&](auto member) {
+          using T = std::remove_reference_t<decltype(cli.*member)>;
+          if constexpr (std::is_same_v<T, bool>) {
+            cmd.add_flag(option_name(key.name), cli.*member, key.help);
+          } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+            cmd.add_option(option_name(key.name), cli.*member, key.help)->delimiter(',');
+          } else {
+            cmd.add_option(option_name(key.name), cli.*member, key.help)->capture_default_str();
+          }
+        },
+        key.field);
+  }
+}
+
+RunConfig resolve_config(const CLI::App& cmd, const RunConfig& cli,
+                         const std::string& config_file) {
+  RunConfig resolved;
+  if (!config_file.empty()) {
+    YAML::Node root;
+    try {
+      root = YAML::LoadFile(config_file);
+    } catch (const YAML::Exception& e) {
+      fail("{}: not valid YAML: {}", config_file, e.what());
+    }
+    if (!root.IsMap() && !root.IsNull()) fail("{}: expected a mapping of keys", config_file);
+    for (const auto& entry : root) {
+      const auto name = entry.first.as<std::string>();
+      const ConfigKey* key = nullptr;
+      for (const auto& k : config_keys()) {
+        if (name == k.name) key = &k;
+      }
+      if (!key) {
+        fail("{}: unknown key '{}' (keys are the options of `dflash train --help` with '_')",
+             config_file, name);
+      }
+      std::visit(
+          [&](auto member) {
+            read_value(entry.second, resolved.*member,
+                       fmt::format("{}: key '{}'", config_file, name));
+          },
+          key->field);
+    }
+  }
+  for (const auto& key : config_keys()) {
+    if (cmd.count(option_name(key.name)) == 0) continue;
+    std::visit([&](auto member) { resolved.*member = cli.*member; }, key.field);
+  }
+  return resolved;
+}
+
+std::string to_yaml(const RunConfig& config) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  for (const auto& key : config_keys()) {
+    out << YAML::Key << key.name << YAML::Value;
+    std::visit(
+        [&](auto member) {
+          using T = std::remove_reference_t<decltype(config.*member)>;
+          if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+            out << YAML::Flow << config.*member;
+          } else {
+            out << config.*member;
+          }
+        },
+        key.field);
+  }
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+}  // namespace dflash::pipeline

@@ -1,0 +1,50 @@
+#include "train/export.h"
+
+#include <fmt/ranges.h>
+
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/json_file.h"
+#include "io/safetensors.h"
+#include "models/drafter.h"
+#include "train/checkpoint.h"
+
+namespace dflash::train {
+
+using nlohmann::json;
+
+void export_drafter(const std::filesystem::path& source, const std::filesystem::path& out_dir) {
+  namespace fs = std::filesystem;
+  const bool is_export = fs::exists(source / "model.safetensors") ||
+                         fs::exists(source / "model.safetensors.index.json");
+  const fs::path dir = is_export ? source : resolve_checkpoint(source);
+  const json j = read_json_file(dir / "config.json");
+  const auto config = models::parse_drafter_config(j, (dir / "config.json").string());
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  auto add = [&](const std::string& name, const at::Tensor& t, const std::vector<int64_t>& shape) {
+    if (t.sizes() != at::IntArrayRef(shape)) {
+      fail("{}: tensor {} has shape {}, config.json implies {}", dir.string(), name, t.sizes(),
+           at::IntArrayRef(shape));
+    }
+    tensors.push_back({name, t});
+  };
+  const auto shapes = models::drafter_parameter_shapes(config);
+  if (is_export) {
+    auto ckpt = io::Checkpoint::open(dir);
+    for (const auto& [name, shape] : shapes) {
+      if (!ckpt.contains(name)) fail("{}: tensor {} is missing", dir.string(), name);
+      add(name, ckpt.tensor(name), shape);
+    }
+  } else {
+    auto file = io::SafetensorsFile::open(dir / "state.safetensors");
+    for (const auto& [name, shape] : shapes) {
+      if (!file->find("param/" + name))
+        fail("{}: state has no tensor param/{}", dir.string(), name);
+      add(name, file->tensor("param/" + name), shape);
+    }
+  }
+  models::write_drafter_export(out_dir, config, tensors);
+}
+
+}  // namespace dflash::train

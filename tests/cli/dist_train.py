@@ -1,0 +1,147 @@
+"""`dflash train` on several ranks (CPU, Gloo, tiny shapes) computes what one rank computes.
+
+Usage: dist_train.py DFLASH_BINARY [DEVICE]   (DEVICE: cpu, the default, with Gloo; auto on
+a machine with GPUs runs rank r on cuda:r with NCCL, in fp32)
+
+With the global batch fixed (4 sequences per micro-batch, 2 micro-batches per step):
+  1 rank, 2 colocated ranks (`--nproc-per-node 2`), 3 colocated ranks, and 1 target + 1
+  trainer rank (`--topology disaggregated`) give the same loss, accuracy and grad-norm sequence
+  (relative 2e-4: only the floating-point order of the reductions differs) and the same final
+  weights (absolute 5e-4, a sixth of one Adam step: see STATE_ATOL).
+  A rank killed with SIGKILL (DFLASH_KILL_AT) stops the whole job (non-zero exit, the message
+  names the rank), and `--resume` continues: 2 ranks -> 1 rank and 1 rank -> 2 ranks, each
+  ending where the straight 1-rank run ends, with every step logged once.
+Control that the comparison can fail: a run with another seed must differ.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from safetensors.numpy import load_file
+
+STEPS, EVERY = 6, 3
+REL = 2e-4
+# Adam turns a gradient that differs in its last bits into an update that differs by up to a
+# fraction of lr (3e-3) where the gradient is near zero: weights must agree within a sixth of
+# one step's update (a wrong batch share or normaliser moves them by whole steps).
+STATE_ATOL = 5e-4
+
+
+def run(cmd, env=None, expect_fail=False):
+    e = dict(os.environ, OMP_NUM_THREADS="1", DFLASH_KILL_GRACE_S="5")
+    e.update(env or {})
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=e, timeout=600)
+    if (r.returncode != 0) != expect_fail:
+        sys.exit(f"{'succeeded' if expect_fail else 'FAILED'} ({r.returncode}): "
+                 f"{' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def metrics(run_dir):
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [l["step"] for l in lines]
+    if steps != list(range(1, len(lines) + 1)):
+        sys.exit(f"{run_dir}: steps logged {steps}, expected each once in order")
+    return lines
+
+
+def final_state(run_dir):
+    return load_file(str(run_dir / f"step-{STEPS:08d}" / "state.safetensors"))
+
+
+def same_figures(a, b, what):
+    if len(a) != len(b):
+        sys.exit(f"{what}: {len(a)} steps against {len(b)}")
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm"):
+            if not np.isclose(x[key], y[key], rtol=REL, atol=0):
+                sys.exit(f"{what}: step {x['step']} {key} {x[key]} != {y[key]}")
+        if not np.allclose(x["accuracy"], y["accuracy"], rtol=REL, atol=1e-6):
+            sys.exit(f"{what}: step {x['step']} accuracy differs")
+        if x["tokens"] != y["tokens"]:
+            sys.exit(f"{what}: step {x['step']} tokens {x['tokens']} != {y['tokens']}")
+
+
+def same_state(a, b, what):
+    worst = 0.0
+    for name in a:
+        if name.startswith("param/"):
+            diff = float(np.abs(a[name] - b[name]).max())
+            worst = max(worst, diff)
+            if diff > STATE_ATOL:
+                sys.exit(f"{what}: {name} differs by {diff}")
+    return worst
+
+
+def main():
+    dflash = pathlib.Path(sys.argv[1]).resolve()
+    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        target, data = tmp / "target", tmp / "data"
+        run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "1"])
+        run([dflash, "random-data", "--out", data, "--samples", "40", "--length", "48",
+             "--length-jitter", "16", "--prompt", "6", "--vocab", "512"])
+
+        def train(out, *extra, seed=5):
+            return [dflash, "train", "--target", target, "--data", data, "--out", tmp / out,
+                    "--steps", STEPS, "--checkpoint-every", EVERY, "--batch-size", "4",
+                    "--accumulation", "2", "--max-anchors", "6", "--lr", "3e-3",
+                    "--device", device, "--dtype", "fp32", "--seed", seed, "--timeout-s", "60", *extra]
+
+        run(train("one"))
+        one = metrics(tmp / "one")
+        if len(one) != STEPS:
+            sys.exit(f"1 rank: {len(one)} steps logged")
+        ref_state = final_state(tmp / "one")
+        cases = {
+            "2 colocated ranks": ["--nproc-per-node", "2"],
+            "3 colocated ranks": ["--nproc-per-node", "3"],
+            "1 target + 1 trainer rank": ["--nproc-per-node", "2", "--topology", "disaggregated",
+                                          "--target-ranks", "1"],
+            "1 target + 2 trainer ranks": ["--nproc-per-node", "3", "--topology",
+                                           "disaggregated", "--target-ranks", "1"],
+        }
+        ranks_here = 3
+        if device != "cpu":
+            import torch
+            ranks_here = torch.cuda.device_count()
+        for i, (what, extra) in enumerate(cases.items()):
+            if int(extra[1]) > ranks_here:
+                print(f"skipped: {what} (needs {extra[1]} GPUs)")
+                continue
+            run(train(f"case{i}", *extra))
+            same_figures(one, metrics(tmp / f"case{i}"), what)
+            diff = same_state(ref_state, final_state(tmp / f"case{i}"), what)
+            print(f"ok: {what} == 1 rank ({STEPS} steps; weights within {diff:.2g})")
+
+        # Controls: the comparison must be able to fail.
+        run(train("seed", "--nproc-per-node", "2", seed=6))
+        other = metrics(tmp / "seed")
+        if all(np.isclose(x["loss"], y["loss"], rtol=REL, atol=0) for x, y in zip(one, other)):
+            sys.exit("control: another seed gave the same losses")
+        print("ok: control (another seed differs)")
+
+        # A rank killed with SIGKILL stops the job; the job resumes on another world size.
+        for what, first, second, rank in (("2 ranks -> 1 rank", "2", "1", 1),
+                                          ("1 rank -> 2 ranks", "1", "2", 0)):
+            out = f"kill{first}{second}"
+            r = run(train(out, "--nproc-per-node", first), expect_fail=True,
+                    env={"DFLASH_KILL_AT": f"{rank}:{EVERY + 1}"})
+            if first == "2" and f"rank {rank}" not in r.stderr:
+                sys.exit(f"{what}: the launcher did not name the killed rank:\n{r.stderr}")
+            if not (tmp / out / f"step-{EVERY:08d}").exists():
+                sys.exit(f"{what}: no checkpoint at step {EVERY} before the kill")
+            run(train(out, "--nproc-per-node", second, "--resume"))
+            same_figures(one, metrics(tmp / out), what)
+            diff = same_state(ref_state, final_state(tmp / out), what)
+            print(f"ok: kill -9 of rank {rank}, resume {what}: same figures, weights within "
+                  f"{diff:.2g}")
+
+
+if __name__ == "__main__":
+    main()
