@@ -4,8 +4,9 @@ Usage: dist_train.py DFLASH_BINARY [DEVICE]   (DEVICE: cpu, the default, with Gl
 a machine with GPUs runs rank r on cuda:r with NCCL, in fp32)
 
 With the global batch fixed (4 sequences per micro-batch, 2 micro-batches per step):
-  1 rank, 2 colocated ranks (`--nproc-per-node 2`), 3 colocated ranks, and 1 target + 1
-  trainer rank (`--topology disaggregated`) give the same loss, accuracy and grad-norm sequence
+  1 rank, 2 colocated ranks (`--nproc-per-node 2`, torchrun --no-python, or Slurm's
+  variables), 3 colocated ranks, and 1 target + 1 or 2 trainer ranks (`--topology
+  disaggregated`) give the same loss, accuracy and grad-norm sequence
   (relative 2e-4: only the floating-point order of the reductions differs) and the same final
   weights (absolute 5e-4, a sixth of one Adam step: see STATE_ATOL).
   A rank killed with SIGKILL (DFLASH_KILL_AT) stops the whole job (non-zero exit, the message
@@ -16,6 +17,7 @@ Control that the comparison can fail: a run with another seed must differ.
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import tempfile
@@ -77,6 +79,12 @@ def same_state(a, b, what):
     return worst
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main():
     dflash = pathlib.Path(sys.argv[1]).resolve()
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
@@ -118,6 +126,32 @@ def main():
             same_figures(one, metrics(tmp / f"case{i}"), what)
             diff = same_state(ref_state, final_state(tmp / f"case{i}"), what)
             print(f"ok: {what} == 1 rank ({STEPS} steps; weights within {diff:.2g})")
+
+        # The same job started by torchrun, and by Slurm's variables as srun sets them (one
+        # node, set by hand here), instead of dflash's own launcher.
+        if ranks_here >= 2:
+            torchrun = pathlib.Path(sys.executable).parent / "torchrun"
+            run([torchrun, "--standalone", "--nproc-per-node", "2", "--no-python",
+                 *train("torchrun")])
+            same_figures(one, metrics(tmp / "torchrun"), "torchrun, 2 ranks")
+            print("ok: torchrun --no-python, 2 ranks == 1 rank")
+            port = free_port()
+            procs = []
+            for rank in range(2):
+                env = dict(os.environ, OMP_NUM_THREADS="1", SLURM_PROCID=str(rank),
+                           SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NTASKS_PER_NODE="2",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+                    env.pop(var, None)
+                procs.append(subprocess.Popen([str(c) for c in train("slurm")], env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                              text=True))
+            for p in procs:
+                out, _ = p.communicate(timeout=600)
+                if p.returncode != 0:
+                    sys.exit(f"srun-style rank failed ({p.returncode}):\n{out}")
+            same_figures(one, metrics(tmp / "slurm"), "Slurm variables, 2 ranks")
+            print("ok: 2 ranks from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID == 1 rank")
 
         # Controls: the comparison must be able to fail.
         run(train("seed", "--nproc-per-node", "2", seed=6))
