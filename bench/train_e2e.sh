@@ -3,18 +3,21 @@
 # a prepared dataset of random 2048-token samples (64-token unsupervised prompt), then a short
 # run with the default drafter (5 layers, 512 anchors, B 16), a final checkpoint and an export.
 # Reports the median tokens/s of the steps after warm-up from the run's own metrics.jsonl.
-# Usage: bench/train_e2e.sh DFLASH_BINARY OUT_DIR [steps]
+# Usage: bench/train_e2e.sh DFLASH_BINARY OUT_DIR [steps [extra train options...]]
+# e.g. `... 40 --nproc-per-node 2 --batch-size 2` for two GPUs (files named train_e2e_2gpu*).
 set -euo pipefail
 dflash=$1
 out=$2
 steps=${3:-40}
+shift $(($# < 3 ? $# : 3))
+name=train_e2e${1:+_$(echo "$*" | grep -o 'nproc-per-node [0-9]*' | awk '{print $2 "gpu"}')}
 work=${WORK:-/tmp/dflash-train-e2e}
 rm -rf "$work" && mkdir -p "$work"
 "$dflash" random-model --preset qwen3-8b --out "$work/target" > /dev/null
 "$dflash" random-data --out "$work/data" --samples 64 --length 2048 --prompt 64 --vocab 151643
 start=$(date +%s.%N)
 "$dflash" train --target "$work/target" --data "$work/data" --out "$work/run" --steps "$steps" \
-  --device cuda --log-seconds 10 2>&1 | tee "$out/train_e2e.txt"
+  --device cuda --log-seconds 10 "$@" 2>&1 | tee "$out/$name.txt"
 end=$(date +%s.%N)
 start_export=$(date +%s.%N)
 "$dflash" export "$work/run" "$work/export" 2>&1 | tail -1
@@ -30,5 +33,5 @@ print(f"train_e2e: {len(rows)} steps logged, median {tps:.0f} tokens/s over step
       f"whole command {float(sys.argv[4]) - float(sys.argv[3]):.1f} s "
       f"(target load, steps, checkpoint); export {float(sys.argv[6]) - float(sys.argv[5]):.1f} s")
 PY
-cp "$work/run/metrics.jsonl" "$out/train_e2e_metrics.jsonl"
+cp "$work/run/metrics.jsonl" "$out/${name}_metrics.jsonl"
 rm -rf "$work"

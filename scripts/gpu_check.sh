@@ -56,6 +56,11 @@ if has train; then
   step train
   (cd "$root" && bash bench/train_e2e.sh "$dflash" "$out" 40)
 fi
+if has train2 && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  step train on 2 GPUs
+  (cd "$root" && bash bench/train_e2e.sh "$dflash" "$out" 40 --nproc-per-node 2 --batch-size 2 \
+    --accumulation 2)
+fi
 if has pipeline; then
   # The multi-rank pipeline: equivalence of topologies and kill/resume under NCCL (fp32), then
   # `dflash bench` (random Qwen3-8B-shaped target, 1.05B drafter, 2048 tokens, 512 anchors) on
