@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <set>
+#include <thread>
 
 #include "common/error.h"
 #include "common/file.h"
@@ -226,6 +228,30 @@ TEST_F(PipelineTest, RankSharesPartitionTheGlobalBatch) {
     EXPECT_NEAR(s.form(step * accumulation, 0, 1, false).step_weight_sum, by_hand, 1e-9);
     EXPECT_GT(by_hand, 0);
   }
+}
+
+// A slow consumer holds the batch-forming thread back: it never runs more than the queue's
+// depth (plus the one it is forming) ahead, whatever the speed difference.
+TEST_F(PipelineTest, SlowConsumerKeepsTheFormerBounded) {
+  auto s = stream(2);
+  std::atomic<int64_t> formed{0};
+  const size_t depth = 2;
+  pipeline::Prefetcher batches(
+      "batches",
+      [&](int64_t p) {
+        ++formed;
+        return s.form(p, 0, 1, false);
+      },
+      depth, std::chrono::seconds(30));
+  int64_t most_ahead = 0;
+  for (int64_t p = 0; p < 12; ++p) {
+    auto mb = batches.get(p);
+    EXPECT_EQ(mb.position, p);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the slow trainer
+    most_ahead = std::max(most_ahead, formed.load() - (p + 1));
+  }
+  EXPECT_LE(most_ahead, static_cast<int64_t>(depth) + 1);
+  EXPECT_GE(most_ahead, static_cast<int64_t>(depth));  // it did run ahead while we slept
 }
 
 TEST_F(PipelineTest, BadInputsAreErrors) {
