@@ -363,6 +363,23 @@ void Comm::Pending::wait() {
   wait_all(*state->impl, {state->work}, state->op, state->stage, state->start);
 }
 
+Comm::Pending Comm::iall_reduce_sum(at::Tensor& tensor, std::string_view stage) {
+  const Impl& impl = *impl_;
+  check_tensor(impl, tensor, "all_reduce", stage);
+  Pending pending;
+  if (!impl.group) return pending;
+  pending.state_ = std::make_unique<Pending::State>();
+  auto& s = *pending.state_;
+  s = {&impl, {}, "all_reduce", std::string(stage), Clock::now()};
+  guarded(impl.world.rank, "all_reduce", stage, kPeerHint, [&] {
+    std::vector<at::Tensor> one{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    s.work = impl.group->allreduce(one, opts);
+  });
+  return pending;
+}
+
 Comm::Pending Comm::isend(const at::Tensor& tensor, int dst, int tag, std::string_view stage) {
   const Impl& impl = *impl_;
   const std::string op = fmt::format("send to rank {}", dst);

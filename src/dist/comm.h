@@ -78,6 +78,9 @@ class Comm {
     struct State;
     std::unique_ptr<State> state_;
   };
+  // All-reduce (sum) of one contiguous tensor, in flight: for overlapping a reduction with
+  // other work (gradient buckets during the backward). Every rank starts the same sequence.
+  Pending iall_reduce_sum(at::Tensor& tensor, std::string_view stage);
   // One contiguous tensor each; a matching isend/irecv pair has the same tag. NCCL ignores tags
   // (transfers between two ranks match in issue order) and a send holds its stream until the
   // peer receives, so two ranks must not both send to each other first.

@@ -273,6 +273,7 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
   to.write_checkpoints = r.leads();
   to.checkpoint_every = c.checkpoint_every;
   to.keep_last = c.keep_last;
+  to.allreduce_bucket_bytes = static_cast<int64_t>(c.allreduce_bucket_mb * (1 << 20));
   train::Trainer loop(*job.drafter, job.head, to, *source, &r.data_parallel());
   if (resume) {
     const auto from = train::resolve_checkpoint(run_dir);

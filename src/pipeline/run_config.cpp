@@ -77,6 +77,8 @@ const std::vector<ConfigKey>& config_keys() {
       {"target_ranks", &RunConfig::target_ranks,
        "disaggregated: how many ranks only run the target (the first world-T ranks train)"},
       {"prefetch", &RunConfig::prefetch, "micro-batches formed ahead / feature sends in flight"},
+      {"allreduce_bucket_mb", &RunConfig::allreduce_bucket_mb,
+       "MiB of gradients per all-reduce, started during the backward as each bucket is ready"},
       {"timeout_s", &RunConfig::timeout_s,
        "seconds any stage or rank may wait on another before the run stops with an error"},
   };

@@ -52,6 +52,7 @@ struct RunConfig {
   int64_t target_ranks = 1;            // disaggregated: ranks that only run the target
   int64_t prefetch = 2;                // micro-batches formed / features in flight ahead
   double timeout_s = 600;              // any wait between stages or ranks
+  double allreduce_bucket_mb = 64;     // gradient buckets reduced while the backward runs
 };
 
 // The keys: name (YAML key; the option is --name with '-' for '_'), field, help.

@@ -48,17 +48,10 @@ Trainer::Trainer(models::Drafter& drafter, models::TargetHead head, TrainerOptio
   }
   state_.seed = options_.seed;
   if (dp_) {
-    // One buffer holds every gradient (as views the backward accumulates into) and the step's
-    // figures after them, so the data-parallel reduction is a single all-reduce.
-    int64_t numel = 0;
-    for (const auto& p : params_) numel += p.numel();
-    const int64_t bs = drafter.config().block_size;
-    flat_grads_ = at::zeros({numel + 2 * bs + 2}, params_[0].options());
-    int64_t offset = 0;
-    for (auto& p : params_) {
-      p.mutable_grad() = flat_grads_.narrow(0, offset, p.numel()).view(p.sizes());
-      offset += p.numel();
-    }
+    // The step's figures ([wce, correct[B], count[B], stop votes]) are reduced with the
+    // gradients.
+    sync_ = std::make_unique<GradSync>(params_, *dp_, 2 * drafter.config().block_size + 2,
+                                       options_.allreduce_bucket_bytes);
   }
 }
 
@@ -72,12 +65,11 @@ void Trainer::train_step() {
                 std::llround(options_.warmup_ratio * static_cast<double>(options_.total_steps)),
                 options_.lr, options_.min_lr);
   const at::Device device = drafter_.device();
-  const int64_t num_params = dp_ ? flat_grads_.numel() - (2 * bs + 2) : 0;
   // [wce, correct[B], count[B], stop votes]: reduced across trainer ranks with the gradients.
-  at::Tensor figures = dp_ ? flat_grads_.narrow(0, num_params, 2 * bs + 2)
-                           : at::zeros({2 * bs + 2}, params_[0].options());
-  if (dp_) flat_grads_.zero_();
+  if (sync_) sync_->zero();
+  at::Tensor figures = sync_ ? sync_->extra() : at::zeros({2 * bs + 2}, params_[0].options());
   for (int64_t m = 0; m < options_.accumulation; ++m) {
+    if (sync_ && m == options_.accumulation - 1) sync_->arm();
     MicroBatch mb = data_.get(state_.data_position + m);
     if (m == 0) p.weight_sum = mb.step_weight_sum;
     if (mb.step_weight_sum != p.weight_sum) {
@@ -101,10 +93,9 @@ void Trainer::train_step() {
   at::Tensor norm;
   {
     c10::NoGradGuard no_grad;
-    if (dp_) {
-      std::vector<at::Tensor> buffers{flat_grads_};
-      dp_->all_reduce_sum(buffers, "grad_all_reduce");
-      norm = flat_grads_.narrow(0, 0, num_params).norm();
+    if (sync_) {
+      sync_->finish();
+      norm = sync_->grads().norm();
     } else {
       norm = grad_norm(params_);
     }

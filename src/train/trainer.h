@@ -12,17 +12,15 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "models/drafter.h"
 #include "train/checkpoint.h"
+#include "train/grad_sync.h"
 #include "train/optim.h"
 #include "train/step.h"
-
-namespace dflash::dist {
-class Comm;
-}
 
 namespace dflash::train {
 
@@ -50,6 +48,7 @@ struct TrainerOptions {
   int64_t checkpoint_every = 0;          // 0: only at exit / on signal
   int64_t keep_last = 3;
   int64_t max_nonfinite_in_a_row = 10;
+  int64_t allreduce_bucket_bytes = 64 << 20;  // data parallel: gradient bucket size
 };
 
 struct StepLog {
@@ -108,7 +107,7 @@ class Trainer {
   dist::Comm* dp_;
   std::vector<at::Tensor> params_;
   AdamW optimizer_;
-  at::Tensor flat_grads_;  // data parallel: every .grad is a view into this buffer
+  std::unique_ptr<GradSync> sync_;  // data parallel: the bucketed, overlapped all-reduce
   TrainState state_;
   std::deque<Pending> pending_;
   bool stop_agreed_ = false;

@@ -99,7 +99,9 @@ def main():
             return [dflash, "train", "--target", target, "--data", data, "--out", tmp / out,
                     "--steps", STEPS, "--checkpoint-every", EVERY, "--batch-size", "4",
                     "--accumulation", "2", "--max-anchors", "6", "--lr", "3e-3",
-                    "--device", device, "--dtype", "fp32", "--seed", seed, "--timeout-s", "60", *extra]
+                    "--device", device, "--dtype", "fp32", "--seed", seed, "--timeout-s", "60",
+                    # small buckets: dozens of all-reduces overlap the backward even here
+                    "--allreduce-bucket-mb", "0.05", *extra]
 
         run(train("one"))
         one = metrics(tmp / "one")
