@@ -2,7 +2,8 @@
 # The main job on a small embedded default: set up, build, then run the most complete
 # pipeline that exists on a tiny generated Qwen3-shaped target, on the CPU: write the model,
 # describe and load it, time its prefill and DFlash drafter training steps at that shape, then
-# train a drafter on a small random dataset with `dflash train` and export it.
+# train a drafter on a small random dataset with `dflash train` on two ranks and export it,
+# and run `dflash bench` in both topologies.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
@@ -16,6 +17,12 @@ mkdir -p "$run"
 "$dflash" bench-target --preset tiny --device cpu --seq-len 256 --batches 1,4 --warmup 1 --iters 3
 "$dflash" bench-drafter --preset tiny --device cpu --warmup 1 --iters 3
 "$dflash" random-data --out "$run/data" --samples 32 --length 192 --prompt 32 --vocab 512
-"$dflash" train --target "$run/target" --data "$run/data" --out "$run/train" --steps 20 \
-  --max-anchors 32 --checkpoint-every 10 --device cpu
+# Two ranks (Gloo on the CPU), two sequences per micro-batch between them.
+"$dflash" train --nproc-per-node 2 --target "$run/target" --data "$run/data" --out "$run/train" \
+  --steps 20 --batch-size 2 --max-anchors 32 --checkpoint-every 10 --device cpu
 "$dflash" export "$run/train" "$run/export"
+# The whole pipeline on a synthetic workload, colocated and with a target rank feeding a trainer.
+"$dflash" bench --preset tiny --seq-len 192 --max-anchors 32 --device cpu --steps 8 --warmup 2 \
+  --nproc-per-node 2 --batch-size 2
+"$dflash" bench --preset tiny --seq-len 192 --max-anchors 32 --device cpu --steps 8 --warmup 2 \
+  --nproc-per-node 2 --topology disaggregated --target-ranks 1

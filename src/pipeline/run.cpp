@@ -2,6 +2,8 @@
 
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <sys/resource.h>
@@ -41,6 +43,8 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 constexpr int64_t kQwen3MaskToken = 151669;
+// The bf16 matmul rate measured on the H200 here (BRIEF): MFU's denominator.
+constexpr double kH200BF16 = 792e12;
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -623,8 +627,15 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   // Every rank's host CPU and memory, gathered to rank 0.
   const double cores =
       (cpu_seconds() - cpu_at_warmup) / std::max(seconds_since(wall_at_warmup), 1e-9);
-  int64_t gpu_peak = 0, gpu_reserved = 0;
+  int64_t gpu_peak = 0, gpu_reserved = 0, gpu_used = 0;
   if (r.device.is_cuda()) {
+    // What the device has in use now (cudaMemGetInfo: allocator pools, CUDA context, NCCL
+    // buffers), as nvidia-smi counts it; one process per GPU, so it is this process's.
+    c10::cuda::CUDAGuard guard(r.device);
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      gpu_used = static_cast<int64_t>(total_bytes - free_bytes);
+    }
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(r.device.index());
     using c10::CachingAllocator::StatType;
     gpu_peak = stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak;
@@ -632,7 +643,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   }
   const auto all =
       r.comm->all_gather_int64({static_cast<int64_t>(cores * 1000), gpu_peak, gpu_reserved,
-                                static_cast<int64_t>(peak_rss_gib() * (1 << 30))},
+                                static_cast<int64_t>(peak_rss_gib() * (1 << 30)), gpu_used},
                                "bench_report");
   if (!r.leads()) return;
   const double step_s = obs::median(step_seconds);
@@ -652,6 +663,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
                  {"tokens_per_s", tokens_per_s},
                  {"tokens_per_s_per_gpu", tokens_per_s / gpus},
                  {"tflops_per_gpu", step_flops / step_s / gpus / 1e12},
+                 {"mfu", step_flops / step_s / gpus / kH200BF16},
                  {"per_rank", json::array()}};
   fmt::print(
       "bench: {} x {} ({}), {} rank(s), {} training; global batch {} x {} sequences of {} tokens, "
@@ -660,21 +672,24 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
       c.batch_size, bench.seq_len, c.max_anchors, dc.block_size);
   fmt::print(
       "bench: step {:.1f} ms (median of {}) = {:.0f} tokens/s, {:.0f} per GPU, {:.0f} TFLOP/s per "
-      "GPU (target prefill + drafter step)\n",
+      "GPU (target prefill + drafter step), MFU {:.0f}% of an H200's measured {:.0f} TFLOP/s\n",
       step_s * 1e3, step_seconds.size(), tokens_per_s, tokens_per_s / gpus,
-      step_flops / step_s / gpus / 1e12);
+      step_flops / step_s / gpus / 1e12, 100 * step_flops / step_s / gpus / kH200BF16,
+      kH200BF16 / 1e12);
   for (size_t i = 0; i < all.size(); ++i) {
     const auto& v = all[i];
     report["per_rank"].push_back({{"rank", i},
                                   {"host_cpu_cores", static_cast<double>(v[0]) / 1000},
                                   {"gpu_allocated_peak_gib", static_cast<double>(v[1]) / (1 << 30)},
                                   {"gpu_reserved_peak_gib", static_cast<double>(v[2]) / (1 << 30)},
-                                  {"host_rss_peak_gib", static_cast<double>(v[3]) / (1 << 30)}});
+                                  {"host_rss_peak_gib", static_cast<double>(v[3]) / (1 << 30)},
+                                  {"gpu_device_used_gib", static_cast<double>(v[4]) / (1 << 30)}});
     fmt::print(
         "bench: rank {}: host CPU {:.2f} cores, GPU peak {:.1f} GiB allocated / {:.1f} GiB "
-        "reserved, host RSS peak {:.1f} GiB\n",
+        "reserved, {:.1f} GiB in use on the device at the end, host RSS peak {:.1f} GiB\n",
         i, static_cast<double>(v[0]) / 1000, static_cast<double>(v[1]) / (1 << 30),
-        static_cast<double>(v[2]) / (1 << 30), static_cast<double>(v[3]) / (1 << 30));
+        static_cast<double>(v[2]) / (1 << 30), static_cast<double>(v[4]) / (1 << 30),
+        static_cast<double>(v[3]) / (1 << 30));
   }
   if (!bench.json_out.empty()) write_file_atomic(bench.json_out, report.dump(2) + "\n");
 }
