@@ -363,53 +363,46 @@ void Comm::Pending::wait() {
   wait_all(*state->impl, {state->work}, state->op, state->stage, state->start);
 }
 
-Comm::Pending Comm::iall_reduce_sum(at::Tensor& tensor, std::string_view stage) {
-  const Impl& impl = *impl_;
-  check_tensor(impl, tensor, "all_reduce", stage);
+template <class Launch>
+Comm::Pending Comm::start(const Impl& impl, std::string op, std::string_view stage,
+                          Launch&& launch) {
   Pending pending;
   if (!impl.group) return pending;
   pending.state_ = std::make_unique<Pending::State>();
   auto& s = *pending.state_;
-  s = {&impl, {}, "all_reduce", std::string(stage), Clock::now()};
-  guarded(impl.world.rank, "all_reduce", stage, kPeerHint, [&] {
+  s = {&impl, {}, std::move(op), std::string(stage), Clock::now()};
+  guarded(impl.world.rank, s.op, stage, kPeerHint, [&] { s.work = launch(); });
+  return pending;
+}
+
+Comm::Pending Comm::iall_reduce_sum(at::Tensor& tensor, std::string_view stage) {
+  check_tensor(*impl_, tensor, "all_reduce", stage);
+  return start(*impl_, "all_reduce", stage, [&] {
     std::vector<at::Tensor> one{tensor};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
-    s.work = impl.group->allreduce(one, opts);
+    return impl_->group->allreduce(one, opts);
   });
-  return pending;
 }
 
 Comm::Pending Comm::isend(const at::Tensor& tensor, int dst, int tag, std::string_view stage) {
-  const Impl& impl = *impl_;
   const std::string op = fmt::format("send to rank {}", dst);
-  check_peer(impl, dst, op, stage);
-  check_tensor(impl, tensor, op, stage);
-  Pending pending;
-  pending.state_ = std::make_unique<Pending::State>();
-  auto& s = *pending.state_;
-  s = {&impl, {}, op, std::string(stage), Clock::now()};
-  guarded(impl.world.rank, op, stage, kPeerHint, [&] {
+  check_peer(*impl_, dst, op, stage);
+  check_tensor(*impl_, tensor, op, stage);
+  return start(*impl_, op, stage, [&] {
     std::vector<at::Tensor> one{tensor};
-    s.work = impl.group->send(one, dst, tag);
+    return impl_->group->send(one, dst, tag);
   });
-  return pending;
 }
 
 Comm::Pending Comm::irecv(at::Tensor& tensor, int src, int tag, std::string_view stage) {
-  const Impl& impl = *impl_;
   const std::string op = fmt::format("receive from rank {}", src);
-  check_peer(impl, src, op, stage);
-  check_tensor(impl, tensor, op, stage);
-  Pending pending;
-  pending.state_ = std::make_unique<Pending::State>();
-  auto& s = *pending.state_;
-  s = {&impl, {}, op, std::string(stage), Clock::now()};
-  guarded(impl.world.rank, op, stage, kPeerHint, [&] {
+  check_peer(*impl_, src, op, stage);
+  check_tensor(*impl_, tensor, op, stage);
+  return start(*impl_, op, stage, [&] {
     std::vector<at::Tensor> one{tensor};
-    s.work = impl.group->recv(one, src, tag);
+    return impl_->group->recv(one, src, tag);
   });
-  return pending;
 }
 
 void Comm::send(const at::Tensor& tensor, int dst, int tag, std::string_view stage) {

@@ -91,6 +91,10 @@ class Comm {
 
  private:
   explicit Comm(std::unique_ptr<Impl> impl);
+  // A point-to-point or collective operation started by `launch` (which returns its c10d
+  // work), wrapped with the messages of `op` in `stage`; an empty Pending for one rank.
+  template <class Launch>
+  static Pending start(const Impl& impl, std::string op, std::string_view stage, Launch&& launch);
   std::unique_ptr<Impl> impl_;
 };
 
