@@ -8,7 +8,7 @@
 
 namespace dflash::train {
 
-std::vector<int64_t> anchor_candidates(const std::vector<uint8_t>& loss_mask) {
+std::vector<int64_t> anchor_candidates(std::span<const uint8_t> loss_mask) {
   std::vector<int64_t> out;
   for (size_t a = 0; a + 1 < loss_mask.size(); ++a) {
     if (loss_mask[a] && loss_mask[a + 1]) out.push_back(static_cast<int64_t>(a));
@@ -16,7 +16,7 @@ std::vector<int64_t> anchor_candidates(const std::vector<uint8_t>& loss_mask) {
   return out;
 }
 
-std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& loss_mask, int64_t max_anchors,
+std::vector<int64_t> sample_anchors(std::span<const uint8_t> loss_mask, int64_t max_anchors,
                                     uint64_t seed, int64_t epoch, int64_t sample_id,
                                     int64_t min_anchors) {
   auto cand = anchor_candidates(loss_mask);

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "models/drafter.h"
@@ -12,13 +13,13 @@
 namespace dflash::train {
 
 // Positions a with loss_mask[a] and loss_mask[a+1] (a+1 inside the sequence), ascending.
-std::vector<int64_t> anchor_candidates(const std::vector<uint8_t>& loss_mask);
+std::vector<int64_t> anchor_candidates(std::span<const uint8_t> loss_mask);
 
 // Up to `max_anchors` candidates drawn without replacement, returned ascending; none when there
 // are fewer than `min_anchors` candidates. The draw is a pure function of (seed, epoch,
 // sample_id), so resuming or reordering the data stream reproduces it and every epoch
 // resamples.
-std::vector<int64_t> sample_anchors(const std::vector<uint8_t>& loss_mask, int64_t max_anchors,
+std::vector<int64_t> sample_anchors(std::span<const uint8_t> loss_mask, int64_t max_anchors,
                                     uint64_t seed, int64_t epoch, int64_t sample_id,
                                     int64_t min_anchors = 1);
 

@@ -50,8 +50,8 @@ std::vector<int64_t> sample_anchors(const SampleView& sample, int64_t epoch,
     fail("sample {}: {} tokens but a loss mask of {}", sample.id, sample.ids.size(),
          sample.mask.size());
   }
-  return sample_anchors(std::vector<uint8_t>(sample.mask.begin(), sample.mask.end()),
-                        options.max_anchors, options.seed, epoch, sample.id, options.min_anchors);
+  return sample_anchors(sample.mask, options.max_anchors, options.seed, epoch, sample.id,
+                        options.min_anchors);
 }
 
 MicroBatch form_micro_batch(int64_t position, int64_t epoch, std::span<const SampleView> samples,
