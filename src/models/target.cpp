@@ -145,9 +145,10 @@ at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const {
   return at::linear(hidden, lm_head_);
 }
 
+template <class Attend>
 at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, const at::Tensor& x,
                                       const at::Tensor& cos, const at::Tensor& sin,
-                                      const PackedBatch& batch) const {
+                                      Attend&& attend) const {
   const ModelConfig& c = config_;
   const int64_t t = x.size(0), d = c.head_dim;
   const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
@@ -162,19 +163,17 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, const at::Ten
   }
   q = kernels::rotary(q, cos, sin);
   k = kernels::rotary(k, cos, sin);
-  auto attn = packed_causal_attention(q, k, v, batch).reshape({t, nq});
+  auto attn = attend(q, k, v).reshape({t, nq});
   auto x1 = x + at::linear(attn, w.w_o);
   return x1 +
          swiglu_mlp(rms_norm(x1, w.post_attention_norm, c.rms_norm_eps), w.w_gate_up, w.w_down);
 }
 
-ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& batch,
-                                   const ForwardRequest& request) const {
+template <class Attend>
+ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& positions,
+                               const at::Tensor& cu_seqlens, const ForwardRequest& request,
+                               Attend&& attend) const {
   c10::NoGradGuard no_grad;
-  if (tokens.dim() != 1 || tokens.size(0) != batch.total) {
-    fail("target forward: tokens must be [{}] (the packed batch), got [{}]", batch.total,
-         fmt::join(tokens.sizes(), ", "));
-  }
   for (int64_t id : request.tap_layers) {
     if (id < 0 || id >= config_.num_layers) {
       fail("target forward: tap layer {} is out of range [0, {})", id, config_.num_layers);
@@ -183,9 +182,12 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
   ForwardResult result;
   result.taps.resize(request.tap_layers.size());
   auto x = embed(tokens);
-  auto [cos, sin] = rotary_.tables(batch.positions, x.scalar_type());
+  auto [cos, sin] = rotary_.tables(positions, x.scalar_type());
   for (int64_t i = 0; i < config_.num_layers; ++i) {
-    x = decoder_layer(layers_[i], x, cos, sin, batch);
+    x = decoder_layer(layers_[i], x, cos, sin,
+                      [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+                        return attend(i, q, k, v);
+                      });
     // Holding x only where tapped lets every other layer's output be freed.
     for (size_t j = 0; j < request.tap_layers.size(); ++j) {
       if (request.tap_layers[j] == i) result.taps[j] = x;
@@ -193,10 +195,54 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
   }
   if (request.logits == Logits::kNone) return result;
   if (request.logits == Logits::kLast) {
-    auto last = batch.cu_seqlens.narrow(0, 1, batch.size()).to(at::kLong) - 1;
+    auto last = cu_seqlens.narrow(0, 1, cu_seqlens.size(0) - 1).to(at::kLong) - 1;
     x = x.index_select(0, last);
   }
   result.logits = lm_head(rms_norm(x, norm_, config_.rms_norm_eps));
+  return result;
+}
+
+ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& batch,
+                                   const ForwardRequest& request) const {
+  if (tokens.dim() != 1 || tokens.size(0) != batch.total) {
+    fail("target forward: tokens must be [{}] (the packed batch), got [{}]", batch.total,
+         fmt::join(tokens.sizes(), ", "));
+  }
+  return run(tokens, batch.positions, batch.cu_seqlens, request,
+             [&](int64_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+               return packed_causal_attention(q, k, v, batch);
+             });
+}
+
+ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const AppendBatch& batch,
+                                          KVCache& cache, const ForwardRequest& request) const {
+  if (tokens.dim() != 1 || tokens.size(0) != batch.total) {
+    fail("target cached forward: tokens must be [{}] (the append batch), got [{}]", batch.total,
+         fmt::join(tokens.sizes(), ", "));
+  }
+  const at::Tensor& k0 = cache.keys(0);
+  if (cache.num_layers() != config_.num_layers || k0.size(1) != config_.num_kv_heads ||
+      k0.size(2) != config_.head_dim || k0.scalar_type() != dtype() || k0.device() != device()) {
+    fail(
+        "target cached forward: the cache ({} layers of [{}], {} on {}) is not for this model "
+        "({} layers, {} KV heads x {}, {} on {})",
+        cache.num_layers(), fmt::join(k0.sizes(), ", "), c10::toString(k0.scalar_type()),
+        k0.device().str(), config_.num_layers, config_.num_kv_heads, config_.head_dim,
+        c10::toString(dtype()), device().str());
+  }
+  for (int64_t i = 0; i < batch.size(); ++i) {
+    if (cache.length(batch.slots[i]) != batch.starts[i]) {
+      fail("target cached forward: slot {} holds {} tokens but the batch appends at {}",
+           batch.slots[i], cache.length(batch.slots[i]), batch.starts[i]);
+    }
+  }
+  auto result =
+      run(tokens, batch.positions, batch.cu_seqlens, request,
+          [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+            cache.update(layer, batch.rows, k, v);
+            return cached_causal_attention(q, cache, layer, batch);
+          });
+  for (int64_t i = 0; i < batch.size(); ++i) cache.extend(batch.slots[i], batch.counts[i]);
   return result;
 }
 

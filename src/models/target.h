@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "models/config.h"
+#include "models/kv_cache.h"
 #include "models/layers.h"
 
 namespace dflash::models {
@@ -35,7 +36,8 @@ struct ForwardRequest {
 };
 
 struct ForwardResult {
-  at::Tensor logits;             // [sequences, V] for kLast, [tokens, V] for kAll
+  at::Tensor logits;             // [sequences, V] for kLast (one row per sequence or entry),
+                                 // [tokens, V] for kAll
   std::vector<at::Tensor> taps;  // one [tokens, H] per tap_layers entry, same order
 };
 
@@ -51,6 +53,14 @@ class TargetModel {
   // tokens: int64 [batch.total]. No autograd state is kept.
   ForwardResult forward(const at::Tensor& tokens, const PackedBatch& batch,
                         const ForwardRequest& request) const;
+
+  // Incremental forward, for prefill and decode alike: tokens (int64 [batch.total]) are the
+  // new tokens of each entry of `batch`, at positions [start, start + count) of their slot.
+  // They attend causally to the slot's cached prefix and to each other; their K/V are written
+  // into `cache` and the slots' lengths grow by the counts. Logits and taps are for the new
+  // tokens only (kLast: each entry's last new token). `cache` must be built for this model.
+  ForwardResult forward_cached(const at::Tensor& tokens, const AppendBatch& batch, KVCache& cache,
+                               const ForwardRequest& request) const;
 
   // Transformer body only, for callers (the drafter) that share embedding and LM head.
   at::Tensor embed(const at::Tensor& tokens) const;
@@ -69,8 +79,16 @@ class TargetModel {
 
  private:
   TargetModel(ModelConfig config, at::Device device);
+  // The body both forwards share; only attention differs: attend(layer, q, k, v) with q
+  // [tokens, Hq, D] and k, v [tokens, Hkv, D] after norms and rotary, returning [tokens, Hq, D].
+  // cu_seqlens (int32 [n+1]) gives each sequence's last token for Logits::kLast.
+  template <class Attend>
+  ForwardResult run(const at::Tensor& tokens, const at::Tensor& positions,
+                    const at::Tensor& cu_seqlens, const ForwardRequest& request,
+                    Attend&& attend) const;
+  template <class Attend>
   at::Tensor decoder_layer(const TargetLayerWeights& w, const at::Tensor& x, const at::Tensor& cos,
-                           const at::Tensor& sin, const PackedBatch& batch) const;
+                           const at::Tensor& sin, Attend&& attend) const;
 
   ModelConfig config_;
   Rotary rotary_;

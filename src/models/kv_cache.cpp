@@ -1,0 +1,138 @@
+#include "models/kv_cache.h"
+
+#include <limits>
+
+#include "common/error.h"
+
+namespace dflash::models {
+
+KVCache::KVCache(const ModelConfig& config, int64_t slots, int64_t capacity, at::Device device,
+                 at::ScalarType dtype)
+    : device_(device), capacity_(capacity), lengths_(std::max<int64_t>(slots, 0), 0) {
+  // Rows are int32 in flash attention's cu_seqlens_k.
+  if (slots <= 0 || capacity <= 0 || slots * capacity > std::numeric_limits<int32_t>::max()) {
+    fail("kv cache: slots ({}) and capacity ({}) must be positive with a product below 2^31", slots,
+         capacity);
+  }
+  auto opts = at::TensorOptions().device(device).dtype(dtype);
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    keys_.push_back(at::zeros({slots * capacity, config.num_kv_heads, config.head_dim}, opts));
+    values_.push_back(at::zeros_like(keys_.back()));
+  }
+}
+
+void KVCache::check_slot(int64_t slot, const char* what) const {
+  if (slot < 0 || slot >= slots())
+    fail("kv cache {}: slot {} is not in [0, {})", what, slot, slots());
+}
+
+int64_t KVCache::length(int64_t slot) const {
+  check_slot(slot, "length");
+  return lengths_[slot];
+}
+
+void KVCache::crop(int64_t slot, int64_t length) {
+  check_slot(slot, "crop");
+  if (length < 0 || length > lengths_[slot]) {
+    fail("kv cache crop: slot {} holds {} tokens, cannot crop to {}", slot, lengths_[slot], length);
+  }
+  lengths_[slot] = length;
+}
+
+void KVCache::extend(int64_t slot, int64_t count) {
+  check_slot(slot, "extend");
+  if (count < 0 || lengths_[slot] + count > capacity_) {
+    fail("kv cache extend: slot {} holds {} tokens, {} more exceed the capacity {}", slot,
+         lengths_[slot], count, capacity_);
+  }
+  lengths_[slot] += count;
+}
+
+void KVCache::update(int64_t layer, const at::Tensor& rows, const at::Tensor& k,
+                     const at::Tensor& v) {
+  keys_[layer].index_copy_(0, rows, k);
+  values_[layer].index_copy_(0, rows, v);
+}
+
+AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& slots,
+                              const std::vector<int64_t>& counts) {
+  if (slots.size() != counts.size() || slots.empty()) {
+    fail("append batch: {} slots and {} counts (need the same positive number)", slots.size(),
+         counts.size());
+  }
+  AppendBatch b;
+  b.slots = slots;
+  b.counts = counts;
+  const int64_t cap = cache.capacity();
+  std::vector<bool> used(cache.slots(), false);
+  std::vector<int32_t> cu{0}, key_starts, seen;
+  std::vector<int64_t> positions, rows;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t slot = slots[i], start = cache.length(slot), n = counts[i];
+    if (used[slot]) fail("append batch: slot {} appears twice", slot);
+    used[slot] = true;
+    if (n <= 0 || start + n > cap) {
+      fail("append batch: slot {} holds {} tokens; {} more must be positive and fit in {}", slot,
+           start, n, cap);
+    }
+    b.starts.push_back(start);
+    b.total += n;
+    b.max_count = std::max(b.max_count, n);
+    b.max_seen = std::max(b.max_seen, start + n);
+    cu.push_back(static_cast<int32_t>(b.total));
+    key_starts.push_back(static_cast<int32_t>(slot * cap));
+    seen.push_back(static_cast<int32_t>(start + n));
+    for (int64_t p = start; p < start + n; ++p) {
+      positions.push_back(p);
+      rows.push_back(slot * cap + p);
+    }
+  }
+  key_starts.push_back(static_cast<int32_t>(cache.slots() * cap));
+  const at::Device device = cache.device();
+  auto to_device = [&](at::Tensor t) {
+    return device.is_cpu() ? t : t.pin_memory().to(device, /*non_blocking=*/true);
+  };
+  b.cu_seqlens = to_device(at::tensor(cu, at::kInt));
+  b.positions = to_device(at::tensor(positions, at::kLong));
+  b.rows = to_device(at::tensor(rows, at::kLong));
+  b.key_starts = to_device(at::tensor(key_starts, at::kInt));
+  b.seen = to_device(at::tensor(seen, at::kInt));
+  return b;
+}
+
+at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
+                                   const AppendBatch& batch) {
+  const at::Tensor& k = cache.keys(layer);
+  const at::Tensor& v = cache.values(layer);
+  const bool flash =
+      q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+  if (flash) {
+    auto out = at::_flash_attention_forward(q, k, v, batch.cu_seqlens, batch.key_starts,
+                                            batch.max_count, batch.max_seen, 0.0,
+                                            /*is_causal=*/true, /*return_debug_mask=*/false,
+                                            std::nullopt, std::nullopt, std::nullopt, batch.seen);
+    return std::get<0>(out);
+  }
+  std::vector<at::Tensor> outs;
+  outs.reserve(batch.slots.size());
+  int64_t offset = 0;
+  for (int64_t i = 0; i < batch.size(); ++i) {
+    const int64_t n = batch.counts[i], start = batch.starts[i], seen = start + n;
+    // [L, H, D] -> [1, H, L, D]
+    auto view = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
+    auto keys = k.narrow(0, batch.slots[i] * cache.capacity(), seen);
+    auto values = v.narrow(0, batch.slots[i] * cache.capacity(), seen);
+    // New token j (position start + j) sees keys at positions <= start + j: SDPA's is_causal
+    // would align the mask to the first key instead.
+    auto mask = at::arange(seen, q.options().dtype(at::kLong)).unsqueeze(0) <=
+                at::arange(start, seen, q.options().dtype(at::kLong)).unsqueeze(1);
+    auto o = at::scaled_dot_product_attention(view(q.narrow(0, offset, n)), view(keys),
+                                              view(values), mask, 0.0, /*is_causal=*/false,
+                                              std::nullopt, /*enable_gqa=*/true);
+    outs.push_back(o.squeeze(0).transpose(0, 1));
+    offset += n;
+  }
+  return outs.size() == 1 ? outs[0].contiguous() : at::cat(outs, 0);
+}
+
+}  // namespace dflash::models
