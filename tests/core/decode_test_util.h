@@ -1,0 +1,85 @@
+// Helpers shared by the decoding tests: tiny random target configs (Qwen3 with qk_norm and
+// GQA, Qwen2 with bias, Llama-3 with scaled RoPE) and the plain greedy loop that re-runs the
+// full forward at every step, the reference every cached decoder is compared with.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "eval/generator.h"
+#include "models/target.h"
+
+namespace dflash::testing {
+
+inline models::ModelConfig tiny_target_config(models::Architecture arch) {
+  models::ModelConfig c;
+  c.arch = arch;
+  c.vocab_size = 97;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_layers = 3;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.max_position_embeddings = 128;
+  c.rope_theta = 10000.0;
+  if (arch == models::Architecture::kQwen3) {
+    c.qk_norm = true;
+    c.tie_word_embeddings = true;
+  } else if (arch == models::Architecture::kQwen2) {
+    c.attention_bias = true;
+    c.num_kv_heads = 4;  // plain multi-head attention
+  } else {
+    c.num_kv_heads = 1;
+    c.rope_scaling = models::Llama3RopeScaling{8.0, 1.0, 4.0, 32};
+  }
+  return c;
+}
+
+// A random target whose next-token choices are clear: random weights at std 0.02 give nearly
+// flat logits, where a rounding difference could flip a greedy choice; a larger final norm
+// scales the logits (and not the embedding a tied LM head shares), making the argmax margins
+// large against fp32 (and bf16) noise.
+inline models::TargetModel peaked_target(const models::ModelConfig& config, at::Device device,
+                                         at::ScalarType dtype, uint64_t seed) {
+  auto model = models::TargetModel::random(config, device, dtype, seed);
+  model.final_norm().mul_(30.0);
+  return model;
+}
+
+// Greedy decoding by re-running the whole sequence each step: stop tokens end a sequence (and
+// are not returned), at most max_new tokens, prompt + generated at most `context`.
+inline eval::Completion reference_greedy(const models::TargetModel& model,
+                                         const std::vector<int64_t>& prompt, int64_t max_new,
+                                         const std::vector<int64_t>& stops, int64_t context) {
+  eval::Completion c;
+  std::vector<int64_t> seq = prompt;
+  if (static_cast<int64_t>(seq.size()) >= context) {
+    c.finish = eval::Finish::kContext;
+    return c;
+  }
+  for (;;) {
+    auto tokens = at::tensor(seq, at::kLong).to(model.device());
+    auto batch = models::PackedBatch::from_lengths({tokens.size(0)}, model.device());
+    auto logits = model.forward(tokens, batch, {{}, models::Logits::kLast}).logits;
+    const int64_t next = logits.argmax(-1).item<int64_t>();
+    if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
+      c.finish = eval::Finish::kStop;
+      return c;
+    }
+    c.tokens.push_back(next);
+    seq.push_back(next);
+    if (static_cast<int64_t>(c.tokens.size()) == max_new) {
+      c.finish = eval::Finish::kLength;
+      return c;
+    }
+    if (static_cast<int64_t>(seq.size()) == context) {
+      c.finish = eval::Finish::kContext;
+      return c;
+    }
+  }
+}
+
+}  // namespace dflash::testing
