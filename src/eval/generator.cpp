@@ -1,0 +1,334 @@
+#include "eval/generator.h"
+
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+#include "common/error.h"
+
+namespace dflash::eval {
+
+using models::AppendBatch;
+using models::ForwardRequest;
+using models::Logits;
+
+const char* finish_name(Finish f) {
+  switch (f) {
+    case Finish::kStop:
+      return "stop";
+    case Finish::kLength:
+      return "length";
+    case Finish::kContext:
+      return "context";
+  }
+  return "?";
+}
+
+// The decode step over every slot, captured once. Its inputs are the static tensors it was
+// captured with: the tokens (Generator::current_) and the batch's positions, rows and seen
+// keys, rewritten in place before each replay; idle slots ride along at position 0 of their
+// own rows, which nothing reads before the slot's next prefill overwrites them.
+struct Generator::Graph {
+  at::cuda::CUDAGraph graph;
+  AppendBatch batch;     // all slots, one token each; max_seen = capacity
+  at::Tensor base_rows;  // int64 [slots]: slot * capacity
+  at::Tensor logits;     // the captured output, [slots, V]
+};
+
+struct Generator::Slot {
+  bool occupied = false;
+  uint64_t serial = 0;   // which admission the slot's tokens in flight belong to
+  int64_t launched = 0;  // tokens whose sampling has been launched
+  Request request;
+  Completion completion;
+};
+
+namespace {
+
+// One iteration's sampled tokens on their way to the host, each tagged with its slot and the
+// slot's admission serial (tokens of a sequence that has finished meanwhile are dropped).
+struct Report {
+  std::vector<at::Tensor> device;                     // int64 vectors, concatenated in order
+  std::vector<std::pair<int64_t, uint64_t>> entries;  // (slot, serial); slot -1: ignore
+  at::Tensor host;
+  std::optional<at::cuda::CUDAEvent> event;
+};
+
+bool graph_capable(const models::TargetModel& model) {
+  return model.device().is_cuda() && (model.dtype() == at::kBFloat16 || model.dtype() == at::kHalf);
+}
+
+int64_t resolve_context(const models::TargetModel& model, const GenerationOptions& o) {
+  const int64_t context = o.context > 0 ? o.context : model.config().max_position_embeddings;
+  if (context <= 1) fail("generation: the context limit must exceed 1 token, got {}", context);
+  return context;
+}
+
+}  // namespace
+
+Generator::Generator(const models::TargetModel& model, GenerationOptions options)
+    : model_(model),
+      options_(std::move(options)),
+      cache_(model.config(), options_.slots, resolve_context(model, options_), model.device(),
+             model.dtype()) {
+  options_.sampling.validate();
+  if (options_.max_new_tokens <= 0) {
+    fail("generation: --max-new-tokens must be positive, got {}", options_.max_new_tokens);
+  }
+  options_.context = cache_.capacity();
+  current_ =
+      at::zeros({options_.slots}, at::TensorOptions().dtype(at::kLong).device(model.device()));
+  if (options_.cuda_graph && graph_capable(model_)) capture_graph();
+}
+
+void Generator::capture_graph() {
+  const int64_t n = cache_.slots();
+  auto g = std::make_shared<Graph>();
+  std::vector<int64_t> all(n), ones(n, 1);
+  std::iota(all.begin(), all.end(), 0);
+  g->batch = AppendBatch::make(cache_, all, ones);
+  g->batch.max_seen = cache_.capacity();  // the kernel's bound for any length replayed later
+  g->base_rows = g->batch.rows.clone();
+  const ForwardRequest request{{}, Logits::kAll};
+  const at::Device device = model_.device();
+  c10::cuda::CUDAGuard device_guard(device);
+  // Captured on a side stream (capture is illegal on the legacy default stream), after
+  // warm-up runs that create cuBLAS handles and workspaces outside the capture.
+  c10::cuda::device_synchronize();
+  auto stream = c10::cuda::getStreamFromPool(false, device.index());
+  {
+    c10::cuda::CUDAStreamGuard stream_guard(stream);
+    for (int i = 0; i < 2; ++i) {
+      model_.forward_cached(current_, g->batch, cache_, request);
+      for (int64_t s = 0; s < n; ++s) cache_.reset(s);
+    }
+    g->graph.capture_begin();
+    g->logits = model_.forward_cached(current_, g->batch, cache_, request).logits;
+    g->graph.capture_end();
+    for (int64_t s = 0; s < n; ++s) cache_.reset(s);
+  }
+  stream.synchronize();
+  graph_ = std::move(g);
+}
+
+GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
+  c10::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t n_slots = cache_.slots(), context = cache_.capacity();
+  const at::Device device = model_.device();
+  const auto long_opts = at::TensorOptions().dtype(at::kLong);
+  const auto double_opts = at::TensorOptions().dtype(at::kDouble);
+  const SamplingParams& sampling = options_.sampling;
+  std::vector<Slot> slots(n_slots);
+  uint64_t serial = 0;
+  GenerationStats stats;
+
+  // Small host vectors go to the device through pinned memory, so the copy does not block.
+  auto upload = [&](at::Tensor t) {
+    return device.is_cpu() ? t : t.pin_memory().to(device, /*non_blocking=*/true);
+  };
+  auto uniforms = [&](const std::vector<int64_t>& rows) {
+    std::vector<double> u(rows.size(), 0.0);
+    if (!sampling.greedy()) {
+      for (size_t i = 0; i < rows.size(); ++i) {
+        if (rows[i] < 0) continue;
+        const Slot& s = slots[rows[i]];
+        u[i] = sampling_uniform(sampling.seed, s.request.id, static_cast<uint64_t>(s.launched));
+      }
+    }
+    return upload(at::tensor(u, double_opts));
+  };
+  auto is_stop = [&](int64_t token) {
+    return std::find(options_.stop_tokens.begin(), options_.stop_tokens.end(), token) !=
+           options_.stop_tokens.end();
+  };
+  auto finish = [&](Slot& s, Finish why) {
+    s.completion.finish = why;
+    s.occupied = false;
+    done(s.request, std::move(s.completion));
+  };
+  auto may_decode = [&](const Slot& s) {
+    return s.occupied && s.launched < options_.max_new_tokens &&
+           static_cast<int64_t>(s.request.prompt.size()) + s.launched < context;
+  };
+
+  // Prefill of newly admitted requests, packed up to prefill_tokens; their first tokens join
+  // the iteration's report.
+  auto admit = [&](Report& report) {
+    std::vector<int64_t> group;
+    int64_t group_tokens = 0;
+    auto prefill = [&]() {
+      if (group.empty()) return;
+      std::vector<int64_t> counts;
+      std::vector<at::Tensor> prompts;
+      for (int64_t slot : group) {
+        const auto& p = slots[slot].request.prompt;
+        counts.push_back(static_cast<int64_t>(p.size()));
+        prompts.push_back(at::tensor(p, long_opts));
+      }
+      auto batch = AppendBatch::make(cache_, group, counts);
+      auto out =
+          model_.forward_cached(upload(at::cat(prompts)), batch, cache_, {{}, Logits::kLast});
+      auto first = sample_tokens(out.logits, sampling, uniforms(group));
+      current_.index_copy_(0, upload(at::tensor(group, long_opts)), first);
+      report.device.push_back(first);
+      for (int64_t slot : group) {
+        report.entries.emplace_back(slot, slots[slot].serial);
+        ++slots[slot].launched;
+      }
+      ++stats.prefill_forwards;
+      group.clear();
+      group_tokens = 0;
+    };
+    for (int64_t i = 0; i < n_slots; ++i) {
+      Slot& s = slots[i];
+      while (!s.occupied) {
+        auto request = next();
+        if (!request) break;
+        if (request->prompt.empty())
+          fail("generation: request {} has an empty prompt", request->id);
+        const int64_t length = static_cast<int64_t>(request->prompt.size());
+        ++stats.requests;
+        stats.prompt_tokens += length;
+        s.request = std::move(*request);
+        s.completion = {};
+        s.launched = 0;
+        if (length >= context) {  // no room for even one token
+          finish(s, Finish::kContext);
+          continue;
+        }
+        s.occupied = true;
+        s.serial = ++serial;
+        cache_.reset(i);
+        if (group_tokens + length > options_.prefill_tokens) prefill();
+        group.push_back(i);
+        group_tokens += length;
+      }
+    }
+    prefill();
+  };
+
+  // One token for every slot that may continue.
+  auto decode = [&](Report& report) {
+    std::vector<int64_t> active, rows;
+    for (int64_t i = 0; i < n_slots; ++i) {
+      if (may_decode(slots[i])) active.push_back(i);
+    }
+    if (active.empty()) return;
+    at::Tensor tokens;
+    if (graph_) {
+      std::vector<int64_t> starts(n_slots, 0);
+      rows.assign(n_slots, -1);
+      for (int64_t i : active) {
+        starts[i] = cache_.length(i);
+        rows[i] = i;
+      }
+      auto& b = graph_->batch;
+      auto starts_dev = upload(at::tensor(starts, long_opts));
+      b.positions.copy_(starts_dev);
+      at::add_out(b.rows, graph_->base_rows, starts_dev);
+      b.seen.copy_(starts_dev + 1);
+      graph_->graph.replay();
+      tokens = sample_tokens(graph_->logits, sampling, uniforms(rows));
+      current_.copy_(tokens);
+    } else {
+      rows = active;
+      auto index = upload(at::tensor(active, long_opts));
+      auto batch = AppendBatch::make(cache_, active, std::vector<int64_t>(active.size(), 1));
+      auto out =
+          model_.forward_cached(current_.index_select(0, index), batch, cache_, {{}, Logits::kAll});
+      tokens = sample_tokens(out.logits, sampling, uniforms(rows));
+      current_.index_copy_(0, index, tokens);
+    }
+    if (graph_) {
+      for (int64_t i : active) cache_.extend(i, 1);
+    }
+    report.device.push_back(tokens);
+    for (int64_t row : rows) {
+      report.entries.emplace_back(row, row < 0 ? 0 : slots[row].serial);
+      if (row >= 0) ++slots[row].launched;
+    }
+    ++stats.decode_steps;
+  };
+
+  auto process = [&](Report& report) {
+    if (report.event) report.event->synchronize();
+    const int64_t* token = report.host.data_ptr<int64_t>();
+    for (size_t i = 0; i < report.entries.size(); ++i) {
+      const auto [slot, tag] = report.entries[i];
+      if (slot < 0) continue;
+      Slot& s = slots[slot];
+      if (!s.occupied || s.serial != tag) continue;  // a token past its sequence's end
+      ++stats.generated_tokens;
+      if (is_stop(token[i])) {
+        finish(s, Finish::kStop);
+        continue;
+      }
+      s.completion.tokens.push_back(token[i]);
+      const int64_t n = static_cast<int64_t>(s.completion.tokens.size());
+      if (n == options_.max_new_tokens) {
+        finish(s, Finish::kLength);
+      } else if (static_cast<int64_t>(s.request.prompt.size()) + n == context) {
+        finish(s, Finish::kContext);
+      }
+    }
+  };
+
+  std::optional<Report> pending;
+  for (;;) {
+    Report report;
+    admit(report);
+    decode(report);
+    const bool launched = !report.entries.empty();
+    if (launched) {
+      auto all = report.device.size() == 1 ? report.device[0] : at::cat(report.device);
+      if (device.is_cpu()) {
+        report.host = all;
+      } else {
+        report.host = at::empty({all.size(0)}, long_opts.pinned_memory(true));
+        report.host.copy_(all, /*non_blocking=*/true);
+        report.event.emplace();
+        report.event->record();
+      }
+    }
+    // The previous iteration's tokens, read while the device works on this one.
+    const bool processed = pending.has_value();
+    if (pending) {
+      process(*pending);
+      pending.reset();
+    }
+    if (launched) {
+      pending = std::move(report);
+    } else if (!processed) {
+      break;
+    }
+  }
+  for (const Slot& s : slots) {
+    if (s.occupied) fail("generation: request {} was left unfinished", s.request.id);
+  }
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
+std::vector<Completion> Generator::generate(const std::vector<std::vector<int64_t>>& prompts) {
+  std::vector<Completion> out(prompts.size());
+  size_t next_index = 0;
+  run(
+      [&]() -> std::optional<Request> {
+        if (next_index == prompts.size()) return std::nullopt;
+        Request r{next_index, prompts[next_index]};
+        ++next_index;
+        return r;
+      },
+      [&](const Request& r, Completion c) { out[r.id] = std::move(c); });
+  return out;
+}
+
+}  // namespace dflash::eval

@@ -1,0 +1,83 @@
+// eval: generation and speculative decoding with the target and drafter. This file: batched
+// generation with the target alone. A fixed number of sequence slots share one KV cache; a
+// request takes a free slot (prefill), every occupied slot advances one token per decode step,
+// and a slot is refilled from the queue as soon as its sequence finishes (continuous batching).
+// The host learns each step's tokens one step late: it launches step t, then reads step
+// t-1's tokens (copied to pinned memory on the same stream) while the device runs step t, so
+// detecting stop tokens costs no pipeline bubble. On CUDA in bf16/fp16 the decode step over
+// all slots is one captured CUDA graph. docs/DECODING.md describes the design.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "eval/sampling.h"
+#include "models/target.h"
+
+namespace dflash::eval {
+
+struct GenerationOptions {
+  SamplingParams sampling;
+  int64_t max_new_tokens = 512;      // generated tokens per request, stop token included
+  std::vector<int64_t> stop_tokens;  // a generated stop token ends its sequence
+  int64_t slots = 1;                 // sequences decoded together
+  int64_t context = 0;             // prompt + generated tokens at most; 0: max_position_embeddings
+  bool cuda_graph = true;          // capture the decode step where the device and dtype allow
+  int64_t prefill_tokens = 16384;  // prompt tokens per prefill forward (one prompt at least)
+};
+
+struct Request {
+  uint64_t id = 0;  // names the request's sampling draws (see sampling.h)
+  std::vector<int64_t> prompt;
+};
+
+enum class Finish { kStop, kLength, kContext };
+const char* finish_name(Finish f);
+
+struct Completion {
+  std::vector<int64_t> tokens;  // generated, without the stop token
+  Finish finish = Finish::kLength;
+};
+
+struct GenerationStats {
+  int64_t requests = 0;
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;  // kept ones (a stop token counts; tokens past it do not)
+  int64_t decode_steps = 0;
+  int64_t prefill_forwards = 0;
+  double seconds = 0;
+};
+
+class Generator {
+ public:
+  Generator(const models::TargetModel& model, GenerationOptions options);
+
+  // Pulls requests from `next` (nullopt: none now) while slots are free and calls `done` for
+  // each in the order they finish. `done` may make more requests available to `next` (the
+  // next turn of a conversation); run returns once `next` has none and every slot is idle.
+  using NextFn = std::function<std::optional<Request>()>;
+  using DoneFn = std::function<void(const Request&, Completion)>;
+  GenerationStats run(const NextFn& next, const DoneFn& done);
+
+  // All `prompts` (request ids 0, 1, ...), completions in input order.
+  std::vector<Completion> generate(const std::vector<std::vector<int64_t>>& prompts);
+
+  bool uses_cuda_graph() const { return graph_ != nullptr; }
+  const GenerationOptions& options() const { return options_; }
+
+ private:
+  struct Graph;
+  struct Slot;
+  void capture_graph();
+
+  const models::TargetModel& model_;
+  GenerationOptions options_;
+  models::KVCache cache_;
+  at::Tensor current_;  // int64 [slots], each slot's latest sampled token (the next input)
+  std::shared_ptr<Graph> graph_;
+};
+
+}  // namespace dflash::eval
