@@ -246,6 +246,18 @@ RenderedChat render_chat(const Conversation& conv, const ChatConfig& config) {
   return r;
 }
 
+std::string render_generation_prompt(const Conversation& history, const ChatConfig& config,
+                                     bool enable_thinking) {
+  if (history.messages.empty()) fail("chat: a generation prompt needs at least one message");
+  std::string text = render_chat(history, config).text;
+  if (config.format != ChatFormat::kQwen3) {
+    return text + "<|start_header_id|>assistant<|end_header_id|>\n\n";
+  }
+  text += "<|im_start|>assistant\n";
+  if (!enable_thinking) text += "<think>\n\n</think>\n\n";
+  return text;
+}
+
 void tokenize_chat(const tok::Tokenizer& tokenizer, const RenderedChat& chat, TokenizedChat& out) {
   thread_local std::vector<uint32_t> offsets;
   tokenizer.encode(chat.text, false, out.ids, &offsets);

@@ -64,6 +64,13 @@ struct RenderedChat {
 };
 RenderedChat render_chat(const Conversation& conv, const ChatConfig& config);
 
+// The prompt from which a model writes its next assistant turn: `history` (ending with a user
+// turn) rendered as the official template renders it with add_generation_prompt=True. For
+// Qwen3, enable_thinking=false ends the prompt with the template's empty think block
+// ("<think>\n\n</think>\n\n"), which switches reasoning off; Llama-3 ignores it.
+std::string render_generation_prompt(const Conversation& history, const ChatConfig& config,
+                                     bool enable_thinking = true);
+
 // Tokenizes the whole rendered text at once (as apply_chat_template does, so ids match even
 // where a token crosses a turn boundary) and marks every token that overlaps an assistant span,
 // which is transformers' return_assistant_tokens_mask rule.

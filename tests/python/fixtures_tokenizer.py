@@ -347,7 +347,23 @@ def chat_reference(out, dirs):
             texts.append(text)
             ids.append(list(plain["input_ids"]))
             masks.append(list(enc["assistant_masks"]))
-        result[kind] = {"texts": texts, "ids": ids, "masks": masks}
+        # Generation prompts: every prefix that ends just before an assistant turn, with
+        # Qwen3's reasoning on and off (Llama-3's template ignores the switch).
+        generation = []
+        for line in [*range(60), *range(len(convs) - 7, len(convs))]:  # and the boundary cases
+            msgs = convs[line][1]
+            for n in range(1, len(msgs)):
+                if msgs[n]["role"] != "assistant":
+                    continue
+                prefix = msgs[:n]
+                generation.append({"line": line,
+                                   "messages": n,
+                                   "thinking": hf.apply_chat_template(
+                                       prefix, tokenize=False, add_generation_prompt=True),
+                                   "no_thinking": hf.apply_chat_template(
+                                       prefix, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=False)})
+        result[kind] = {"texts": texts, "ids": ids, "masks": masks, "generation": generation}
     (out / "chat.json").write_text(json.dumps(result, ensure_ascii=False))
 
 

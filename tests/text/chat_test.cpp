@@ -36,6 +36,24 @@ TEST_P(ChatParity, TextIdsAndMasksMatchTransformers) {
   EXPECT_GT(supervised, 10000u);
 }
 
+TEST_P(ChatParity, GenerationPromptsMatchTransformers) {
+  // add_generation_prompt=True for every history that ends before an assistant turn, with
+  // Qwen3's enable_thinking on and off.
+  auto ref = load_fixture_json(tokenizer_fixtures() / "chat.json");
+  ASSERT_FALSE(ref.is_null());
+  ChatConfig config = detect_chat_config(tokenizer_fixtures() / GetParam());
+  const auto& cases = ref[GetParam()]["generation"];
+  ASSERT_GT(cases.size(), 60u);
+  for (const auto& c : cases) {
+    const size_t line = c["line"].get<size_t>();
+    Conversation conv = parse_conversation(ref["lines"][line].get<std::string>());
+    conv.messages.resize(c["messages"].get<size_t>());
+    SCOPED_TRACE("line " + std::to_string(line) + ", " + c["messages"].dump() + " messages");
+    EXPECT_EQ(render_generation_prompt(conv, config), c["thinking"].get<std::string>());
+    EXPECT_EQ(render_generation_prompt(conv, config, false), c["no_thinking"].get<std::string>());
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(chat, ChatParity, ::testing::Values("qwen3", "llama3"));
 
 std::string reason(std::string_view line) {
