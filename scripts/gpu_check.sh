@@ -2,7 +2,8 @@
 # One device call's worth of work on the GPU machine: build, run every test (GPU tests
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
-# Stages: build test target load drafter train pipeline tokenizer (default: the first five).
+# Stages: build test target load drafter decode train pipeline tokenizer (default: the first
+# five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/gpu-out}
@@ -51,6 +52,16 @@ if has drafter && "$dflash" bench-drafter --help > /dev/null 2>&1; then
   "$dflash" bench-drafter --device cuda --json "$out/bench_drafter.json" \
     --profile "$out/drafter_trace.json" 2>&1 | tee "$out/bench_drafter.txt"
   gzip -f "$out/drafter_trace.json"
+fi
+if has decode; then
+  # Generation: the decoding tests (flash attention over the KV cache, CUDA-graph replay
+  # against eager), then bench-decode on the Qwen3-8B shape (batch 1 and 128, graph on/off).
+  step decode
+  "$build/tests/dflash_core_tests" --gtest_filter='*KVCache*:*Generator*:*DecodeGpu*:*Sampling*' \
+    > "$out/decode_tests.log" 2>&1
+  echo "decode tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/decode_tests.log" | tail -8
+  "$dflash" bench-decode --preset qwen3-8b --device cuda --json "$out/bench_decode.json" 2>&1 \
+    | tee "$out/bench_decode.txt"
 fi
 if has train; then
   step train

@@ -14,5 +14,7 @@ void add_prepare_command(CLI::App& app);
 void add_random_data_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_generate_command(CLI::App& app);
+void add_bench_decode_command(CLI::App& app);
 
 }  // namespace dflash::cli

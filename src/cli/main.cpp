@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
   dflash::cli::add_random_data_command(app);
   dflash::cli::add_train_command(app);
   dflash::cli::add_bench_command(app);
+  dflash::cli::add_generate_command(app);
+  dflash::cli::add_bench_decode_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

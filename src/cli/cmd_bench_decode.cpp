@@ -1,0 +1,168 @@
+// `dflash bench-decode`: decoding speed of a random-weight target (no files needed): batched
+// greedy generation with and without the CUDA graph, split into prefill and decode, and the
+// cost of one verify pass over a block of tokens against one plain decode step, from which
+// the speed-up of speculative decoding at a given acceptance length can be read off.
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "common/error.h"
+#include "common/file.h"
+#include "eval/generator.h"
+#include "models/target.h"
+#include "obs/stats.h"
+
+namespace dflash::cli {
+namespace {
+
+struct BenchDecodeOptions {
+  std::string preset = "qwen3-8b";
+  std::string device = "cuda";
+  int64_t prompt_len = 512;
+  int64_t new_tokens = 256;
+  std::vector<int64_t> batches = {1, 128};
+  int64_t verify_tokens = 16;
+  int warmup = 1;
+  int iters = 3;
+  std::string json_out;
+};
+
+std::vector<std::vector<int64_t>> random_prompts(int64_t n, int64_t length, int64_t vocab,
+                                                 uint64_t seed) {
+  auto gen = models::seeded_generator(at::kCPU, seed);
+  auto t = at::randint(vocab, {n, length}, gen, at::kLong);
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* row = t[i].data_ptr<int64_t>();
+    out.emplace_back(row, row + length);
+  }
+  return out;
+}
+
+// Median seconds of generating `max_new` tokens for every prompt, one Generator per call so
+// that only one KV cache is held at a time.
+struct GenerationTiming {
+  double seconds = 0;
+  bool graph = false;
+};
+
+GenerationTiming time_generation(const models::TargetModel& model,
+                                 const std::vector<std::vector<int64_t>>& prompts, int64_t max_new,
+                                 int64_t context, bool graph, const BenchDecodeOptions& o) {
+  eval::GenerationOptions g;
+  g.slots = static_cast<int64_t>(prompts.size());
+  g.max_new_tokens = max_new;
+  g.context = context;
+  g.cuda_graph = graph;
+  eval::Generator generator(model, g);
+  auto times = obs::time_steps(model.device(), o.warmup, o.iters, [&] {
+    auto out = generator.generate(prompts);
+    for (const auto& c : out) {
+      if (static_cast<int64_t>(c.tokens.size()) != max_new) {
+        fail("bench-decode: a sequence ended after {} of {} tokens", c.tokens.size(), max_new);
+      }
+    }
+  });
+  return {obs::median(times), generator.uses_cuda_graph()};
+}
+
+void run_bench_decode(const BenchDecodeOptions& o) {
+  at::Device device(o.device);
+  auto config = models::preset_config(o.preset);
+  const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  auto model = models::TargetModel::random(config, device, dtype, 0);
+  const int64_t context = o.prompt_len + o.new_tokens;
+  if (o.new_tokens < 2) fail("bench-decode: --new-tokens must be at least 2");
+  fmt::print(
+      "bench-decode: {} ({:.2f} B params), {} on {}, prompt {} tokens, {} new tokens, warmup {}, "
+      "iters {} (medians)\n",
+      o.preset, config.num_parameters() / 1e9, c10::toString(dtype), o.device, o.prompt_len,
+      o.new_tokens, o.warmup, o.iters);
+  fmt::print("{:>6} {:>6} {:>12} {:>12} {:>14} {:>12} {:>16}\n", "batch", "graph", "prefill ms",
+             "decode ms", "ms/step", "decode tok/s", "end-to-end tok/s");
+  nlohmann::json rows = nlohmann::json::array();
+  const bool graph_possible = device.is_cuda();
+  for (int64_t b : o.batches) {
+    auto prompts = random_prompts(b, o.prompt_len, config.vocab_size, 1);
+    for (bool graph : graph_possible ? std::vector<bool>{true, false} : std::vector<bool>{false}) {
+      // Prefill and the first token alone, then the whole run: the difference is the decode.
+      auto first = time_generation(model, prompts, 1, context, graph, o);
+      auto full = time_generation(model, prompts, o.new_tokens, context, graph, o);
+      const double decode_s = full.seconds - first.seconds;
+      const int64_t steps = o.new_tokens - 1;
+      const double decode_tps = b * steps / decode_s;
+      const double e2e_tps = b * o.new_tokens / full.seconds;
+      fmt::print("{:>6} {:>6} {:>12.2f} {:>12.1f} {:>14.3f} {:>12.0f} {:>16.0f}\n", b,
+                 full.graph ? "on" : "off", first.seconds * 1e3, decode_s * 1e3,
+                 decode_s / steps * 1e3, decode_tps, e2e_tps);
+      rows.push_back({{"batch", b},
+                      {"cuda_graph", full.graph},
+                      {"prefill_and_first_token_ms", first.seconds * 1e3},
+                      {"decode_ms", decode_s * 1e3},
+                      {"decode_step_ms", decode_s / steps * 1e3},
+                      {"decode_tokens_per_s", decode_tps},
+                      {"end_to_end_tokens_per_s", e2e_tps}});
+    }
+  }
+
+  // One slot holding the prompt; each timed pass appends tokens and is cropped away again.
+  if (o.verify_tokens < 1 || o.verify_tokens > o.prompt_len) {
+    fail("bench-decode: --verify-tokens must be in [1, --prompt-len]");
+  }
+  models::KVCache cache(config, 1, o.prompt_len + o.verify_tokens, device, dtype);
+  auto prompt = at::tensor(random_prompts(1, o.prompt_len, config.vocab_size, 2)[0]).to(device);
+  model.forward_cached(prompt, models::AppendBatch::make(cache, {0}, {o.prompt_len}), cache, {});
+  auto pass_ms = [&](int64_t n) {
+    auto tokens = prompt.narrow(0, 0, n);
+    auto times = obs::time_steps(device, o.warmup + 2, o.iters * 5, [&] {
+      auto batch = models::AppendBatch::make(cache, {0}, {n});
+      auto out = model.forward_cached(tokens, batch, cache, {{}, models::Logits::kAll});
+      out.logits.argmax(-1);
+      cache.crop(0, o.prompt_len);
+    });
+    return obs::median(times) * 1e3;
+  };
+  const double step_ms = pass_ms(1), verify_ms = pass_ms(o.verify_tokens);
+  fmt::print(
+      "speculative, batch 1 at {} cached tokens (eager): plain decode step {:.3f} ms, verify of "
+      "{} tokens {:.3f} ms ({:.2f}x a step)\n",
+      o.prompt_len, step_ms, o.verify_tokens, verify_ms, verify_ms / step_ms);
+  nlohmann::json doc = {{"preset", o.preset},
+                        {"device", o.device},
+                        {"prompt_len", o.prompt_len},
+                        {"new_tokens", o.new_tokens},
+                        {"generation", rows},
+                        {"speculative",
+                         {{"cached_tokens", o.prompt_len},
+                          {"decode_step_ms", step_ms},
+                          {"verify_tokens", o.verify_tokens},
+                          {"verify_ms", verify_ms},
+                          {"verify_over_step", verify_ms / step_ms}}}};
+  if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
+}
+
+}  // namespace
+
+void add_bench_decode_command(CLI::App& app) {
+  auto o = std::make_shared<BenchDecodeOptions>();
+  auto* cmd = app.add_subcommand(
+      "bench-decode", "Measure target decoding speed and the verify-pass cost (random weights)");
+  cmd->add_option("--preset", o->preset, "model shape: qwen3-8b or tiny")->capture_default_str();
+  cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
+  cmd->add_option("--prompt-len", o->prompt_len, "prompt tokens per sequence")
+      ->capture_default_str();
+  cmd->add_option("--new-tokens", o->new_tokens, "generated tokens per sequence")
+      ->capture_default_str();
+  cmd->add_option("--batches", o->batches, "sequences decoded together, one run each")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--verify-tokens", o->verify_tokens, "block size of the verify pass")
+      ->capture_default_str();
+  cmd->add_option("--warmup", o->warmup)->capture_default_str();
+  cmd->add_option("--iters", o->iters, "timed runs; the median is reported")->capture_default_str();
+  cmd->add_option("--json", o->json_out, "also write the results here");
+  cmd->callback([o] { run_bench_decode(*o); });
+}
+
+}  // namespace dflash::cli

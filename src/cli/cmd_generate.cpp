@@ -1,0 +1,45 @@
+// `dflash generate`: regenerates the assistant turns of a chat dataset with the target
+// (eval/regenerate.h).
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "eval/regenerate.h"
+
+namespace dflash::cli {
+
+void add_generate_command(CLI::App& app) {
+  auto o = std::make_shared<eval::RegenerateOptions>();
+  auto* cmd = app.add_subcommand(
+      "generate",
+      "Regenerate the assistant turns of a chat JSONL dataset with the target (resumable; "
+      "one rank per GPU with --nproc-per-node, torchrun or srun)");
+  cmd->add_option("--target", o->target, "Hugging Face model directory")->required();
+  cmd->add_option("--data", o->data, "chat JSONL (OpenAI messages or ShareGPT)")->required();
+  cmd->add_option("--out", o->out, "output chat JSONL, in input order (what `prepare` reads)")
+      ->required();
+  cmd->add_option("--max-new-tokens", o->max_new_tokens, "tokens per assistant turn at most")
+      ->capture_default_str();
+  cmd->add_option("--max-context", o->max_context,
+                  "prompt + response tokens at most (the KV cache holds this per sequence)")
+      ->capture_default_str();
+  cmd->add_option("--batch-size", o->batch_size, "sequences decoded together per GPU")
+      ->capture_default_str();
+  cmd->add_option("--temperature", o->sampling.temperature, "0: greedy")->capture_default_str();
+  cmd->add_option("--top-p", o->sampling.top_p)->capture_default_str();
+  cmd->add_option("--top-k", o->sampling.top_k, "0: no limit")->capture_default_str();
+  cmd->add_option("--seed", o->sampling.seed, "sampling seed (draws depend on line and turn)")
+      ->capture_default_str();
+  cmd->add_option("--enable-thinking", o->enable_thinking,
+                  "Qwen3: false prompts the empty think block (no reasoning)")
+      ->capture_default_str();
+  cmd->add_option("--chat-format", o->chat_format,
+                  "qwen3 or llama3 (default: detected from tokenizer_config.json)");
+  cmd->add_option("--device", o->device, "auto (cuda:LOCAL_RANK or cpu), cuda:N or cpu")
+      ->capture_default_str();
+  cmd->add_flag("!--no-cuda-graph", o->cuda_graph, "run the decode step without a CUDA graph");
+  cmd->add_option("--progress-s", o->progress_seconds, "seconds between progress lines (0: none)")
+      ->capture_default_str();
+  cmd->callback([o] { eval::regenerate(*o); });
+}
+
+}  // namespace dflash::cli

@@ -1,0 +1,326 @@
+#include "eval/regenerate.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+
+#include "common/error.h"
+#include "common/file.h"
+#include "data/chat.h"
+#include "dist/comm.h"
+#include "dist/world.h"
+#include "models/target.h"
+#include "tokenizer/tokenizer.h"
+
+namespace dflash::eval {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// Turns of one conversation share its line index in their request ids (sampling draws then
+// depend on the line and turn, not on the rank or batch that decodes them).
+constexpr int kTurnBits = 20;
+
+std::string part_prefix(const fs::path& out) { return out.filename().string() + ".part"; }
+
+fs::path part_path(const fs::path& out, int rank) {
+  return out.parent_path() / (part_prefix(out) + std::to_string(rank));
+}
+
+// The complete lines of a JSONL file (a last line without its newline was cut short by a kill
+// and is left out) and the byte length they span.
+size_t read_complete_lines(const fs::path& path, std::vector<std::string>& lines) {
+  const std::string text = read_file(path);
+  size_t start = 0;
+  for (size_t end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+    if (end > start) lines.emplace_back(text, start, end - start);
+  }
+  return start;
+}
+
+struct Finished {
+  std::string line;
+  bool skipped = false;  // an invalid input line, recorded so that a resume does not retry it
+};
+
+// Lines written by earlier runs (any number of ranks) and by an earlier merge, by input index.
+std::map<int64_t, Finished> finished_lines(const fs::path& out) {
+  std::vector<fs::path> files;
+  const fs::path dir = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+  if (fs::exists(out)) files.push_back(out);
+  if (fs::exists(dir)) {
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      if (entry.path().filename().string().starts_with(part_prefix(out))) {
+        files.push_back(entry.path());
+      }
+    }
+  }
+  std::map<int64_t, Finished> done;
+  for (const auto& file : files) {
+    std::vector<std::string> lines;
+    read_complete_lines(file, lines);
+    for (auto& line : lines) {
+      json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (!j.is_object() || !j.contains("index") || !j["index"].is_number_integer()) {
+        fail("{}: a line without an integer \"index\" (not written by dflash generate?)",
+             file.string());
+      }
+      done.emplace(j["index"].get<int64_t>(), Finished{std::move(line), j.contains("skipped")});
+    }
+  }
+  return done;
+}
+
+std::vector<std::string> read_lines(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open", path.string());
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(std::move(line));
+  return lines;
+}
+
+bool blank(const std::string& line) { return line.find_first_not_of(" \t\r") == std::string::npos; }
+
+// End-of-turn and end-of-text tokens of the chat format, and the model's own EOS ids.
+std::vector<int64_t> stop_tokens(const fs::path& model_dir, const tok::Tokenizer& tokenizer,
+                                 data::ChatFormat format) {
+  std::vector<int64_t> stops;
+  auto add = [&](int64_t id) {
+    if (id >= 0 && std::find(stops.begin(), stops.end(), id) == stops.end()) stops.push_back(id);
+  };
+  const bool qwen = format == data::ChatFormat::kQwen3;
+  for (const char* t : qwen ? std::initializer_list<const char*>{"<|im_end|>", "<|endoftext|>"}
+                            : std::initializer_list<const char*>{"<|eot_id|>", "<|end_of_text|>"}) {
+    add(tokenizer.token_to_id(t));
+  }
+  for (const char* name : {"config.json", "generation_config.json"}) {
+    if (!fs::exists(model_dir / name)) continue;
+    json j = json::parse(read_file(model_dir / name), nullptr, false);
+    if (!j.is_object() || !j.contains("eos_token_id")) continue;
+    const json& eos = j["eos_token_id"];
+    if (eos.is_number_integer()) add(eos.get<int64_t>());
+    if (eos.is_array()) {
+      for (const json& e : eos) {
+        if (e.is_number_integer()) add(e.get<int64_t>());
+      }
+    }
+  }
+  if (stops.empty()) fail("{}: no end-of-turn token in the tokenizer", model_dir.string());
+  return stops;
+}
+
+const char* role_name(data::Role role) {
+  if (role == data::Role::kSystem) return "system";
+  if (role == data::Role::kUser) return "user";
+  return role == data::Role::kAssistant ? "assistant" : "tool";
+}
+
+// One conversation being regenerated.
+struct Job {
+  int64_t index = 0;
+  data::Conversation input;
+  data::Conversation history;  // input turns copied so far, assistant turns regenerated
+  size_t next = 0;             // input position of the next assistant turn
+  int turn = 0;
+  json finish = json::array();
+};
+
+}  // namespace
+
+void regenerate(const RegenerateOptions& o) {
+  const dist::World world = dist::world_from_env();
+  const at::Device device = dist::device_for(world, o.device);
+  std::unique_ptr<dist::Comm> comm;
+  if (world.world_size > 1) {
+    // Only the closing barrier goes through it; ranks may finish hours apart.
+    comm = dist::Comm::create(world, at::kCPU, {"gloo", std::chrono::hours(72)});
+  }
+  const std::string who =
+      world.world_size > 1 ? fmt::format("generate[rank {}]", world.rank) : std::string("generate");
+  auto tokenizer = tok::Tokenizer::load(o.target);
+  std::optional<data::ChatFormat> forced;
+  if (o.chat_format) {
+    forced = data::chat_format_from_name(*o.chat_format);
+    if (!forced) fail("generate: unknown --chat-format {} (qwen3 or llama3)", *o.chat_format);
+  }
+  const data::ChatConfig chat = data::detect_chat_config(o.target, forced);
+
+  const auto inputs = read_lines(o.data);
+  if (!o.out.parent_path().empty()) fs::create_directories(o.out.parent_path());
+  const auto finished = finished_lines(o.out);
+  std::deque<int64_t> todo;
+  for (int64_t i = 0; i < static_cast<int64_t>(inputs.size()); ++i) {
+    if (i % world.world_size == world.rank && !blank(inputs[i]) && !finished.contains(i)) {
+      todo.push_back(i);
+    }
+  }
+  const int64_t todo_lines = static_cast<int64_t>(todo.size());
+  fmt::print("{}: {} lines in {}, {} done before, {} for this rank\n", who, inputs.size(),
+             o.data.string(), finished.size(), todo_lines);
+
+  // Appends go to this rank's part; a line a kill cut short is dropped first.
+  const fs::path part = part_path(o.out, world.rank);
+  if (fs::exists(part)) {
+    std::vector<std::string> lines;
+    const size_t keep = read_complete_lines(part, lines);
+    if (keep != fs::file_size(part)) fs::resize_file(part, keep);
+  }
+  int fd = ::open(part.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) fail("{}: cannot open for appending", part.string());
+  auto write_line = [&](const json& j) {
+    // One write per line: a kill leaves whole lines (and at most one cut tail, dropped above).
+    std::string line = j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
+    write_all(fd, line.data(), line.size(), part);
+  };
+
+  if (todo_lines > 0) {
+    const at::ScalarType dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+    auto model = models::TargetModel::load(o.target, device, dtype);
+    GenerationOptions g;
+    g.sampling = o.sampling;
+    g.max_new_tokens = o.max_new_tokens;
+    g.stop_tokens = stop_tokens(o.target, tokenizer, chat.format);
+    g.slots = o.batch_size;
+    g.context = std::min(o.max_context, model.config().max_position_embeddings);
+    g.cuda_graph = o.cuda_graph;
+    Generator generator(model, g);
+
+    std::unordered_map<int64_t, Job> jobs;
+    std::deque<Request> ready;  // next turns of conversations in flight, served first
+    int64_t lines_done = 0, skipped = 0, tokens = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto last_print = t0;
+
+    // Copies input turns up to the next assistant turn and renders its prompt; false when the
+    // conversation has no assistant turn left.
+    auto prepare_turn = [&](Job& job) -> std::optional<Request> {
+      auto& msgs = job.input.messages;
+      while (job.next < msgs.size() && msgs[job.next].role != data::Role::kAssistant) {
+        job.history.messages.push_back(msgs[job.next++]);
+      }
+      if (job.next == msgs.size()) return std::nullopt;
+      const std::string prompt =
+          data::render_generation_prompt(job.history, chat, o.enable_thinking);
+      auto ids = tokenizer.encode(prompt, /*add_special_tokens=*/false);
+      Request r;
+      r.id = (static_cast<uint64_t>(job.index) << kTurnBits) | static_cast<uint64_t>(job.turn);
+      r.prompt.assign(ids.begin(), ids.end());
+      return r;
+    };
+    auto finish_job = [&](Job& job) {
+      json messages = json::array();
+      for (const auto& m : job.history.messages) {
+        messages.push_back({{"role", role_name(m.role)}, {"content", m.content}});
+      }
+      write_line({{"index", job.index}, {"messages", messages}, {"finish", job.finish}});
+      ++lines_done;
+      jobs.erase(job.index);
+    };
+    auto progress = [&](bool final) {
+      const auto now = std::chrono::steady_clock::now();
+      if (!final &&
+          (o.progress_seconds <= 0 || world.rank != 0 ||
+           std::chrono::duration<double>(now - last_print).count() < o.progress_seconds)) {
+        return;
+      }
+      last_print = now;
+      const double s = std::chrono::duration<double>(now - t0).count();
+      const int64_t handled = lines_done + skipped;
+      const double eta = handled > 0 ? s * static_cast<double>(todo_lines - handled) / handled : -1;
+      fmt::print("{}: {}/{} lines, {} tokens, {:.0f} tokens/s, {:.0f} s elapsed, ETA {}\n", who,
+                 handled, todo_lines, tokens, tokens / std::max(s, 1e-9), s,
+                 eta < 0 ? std::string("?") : fmt::format("{:.0f} s", eta));
+      std::fflush(stdout);
+    };
+
+    auto next = [&]() -> std::optional<Request> {
+      if (!ready.empty()) {
+        Request r = std::move(ready.front());
+        ready.pop_front();
+        return r;
+      }
+      while (!todo.empty()) {
+        const int64_t index = todo.front();
+        todo.pop_front();
+        Job job;
+        job.index = index;
+        try {
+          job.input = data::parse_conversation(inputs[index]);
+        } catch (const data::ParseError& e) {
+          write_line({{"index", index}, {"skipped", e.what()}});
+          ++skipped;
+          continue;
+        }
+        auto request = prepare_turn(job);
+        if (!request) continue;  // parse_conversation guarantees an assistant turn
+        jobs.emplace(index, std::move(job));
+        return request;
+      }
+      return std::nullopt;
+    };
+    auto done = [&](const Request& r, Completion c) {
+      Job& job = jobs.at(static_cast<int64_t>(r.id >> kTurnBits));
+      tokens += static_cast<int64_t>(c.tokens.size());
+      std::vector<int32_t> ids(c.tokens.begin(), c.tokens.end());
+      job.history.messages.push_back(
+          {data::Role::kAssistant, tokenizer.decode(ids, /*skip_special_tokens=*/true), {}});
+      job.finish.push_back(finish_name(c.finish));
+      ++job.next;
+      ++job.turn;
+      if (auto request = prepare_turn(job)) {
+        ready.push_front(std::move(*request));
+      } else {
+        finish_job(job);
+      }
+      progress(false);
+    };
+    auto stats = generator.run(next, done);
+    progress(true);
+    fmt::print(
+        "{}: {} lines ({} skipped as invalid), {} requests, {} prompt + {} generated "
+        "tokens in {:.1f} s ({:.0f} generated tokens/s, {} decode steps, cuda graph {})\n",
+        who, lines_done + skipped, skipped, stats.requests, stats.prompt_tokens,
+        stats.generated_tokens, stats.seconds,
+        stats.generated_tokens / std::max(stats.seconds, 1e-9), stats.decode_steps,
+        generator.uses_cuda_graph() ? "on" : "off");
+  }
+  ::close(fd);
+
+  if (comm) comm->barrier("generate_done");
+  if (world.rank != 0) return;
+  // Merge: every non-blank input line must be in some part (or the earlier output).
+  const auto all = finished_lines(o.out);
+  int64_t missing = 0, written = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(inputs.size()); ++i) {
+    missing += !blank(inputs[i]) && !all.contains(i);
+  }
+  if (missing > 0) {
+    fail("generate: {} input lines have no output yet (a rank failed?); rerun to continue",
+         missing);
+  }
+  write_file_atomic(o.out, [&](int out_fd) {
+    for (const auto& [index, f] : all) {
+      if (f.skipped) continue;
+      write_all(out_fd, f.line.data(), f.line.size(), o.out);
+      write_all(out_fd, "\n", 1, o.out);
+      ++written;
+    }
+  });
+  const fs::path dir = o.out.parent_path().empty() ? fs::path(".") : o.out.parent_path();
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().filename().string().starts_with(part_prefix(o.out))) {
+      remove_tree(entry.path());
+    }
+  }
+  fmt::print("generate: wrote {} ({} conversations)\n", o.out.string(), written);
+}
+
+}  // namespace dflash::eval

@@ -1,0 +1,36 @@
+// eval: generation and speculative decoding with the target and drafter. This file: `dflash
+// generate`, which regenerates the assistant turns of a chat dataset with the target (the
+// DFlash recipe trains drafters on the target's own answers). Each assistant turn is
+// regenerated in order, conditioned on the regenerated history. Lines are split over ranks
+// (line i goes to rank i mod world size); each rank appends finished lines, tagged with their
+// input index, to its own part file, one write per line, so a killed run restarts without
+// redoing them (on any number of ranks); rank 0 merges the parts in input order at the end.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "eval/generator.h"
+
+namespace dflash::eval {
+
+struct RegenerateOptions {
+  std::filesystem::path target;  // Hugging Face model directory (weights and tokenizer)
+  std::filesystem::path data;    // chat JSONL
+  std::filesystem::path out;     // chat JSONL, one line per input line, in input order
+  SamplingParams sampling;
+  int64_t max_new_tokens = 2048;  // per assistant turn
+  int64_t max_context = 4096;     // prompt + response; the KV cache holds this per slot
+  int64_t batch_size = 64;        // sequences decoded together per rank
+  bool enable_thinking = true;    // Qwen3's switch (false: the empty think block is prompted)
+  std::optional<std::string> chat_format;  // overrides the template detection
+  std::string device = "auto";
+  bool cuda_graph = true;
+  double progress_seconds = 5.0;  // between progress lines; 0: none
+};
+
+// Runs on this process's rank (dist::world_from_env) and returns when `out` is complete.
+void regenerate(const RegenerateOptions& options);
+
+}  // namespace dflash::eval
