@@ -173,7 +173,8 @@ template <class Attend>
 ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& positions,
                                const at::Tensor& cu_seqlens, const ForwardRequest& request,
                                Attend&& attend) const {
-  c10::NoGradGuard no_grad;
+  std::optional<c10::NoGradGuard> no_grad;
+  if (!request.grad) no_grad.emplace();
   for (int64_t id : request.tap_layers) {
     if (id < 0 || id >= config_.num_layers) {
       fail("target forward: tap layer {} is out of range [0, {})", id, config_.num_layers);
@@ -277,6 +278,36 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
   out.push_back({"model.norm.weight", norm_});
   if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", lm_head_});
   return out;
+}
+
+std::vector<at::Tensor> TargetModel::parameters() const {
+  std::vector<at::Tensor> out = {embed_};
+  for (const auto& l : layers_) {
+    for (const at::Tensor& t : {l.input_norm, l.post_attention_norm, l.w_qkv, l.b_qkv, l.q_norm,
+                                l.k_norm, l.w_o, l.w_gate_up, l.w_down}) {
+      if (t.defined()) out.push_back(t);
+    }
+  }
+  out.push_back(norm_);
+  if (!config_.tie_word_embeddings) out.push_back(lm_head_);
+  return out;
+}
+
+TargetModel TargetModel::cast(at::ScalarType dtype) const {
+  TargetModel m(*this);
+  auto to = [&](at::Tensor& t) {
+    if (t.defined()) t = t.to(dtype);
+  };
+  to(m.embed_);
+  for (auto& l : m.layers_) {
+    for (at::Tensor* t : {&l.input_norm, &l.post_attention_norm, &l.w_qkv, &l.b_qkv, &l.q_norm,
+                          &l.k_norm, &l.w_o, &l.w_gate_up, &l.w_down}) {
+      to(*t);
+    }
+  }
+  to(m.norm_);
+  m.lm_head_ = config_.tie_word_embeddings ? m.embed_ : lm_head_.to(dtype);
+  return m;
 }
 
 double prefill_flops(const ModelConfig& c, const std::vector<int64_t>& lengths,

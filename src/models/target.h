@@ -33,6 +33,7 @@ enum class Logits { kNone, kLast, kAll };
 struct ForwardRequest {
   std::vector<int64_t> tap_layers;  // decoder layer ids whose output to return
   Logits logits = Logits::kLast;
+  bool grad = false;  // record autograd history (training the target itself: dflash pretrain)
 };
 
 struct ForwardResult {
@@ -50,7 +51,7 @@ class TargetModel {
   static TargetModel random(const ModelConfig& config, at::Device device, at::ScalarType dtype,
                             uint64_t seed);
 
-  // tokens: int64 [batch.total]. No autograd state is kept.
+  // tokens: int64 [batch.total]. No autograd state is kept unless request.grad.
   ForwardResult forward(const at::Tensor& tokens, const PackedBatch& batch,
                         const ForwardRequest& request) const;
 
@@ -76,6 +77,13 @@ class TargetModel {
 
   // Tensor names and weights as Hugging Face lays them out (for writing checkpoints).
   std::vector<std::pair<std::string, at::Tensor>> hf_state_dict() const;
+
+  // Every weight tensor once (the tied embedding once), as held: training sets requires_grad
+  // on these and hands them to the optimizer.
+  std::vector<at::Tensor> parameters() const;
+  // The same model computing in `dtype`: its weights are casts of these, so with grad mode on
+  // gradients flow back to these (fp32 master weights, bf16 compute). Same dtype: shares them.
+  TargetModel cast(at::ScalarType dtype) const;
 
  private:
   TargetModel(ModelConfig config, at::Device device);
