@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "dist/comm.h"
+#include "obs/stages.h"
 
 namespace dflash::pipeline {
 
@@ -27,7 +28,12 @@ int feature_tag(int64_t position) { return static_cast<int>(position % (int64_t{
 at::Tensor target_features(const models::TargetModel& target, const std::vector<int64_t>& taps,
                            const train::MicroBatch& batch) {
   c10::NoGradGuard no_grad;
-  auto out = target.forward(batch.tokens, batch.packed, {taps, models::Logits::kNone});
+  models::ForwardResult out;
+  {
+    obs::Scope scope(obs::Stage::kTargetForward, target.device());
+    out = target.forward(batch.tokens, batch.packed, {taps, models::Logits::kNone});
+  }
+  obs::Scope scope(obs::Stage::kPostProcess, target.device());
   return out.taps.size() == 1 ? out.taps[0] : at::cat(out.taps, 1);
 }
 
@@ -35,8 +41,18 @@ ColocatedSource::ColocatedSource(const models::TargetModel& target, std::vector<
                                  Prefetcher& batches)
     : target_(target), taps_(std::move(taps)), batches_(batches) {}
 
+namespace {
+
+// The micro-batch's tensors on `device` (pinned host memory to the device, on its stream).
+train::MicroBatch to_device(train::MicroBatch mb, at::Device device) {
+  obs::Scope scope(obs::Stage::kH2D, device);
+  return mb.to(device);
+}
+
+}  // namespace
+
 train::MicroBatch ColocatedSource::get(int64_t position) {
-  auto mb = batches_.get(position).to(target_.device());
+  auto mb = to_device(batches_.get(position), target_.device());
   if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, mb);
   return mb;
 }
@@ -53,9 +69,11 @@ ReceivedSource::ReceivedSource(dist::Comm& world, Topology topology, int trainer
       batches_(batches) {}
 
 train::MicroBatch ReceivedSource::get(int64_t position) {
-  auto mb = batches_.get(position).to(device_);
+  auto mb = to_device(batches_.get(position), device_);
   if (mb.lengths.empty()) return mb;  // the target rank sends nothing for an empty share
   mb.features = at::empty({mb.num_tokens(), width_}, at::TensorOptions(device_).dtype(dtype_));
+  // On NCCL the compute stream waits for the transfer: the GPU-timed span is the wait.
+  obs::Scope scope(obs::Stage::kRecvWait, device_);
   world_.recv(mb.features, topology_.feature_rank(position, trainer_), feature_tag(position),
               "feature_recv");
   return mb;
@@ -63,23 +81,29 @@ train::MicroBatch ReceivedSource::get(int64_t position) {
 
 void serve_features(dist::Comm& world, Topology topology, const models::TargetModel& target,
                     const std::vector<int64_t>& taps, Prefetcher& batches, int64_t start,
-                    int64_t end, size_t in_flight, const std::function<bool()>& stop) {
+                    int64_t end, int64_t accumulation, size_t in_flight,
+                    const std::function<bool()>& stop) {
   const int rank = world.rank();
   std::deque<dist::Comm::Pending> sends;
   for (int64_t item = 0;; ++item) {
     const auto work = topology.target_work(rank, start, item);
     if (work.position >= end || stop()) break;
-    auto mb = batches.get(item).to(target.device());
+    const int64_t step = work.position / accumulation + 1;
+    obs::begin_step(step, target.device());
+    auto mb = to_device(batches.get(item), target.device());
     if (mb.lengths.empty()) continue;
     auto features = target_features(target, taps, mb);
     sends.push_back(
         world.isend(features, work.trainer, feature_tag(work.position), "feature_send"));
     // Backpressure: the oldest transfer must finish before more are started.
+    obs::Scope scope(obs::Stage::kSendWait, target.device());
     while (sends.size() > in_flight) {
       sends.front().wait();
       sends.pop_front();
     }
+    obs::maybe_write_snapshot(step);
   }
+  obs::Scope scope(obs::Stage::kSendWait, target.device());
   while (!sends.empty()) {
     sends.front().wait();
     sends.pop_front();

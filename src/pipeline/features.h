@@ -77,10 +77,12 @@ class ReceivedSource : public train::BatchSource {
 
 // A target rank's loop: for its items from micro-batch `start` up to `end` (exclusive), the
 // target forward and a send to the trainer rank; at most `in_flight` sends outstanding.
-// `batches` forms item i as Topology::target_work says. Returns early when `stop()` is true.
+// `batches` forms item i as Topology::target_work says; `accumulation` micro-batches make an
+// optimizer step (for the step numbers the timings carry). Returns early when `stop()` is true.
 void serve_features(dist::Comm& world, Topology topology, const models::TargetModel& target,
                     const std::vector<int64_t>& taps, Prefetcher& batches, int64_t start,
-                    int64_t end, size_t in_flight, const std::function<bool()>& stop);
+                    int64_t end, int64_t accumulation, size_t in_flight,
+                    const std::function<bool()>& stop);
 
 // Tag of the transfer of micro-batch `position` (Gloo matches sends and receives by tag).
 int feature_tag(int64_t position);

@@ -1,8 +1,7 @@
 #include "pipeline/prefetch.h"
 
-#include <pthread.h>
-
 #include "common/error.h"
+#include "obs/stages.h"
 
 namespace dflash::pipeline {
 
@@ -15,11 +14,17 @@ void Prefetcher::start(int64_t first) {
   queue_ =
       std::make_unique<BoundedQueue<Item>>(name_, depth_, timeout_, "batch_forming", "trainer");
   thread_ = std::thread([this, first, q = queue_.get()] {
-    ::pthread_setname_np(::pthread_self(), "dflash-batches");
+    obs::register_thread("dflash-batches");
     for (int64_t i = first;; ++i) {
       Status pushed;
       try {
-        pushed = q->push(Item{i, form_(i)});
+        Item item{i, {}};
+        {
+          obs::Scope forming(obs::Stage::kBatchForming);
+          item.batch = form_(i);
+        }
+        obs::Scope waiting(obs::Stage::kQueueWait);
+        pushed = q->push(std::move(item));
       } catch (...) {
         q->close(Status::from_current_exception());
         return;
@@ -42,7 +47,10 @@ train::MicroBatch Prefetcher::get(int64_t item) {
     stop();
     start(item);
   }
-  auto popped = queue_->pop();
+  auto popped = [&] {
+    obs::Scope waiting(obs::Stage::kQueueWait);
+    return queue_->pop();
+  }();
   if (!popped.ok()) fail("{}", popped.status().message());
   if (!popped.value()) fail("{}: the producer ended its stream", name_);
   Item it = std::move(*popped.value());

@@ -26,6 +26,8 @@
 #include "models/drafter.h"
 #include "models/target.h"
 #include "models/target_head.h"
+#include "obs/report.h"
+#include "obs/stages.h"
 #include "obs/stats.h"
 #include "obs/tensorboard.h"
 #include "pipeline/features.h"
@@ -166,6 +168,68 @@ Rank join(const RunConfig& c) {
   return r;
 }
 
+// Starts this rank's instrumentation; files go to RUN_DIR/obs (none without a run directory).
+// The figures describe this process's session: a resumed run starts them afresh.
+void start_obs(const RunConfig& c, const Rank& r, const fs::path& run_dir, int64_t warmup_steps,
+               int64_t steps) {
+  obs::ObsOptions o;
+  o.enabled = c.obs;
+  o.rank = r.world.rank;
+  o.snapshot_seconds = c.obs_seconds;
+  o.warmup_steps = warmup_steps;
+  if (!c.trace_steps.empty()) {
+    long first = 0, last = 0;
+    char tail = 0;
+    if (std::sscanf(c.trace_steps.c_str(), "%ld:%ld%c", &first, &last, &tail) != 2 || first < 1 ||
+        last < first) {
+      fail("--trace-steps must be A:B with 1 <= A <= B, got \"{}\"", c.trace_steps);
+    }
+    o.trace_first = first;
+    o.trace_last = last;
+  }
+  if (!run_dir.empty() && c.obs) {
+    o.dir = run_dir / "obs";
+    fs::create_directories(o.dir);
+    remove_tree(o.dir / fmt::format("rank-{}.jsonl", r.world.rank));
+    remove_tree(o.dir / fmt::format("trace-rank-{}.json", r.world.rank));
+    if (r.leads()) {
+      const json job = {{"topology", c.topology},
+                        {"ranks", r.world.world_size},
+                        {"trainer_ranks", r.topology.trainers},
+                        {"accumulation", c.accumulation},
+                        {"batch_size", c.batch_size},
+                        {"warmup_steps", warmup_steps},
+                        {"steps", steps},
+                        {"device", r.device.str()}};
+      write_file_atomic(o.dir / "job.json", job.dump(2) + "\n");
+    }
+  }
+  obs::configure(o);
+}
+
+// The figures at the end of a rank's loop, before its threads are torn down (a batch-forming
+// thread being joined is not part of the steady state).
+void final_snapshot(at::Device device, int64_t step) {
+  if (!obs::enabled()) return;
+  obs::synchronize(device);
+  obs::maybe_write_snapshot(step, /*force=*/true);
+}
+
+// The end of a rank's run: its trace written, then (after every rank has written) rank 0
+// merges the traces. Returns the run's report text on rank 0 ("" elsewhere or without files).
+std::string finish_obs(const RunConfig& c, const Rank& r, const fs::path& run_dir) {
+  if (!c.obs) return {};
+  obs::write_trace();
+  if (run_dir.empty()) return {};
+  r.comm->barrier("obs_files_written");
+  if (!r.leads()) return {};
+  const auto trace = obs::merge_traces(run_dir);
+  std::string text = obs::format_report(obs::analyze_run(run_dir));
+  if (!trace.empty())
+    text += fmt::format("trace: {} (open in https://ui.perfetto.dev)\n", trace.string());
+  return text;
+}
+
 models::DrafterConfig drafter_config(const RunConfig& c, const models::ModelConfig& tc,
                                      bool announce) {
   models::DrafterOptions o;
@@ -247,8 +311,9 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
         },
         static_cast<size_t>(c.prefetch), timeout);
     serve_features(*r.comm, topo, *job.target, dc.target_layer_ids, batches, start_position,
-                   job.steps * c.accumulation, static_cast<size_t>(c.prefetch),
+                   job.steps * c.accumulation, c.accumulation, static_cast<size_t>(c.prefetch),
                    [] { return train::stop_requested(); });
+    final_snapshot(r.device, job.steps);
     return job.steps;
   }
   const int trainer = r.world.rank;
@@ -294,7 +359,12 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
         "run directories?)",
         r.world.rank, loop.data_position(), start_position);
   }
-  return loop.run(job.steps, on_step);
+  const int64_t done = loop.run(job.steps, [&](const train::StepLog& l) {
+    if (on_step) on_step(l);
+    obs::maybe_write_snapshot(l.step);
+  });
+  final_snapshot(r.device, done);
+  return done;
 }
 
 // The steps `c` asks for: --steps, or --epochs worth of optimizer steps.
@@ -324,6 +394,7 @@ class RunLog {
   }
 
   void add(const train::StepLog& l) {
+    obs::Scope scope(obs::Stage::kLog);
     const auto now = Clock::now();
     const double dt = std::chrono::duration<double>(now - last_step_).count();
     const double session = std::chrono::duration<double>(now - start_).count();
@@ -343,6 +414,8 @@ class RunLog {
                  {"tokens_per_s", rate},
                  {"elapsed_s", elapsed_before_ + session}};
     if (l.skipped_nonfinite) line["nonfinite"] = true;
+    const json split = obs::step_split();
+    for (const auto& [key, value] : split.items()) line[key] = value;
     const std::string text = line.dump() + "\n";
     if (std::fputs(text.c_str(), metrics_.get()) < 0 || std::fflush(metrics_.get()) != 0) {
       fail("{}: write failed", metrics_path_.string());
@@ -355,6 +428,12 @@ class RunLog {
     for (size_t k = 0; k < l.accuracy.size(); ++k) {
       scalars.push_back({fmt::format("accuracy/position_{:02d}", k + 1), l.accuracy[k]});
     }
+    for (const char* part : {"host_ms", "gpu_ms"}) {
+      if (!split.contains(part)) continue;
+      for (const auto& [stage, ms] : split[part].items()) {
+        scalars.push_back({fmt::format("stages_{}/{}", part, stage), ms.get<double>()});
+      }
+    }
     tb_.add_scalars(l.step, scalars);
     tb_.flush();
     if (l.step == first_step_ + 1 || l.step >= steps_ ||
@@ -362,13 +441,19 @@ class RunLog {
       last_print_ = now;
       const double steps_per_s =
           static_cast<double>(l.step - first_step_) / std::max(session, 1e-9);
+      const auto recent = obs::recent();
+      std::string where;
+      if (recent.gpu_busy >= 0) where += fmt::format(" | GPU busy {:.0f}%", recent.gpu_busy);
+      if (!recent.top_stage.empty()) {
+        where += fmt::format(" | top stage {} {:.0f}%", recent.top_stage, 100 * recent.top_share);
+      }
       fmt::print(
           stderr,
           "train: step {}/{} ({:.1f}%) | loss {:.4f} | acc1 {:.3f} | tau {:.2f} | lr {:.2e} "
-          "| {:.2f} steps/s {} tokens/s | elapsed {} | ETA {}\n",
+          "| {:.2f} steps/s {} tokens/s{} | elapsed {} | ETA {}\n",
           l.step, steps_, 100.0 * static_cast<double>(l.step) / static_cast<double>(steps_), l.loss,
           l.accuracy.empty() ? 0.0 : l.accuracy[0], l.acceptance, l.lr, steps_per_s,
-          rate_text(static_cast<double>(session_tokens_) / std::max(session, 1e-9)),
+          rate_text(static_cast<double>(session_tokens_) / std::max(session, 1e-9)), where,
           clock_text(elapsed_before_ + session),
           clock_text(steps_per_s > 0 ? static_cast<double>(steps_ - l.step) / steps_per_s : NAN));
       std::fflush(stderr);
@@ -549,11 +634,18 @@ void run_training(const RunConfig& c) {
     }
   }
   train::install_stop_signals();
+  start_obs(c, r, run_dir, /*warmup_steps=*/1, job.steps);
   const int64_t done = run_rank(job, resuming, run_dir, [&](const train::StepLog& l) {
     if (log) log->add(l);
     if (r.world.rank == kill_rank && l.step == kill_step) ::raise(SIGKILL);
   });
+  const std::string report = finish_obs(c, r, run_dir);
   if (!r.leads()) return;
+  if (!report.empty()) {
+    const auto line = report.find("bottleneck: ");
+    fmt::print("train: {}", report.substr(line, report.find('\n', line) + 1 - line));
+    fmt::print("  the full report: dflash report {}\n", run_dir.string());
+  }
   const fs::path newest = train::resolve_checkpoint(run_dir);
   if (train::stop_requested()) {
     fmt::print("train: stopped by a signal at step {} of {}; checkpoint {}\n", done, job.steps,
@@ -613,6 +705,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   Clock::time_point wall_at_warmup = last;
   int64_t tokens_per_step = 0;
   if (r.device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(r.device.index());
+  start_obs(c, r, c.out, bench.warmup, c.steps);
   run_rank(job, false, {}, [&](const train::StepLog& l) {
     const auto now = Clock::now();
     if (l.step == bench.warmup) {
@@ -627,6 +720,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   // Every rank's host CPU and memory, gathered to rank 0.
   const double cores =
       (cpu_seconds() - cpu_at_warmup) / std::max(seconds_since(wall_at_warmup), 1e-9);
+  const std::string obs_report = finish_obs(c, r, c.out);
   int64_t gpu_peak = 0, gpu_reserved = 0, gpu_used = 0;
   if (r.device.is_cuda()) {
     // What the device has in use now (cudaMemGetInfo: allocator pools, CUDA context, NCCL
@@ -691,7 +785,9 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
         static_cast<double>(v[2]) / (1 << 30), static_cast<double>(v[4]) / (1 << 30),
         static_cast<double>(v[3]) / (1 << 30));
   }
+  report["obs"] = c.obs;
   if (!bench.json_out.empty()) write_file_atomic(bench.json_out, report.dump(2) + "\n");
+  if (!obs_report.empty()) fmt::print("\n{}", obs_report);
 }
 
 }  // namespace dflash::pipeline

@@ -81,6 +81,13 @@ const std::vector<ConfigKey>& config_keys() {
        "MiB of gradients per all-reduce, started during the backward as each bucket is ready"},
       {"timeout_s", &RunConfig::timeout_s,
        "seconds any stage or rank may wait on another before the run stops with an error"},
+      {"obs", &RunConfig::obs,
+       "time every stage and thread on every rank (--obs=false: off, to measure its cost)"},
+      {"obs_seconds", &RunConfig::obs_seconds,
+       "seconds between the figures each rank writes to RUN_DIR/obs (read by `dflash report`)"},
+      {"trace_steps", &RunConfig::trace_steps,
+       "A:B: a Chrome/Perfetto trace of every rank's stages and threads for steps A..B, in "
+       "RUN_DIR/trace.json"},
   };
   return keys;
 }

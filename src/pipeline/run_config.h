@@ -53,6 +53,10 @@ struct RunConfig {
   int64_t prefetch = 2;                // micro-batches formed / features in flight ahead
   double timeout_s = 600;              // any wait between stages or ranks
   double allreduce_bucket_mb = 64;     // gradient buckets reduced while the backward runs
+  // Observability (obs/): stage timing on every rank, snapshots, traces.
+  bool obs = true;
+  double obs_seconds = 5;   // between snapshots in RUN_DIR/obs/rank-N.jsonl
+  std::string trace_steps;  // "A:B": Chrome trace of steps A..B in RUN_DIR/trace.json
 };
 
 // The keys: name (YAML key; the option is --name with '-' for '_'), field, help.

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "obs/stages.h"
 #include "train/loss.h"
 
 namespace dflash::train {
@@ -131,12 +132,23 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
   if (mb.packed.size() != static_cast<int64_t>(mb.lengths.size())) {
     fail("training step: micro-batch {} was not moved to the device (MicroBatch::to)", mb.position);
   }
-  auto hidden = drafter.forward(mb.features, mb.packed, blocks.layout, head, options.dtype,
-                                options.attention);
-  auto rows = hidden.index_select(0, blocks.label_rows);
-  auto loss = chunked_head_loss(rows, head.lm_head, blocks.labels, blocks.weights, blocks.label_k,
-                                config.block_size, grad_scale, options.head_chunk_rows);
-  if (rows.requires_grad() && blocks.num_labels > 0) rows.backward(loss.grad_hidden);
+  at::Tensor rows;
+  {
+    obs::Scope scope(obs::Stage::kDrafterForward, device);
+    auto hidden = drafter.forward(mb.features, mb.packed, blocks.layout, head, options.dtype,
+                                  options.attention);
+    rows = hidden.index_select(0, blocks.label_rows);
+  }
+  HeadLoss loss;
+  {
+    obs::Scope scope(obs::Stage::kLoss, device);
+    loss = chunked_head_loss(rows, head.lm_head, blocks.labels, blocks.weights, blocks.label_k,
+                             config.block_size, grad_scale, options.head_chunk_rows);
+  }
+  if (rows.requires_grad() && blocks.num_labels > 0) {
+    obs::Scope scope(obs::Stage::kBackward, device);
+    rows.backward(loss.grad_hidden);
+  }
   MicroResult r;
   r.weighted_ce = loss.weighted_ce;
   r.correct = loss.correct;

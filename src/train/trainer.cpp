@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "dist/comm.h"
+#include "obs/stages.h"
 
 namespace dflash::train {
 namespace {
@@ -65,6 +66,7 @@ void Trainer::train_step() {
                 std::llround(options_.warmup_ratio * static_cast<double>(options_.total_steps)),
                 options_.lr, options_.min_lr);
   const at::Device device = drafter_.device();
+  obs::begin_step(p.log.step, device);
   // [wce, correct[B], count[B], stop votes]: reduced across trainer ranks with the gradients.
   if (sync_) sync_->zero();
   at::Tensor figures = sync_ ? sync_->extra() : at::zeros({2 * bs + 2}, params_[0].options());
@@ -91,15 +93,13 @@ void Trainer::train_step() {
   ++state_.step;
   if (stop_requested()) figures.narrow(0, 2 * bs + 1, 1).fill_(1.0);
   at::Tensor norm;
-  {
-    c10::NoGradGuard no_grad;
-    if (sync_) {
-      sync_->finish();
-      norm = sync_->grads().norm();
-    } else {
-      norm = grad_norm(params_);
-    }
+  c10::NoGradGuard no_grad;
+  if (sync_) {
+    obs::Scope scope(obs::Stage::kAllReduce, device);
+    sync_->finish();
   }
+  obs::Scope scope(obs::Stage::kOptimizer, device);
+  norm = sync_ ? sync_->grads().norm() : grad_norm(params_);
   if (p.weight_sum > 0) {
     // A non-finite loss or gradient skips the update on the device (AdamW's found_inf).
     auto found_inf = at::logical_not(at::isfinite(norm) & at::isfinite(figures[0])).to(at::kFloat);
@@ -126,6 +126,7 @@ void Trainer::train_step() {
 StepLog Trainer::finish(Pending& p) {
   // The host waits here for most of a step (it runs one step ahead): polling with a sleep
   // rather than cudaEventSynchronize, which spins a core for the whole wait.
+  obs::Scope scope(obs::Stage::kGpuWait);
   while (p.copied && !p.copied->query()) std::this_thread::sleep_for(std::chrono::microseconds(50));
   const int64_t bs = drafter_.config().block_size;
   const float* f = p.figures.data_ptr<float>();
@@ -199,6 +200,7 @@ std::filesystem::path Trainer::save_checkpoint() {
   if (!pending_.empty()) fail("trainer: checkpoint with {} steps' figures unread", pending_.size());
   last_saved_step_ = state_.step;
   if (!options_.write_checkpoints) return {};
+  obs::Scope scope(obs::Stage::kCheckpoint);
   return train::save_checkpoint(options_.checkpoint_dir, options_.keep_last, drafter_, optimizer_,
                                 state_);
 }

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <string>
 
@@ -10,6 +12,14 @@ namespace dflash::testing {
 
 inline std::filesystem::path fixture(const std::string& relative) {
   return std::filesystem::path(DFLASH_FIXTURES) / relative;
+}
+
+// An empty directory of this process under the system's temp directory.
+inline std::filesystem::path fresh_temp_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("dflash_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return dir;
 }
 
 // ||actual - expected|| / ||expected||, in float64.

@@ -1,0 +1,168 @@
+// obs: exclusive stage accounting of a thread, and the report's rules on hand-written figures.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "common/file.h"
+#include "obs/report.h"
+#include "obs/stages.h"
+#include "test_util.h"
+
+namespace dflash::obs {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+TEST(ObsStages, NamesRoundTrip) {
+  for (size_t i = 0; i < kNumStages; ++i) {
+    const auto stage = static_cast<Stage>(i);
+    EXPECT_EQ(stage_from_name(stage_name(stage)), stage);
+  }
+  EXPECT_FALSE(stage_from_name("no_such_stage").has_value());
+}
+
+const json* thread_in(const json& snap, const std::string& name) {
+  for (const auto& t : snap["threads"]) {
+    if (t["name"] == name) return &t;
+  }
+  return nullptr;
+}
+
+// Time goes to the innermost open stage only; time in no stage is "unattributed"; the parts add
+// up to the thread's wall time.
+TEST(ObsStages, HostTimeIsExclusiveAndAddsUp) {
+  configure({});
+  std::thread worker([] {
+    register_thread("obs-test");
+    using std::chrono::milliseconds;
+    std::this_thread::sleep_for(milliseconds(20));  // unattributed
+    Scope outer(Stage::kBatchForming);
+    std::this_thread::sleep_for(milliseconds(30));
+    {
+      Scope inner(Stage::kQueueWait);
+      std::this_thread::sleep_for(milliseconds(60));
+    }
+  });
+  worker.join();
+  const json snap = snapshot(0);
+  const json* t = thread_in(snap, "obs-test");
+  ASSERT_NE(t, nullptr) << snap.dump();
+  const json& st = (*t)["stages"];
+  EXPECT_NEAR(st["unattributed"].get<double>(), 0.020, 0.015);
+  EXPECT_NEAR(st["batch_forming"].get<double>(), 0.030, 0.015);
+  EXPECT_NEAR(st["queue_wait"].get<double>(), 0.060, 0.015);
+  const double sum = st["unattributed"].get<double>() + st["batch_forming"].get<double>() +
+                     st["queue_wait"].get<double>();
+  EXPECT_NEAR(sum, (*t)["wall_s"].get<double>(), 1e-9);
+  // The OS view: every live thread of the process with its CPU time, this one included.
+  bool self = false;
+  for (const auto& os : snap["os_threads"]) {
+    EXPECT_GE(os["cpu_s"].get<double>(), 0.0);
+    self |= os["tid"].get<int64_t>() == static_cast<int64_t>(::gettid());
+  }
+  EXPECT_TRUE(self) << snap["os_threads"].dump();
+}
+
+// Two snapshots of one rank: a warm one and the last; stages in seconds of a 10 s window.
+void write_rank(const fs::path& dir, int rank, const json& main_stages, const json& gpu_stages,
+                int64_t items) {
+  auto snap = [&](double t, double scale, int64_t n, bool warm) {
+    json threads = json::array();
+    json st = json::object();
+    double wall = 0;
+    for (const auto& [k, v] : main_stages.items()) {
+      st[k] = v.get<double>() * scale;
+      wall += v.get<double>() * scale;
+    }
+    threads.push_back({{"name", "main"}, {"tid", 100 + rank}, {"wall_s", wall}, {"stages", st}});
+    json s = {{"step", n},
+              {"items", n},
+              {"t", t},
+              {"threads", threads},
+              {"os_threads",
+               json::array({{{"tid", 100 + rank}, {"name", "dflash"}, {"cpu_s", 5 * scale}}})}};
+    if (!gpu_stages.is_null()) {
+      json g = json::object();
+      double gw = 0;
+      for (const auto& [k, v] : gpu_stages.items()) {
+        g[k] = v.get<double>() * scale;
+        gw += v.get<double>() * scale;
+      }
+      s["gpu"] = {{"device", rank},
+                  {"wall_s", gw},
+                  {"steps", n},
+                  {"stages", g},
+                  {"nvml_busy_sum", 99.0 * 10 * scale},
+                  {"nvml_samples", 10 * scale}};
+    }
+    if (warm) s["warm"] = true;
+    return s;
+  };
+  std::ofstream out(dir / fmt::format("rank-{}.jsonl", rank));
+  // Scale 1 at t=10 (warm), scale 2 at t=20: the window holds exactly one copy of the stages.
+  out << snap(10, 1, items, true).dump() << "\n" << snap(20, 2, 2 * items, false).dump() << "\n";
+}
+
+TEST(ObsReport, NamesTheTargetSideAndBalancesADisaggregatedRun) {
+  const fs::path run = testing::fresh_temp_dir("obs_report_disagg");
+  fs::create_directories(run / "obs");
+  write_file_atomic(
+      run / "obs" / "job.json",
+      json{{"topology", "disaggregated"}, {"ranks", 2}, {"trainer_ranks", 1}, {"accumulation", 1}}
+          .dump());
+  // Trainer: 10 s of GPU time, 4 s waiting for features, 6 s busy, 20 items -> 0.3 s per share.
+  write_rank(run / "obs", 0, json{{"gpu_wait", 10.0}},
+             json{{"recv_wait", 4.0}, {"drafter_forward", 3.0}, {"backward", 3.0}}, 20);
+  // Target: 10 s, 7 in post_process, 3 in the forward, 20 items -> 0.5 s per share.
+  write_rank(run / "obs", 1, json{{"post_process", 7.0}, {"target_forward", 3.0}},
+             json{{"post_process", 7.0}, {"target_forward", 3.0}}, 20);
+  const json a = analyze_run(run);
+  EXPECT_EQ(a["bottleneck"]["kind"], "targets") << a["bottleneck"].dump();
+  EXPECT_EQ(a["bottleneck"]["stage"], "post_process");
+  EXPECT_NEAR(a["ranks"][0]["gpu"]["busy"].get<double>(), 0.99, 1e-9);
+  EXPECT_NEAR(a["ranks"][0]["window_s"].get<double>(), 10.0, 1e-9);
+  const json& b = a["balance"];
+  EXPECT_NEAR(b["target_s_per_share"].get<double>(), 0.5, 1e-9);
+  EXPECT_NEAR(b["trainer_s_per_share"].get<double>(), 0.3, 1e-9);
+  EXPECT_NEAR(b["target_fraction"].get<double>(), 0.5 / 0.8, 1e-9);
+  // 8 GPUs: x targets give min(x / 0.5, (8 - x) / 0.3) shares/s, best at x = 5.
+  EXPECT_EQ(b["best_targets_of_8"], 5);
+  EXPECT_NE(format_report(a).find("bottleneck: targets"), std::string::npos) << format_report(a);
+  remove_tree(run);
+}
+
+TEST(ObsReport, NamesTheSlowestTrainerOfAColocatedRun) {
+  const fs::path run = testing::fresh_temp_dir("obs_report_slow_rank");
+  fs::create_directories(run / "obs");
+  write_file_atomic(run / "obs" / "job.json",
+                    json{{"topology", "colocated"}, {"ranks", 2}, {"trainer_ranks", 2}}.dump());
+  write_rank(run / "obs", 0, json{{"drafter_forward", 2.0}, {"allreduce", 5.0}, {"backward", 3.0}},
+             nullptr, 10);
+  write_rank(run / "obs", 1, json{{"drafter_forward", 7.0}, {"allreduce", 0.2}, {"backward", 2.8}},
+             nullptr, 10);
+  const json a = analyze_run(run);
+  EXPECT_EQ(a["bottleneck"]["kind"], "slow_rank") << a["bottleneck"].dump();
+  EXPECT_EQ(a["bottleneck"]["rank"], 1);
+  EXPECT_EQ(a["bottleneck"]["stage"], "drafter_forward");
+  remove_tree(run);
+}
+
+TEST(ObsReport, MissingFilesNameThePath) {
+  const fs::path run = testing::fresh_temp_dir("obs_report_missing");
+  try {
+    analyze_run(run);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("job.json"), std::string::npos) << e.what();
+  }
+  remove_tree(run);
+}
+
+}  // namespace
+}  // namespace dflash::obs
