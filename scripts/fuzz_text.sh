@@ -32,7 +32,8 @@ for name in ("tokenizer_seeds", "chat_seeds"):
 texts = json.loads((fx / "qwen3" / "parity.json").read_text())["texts"]
 for i, t in enumerate(texts[::8]):
     (out / "tokenizer_seeds" / f"s{i}").write_bytes(bytes([i % 6]) + t.encode())
-for i, line in enumerate(json.loads((fx / "chat.json").read_text())["lines"]):
+chat = json.loads((fx / "chat.json").read_text())
+for i, line in enumerate(chat["lines"] + chat.get("tool_lines", [])):
     (out / "chat_seeds" / f"c{i}").write_bytes(line.encode())
 PY
 for target in tokenizer_fuzz chat_fuzz; do

@@ -17,6 +17,8 @@ struct PrepareArgs {
   std::vector<std::string> data;
   std::string out;
   std::string chat_format = "auto";
+  bool enable_thinking = true;
+  bool keep_history_reasoning = false;
   std::string overlong = "truncate";
   size_t max_length = 3072;
   size_t min_loss_tokens = 2;
@@ -40,8 +42,10 @@ void run_prepare(const PrepareArgs& a) {
   opt.out_dir = a.out;
   if (a.chat_format != "auto") {
     opt.chat_format = data::chat_format_from_name(a.chat_format);
-    if (!opt.chat_format) fail("--chat-format must be auto, qwen3 or llama3");
+    if (!opt.chat_format) fail("--chat-format must be auto, {}", data::chat_format_names());
   }
+  opt.enable_thinking = a.enable_thinking;
+  opt.keep_history_reasoning = a.keep_history_reasoning;
   opt.max_length = a.max_length;
   opt.overlong =
       a.overlong == "skip" ? data::OverlongPolicy::kSkip : data::OverlongPolicy::kTruncate;
@@ -104,8 +108,14 @@ void add_prepare_command(CLI::App& app) {
   cmd->add_option("--data", args->data, "input JSONL files")->required()->expected(1, -1);
   cmd->add_option("--out", args->out, "output directory")->required();
   cmd->add_option("--chat-format", args->chat_format,
-                  "auto (from tokenizer_config.json), qwen3 or llama3")
-      ->check(CLI::IsMember({"auto", "qwen3", "llama3"}));
+                  "auto (from tokenizer_config.json), qwen3, llama3 or llama3.1")
+      ->check(CLI::IsMember({"auto", "qwen3", "llama3", "llama3.1"}));
+  cmd->add_option("--enable-thinking", args->enable_thinking,
+                  "qwen3: false renders samples as served with enable_thinking=False (reasoning "
+                  "dropped; the final turn's empty think block is prompt, not learned)");
+  cmd->add_flag("--keep-history-reasoning", args->keep_history_reasoning,
+                "qwen3: assistant turns before the last user query keep their reasoning (the "
+                "template drops it)");
   cmd->add_option("--max-length", args->max_length, "maximum tokens per sample")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--overlong", args->overlong,

@@ -1,5 +1,6 @@
 #include "data/chat.h"
 
+#include <charconv>
 #include <nlohmann/json.hpp>
 
 #include "common/file.h"
@@ -8,7 +9,9 @@
 namespace dflash::data {
 namespace {
 
-using json = nlohmann::json;
+// Ordered: tool definitions and call arguments are re-serialized in the order the line gives
+// their keys, as Python's json module keeps it.
+using json = nlohmann::ordered_json;
 
 [[noreturn]] void bad(std::string message) { throw ParseError(std::move(message)); }
 
@@ -22,6 +25,7 @@ Role role_of(std::string_view name, bool sharegpt, size_t index) {
   if (name == "system") return Role::kSystem;
   if (name == "user" || (sharegpt && name == "human")) return Role::kUser;
   if (name == "assistant" || (sharegpt && name == "gpt")) return Role::kAssistant;
+  if (name == "tool") return Role::kTool;
   bad(fmt::format("message {} has unknown role {:?}", index, name));
 }
 
@@ -33,6 +37,8 @@ std::string_view role_name(Role r) {
       return "user";
     case Role::kAssistant:
       return "assistant";
+    case Role::kTool:
+      return "tool";
   }
   return "";
 }
@@ -70,6 +76,170 @@ std::string_view python_strip(std::string_view s) {
 
 bool only_python_space(std::string_view s) { return python_strip(s).empty(); }
 
+// Python's json.dumps(ensure_ascii=False) as the chat templates' `tojson` filter calls it:
+// separators ", " and ": " (compact) or "," and ": " with newlines (indent > 0), strings with
+// only quote, backslash and control characters escaped, floats as Python's repr.
+void python_json_string(std::string& out, std::string_view s) {
+  out += '"';
+  for (char ch : s) {
+    switch (ch) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
+      default:
+        if (static_cast<unsigned char>(ch) < 0x20) {
+          out += fmt::format("\\u{:04x}", static_cast<unsigned>(ch));
+        } else {
+          out += ch;
+        }
+    }
+  }
+  out += '"';
+}
+
+// float.__repr__: the shortest digits that round-trip; positional when the decimal exponent is
+// in [-4, 16), with ".0" on whole numbers, else as "1e+16" / "1.5e-05".
+void python_float(std::string& out, double v) {
+  char buf[64];
+  auto res = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::scientific);
+  std::string_view sci(buf, static_cast<size_t>(res.ptr - buf));
+  const size_t e = sci.find('e');
+  int exp = 0;
+  std::from_chars(sci.data() + e + (sci[e + 1] == '+' ? 2 : 1), sci.data() + sci.size(), exp);
+  if (exp < -4 || exp >= 16) {
+    out += sci;
+    return;
+  }
+  const bool negative = sci[0] == '-';
+  std::string digits;
+  for (char c : sci.substr(negative, e - negative)) {
+    if (c != '.') digits += c;
+  }
+  if (negative) out += '-';
+  if (exp < 0) {
+    out += "0.";
+    out.append(static_cast<size_t>(-exp - 1), '0');
+    out += digits;
+    return;
+  }
+  const size_t whole = static_cast<size_t>(exp) + 1;
+  if (digits.size() <= whole) {
+    out += digits;
+    out.append(whole - digits.size(), '0');
+    out += ".0";
+  } else {
+    out += digits.substr(0, whole);
+    out += '.';
+    out += digits.substr(whole);
+  }
+}
+
+void python_json(std::string& out, const json& v, int indent, int depth = 0) {
+  auto newline = [&](int level) {
+    out += '\n';
+    out.append(static_cast<size_t>(indent * level), ' ');
+  };
+  const char* item_separator = indent > 0 ? "," : ", ";
+  switch (v.type()) {
+    case json::value_t::object:
+    case json::value_t::array: {
+      const bool object = v.is_object();
+      if (v.empty()) {
+        out += object ? "{}" : "[]";
+        return;
+      }
+      out += object ? '{' : '[';
+      bool first = true;
+      for (auto it = v.begin(); it != v.end(); ++it) {
+        if (!first) out += item_separator;
+        first = false;
+        if (indent > 0) newline(depth + 1);
+        if (object) {
+          python_json_string(out, it.key());
+          out += ": ";
+        }
+        python_json(out, *it, indent, depth + 1);
+      }
+      if (indent > 0) newline(depth);
+      out += object ? '}' : ']';
+      return;
+    }
+    case json::value_t::string:
+      python_json_string(out, v.get_ref<const std::string&>());
+      return;
+    case json::value_t::boolean:
+      out += v.get<bool>() ? "true" : "false";
+      return;
+    case json::value_t::number_integer:
+      out += std::to_string(v.get<int64_t>());
+      return;
+    case json::value_t::number_unsigned:
+      out += std::to_string(v.get<uint64_t>());
+      return;
+    case json::value_t::number_float:
+      python_float(out, v.get<double>());
+      return;
+    default:
+      out += "null";
+  }
+}
+
+std::string python_json(const json& v, int indent = 0) {
+  std::string out;
+  python_json(out, v, indent);
+  return out;
+}
+
+std::vector<ToolCall> parse_tool_calls(const json& calls, size_t index) {
+  std::vector<ToolCall> out;
+  if (calls.is_null()) return out;
+  if (!calls.is_array()) bad(fmt::format("message {} tool_calls is not a list", index));
+  for (size_t k = 0; k < calls.size(); ++k) {
+    auto f = calls[k].is_object() ? calls[k].find("function") : calls[k].end();
+    if (!calls[k].is_object() || f == calls[k].end() || !f->is_object()) {
+      bad(fmt::format("message {} tool call {} has no \"function\" object", index, k));
+    }
+    auto name = f->find("name");
+    if (name == f->end() || !name->is_string()) {
+      bad(fmt::format("message {} tool call {} has no function name", index, k));
+    }
+    auto args = f->find("arguments");
+    if (args == f->end()) bad(fmt::format("message {} tool call {} has no arguments", index, k));
+    json parsed;
+    if (args->is_string()) {
+      try {
+        parsed = json::parse(args->get_ref<const std::string&>());
+      } catch (const json::parse_error&) {
+        bad(fmt::format("message {} tool call {} arguments are not valid JSON", index, k));
+      }
+    }
+    // Function arguments are an object (OpenAI); anything else renders differently per template.
+    if (!(args->is_string() ? parsed : *args).is_object()) {
+      bad(fmt::format("message {} tool call {} arguments are not a JSON object", index, k));
+    }
+    out.push_back({name->get<std::string>(), python_json(args->is_string() ? parsed : *args)});
+  }
+  return out;
+}
+
 }  // namespace
 
 Conversation parse_conversation(std::string_view line) {
@@ -102,32 +272,68 @@ Conversation parse_conversation(std::string_view line) {
     const json& role = field(m, sharegpt ? "from" : "role", i);
     const json& content = field(m, sharegpt ? "value" : "content", i);
     if (!role.is_string()) bad(fmt::format("message {} role is not a string", i));
-    if (!content.is_string()) bad(fmt::format("message {} content is not a string", i));
-    Message msg{role_of(role.get_ref<const std::string&>(), sharegpt, i),
-                content.get<std::string>(), std::nullopt};
-    if (auto r = m.find("reasoning_content"); r != m.end() && !r->is_null()) {
-      if (!r->is_string()) bad(fmt::format("message {} reasoning_content is not a string", i));
+    Message msg{role_of(role.get_ref<const std::string&>(), sharegpt, i), "", std::nullopt};
+    if (auto calls = m.find("tool_calls"); calls != m.end()) {
+      if (msg.role != Role::kAssistant && !calls->is_null()) {
+        bad(fmt::format("message {} has tool_calls but is not an assistant turn", i));
+      }
+      msg.tool_calls = parse_tool_calls(*calls, i);
+    }
+    // OpenAI's assistant turns that only call tools have "content": null.
+    if (!content.is_string() && !(content.is_null() && !msg.tool_calls.empty())) {
+      bad(fmt::format("message {} content is not a string", i));
+    }
+    if (content.is_string()) msg.content = content.get<std::string>();
+    // transformers reads the first of these that is set as reasoning_content.
+    for (const char* key : {"reasoning_content", "thinking", "reasoning"}) {
+      auto r = m.find(key);
+      if (r == m.end() || r->is_null()) continue;
+      if (!r->is_string()) bad(fmt::format("message {} {} is not a string", i, key));
       msg.reasoning = r->get<std::string>();
+      break;
     }
     if (msg.role == Role::kAssistant) {
-      if (only_python_space(msg.content)) bad(fmt::format("message {}: empty assistant turn", i));
+      if (msg.tool_calls.empty() && only_python_space(msg.content)) {
+        bad(fmt::format("message {}: empty assistant turn", i));
+      }
       any_assistant = true;
     }
     conv.messages.push_back(std::move(msg));
   }
   if (!any_assistant) bad("no assistant turn");
+  if (auto tools = j.find("tools"); tools != j.end() && !tools->is_null()) {
+    if (!tools->is_array()) bad("\"tools\" is not a list");
+    conv.tools.emplace();
+    conv.tools_indented.emplace();
+    for (const json& t : *tools) {
+      if (!t.is_object()) bad("\"tools\" holds something other than a JSON object");
+      conv.tools->push_back(python_json(t));
+      conv.tools_indented->push_back(python_json(t, 4));
+    }
+  }
   return conv;
 }
 
 std::string_view chat_format_name(ChatFormat f) {
-  return f == ChatFormat::kQwen3 ? "qwen3" : "llama3";
+  switch (f) {
+    case ChatFormat::kQwen3:
+      return "qwen3";
+    case ChatFormat::kLlama3:
+      return "llama3";
+    case ChatFormat::kLlama31:
+      return "llama3.1";
+  }
+  return "";
 }
 
 std::optional<ChatFormat> chat_format_from_name(std::string_view name) {
-  if (name == "qwen3") return ChatFormat::kQwen3;
-  if (name == "llama3") return ChatFormat::kLlama3;
+  for (auto f : {ChatFormat::kQwen3, ChatFormat::kLlama3, ChatFormat::kLlama31}) {
+    if (name == chat_format_name(f)) return f;
+  }
   return std::nullopt;
 }
+
+std::string_view chat_format_names() { return "qwen3, llama3 or llama3.1"; }
 
 ChatConfig detect_chat_config(const std::filesystem::path& model_dir,
                               std::optional<ChatFormat> forced) {
@@ -165,38 +371,136 @@ ChatConfig detect_chat_config(const std::filesystem::path& model_dir,
   if (has("<|im_start|>") && has("last_query_index") && has("reasoning_content")) {
     return {ChatFormat::kQwen3, bos};
   }
-  if (has("<|start_header_id|>") && has("<|eot_id|>") && !has("Cutting Knowledge Date")) {
+  if (has("<|start_header_id|>") && has("<|eot_id|>")) {
     if (bos.empty()) fail("{}: a Llama-3 template needs bos_token", path.string());
-    return {ChatFormat::kLlama3, bos};
+    if (!has("Cutting Knowledge Date")) return {ChatFormat::kLlama3, bos};
+    if (has("strftime_now")) {
+      fail(
+          "{}: this Llama template (3.2) dates its system header with the day it renders; pass "
+          "--chat-format llama3.1 to render Llama-3.1's fixed \"Today Date: 26 Jul 2024\" "
+          "instead",
+          path.string());
+    }
+    if (has("26 Jul 2024")) return {ChatFormat::kLlama31, bos};
   }
   fail(
-      "{}: chat_template not recognized as Qwen3 or Llama-3 (Llama-3.1's dated system block "
-      "and Qwen2.5's default system prompt are not supported); pass --chat-format qwen3|llama3 "
-      "to choose one",
-      path.string());
+      "{}: chat_template not recognized as Qwen3, Llama-3 or Llama-3.1 (Qwen2.5's default "
+      "system prompt, for one, is not supported); pass --chat-format {} to choose one",
+      path.string(), chat_format_names());
 }
 
-RenderedChat render_chat(const Conversation& conv, const ChatConfig& config) {
-  RenderedChat r;
-  const auto& msgs = conv.messages;
-  std::string& out = r.text;
-  if (config.format == ChatFormat::kLlama3) {
-    // {% set content = '<|start_header_id|>' + role + '<|end_header_id|>\n\n' +
-    //    message['content'] | trim + '<|eot_id|>' %}, BOS before the first message.
-    for (size_t i = 0; i < msgs.size(); ++i) {
-      if (i == 0) out += config.bos_token;
-      out += "<|start_header_id|>";
-      out += role_name(msgs[i].role);
-      out += "<|end_header_id|>\n\n";
-      size_t start = out.size();
-      out += python_strip(msgs[i].content);
-      out += "<|eot_id|>";
-      if (msgs[i].role == Role::kAssistant) r.assistant_spans.emplace_back(start, out.size());
-    }
-    return r;
+namespace {
+
+bool has_tool_turns(const Conversation& conv) {
+  for (const Message& m : conv.messages) {
+    if (m.role == Role::kTool || !m.tool_calls.empty()) return true;
   }
-  // Qwen3, following the official template line by line (tools are not part of the input).
-  if (msgs[0].role == Role::kSystem) {
+  return conv.tools.has_value();
+}
+
+// {% set content = '<|start_header_id|>' + role + '<|end_header_id|>\n\n' +
+//    message['content'] | trim + '<|eot_id|>' %}, BOS before the first message.
+void render_llama3(const Conversation& conv, const ChatConfig& config, RenderedChat& r) {
+  if (has_tool_turns(conv)) {
+    bad("the llama3 chat template has no tool calls or tool results (it would render them as "
+        "plain turns); use llama3.1 or qwen3");
+  }
+  std::string& out = r.text;
+  const auto& msgs = conv.messages;
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    if (i == 0) out += config.bos_token;
+    out += "<|start_header_id|>";
+    out += role_name(msgs[i].role);
+    out += "<|end_header_id|>\n\n";
+    size_t start = out.size();
+    out += python_strip(msgs[i].content);
+    out += "<|eot_id|>";
+    if (msgs[i].role == Role::kAssistant) r.assistant_spans.emplace_back(start, out.size());
+  }
+}
+
+// The official Llama-3.1 template with its defaults (no builtin tools, tools_in_user_message,
+// date_string "26 Jul 2024"), branch by branch.
+void render_llama31(const Conversation& conv, const ChatConfig& config, RenderedChat& r) {
+  std::string& out = r.text;
+  const auto& msgs = conv.messages;
+  size_t first = 0;
+  std::string_view system;
+  if (msgs[0].role == Role::kSystem) system = python_strip(msgs[first++].content);
+  out += config.bos_token;
+  out += "<|start_header_id|>system<|end_header_id|>\n\n";
+  if (conv.tools) out += "Environment: ipython\n";
+  out += "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n";
+  out += system;
+  out += "<|eot_id|>";
+  if (conv.tools) {
+    // The template takes the first message after the system prompt as the user's, whatever its
+    // role; only a user message renders as what it was.
+    if (first == msgs.size() || msgs[first].role != Role::kUser) {
+      bad("llama3.1: with tools, the first message after the system prompt must be the user's "
+          "(the template puts the tools into it)");
+    }
+    out += "<|start_header_id|>user<|end_header_id|>\n\n";
+    out +=
+        "Given the following functions, please respond with a JSON for a function call with "
+        "its proper arguments that best answers the given prompt.\n\n";
+    out +=
+        "Respond in the format {\"name\": function name, \"parameters\": dictionary of "
+        "argument name and its value}.Do not use variables.\n\n";
+    for (const std::string& t : *conv.tools_indented) out += t + "\n\n";
+    out += python_strip(msgs[first++].content);
+    out += "<|eot_id|>";
+  }
+  for (size_t i = first; i < msgs.size(); ++i) {
+    const Message& m = msgs[i];
+    if (m.role == Role::kTool) {
+      // `message.content is iterable` holds for a string, so tool results are JSON-quoted.
+      out += "<|start_header_id|>ipython<|end_header_id|>\n\n";
+      python_json_string(out, m.content);
+      out += "<|eot_id|>";
+      continue;
+    }
+    if (!m.tool_calls.empty()) {
+      if (m.tool_calls.size() != 1) {
+        bad(
+            fmt::format("llama3.1: message {} has {} tool calls; the template takes one per turn "
+                        "(\"This model only supports single tool-calls at once!\")",
+                        i, m.tool_calls.size()));
+      }
+      // The turn's content, if any, is not rendered.
+      out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+      size_t start = out.size();
+      out += "{\"name\": \"" + m.tool_calls[0].name + "\", \"parameters\": ";
+      out += m.tool_calls[0].arguments + "}<|eot_id|>";
+      r.assistant_spans.emplace_back(start, out.size());
+      continue;
+    }
+    out += "<|start_header_id|>";
+    out += role_name(m.role);
+    out += "<|end_header_id|>\n\n";
+    size_t start = out.size();
+    out += python_strip(m.content);
+    out += "<|eot_id|>";
+    if (m.role == Role::kAssistant) r.assistant_spans.emplace_back(start, out.size());
+  }
+}
+
+// The official Qwen3 template, line by line, plus ChatConfig's thinking options.
+void render_qwen3(const Conversation& conv, const ChatConfig& config, RenderedChat& r) {
+  std::string& out = r.text;
+  const auto& msgs = conv.messages;
+  if (conv.tools && !conv.tools->empty()) {
+    out += "<|im_start|>system\n";
+    if (msgs[0].role == Role::kSystem) out += msgs[0].content + "\n\n";
+    out +=
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+        "provided with function signatures within <tools></tools> XML tags:\n<tools>";
+    for (const std::string& t : *conv.tools) out += "\n" + t;
+    out +=
+        "\n</tools>\n\nFor each function call, return a json object with function name and "
+        "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+        "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n";
+  } else if (msgs[0].role == Role::kSystem) {
     out += "<|im_start|>system\n" + msgs[0].content + "<|im_end|>\n";
   }
   size_t last_query = msgs.size() - 1;
@@ -210,15 +514,22 @@ RenderedChat render_chat(const Conversation& conv, const ChatConfig& config) {
   }
   for (size_t i = 0; i < msgs.size(); ++i) {
     const Message& m = msgs[i];
+    const bool last = i + 1 == msgs.size();
     if (m.role == Role::kUser || (m.role == Role::kSystem && i != 0)) {
       out += "<|im_start|>";
       out += role_name(m.role);
       out += "\n" + m.content + "<|im_end|>\n";
       continue;
     }
+    if (m.role == Role::kTool) {
+      if (i == 0 || msgs[i - 1].role != Role::kTool) out += "<|im_start|>user";
+      out += "\n<tool_response>\n" + m.content + "\n</tool_response>";
+      if (last || msgs[i + 1].role != Role::kTool) out += "<|im_end|>\n";
+      continue;
+    }
     if (m.role != Role::kAssistant) continue;
     std::string_view content = m.content, reasoning;
-    if (m.reasoning) {
+    if (m.reasoning && config.enable_thinking) {
       reasoning = *m.reasoning;
     } else if (size_t end = content.find("</think>"); end != std::string_view::npos) {
       // content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n')
@@ -228,20 +539,57 @@ RenderedChat render_chat(const Conversation& conv, const ChatConfig& config) {
       // content.split('</think>')[-1].lstrip('\n')
       content = lstrip_nl(content.substr(content.rfind("</think>") + 8));
     }
+    if (!config.enable_thinking) reasoning = {};
     out += "<|im_start|>assistant\n";
     size_t start = out.size();
-    bool last = i + 1 == msgs.size();
-    if (i > last_query && (last || !reasoning.empty())) {
+    const bool after_query = i > last_query || config.keep_history_reasoning;
+    if (after_query && (last || !reasoning.empty())) {
       out += "<think>\n";
       out += lstrip_nl(rstrip_nl(reasoning));
       out += "\n</think>\n\n";
+      // With thinking off the empty think block ends the generation prompt: not learned.
+      if (!config.enable_thinking) start = out.size();
       out += lstrip_nl(content);
     } else {
       out += content;
     }
+    for (size_t k = 0; k < m.tool_calls.size(); ++k) {
+      if (k > 0 || !content.empty()) out += "\n";
+      out += "<tool_call>\n{\"name\": \"" + m.tool_calls[k].name + "\", \"arguments\": ";
+      out += m.tool_calls[k].arguments + "}\n</tool_call>";
+    }
     out += "<|im_end|>";
     r.assistant_spans.emplace_back(start, out.size());
     out += "\n";
+  }
+}
+
+}  // namespace
+
+void ChatConfig::validate() const {
+  if (format != ChatFormat::kQwen3 && (!enable_thinking || keep_history_reasoning)) {
+    fail(
+        "chat: thinking off and keeping history reasoning are options of the qwen3 chat format, "
+        "not of {}",
+        chat_format_name(format));
+  }
+  if (!enable_thinking && keep_history_reasoning) {
+    fail("chat: keeping history reasoning contradicts thinking off (which drops all reasoning)");
+  }
+}
+
+RenderedChat render_chat(const Conversation& conv, const ChatConfig& config) {
+  RenderedChat r;
+  switch (config.format) {
+    case ChatFormat::kLlama3:
+      render_llama3(conv, config, r);
+      break;
+    case ChatFormat::kLlama31:
+      render_llama31(conv, config, r);
+      break;
+    case ChatFormat::kQwen3:
+      render_qwen3(conv, config, r);
+      break;
   }
   return r;
 }

@@ -22,42 +22,78 @@ class ParseError : public dflash::Error {
   using dflash::Error::Error;
 };
 
-enum class Role { kSystem, kUser, kAssistant };
+enum class Role { kSystem, kUser, kAssistant, kTool };
+
+// An assistant's function call (OpenAI form: {"type": "function", "function": {"name",
+// "arguments"}}).
+struct ToolCall {
+  std::string name;
+  // The arguments as the templates' `tojson` writes them (Python's json.dumps). Arguments given
+  // as a JSON string, as the OpenAI API sends them, are parsed first, as vLLM does before it
+  // applies a chat template.
+  std::string arguments;
+};
 
 struct Message {
   Role role;
-  std::string content;
-  std::optional<std::string> reasoning;  // OpenAI-form `reasoning_content`, if given
+  std::string content;  // "" for an assistant turn with tool calls and "content": null
+  // `reasoning_content` (else `thinking`, else `reasoning`: transformers' aliases), if given.
+  std::optional<std::string> reasoning;
+  std::vector<ToolCall> tool_calls = {};  // assistant turns only
 };
 
 struct Conversation {
   std::vector<Message> messages;
+  // The line's "tools" (function definitions), each as json.dumps writes it, compact (Qwen3)
+  // and with indent=4 (Llama-3.1). nullopt: no "tools" key; an empty list is not the same for
+  // Llama-3.1's template.
+  std::optional<std::vector<std::string>> tools = std::nullopt, tools_indented = std::nullopt;
 };
 
 // Parses one JSONL line: {"messages": [{"role", "content"}...]} or
 // {"conversations": [{"from", "value"}...]} (ShareGPT: human/gpt/system, also user/assistant).
-// Throws ParseError for invalid UTF-8, malformed JSON, a wrong schema, unknown roles, and
-// conversations without a non-empty assistant turn.
+// Roles: system, user, assistant, tool (ShareGPT also human, gpt). Assistant turns may carry
+// "tool_calls" (null or [] is none; "content" may then be null), the line a "tools" list.
+// Throws ParseError for invalid UTF-8, malformed JSON, a wrong schema, unknown roles, tool-call
+// arguments that are not a JSON object, and conversations without a non-empty assistant turn.
 Conversation parse_conversation(std::string_view line);
 
-enum class ChatFormat { kQwen3, kLlama3 };
+enum class ChatFormat { kQwen3, kLlama3, kLlama31 };
 std::string_view chat_format_name(ChatFormat f);
 std::optional<ChatFormat> chat_format_from_name(std::string_view name);
+// "qwen3, llama3 or llama3.1", for messages.
+std::string_view chat_format_names();
 
 // What a model directory's tokenizer_config.json says: the chat format recognized from its
-// chat_template and the BOS text the template uses. Unrecognized templates are an error that
-// says to pass --chat-format.
+// chat_template and the BOS text the template uses; then how to render (prepare's options).
+// Unrecognized templates are an error that says to pass --chat-format.
 struct ChatConfig {
   ChatFormat format;
   std::string bos_token;
+  // Qwen3's `enable_thinking`. The template only reads it for the generation prompt, where false
+  // appends the empty "<think>\n\n</think>\n\n" the model then answers after. Training data
+  // rendered for thinking off is what such a prompt plus the response renders to: reasoning is
+  // dropped from every assistant turn, and the final turn's empty think block is prompt, not
+  // learned.
+  bool enable_thinking = true;
+  // Qwen3: assistant turns before the last user query keep their reasoning as a think block
+  // (the template drops it): more reasoning to learn from, in a context the template never
+  // renders. Needs enable_thinking.
+  bool keep_history_reasoning = false;
+
+  // Throws if the options do not fit the format or each other.
+  void validate() const;
 };
 ChatConfig detect_chat_config(const std::filesystem::path& model_dir,
                               std::optional<ChatFormat> forced = std::nullopt);
 
 // The text the official template renders (add_generation_prompt=False), with the byte spans of
-// what the model must learn: each assistant body through its end-of-turn token (<|im_end|> or
-// <|eot_id|>), excluding the role header. For Qwen3 the body of the assistant turn after the
-// last user query includes the template's empty "<think>\n\n</think>\n\n" block.
+// what the model must learn: each assistant body (with its tool calls) through its end-of-turn
+// token (<|im_end|> or <|eot_id|>), excluding the role header; tool results are not learned.
+// For Qwen3 the body of the assistant turn after the last user query includes the template's
+// empty "<think>\n\n</think>\n\n" block (with thinking on). Throws ParseError for what the
+// template cannot render (tool turns in the Llama-3 template, several calls in one Llama-3.1
+// turn).
 struct RenderedChat {
   std::string text;
   std::vector<std::pair<size_t, size_t>> assistant_spans;

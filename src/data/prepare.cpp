@@ -47,6 +47,7 @@ std::string category_of(const std::string& reason) {
   if (reason.starts_with("malformed JSON")) return "malformed JSON";
   if (reason.find("unknown role") != std::string::npos) return "unknown role";
   if (reason.find("assistant turn") != std::string::npos) return "missing or empty assistant turn";
+  if (reason.find("template") != std::string::npos) return "not renderable by the chat template";
   return "wrong schema";
 }
 
@@ -179,6 +180,9 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
   if (opt.max_length == 0) fail("--max-length must be positive");
   tok::Tokenizer tokenizer = tok::Tokenizer::load(opt.tokenizer_dir);
   ChatConfig chat = detect_chat_config(opt.tokenizer_dir, opt.chat_format);
+  chat.enable_thinking = opt.enable_thinking;
+  chat.keep_history_reasoning = opt.keep_history_reasoning;
+  chat.validate();
   PrepareSummary summary;
   for (const auto& p : opt.inputs) {
     if (!std::filesystem::is_regular_file(p)) fail("{}: no such input file", p.string());
@@ -318,6 +322,8 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
   nlohmann::json fields = {
       {"tokenizer", {{"path", tok_path.string()}, {"vocab_size", tokenizer.vocab_size()}}},
       {"chat_format", chat_format_name(chat.format)},
+      {"enable_thinking", chat.enable_thinking},
+      {"keep_history_reasoning", chat.keep_history_reasoning},
       {"max_length", opt.max_length},
       {"overlong", opt.overlong == OverlongPolicy::kTruncate ? "truncate" : "skip"},
       {"min_loss_tokens", opt.min_loss_tokens},

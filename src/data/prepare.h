@@ -24,6 +24,10 @@ struct PrepareOptions {
   std::vector<std::filesystem::path> inputs;
   std::filesystem::path out_dir;
   std::optional<ChatFormat> chat_format;  // nullopt: detect from tokenizer_config.json
+  // Qwen3 only (see ChatConfig): thinking off (the final turn's empty think block is prompt,
+  // reasoning dropped), and reasoning kept in the turns before the last user query.
+  bool enable_thinking = true;
+  bool keep_history_reasoning = false;
   size_t max_length = 3072;
   OverlongPolicy overlong = OverlongPolicy::kTruncate;
   // DFlash anchors need two consecutive supervised tokens; fewer cannot train anything.

@@ -1,6 +1,7 @@
 // libFuzzer target for the chat JSONL parser and renderer: a line either parses or is rejected
-// with ParseError; a parsed line renders in both formats, tokenizes, and its mask covers
-// exactly the tokens of its assistant spans. Build and run: scripts/fuzz_text.sh.
+// with ParseError; a parsed line renders in every format (or is rejected by it with
+// ParseError), tokenizes, and its mask covers exactly the tokens of its assistant spans. Build and
+// run: scripts/fuzz_text.sh.
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -40,9 +41,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   size_t assistants = 0;
   for (const auto& m : conv.messages) assistants += m.role == dflash::data::Role::kAssistant;
-  for (auto format : {dflash::data::ChatFormat::kQwen3, dflash::data::ChatFormat::kLlama3}) {
+  using dflash::data::ChatFormat;
+  for (int variant = 0; variant < 4; ++variant) {
+    const ChatFormat format = variant < 2    ? ChatFormat::kQwen3
+                              : variant == 2 ? ChatFormat::kLlama3
+                                             : ChatFormat::kLlama31;
     dflash::data::ChatConfig cfg{format, "<|begin_of_text|>"};
-    auto r = dflash::data::render_chat(conv, cfg);
+    cfg.enable_thinking = variant != 1;
+    dflash::data::RenderedChat r;
+    try {  // a template may be unable to render a line (tool turns in Llama-3)
+      r = dflash::data::render_chat(conv, cfg);
+    } catch (const dflash::data::ParseError&) {
+      continue;
+    }
     check(r.assistant_spans.size() == assistants, "one span per assistant turn");
     for (auto [b, e] : r.assistant_spans) check(b < e && e <= r.text.size(), "span in text");
     dflash::data::TokenizedChat t;

@@ -97,27 +97,149 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
     "{% endif %}")
 
+# Llama-3.1 (meta-llama/Llama-3.1-8B-Instruct tokenizer_config.json, chat_template), verbatim.
+# Inside the Jinja string literals "\n" is Jinja's escape (a raw string keeps the backslash).
+LLAMA31_TEMPLATE = r"""{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message + builtin tools #}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\n\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
+            {%- for arg_name, arg_val in tool_call.arguments | items %}
+                {{- arg_name + '="' + arg_val + '"' }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- endif %}
+                {%- endfor %}
+            {{- ")" }}
+        {%- else  %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- '{"name": "' + tool_call.name + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+        {%- endif %}
+        {%- if builtin_tools is defined %}
+            {#- This means we're in ipython mode #}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
 # Mask references. transformers computes `return_assistant_tokens_mask` only from
 # {% generation %} blocks, which the official templates lack. Rendering prefixes does not work
 # for Qwen3 (an assistant turn renders differently when it is the last one: the think block), so
 # we use copies of the official templates with {% generation %} around each assistant body and
 # end-of-turn token, and assert that each copy renders byte-identical text to the official
 # template on every conversation; ids always come from the official template.
+QWEN3_LAST_QUERY_TEST = "{%- if loop.index0 > ns.last_query_index %}"
+
+
 def _mark_qwen3(t):
     """The assistant branch restructured so one {% generation %} block (which must nest) spans
-    the body, tool calls and <|im_end|>; the branch logic is unchanged."""
-    head = "        {%- if loop.index0 > ns.last_query_index %}\n"
+    the body, tool calls and <|im_end|>; the branch logic is unchanged. With enable_thinking
+    false the think block is left outside it: it ends the generation prompt."""
+    head = "        " + QWEN3_LAST_QUERY_TEST + "\n"
     tail = "        {{- '<|im_end|>\\n' }}\n"
     i, j = t.index(head), t.index(tail)
     body = t[i:j]
     k = body.index("        {%- if message.tool_calls %}")
     tools = body[k:]
     marked = (
-        "        {{- '<|im_start|>' + message.role + '\\n' }}{%- generation %}\n"
-        "        {%- if loop.index0 > ns.last_query_index and "
+        "        {%- set think = loop.index0 > ns.last_query_index and "
         "(loop.last or (not loop.last and reasoning_content)) %}\n"
+        "        {%- set off = enable_thinking is defined and enable_thinking is false %}\n"
+        "        {{- '<|im_start|>' + message.role + '\\n' }}\n"
+        "        {%- if think and off %}{{- '<think>\\n' + reasoning_content.strip('\\n') + "
+        "'\\n</think>\\n\\n' }}{%- endif %}{%- generation %}\n"
+        "        {%- if think and not off %}\n"
         "            {{- '<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + "
         "content.lstrip('\\n') }}\n"
+        "        {%- elif think %}\n            {{- content.lstrip('\\n') }}\n"
         "        {%- else %}\n            {{- content }}\n        {%- endif %}\n" + tools +
         "        {{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}\n")
     return t[:i] + marked + t[j + len(tail):]
@@ -125,6 +247,13 @@ def _mark_qwen3(t):
 
 QWEN3_TEMPLATE_MARKED = _mark_qwen3(QWEN3_TEMPLATE)
 assert QWEN3_TEMPLATE_MARKED.count("{%- generation %}") == 1
+# --keep-history-reasoning: the official template with its one "after the last user query" test
+# made always true, so every assistant turn with reasoning keeps its think block.
+assert QWEN3_TEMPLATE.count(QWEN3_LAST_QUERY_TEST) == 1
+QWEN3_TEMPLATE_HISTORY = QWEN3_TEMPLATE.replace(QWEN3_LAST_QUERY_TEST, "{%- if true %}")
+QWEN3_TEMPLATE_HISTORY_MARKED = QWEN3_TEMPLATE_MARKED.replace(
+    "set think = loop.index0 > ns.last_query_index and", "set think = true and")
+assert QWEN3_TEMPLATE_HISTORY_MARKED != QWEN3_TEMPLATE_MARKED
 
 LLAMA3_TEMPLATE_MARKED = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -135,6 +264,33 @@ LLAMA3_TEMPLATE_MARKED = (
     "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
     "{% endif %}")
+
+
+def _mark_llama31(t):
+    """Generation blocks around each assistant body through <|eot_id|>: the plain branch split
+    by role, and the tool-call branch reduced to its non-builtin case (builtin_tools is never
+    given here)."""
+    plain = ("        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ "
+             "message['content'] | trim + '<|eot_id|>' }}\n")
+    marked_plain = (
+        "        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}\n"
+        "        {%- if message.role == 'assistant' %}{%- generation %}"
+        "{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}\n"
+        "        {%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}\n")
+    head = "        {%- set tool_call = message.tool_calls[0].function %}\n"
+    tail = "    {%- elif message.role == \"tool\" or message.role == \"ipython\" %}\n"
+    marked_call = (
+        head + "        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n"
+        "        {%- generation %}{{- '{\"name\": \"' + tool_call.name + '\", ' }}"
+        "{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}{{- \"}\" }}"
+        "{{- \"<|eot_id|>\" }}{%- endgeneration %}\n")
+    assert t.count(plain) == 1 and t.count(head) == 1 and t.count(tail) == 1
+    t = t.replace(plain, marked_plain)
+    i, j = t.index(head), t.index(tail)
+    return t[:i] + marked_call + t[j:]
+
+
+LLAMA31_TEMPLATE_MARKED = _mark_llama31(LLAMA31_TEMPLATE)
 
 
 def gsm8k(split):
@@ -320,10 +476,237 @@ def conversations(rows, rng):
          {"role": "user", "content": "q2"}],
         [{"role": "user", "content": "<tool_response>x</tool_response>"},
          {"role": "assistant", "content": "<think>\nr\n</think>\n\na"}],
+        # transformers reads "thinking" and "reasoning" as reasoning_content.
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": "t"},
+         {"role": "user", "content": "q2"},
+         {"role": "assistant", "content": "b", "reasoning_content": None, "reasoning": "r"}],
+        # Reasoning in every turn: --keep-history-reasoning keeps the earlier ones.
+        [{"role": "user", "content": "q"},
+         {"role": "assistant", "content": "a", "reasoning_content": "first"},
+         {"role": "user", "content": "q2"},
+         {"role": "assistant", "content": "<think>second</think>b"}],
     ]
     for msgs in hard:
         out.append((json.dumps({"messages": msgs}, ensure_ascii=False), msgs))
     return out
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {
+            "expression": {"type": "string", "description": "e.g. 3*4"}},
+            "required": ["expression"]}}},
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Météo actuelle — current weather ☀️",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "lookup", "description": "tab\there, quote \" backslash \\ newline\n ctrl \x01\x1f",
+        "parameters": {"type": "object", "properties": {
+            "ids": {"type": "array", "items": {"type": "number"}, "default": []},
+            "threshold": {"type": "number", "default": 0.5}, "exact": {"default": False},
+            "nothing": {"default": None}, "small": {"default": 1e-05},
+            "tiny": {"default": 0.0001}, "e15": {"default": 1e15}, "e16": {"default": 1e16},
+            "neg": {"default": -0.0}, "big": {"default": 12345678901234567890},
+            "frac": {"default": 123456789.123}, "keys": {"zeta": 1, "alpha": 2}}}}},
+    {"type": "function", "function": {"name": "noop", "parameters": {}}},
+]
+
+# Argument objects whose json.dumps form exercises floats, nesting, key order and escapes.
+ARGUMENTS = [
+    {"x": 1.0, "y": 1e-05, "z": 12345678901234567890, "w": -0.0, "v": 1e16, "u": 0.0001},
+    {"nested": {"a": [1, 2.5, {"b": None}], "t": True, "f": False}, "empty": {}, "none": []},
+    {"zeta": "last key first", "alpha": "ü ö 中文 \u2028 \x7f", "q": "say \"hi\"\n\\"},
+    {"big": 1.7976931348623157e308, "small": 5e-324, "third": 0.1 + 0.2, "int": -42},
+]
+
+
+def tool_conversations(rows):
+    """JSONL lines with tool definitions, assistant tool calls (OpenAI form: arguments as a JSON
+    string or as an object; content "", text or null) and tool results, built from GSM8K."""
+    out = []
+    for i, row in enumerate(rows):
+        q, a = row["question"], row["answer"]
+        expr = a.split("<<")[1].split("=")[0] if "<<" in a else "1+1"
+        args = {"expression": expr}
+        encoded = json.dumps(args, separators=(",", ":")) if i % 2 else args
+        call = {"type": "function", "function": {"name": "calculator", "arguments": encoded}}
+        if i % 5 == 0:
+            call["id"] = f"call_{i}"
+        msgs = [{"role": "system", "content": "Use the tools."}] if i % 3 == 0 else []
+        msgs.append({"role": "user", "content": q})
+        pre = [None, "", "Let me compute that.\n", "<think>\nneeds a tool\n</think>\n\n"][i % 4]
+        turn = {"role": "assistant", "content": pre, "tool_calls": [call]}
+        if i % 7 == 3:
+            turn["reasoning_content"] = "I should call the calculator."
+        msgs.append(turn)
+        result = [str(i * 7), "", "line one\nline \"two\"\t\\", '{"value": 12, "unit": "ü"}'][i % 4]
+        msgs.append({"role": "tool", "content": result, "tool_call_id": f"call_{i}"})
+        if i % 6 == 1:  # two steps after one query; the second call has object arguments
+            msgs.append({"role": "assistant", "content": "", "reasoning": "again" if i % 4 else None,
+                         "tool_calls": [{"type": "function", "function": {
+                             "name": "lookup", "arguments": ARGUMENTS[i // 6 % len(ARGUMENTS)]}}]})
+            msgs.append({"role": "tool", "content": "[]"})
+        if i % 8 == 2:  # parallel calls and results (Llama-3.1 takes one call per turn)
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather",
+                                                  "arguments": {"city": "Zürich", "days": 2}}},
+                {"type": "function", "function": {"name": "noop", "arguments": "{}"}}]})
+            msgs += [{"role": "tool", "content": "sunny"}, {"role": "tool", "content": "ok"}]
+        final = {"role": "assistant", "content": a}
+        if i % 4 == 1:
+            final["reasoning_content"] = "\nThe tool said " + result + ".\n"
+        msgs.append(final)
+        if i % 9 == 4:  # a later query answered without tools
+            msgs += [{"role": "user", "content": "Thanks! Now say done."},
+                     {"role": "assistant", "content": "done", "reasoning_content": "easy"}]
+        if i % 10 == 7:  # ends on a tool call: the last turn, with its think block
+            msgs.append({"role": "user", "content": "Check the weather too."})
+            msgs.append({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather",
+                                                  "arguments": '{"city": "Paris"}'}}]})
+        line = {"messages": msgs}
+        tools = [TOOLS, TOOLS[:1], [], None][i % 4]
+        if tools is not None:
+            line["tools"] = tools
+        out.append(json.dumps(line, ensure_ascii=False))
+    # "tool_calls" null and [] on plain turns; a tool result first; tools without a user turn
+    # first (Llama-3.1 would put them into the assistant's turn: rejected).
+    out.append(json.dumps({"messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "tool_calls": None},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "b", "tool_calls": []}]}))
+    out.append(json.dumps({"messages": [
+        {"role": "tool", "content": "early"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "noop", "arguments": {}}}]}]}))
+    out.append(json.dumps({"tools": TOOLS[:1], "messages": [
+        {"role": "system", "content": "s"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}))
+    return out
+
+
+def as_template_input(line):
+    """What the templates see for a line: the messages (ShareGPT mapped), tool_calls null or []
+    dropped, and call arguments given as JSON strings parsed, as dflash (and vLLM) do."""
+    j = json.loads(line)
+    if "conversations" in j:
+        role = {"system": "system", "human": "user", "gpt": "assistant", "user": "user",
+                "assistant": "assistant", "tool": "tool"}
+        msgs = [{"role": role[m["from"]], "content": m["value"]} for m in j["conversations"]]
+    else:
+        msgs = j["messages"]
+    for m in msgs:
+        if "tool_calls" in m and not m["tool_calls"]:
+            del m["tool_calls"]
+        for call in m.get("tool_calls", []):
+            if isinstance(call["function"]["arguments"], str):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return msgs, j.get("tools")
+
+
+def strip_reasoning(msgs):
+    """Thinking off: no reasoning anywhere (reasoning fields gone, <think> blocks cut as the
+    template cuts them)."""
+    out = []
+    for m in msgs:
+        m = {k: v for k, v in m.items() if k not in ("reasoning_content", "thinking", "reasoning")}
+        c = m.get("content")
+        if m["role"] == "assistant" and isinstance(c, str) and "</think>" in c:
+            m["content"] = c.split("</think>")[-1].lstrip("\n")
+        out.append(m)
+    return out
+
+
+def render_case(hf, msgs, tools, official, marked, **kwargs):
+    """Text from the official template; ids and assistant masks from the marked copy, which must
+    render the same text."""
+    text = hf.apply_chat_template(msgs, tools=tools, tokenize=False, chat_template=official,
+                                  **kwargs)
+    assert hf.apply_chat_template(msgs, tools=tools, tokenize=False, chat_template=marked,
+                                  **kwargs) == text, "the marked template renders differently"
+    enc = hf.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True, chat_template=marked,
+                                 **kwargs)
+    plain = hf.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True,
+                                   chat_template=official, **kwargs)
+    assert list(enc["input_ids"]) == list(plain["input_ids"])
+    return {"text": text, "ids": list(plain["input_ids"]), "mask": list(enc["assistant_masks"])}
+
+
+# name: (tokenizer dir, official template, marked template, thinking on, keep history, tools)
+CHAT_CASES = {
+    "qwen3": ("qwen3", QWEN3_TEMPLATE, QWEN3_TEMPLATE_MARKED, True, False, True),
+    "qwen3_thinking_off": ("qwen3", QWEN3_TEMPLATE, QWEN3_TEMPLATE_MARKED, False, False, True),
+    "qwen3_history_reasoning": ("qwen3", QWEN3_TEMPLATE_HISTORY, QWEN3_TEMPLATE_HISTORY_MARKED,
+                                True, True, True),
+    "llama3": ("llama3", LLAMA3_TEMPLATE, LLAMA3_TEMPLATE_MARKED, True, False, False),
+    "llama3.1": ("llama31", LLAMA31_TEMPLATE, LLAMA31_TEMPLATE_MARKED, True, False, True),
+}
+
+
+THINK_OFF_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def chat_cases(dirs, plain_lines, tool_rows):
+    """"tool_lines" and "cases": per case (tokenizer, template, options), for every plain and
+    tool line, the rendered text, ids and assistant masks, or null where the template cannot
+    render the line (dflash must reject it); and the generation prompt of every history that
+    ends before an assistant turn, with thinking on and off."""
+    from jinja2.exceptions import TemplateError
+    from transformers import AutoTokenizer
+
+    tool_lines = tool_conversations(tool_rows)
+    lines = plain_lines + tool_lines
+    cases = {}
+    prompts_checked = 0
+    for name, (kind, official, marked, thinking, history, tools_ok) in CHAT_CASES.items():
+        hf = AutoTokenizer.from_pretrained(str(dirs[kind]))
+        results, generation = [], []
+        for i, line in enumerate(lines):
+            msgs, tools = as_template_input(line)
+            has_tools = tools is not None or any(
+                m["role"] == "tool" or "tool_calls" in m for m in msgs)
+            first = 1 if msgs[0]["role"] == "system" else 0
+            if (has_tools and not tools_ok) or (
+                    kind == "llama31" and tools is not None and msgs[first]["role"] != "user"):
+                results.append(None)
+                continue
+            kwargs = {}
+            if not thinking:
+                msgs = strip_reasoning(msgs)
+                kwargs["enable_thinking"] = False
+            try:
+                r = render_case(hf, msgs, tools, official, marked, **kwargs)
+            except TemplateError as e:
+                assert "single tool-calls" in str(e), e
+                results.append(None)
+                continue
+            final = r["text"].rfind("<|im_start|>assistant\n")
+            if not thinking and r["text"].startswith(THINK_OFF_PROMPT, final):
+                # The unlearned part of the final turn is exactly the generation prompt.
+                prompt = hf.apply_chat_template(msgs[:-1], tools=tools, tokenize=False,
+                                                add_generation_prompt=True, enable_thinking=False)
+                assert r["text"].startswith(prompt) and prompt.endswith(THINK_OFF_PROMPT), i
+                prompts_checked += 1
+            results.append(r)
+            if i >= len(plain_lines) and thinking and not history:
+                for n in range(1, len(msgs)):
+                    if msgs[n]["role"] != "assistant":
+                        continue
+                    prompts = [hf.apply_chat_template(
+                        msgs[:n], tools=tools, tokenize=False, add_generation_prompt=True,
+                        chat_template=official, enable_thinking=on) for on in (True, False)]
+                    generation.append({"line": i, "messages": n, "thinking": prompts[0],
+                                       "no_thinking": prompts[1]})
+        cases[name] = {"tokenizer": kind, "enable_thinking": thinking,
+                       "keep_history_reasoning": history, "results": results,
+                       "generation": generation}
+    assert prompts_checked > 100, prompts_checked
+    return {"tool_lines": tool_lines, "cases": cases}
 
 
 def chat_reference(out, dirs):
@@ -364,6 +747,7 @@ def chat_reference(out, dirs):
                                        prefix, tokenize=False, add_generation_prompt=True,
                                        enable_thinking=False)})
         result[kind] = {"texts": texts, "ids": ids, "masks": masks, "generation": generation}
+    result.update(chat_cases(dirs, result["lines"], gsm8k("test")[150:230]))
     (out / "chat.json").write_text(json.dumps(result, ensure_ascii=False))
 
 
@@ -382,6 +766,13 @@ def make(out: pathlib.Path):
         tok.save(str(d / "tokenizer.json"))
         (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(kind), indent=2))
         dirs[kind] = d
+        if kind == "llama3":  # the same tokenizer with the Llama-3.1 template
+            d31 = out / "llama31"
+            d31.mkdir(parents=True, exist_ok=True)
+            tok.save(str(d31 / "tokenizer.json"))
+            cfg = dict(tokenizer_config(kind), chat_template=LLAMA31_TEMPLATE)
+            (d31 / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+            dirs["llama31"] = d31
         texts = test_texts + stress
         enc = tok.encode_batch(texts, add_special_tokens=False)
         enc_sp = tok.encode_batch(texts, add_special_tokens=True)

@@ -2,7 +2,10 @@
 // official Qwen3 and Llama-3 templates (fixture: chat.json), and the per-line error reasons.
 #include "data/chat.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
 
 #include "text_fixtures.h"
 
@@ -56,6 +59,72 @@ TEST_P(ChatParity, GenerationPromptsMatchTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(chat, ChatParity, ::testing::Values("qwen3", "llama3"));
 
+// The plain lines and the tool lines (tool definitions, OpenAI-form calls, tool results,
+// reasoning in several spellings) under each template and option set: text, ids and masks equal
+// transformers', and a line the template cannot render is rejected.
+class ChatCase : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ChatCase, TextIdsAndMasksMatchTransformers) {
+  auto ref = load_fixture_json(tokenizer_fixtures() / "chat.json");
+  ASSERT_FALSE(ref.is_null());
+  const auto& c = ref["cases"][GetParam()];
+  auto dir = tokenizer_fixtures() / c["tokenizer"].get<std::string>();
+  auto tokenizer = tok::Tokenizer::load(dir);
+  ChatConfig config = detect_chat_config(dir);
+  EXPECT_EQ(chat_format_name(config.format), GetParam().substr(0, GetParam().find('_')));
+  config.enable_thinking = c["enable_thinking"].get<bool>();
+  config.keep_history_reasoning = c["keep_history_reasoning"].get<bool>();
+  config.validate();
+  std::vector<std::string> lines = ref["lines"];
+  for (const auto& l : ref["tool_lines"]) lines.push_back(l);
+  const size_t plain = ref["lines"].size();
+  ASSERT_EQ(c["results"].size(), lines.size());
+  size_t supervised = 0, tool_lines_rendered = 0, rejected = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    SCOPED_TRACE("line " + std::to_string(i) + ": " + lines[i]);
+    const auto& want = c["results"][i];
+    if (want.is_null()) {
+      EXPECT_THROW(render_chat(parse_conversation(lines[i]), config), ParseError);
+      ++rejected;
+      continue;
+    }
+    RenderedChat r = render_chat(parse_conversation(lines[i]), config);
+    ASSERT_EQ(r.text, want["text"].get<std::string>());
+    TokenizedChat t;
+    tokenize_chat(tokenizer, r, t);
+    ASSERT_EQ(t.ids, want["ids"].get<std::vector<int32_t>>());
+    ASSERT_EQ(t.mask, want["mask"].get<std::vector<uint8_t>>());
+    for (uint8_t m : t.mask) supervised += m;
+    tool_lines_rendered += i >= plain;
+  }
+  EXPECT_GT(supervised, 15000u);
+  if (GetParam() == "llama3") {
+    EXPECT_GT(rejected, 75u);  // tool lines: the Llama-3 template has no tool turns
+  } else {
+    EXPECT_GT(tool_lines_rendered, 70u);
+  }
+  // Generation prompts (add_generation_prompt=True) of the tool lines' histories.
+  for (const auto& g : c["generation"]) {
+    Conversation conv = parse_conversation(lines[g["line"].get<size_t>()]);
+    conv.messages.resize(g["messages"].get<size_t>());
+    SCOPED_TRACE("generation prompt, line " + g["line"].dump() + ", " + g["messages"].dump());
+    EXPECT_EQ(render_generation_prompt(conv, config), g["thinking"].get<std::string>());
+    EXPECT_EQ(render_generation_prompt(conv, config, false), g["no_thinking"].get<std::string>());
+  }
+  if (GetParam() == "qwen3" || GetParam() == "llama3.1") {
+    EXPECT_GT(c["generation"].size(), 150u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(chat, ChatCase,
+                         ::testing::Values("qwen3", "qwen3_thinking_off", "qwen3_history_reasoning",
+                                           "llama3", "llama3.1"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '.', '_');
+                           return name;
+                         });
+
 std::string reason(std::string_view line) {
   try {
     parse_conversation(line);
@@ -76,8 +145,8 @@ TEST(ChatParse, BadLinesSayWhy) {
   EXPECT_EQ(reason(R"({"messages": [{"role": "user", "content": "hi"},
                                     {"role": "assistant", "content": " \n"}]})"),
             "message 1: empty assistant turn");
-  EXPECT_EQ(reason(R"({"messages": [{"role": "tool", "content": "x"}]})"),
-            "message 0 has unknown role \"tool\"");
+  EXPECT_EQ(reason(R"({"messages": [{"role": "function", "content": "x"}]})"),
+            "message 0 has unknown role \"function\"");
   EXPECT_EQ(reason(R"({"conversations": [{"from": "bot", "value": "x"}]})"),
             "message 0 has unknown role \"bot\"");
   EXPECT_EQ(reason(R"({"messages": [{"role": "user", "content": ["x"]}]})"),
@@ -89,6 +158,74 @@ TEST(ChatParse, BadLinesSayWhy) {
   EXPECT_EQ(reason(R"({"conversations": [{"from": "human", "value": "q"},
                                          {"from": "gpt", "value": "a"}]})"),
             "accepted");
+}
+
+TEST(ChatParse, ToolLinesSayWhatIsWrong) {
+  const std::string user = R"({"role": "user", "content": "q"}, )";
+  auto with = [&](const std::string& assistant) {
+    return reason(R"({"messages": [)" + user + assistant + "]}");
+  };
+  EXPECT_EQ(with(R"({"role": "assistant", "content": null})"), "message 1 content is not a string");
+  EXPECT_EQ(with(R"({"role": "assistant", "content": "", "tool_calls": []})"),
+            "message 1: empty assistant turn");
+  EXPECT_EQ(with(R"({"role": "assistant", "content": null, "tool_calls": [{"name": "f"}]})"),
+            "message 1 tool call 0 has no \"function\" object");
+  EXPECT_EQ(with(R"({"role": "assistant", "content": null, "tool_calls": [
+                     {"function": {"name": "f", "arguments": "{\"a\": "}}]})"),
+            "message 1 tool call 0 arguments are not valid JSON");
+  EXPECT_EQ(with(R"({"role": "assistant", "content": null, "tool_calls": [
+                     {"function": {"name": "f", "arguments": "[1]"}}]})"),
+            "message 1 tool call 0 arguments are not a JSON object");
+  EXPECT_EQ(with(R"({"role": "assistant", "content": null, "tool_calls": [
+                     {"function": {"arguments": {}}}]})"),
+            "message 1 tool call 0 has no function name");
+  EXPECT_EQ(reason(R"({"messages": [{"role": "user", "content": "q", "tool_calls": [{}]},
+                                    {"role": "assistant", "content": "a"}]})"),
+            "message 0 has tool_calls but is not an assistant turn");
+  EXPECT_EQ(reason(R"({"tools": {}, "messages": [{"role": "assistant", "content": "a"}]})"),
+            "\"tools\" is not a list");
+  EXPECT_EQ(with(R"({"role": "assistant", "content": "a", "reasoning": 3})"),
+            "message 1 reasoning is not a string");
+  // Arguments given as a JSON string are re-serialized as json.dumps writes them.
+  Conversation c = parse_conversation(R"({"messages": [)" + user + R"(
+      {"role": "assistant", "content": null, "tool_calls": [{"type": "function", "function":
+       {"name": "f", "arguments": "{\"b\":1e5,\"a\":[true,null,\"\\u00e9\\n\"]}"}}]}]})");
+  ASSERT_EQ(c.messages[1].tool_calls.size(), 1u);
+  EXPECT_EQ(c.messages[1].tool_calls[0].arguments,
+            "{\"b\": 100000.0, \"a\": [true, null, \"\u00e9\\n\"]}");
+}
+
+TEST(ChatRender, TemplatesThatCannotRenderALineRejectIt) {
+  auto reject = [](ChatFormat format, std::string_view line) {
+    try {
+      render_chat(parse_conversation(line), ChatConfig{format, "<|begin_of_text|>"});
+    } catch (const ParseError& e) {
+      return std::string(e.what());
+    }
+    return std::string("rendered");
+  };
+  const char* tool_result = R"({"messages": [{"role": "user", "content": "q"},
+      {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}]})";
+  EXPECT_THAT(reject(ChatFormat::kLlama3, tool_result),
+              ::testing::HasSubstr("the llama3 chat template has no tool calls"));
+  EXPECT_EQ(reject(ChatFormat::kLlama31, tool_result), "rendered");
+  const char* two_calls = R"({"messages": [{"role": "user", "content": "q"},
+      {"role": "assistant", "content": null, "tool_calls": [
+        {"function": {"name": "f", "arguments": {}}}, {"function": {"name": "g", "arguments": {}}}]}]})";
+  EXPECT_THAT(reject(ChatFormat::kLlama31, two_calls),
+              ::testing::HasSubstr("message 1 has 2 tool calls; the template takes one per turn"));
+  EXPECT_EQ(reject(ChatFormat::kQwen3, two_calls), "rendered");
+}
+
+TEST(ChatRender, OptionsCheckTheFormat) {
+  ChatConfig llama{ChatFormat::kLlama31, "<|begin_of_text|>"};
+  llama.enable_thinking = false;
+  EXPECT_THROW(llama.validate(), dflash::Error);
+  ChatConfig qwen{ChatFormat::kQwen3, ""};
+  qwen.keep_history_reasoning = true;
+  qwen.validate();
+  qwen.enable_thinking = false;
+  EXPECT_THROW(qwen.validate(), dflash::Error);
 }
 
 TEST(ChatRender, Qwen3ThinkBlockConvention) {
@@ -113,7 +250,33 @@ TEST(ChatRender, ForcedFormatAndUnknownTemplate) {
   EXPECT_THROW(detect_chat_config(dir), dflash::Error);
   EXPECT_EQ(detect_chat_config(dir, ChatFormat::kQwen3).format, ChatFormat::kQwen3);
   EXPECT_EQ(chat_format_from_name("llama3"), ChatFormat::kLlama3);
+  EXPECT_EQ(chat_format_from_name("llama3.1"), ChatFormat::kLlama31);
   EXPECT_FALSE(chat_format_from_name("chatml").has_value());
+  EXPECT_EQ(detect_chat_config(tokenizer_fixtures() / "llama31").format, ChatFormat::kLlama31);
+}
+
+TEST(ChatRender, Llama32TemplateWithTodaysDateAsksForAFormat) {
+  auto dir = dflash::testing::fresh_test_dir("llama32_");
+  std::filesystem::create_directories(dir);
+  auto cfg = load_fixture_json(tokenizer_fixtures() / "llama31" / "tokenizer_config.json");
+  std::string t = cfg["chat_template"];
+  // Llama-3.2's template: the date from strftime_now when the renderer defines it.
+  const std::string fixed = "{%- set date_string = \"26 Jul 2024\" %}";
+  ASSERT_NE(t.find(fixed), std::string::npos);
+  t.replace(t.find(fixed), fixed.size(),
+            "{%- if strftime_now is defined %}{%- set date_string = strftime_now(\"%d %b %Y\") "
+            "%}{%- else %}" +
+                fixed + "{%- endif %}");
+  cfg["chat_template"] = t;
+  dflash::write_file_atomic(dir / "tokenizer_config.json", cfg.dump());
+  try {
+    detect_chat_config(dir);
+    ADD_FAILURE() << "detected";
+  } catch (const dflash::Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("pass --chat-format llama3.1"));
+  }
+  EXPECT_EQ(detect_chat_config(dir, ChatFormat::kLlama31).format, ChatFormat::kLlama31);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -133,6 +133,39 @@ TEST_F(PrepareTest, WritesWhatTokenizingEachLineGives) {
   EXPECT_FALSE(format_length_histogram(s).empty());
 }
 
+TEST_F(PrepareTest, ThinkingOffReachesEverySampleAndTheManifest) {
+  opt_.enable_thinking = false;
+  auto s = run();
+  EXPECT_EQ(s.samples, good_.size());
+  Dataset d = Dataset::open(opt_.out_dir);
+  EXPECT_EQ(d.manifest()["enable_thinking"], false);
+  EXPECT_EQ(d.manifest()["keep_history_reasoning"], false);
+  auto tok = tok::Tokenizer::load(opt_.tokenizer_dir);
+  auto chat = detect_chat_config(opt_.tokenizer_dir);
+  chat.enable_thinking = false;
+  size_t differ = 0;
+  for (size_t i = 0; i < good_.size(); ++i) {
+    TokenizedChat want, on;
+    tokenize_chat(tok, render_chat(parse_conversation(good_[i]), chat), want);
+    auto got = d[i];
+    ASSERT_EQ(std::vector<uint8_t>(got.mask.begin(), got.mask.end()), want.mask) << i;
+    tokenize_chat(tok, render_chat(parse_conversation(good_[i]), {chat.format, ""}), on);
+    differ += on.mask != want.mask;
+  }
+  EXPECT_GT(differ, good_.size() / 2);  // the final turn's think block is prompt now
+  // A Llama tokenizer has no thinking switch.
+  opt_.tokenizer_dir = tokenizer_fixtures() / "llama31";
+  opt_.overwrite = true;
+  try {
+    run();
+    ADD_FAILURE() << "prepared";
+  } catch (const dflash::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("options of the qwen3 chat format, not of llama3.1"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(PrepareTest, OutputDoesNotDependOnThreadCount) {
   opt_.threads = 1;
   run();
