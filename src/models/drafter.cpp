@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -22,6 +23,62 @@ namespace {
 using nlohmann::json;
 
 std::string layer_name(int64_t i, const char* rest) { return fmt::format("layers.{}.{}", i, rest); }
+
+struct BlockQkv {
+  at::Tensor q, k, v;  // [rows, Hq, D], [rows, Hkv, D] x2
+};
+
+// The block rows' attention inputs: input_layernorm, Q/K/V projections, q_norm/k_norm and RoPE
+// at the rows' absolute positions. Weights are cast to `dtype` (a no-op when they already are).
+BlockQkv block_qkv(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& x,
+                   const at::Tensor& cos, const at::Tensor& sin, at::ScalarType dtype) {
+  const double eps = c.rms_norm_eps;
+  const int64_t rows = x.size(0), d = c.head_dim;
+  auto h = rms_norm(x, w.input_norm.to(dtype), eps);
+  auto q = at::linear(h, w.q_proj.to(dtype)).view({rows, c.num_heads, d});
+  q = kernels::rotary(rms_norm(q, w.q_norm.to(dtype), eps), cos, sin);
+  auto k = at::linear(h, w.k_proj.to(dtype)).view({rows, c.num_kv_heads, d});
+  k = kernels::rotary(rms_norm(k, w.k_norm.to(dtype), eps), cos, sin);
+  auto v = at::linear(h, w.v_proj.to(dtype)).view({rows, c.num_kv_heads, d});
+  return {q, k, v};
+}
+
+// K/V injection: the same k_proj/v_proj (and k_norm, RoPE at absolute positions) over the
+// context rows as over the block rows. The context is not passed through input_layernorm
+// (z-lab's DFlashDraftModel feeds hidden_norm(fc(taps)) straight to k_proj/v_proj), and it
+// skips Q, O and the MLP.
+std::pair<at::Tensor, at::Tensor> context_kv(const DrafterLayerWeights& w, const ModelConfig& c,
+                                             const at::Tensor& ctx, const at::Tensor& cos,
+                                             const at::Tensor& sin, at::ScalarType dtype) {
+  const int64_t t = ctx.size(0), d = c.head_dim;
+  auto k = at::linear(ctx, w.k_proj.to(dtype)).view({t, c.num_kv_heads, d});
+  k = kernels::rotary(rms_norm(k, w.k_norm.to(dtype), c.rms_norm_eps), cos, sin);
+  auto v = at::linear(ctx, w.v_proj.to(dtype)).view({t, c.num_kv_heads, d});
+  return {k, v};
+}
+
+// hidden_norm(fc(features)): the context every drafter layer reads.
+at::Tensor fused_context(const DrafterConfig& config, const at::Tensor& features,
+                         const at::Tensor& fc, const at::Tensor& hidden_norm,
+                         at::ScalarType dtype) {
+  const int64_t kh = config.num_taps() * config.layers.hidden_size;
+  if (features.dim() != 2 || features.size(1) != kh) {
+    fail("drafter: features must be [tokens, {}] ({} taps x hidden {}), got {}", kh,
+         config.num_taps(), config.layers.hidden_size, features.sizes());
+  }
+  auto fused = at::linear(features.to(dtype), fc.to(dtype));
+  return rms_norm(fused, hidden_norm.to(dtype), config.layers.rms_norm_eps);
+}
+
+// The rest of a drafter layer after attention: o_proj and residual, then the SwiGLU MLP.
+at::Tensor layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& x,
+                        const at::Tensor& attn, at::ScalarType dtype) {
+  const int64_t rows = x.size(0);
+  auto x1 = x + at::linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
+  auto h2 = rms_norm(x1, w.post_attention_norm.to(dtype), c.rms_norm_eps);
+  auto act = at::silu(at::linear(h2, w.gate_proj.to(dtype))) * at::linear(h2, w.up_proj.to(dtype));
+  return x1 + at::linear(act, w.down_proj.to(dtype));
+}
 
 }  // namespace
 
@@ -326,21 +383,28 @@ Drafter Drafter::load(const std::filesystem::path& dir, const ModelConfig& targe
                       at::Device device) {
   const auto config_path = dir / "config.json";
   DrafterConfig config = parse_drafter_config(read_json_file(config_path), config_path.string());
+  auto ckpt = io::Checkpoint::open(dir);
+  std::vector<std::pair<std::string, at::Tensor>> values;
+  for (const auto& [name, shape] : drafter_parameter_shapes(config)) {
+    if (!ckpt.contains(name)) fail("{}: tensor {} is missing", dir.string(), name);
+    values.push_back({name, ckpt.tensor(name)});
+  }
+  return from_tensors(config, values, target, device, dir.string());
+}
+
+Drafter Drafter::from_tensors(const DrafterConfig& config,
+                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const ModelConfig& target, at::Device device,
+                              const std::string& origin) {
   try {
     config.validate(target);
   } catch (const Error& e) {
-    fail("{}: does not fit the target: {}", dir.string(), e.what());
+    fail("{}: does not fit the target: {}", origin, e.what());
   }
   Drafter out(config, device);
   out.allocate(device, std::nullopt);
   out.register_parameters();
-  auto ckpt = io::Checkpoint::open(dir);
-  std::vector<std::pair<std::string, at::Tensor>> values;
-  for (const auto& [name, p] : out.named_) {
-    if (!ckpt.contains(name)) fail("{}: tensor {} is missing", dir.string(), name);
-    values.push_back({name, ckpt.tensor(name)});
-  }
-  out.assign(values, dir.string());
+  out.assign(tensors, origin);
   return out;
 }
 
@@ -388,13 +452,7 @@ void Drafter::save(const std::filesystem::path& dir) const {
 }
 
 at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) const {
-  const int64_t kh = config_.num_taps() * config_.layers.hidden_size;
-  if (features.dim() != 2 || features.size(1) != kh) {
-    fail("drafter: features must be [tokens, {}] ({} taps x hidden {}), got {}", kh,
-         config_.num_taps(), config_.layers.hidden_size, features.sizes());
-  }
-  auto fused = at::linear(features.to(dtype), fc_.to(dtype));
-  return rms_norm(fused, hidden_norm_.to(dtype), config_.layers.rms_norm_eps);
+  return fused_context(config_, features, fc_, hidden_norm_, dtype);
 }
 
 at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch,
@@ -452,23 +510,9 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
                                   const BlockLayout& layout, at::ScalarType dtype,
                                   const kernels::PrefixGatherPlan* gather) const {
   const ModelConfig& c = config_.layers;
-  const double eps = c.rms_norm_eps;
-  const int64_t rows = x.size(0), t = ctx.size(0), d = c.head_dim, bs = layout.block_size;
-  auto cast = [&](const at::Tensor& p) { return p.to(dtype); };
-  auto h = rms_norm(x, cast(w.input_norm), eps);
-  auto q = at::linear(h, cast(w.q_proj)).view({rows, c.num_heads, d});
-  q = kernels::rotary(rms_norm(q, cast(w.q_norm), eps), blk_cos, blk_sin);
-  // K/V injection: the same k_proj/v_proj (and k_norm, RoPE at absolute positions) over the
-  // context rows and the block rows. The context is not passed through input_layernorm
-  // (z-lab's DFlashDraftModel feeds hidden_norm(fc(taps)) straight to k_proj/v_proj), and it
-  // skips Q, O and the MLP.
-  const auto k_w = cast(w.k_proj), v_w = cast(w.v_proj), k_norm = cast(w.k_norm);
-  auto k_blk = kernels::rotary(
-      rms_norm(at::linear(h, k_w).view({rows, c.num_kv_heads, d}), k_norm, eps), blk_cos, blk_sin);
-  auto v_blk = at::linear(h, v_w).view({rows, c.num_kv_heads, d});
-  auto k_ctx = kernels::rotary(
-      rms_norm(at::linear(ctx, k_w).view({t, c.num_kv_heads, d}), k_norm, eps), ctx_cos, ctx_sin);
-  auto v_ctx = at::linear(ctx, v_w).view({t, c.num_kv_heads, d});
+  const int64_t rows = x.size(0), d = c.head_dim, bs = layout.block_size;
+  auto [q, k_blk, v_blk] = block_qkv(w, c, x, blk_cos, blk_sin, dtype);
+  auto [k_ctx, v_ctx] = context_kv(w, c, ctx, ctx_cos, ctx_sin, dtype);
 
   at::Tensor attn;  // [rows, Hq, D]
   if (gather == nullptr) {
@@ -545,10 +589,109 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
                .permute({0, 2, 3, 1, 4})
                .reshape({rows, c.num_heads, d});
   }
-  auto x1 = x + at::linear(attn.reshape({rows, c.num_heads * d}), cast(w.o_proj));
-  auto h2 = rms_norm(x1, cast(w.post_attention_norm), eps);
-  auto act = at::silu(at::linear(h2, cast(w.gate_proj))) * at::linear(h2, cast(w.up_proj));
-  return x1 + at::linear(act, cast(w.down_proj));
+  return layer_output(w, c, x, attn, dtype);
+}
+
+DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType dtype,
+                       int64_t block_size)
+    : config_(drafter.config_), rotary_(drafter.rotary_), dtype_(dtype) {
+  if (block_size != 0) {
+    if (block_size < 2) fail("draft model: block size must be at least 2, got {}", block_size);
+    config_.block_size = block_size;
+  }
+  // Detached: inference must not extend the autograd graph of a drafter that is training.
+  auto cast = [&](const at::Tensor& p) { return p.detach().to(dtype); };
+  fc_ = cast(drafter.fc_);
+  hidden_norm_ = cast(drafter.hidden_norm_);
+  norm_ = cast(drafter.norm_);
+  for (const auto& l : drafter.layers_) {
+    layers_.push_back({cast(l.input_norm), cast(l.post_attention_norm), cast(l.q_proj),
+                       cast(l.k_proj), cast(l.v_proj), cast(l.o_proj), cast(l.q_norm),
+                       cast(l.k_norm), cast(l.gate_proj), cast(l.up_proj), cast(l.down_proj)});
+  }
+  if (head.embedding.size(1) != config_.layers.hidden_size ||
+      head.lm_head.size(0) != config_.layers.vocab_size) {
+    fail("draft model: target head [{}] / [{}] does not fit the drafter (hidden {}, vocab {})",
+         head.embedding.sizes(), head.lm_head.sizes(), config_.layers.hidden_size,
+         config_.layers.vocab_size);
+  }
+  head_ = {head.embedding, head.lm_head.to(dtype)};
+}
+
+KVCache DraftModel::make_cache(int64_t slots, int64_t max_context) const {
+  return KVCache(config_.layers, slots, max_context + config_.block_size, device(), dtype_);
+}
+
+void DraftModel::extend(KVCache& cache, const std::vector<int64_t>& slots,
+                        const std::vector<int64_t>& counts, const at::Tensor& features) const {
+  c10::NoGradGuard no_grad;
+  if (slots.size() != counts.size()) {
+    fail("draft model: {} slots but {} counts", slots.size(), counts.size());
+  }
+  std::vector<int64_t> with_tokens, their_counts;
+  int64_t rows = 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t room = cache.capacity() - config_.block_size - cache.length(slots[i]);
+    if (counts[i] < 0 || counts[i] > room) {
+      fail("drafter cache: slot {} holds {} tokens; {} more exceed its {}", slots[i],
+           cache.length(slots[i]), counts[i], cache.capacity() - config_.block_size);
+    }
+    if (counts[i] == 0) continue;
+    with_tokens.push_back(slots[i]);
+    their_counts.push_back(counts[i]);
+    rows += counts[i];
+  }
+  if (features.size(0) != rows) {
+    fail("draft model: features have {} rows for {} context tokens", features.size(0), rows);
+  }
+  if (rows == 0) return;
+  auto batch = AppendBatch::make(cache, with_tokens, their_counts);
+  auto ctx = fused_context(config_, features.to(device()), fc_, hidden_norm_, dtype_);
+  auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    auto [k, v] = context_kv(layers_[l], config_.layers, ctx, cos, sin, dtype_);
+    cache.update(static_cast<int64_t>(l), batch.rows, k, v);
+  }
+  for (int64_t i = 0; i < batch.size(); ++i) cache.extend(batch.slots[i], batch.counts[i]);
+}
+
+at::Tensor DraftModel::hidden(KVCache& cache, const std::vector<int64_t>& slots,
+                              const at::Tensor& last_tokens) const {
+  c10::NoGradGuard no_grad;
+  const int64_t n = static_cast<int64_t>(slots.size()), bs = config_.block_size;
+  if (n == 0) fail("draft model: no slots to draft for");
+  if (last_tokens.dim() != 1 || last_tokens.size(0) != n) {
+    fail("draft model: last_tokens must be [{}] (one per slot), got {}", n, last_tokens.sizes());
+  }
+  const ModelConfig& c = config_.layers;
+  // The block's K/V go to the rows just past each slot's context, so that a slot's keys
+  // (context, then block) are one run of cache rows; the slot's length does not move, so
+  // the next extend overwrites them.
+  auto batch = AppendBatch::make(cache, slots, std::vector<int64_t>(slots.size(), bs));
+  auto ids = at::full({n, bs}, config_.mask_token_id, batch.positions.options());
+  ids.select(1, 0).copy_(last_tokens);
+  auto x = at::embedding(head_.embedding, ids.view({n * bs})).to(dtype_);
+  auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const auto& w = layers_[l];
+    auto [q, k, v] = block_qkv(w, c, x, cos, sin, dtype_);
+    cache.update(static_cast<int64_t>(l), batch.rows, k, v);
+    auto attn = cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
+    x = layer_output(w, c, x, attn, dtype_);
+  }
+  return rms_norm(x, norm_, c.rms_norm_eps).view({n, bs, c.hidden_size});
+}
+
+at::Tensor DraftModel::logits(KVCache& cache, const std::vector<int64_t>& slots,
+                              const at::Tensor& last_tokens) const {
+  auto h = hidden(cache, slots, last_tokens);
+  c10::NoGradGuard no_grad;
+  return at::linear(h.narrow(1, 1, config_.block_size - 1), head_.lm_head);
+}
+
+at::Tensor DraftModel::draft(KVCache& cache, const std::vector<int64_t>& slots,
+                             const at::Tensor& last_tokens) const {
+  return logits(cache, slots, last_tokens).argmax(-1);
 }
 
 double drafter_step_flops(const DrafterConfig& config, const std::vector<int64_t>& lengths,

@@ -3,6 +3,8 @@
 // training blocks (K/V injection of the fused target context into every non-causal layer),
 // and the inference-engine checkpoint format (config.json + model.safetensors) in both
 // directions. Embedding and LM head are the target's and are only ever borrowed (TargetHead).
+// For speculative decoding it also owns the inference side (DraftModel): the injected
+// context's K/V kept per sequence slot in a KVCache, and one draft per step.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -16,6 +18,7 @@
 
 #include "kernels/prefix_gather.h"
 #include "models/config.h"
+#include "models/kv_cache.h"
 #include "models/layers.h"
 
 namespace dflash::models {
@@ -112,6 +115,8 @@ struct DrafterLayerWeights {
   at::Tensor gate_proj, up_proj, down_proj;    // [F, H] x2, [H, F]
 };
 
+class DraftModel;
+
 class Drafter {
  public:
   // Fresh weights: linear layers normal(0, 0.02), norms at one (the Qwen3 initializer).
@@ -125,6 +130,12 @@ class Drafter {
   // master weights; `target` is the config the drafter will run against.
   static Drafter load(const std::filesystem::path& dir, const ModelConfig& target,
                       at::Device device);
+  // A drafter from tensors named as in the export (any float dtype); `origin` names their
+  // source in errors.
+  static Drafter from_tensors(const DrafterConfig& config,
+                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const ModelConfig& target, at::Device device,
+                              const std::string& origin);
   // Writes config.json and model.safetensors (bf16, the engines' tensor names) atomically.
   void save(const std::filesystem::path& dir) const;
 
@@ -149,6 +160,7 @@ class Drafter {
               const std::string& origin);
 
  private:
+  friend class DraftModel;
   Drafter(DrafterConfig config, at::Device device);
   // Linear weights normal(0, 0.02) from `gen`; without one they are left uninitialized for
   // load() to overwrite. Norms at one either way.
@@ -165,6 +177,55 @@ class Drafter {
   at::Tensor fc_, hidden_norm_, norm_;
   std::vector<DrafterLayerWeights> layers_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
+};
+
+// A drafter ready for speculative decoding: its weights cast once to the inference dtype (the
+// fp32 masters themselves when that is fp32, so a drafter still training is read as it is
+// now), with the target's embedding and LM head. Computes no gradients.
+class DraftModel {
+ public:
+  // `block_size` > 0 drafts blocks of that size instead of the trained one (the drafter is
+  // non-causal, so this is a different, usually weaker, model).
+  DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType dtype, int64_t block_size = 0);
+
+  // The drafter's context cache (BRIEF, inference step 2): per drafter layer and slot, the
+  // K/V of the injected context (k_proj/v_proj over hidden_norm(fc(features)), k_norm, RoPE
+  // at the tokens' absolute positions) of the slot's first length(slot) tokens. It holds
+  // `max_context` tokens per slot plus B rows where a draft puts its block's K/V, which
+  // never count towards the slot's length.
+  KVCache make_cache(int64_t slots, int64_t max_context) const;
+
+  // Appends the context of `counts[i]` tokens to slot `slots[i]`, at positions
+  // length(slot) onwards. `features`: the concatenated target taps [sum(counts), K*H], rows of
+  // the slots in the order given.
+  void extend(KVCache& cache, const std::vector<int64_t>& slots, const std::vector<int64_t>& counts,
+              const at::Tensor& features) const;
+
+  // One draft per slot: the block [last_tokens[i], MASK x (B-1)] at positions
+  // [length(slot), length(slot) + B) attends to all of the slot's cached context and, in both
+  // directions, to its own block (the training mask for an anchor at length(slot)).
+  // Hidden states after the final norm, [n, B, H].
+  at::Tensor hidden(KVCache& cache, const std::vector<int64_t>& slots,
+                    const at::Tensor& last_tokens) const;
+  // Target-LM-head logits of block positions 1..B-1, [n, B-1, V].
+  at::Tensor logits(KVCache& cache, const std::vector<int64_t>& slots,
+                    const at::Tensor& last_tokens) const;
+  // Greedy draft: argmax of those logits, int64 [n, B-1].
+  at::Tensor draft(KVCache& cache, const std::vector<int64_t>& slots,
+                   const at::Tensor& last_tokens) const;
+
+  const DrafterConfig& config() const { return config_; }
+  int64_t block_size() const { return config_.block_size; }
+  at::ScalarType dtype() const { return dtype_; }
+  at::Device device() const { return fc_.device(); }
+
+ private:
+  DrafterConfig config_;
+  Rotary rotary_;
+  TargetHead head_;
+  at::ScalarType dtype_;
+  at::Tensor fc_, hidden_norm_, norm_;
+  std::vector<DrafterLayerWeights> layers_;
 };
 
 // Floating-point operations of one drafter training step (forward + backward) for a packed

@@ -100,17 +100,18 @@ AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& 
   return b;
 }
 
-at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                                   const AppendBatch& batch) {
+namespace {
+
+at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
+                            const AppendBatch& batch, bool causal) {
   const at::Tensor& k = cache.keys(layer);
   const at::Tensor& v = cache.values(layer);
   const bool flash =
       q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
   if (flash) {
-    auto out = at::_flash_attention_forward(q, k, v, batch.cu_seqlens, batch.key_starts,
-                                            batch.max_count, batch.max_seen, 0.0,
-                                            /*is_causal=*/true, /*return_debug_mask=*/false,
-                                            std::nullopt, std::nullopt, std::nullopt, batch.seen);
+    auto out = at::_flash_attention_forward(
+        q, k, v, batch.cu_seqlens, batch.key_starts, batch.max_count, batch.max_seen, 0.0, causal,
+        /*return_debug_mask=*/false, std::nullopt, std::nullopt, std::nullopt, batch.seen);
     return std::get<0>(out);
   }
   std::vector<at::Tensor> outs;
@@ -124,8 +125,11 @@ at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, in
     auto values = v.narrow(0, batch.slots[i] * cache.capacity(), seen);
     // New token j (position start + j) sees keys at positions <= start + j: SDPA's is_causal
     // would align the mask to the first key instead.
-    auto mask = at::arange(seen, q.options().dtype(at::kLong)).unsqueeze(0) <=
-                at::arange(start, seen, q.options().dtype(at::kLong)).unsqueeze(1);
+    std::optional<at::Tensor> mask;
+    if (causal) {
+      mask = at::arange(seen, q.options().dtype(at::kLong)).unsqueeze(0) <=
+             at::arange(start, seen, q.options().dtype(at::kLong)).unsqueeze(1);
+    }
     auto o = at::scaled_dot_product_attention(view(q.narrow(0, offset, n)), view(keys),
                                               view(values), mask, 0.0, /*is_causal=*/false,
                                               std::nullopt, /*enable_gqa=*/true);
@@ -133,6 +137,18 @@ at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, in
     offset += n;
   }
   return outs.size() == 1 ? outs[0].contiguous() : at::cat(outs, 0);
+}
+
+}  // namespace
+
+at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
+                                   const AppendBatch& batch) {
+  return cached_attention(q, cache, layer, batch, /*causal=*/true);
+}
+
+at::Tensor cached_block_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
+                                  const AppendBatch& batch) {
+  return cached_attention(q, cache, layer, batch, /*causal=*/false);
 }
 
 }  // namespace dflash::models

@@ -78,4 +78,9 @@ struct AppendBatch {
 at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
                                    const AppendBatch& batch);
 
+// The same without the causal mask: every new query of an entry sees all its slot's keys up to
+// start + count, its entry's new tokens in both directions (the DFlash drafter's block).
+at::Tensor cached_block_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
+                                  const AppendBatch& batch);
+
 }  // namespace dflash::models

@@ -1,0 +1,211 @@
+// The drafter's inference path (DraftModel + DrafterCache) against its training forward: a
+// draft for the block anchored at a, with the context of tokens 0..a-1 cached (in pieces, as
+// speculative decoding commits them), must give the training forward's hidden states and
+// logits for the block anchored at a of the same sequence. This pins the context mask (keys
+// < a), the block's bidirectional attention, the positions and the MASK inputs of inference to
+// the ones the drafter was trained with. Tiny random models, fp32, CPU.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "common/error.h"
+#include "models/drafter.h"
+#include "models/target.h"
+#include "test_util.h"
+
+namespace dflash {
+namespace {
+
+using models::Drafter;
+using models::DraftModel;
+using models::TargetModel;
+
+struct Shape {
+  std::string name;
+  int64_t heads, kv_heads, head_dim, drafter_layers, block_size;
+};
+
+struct Models {
+  TargetModel target;
+  Drafter drafter;
+};
+
+Models make_models(const Shape& s, uint64_t seed) {
+  models::ModelConfig c = models::preset_config("tiny");
+  c.vocab_size = 96;
+  c.hidden_size = 48;
+  c.intermediate_size = 80;
+  c.num_layers = 6;
+  c.num_heads = s.heads;
+  c.num_kv_heads = s.kv_heads;
+  c.head_dim = s.head_dim;
+  c.tie_word_embeddings = seed % 2 == 0;
+  auto target = TargetModel::random(c, at::kCPU, at::kFloat, seed);
+  models::DrafterOptions o;
+  o.num_layers = s.drafter_layers;
+  o.block_size = s.block_size;
+  o.mask_token_id = c.vocab_size - 1;
+  auto drafter = Drafter::random(models::make_drafter_config(c, o), at::kCPU, seed + 1);
+  // Weights of std 0.02 leave attention almost uniform; sharper attention and norms away from
+  // one make a key seen by the wrong query, or rotated to the wrong position, show.
+  auto gen = models::seeded_generator(at::kCPU, seed + 2);
+  std::vector<std::pair<std::string, at::Tensor>> sharper;
+  for (const auto& [name, p] : drafter.named_parameters()) {
+    auto noise = at::randn(p.sizes(), gen, p.options().requires_grad(false));
+    sharper.push_back({name, p.dim() == 1 ? 1.0 + 0.2 * noise : 0.15 * noise});
+  }
+  drafter.assign(sharper, "test");
+  return {std::move(target), std::move(drafter)};
+}
+
+at::Tensor random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  // The MASK id (vocab - 1) never appears among real tokens.
+  return at::randint(vocab - 1, {n}, models::seeded_generator(at::kCPU, seed), at::kLong);
+}
+
+at::Tensor features_of(const TargetModel& target, const at::Tensor& tokens,
+                       const std::vector<int64_t>& ids) {
+  auto batch = models::PackedBatch::from_lengths({tokens.size(0)}, at::kCPU);
+  return at::cat(target.forward(tokens, batch, {ids, models::Logits::kNone}).taps, 1);
+}
+
+// The training forward's hidden states [blocks, B, H] for blocks of one sequence.
+at::Tensor training_hidden(const Drafter& drafter, const TargetModel& target,
+                           const at::Tensor& tokens, const at::Tensor& features,
+                           const std::vector<int64_t>& anchors) {
+  const auto& cfg = drafter.config();
+  const int64_t bs = cfg.block_size, n = static_cast<int64_t>(anchors.size());
+  models::BlockLayout layout;
+  layout.block_size = bs;
+  layout.sequence.assign(anchors.size(), 0);
+  layout.anchor = anchors;
+  auto ids = at::full({n, bs}, cfg.mask_token_id, at::kLong);
+  for (int64_t i = 0; i < n; ++i) ids[i][0] = tokens[anchors[i]];
+  layout.input_ids = ids.view({n * bs});
+  layout.positions = models::block_positions(anchors, bs);
+  auto batch = models::PackedBatch::from_lengths({tokens.size(0)}, at::kCPU);
+  return drafter
+      .forward(features, batch, layout, models::TargetHead::of(target), at::kFloat,
+               models::DrafterAttention::kDense)
+      .detach()
+      .view({n, bs, -1});
+}
+
+class DraftModelVsTraining : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(DraftModelVsTraining, DraftAtAnchorEqualsTrainingBlock) {
+  const Shape s = GetParam();
+  auto m = make_models(s, 11);
+  const int64_t length = 40, bs = s.block_size;
+  auto tokens = random_tokens(length, m.target.config().vocab_size, 5);
+  auto features = features_of(m.target, tokens, m.drafter.config().target_layer_ids);
+  const std::vector<int64_t> anchors = {0, 1, 7, 23, length - 1};
+  auto reference = training_hidden(m.drafter, m.target, tokens, features, anchors);
+  auto head = models::TargetHead::of(m.target);
+  DraftModel model(m.drafter, head, at::kFloat);
+  auto cache = model.make_cache(1, length);
+  int64_t cached = 0;
+  for (size_t i = 0; i < anchors.size(); ++i) {
+    const int64_t a = anchors[i];
+    SCOPED_TRACE("anchor " + std::to_string(a));
+    // Commit the context in pieces of 3, as accepted drafts arrive.
+    while (cached < a) {
+      const int64_t n = std::min<int64_t>(3, a - cached);
+      model.extend(cache, {0}, {n}, features.narrow(0, cached, n));
+      cached += n;
+    }
+    ASSERT_EQ(cache.length(0), a);
+    auto last = tokens.narrow(0, a, 1);
+    auto hidden = model.hidden(cache, {0}, last);
+    EXPECT_CLOSE(hidden[0], reference[i], 1e-5);
+    auto logits = model.logits(cache, {0}, last);
+    auto ref_logits = at::linear(reference[i].narrow(0, 1, bs - 1), head.lm_head);
+    EXPECT_CLOSE(logits[0], ref_logits, 1e-5);
+    EXPECT_TRUE(model.draft(cache, {0}, last)[0].equal(ref_logits.argmax(-1)));
+    // The draft leaves the cache as it was: the block's K/V are not context.
+    EXPECT_EQ(cache.length(0), a);
+    if (a > 0 && a + 1 < length) {
+      // One context token too many (the anchor's own feature, the block one position on)
+      // must not match: the comparison above can fail.
+      auto wrong = model.make_cache(1, length);
+      model.extend(wrong, {0}, {a + 1}, features.narrow(0, 0, a + 1));
+      auto off = model.hidden(wrong, {0}, last);
+      EXPECT_GT(testing::relative_error(off[0], reference[i]), 1e-3);
+    }
+  }
+}
+
+TEST_P(DraftModelVsTraining, BatchedSlotsEqualOneAtATime) {
+  const Shape s = GetParam();
+  auto m = make_models(s, 12);
+  DraftModel model(m.drafter, models::TargetHead::of(m.target), at::kFloat);
+  const std::vector<int64_t> lengths = {9, 30, 1, 17};
+  const int64_t slots = 5;  // slot 3 stays empty
+  const std::vector<int64_t> slot_of = {4, 0, 2, 1};
+  std::vector<at::Tensor> tokens, features;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    tokens.push_back(random_tokens(lengths[i] + 1, m.target.config().vocab_size, 20 + i));
+    features.push_back(features_of(m.target, tokens[i], m.drafter.config().target_layer_ids)
+                           .narrow(0, 0, lengths[i]));
+  }
+  // Together: two batched extends with unequal pieces, then one batched draft, slots in an
+  // order that is not 0..n-1.
+  auto cache = model.make_cache(slots, 32);
+  std::vector<int64_t> first(lengths.size()), rest(lengths.size());
+  std::vector<at::Tensor> first_rows, rest_rows;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    first[i] = lengths[i] / 2;
+    rest[i] = lengths[i] - first[i];
+    first_rows.push_back(features[i].narrow(0, 0, first[i]));
+    rest_rows.push_back(features[i].narrow(0, first[i], rest[i]));
+  }
+  model.extend(cache, slot_of, first, at::cat(first_rows));
+  model.extend(cache, slot_of, rest, at::cat(rest_rows));
+  std::vector<at::Tensor> last;
+  for (size_t i = 0; i < lengths.size(); ++i) last.push_back(tokens[i].narrow(0, lengths[i], 1));
+  auto batched = model.logits(cache, slot_of, at::cat(last));
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    SCOPED_TRACE("sequence " + std::to_string(i));
+    auto alone = model.make_cache(1, 32);
+    model.extend(alone, {0}, {lengths[i]}, features[i]);
+    EXPECT_CLOSE(batched[i], model.logits(alone, {0}, last[i])[0], 1e-5);
+  }
+  // Leading slots 0..n-1 (the cache viewed, not gathered) give the same.
+  auto leading = model.make_cache(2, 32);
+  model.extend(leading, {0, 1}, {lengths[0], lengths[1]}, at::cat({features[0], features[1]}));
+  auto two = model.logits(leading, {0, 1}, at::cat({last[0], last[1]}));
+  EXPECT_CLOSE(two[0], batched[0], 1e-5);
+  EXPECT_CLOSE(two[1], batched[1], 1e-5);
+  // A slot reset and refilled with another sequence drafts as a fresh one.
+  cache.reset(slot_of[1]);
+  model.extend(cache, {slot_of[1]}, {lengths[2]}, features[2]);
+  auto refilled = model.logits(cache, {slot_of[1]}, last[2]);
+  EXPECT_CLOSE(refilled[0], batched[2], 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DraftModelVsTraining,
+                         ::testing::Values(Shape{"gqa2_block4", 4, 2, 16, 2, 4},
+                                           Shape{"mha_block8", 2, 2, 24, 1, 8},
+                                           Shape{"gqa4_block16", 4, 1, 12, 3, 16}),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(DraftModel, CacheKeepsRoomForTheBlock) {
+  Shape s{"s", 2, 1, 16, 1, 4};
+  auto m = make_models(s, 3);
+  DraftModel model(m.drafter, models::TargetHead::of(m.target), at::kFloat);
+  auto cache = model.make_cache(2, 6);
+  auto features = at::zeros({7, m.drafter.config().num_taps() * 48});
+  EXPECT_THROW(model.extend(cache, {0}, {7}, features), Error);
+  model.extend(cache, {0, 1}, {6, 0}, features.narrow(0, 0, 6));
+  EXPECT_EQ(cache.length(0), 6);
+  EXPECT_EQ(cache.length(1), 0);
+  // A full slot still drafts (its block goes to the rows past max_context) and stays full.
+  model.draft(cache, {0, 1}, at::zeros({2}, at::kLong));
+  EXPECT_EQ(cache.length(0), 6);
+  EXPECT_EQ(cache.length(1), 0);
+  cache.crop(0, 2);
+  EXPECT_THROW(model.extend(cache, {0}, {2}, features.narrow(0, 0, 3)), Error);
+}
+
+}  // namespace
+}  // namespace dflash
