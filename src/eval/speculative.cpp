@@ -1,0 +1,309 @@
+#include "eval/speculative.h"
+
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/error.h"
+
+namespace dflash::eval {
+
+using models::AppendBatch;
+using models::Logits;
+
+DFlashDraftSource::DFlashDraftSource(const models::Drafter& drafter,
+                                     const models::TargetModel& target, int64_t block_size)
+    : model_(drafter, models::TargetHead::of(target), target.dtype(), block_size) {
+  drafter.config().validate(target.config());
+}
+
+void DFlashDraftSource::start(int64_t slots, int64_t context) {
+  // The context holds every committed token but the newest, which starts the next block.
+  cache_.emplace(model_.make_cache(slots, context));
+}
+
+void DFlashDraftSource::reset(int64_t slot) { cache_->reset(slot); }
+
+void DFlashDraftSource::extend(const std::vector<int64_t>& slots,
+                               const std::vector<std::span<const int64_t>>& tokens,
+                               const at::Tensor& features) {
+  std::vector<int64_t> counts;
+  for (const auto& t : tokens) counts.push_back(static_cast<int64_t>(t.size()));
+  model_.extend(*cache_, slots, counts, features);
+}
+
+at::Tensor DFlashDraftSource::draft(const std::vector<int64_t>& slots,
+                                    const std::vector<int64_t>& last) {
+  auto tokens = at::tensor(last, at::kLong);
+  if (!model_.device().is_cpu()) tokens = tokens.pin_memory().to(model_.device(), true);
+  return model_.draft(*cache_, slots, tokens);
+}
+
+double SpeculativeStats::tau() const {
+  int64_t steps = 0, tokens = 0;
+  for (size_t k = 0; k < committed.size(); ++k) {
+    steps += committed[k];
+    tokens += static_cast<int64_t>(k) * committed[k];
+  }
+  return steps == 0 ? 0.0 : static_cast<double>(tokens) / static_cast<double>(steps);
+}
+
+void SpeculativeStats::add(const SpeculativeStats& o) {
+  requests += o.requests;
+  prompt_tokens += o.prompt_tokens;
+  generated_tokens += o.generated_tokens;
+  prefill_forwards += o.prefill_forwards;
+  verify_steps += o.verify_steps;
+  if (committed.size() < o.committed.size()) committed.resize(o.committed.size(), 0);
+  for (size_t k = 0; k < o.committed.size(); ++k) committed[k] += o.committed[k];
+  seconds += o.seconds;
+}
+
+namespace {
+
+int64_t resolve_context(const models::TargetModel& target, const SpeculativeOptions& o) {
+  const int64_t context = o.context > 0 ? o.context : target.config().max_position_embeddings;
+  if (context <= 1) fail("speculative: the context limit must exceed 1 token, got {}", context);
+  return context;
+}
+
+}  // namespace
+
+SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftSource& drafter,
+                                       SpeculativeOptions options)
+    : target_(target),
+      drafter_(drafter),
+      options_(std::move(options)),
+      cache_(target.config(), options_.slots, resolve_context(target, options_), target.device(),
+             target.dtype()) {
+  if (options_.max_new_tokens <= 0) {
+    fail("speculative: --max-new-tokens must be positive, got {}", options_.max_new_tokens);
+  }
+  if (drafter_.block_size() < 2) {
+    fail("speculative: block size must be at least 2, got {}", drafter_.block_size());
+  }
+  options_.context = cache_.capacity();
+  drafter_.start(options_.slots, options_.context);
+}
+
+namespace {
+
+struct Slot {
+  bool occupied = false;
+  Request request;
+  Completion completion;
+  int64_t last = 0;  // newest committed token; the target has not run it yet
+};
+
+}  // namespace
+
+SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
+                                         const Generator::DoneFn& done) {
+  c10::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t n_slots = cache_.slots(), context = cache_.capacity();
+  const int64_t bs = drafter_.block_size();
+  const at::Device device = target_.device();
+  const auto long_opts = at::TensorOptions().dtype(at::kLong);
+  const std::vector<int64_t> taps = drafter_.tap_layers();
+  std::vector<Slot> slots(n_slots);
+  SpeculativeStats stats;
+  stats.committed.assign(bs + 1, 0);
+
+  auto upload = [&](const at::Tensor& t) {
+    return device.is_cpu() ? t : t.pin_memory().to(device, /*non_blocking=*/true);
+  };
+  auto to_host = [](const at::Tensor& t) {
+    auto h = t.to(at::kCPU, at::kLong).contiguous();
+    return std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel());
+  };
+  auto features_at = [&](const std::vector<at::Tensor>& tapped, const std::vector<int64_t>& rows) {
+    if (tapped.empty() || rows.empty()) return at::Tensor();
+    auto index = upload(at::tensor(rows, long_opts));
+    std::vector<at::Tensor> parts;
+    for (const auto& t : tapped) parts.push_back(t.index_select(0, index));
+    return at::cat(parts, 1);
+  };
+  auto is_stop = [&](int64_t token) {
+    return std::find(options_.stop_tokens.begin(), options_.stop_tokens.end(), token) !=
+           options_.stop_tokens.end();
+  };
+  auto finish = [&](Slot& s, Finish why) {
+    s.completion.finish = why;
+    s.occupied = false;
+    done(s.request, std::move(s.completion));
+  };
+  // Commits one generated token; false once the sequence has finished.
+  auto commit = [&](Slot& s, int64_t token) {
+    ++stats.generated_tokens;
+    if (is_stop(token)) {
+      finish(s, Finish::kStop);
+      return false;
+    }
+    s.completion.tokens.push_back(token);
+    s.last = token;
+    const int64_t n = static_cast<int64_t>(s.completion.tokens.size());
+    if (n == options_.max_new_tokens) {
+      finish(s, Finish::kLength);
+      return false;
+    }
+    if (static_cast<int64_t>(s.request.prompt.size()) + n == context) {
+      finish(s, Finish::kContext);
+      return false;
+    }
+    return true;
+  };
+
+  // Prefill of newly admitted requests, packed up to prefill_tokens: their first tokens and
+  // the drafter context of their prompts.
+  auto prefill = [&](const std::vector<int64_t>& group) {
+    if (group.empty()) return;
+    std::vector<int64_t> counts;
+    std::vector<at::Tensor> prompts;
+    std::vector<std::span<const int64_t>> spans;
+    for (int64_t slot : group) {
+      const auto& p = slots[slot].request.prompt;
+      counts.push_back(static_cast<int64_t>(p.size()));
+      prompts.push_back(at::tensor(p, long_opts));
+      spans.emplace_back(p);
+      drafter_.reset(slot);
+    }
+    auto batch = AppendBatch::make(cache_, group, counts);
+    auto out =
+        target_.forward_cached(upload(at::cat(prompts)), batch, cache_, {taps, Logits::kLast});
+    ++stats.prefill_forwards;
+    drafter_.extend(group, spans, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
+    const auto first = to_host(out.logits.argmax(-1));
+    for (size_t i = 0; i < group.size(); ++i) commit(slots[group[i]], first[i]);
+  };
+  // Fills free slots; true if it took any request (which may have finished at once).
+  auto admit = [&]() {
+    bool took = false;
+    std::vector<int64_t> group;
+    int64_t group_tokens = 0;
+    for (int64_t i = 0; i < n_slots; ++i) {
+      Slot& s = slots[i];
+      while (!s.occupied) {
+        auto request = next();
+        if (!request) break;
+        if (request->prompt.empty()) {
+          fail("speculative: request {} has an empty prompt", request->id);
+        }
+        const int64_t length = static_cast<int64_t>(request->prompt.size());
+        took = true;
+        ++stats.requests;
+        stats.prompt_tokens += length;
+        s.request = std::move(*request);
+        s.completion = {};
+        if (length >= context) {  // no room for even one token
+          finish(s, Finish::kContext);
+          continue;
+        }
+        s.occupied = true;
+        cache_.reset(i);
+        if (group_tokens + length > options_.prefill_tokens) {
+          prefill(group);
+          group.clear();
+          group_tokens = 0;
+        }
+        group.push_back(i);
+        group_tokens += length;
+      }
+    }
+    prefill(group);
+    return took;
+  };
+
+  // One draft and one verify pass for every occupied slot.
+  auto step = [&]() {
+    std::vector<int64_t> active, last;
+    for (int64_t i = 0; i < n_slots; ++i) {
+      if (slots[i].occupied) {
+        active.push_back(i);
+        last.push_back(slots[i].last);
+      }
+    }
+    if (active.empty()) return false;
+    const auto drafts = to_host(drafter_.draft(active, last));  // [n, B-1] row-major
+    std::vector<int64_t> counts, tokens;
+    for (size_t i = 0; i < active.size(); ++i) {
+      const Slot& s = slots[active[i]];
+      const int64_t total =
+          static_cast<int64_t>(s.request.prompt.size() + s.completion.tokens.size());
+      // The block may commit at most as many tokens as the limits still allow.
+      const int64_t room =
+          std::min(context - total,
+                   options_.max_new_tokens - static_cast<int64_t>(s.completion.tokens.size()));
+      const int64_t b = std::min(bs, room);
+      counts.push_back(b);
+      tokens.push_back(s.last);
+      tokens.insert(tokens.end(), drafts.begin() + i * (bs - 1),
+                    drafts.begin() + i * (bs - 1) + (b - 1));
+    }
+    auto batch = AppendBatch::make(cache_, active, counts);
+    auto out = target_.forward_cached(upload(at::tensor(tokens, long_opts)), batch, cache_,
+                                      {taps, Logits::kAll});
+    const auto choices = to_host(out.logits.argmax(-1));
+    std::vector<int64_t> extend_slots, feature_rows;
+    std::vector<std::span<const int64_t>> extend_tokens;
+    int64_t offset = 0;
+    for (size_t i = 0; i < active.size(); ++i) {
+      const int64_t slot = active[i], b = counts[i], start = batch.starts[i];
+      // tokens[offset + j] is the block's token j; choices[offset + j] the target's token
+      // after it. Draft j+1 is accepted while it equals the target's choice after token j.
+      int64_t accepted = 0;
+      while (accepted < b - 1 && tokens[offset + accepted + 1] == choices[offset + accepted]) {
+        ++accepted;
+      }
+      ++stats.verify_steps;
+      Slot& s = slots[slot];
+      int64_t committed = 0;
+      bool going = true;
+      for (int64_t j = 0; j <= accepted && going; ++j) {
+        going = commit(s, choices[offset + j]);
+        ++committed;
+      }
+      ++stats.committed[committed];
+      if (going) {
+        // The target ran the block's token and its accepted drafts; those are committed,
+        // and their features are the drafter's new context.
+        cache_.crop(slot, start + accepted + 1);
+        extend_slots.push_back(slot);
+        extend_tokens.emplace_back(tokens.data() + offset, accepted + 1);
+        for (int64_t j = 0; j <= accepted; ++j) feature_rows.push_back(offset + j);
+      }
+      offset += b;
+    }
+    if (!extend_slots.empty()) {
+      drafter_.extend(extend_slots, extend_tokens, features_at(out.taps, feature_rows));
+    }
+    return true;
+  };
+
+  for (;;) {
+    // Requests that finish in their prefill leave their slots free for more at once.
+    const bool took = admit();
+    if (!step() && !took) break;
+  }
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
+std::vector<Completion> SpeculativeDecoder::generate(
+    const std::vector<std::vector<int64_t>>& prompts, SpeculativeStats* stats) {
+  std::vector<Completion> out(prompts.size());
+  size_t next_index = 0;
+  auto s = run(
+      [&]() -> std::optional<Request> {
+        if (next_index == prompts.size()) return std::nullopt;
+        Request r{next_index, prompts[next_index]};
+        ++next_index;
+        return r;
+      },
+      [&](const Request& r, Completion c) { out[r.id] = std::move(c); });
+  if (stats != nullptr) *stats = s;
+  return out;
+}
+
+}  // namespace dflash::eval

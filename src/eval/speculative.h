@@ -1,0 +1,114 @@
+// eval: generation and speculative decoding with the target and drafter. This file: DFlash
+// speculative decoding (BRIEF, inference), greedy. A slot's step: the drafter proposes B-1
+// tokens after the slot's newest committed token; the target runs once over that block (the
+// token and the drafts) with its KV cache; the longest prefix of drafts equal to the target's
+// own choices is accepted and the target's choice after it is the bonus token; the target
+// cache is cropped to the tokens it ran that were committed, and their tapped features extend
+// the drafter's context. Many slots step together, each with its own acceptance, and a slot is
+// refilled from the queue when its sequence finishes. The output is, token for token, the
+// target's own greedy output (Generator with greedy sampling).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "eval/generator.h"
+#include "models/drafter.h"
+#include "models/target.h"
+
+namespace dflash::eval {
+
+// What proposes the drafts. DFlashDraftSource is the drafter; tests plug hand-made ones
+// (the target's own continuation, always wrong, right with some probability).
+class DraftSource {
+ public:
+  virtual ~DraftSource() = default;
+  virtual int64_t block_size() const = 0;
+  // Target decoder layers whose outputs extend() receives, in feature order; may be empty.
+  virtual std::vector<int64_t> tap_layers() const = 0;
+  // Called once before decoding: `slots` sequences of up to `context` tokens each.
+  virtual void start(int64_t slots, int64_t context) = 0;
+  // `slot` begins a new sequence.
+  virtual void reset(int64_t slot) = 0;
+  // The target has run over tokens[i], the next tokens of slot slots[i], which are committed;
+  // `features` are their taps concatenated, [sum of sizes, K*H] (undefined with no taps).
+  virtual void extend(const std::vector<int64_t>& slots,
+                      const std::vector<std::span<const int64_t>>& tokens,
+                      const at::Tensor& features) = 0;
+  // B-1 draft tokens per slot after last[i], the slot's newest committed token (which the
+  // target has not run yet): int64 [n, B-1] on any device.
+  virtual at::Tensor draft(const std::vector<int64_t>& slots, const std::vector<int64_t>& last) = 0;
+};
+
+// The DFlash drafter (models::DraftModel) with its context cache, in the target's dtype.
+class DFlashDraftSource final : public DraftSource {
+ public:
+  // `block_size` 0: the drafter's own (see models::DraftModel).
+  DFlashDraftSource(const models::Drafter& drafter, const models::TargetModel& target,
+                    int64_t block_size = 0);
+  int64_t block_size() const override { return model_.block_size(); }
+  std::vector<int64_t> tap_layers() const override { return model_.config().target_layer_ids; }
+  void start(int64_t slots, int64_t context) override;
+  void reset(int64_t slot) override;
+  void extend(const std::vector<int64_t>& slots,
+              const std::vector<std::span<const int64_t>>& tokens,
+              const at::Tensor& features) override;
+  at::Tensor draft(const std::vector<int64_t>& slots, const std::vector<int64_t>& last) override;
+
+ private:
+  models::DraftModel model_;
+  std::optional<models::KVCache> cache_;
+};
+
+struct SpeculativeOptions {
+  int64_t max_new_tokens = 512;      // generated tokens per request, stop token included
+  std::vector<int64_t> stop_tokens;  // a generated stop token ends its sequence
+  int64_t slots = 1;                 // sequences decoded together
+  int64_t context = 0;             // prompt + generated tokens at most; 0: max_position_embeddings
+  int64_t prefill_tokens = 16384;  // prompt tokens per prefill forward (one prompt at least)
+};
+
+struct SpeculativeStats {
+  int64_t requests = 0;
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;  // as GenerationStats: a stop token counts
+  int64_t prefill_forwards = 0;
+  int64_t verify_steps = 0;  // (slot, target forward over a draft block) pairs
+  // committed[k]: verify steps that committed k tokens (accepted drafts + the bonus token,
+  // cut at a stop token or a limit), k = 1..B; [0] unused.
+  std::vector<int64_t> committed;
+  double seconds = 0;
+
+  // Acceptance length tau: tokens committed per verify step (the first token of each
+  // request comes from its prefill and is not counted).
+  double tau() const;
+  // Adds another run's counts (histograms of different lengths are padded).
+  void add(const SpeculativeStats& other);
+};
+
+class SpeculativeDecoder {
+ public:
+  // `drafter` must outlive the decoder; its start() is called here.
+  SpeculativeDecoder(const models::TargetModel& target, DraftSource& drafter,
+                     SpeculativeOptions options);
+
+  // As Generator::run: pulls requests from `next` while slots are free, calls `done` as each
+  // finishes (and `done` may make more requests available), returns when all are done.
+  SpeculativeStats run(const Generator::NextFn& next, const Generator::DoneFn& done);
+  // All `prompts`, completions in input order.
+  std::vector<Completion> generate(const std::vector<std::vector<int64_t>>& prompts,
+                                   SpeculativeStats* stats = nullptr);
+
+  const SpeculativeOptions& options() const { return options_; }
+
+ private:
+  const models::TargetModel& target_;
+  DraftSource& drafter_;
+  SpeculativeOptions options_;
+  models::KVCache cache_;
+};
+
+}  // namespace dflash::eval
