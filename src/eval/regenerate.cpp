@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <deque>
 #include <fstream>
@@ -96,9 +97,9 @@ std::vector<int64_t> stop_tokens(const fs::path& model_dir, const tok::Tokenizer
   auto add = [&](int64_t id) {
     if (id >= 0 && std::find(stops.begin(), stops.end(), id) == stops.end()) stops.push_back(id);
   };
-  const bool qwen = format == data::ChatFormat::kQwen3;
-  for (const char* t : qwen ? std::initializer_list<const char*>{"<|im_end|>", "<|endoftext|>"}
-                            : std::initializer_list<const char*>{"<|eot_id|>", "<|end_of_text|>"}) {
+  static constexpr std::array<const char*, 2> kQwen = {"<|im_end|>", "<|endoftext|>"};
+  static constexpr std::array<const char*, 2> kLlama = {"<|eot_id|>", "<|end_of_text|>"};
+  for (const char* t : format == data::ChatFormat::kQwen3 ? kQwen : kLlama) {
     add(tokenizer.token_to_id(t));
   }
   for (const char* name : {"config.json", "generation_config.json"}) {

@@ -3,6 +3,7 @@
 // full forward at every step, the reference every cached decoder is compared with.
 #pragma once
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <string>
@@ -79,6 +80,17 @@ inline eval::Completion reference_greedy(const models::TargetModel& model,
       c.finish = eval::Finish::kContext;
       return c;
     }
+  }
+}
+
+// Same tokens and finish reasons, prompt by prompt.
+inline void expect_same_completions(const std::vector<eval::Completion>& got,
+                                    const std::vector<eval::Completion>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    SCOPED_TRACE("prompt " + std::to_string(i));
+    EXPECT_EQ(got[i].tokens, want[i].tokens);
+    EXPECT_STREQ(eval::finish_name(got[i].finish), eval::finish_name(want[i].finish));
   }
 }
 

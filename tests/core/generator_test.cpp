@@ -32,15 +32,6 @@ std::vector<std::vector<int64_t>> prompts(int64_t vocab, const std::vector<int64
   return out;
 }
 
-void expect_same(const std::vector<Completion>& got, const std::vector<Completion>& want) {
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    SCOPED_TRACE("prompt " + std::to_string(i));
-    EXPECT_EQ(got[i].tokens, want[i].tokens);
-    EXPECT_EQ(eval::finish_name(got[i].finish), eval::finish_name(want[i].finish));
-  }
-}
-
 class GeneratorGreedy : public ::testing::TestWithParam<Architecture> {};
 
 TEST_P(GeneratorGreedy, BatchedWithRefillMatchesPerPromptLoop) {
@@ -81,7 +72,7 @@ TEST_P(GeneratorGreedy, BatchedWithRefillMatchesPerPromptLoop) {
     o.context = context;
     o.prefill_tokens = 12;  // several prefill forwards when many slots free up at once
     Generator gen(model, o);
-    expect_same(gen.generate(ps), want);
+    testing::expect_same_completions(gen.generate(ps), want);
   }
 }
 
@@ -170,9 +161,9 @@ class GeneratorSampling : public ::testing::Test {
 TEST_F(GeneratorSampling, SeedReproducesWhateverTheBatch) {
   const eval::SamplingParams p{0.8, 0.9, 40, 1234};
   auto a = run(p, 2);
-  expect_same(run(p, 2), a);
-  expect_same(run(p, 1), a);
-  expect_same(run(p, 5), a);
+  testing::expect_same_completions(run(p, 2), a);
+  testing::expect_same_completions(run(p, 1), a);
+  testing::expect_same_completions(run(p, 5), a);
   auto other = p;
   other.seed = 1235;
   auto b = run(other, 2);
@@ -186,7 +177,9 @@ TEST_F(GeneratorSampling, SeedReproducesWhateverTheBatch) {
   EXPECT_GE(differing, 3);
 }
 
-TEST_F(GeneratorSampling, TopKOneIsGreedy) { expect_same(run({1.5, 1.0, 1, 77}, 3), run({}, 3)); }
+TEST_F(GeneratorSampling, TopKOneIsGreedy) {
+  testing::expect_same_completions(run({1.5, 1.0, 1, 77}, 3), run({}, 3));
+}
 
 TEST(SamplingParams, RejectsOutOfRangeValues) {
   EXPECT_THROW((eval::SamplingParams{-1.0, 1.0, 0, 0}).validate(), Error);
