@@ -1,7 +1,8 @@
 // `dflash bench-decode`: decoding speed of a random-weight target (no files needed): batched
 // greedy generation with and without the CUDA graph, split into prefill and decode, and the
 // cost of one verify pass over a block of tokens against one plain decode step, from which
-// the speed-up of speculative decoding at a given acceptance length can be read off.
+// the speed-up of speculative decoding at a given acceptance length can be read off, with the
+// cost of one DFlash draft added to the verify pass.
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
@@ -10,6 +11,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "eval/generator.h"
+#include "models/drafter.h"
 #include "models/target.h"
 #include "obs/stats.h"
 
@@ -128,6 +130,33 @@ void run_bench_decode(const BenchDecodeOptions& o) {
       "speculative, batch 1 at {} cached tokens (eager): plain decode step {:.3f} ms, verify of "
       "{} tokens {:.3f} ms ({:.2f}x a step)\n",
       o.prompt_len, step_ms, o.verify_tokens, verify_ms, verify_ms / step_ms);
+  // The draft of one block (the default DFlash drafter for this target, random weights) with
+  // the same cached context: draft + verify is one speculative step, which commits tau
+  // tokens where a plain step commits one.
+  double draft_ms = 0;
+  if (o.verify_tokens >= 2) {
+    models::DrafterOptions d;
+    d.block_size = o.verify_tokens;
+    d.mask_token_id = config.vocab_size - 1;
+    const auto drafter = models::Drafter::random(models::make_drafter_config(config, d), device, 3);
+    models::DraftModel draft_model(drafter, models::TargetHead::of(model), dtype);
+    auto draft_cache = draft_model.make_cache(1, o.prompt_len);
+    const int64_t width = drafter.config().num_taps() * config.hidden_size;
+    draft_model.extend(draft_cache, {0}, {o.prompt_len},
+                       at::randn({o.prompt_len, width}, prompt.options().dtype(dtype)));
+    auto last = prompt.narrow(0, 0, 1);
+    auto times = obs::time_steps(device, o.warmup + 2, o.iters * 5,
+                                 [&] { draft_model.draft(draft_cache, {0}, last); });
+    draft_ms = obs::median(times) * 1e3;
+    const double spec_ms = draft_ms + verify_ms;
+    fmt::print(
+        "  draft of {} tokens ({} drafter layers) {:.3f} ms; speculative step (draft + verify) "
+        "{:.3f} ms = {:.2f}x a plain step: speed-up tau x {:.3f} (tau 3: {:.2f}x, 5: {:.2f}x, 7: "
+        "{:.2f}x)\n",
+        o.verify_tokens - 1, drafter.config().layers.num_layers, draft_ms, spec_ms,
+        spec_ms / step_ms, step_ms / spec_ms, 3 * step_ms / spec_ms, 5 * step_ms / spec_ms,
+        7 * step_ms / spec_ms);
+  }
   nlohmann::json doc = {{"preset", o.preset},
                         {"device", o.device},
                         {"prompt_len", o.prompt_len},
@@ -138,7 +167,10 @@ void run_bench_decode(const BenchDecodeOptions& o) {
                           {"decode_step_ms", step_ms},
                           {"verify_tokens", o.verify_tokens},
                           {"verify_ms", verify_ms},
-                          {"verify_over_step", verify_ms / step_ms}}}};
+                          {"verify_over_step", verify_ms / step_ms},
+                          {"draft_ms", draft_ms},
+                          {"speculative_step_ms", draft_ms + verify_ms},
+                          {"speculative_step_over_step", (draft_ms + verify_ms) / step_ms}}}};
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
 

@@ -90,7 +90,8 @@ std::vector<std::string> read_lines(const fs::path& path) {
 
 bool blank(const std::string& line) { return line.find_first_not_of(" \t\r") == std::string::npos; }
 
-// End-of-turn and end-of-text tokens of the chat format, and the model's own EOS ids.
+}  // namespace
+
 std::vector<int64_t> stop_tokens(const fs::path& model_dir, const tok::Tokenizer& tokenizer,
                                  data::ChatFormat format) {
   std::vector<int64_t> stops;
@@ -117,6 +118,18 @@ std::vector<int64_t> stop_tokens(const fs::path& model_dir, const tok::Tokenizer
   if (stops.empty()) fail("{}: no end-of-turn token in the tokenizer", model_dir.string());
   return stops;
 }
+
+data::ChatConfig chat_config(const fs::path& model_dir, const std::optional<std::string>& format,
+                             const char* who) {
+  std::optional<data::ChatFormat> forced;
+  if (format) {
+    forced = data::chat_format_from_name(*format);
+    if (!forced) fail("{}: unknown --chat-format {} (qwen3 or llama3)", who, *format);
+  }
+  return data::detect_chat_config(model_dir, forced);
+}
+
+namespace {
 
 const char* role_name(data::Role role) {
   if (role == data::Role::kSystem) return "system";
@@ -147,12 +160,7 @@ void regenerate(const RegenerateOptions& o) {
   const std::string who =
       world.world_size > 1 ? fmt::format("generate[rank {}]", world.rank) : std::string("generate");
   auto tokenizer = tok::Tokenizer::load(o.target);
-  std::optional<data::ChatFormat> forced;
-  if (o.chat_format) {
-    forced = data::chat_format_from_name(*o.chat_format);
-    if (!forced) fail("generate: unknown --chat-format {} (qwen3 or llama3)", *o.chat_format);
-  }
-  const data::ChatConfig chat = data::detect_chat_config(o.target, forced);
+  const data::ChatConfig chat = chat_config(o.target, o.chat_format, "generate");
 
   const auto inputs = read_lines(o.data);
   if (!o.out.parent_path().empty()) fs::create_directories(o.out.parent_path());

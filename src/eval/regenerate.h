@@ -10,8 +10,11 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "data/chat.h"
 #include "eval/generator.h"
+#include "tokenizer/tokenizer.h"
 
 namespace dflash::eval {
 
@@ -29,6 +32,16 @@ struct RegenerateOptions {
   bool cuda_graph = true;
   double progress_seconds = 5.0;  // between progress lines; 0: none
 };
+
+// End-of-turn and end-of-text tokens of the chat format, and the model's own EOS ids
+// (config.json, generation_config.json): what ends a generated turn.
+std::vector<int64_t> stop_tokens(const std::filesystem::path& model_dir,
+                                 const tok::Tokenizer& tokenizer, data::ChatFormat format);
+
+// The chat template of `model_dir`, or the one `format` names (--chat-format); `who` prefixes
+// the error for an unknown name.
+data::ChatConfig chat_config(const std::filesystem::path& model_dir,
+                             const std::optional<std::string>& format, const char* who);
 
 // Runs on this process's rank (dist::world_from_env) and returns when `out` is complete.
 void regenerate(const RegenerateOptions& options);

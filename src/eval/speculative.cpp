@@ -125,10 +125,7 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     for (const auto& t : tapped) parts.push_back(t.index_select(0, index));
     return at::cat(parts, 1);
   };
-  auto is_stop = [&](int64_t token) {
-    return std::find(options_.stop_tokens.begin(), options_.stop_tokens.end(), token) !=
-           options_.stop_tokens.end();
-  };
+  const auto& stops = options_.stop_tokens;
   auto finish = [&](Slot& s, Finish why) {
     s.completion.finish = why;
     s.occupied = false;
@@ -137,7 +134,7 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
   // Commits one generated token; false once the sequence has finished.
   auto commit = [&](Slot& s, int64_t token) {
     ++stats.generated_tokens;
-    if (is_stop(token)) {
+    if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
       finish(s, Finish::kStop);
       return false;
     }

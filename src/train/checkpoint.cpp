@@ -43,6 +43,24 @@ fs::path resolve_checkpoint(const fs::path& p) {
   return steps.back();
 }
 
+models::Drafter load_drafter(const fs::path& source, const models::ModelConfig& target,
+                             at::Device device) {
+  if (fs::exists(source / "model.safetensors") ||
+      fs::exists(source / "model.safetensors.index.json")) {
+    return models::Drafter::load(source, target, device);
+  }
+  const auto dir = resolve_checkpoint(source);
+  const auto config = models::parse_drafter_config(read_json_file(dir / "config.json"),
+                                                   (dir / "config.json").string());
+  auto file = io::SafetensorsFile::open(dir / "state.safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& [name, shape] : models::drafter_parameter_shapes(config)) {
+    if (!file->find("param/" + name)) fail("{}: state has no tensor param/{}", dir.string(), name);
+    params.push_back({name, file->tensor("param/" + name)});
+  }
+  return models::Drafter::from_tensors(config, params, target, device, dir.string());
+}
+
 fs::path save_checkpoint(const fs::path& root, int64_t keep_last, const models::Drafter& drafter,
                          const AdamW& optimizer, const TrainState& state) {
   c10::NoGradGuard no_grad;

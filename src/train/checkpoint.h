@@ -30,6 +30,12 @@ std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path&
 // A step directory (contains trainer.json), or the newest complete step-* inside a run dir.
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& run_or_step);
 
+// A drafter for inference from a run directory (its newest step), a step directory, or an
+// export directory (config.json + model.safetensors), as fp32 weights on `device` for a target
+// of config `target`.
+models::Drafter load_drafter(const std::filesystem::path& source, const models::ModelConfig& target,
+                             at::Device device);
+
 // Writes <run_dir>/step-NNNNNNNN atomically, keeps the newest keep_last; returns it.
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, int64_t keep_last,
                                       const models::Drafter& drafter, const AdamW& optimizer,

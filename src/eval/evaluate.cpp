@@ -1,0 +1,367 @@
+#include "eval/evaluate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+
+namespace dflash::eval {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A chat line's system message and user turns; the assistant turns are what eval generates.
+void read_chat_turns(const json& list, bool sharegpt, EvalPrompt& p) {
+  const char* role_key = sharegpt ? "from" : "role";
+  const char* text_key = sharegpt ? "value" : "content";
+  for (const json& m : list) {
+    if (!m.is_object() || !m.contains(role_key) || !m[role_key].is_string() ||
+        !m.contains(text_key) || !m[text_key].is_string()) {
+      fail("each message must be an object with string \"{}\" and \"{}\"", role_key, text_key);
+    }
+    const std::string role = m[role_key].get<std::string>();
+    std::string text = m[text_key].get<std::string>();
+    if (role == "system") {
+      if (!p.turns.empty() || !p.system.empty()) fail("a system message must come first");
+      p.system.push_back({data::Role::kSystem, std::move(text), std::nullopt});
+    } else if (role == "user" || role == "human") {
+      p.turns.push_back(std::move(text));
+    } else if (role != "assistant" && role != "gpt") {
+      fail("unknown role \"{}\"", role);
+    }
+  }
+}
+
+EvalPrompt parse_prompt(const std::string& line) {
+  json j;
+  try {
+    j = json::parse(line);
+  } catch (const json::exception& e) {
+    fail("not JSON: {}", e.what());
+  }
+  if (!j.is_object()) fail("a line must be a JSON object");
+  EvalPrompt p;
+  auto text = [&](const char* key) {
+    if (!j[key].is_string()) fail("\"{}\" must be a string", key);
+    p.turns.push_back(j[key].get<std::string>());
+  };
+  if (j.contains("turns")) {
+    const json& turns = j["turns"];
+    if (!turns.is_array()) fail("\"turns\" must be a list of strings");
+    for (const json& t : turns) {
+      if (!t.is_string()) fail("\"turns\" must be a list of strings");
+      p.turns.push_back(t.get<std::string>());
+    }
+  } else if (j.contains("question")) {
+    text("question");
+  } else if (j.contains("prompt")) {
+    text("prompt");
+  } else if (j.contains("messages") && j["messages"].is_array()) {
+    read_chat_turns(j["messages"], false, p);
+  } else if (j.contains("conversations") && j["conversations"].is_array()) {
+    read_chat_turns(j["conversations"], true, p);
+  } else {
+    std::string keys;
+    for (const auto& [key, value] : j.items()) keys += (keys.empty() ? "" : ", ") + key;
+    fail(
+        "expected \"question\", \"prompt\", \"turns\", \"messages\" or \"conversations\" "
+        "(the line has: {})",
+        keys);
+  }
+  if (p.turns.empty()) fail("no user turn");
+  return p;
+}
+
+void add_stats(GenerationStats& into, const GenerationStats& s) {
+  into.requests += s.requests;
+  into.prompt_tokens += s.prompt_tokens;
+  into.generated_tokens += s.generated_tokens;
+  into.decode_steps += s.decode_steps;
+  into.prefill_forwards += s.prefill_forwards;
+  into.seconds += s.seconds;
+}
+
+double rate(int64_t tokens, double seconds) {
+  return seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
+}
+
+}  // namespace
+
+PromptFile read_prompt_file(const fs::path& path, int64_t limit) {
+  std::ifstream in(path);
+  if (!in) fail("{}: cannot open the prompt file", path.string());
+  PromptFile f;
+  f.name = path.string();
+  std::string line;
+  for (int64_t number = 1; std::getline(in, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      f.prompts.push_back(parse_prompt(line));
+    } catch (const Error& e) {
+      fail("{}:{}: {}", path.string(), number, e.what());
+    }
+    if (limit > 0 && static_cast<int64_t>(f.prompts.size()) == limit) break;
+  }
+  if (f.prompts.empty()) fail("{}: no prompts", path.string());
+  return f;
+}
+
+double FileReport::target_tokens_per_s() const {
+  return rate(target.generated_tokens, target.seconds);
+}
+double FileReport::speculative_tokens_per_s() const {
+  return rate(speculative.generated_tokens, speculative.seconds);
+}
+double FileReport::speedup() const {
+  const double t = target_tokens_per_s();
+  return t > 0 ? speculative_tokens_per_s() / t : 0.0;
+}
+int64_t FileReport::mismatches() const {
+  return std::count_if(divergences.begin(), divergences.end(),
+                       [](const Divergence& d) { return !d.tie; });
+}
+int64_t FileReport::ties() const { return static_cast<int64_t>(divergences.size()) - mismatches(); }
+
+json FileReport::to_json() const {
+  json divs = json::array();
+  for (const auto& d : divergences) {
+    divs.push_back({{"prompt", d.prompt},
+                    {"turn", d.turn},
+                    {"position", d.position},
+                    {"target_token", d.target_token},
+                    {"speculative_token", d.speculative_token},
+                    {"logit_gap", std::isfinite(d.logit_gap) ? json(d.logit_gap) : json(nullptr)},
+                    {"tie", d.tie}});
+  }
+  return {{"file", name},
+          {"prompts", prompts},
+          {"turns", turns},
+          {"block_size", block_size},
+          {"tau", speculative.tau()},
+          {"committed_histogram", speculative.committed},
+          {"verify_steps", speculative.verify_steps},
+          {"generated_tokens", speculative.generated_tokens},
+          {"target_tokens_per_s", target_tokens_per_s()},
+          {"speculative_tokens_per_s", speculative_tokens_per_s()},
+          {"speedup", speedup()},
+          {"target_seconds", target.seconds},
+          {"speculative_seconds", speculative.seconds},
+          {"wall_seconds", wall_seconds},
+          {"mismatches", mismatches()},
+          {"ties", ties()},
+          {"divergences", divs}};
+}
+
+int64_t EvalReport::mismatches() const {
+  int64_t n = 0;
+  for (const auto& f : files) n += f.mismatches();
+  return n;
+}
+
+json EvalReport::to_json() const {
+  json out = {{"files", json::array()}, {"mismatches", mismatches()}};
+  for (const auto& f : files) out["files"].push_back(f.to_json());
+  return out;
+}
+
+Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& tokenizer,
+                     const data::ChatConfig& chat, std::vector<PromptFile> files,
+                     EvalOptions options)
+    : target_(target), options_(std::move(options)) {
+  if (options_.tie_tolerance < 0) {
+    options_.tie_tolerance = target.dtype() == at::kFloat ? 1e-4 : 0.25;
+  }
+  for (auto& pf : files) {
+    File f;
+    f.name = pf.name;
+    f.prompts = static_cast<int64_t>(pf.prompts.size());
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<data::Conversation> histories(pf.prompts.size());
+    for (size_t i = 0; i < pf.prompts.size(); ++i) histories[i].messages = pf.prompts[i].system;
+    for (size_t k = 0;; ++k) {
+      std::vector<Turn> round;
+      std::vector<std::vector<int64_t>> prompts;
+      int64_t longest = 0;
+      for (size_t i = 0; i < pf.prompts.size(); ++i) {
+        if (pf.prompts[i].turns.size() <= k) continue;
+        auto& h = histories[i];
+        h.messages.push_back({data::Role::kUser, pf.prompts[i].turns[k], std::nullopt});
+        const auto ids = tokenizer.encode(
+            data::render_generation_prompt(h, chat, options_.enable_thinking), false);
+        Turn t;
+        t.prompt = static_cast<int64_t>(i);
+        t.turn = static_cast<int64_t>(k);
+        t.tokens.assign(ids.begin(), ids.end());
+        longest = std::max(longest, static_cast<int64_t>(ids.size()));
+        prompts.push_back(t.tokens);
+        round.push_back(std::move(t));
+      }
+      if (round.empty()) break;
+      // The KV caches need no more than the longest prompt and answer; a shorter limit than
+      // the model's changes no output (it is never reached).
+      const int64_t max_position = target.config().max_position_embeddings;
+      const int64_t context = options_.context > 0 ? options_.context
+                              : max_position > 0
+                                  ? std::min(max_position, longest + options_.max_new_tokens)
+                                  : longest + options_.max_new_tokens;
+      GenerationOptions g;
+      g.max_new_tokens = options_.max_new_tokens;
+      g.stop_tokens = options_.stop_tokens;
+      g.slots = options_.slots;
+      g.context = context;
+      Generator generator(target, g);
+      std::vector<Completion> answers(round.size());
+      size_t next = 0;
+      add_stats(f.target,
+                generator.run(
+                    [&]() -> std::optional<Request> {
+                      if (next == prompts.size()) return std::nullopt;
+                      Request r{next, prompts[next]};
+                      ++next;
+                      return r;
+                    },
+                    [&](const Request& r, Completion c) { answers[r.id] = std::move(c); }));
+      for (size_t j = 0; j < round.size(); ++j) {
+        round[j].answer = std::move(answers[j]);
+        std::vector<int32_t> ids(round[j].answer.tokens.begin(), round[j].answer.tokens.end());
+        histories[round[j].prompt].messages.push_back(
+            {data::Role::kAssistant, tokenizer.decode(ids, /*skip_special_tokens=*/true),
+             std::nullopt});
+      }
+      f.rounds.push_back(std::move(round));
+      f.contexts.push_back(context);
+    }
+    f.seconds = seconds_since(t0);
+    files_.push_back(std::move(f));
+  }
+}
+
+EvalReport Evaluator::evaluate(const models::Drafter& drafter) const {
+  DFlashDraftSource source(drafter, target_, options_.block_size);
+  return evaluate(source);
+}
+
+EvalReport Evaluator::evaluate(DraftSource& drafter) const {
+  EvalReport report;
+  for (const File& f : files_) {
+    FileReport r;
+    r.name = f.name;
+    r.prompts = f.prompts;
+    r.block_size = drafter.block_size();
+    r.target = f.target;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t k = 0; k < f.rounds.size(); ++k) {
+      const auto& round = f.rounds[k];
+      SpeculativeOptions o;
+      o.max_new_tokens = options_.max_new_tokens;
+      o.stop_tokens = options_.stop_tokens;
+      o.slots = options_.slots;
+      o.context = f.contexts[k];
+      SpeculativeDecoder decoder(target_, drafter, o);
+      std::vector<std::vector<int64_t>> prompts;
+      for (const Turn& t : round) prompts.push_back(t.tokens);
+      SpeculativeStats stats;
+      const auto got = decoder.generate(prompts, &stats);
+      r.speculative.add(stats);
+      r.turns += static_cast<int64_t>(round.size());
+      for (size_t j = 0; j < round.size(); ++j) {
+        if (got[j].tokens != round[j].answer.tokens || got[j].finish != round[j].answer.finish) {
+          r.divergences.push_back(compare(round[j], got[j]));
+        }
+      }
+    }
+    r.wall_seconds = f.seconds + seconds_since(t0);
+    report.files.push_back(std::move(r));
+  }
+  return report;
+}
+
+Divergence Evaluator::compare(const Turn& turn, const Completion& got) const {
+  const auto& want = turn.answer.tokens;
+  Divergence d;
+  d.prompt = turn.prompt;
+  d.turn = turn.turn;
+  size_t p = 0;
+  while (p < want.size() && p < got.tokens.size() && want[p] == got.tokens[p]) ++p;
+  d.position = static_cast<int64_t>(p);
+  // The target's logits after the common prefix, from a plain full forward.
+  std::vector<int64_t> seq = turn.tokens;
+  seq.insert(seq.end(), want.begin(), want.begin() + static_cast<int64_t>(p));
+  auto tokens = at::tensor(seq, at::kLong).to(target_.device());
+  auto batch = models::PackedBatch::from_lengths({tokens.size(0)}, target_.device());
+  auto logits = target_.forward(tokens, batch, {{}, models::Logits::kLast})
+                    .logits[0]
+                    .to(at::kCPU, at::kDouble);
+  // An answer that ends at p ended with a stop token (the most likely of them) or a limit.
+  auto token_at = [&](const Completion& c) -> int64_t {
+    if (p < c.tokens.size()) return c.tokens[p];
+    if (c.finish != Finish::kStop) return -1;
+    int64_t best = -1;
+    for (int64_t s : options_.stop_tokens) {
+      if (best < 0 || logits[s].item<double>() > logits[best].item<double>()) best = s;
+    }
+    return best;
+  };
+  d.target_token = token_at(turn.answer);
+  d.speculative_token = token_at(got);
+  d.logit_gap = std::numeric_limits<double>::infinity();
+  if (d.target_token >= 0 && d.speculative_token >= 0) {
+    d.logit_gap = std::abs(logits[d.target_token].item<double>() -
+                           logits[d.speculative_token].item<double>());
+  }
+  d.tie = d.logit_gap <= options_.tie_tolerance;
+  return d;
+}
+
+std::string format_report(const EvalReport& report) {
+  std::string out;
+  for (const auto& f : report.files) {
+    const auto& s = f.speculative;
+    out += fmt::format("{}: {} prompts, {} turns, block size {}\n", f.name, f.prompts, f.turns,
+                       f.block_size);
+    out += fmt::format("  tau {:.3f} tokens per verify step ({} steps, {} tokens generated)\n",
+                       s.tau(), s.verify_steps, s.generated_tokens);
+    int64_t steps = 0;
+    for (int64_t n : s.committed) steps += n;
+    out += "  committed per step:";
+    for (size_t k = 1; k < s.committed.size(); ++k) {
+      out += fmt::format(" {}:{}", k, s.committed[k]);
+    }
+    out += "\n  share:             ";
+    for (size_t k = 1; k < s.committed.size(); ++k) {
+      out += fmt::format(" {}:{:.0f}%", k,
+                         steps > 0 ? 100.0 * static_cast<double>(s.committed[k]) / steps : 0.0);
+    }
+    out += fmt::format(
+        "\n  target-only {:.1f} tokens/s, speculative {:.1f} tokens/s, speed-up {:.2f}x\n",
+        f.target_tokens_per_s(), f.speculative_tokens_per_s(), f.speedup());
+    out += fmt::format("  wall {:.2f} s (target-only {:.2f} s, speculative {:.2f} s)\n",
+                       f.wall_seconds, f.target.seconds, s.seconds);
+    if (f.divergences.empty()) {
+      out += fmt::format("  speculative output == target greedy output on all {} turns\n", f.turns);
+    } else {
+      out += fmt::format("  {} MISMATCHES and {} numerical ties against target greedy output:\n",
+                         f.mismatches(), f.ties());
+      for (const auto& d : f.divergences) {
+        out += fmt::format(
+            "    prompt {} turn {} token {}: target {} vs speculative {} (logit gap {:.4g}){}\n",
+            d.prompt, d.turn, d.position, d.target_token, d.speculative_token, d.logit_gap,
+            d.tie ? ", a tie" : "");
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace dflash::eval

@@ -1,0 +1,126 @@
+// eval: generation and speculative decoding with the target and drafter. This file: `dflash
+// eval` as a library: prompt files in, acceptance (tau, the histogram of tokens committed per
+// verify step), speeds and exactness out. The target's own greedy answers are computed once
+// per Evaluator (they are the reference and the target-only speed); each evaluate() then
+// decodes the same prompts speculatively with a drafter and compares, token for token, so a
+// trainer can evaluate successive checkpoints against one reference.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "data/chat.h"
+#include "eval/generator.h"
+#include "eval/speculative.h"
+#include "models/drafter.h"
+#include "models/target.h"
+#include "tokenizer/tokenizer.h"
+
+namespace dflash::eval {
+
+// One prompt of a prompt file: an optional system message and the user turns; each turn is
+// asked after the answer generated for the previous one.
+struct EvalPrompt {
+  std::vector<data::Message> system;
+  std::vector<std::string> turns;
+};
+
+struct PromptFile {
+  std::string name;  // the file's path as given
+  std::vector<EvalPrompt> prompts;
+};
+
+// Reads a JSONL prompt file: {"question": ...}, {"prompt": ...}, {"turns": [...]} (MT-Bench),
+// or chat lines {"messages": ...} / {"conversations": ...} whose user turns are asked (their
+// assistant turns are ignored; a leading system message is kept). `limit` > 0 keeps the
+// first `limit` prompts. Errors name the file and line.
+PromptFile read_prompt_file(const std::filesystem::path& path, int64_t limit = 0);
+
+struct EvalOptions {
+  int64_t max_new_tokens = 256;
+  int64_t slots = 1;    // prompts decoded together (1: the latency setting the paper reports)
+  int64_t context = 0;  // prompt + answer tokens at most; 0: the target's max_position_embeddings
+  int64_t block_size = 0;        // drafted block; 0: the drafter's own
+  bool enable_thinking = false;  // Qwen3's switch in the generation prompt
+  std::vector<int64_t> stop_tokens;
+  // A divergence where the target's logits for its own token and the speculative one differ
+  // by at most this much (at the first differing position, from a full forward) is counted as
+  // a numerical tie, not a mismatch: verifying 16 tokens at once and decoding one at a time
+  // round differently in bf16. Negative: by dtype (fp32 1e-4, bf16/fp16 0.25).
+  double tie_tolerance = -1;
+};
+
+// One divergence between speculative and target-only greedy output.
+struct Divergence {
+  int64_t prompt = 0, turn = 0;
+  int64_t position = 0;  // index in the answer of the first differing token
+  int64_t target_token = -1, speculative_token = -1;  // -1: that answer ended there
+  double logit_gap = 0;  // |logit(target) - logit(speculative)| at that position
+  bool tie = false;
+};
+
+struct FileReport {
+  std::string name;
+  int64_t prompts = 0, turns = 0;
+  int64_t block_size = 0;
+  GenerationStats target;  // target-only greedy
+  SpeculativeStats speculative;
+  std::vector<Divergence> divergences;
+  double wall_seconds = 0;  // both runs
+
+  double target_tokens_per_s() const;
+  double speculative_tokens_per_s() const;
+  double speedup() const;
+  int64_t mismatches() const;  // divergences that are not ties
+  int64_t ties() const;
+  nlohmann::json to_json() const;
+};
+
+struct EvalReport {
+  std::vector<FileReport> files;
+  int64_t mismatches() const;
+  nlohmann::json to_json() const;
+};
+
+class Evaluator {
+ public:
+  // Renders and tokenizes every turn and runs the target's own greedy decoding over all of
+  // them, turn after turn (multi-turn prompts ask turn k+1 after the target's answer to k).
+  Evaluator(const models::TargetModel& target, const tok::Tokenizer& tokenizer,
+            const data::ChatConfig& chat, std::vector<PromptFile> files, EvalOptions options);
+
+  // Decodes every turn speculatively with `drafter` (its current weights, in the target's
+  // dtype) and compares with the target's answers.
+  EvalReport evaluate(const models::Drafter& drafter) const;
+  // The same with any draft source (tests).
+  EvalReport evaluate(DraftSource& drafter) const;
+
+  const EvalOptions& options() const { return options_; }
+
+ private:
+  struct Turn {
+    int64_t prompt = 0, turn = 0;
+    std::vector<int64_t> tokens;  // the rendered generation prompt
+    Completion answer;            // the target's greedy answer
+  };
+  struct File {
+    std::string name;
+    int64_t prompts = 0;
+    std::vector<std::vector<Turn>> rounds;  // rounds[k]: every prompt's turn k
+    std::vector<int64_t> contexts;          // the context limit each round ran with
+    GenerationStats target;
+    double seconds = 0;
+  };
+  Divergence compare(const Turn& turn, const Completion& got) const;
+
+  const models::TargetModel& target_;
+  EvalOptions options_;
+  std::vector<File> files_;
+};
+
+// The report as text: per file tau, the histogram, speeds, speed-up, wall time, divergences.
+std::string format_report(const EvalReport& report);
+
+}  // namespace dflash::eval

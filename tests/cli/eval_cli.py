@@ -1,0 +1,102 @@
+"""`dflash eval` end to end on the CPU with tiny shapes.
+
+Usage: eval_cli.py DFLASH_BINARY
+
+A random tiny target with its tokenizer (`dflash random-model`), a drafter trained for a few
+steps on random data (`dflash train`) and its export. `dflash eval` over three prompt files
+(questions, multi-turn, chat lines) must succeed with the run directory, a step directory and
+the export; print tau and the histogram; with --json print a report whose counts add up, with
+every turn checked and no mismatch; and fail, naming file and line, on a bad prompt line.
+"""
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+
+def run(cmd, expect_ok=True):
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    if expect_ok and r.returncode != 0:
+        sys.exit(f"FAILED ({r.returncode}): {' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def main():
+    dflash = sys.argv[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        target = work / "target"
+        run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "1"])
+        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+        data = work / "data"
+        run([dflash, "random-data", "--out", data, "--samples", "8", "--length", "40",
+             "--prompt", "4", "--vocab", vocab])
+        train = work / "train"
+        run([dflash, "train", "--target", target, "--data", data, "--out", train, "--steps", 2,
+             "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", 40,
+             "--drafter-layers", 2, "--block-size", 8, "--max-anchors", 4, "--device", "cpu",
+             "--log-seconds", 0])
+        export = work / "export"
+        run([dflash, "export", train, export])
+
+        questions = work / "questions.jsonl"
+        write_jsonl(questions, [{"question": "What is 3 plus 4?", "answer": "7"},
+                                {"question": "Name a prime number."},
+                                {"prompt": "Count to five."}])
+        turns = work / "turns.jsonl"
+        write_jsonl(turns, [{"turns": ["Say hello.", "Now say it twice."]},
+                            {"turns": ["One turn only."]}])
+        chat = work / "chat.jsonl"
+        write_jsonl(chat, [{"messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "First question?"},
+            {"role": "assistant", "content": "An old answer that eval ignores."},
+            {"role": "user", "content": "Second question?"}]},
+            {"conversations": [{"from": "human", "value": "ShareGPT question"},
+                               {"from": "gpt", "value": "ignored"}]}])
+        files = [questions, turns, chat]
+        common = ["--target", target, "--prompts", *files, "--max-new-tokens", 20,
+                  "--device", "cpu"]
+
+        text = run([dflash, "eval", "--drafter", train, *common]).stdout
+        for needle in ["tau", "committed per step", "speed-up",
+                       "speculative output == target greedy output"]:
+            assert needle in text, f"{needle!r} missing from:\n{text}"
+
+        step = sorted(train.glob("step-*"))[-1]
+        for drafter, extra in [(export, ["--batch-size", 3]), (step, ["--block-size", 4])]:
+            r = run([dflash, "eval", "--drafter", drafter, *common, "--json", *extra])
+            report = json.loads(r.stdout)
+            assert report["mismatches"] == 0, report
+            by_file = {pathlib.Path(f["file"]).name: f for f in report["files"]}
+            assert {n: (f["prompts"], f["turns"]) for n, f in by_file.items()} == {
+                "questions.jsonl": (3, 3), "turns.jsonl": (2, 3), "chat.jsonl": (2, 3)}, by_file
+            block = 4 if "--block-size" in extra else 8
+            for f in report["files"]:
+                hist = f["committed_histogram"]
+                assert len(hist) == block + 1 and hist[0] == 0, f
+                assert sum(hist) == f["verify_steps"] > 0, f
+                assert f["block_size"] == block, f
+                assert abs(f["tau"] - sum(k * n for k, n in enumerate(hist)) / sum(hist)) < 1e-9
+                assert 1 <= f["tau"] <= block, f
+                # The prefill makes each turn's first token; the verify steps make the rest.
+                assert f["generated_tokens"] == f["turns"] + sum(
+                    k * n for k, n in enumerate(hist)), f
+                assert f["target_tokens_per_s"] > 0 and f["speculative_tokens_per_s"] > 0, f
+                assert f["wall_seconds"] > 0 and f["divergences"] == [], f
+
+        bad = work / "bad.jsonl"
+        bad.write_text('{"question": "fine"}\n{"nothing": 1}\n')
+        r = run([dflash, "eval", "--drafter", export, "--target", target, "--prompts", bad,
+                 "--device", "cpu"], expect_ok=False)
+        assert r.returncode != 0 and "bad.jsonl:2" in r.stderr, (r.returncode, r.stderr)
+    print("eval_cli: OK")
+
+
+if __name__ == "__main__":
+    main()
