@@ -120,6 +120,10 @@ void Generator::capture_graph() {
 
 GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
   c10::NoGradGuard no_grad;
+  // Events and streams below are the current device's: make it the model's (a rank's
+  // cuda:LOCAL_RANK need not be current).
+  std::optional<c10::cuda::CUDAGuard> device_guard;
+  if (model_.device().is_cuda()) device_guard.emplace(model_.device());
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t n_slots = cache_.slots(), context = cache_.capacity();
   const at::Device device = model_.device();
@@ -281,7 +285,8 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
     }
   };
 
-  std::optional<Report> pending;
+  Report pending;  // the previous iteration's, when has_pending
+  bool has_pending = false;
   for (;;) {
     Report report;
     admit(report);
@@ -299,11 +304,9 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
       }
     }
     // The previous iteration's tokens, read while the device works on this one.
-    const bool processed = pending.has_value();
-    if (pending) {
-      process(*pending);
-      pending.reset();
-    }
+    const bool processed = has_pending;
+    if (has_pending) process(pending);
+    has_pending = launched;
     if (launched) {
       pending = std::move(report);
     } else if (!processed) {
