@@ -18,6 +18,17 @@ std::string human_bytes(double bytes) {
   return fmt::format("{:.1f} MiB", bytes / double(1 << 20));
 }
 
+std::string rope_scaling_text(const models::ModelConfig& c) {
+  if (!c.rope_scaling) return "";
+  if (const auto* y = std::get_if<models::YarnRopeScaling>(&*c.rope_scaling)) {
+    return fmt::format(", yarn x{:g} from {} positions (cos/sin x{:.4f})", y->factor,
+                       y->original_max_position_embeddings, y->attention_scaling());
+  }
+  const auto& l = std::get<models::Llama3RopeScaling>(*c.rope_scaling);
+  return fmt::format(", llama3 x{:g} from {} positions", l.factor,
+                     l.original_max_position_embeddings);
+}
+
 struct InfoOptions {
   std::string dir;
   std::string load_device;
@@ -44,6 +55,7 @@ void run_info(const InfoOptions& o) {
              config.tie_word_embeddings ? " (LM head tied to embedding)" : "");
   fmt::print("parameters:   {} ({:.3f} B; config implies {})\n", params, params / 1e9,
              config.num_parameters());
+  fmt::print("rope:         theta {:g}{}\n", config.rope_theta, rope_scaling_text(config));
   for (const auto& [dtype, n] : dtypes) fmt::print("dtype:        {} ({} parameters)\n", dtype, n);
   fmt::print("weights:      {} on disk; {} in bf16\n", human_bytes(ckpt.total_bytes()),
              human_bytes(params * 2.0));

@@ -1,5 +1,6 @@
 #include "models/config.h"
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
@@ -32,41 +33,87 @@ T optional_field(const json& j, const char* key, T fallback, const std::string& 
   }
 }
 
-std::optional<Llama3RopeScaling> parse_rope_scaling(const json& j, const std::string& origin) {
-  // transformers 5 moved rope settings into "rope_parameters"; older files use "rope_scaling".
-  const json* rs = nullptr;
-  for (const char* key : {"rope_scaling", "rope_parameters"}) {
-    auto it = j.find(key);
-    if (it != j.end() && !it->is_null()) rs = &*it;
-  }
-  if (!rs) return std::nullopt;
-  if (!rs->is_object()) fail("{}: \"rope_scaling\" must be an object", origin);
-  std::string type = optional_field<std::string>(*rs, "rope_type", "", origin);
-  if (type.empty()) type = optional_field<std::string>(*rs, "type", "default", origin);
-  if (type == "default") return std::nullopt;
-  if (type != "llama3") {
-    fail("{}: rope scaling type \"{}\" is not supported (supported: default, llama3)", origin,
-         type);
-  }
-  Llama3RopeScaling s;
-  s.factor = required<double>(*rs, "factor", origin);
-  s.low_freq_factor = required<double>(*rs, "low_freq_factor", origin);
-  s.high_freq_factor = required<double>(*rs, "high_freq_factor", origin);
-  s.original_max_position_embeddings =
-      required<int64_t>(*rs, "original_max_position_embeddings", origin);
-  if (s.factor <= 0 || s.low_freq_factor <= 0 || s.high_freq_factor <= s.low_freq_factor) {
-    fail("{}: llama3 rope scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0",
-         origin);
-  }
-  return s;
+// A number that may be written as an integer or a float (as Python reads it); nullopt when
+// absent or null.
+std::optional<double> number_field(const json& j, const char* key, const std::string& origin) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number()) fail("{}: field \"{}\" must be a number", origin, key);
+  return it->get<double>();
 }
 
-double rope_theta_of(const json& j, const std::string& origin) {
-  auto it = j.find("rope_parameters");
-  if (it != j.end() && it->is_object() && it->contains("rope_theta")) {
-    return required<double>(*it, "rope_theta", origin);
+struct Rope {
+  double theta = 10000.0;
+  std::optional<RopeScaling> scaling;
+};
+
+// transformers' RotaryEmbeddingConfigMixin: a non-empty "rope_scaling" replaces
+// "rope_parameters" (transformers >= 5) wholesale, so a theta that only "rope_parameters" holds
+// is then ignored; the chosen dict's rope_theta wins over the top-level one; the type is
+// "rope_type", else the older "type"; original_max_position_embeddings comes from the top level
+// if there is one, else the dict, else max_position_embeddings.
+Rope parse_rope(const json& j, int64_t max_position_embeddings, const std::string& origin) {
+  const char* key = "rope_scaling";
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null() || (it->is_object() && it->empty())) {
+    key = "rope_parameters";
+    it = j.find(key);
   }
-  return optional_field<double>(j, "rope_theta", 10000.0, origin);
+  const std::string where = origin + ": \"" + key + "\"";
+  Rope rope;
+  rope.theta = optional_field<double>(j, "rope_theta", 10000.0, origin);
+  if (it == j.end() || it->is_null()) return rope;
+  if (!it->is_object()) fail("{} must be an object", where);
+  const json& rs = *it;
+  if (rs.contains("full_attention") || rs.contains("sliding_attention")) {
+    fail("{}: rope parameters per layer type are not supported", where);
+  }
+  rope.theta = optional_field<double>(rs, "rope_theta", rope.theta, where);
+  std::string type = optional_field<std::string>(rs, "rope_type", "", where);
+  if (type.empty()) type = optional_field<std::string>(rs, "type", "default", where);
+  if (type == "default") return rope;
+  if (type != "llama3" && type != "yarn") {
+    fail("{}: rope type \"{}\" is not supported (supported: default, llama3, yarn)", where, type);
+  }
+  if (auto p = number_field(rs, "partial_rotary_factor", where); p && *p != 1.0) {
+    fail("{}: partial_rotary_factor {} is not supported (only 1)", where, *p);
+  }
+  int64_t original = optional_field<int64_t>(rs, "original_max_position_embeddings",
+                                             max_position_embeddings, where);
+  if (j.contains("original_max_position_embeddings")) {
+    original = required<int64_t>(j, "original_max_position_embeddings", origin);
+  }
+  if (original <= 0) fail("{}: original_max_position_embeddings must be positive", where);
+  if (!rs.contains("factor")) fail("{}: missing required field \"factor\"", where);
+  if (type == "llama3") {
+    Llama3RopeScaling s;
+    s.factor = required<double>(rs, "factor", where);
+    s.low_freq_factor = required<double>(rs, "low_freq_factor", where);
+    s.high_freq_factor = required<double>(rs, "high_freq_factor", where);
+    s.original_max_position_embeddings = original;
+    if (s.factor <= 0 || s.low_freq_factor <= 0 || s.high_freq_factor <= s.low_freq_factor) {
+      fail("{}: llama3 needs factor > 0 and high_freq_factor > low_freq_factor > 0", where);
+    }
+    rope.scaling = s;
+    return rope;
+  }
+  YarnRopeScaling s;
+  s.original_max_position_embeddings = original;
+  // A null factor means "the context extension the lengths imply" (DeepSeek-V3 configs).
+  s.factor = number_field(rs, "factor", where)
+                 .value_or(static_cast<double>(max_position_embeddings) / original);
+  if (!(s.factor > 0)) fail("{}: yarn factor must be positive, got {}", where, s.factor);
+  s.attention_factor = number_field(rs, "attention_factor", where);
+  s.beta_fast = number_field(rs, "beta_fast", where);
+  s.beta_slow = number_field(rs, "beta_slow", where);
+  s.mscale = number_field(rs, "mscale", where);
+  s.mscale_all_dim = number_field(rs, "mscale_all_dim", where);
+  if (auto t = rs.find("truncate"); t != rs.end() && !t->is_null()) {
+    if (!t->is_boolean()) fail("{}: field \"truncate\" must be true or false", where);
+    s.truncate = t->get<bool>();
+  }
+  rope.scaling = s;
+  return rope;
 }
 
 }  // namespace
@@ -105,10 +152,13 @@ ModelConfig parse_model_config(const json& j, const std::string& origin) {
   c.num_kv_heads = optional_field<int64_t>(j, "num_key_value_heads", c.num_heads, origin);
   if (c.num_heads <= 0) fail("{}: num_attention_heads must be positive", origin);
   c.head_dim = optional_field<int64_t>(j, "head_dim", c.hidden_size / c.num_heads, origin);
-  c.max_position_embeddings = optional_field<int64_t>(j, "max_position_embeddings", 4096, origin);
+  // transformers' defaults per family.
+  c.max_position_embeddings = optional_field<int64_t>(
+      j, "max_position_embeddings", c.arch == Architecture::kLlama ? 2048 : 32768, origin);
   c.rms_norm_eps = optional_field<double>(j, "rms_norm_eps", 1e-6, origin);
-  c.rope_theta = rope_theta_of(j, origin);
-  c.rope_scaling = parse_rope_scaling(j, origin);
+  Rope rope = parse_rope(j, c.max_position_embeddings, origin);
+  c.rope_theta = rope.theta;
+  c.rope_scaling = rope.scaling;
   c.tie_word_embeddings = optional_field<bool>(j, "tie_word_embeddings", false, origin);
   c.attention_bias = c.arch == Architecture::kQwen2
                          ? true
@@ -194,15 +244,42 @@ json to_hf_json(const ModelConfig& c) {
             {"tie_word_embeddings", c.tie_word_embeddings},
             {"attention_bias", c.attention_bias},
             {"torch_dtype", c.torch_dtype}};
-  if (c.rope_scaling) {
-    const auto& s = *c.rope_scaling;
+  if (!c.rope_scaling) return j;
+  // Written as "rope_scaling" with the top-level rope_theta: what transformers 4 and 5, SGLang
+  // and vLLM all read.
+  if (const auto* s = std::get_if<Llama3RopeScaling>(&*c.rope_scaling)) {
     j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", s.factor},
-                         {"low_freq_factor", s.low_freq_factor},
-                         {"high_freq_factor", s.high_freq_factor},
-                         {"original_max_position_embeddings", s.original_max_position_embeddings}};
+                         {"factor", s->factor},
+                         {"low_freq_factor", s->low_freq_factor},
+                         {"high_freq_factor", s->high_freq_factor},
+                         {"original_max_position_embeddings", s->original_max_position_embeddings}};
+    return j;
   }
+  const auto& s = std::get<YarnRopeScaling>(*c.rope_scaling);
+  json& rs = j["rope_scaling"] = {
+      {"rope_type", "yarn"},
+      {"factor", s.factor},
+      {"original_max_position_embeddings", s.original_max_position_embeddings}};
+  auto put = [&](const char* key, const auto& value) {
+    if (value) rs[key] = *value;
+  };
+  put("attention_factor", s.attention_factor);
+  put("beta_fast", s.beta_fast);
+  put("beta_slow", s.beta_slow);
+  put("mscale", s.mscale);
+  put("mscale_all_dim", s.mscale_all_dim);
+  put("truncate", s.truncate);
   return j;
+}
+
+double YarnRopeScaling::attention_scaling() const {
+  if (attention_factor) return *attention_factor;
+  auto get_mscale = [&](double m) { return factor <= 1 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; };
+  // Python truthiness: a zero mscale counts as unset.
+  if (mscale.value_or(0) != 0 && mscale_all_dim.value_or(0) != 0) {
+    return get_mscale(*mscale) / get_mscale(*mscale_all_dim);
+  }
+  return get_mscale(1.0);
 }
 
 ModelConfig preset_config(const std::string& name) {

@@ -6,19 +6,38 @@
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
+#include <variant>
 
 namespace dflash::models {
 
 enum class Architecture { kQwen3, kQwen2, kLlama };
 const char* architecture_name(Architecture arch);
 
-// Llama 3.x frequency-dependent RoPE scaling ("rope_type": "llama3").
+// RoPE frequency scalings, computed as transformers' modeling_rope_utils does.
+// Llama 3.x frequency-dependent scaling ("rope_type": "llama3").
 struct Llama3RopeScaling {
   double factor = 8.0;
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_position_embeddings = 8192;
 };
+
+// YaRN ("rope_type": "yarn"; Qwen's long-context configs): NTK-by-parts interpolation of the
+// frequencies and a factor on cos and sin. The optional keys stay as the file gives them (an
+// absent key stays absent) because inference engines read the same keys from an exported
+// drafter's config and apply their own defaults.
+struct YarnRopeScaling {
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 0;
+  std::optional<double> attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim;
+  std::optional<bool> truncate;
+
+  // transformers' attention_scaling: `attention_factor` if given, else 0.1 ln(factor) + 1,
+  // or the ratio of that with mscale and with mscale_all_dim when both are set (DeepSeek).
+  double attention_scaling() const;
+};
+
+using RopeScaling = std::variant<Llama3RopeScaling, YarnRopeScaling>;
 
 struct ModelConfig {
   Architecture arch = Architecture::kQwen3;
@@ -32,7 +51,7 @@ struct ModelConfig {
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
-  std::optional<Llama3RopeScaling> rope_scaling;
+  std::optional<RopeScaling> rope_scaling;  // none: plain RoPE
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // bias on q/k/v projections (Qwen2: always)
   bool qk_norm = false;         // per-head RMSNorm on q and k (Qwen3)

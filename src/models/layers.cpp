@@ -34,23 +34,65 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return at::rms_norm(x, {x.size(-1)}, weight, eps);
 }
 
+namespace {
+
+// transformers' _compute_llama3_parameters.
+at::Tensor llama3_inv_freq(const at::Tensor& inv_freq, const Llama3RopeScaling& s) {
+  const double old_len = static_cast<double>(s.original_max_position_embeddings);
+  const double low_wavelen = old_len / s.low_freq_factor;
+  const double high_wavelen = old_len / s.high_freq_factor;
+  auto wavelen = 2 * std::numbers::pi / inv_freq;
+  auto scaled = at::where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq);
+  auto smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  auto smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+  auto medium = at::logical_not(wavelen < high_wavelen) & at::logical_not(wavelen > low_wavelen);
+  return at::where(medium, smoothed, scaled);
+}
+
+// transformers' _compute_yarn_parameters: frequencies above the beta_fast rotation count keep
+// their value (extrapolation), those below beta_slow are divided by the factor
+// (interpolation), with a linear ramp over the dimensions in between. The scalar arithmetic is
+// in double and the tensor arithmetic in fp32, in transformers' order, so the table is
+// bit-identical.
+at::Tensor yarn_inv_freq(const at::Tensor& pos_freqs, int64_t dim, double base,
+                         const YarnRopeScaling& s) {
+  auto extrapolation = 1.0 / pos_freqs;
+  auto interpolation = 1.0 / (s.factor * pos_freqs);
+  const double beta_fast = s.beta_fast.value_or(0) != 0 ? *s.beta_fast : 32;
+  const double beta_slow = s.beta_slow.value_or(0) != 0 ? *s.beta_slow : 1;
+  const double original = static_cast<double>(s.original_max_position_embeddings);
+  auto correction_dim = [&](double rotations) {
+    return (dim * std::log(original / (rotations * 2 * std::numbers::pi))) / (2 * std::log(base));
+  };
+  double low = correction_dim(beta_fast), high = correction_dim(beta_slow);
+  if (s.truncate.value_or(true)) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;  // transformers' guard against a zero-width ramp
+  auto ramp = ((at::arange(dim / 2, at::kFloat) - low) / (high - low)).clamp(0, 1);
+  auto extrapolation_factor = 1 - ramp;
+  return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor;
+}
+
+}  // namespace
+
 Rotary::Rotary(const ModelConfig& c, at::Device device) {
   // fp32 arithmetic on the CPU mirrors transformers' own computation of the table.
   auto exponents =
       at::arange(0, c.head_dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(c.head_dim);
-  auto inv_freq = 1.0 / at::pow(c.rope_theta, exponents);
-  if (c.rope_scaling) {
-    const auto& s = *c.rope_scaling;
-    const double old_len = static_cast<double>(s.original_max_position_embeddings);
-    const double low_wavelen = old_len / s.low_freq_factor;
-    const double high_wavelen = old_len / s.high_freq_factor;
-    auto wavelen = 2 * std::numbers::pi / inv_freq;
-    auto scaled = at::where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq);
-    auto smooth =
-        (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
-    auto smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
-    auto medium = at::logical_not(wavelen < high_wavelen) & at::logical_not(wavelen > low_wavelen);
-    inv_freq = at::where(medium, smoothed, scaled);
+  auto pos_freqs = at::pow(c.rope_theta, exponents);
+  at::Tensor inv_freq;
+  if (!c.rope_scaling) {
+    inv_freq = 1.0 / pos_freqs;
+  } else if (const auto* l = std::get_if<Llama3RopeScaling>(&*c.rope_scaling)) {
+    inv_freq = llama3_inv_freq(1.0 / pos_freqs, *l);
+  } else {
+    const auto& y = std::get<YarnRopeScaling>(*c.rope_scaling);
+    inv_freq = yarn_inv_freq(pos_freqs, c.head_dim, c.rope_theta, y);
+    attention_scaling_ = y.attention_scaling();
   }
   inv_freq_ = inv_freq.to(device);
 }
@@ -59,7 +101,12 @@ std::pair<at::Tensor, at::Tensor> Rotary::tables(const at::Tensor& positions,
                                                  at::ScalarType dtype) const {
   auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);
   auto emb = at::cat({freqs, freqs}, -1);
-  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  auto cos = emb.cos(), sin = emb.sin();
+  if (attention_scaling_ != 1.0) {  // in fp32 before the cast, as transformers does
+    cos.mul_(attention_scaling_);
+    sin.mul_(attention_scaling_);
+  }
+  return {cos.to(dtype), sin.to(dtype)};
 }
 
 at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

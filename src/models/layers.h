@@ -28,17 +28,20 @@ struct PackedBatch {
 // RMSNorm over the last dimension, accumulated in fp32.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
-// Rotary embedding tables for a config (default or llama3-scaled frequencies), applied by
-// kernels::rotary (rotate-half convention, as HF).
+// Rotary embedding tables for a config (default, llama3- or yarn-scaled frequencies), applied
+// by kernels::rotary (rotate-half convention, as HF).
 class Rotary {
  public:
   Rotary(const ModelConfig& config, at::Device device);
-  // cos and sin, [tokens, head_dim], in `dtype`, for the given absolute positions.
+  // cos and sin, [tokens, head_dim], in `dtype`, for the given absolute positions (times yarn's
+  // attention scaling).
   std::pair<at::Tensor, at::Tensor> tables(const at::Tensor& positions, at::ScalarType dtype) const;
   const at::Tensor& inv_freq() const { return inv_freq_; }
+  double attention_scaling() const { return attention_scaling_; }
 
  private:
   at::Tensor inv_freq_;  // fp32 [head_dim/2]
+  double attention_scaling_ = 1.0;
 };
 
 // Causal self-attention within each sequence of a packed batch, grouped-query.

@@ -72,8 +72,27 @@ TEST(ModelConfig, Llama3RopeScalingInBothSpellings) {
   j["rope_parameters"] = rs;  // transformers >= 5
   auto c = parse_model_config(j, "c");
   ASSERT_TRUE(c.rope_scaling.has_value());
-  EXPECT_DOUBLE_EQ(c.rope_scaling->factor, 8.0);
+  EXPECT_DOUBLE_EQ(std::get<models::Llama3RopeScaling>(*c.rope_scaling).factor, 8.0);
   EXPECT_DOUBLE_EQ(c.rope_theta, 5e5);
+}
+
+TEST(ModelConfig, YarnRoundTripsThroughHfJson) {
+  auto j = qwen3();
+  j["rope_scaling"] = {{"rope_type", "yarn"},
+                       {"factor", 4.0},
+                       {"original_max_position_embeddings", 32768},
+                       {"beta_slow", 2}};
+  auto c = parse_model_config(j, "c");
+  auto out = models::to_hf_json(c);
+  EXPECT_EQ(out["rope_scaling"], json({{"rope_type", "yarn"},
+                                       {"factor", 4.0},
+                                       {"original_max_position_embeddings", 32768},
+                                       {"beta_slow", 2.0}}));
+  auto back = parse_model_config(out, "c");
+  const auto& y = std::get<models::YarnRopeScaling>(*back.rope_scaling);
+  EXPECT_EQ(y.beta_slow, 2.0);
+  EXPECT_FALSE(y.beta_fast.has_value());
+  EXPECT_DOUBLE_EQ(y.attention_scaling(), 0.1 * std::log(4.0) + 1);
 }
 
 TEST(ModelConfig, RoundTripsThroughHfJson) {
@@ -111,8 +130,20 @@ TEST(ModelConfigErrors, InconsistentShapes) {
 
 TEST(ModelConfigErrors, UnsupportedRopeScaling) {
   auto j = qwen3();
-  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
-  EXPECT_THAT(error_of(j), HasSubstr("rope scaling type \"yarn\" is not supported"));
+  j["rope_scaling"] = {{"rope_type", "longrope"}, {"factor", 4.0}};
+  EXPECT_THAT(error_of(j), HasSubstr("dir/config.json: \"rope_scaling\": rope type \"longrope\" "
+                                     "is not supported (supported: default, llama3, yarn)"));
+  j.erase("rope_scaling");
+  j["rope_parameters"] = {{"type", "dynamic"}, {"factor", 2.0}};
+  EXPECT_THAT(error_of(j), HasSubstr("\"rope_parameters\": rope type \"dynamic\""));
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"original_max_position_embeddings", 64}};
+  EXPECT_THAT(error_of(j), HasSubstr("\"rope_parameters\": missing required field \"factor\""));
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"partial_rotary_factor", 0.5}};
+  EXPECT_THAT(error_of(j), HasSubstr("partial_rotary_factor 0.5 is not supported"));
+  j["rope_parameters"] = {{"full_attention", {{"rope_type", "yarn"}, {"factor", 4.0}}}};
+  EXPECT_THAT(error_of(j), HasSubstr("rope parameters per layer type are not supported"));
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", "four"}};
+  EXPECT_THAT(error_of(j), HasSubstr("field \"factor\" must be a number"));
 }
 
 TEST(ModelConfigErrors, MalformedJsonNamesTheFile) {

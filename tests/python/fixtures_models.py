@@ -58,16 +58,22 @@ def reference(model, tokens, lengths):
     return ref
 
 
+def random_model(cfg_cls, model_cls, extra, seed):
+    """A random fp32 model of COMMON's shape plus `extra`, and its config."""
+    torch.manual_seed(seed)
+    config = cfg_cls(**COMMON, **extra)
+    model = model_cls(config).to(torch.float32).eval()
+    # Norm weights start at one; perturb them so a missing or misplaced norm shows.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return config, model
+
+
 def make(out: pathlib.Path):
     for idx, (name, (cfg_cls, model_cls, extra, sharded)) in enumerate(MODELS.items()):
-        torch.manual_seed(1234 + idx)
-        config = cfg_cls(**COMMON, **extra)
-        model = model_cls(config).to(torch.float32).eval()
-        # Norm weights start at one; perturb them so a missing or misplaced norm shows.
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname or pname.endswith(".bias"):
-                    p.add_(0.1 * torch.randn_like(p))
+        config, model = random_model(cfg_cls, model_cls, extra, 1234 + idx)
         d = out / name
         model.save_pretrained(d, max_shard_size="40KB" if sharded else "1GB")
         tokens = torch.randint(0, config.vocab_size, (sum(LENGTHS),), dtype=torch.int64)
