@@ -2,8 +2,8 @@
 # One device call's worth of work on the GPU machine: build, run every test (GPU tests
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
-# Stages: build test target load drafter decode train pipeline tokenizer (default: the first
-# five).
+# Stages: build test target load drafter decode spec train pipeline tokenizer (default: the
+# first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/gpu-out}
@@ -25,7 +25,7 @@ if has test; then
   # The LibTorch tests, GPU ones included (they skip on CPU CI). Tokenizer fixtures need the
   # GSM8K data in ../shared, which does not travel to this machine; CI runs those.
   step test
-  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only models dflash safetensors \
+  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only models dflash safetensors pretrain \
     > "$out/fixtures.log" 2>&1 || tail -20 "$out/fixtures.log"
   python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only rope \
     >> "$out/fixtures.log" 2>&1 || tail -20 "$out/fixtures.log"
@@ -64,6 +64,18 @@ if has decode; then
   echo "decode tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/decode_tests.log" | tail -8
   "$dflash" bench-decode --preset qwen3-8b --device cuda --json "$out/bench_decode.json" 2>&1 \
     | tee "$out/bench_decode.txt"
+fi
+if has spec; then
+  # Speculative decoding on CUDA: the drafter's inference against its training forward and
+  # speculative == greedy (fp32 SDPA and the bf16 flash paths), then `dflash eval` end to end on
+  # a tiny random model in bf16 (generator CUDA graph against speculative, the tie check). The
+  # draft's cost against a plain decode step is in bench-decode (decode stage).
+  step spec
+  "$build/tests/dflash_core_tests" --gtest_filter='*DraftModel*:*Speculative*:*Accounting*' \
+    > "$out/spec_tests.log" 2>&1
+  echo "spec tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/spec_tests.log" | tail -8
+  python3 "$root/tests/cli/eval_cli.py" "$dflash" cuda > "$out/eval_cli.log" 2>&1
+  echo "eval_cli exit $?"; tail -5 "$out/eval_cli.log"
 fi
 if has train; then
   step train

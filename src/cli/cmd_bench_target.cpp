@@ -1,5 +1,5 @@
 // `dflash bench-target`: prefill throughput of a random-weight target (no files needed), and
-// `dflash random-model`: writes such a model as a Hugging Face directory.
+// `dflash random-model`: writes such a model as a Hugging Face directory, with a tokenizer.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -14,6 +14,7 @@
 #include "models/target.h"
 #include "obs/profile.h"
 #include "obs/stats.h"
+#include "tokenizer/builtin.h"
 
 namespace dflash::cli {
 namespace {
@@ -112,7 +113,10 @@ void run_random_model(const RandomModelOptions& o) {
                        static_cast<uint64_t>(o.shard_gib * (1ull << 30)));
   write_file_atomic(std::filesystem::path(o.out) / "config.json",
                     models::to_hf_json(config).dump(2));
-  fmt::print("random-model: wrote {} ({:.3f} B params, bf16) to {}\n", o.preset,
+  // A tokenizer of the model's vocabulary and a chat template, so prepare, generate and eval
+  // run on the directory as on a real model.
+  tok::write_builtin_tokenizer(o.out, config.vocab_size);
+  fmt::print("random-model: wrote {} ({:.3f} B params, bf16) with a tokenizer to {}\n", o.preset,
              config.num_parameters() / 1e9, o.out);
 }
 
