@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "cli/commands.h"
+#include "common/progress_text.h"
 #include "data/prepare.h"
 
 namespace dflash::cli {
@@ -28,12 +29,6 @@ struct PrepareArgs {
   bool overwrite = false;
   bool quiet = false;
 };
-
-std::string clock_text(double seconds) {
-  auto s = static_cast<long>(seconds + 0.5);
-  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
-                   : fmt::format("{}:{:02}", s / 60, s % 60);
-}
 
 void run_prepare(const PrepareArgs& a) {
   data::PrepareOptions opt;

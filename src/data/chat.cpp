@@ -254,9 +254,17 @@ Conversation parse_conversation(std::string_view line) {
   }
   if (!j.is_object()) bad("a line must be a JSON object");
   bool has_messages = j.contains("messages"), has_conversations = j.contains("conversations");
+  if (!has_messages && !has_conversations && j.contains("question") && j.contains("answer")) {
+    const json &q = j["question"], &a = j["answer"];
+    if (!q.is_string() || !a.is_string()) bad("\"question\" and \"answer\" must be strings");
+    if (only_python_space(a.get_ref<const std::string&>())) bad("empty answer");
+    return {{{Role::kUser, q.get<std::string>(), std::nullopt},
+             {Role::kAssistant, a.get<std::string>(), std::nullopt}}};
+  }
   if (has_messages == has_conversations) {
     bad(has_messages ? "has both \"messages\" and \"conversations\""
-                     : "has neither \"messages\" (OpenAI form) nor \"conversations\" (ShareGPT)");
+                     : "has neither \"messages\" (OpenAI form) nor \"conversations\" (ShareGPT) "
+                       "nor \"question\" and \"answer\" (GSM8K form)");
   }
   bool sharegpt = has_conversations;
   const json& list = sharegpt ? j["conversations"] : j["messages"];

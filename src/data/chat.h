@@ -51,7 +51,8 @@ struct Conversation {
 };
 
 // Parses one JSONL line: {"messages": [{"role", "content"}...]} or
-// {"conversations": [{"from", "value"}...]} (ShareGPT: human/gpt/system, also user/assistant).
+// {"conversations": [{"from", "value"}...]} (ShareGPT: human/gpt/system, also user/assistant),
+// or {"question", "answer"} (GSM8K form: one user turn and its answer).
 // Roles: system, user, assistant, tool (ShareGPT also human, gpt). Assistant turns may carry
 // "tool_calls" (null or [] is none; "content" may then be null), the line a "tools" list.
 // Throws ParseError for invalid UTF-8, malformed JSON, a wrong schema, unknown roles, tool-call
