@@ -11,14 +11,26 @@ namespace dflash::cli {
 void add_export_command(CLI::App& app) {
   auto source = std::make_shared<std::string>();
   auto out = std::make_shared<std::string>();
+  auto target = std::make_shared<std::string>();
   auto* cmd = app.add_subcommand(
       "export", "Write a drafter as config.json + model.safetensors for SGLang/vLLM/transformers");
   cmd->add_option("SOURCE", *source, "training run or step directory, or an export directory")
       ->required();
   cmd->add_option("OUT_DIR", *out, "output directory")->required();
-  cmd->callback([source, out] {
-    train::export_drafter(*source, *out);
+  cmd->add_option("--target", *target,
+                  "the target model directory, for the mask token's text (default: the target "
+                  "in the run's run_config.json)");
+  cmd->callback([source, out, target] {
+    const auto config = train::export_drafter(*source, *out, *target);
     fmt::print("export: wrote {}/config.json and {}/model.safetensors\n", *out, *out);
+    if (config.mask_token.empty()) {
+      fmt::print(
+          "export: note: no target tokenizer found (pass --target), so config.json has no "
+          "dflash_config.mask_token; engines will assume \"<|MASK|>\" for id {}\n",
+          config.mask_token_id);
+    } else {
+      fmt::print("export: mask token {:?} (id {})\n", config.mask_token, config.mask_token_id);
+    }
   });
 }
 

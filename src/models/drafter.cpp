@@ -187,6 +187,7 @@ json drafter_config_json(const DrafterConfig& c) {
   j["num_target_layers"] = c.num_target_layers;
   j["dflash_config"] = {{"mask_token_id", c.mask_token_id},
                         {"target_layer_ids", c.target_layer_ids}};
+  if (!c.mask_token.empty()) j["dflash_config"]["mask_token"] = c.mask_token;
   return j;
 }
 
@@ -208,6 +209,7 @@ DrafterConfig parse_drafter_config(const json& j, const std::string& origin) {
     const json& d = j.at("dflash_config");
     c.mask_token_id = d.at("mask_token_id").get<int64_t>();
     c.target_layer_ids = d.at("target_layer_ids").get<std::vector<int64_t>>();
+    c.mask_token = d.value("mask_token", "");
   } catch (const json::exception& e) {
     fail(
         "{}: DFlash fields (block_size, num_target_layers, dflash_config.mask_token_id, "

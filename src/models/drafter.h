@@ -41,6 +41,8 @@ struct DrafterConfig {
   int64_t num_target_layers = 0;          // L of the target these ids refer to
   int64_t block_size = 16;
   int64_t mask_token_id = 151669;
+  // That id's text in the target's tokenizer (the export's mask_token); "" when not known.
+  std::string mask_token;
   double gamma = 7.0;  // loss weight decay exp(-(k-1)/gamma); not part of the export
 
   int64_t num_taps() const { return static_cast<int64_t>(target_layer_ids.size()); }
@@ -60,7 +62,8 @@ struct DrafterOptions {
 DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOptions& options);
 
 // The export's config.json (BRIEF: DFlashDraftModel, Qwen3 fields, block_size,
-// num_target_layers, dflash_config {mask_token_id, target_layer_ids}) and its inverse.
+// num_target_layers, dflash_config {mask_token_id, target_layer_ids, and mask_token when known})
+// and its inverse.
 nlohmann::json drafter_config_json(const DrafterConfig& config);
 DrafterConfig parse_drafter_config(const nlohmann::json& json, const std::string& origin);
 

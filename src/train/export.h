@@ -2,10 +2,23 @@
 // the tensor names SGLang, vLLM and z-lab's code load) from a training checkpoint (a step or
 // run directory) or from another export directory.
 #pragma once
+#include <cstdint>
 #include <filesystem>
+#include <string>
+
+#include "models/drafter.h"
+#include "tokenizer/tokenizer.h"
 
 namespace dflash::train {
 
-void export_drafter(const std::filesystem::path& source, const std::filesystem::path& out_dir);
+// The text of token `mask_token_id` in the target's tokenizer (dflash_config.mask_token);
+// "<|MASK|>", the engines' default, for an id past the tokenizer's vocabulary.
+std::string mask_token_text(const tok::Tokenizer& tokenizer, int64_t mask_token_id);
+
+// Writes the export of `source` into `out_dir` and returns its config. `target_dir` (or, when
+// empty, the target in a run's run_config.json) gives the mask token's text.
+models::DrafterConfig export_drafter(const std::filesystem::path& source,
+                                     const std::filesystem::path& out_dir,
+                                     const std::filesystem::path& target_dir = {});
 
 }  // namespace dflash::train

@@ -11,7 +11,10 @@
 
 #include "common/file.h"
 #include "drafter_test_util.h"
+#include "tokenizer/builtin.h"
 #include "train/blocks.h"
+#include "train/checkpoint.h"
+#include "train/export.h"
 
 namespace dflash {
 namespace {
@@ -144,6 +147,47 @@ TEST(DrafterExport, PythonReferenceLoadsExportAndAgrees) {
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   auto theirs = io::SafetensorsFile::open(dir / "out.safetensors")->tensor("hidden");
   EXPECT_CLOSE(ours.detach(), theirs, 1e-4);
+  remove_tree(dir);
+}
+
+// dflash_config.mask_token is the text of the mask id in the target's tokenizer: found through
+// the run's run_config.json (as `dflash train` writes it) or --target, kept by a re-export, and
+// "<|MASK|>" for an id past the tokenizer's last (Qwen3's 151669 is one past its tokens).
+TEST(DrafterExport, MaskTokenIsTheTargetTokenizersText) {
+  DflashCase c("tied");
+  auto dir = temp_dir("mask_token");
+  const auto target = dir / "target";
+  tok::write_builtin_tokenizer(target, 300);
+  const auto tokenizer = tok::Tokenizer::load(target);
+  const int64_t id = c.drafter->config().mask_token_id;
+  const std::string text = tokenizer.id_to_token(static_cast<int32_t>(id));
+  ASSERT_FALSE(text.empty());
+  auto mask_token = [&](const fs::path& export_dir) {
+    return nlohmann::json::parse(read_file(export_dir / "config.json"))["dflash_config"].value(
+        "mask_token", "(none)");
+  };
+  std::vector<at::Tensor> params;
+  for (const auto& [name, p] : c.drafter->named_parameters()) params.push_back(p);
+  train::AdamW optimizer(params, {});
+  train::save_checkpoint(dir / "run", 1, *c.drafter, optimizer, {});
+  write_file_atomic(dir / "run" / "run_config.json",
+                    nlohmann::json{{"target", target.string()}}.dump());
+  EXPECT_EQ(train::export_drafter(dir / "run", dir / "a").mask_token, text);
+  EXPECT_EQ(mask_token(dir / "a"), text);
+  const auto exported = nlohmann::json::parse(read_file(dir / "a" / "config.json"));
+  EXPECT_EQ(models::parse_drafter_config(exported, "a").mask_token, text);
+  train::export_drafter(dir / "a", dir / "b");  // an export keeps its mask token
+  EXPECT_EQ(mask_token(dir / "b"), text);
+  remove_tree(dir / "run" / "run_config.json");  // no target known: no mask token
+  train::export_drafter(dir / "run", dir / "c");
+  EXPECT_EQ(mask_token(dir / "c"), "(none)");
+  train::export_drafter(dir / "run", dir / "d", target);  // --target
+  EXPECT_EQ(mask_token(dir / "d"), text);
+
+  const auto gsm8k = tok::Tokenizer::from_json(tok::builtin_tokenizer_json(2048));
+  EXPECT_EQ(train::mask_token_text(gsm8k, 2047), "<|MASK|>");
+  EXPECT_EQ(train::mask_token_text(gsm8k, gsm8k.token_to_id("<|im_end|>")), "<|im_end|>");
+  EXPECT_EQ(train::mask_token_text(gsm8k, 151669), "<|MASK|>");
   remove_tree(dir);
 }
 
