@@ -31,10 +31,11 @@ constexpr int64_t kVocab = 97;
 
 // Untied: with a tied LM head a random target's residual stream is close to the embedding of
 // its input token, whose own logit wins, so it repeats one token forever.
-models::TargetModel make_target() {
+models::TargetModel make_target(at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat) {
   auto config = testing::tiny_target_config(models::Architecture::kQwen3);
   config.tie_word_embeddings = false;
-  return testing::peaked_target(config, at::kCPU, at::kFloat, 3);
+  if (device.is_cuda()) config.head_dim = 32;  // flash attention's smallest tested shape
+  return testing::peaked_target(config, device, dtype, 3);
 }
 
 std::vector<std::vector<int64_t>> make_prompts(const std::vector<int64_t>& lengths, uint64_t seed) {
@@ -172,7 +173,8 @@ models::Drafter make_drafter(const models::TargetModel& target, int64_t block_si
   o.target_layer_ids = {0, 2};
   o.block_size = block_size;
   o.mask_token_id = kVocab - 1;
-  return models::Drafter::random(models::make_drafter_config(target.config(), o), at::kCPU, 9);
+  return models::Drafter::random(models::make_drafter_config(target.config(), o), target.device(),
+                                 9);
 }
 
 struct Case {
@@ -377,6 +379,39 @@ TEST(SpeculativeContext, DrafterSeesTheTargetTapsOfCommittedTokens) {
                     std::equal(ctx.tokens.begin(), ctx.tokens.end(), seq.begin()));
     }
     EXPECT_TRUE(found) << "a context is not a prompt plus generated tokens";
+  }
+}
+
+// On CUDA in bf16: the flash paths (the verify pass through the cached causal attention, the
+// draft through the block attention) and the generator's CUDA-graph decode step give the same
+// tokens (the target's margins are wide against bf16 rounding).
+TEST(SpeculativeGpu, Bf16EqualsGeneratorGreedy) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto target = make_target(at::kCUDA, at::kBFloat16);
+  auto prompts = make_prompts({3, 7, 1, 20, 5, 2, 11, 4}, 6);
+  eval::GenerationOptions g;
+  g.max_new_tokens = 24;
+  g.context = 40;
+  g.slots = 3;
+  auto want = eval::Generator(target, g).generate(prompts);
+  auto drafter = make_drafter(target, 8);
+  eval::DFlashDraftSource dflash(drafter, target);
+  ScriptedDrafter scripted(8, references(prompts, want, -1), 0.7);
+  for (eval::DraftSource* source : std::vector<eval::DraftSource*>{&dflash, &scripted}) {
+    for (int64_t slots : {1, 4}) {
+      SCOPED_TRACE(
+          fmt::format("{} drafter, {} slots", source == &dflash ? "dflash" : "scripted", slots));
+      SpeculativeOptions o;
+      o.max_new_tokens = g.max_new_tokens;
+      o.context = g.context;
+      o.slots = slots;
+      SpeculativeDecoder decoder(target, *source, o);
+      SpeculativeStats stats;
+      expect_same(decoder.generate(prompts, &stats), want);
+      if (source == &scripted) {
+        EXPECT_GT(stats.tau(), 1.5);
+      }
+    }
   }
 }
 
