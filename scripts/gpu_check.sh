@@ -25,8 +25,10 @@ if has test; then
   # The LibTorch tests, GPU ones included (they skip on CPU CI). Tokenizer fixtures need the
   # GSM8K data in ../shared, which does not travel to this machine; CI runs those.
   step test
-  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only models dflash safetensors \
+  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only models dflash safetensors pretrain \
     > "$out/fixtures.log" 2>&1 || tail -20 "$out/fixtures.log"
+  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only rope \
+    >> "$out/fixtures.log" 2>&1 || tail -20 "$out/fixtures.log"
   DFLASH_PYTHON=$(command -v python3) "$build/tests/dflash_core_tests" > "$out/core_tests.log" 2>&1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$out/core_tests.log" | tail -25
 fi
