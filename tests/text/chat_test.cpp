@@ -134,6 +134,18 @@ std::string reason(std::string_view line) {
   return "accepted";
 }
 
+TEST(ChatParse, Gsm8kLineIsOneUserTurnAndItsAnswer) {
+  auto conv = parse_conversation(R"({"question": "How many?", "answer": "2 + 2 = 4\n#### 4"})");
+  ASSERT_EQ(conv.messages.size(), 2u);
+  EXPECT_EQ(conv.messages[0].role, Role::kUser);
+  EXPECT_EQ(conv.messages[0].content, "How many?");
+  EXPECT_EQ(conv.messages[1].role, Role::kAssistant);
+  EXPECT_EQ(conv.messages[1].content, "2 + 2 = 4\n#### 4");
+  EXPECT_EQ(reason(R"({"question": "q", "answer": " \n"})"), "empty answer");
+  EXPECT_EQ(reason(R"({"question": 1, "answer": "a"})"),
+            "\"question\" and \"answer\" must be strings");
+}
+
 TEST(ChatParse, BadLinesSayWhy) {
   EXPECT_EQ(reason("{\"messages\": ["), "malformed JSON: " + reason("{\"messages\": [").substr(16));
   EXPECT_NE(reason("{\"messages\": [").find("malformed JSON"), std::string::npos);
