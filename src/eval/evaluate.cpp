@@ -221,17 +221,12 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
       g.slots = options_.slots;
       g.context = context;
       Generator generator(target, g);
-      std::vector<Completion> answers(round.size());
-      size_t next = 0;
+      std::vector<Completion> answers;
       add_stats(f.target,
-                generator.run(
-                    [&]() -> std::optional<Request> {
-                      if (next == prompts.size()) return std::nullopt;
-                      Request r{next, prompts[next]};
-                      ++next;
-                      return r;
-                    },
-                    [&](const Request& r, Completion c) { answers[r.id] = std::move(c); }));
+                run_prompts(prompts, answers,
+                            [&](const Generator::NextFn& next, const Generator::DoneFn& done) {
+                              return generator.run(next, done);
+                            }));
       for (size_t j = 0; j < round.size(); ++j) {
         round[j].answer = std::move(answers[j]);
         std::vector<int32_t> ids(round[j].answer.tokens.begin(), round[j].answer.tokens.end());

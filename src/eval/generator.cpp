@@ -321,16 +321,9 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
 }
 
 std::vector<Completion> Generator::generate(const std::vector<std::vector<int64_t>>& prompts) {
-  std::vector<Completion> out(prompts.size());
-  size_t next_index = 0;
-  run(
-      [&]() -> std::optional<Request> {
-        if (next_index == prompts.size()) return std::nullopt;
-        Request r{next_index, prompts[next_index]};
-        ++next_index;
-        return r;
-      },
-      [&](const Request& r, Completion c) { out[r.id] = std::move(c); });
+  std::vector<Completion> out;
+  run_prompts(prompts, out,
+              [&](const NextFn& next, const DoneFn& done) { return run(next, done); });
   return out;
 }
 

@@ -51,6 +51,24 @@ struct GenerationStats {
   double seconds = 0;
 };
 
+// Feeds `prompts` as requests 0, 1, ... to `run(next, done)` (Generator::run,
+// SpeculativeDecoder::run), puts their completions into `out` in input order and returns what
+// run returns (its stats).
+template <class Run>
+auto run_prompts(const std::vector<std::vector<int64_t>>& prompts, std::vector<Completion>& out,
+                 Run&& run) {
+  out.assign(prompts.size(), Completion{});
+  size_t next = 0;
+  return run(
+      [&]() -> std::optional<Request> {
+        if (next == prompts.size()) return std::nullopt;
+        Request r{next, prompts[next]};
+        ++next;
+        return r;
+      },
+      [&](const Request& r, Completion c) { out[r.id] = std::move(c); });
+}
+
 class Generator {
  public:
   Generator(const models::TargetModel& model, GenerationOptions options);

@@ -289,16 +289,11 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
 
 std::vector<Completion> SpeculativeDecoder::generate(
     const std::vector<std::vector<int64_t>>& prompts, SpeculativeStats* stats) {
-  std::vector<Completion> out(prompts.size());
-  size_t next_index = 0;
-  auto s = run(
-      [&]() -> std::optional<Request> {
-        if (next_index == prompts.size()) return std::nullopt;
-        Request r{next_index, prompts[next_index]};
-        ++next_index;
-        return r;
-      },
-      [&](const Request& r, Completion c) { out[r.id] = std::move(c); });
+  std::vector<Completion> out;
+  auto s =
+      run_prompts(prompts, out, [&](const Generator::NextFn& next, const Generator::DoneFn& done) {
+        return run(next, done);
+      });
   if (stats != nullptr) *stats = s;
   return out;
 }
