@@ -63,6 +63,22 @@ struct ThreadRecord {
   std::vector<TraceEvent> trace;
 };
 
+// GPU timing is switched off for the rest of the run after a failed CUDA call of its own.
+std::atomic<bool> g_gpu_off{false};
+
+// Whether a CUDA call of the instrumentation succeeded. A failure is cleared from the runtime's
+// last-error slot (so no later LibTorch check mistakes it for its own), reported once, and
+// switches GPU timing off: the instrumentation never stops a run.
+bool cuda_ok(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  if (!g_gpu_off.exchange(true)) {
+    std::fprintf(stderr, "dflash: obs: %s failed (%s); GPU stage timing is off from here\n", what,
+                 cudaGetErrorString(err));
+  }
+  return false;
+}
+
 struct GpuSpan {
   int stage = -1;  // -1: a step boundary
   int64_t step = 0;
@@ -96,8 +112,7 @@ struct GpuTimeline {
   cudaEvent_t take() {
     if (pool.empty()) {
       cudaEvent_t e = nullptr;
-      cudaEventCreate(&e);
-      return e;
+      return cuda_ok(cudaEventCreate(&e), "cudaEventCreate") ? e : nullptr;
     }
     auto e = pool.back();
     pool.pop_back();
@@ -175,15 +190,33 @@ cudaStream_t current_stream(int device) {
 }
 
 // Folds completed spans into the totals (caller holds gpu.mutex). Never waits.
+// Whether `event` has completed. cudaEventQuery reports "not ready" through the runtime's
+// last-error slot as well; it is cleared here (as c10's CUDAEvent::query does), or the next
+// kernel launch's check in LibTorch would report it as its own failure.
+bool completed(cudaEvent_t event) {
+  const cudaError_t err = cudaEventQuery(event);
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return cuda_ok(err, "cudaEventQuery");
+}
+
+// Milliseconds between two completed events (0 after a failure).
+float elapsed_ms(cudaEvent_t begin, cudaEvent_t end) {
+  float ms = 0;
+  return cuda_ok(cudaEventElapsedTime(&ms, begin, end), "cudaEventElapsedTime") ? ms : 0.f;
+}
+
 void poll_gpu(GpuTimeline& g, const ObsOptions& o) {
-  while (!g.pending.empty()) {
+  while (!g.pending.empty() && !g_gpu_off.load()) {
     GpuSpan& s = g.pending.front();
-    const cudaEvent_t last = s.end ? s.end : s.begin;
-    if (cudaEventQuery(last) != cudaSuccess) break;
+    // A stage whose scope is still open has no end event yet: it and everything after it wait.
+    if (s.stage >= 0 && !s.end) break;
+    if (!completed(s.end ? s.end : s.begin)) break;
     if (s.stage < 0) {
       if (g.last_boundary) {
-        float ms = 0;
-        cudaEventElapsedTime(&ms, g.last_boundary, s.begin);
+        const float ms = elapsed_ms(g.last_boundary, s.begin);
         g.wall_ms += ms;
         g.last_step_wall_ms = ms;
         g.last_step_ms = g.step_ms;
@@ -194,13 +227,9 @@ void poll_gpu(GpuTimeline& g, const ObsOptions& o) {
       g.step_ms = {};
       g.last_boundary = s.begin;
     } else {
-      float ms = 0;
-      cudaEventElapsedTime(&ms, s.begin, s.end);
-      g.step_ms[static_cast<size_t>(s.stage)] += ms;
+      g.step_ms[static_cast<size_t>(s.stage)] += elapsed_ms(s.begin, s.end);
       if (g.reference && s.step >= o.trace_first && s.step <= o.trace_last) {
-        float b = 0, e = 0;
-        cudaEventElapsedTime(&b, g.reference, s.begin);
-        cudaEventElapsedTime(&e, g.reference, s.end);
+        const float b = elapsed_ms(g.reference, s.begin), e = elapsed_ms(g.reference, s.end);
         g.trace.push_back(
             {static_cast<uint8_t>(s.stage), g.reference_us + 1e3 * b, g.reference_us + 1e3 * e});
       }
@@ -307,14 +336,14 @@ Scope::Scope(Stage stage, at::Device device) : stage_(stage), device_(device) {
   begin_ns_ = now_ns();
   switch_to(t, static_cast<size_t>(stage), begin_ns_);
   nvtxRangePushA(kNames[static_cast<size_t>(stage)].data());
-  if (device.is_cuda() && t.gpu_depth++ == 0) {
+  if (device.is_cuda() && t.gpu_depth++ == 0 && !g_gpu_off.load(std::memory_order_relaxed)) {
     gpu_ = true;
     std::lock_guard lock(r.gpu.mutex);
     GpuSpan s;
     s.stage = static_cast<int>(stage);
     s.step = r.step.load(std::memory_order_relaxed);
     s.begin = r.gpu.take();
-    cudaEventRecord(s.begin, current_stream(device.index()));
+    cuda_ok(cudaEventRecord(s.begin, current_stream(device.index())), "cudaEventRecord");
     r.gpu.pending.push_back(s);
   }
   if (r.slow_stage == stage) std::this_thread::sleep_for(std::chrono::milliseconds(r.slow_ms));
@@ -332,7 +361,7 @@ Scope::~Scope() {
       for (auto it = r.gpu.pending.rbegin(); it != r.gpu.pending.rend(); ++it) {
         if (it->stage == static_cast<int>(stage_) && !it->end) {
           it->end = r.gpu.take();
-          cudaEventRecord(it->end, current_stream(device_.index()));
+          cuda_ok(cudaEventRecord(it->end, current_stream(device_.index())), "cudaEventRecord");
           break;
         }
       }
@@ -360,7 +389,10 @@ void begin_step(int64_t step, at::Device device) {
   }
   const bool in_window =
       r.options.trace_last > 0 && step >= r.options.trace_first && step <= r.options.trace_last;
-  if (device.is_cuda()) {
+  if (device.is_cuda() && !g_gpu_off.load()) {
+    // Recording the boundary can block while the device's launch queue is full: the host is
+    // then waiting for the GPU.
+    Scope waiting(Stage::kGpuWait);
     std::lock_guard lock(r.gpu.mutex);
     auto& g = r.gpu;
     if (g.device < 0) {
@@ -370,14 +402,14 @@ void begin_step(int64_t step, at::Device device) {
     if (in_window && !g.reference) {
       // The one synchronization of a traced run: it ties GPU event times to the host clock.
       g.reference = g.take();
-      cudaEventRecord(g.reference, current_stream(g.device));
-      cudaEventSynchronize(g.reference);
+      cuda_ok(cudaEventRecord(g.reference, current_stream(g.device)), "cudaEventRecord");
+      cuda_ok(cudaEventSynchronize(g.reference), "cudaEventSynchronize");
       g.reference_us = static_cast<double>(now_ns()) / 1e3;
     }
     GpuSpan s;
     s.step = step;
     s.begin = g.take();
-    cudaEventRecord(s.begin, current_stream(g.device));
+    cuda_ok(cudaEventRecord(s.begin, current_stream(g.device)), "cudaEventRecord");
     g.pending.push_back(s);
     poll_gpu(g, r.options);
   }
@@ -571,7 +603,8 @@ void write_trace() {
     std::lock_guard lock(r.gpu.mutex);
     auto& g = r.gpu;
     if (g.device >= 0) {
-      cudaDeviceSynchronize();  // the run is over: let the last spans complete
+      // The run is over: let the last spans complete.
+      cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       poll_gpu(g, r.options);
       const int64_t gpu_tid = 1000000 + g.device;
       events.push_back({{"ph", "M"},

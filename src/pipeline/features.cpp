@@ -1,8 +1,11 @@
 #include "pipeline/features.h"
 
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
 
+#include <chrono>
 #include <deque>
+#include <thread>
 
 #include "common/error.h"
 #include "dist/comm.h"
@@ -84,24 +87,38 @@ void serve_features(dist::Comm& world, Topology topology, const models::TargetMo
                     int64_t end, int64_t accumulation, size_t in_flight,
                     const std::function<bool()>& stop) {
   const int rank = world.rank();
+  const at::Device device = target.device();
   std::deque<dist::Comm::Pending> sends;
+  // GPU: an event after each item's forward. Before launching item i the host sleeps until
+  // item i-2's forward is done, so the device always has one item queued but the host never
+  // spins in the driver on a full launch queue while the trainers hold the sends back.
+  std::deque<c10::Event> forwarded;
   for (int64_t item = 0;; ++item) {
     const auto work = topology.target_work(rank, start, item);
     if (work.position >= end || stop()) break;
     const int64_t step = work.position / accumulation + 1;
-    obs::begin_step(step, target.device());
-    auto mb = to_device(batches.get(item), target.device());
+    obs::maybe_write_snapshot(step - 1);
+    if (forwarded.size() >= 2) {
+      obs::Scope waiting(obs::Stage::kGpuWait);
+      while (!forwarded.front().query()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      forwarded.pop_front();
+    }
+    obs::begin_step(step, device);
+    auto mb = to_device(batches.get(item), device);
     if (mb.lengths.empty()) continue;
     auto features = target_features(target, taps, mb);
+    if (device.is_cuda()) {
+      forwarded.emplace_back(device.type());
+      forwarded.back().record(c10::Stream(c10::Stream::DEFAULT, device));
+    }
+    obs::Scope scope(obs::Stage::kSendWait, target.device());
     sends.push_back(
         world.isend(features, work.trainer, feature_tag(work.position), "feature_send"));
     // Backpressure: the oldest transfer must finish before more are started.
-    obs::Scope scope(obs::Stage::kSendWait, target.device());
     while (sends.size() > in_flight) {
       sends.front().wait();
       sends.pop_front();
     }
-    obs::maybe_write_snapshot(step);
   }
   obs::Scope scope(obs::Stage::kSendWait, target.device());
   while (!sends.empty()) {

@@ -117,7 +117,8 @@ double label_weight_sum(std::span<const SampleView> samples, int64_t epoch, int6
 }
 
 MicroResult forward_backward(const models::Drafter& drafter, const models::TargetHead& head,
-                             const MicroBatch& mb, double grad_scale, const StepOptions& options) {
+                             const MicroBatch& mb, double grad_scale, const StepOptions& options,
+                             const std::function<void()>& before_backward) {
   const auto& config = drafter.config();
   const at::Device device = drafter.device();
   if (mb.lengths.empty()) return empty_result(config, device);
@@ -145,6 +146,7 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
     loss = chunked_head_loss(rows, head.lm_head, blocks.labels, blocks.weights, blocks.label_k,
                              config.block_size, grad_scale, options.head_chunk_rows);
   }
+  if (before_backward) before_backward();
   if (rows.requires_grad() && blocks.num_labels > 0) {
     obs::Scope scope(obs::Stage::kBackward, device);
     rows.backward(loss.grad_hidden);

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -84,9 +85,10 @@ struct MicroResult {
 
 // Forward and backward of a micro-batch whose tensors and features are on the compute device.
 // Gradients of grad_scale * weighted_ce accumulate into the drafter parameters' .grad.
+// `before_backward` (if set) runs once the forward and the loss are queued, before the backward.
 MicroResult forward_backward(const models::Drafter& drafter, const models::TargetHead& head,
-                             const MicroBatch& batch, double grad_scale,
-                             const StepOptions& options);
+                             const MicroBatch& batch, double grad_scale, const StepOptions& options,
+                             const std::function<void()>& before_backward = {});
 
 // The same for sequences given as host vectors with explicit anchors (one ascending list per
 // sequence; empty = the sequence contributes nothing) and their features: what the reference

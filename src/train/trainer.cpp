@@ -66,6 +66,11 @@ void Trainer::train_step() {
                 std::llround(options_.warmup_ratio * static_cast<double>(options_.total_steps)),
                 options_.lr, options_.min_lr);
   const at::Device device = drafter_.device();
+  if (launch_gate_) {
+    obs::Scope scope(obs::Stage::kGpuWait);
+    while (!launch_gate_->query()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    launch_gate_.reset();
+  }
   obs::begin_step(p.log.step, device);
   // [wce, correct[B], count[B], stop votes]: reduced across trainer ranks with the gradients.
   if (sync_) sync_->zero();
@@ -81,7 +86,14 @@ void Trainer::train_step() {
     p.log.skipped_sequences += mb.skipped_sequences;
     p.log.tokens += mb.global_tokens;
     if (p.weight_sum <= 0) continue;  // no supervised label in the whole step: nothing to learn
-    auto r = forward_backward(drafter_, head_, mb, 1.0 / p.weight_sum, options_.step);
+    std::function<void()> gate;
+    if (device.is_cuda() && m == options_.accumulation - 1) {
+      gate = [&] {
+        launch_gate_.emplace(device.type());
+        launch_gate_->record(c10::Stream(c10::Stream::DEFAULT, device));
+      };
+    }
+    auto r = forward_backward(drafter_, head_, mb, 1.0 / p.weight_sum, options_.step, gate);
     figures.narrow(0, 0, 1).add_(r.weighted_ce.view({1}));
     figures.narrow(0, 1, bs).add_(r.correct);
     figures.narrow(0, 1 + bs, bs).add_(r.count);

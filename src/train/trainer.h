@@ -110,6 +110,10 @@ class Trainer {
   std::unique_ptr<GradSync> sync_;  // data parallel: the bucketed, overlapped all-reduce
   TrainState state_;
   std::deque<Pending> pending_;
+  // GPU runs: recorded before the last backward of a step. The next step waits for it (with a
+  // sleep) before it launches anything, so the host stays less than a step ahead instead of
+  // spinning in the driver on a full launch queue.
+  std::optional<c10::Event> launch_gate_;
   bool stop_agreed_ = false;
   int64_t last_saved_step_ = -1;
 };
