@@ -89,6 +89,8 @@ void add_eval_command(CLI::App& app) {
                   "(default: 1e-4 in fp32, 0.25 in bf16)");
   cmd->add_option("--device", o->device, "auto (cuda:LOCAL_RANK or cpu), cuda:N or cpu")
       ->capture_default_str();
+  cmd->add_flag("!--no-cuda-graph", o->eval.cuda_graph,
+                "run the decode step and the verify pass without CUDA graphs");
   cmd->add_flag("--json", o->json, "print the report as JSON");
   cmd->callback([o] { run_eval(*o); });
 }

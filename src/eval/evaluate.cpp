@@ -220,6 +220,7 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
       g.stop_tokens = options_.stop_tokens;
       g.slots = options_.slots;
       g.context = context;
+      g.cuda_graph = options_.cuda_graph;
       Generator generator(target, g);
       std::vector<Completion> answers;
       add_stats(f.target,
@@ -263,6 +264,7 @@ EvalReport Evaluator::evaluate(DraftSource& drafter) const {
       o.stop_tokens = options_.stop_tokens;
       o.slots = options_.slots;
       o.context = f.contexts[k];
+      o.cuda_graph = options_.cuda_graph;
       SpeculativeDecoder decoder(target_, drafter, o);
       std::vector<std::vector<int64_t>> prompts;
       for (const Turn& t : round) prompts.push_back(t.tokens);

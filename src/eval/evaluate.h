@@ -45,6 +45,7 @@ struct EvalOptions {
   int64_t block_size = 0;        // drafted block; 0: the drafter's own
   bool enable_thinking = false;  // Qwen3's switch in the generation prompt
   std::vector<int64_t> stop_tokens;
+  bool cuda_graph = true;  // target-only decode step and speculative verify pass, where possible
   // A divergence where the target's logits for its own token and the speculative one differ
   // by at most this much (at the first differing position, from a full forward) is counted as
   // a numerical tie, not a mismatch: verifying 16 tokens at once and decoding one at a time

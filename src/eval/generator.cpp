@@ -61,10 +61,6 @@ struct Report {
   std::optional<at::cuda::CUDAEvent> event;
 };
 
-bool graph_capable(const models::TargetModel& model) {
-  return model.device().is_cuda() && (model.dtype() == at::kBFloat16 || model.dtype() == at::kHalf);
-}
-
 int64_t resolve_context(const models::TargetModel& model, const GenerationOptions& o) {
   const int64_t context = o.context > 0 ? o.context : model.config().max_position_embeddings;
   if (context <= 1) fail("generation: the context limit must exceed 1 token, got {}", context);
@@ -72,6 +68,29 @@ int64_t resolve_context(const models::TargetModel& model, const GenerationOption
 }
 
 }  // namespace
+
+bool cuda_graph_capable(const models::TargetModel& model) {
+  return model.device().is_cuda() && (model.dtype() == at::kBFloat16 || model.dtype() == at::kHalf);
+}
+
+void capture_cuda_graph(at::cuda::CUDAGraph& graph, at::Device device,
+                        const std::function<void()>& forward, const std::function<void()>& reset) {
+  c10::cuda::CUDAGuard device_guard(device);
+  c10::cuda::device_synchronize();
+  auto stream = c10::cuda::getStreamFromPool(false, device.index());
+  {
+    c10::cuda::CUDAStreamGuard stream_guard(stream);
+    for (int i = 0; i < 2; ++i) {
+      forward();
+      reset();
+    }
+    graph.capture_begin();
+    forward();
+    graph.capture_end();
+    reset();
+  }
+  stream.synchronize();
+}
 
 Generator::Generator(const models::TargetModel& model, GenerationOptions options)
     : model_(model),
@@ -85,7 +104,7 @@ Generator::Generator(const models::TargetModel& model, GenerationOptions options
   options_.context = cache_.capacity();
   current_ =
       at::zeros({options_.slots}, at::TensorOptions().dtype(at::kLong).device(model.device()));
-  if (options_.cuda_graph && graph_capable(model_)) capture_graph();
+  if (options_.cuda_graph && cuda_graph_capable(model_)) capture_graph();
 }
 
 void Generator::capture_graph() {
@@ -97,24 +116,12 @@ void Generator::capture_graph() {
   g->batch.max_seen = cache_.capacity();  // the kernel's bound for any length replayed later
   g->base_rows = g->batch.rows.clone();
   const ForwardRequest request{{}, Logits::kAll};
-  const at::Device device = model_.device();
-  c10::cuda::CUDAGuard device_guard(device);
-  // Captured on a side stream (capture is illegal on the legacy default stream), after
-  // warm-up runs that create cuBLAS handles and workspaces outside the capture.
-  c10::cuda::device_synchronize();
-  auto stream = c10::cuda::getStreamFromPool(false, device.index());
-  {
-    c10::cuda::CUDAStreamGuard stream_guard(stream);
-    for (int i = 0; i < 2; ++i) {
-      model_.forward_cached(current_, g->batch, cache_, request);
-      for (int64_t s = 0; s < n; ++s) cache_.reset(s);
-    }
-    g->graph.capture_begin();
-    g->logits = model_.forward_cached(current_, g->batch, cache_, request).logits;
-    g->graph.capture_end();
-    for (int64_t s = 0; s < n; ++s) cache_.reset(s);
-  }
-  stream.synchronize();
+  capture_cuda_graph(
+      g->graph, model_.device(),
+      [&] { g->logits = model_.forward_cached(current_, g->batch, cache_, request).logits; },
+      [&] {
+        for (int64_t s = 0; s < n; ++s) cache_.reset(s);
+      });
   graph_ = std::move(g);
 }
 

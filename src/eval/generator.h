@@ -17,6 +17,10 @@
 #include "eval/sampling.h"
 #include "models/target.h"
 
+namespace at::cuda {
+struct CUDAGraph;
+}  // namespace at::cuda
+
 namespace dflash::eval {
 
 struct GenerationOptions {
@@ -50,6 +54,17 @@ struct GenerationStats {
   int64_t prefill_forwards = 0;
   double seconds = 0;
 };
+
+// Whether `model`'s cached forward can be captured in a CUDA graph (CUDA in bf16/fp16: the
+// flash paths, whose shapes do not depend on the cache lengths).
+bool cuda_graph_capable(const models::TargetModel& model);
+
+// Captures `forward` into `graph` on a side stream of `device` (capture is illegal on the
+// legacy default stream), after two warm-up runs outside the capture that create cuBLAS
+// handles and workspaces. `reset` runs after each of the three runs, to undo the forward's
+// host-side effects (cache lengths).
+void capture_cuda_graph(at::cuda::CUDAGraph& graph, at::Device device,
+                        const std::function<void()>& forward, const std::function<void()>& reset);
 
 // Feeds `prompts` as requests 0, 1, ... to `run(next, done)` (Generator::run,
 // SpeculativeDecoder::run), puts their completions into `out` in input order and returns what

@@ -1,9 +1,12 @@
 #include "eval/speculative.h"
 
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <chrono>
+#include <numeric>
 
 #include "common/error.h"
 
@@ -70,12 +73,27 @@ int64_t resolve_context(const models::TargetModel& target, const SpeculativeOpti
 
 }  // namespace
 
+// The verify pass over every slot, captured once: each slot runs a whole block. Its inputs are
+// static tensors rewritten in place before each replay (the block tokens and the batch's
+// positions, cache rows and seen keys); idle slots ride along at position 0 of their own rows,
+// which nothing reads before the slot's next prefill overwrites them.
+struct SpeculativeDecoder::Graph {
+  at::cuda::CUDAGraph graph;
+  AppendBatch batch;             // all slots, B tokens each; max_seen = the cache capacity
+  at::Tensor base_rows;          // int64 [slots*B]: slot * capacity
+  at::Tensor offsets;            // int64 [slots*B]: 0..B-1 for each slot
+  at::Tensor tokens;             // int64 [slots*B]: the input, [last token, drafts] per slot
+  at::Tensor choices;            // int64 [slots*B]: the target's argmax after each block token
+  std::vector<at::Tensor> taps;  // [slots*B, H] each: the drafter's tapped layers
+};
+
 SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftSource& drafter,
                                        SpeculativeOptions options)
     : target_(target),
       drafter_(drafter),
       options_(std::move(options)),
-      cache_(target.config(), options_.slots, resolve_context(target, options_), target.device(),
+      cache_(target.config(), options_.slots,
+             resolve_context(target, options_) + drafter.block_size(), target.device(),
              target.dtype()) {
   if (options_.max_new_tokens <= 0) {
     fail("speculative: --max-new-tokens must be positive, got {}", options_.max_new_tokens);
@@ -83,8 +101,35 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
   if (drafter_.block_size() < 2) {
     fail("speculative: block size must be at least 2, got {}", drafter_.block_size());
   }
-  options_.context = cache_.capacity();
+  options_.context = resolve_context(target, options_);
   drafter_.start(options_.slots, options_.context);
+  if (options_.cuda_graph && cuda_graph_capable(target_)) capture_graph();
+}
+
+void SpeculativeDecoder::capture_graph() {
+  const int64_t n = cache_.slots(), bs = drafter_.block_size();
+  auto g = std::make_shared<Graph>();
+  std::vector<int64_t> all(n);
+  std::iota(all.begin(), all.end(), 0);
+  g->batch = AppendBatch::make(cache_, all, std::vector<int64_t>(n, bs));
+  g->batch.max_seen = cache_.capacity();  // the kernel's bound for any length replayed later
+  // Captured with every slot empty: positions are the offsets in the block, rows the slot's
+  // first rows plus those.
+  g->offsets = g->batch.positions.clone();
+  g->base_rows = g->batch.rows - g->offsets;
+  g->tokens = at::zeros({n * bs}, g->offsets.options());
+  const models::ForwardRequest request{drafter_.tap_layers(), Logits::kAll};
+  capture_cuda_graph(
+      g->graph, target_.device(),
+      [&] {
+        auto out = target_.forward_cached(g->tokens, g->batch, cache_, request);
+        g->choices = out.logits.argmax(-1);
+        g->taps = out.taps;
+      },
+      [&] {
+        for (int64_t s = 0; s < n; ++s) cache_.reset(s);
+      });
+  graph_ = std::move(g);
 }
 
 namespace {
@@ -102,9 +147,13 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
                                          const Generator::DoneFn& done) {
   c10::NoGradGuard no_grad;
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t n_slots = cache_.slots(), context = cache_.capacity();
+  const int64_t n_slots = cache_.slots(), context = options_.context;
   const int64_t bs = drafter_.block_size();
   const at::Device device = target_.device();
+  // The graph replays on the current device's stream: make it the model's (a rank's
+  // cuda:LOCAL_RANK need not be current).
+  std::optional<c10::cuda::CUDAGuard> device_guard;
+  if (device.is_cuda()) device_guard.emplace(device);
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   const std::vector<int64_t> taps = drafter_.tap_layers();
   std::vector<Slot> slots(n_slots);
@@ -212,6 +261,72 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     return took;
   };
 
+  // One verify pass: host copies of the block tokens and the target's choice after each, the
+  // taps, and where each active slot's block sits among them.
+  struct Verified {
+    std::vector<int64_t> tokens, choices;
+    std::vector<int64_t> offsets, counts, starts;  // per active slot
+    std::vector<at::Tensor> taps;
+  };
+  // Eager: one packed forward over the active slots, each block cut to what its limits still
+  // allow.
+  auto verify_eager = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
+    const auto drafts = to_host(drafter_.draft(active, last));  // [n, B-1] row-major
+    Verified v;
+    for (size_t i = 0; i < active.size(); ++i) {
+      const Slot& s = slots[active[i]];
+      const int64_t generated = static_cast<int64_t>(s.completion.tokens.size());
+      const int64_t room =
+          std::min(context - static_cast<int64_t>(s.request.prompt.size()) - generated,
+                   options_.max_new_tokens - generated);
+      const int64_t b = std::min(bs, room);
+      v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
+      v.counts.push_back(b);
+      v.tokens.push_back(s.last);
+      v.tokens.insert(v.tokens.end(), drafts.begin() + i * (bs - 1),
+                      drafts.begin() + i * (bs - 1) + (b - 1));
+    }
+    auto batch = AppendBatch::make(cache_, active, v.counts);
+    v.starts = batch.starts;
+    auto out = target_.forward_cached(upload(at::tensor(v.tokens, long_opts)), batch, cache_,
+                                      {taps, Logits::kAll});
+    v.choices = to_host(out.logits.argmax(-1));
+    v.taps = std::move(out.taps);
+    return v;
+  };
+  // The captured pass: every slot runs a whole block (commits still stop at the limits); the
+  // drafts go into the graph's input on the device, and one copy brings tokens and choices
+  // back. The replay leaves the cache's host lengths as they were.
+  auto verify_graph = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
+    Graph& g = *graph_;
+    auto drafts = drafter_.draft(active, last).to(device, at::kLong);
+    std::vector<int64_t> starts(n_slots, 0), lasts(n_slots, 0);
+    for (size_t i = 0; i < active.size(); ++i) {
+      starts[active[i]] = cache_.length(active[i]);
+      lasts[active[i]] = last[i];
+    }
+    auto starts_dev = upload(at::tensor(starts, long_opts));
+    auto positions = starts_dev.repeat_interleave(bs) + g.offsets;
+    g.batch.positions.copy_(positions);
+    at::add_out(g.batch.rows, g.base_rows, positions);
+    g.batch.seen.copy_(starts_dev + bs);
+    auto block = g.tokens.view({n_slots, bs});
+    block.select(1, 0).copy_(upload(at::tensor(lasts, long_opts)));
+    block.narrow(1, 1, bs - 1).index_copy_(0, upload(at::tensor(active, long_opts)), drafts);
+    g.graph.replay();
+    const auto both = to_host(at::cat({g.tokens, g.choices}));
+    Verified v;
+    v.tokens.assign(both.begin(), both.begin() + n_slots * bs);
+    v.choices.assign(both.begin() + n_slots * bs, both.end());
+    for (int64_t slot : active) {
+      v.offsets.push_back(slot * bs);
+      v.counts.push_back(bs);
+      v.starts.push_back(starts[slot]);
+    }
+    v.taps = g.taps;
+    return v;
+  };
+
   // One draft and one verify pass for every occupied slot.
   auto step = [&]() {
     std::vector<int64_t> active, last;
@@ -222,35 +337,15 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
       }
     }
     if (active.empty()) return false;
-    const auto drafts = to_host(drafter_.draft(active, last));  // [n, B-1] row-major
-    std::vector<int64_t> counts, tokens;
-    for (size_t i = 0; i < active.size(); ++i) {
-      const Slot& s = slots[active[i]];
-      const int64_t total =
-          static_cast<int64_t>(s.request.prompt.size() + s.completion.tokens.size());
-      // The block may commit at most as many tokens as the limits still allow.
-      const int64_t room =
-          std::min(context - total,
-                   options_.max_new_tokens - static_cast<int64_t>(s.completion.tokens.size()));
-      const int64_t b = std::min(bs, room);
-      counts.push_back(b);
-      tokens.push_back(s.last);
-      tokens.insert(tokens.end(), drafts.begin() + i * (bs - 1),
-                    drafts.begin() + i * (bs - 1) + (b - 1));
-    }
-    auto batch = AppendBatch::make(cache_, active, counts);
-    auto out = target_.forward_cached(upload(at::tensor(tokens, long_opts)), batch, cache_,
-                                      {taps, Logits::kAll});
-    const auto choices = to_host(out.logits.argmax(-1));
+    const Verified v = graph_ ? verify_graph(active, last) : verify_eager(active, last);
     std::vector<int64_t> extend_slots, feature_rows;
     std::vector<std::span<const int64_t>> extend_tokens;
-    int64_t offset = 0;
     for (size_t i = 0; i < active.size(); ++i) {
-      const int64_t slot = active[i], b = counts[i], start = batch.starts[i];
-      // tokens[offset + j] is the block's token j; choices[offset + j] the target's token
+      const int64_t slot = active[i], offset = v.offsets[i], b = v.counts[i];
+      // v.tokens[offset + j] is the block's token j; v.choices[offset + j] the target's token
       // after it. Draft j+1 is accepted while it equals the target's choice after token j.
       int64_t accepted = 0;
-      while (accepted < b - 1 && tokens[offset + accepted + 1] == choices[offset + accepted]) {
+      while (accepted < b - 1 && v.tokens[offset + accepted + 1] == v.choices[offset + accepted]) {
         ++accepted;
       }
       ++stats.verify_steps;
@@ -258,22 +353,22 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
       int64_t committed = 0;
       bool going = true;
       for (int64_t j = 0; j <= accepted && going; ++j) {
-        going = commit(s, choices[offset + j]);
+        going = commit(s, v.choices[offset + j]);
         ++committed;
       }
       ++stats.committed[committed];
       if (going) {
-        // The target ran the block's token and its accepted drafts; those are committed,
-        // and their features are the drafter's new context.
-        cache_.crop(slot, start + accepted + 1);
+        // The target ran the block's token and its accepted drafts with the right inputs:
+        // the cache keeps those, and their features are the drafter's new context.
+        cache_.crop(slot, std::min(cache_.length(slot), v.starts[i]));
+        cache_.extend(slot, accepted + 1);
         extend_slots.push_back(slot);
-        extend_tokens.emplace_back(tokens.data() + offset, accepted + 1);
+        extend_tokens.emplace_back(v.tokens.data() + offset, accepted + 1);
         for (int64_t j = 0; j <= accepted; ++j) feature_rows.push_back(offset + j);
       }
-      offset += b;
     }
     if (!extend_slots.empty()) {
-      drafter_.extend(extend_slots, extend_tokens, features_at(out.taps, feature_rows));
+      drafter_.extend(extend_slots, extend_tokens, features_at(v.taps, feature_rows));
     }
     return true;
   };

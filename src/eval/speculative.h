@@ -6,11 +6,14 @@
 // cache is cropped to the tokens it ran that were committed, and their tapped features extend
 // the drafter's context. Many slots step together, each with its own acceptance, and a slot is
 // refilled from the queue when its sequence finishes. The output is, token for token, the
-// target's own greedy output (Generator with greedy sampling).
+// target's own greedy output (Generator with greedy sampling). On CUDA in bf16/fp16 the verify
+// pass over all slots is one captured CUDA graph (every slot verifies a full block; the drafts
+// go from the drafter to the graph's input without a host round trip).
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -69,6 +72,7 @@ struct SpeculativeOptions {
   int64_t slots = 1;                 // sequences decoded together
   int64_t context = 0;             // prompt + generated tokens at most; 0: max_position_embeddings
   int64_t prefill_tokens = 16384;  // prompt tokens per prefill forward (one prompt at least)
+  bool cuda_graph = true;          // capture the verify pass where the device and dtype allow
 };
 
 struct SpeculativeStats {
@@ -103,12 +107,19 @@ class SpeculativeDecoder {
                                    SpeculativeStats* stats = nullptr);
 
   const SpeculativeOptions& options() const { return options_; }
+  bool uses_cuda_graph() const { return graph_ != nullptr; }
 
  private:
+  struct Graph;
+  void capture_graph();
+
   const models::TargetModel& target_;
   DraftSource& drafter_;
   SpeculativeOptions options_;
+  // Per slot: the context limit plus one block, so that a slot can always run a whole block
+  // (the graph's fixed shape) past its committed tokens.
   models::KVCache cache_;
+  std::shared_ptr<Graph> graph_;
 };
 
 }  // namespace dflash::eval
