@@ -227,7 +227,7 @@ std::vector<ToolCall> parse_tool_calls(const json& calls, size_t index) {
     if (args->is_string()) {
       try {
         parsed = json::parse(args->get_ref<const std::string&>());
-      } catch (const json::parse_error&) {
+      } catch (const json::exception&) {  // parse_error, or out_of_range for 1e999
         bad(fmt::format("message {} tool call {} arguments are not valid JSON", index, k));
       }
     }
@@ -249,7 +249,7 @@ Conversation parse_conversation(std::string_view line) {
   json j;
   try {
     j = json::parse(line);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
     bad(fmt::format("malformed JSON: {}", e.what()));
   }
   if (!j.is_object()) bad("a line must be a JSON object");

@@ -165,6 +165,14 @@ TEST(ChatParse, BadLinesSayWhy) {
             "message 0 content is not a string");
   EXPECT_EQ(reason(R"({"messages": [{"content": "x"}]})"), "message 0 has no \"role\"");
   EXPECT_EQ(reason("{\"messages\": \"\xC3(\"}"), "invalid UTF-8 at byte 14");
+  // nlohmann reports a number beyond double's range as out_of_range, not parse_error.
+  EXPECT_NE(reason(R"({"messages": [{"role": "user", "content": "q", "x": 2e999}]})")
+                .find("malformed JSON"),
+            std::string::npos);
+  EXPECT_NE(reason(R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant",
+      "content": null, "tool_calls": [{"function": {"name": "f", "arguments": "{\"x\": 1e999}"}}]}]})")
+                .find("arguments are not valid JSON"),
+            std::string::npos);
   EXPECT_EQ(reason(R"({"messages": [], "conversations": []})"),
             "has both \"messages\" and \"conversations\"");
   EXPECT_EQ(reason(R"({"conversations": [{"from": "human", "value": "q"},
