@@ -50,6 +50,19 @@ inline models::TargetModel peaked_target(const models::ModelConfig& config, at::
   return model;
 }
 
+// Prompts of the given lengths, token ids uniform below `vocab`, the same for a seed.
+inline std::vector<std::vector<int64_t>> random_prompts(int64_t vocab,
+                                                        const std::vector<int64_t>& lengths,
+                                                        uint64_t seed) {
+  auto gen = models::seeded_generator(at::kCPU, seed);
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t n : lengths) {
+    auto t = at::randint(vocab, {n}, gen, at::kLong);
+    out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
+  }
+  return out;
+}
+
 // Greedy decoding by re-running the whole sequence each step: stop tokens end a sequence (and
 // are not returned), at most max_new tokens, prompt + generated at most `context`.
 inline eval::Completion reference_greedy(const models::TargetModel& model,

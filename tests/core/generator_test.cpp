@@ -21,17 +21,6 @@ using eval::GenerationOptions;
 using eval::Generator;
 using models::Architecture;
 
-std::vector<std::vector<int64_t>> prompts(int64_t vocab, const std::vector<int64_t>& lengths,
-                                          uint64_t seed) {
-  auto gen = models::seeded_generator(at::kCPU, seed);
-  std::vector<std::vector<int64_t>> out;
-  for (int64_t n : lengths) {
-    auto t = at::randint(vocab, {n}, gen, at::kLong);
-    out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
-  }
-  return out;
-}
-
 class GeneratorGreedy : public ::testing::TestWithParam<Architecture> {};
 
 TEST_P(GeneratorGreedy, BatchedWithRefillMatchesPerPromptLoop) {
@@ -40,7 +29,7 @@ TEST_P(GeneratorGreedy, BatchedWithRefillMatchesPerPromptLoop) {
   // Lengths chosen so that slots free up at different steps: one prompt is cut by the
   // context limit, one cannot generate at all, and a stop token ends some sequences early.
   const int64_t context = 24, max_new = 9;
-  auto ps = prompts(config.vocab_size, {3, 7, 1, 20, 5, 24, 2, 11, 4}, 5);
+  auto ps = testing::random_prompts(config.vocab_size, {3, 7, 1, 20, 5, 24, 2, 11, 4}, 5);
   std::vector<Completion> free_run;
   for (const auto& p : ps) {
     free_run.push_back(testing::reference_greedy(model, p, max_new, {}, context));
@@ -155,7 +144,8 @@ class GeneratorSampling : public ::testing::Test {
   const models::ModelConfig config_ = testing::tiny_target_config(Architecture::kQwen3);
   // Flat logits (no peaking): sampling has many plausible tokens to choose from.
   models::TargetModel model_ = models::TargetModel::random(config_, at::kCPU, at::kFloat, 9);
-  std::vector<std::vector<int64_t>> prompts_ = prompts(config_.vocab_size, {4, 9, 2, 6, 3}, 11);
+  std::vector<std::vector<int64_t>> prompts_ =
+      testing::random_prompts(config_.vocab_size, {4, 9, 2, 6, 3}, 11);
 };
 
 TEST_F(GeneratorSampling, SeedReproducesWhateverTheBatch) {

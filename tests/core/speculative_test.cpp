@@ -39,13 +39,7 @@ models::TargetModel make_target(at::Device device = at::kCPU, at::ScalarType dty
 }
 
 std::vector<std::vector<int64_t>> make_prompts(const std::vector<int64_t>& lengths, uint64_t seed) {
-  auto gen = models::seeded_generator(at::kCPU, seed);
-  std::vector<std::vector<int64_t>> out;
-  for (int64_t n : lengths) {
-    auto t = at::randint(kVocab, {n}, gen, at::kLong);
-    out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
-  }
-  return out;
+  return testing::random_prompts(kVocab, lengths, seed);
 }
 
 std::vector<Completion> greedy(const models::TargetModel& target,
