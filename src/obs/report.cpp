@@ -99,7 +99,9 @@ json analyze_rank(int rank, const std::vector<json>& snaps) {
     const auto split = stage_delta(t["stages"], before ? &(*before)["stages"] : nullptr);
     json entry = {{"name", t["name"]}, {"tid", tid}, {"wall_s", wall}};
     entry["stages"] = shares(split, wall);
-    entry["attributed"] = wall > 0 ? 1.0 - split.at("unattributed") / wall : 0.0;
+    const auto outside = split.find("unattributed");
+    entry["attributed"] =
+        wall > 0 ? 1.0 - (outside == split.end() ? 0.0 : outside->second) / wall : 0.0;
     threads.push_back(std::move(entry));
   }
   // Every OS thread's CPU over the window.
