@@ -2,8 +2,8 @@
 # One device call's worth of work on the GPU machine: build, run every test (GPU tests
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
-# Stages: build test target load drafter decode spec train pipeline tokenizer (default: the
-# first five).
+# Stages: build test target load drafter decode spec train pipeline pretrain gsm8k tokenizer
+# (default: the first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/gpu-out}
@@ -109,6 +109,26 @@ if has pipeline; then
       --warmup 8 --json "$out/bench_2gpu_disaggregated.json" 2>&1 | grep -v "^train:" \
       | tee -a "$out/bench.txt"
   fi
+fi
+if has pretrain; then
+  # Training the target itself on CUDA: bf16 compute over fp32 masters against transformers'
+  # gradients (fixture: pretrain), then a short `dflash pretrain` on GSM8K (.deps/gsm8k, copied
+  # there by hand from ../shared/data/gsm8k) for its speed.
+  step pretrain
+  "$build/tests/dflash_core_tests" --gtest_filter='*Pretrain*' > "$out/pretrain_tests.log" 2>&1
+  echo "pretrain tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/pretrain_tests.log" | tail -6
+  "$dflash" pretrain --data "$root/.deps/gsm8k/train.jsonl" --eval-data "$root/.deps/gsm8k/test.jsonl" \
+    --out /tmp/pretrain-speed --layers 10 --hidden 384 --heads 6 --kv-heads 2 --ffn 1024 \
+    --steps 200 --batch-size 64 --lr 2e-3 --log-seconds 5 2>&1 | tee "$out/pretrain_speed.txt"
+fi
+if has gsm8k; then
+  # The end-to-end run on real text (examples/gsm8k/run.sh --full, docs/EXAMPLE_GSM8K.md).
+  step gsm8k
+  bash "$root/examples/gsm8k/run.sh" --full --data "$root/.deps/gsm8k" --dflash "$dflash" \
+    --out /tmp/gsm8k-full > "$out/gsm8k_full.log" 2>&1
+  echo "gsm8k exit $?"; grep -E "^(gsm8k|=== )" "$out/gsm8k_full.log"
+  cp /tmp/gsm8k-full/summary.json "$out/gsm8k_summary.json" 2>/dev/null
+  for f in pretrain generate train; do cp "/tmp/gsm8k-full/$f.log" "$out/gsm8k_$f.log" 2>/dev/null; done
 fi
 if has tokenizer && [ -d "$root/.deps/bench" ]; then
   # Tokenizer throughput on a quiet many-core machine: the fixture tokenizers and GSM8K text

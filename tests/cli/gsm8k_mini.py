@@ -1,0 +1,35 @@
+"""The end-to-end GSM8K run in miniature (examples/gsm8k/run.sh --mini): a target trained by
+`dflash pretrain` on GSM8K, its greedy answers, a drafter trained on them, and speculative
+decoding on held-out GSM8K test questions. Asserts tau >= 1.5 and speculative output ==
+target greedy output on every question (eval itself fails on a mismatch).
+
+Usage: gsm8k_mini.py DFLASH_BINARY   (GSM8K from ../shared/data/gsm8k, as run.sh finds it)
+"""
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "gsm8k-mini"
+        r = subprocess.run(["bash", str(ROOT / "examples" / "gsm8k" / "run.sh"), "--mini",
+                            "--dflash", sys.argv[1], "--out", str(out)])
+        if r.returncode != 0:
+            sys.exit(f"FAILED: run.sh --mini exited {r.returncode}")
+        summary = json.loads((out / "summary.json").read_text())
+        f = summary["eval"]["files"][0]
+        print(f"tau {f['tau']:.3f} on {f['prompts']} held-out questions, {f['mismatches']} "
+              f"mismatches, total {summary['total_seconds']:.0f} s")
+        if f["mismatches"] != 0 or summary["eval"]["mismatches"] != 0:
+            sys.exit("FAILED: speculative output differs from the target's greedy output")
+        if f["tau"] < 1.5:
+            sys.exit(f"FAILED: tau {f['tau']:.3f} < 1.5")
+
+
+if __name__ == "__main__":
+    main()
