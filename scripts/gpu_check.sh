@@ -115,6 +115,8 @@ if has pretrain; then
   # gradients (fixture: pretrain), then a short `dflash pretrain` on GSM8K (.deps/gsm8k, copied
   # there by hand from ../shared/data/gsm8k) for its speed.
   step pretrain
+  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only pretrain \
+    > "$out/fixtures_pretrain.log" 2>&1 || tail -20 "$out/fixtures_pretrain.log"
   "$build/tests/dflash_core_tests" --gtest_filter='*Pretrain*' > "$out/pretrain_tests.log" 2>&1
   echo "pretrain tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/pretrain_tests.log" | tail -6
   "$dflash" pretrain --data "$root/.deps/gsm8k/train.jsonl" --eval-data "$root/.deps/gsm8k/test.jsonl" \
@@ -123,12 +125,16 @@ if has pretrain; then
 fi
 if has gsm8k; then
   # The end-to-end run on real text (examples/gsm8k/run.sh --full, docs/EXAMPLE_GSM8K.md).
+  # GSM8K_STAGES splits it over device calls (runs/ stays on a warm machine), e.g.
+  # GSM8K_STAGES=pretrain,generate then GSM8K_STAGES=prepare,train,eval.
   step gsm8k
   bash "$root/examples/gsm8k/run.sh" --full --data "$root/.deps/gsm8k" --dflash "$dflash" \
-    --out /tmp/gsm8k-full > "$out/gsm8k_full.log" 2>&1
+    --out "$root/runs/gsm8k-full" --stages "${GSM8K_STAGES:-pretrain,generate,prepare,train,eval}" \
+    > "$out/gsm8k_full.log" 2>&1
   echo "gsm8k exit $?"; grep -E "^(gsm8k|=== )" "$out/gsm8k_full.log"
-  cp /tmp/gsm8k-full/summary.json "$out/gsm8k_summary.json" 2>/dev/null
-  for f in pretrain generate train; do cp "/tmp/gsm8k-full/$f.log" "$out/gsm8k_$f.log" 2>/dev/null; done
+  for f in summary.json eval.json seconds.txt pretrain.log generate.log train.log; do
+    cp "$root/runs/gsm8k-full/$f" "$out/gsm8k_$f" 2>/dev/null
+  done
 fi
 if has tokenizer && [ -d "$root/.deps/bench" ]; then
   # Tokenizer throughput on a quiet many-core machine: the fixture tokenizers and GSM8K text

@@ -6,16 +6,20 @@
 # (`dflash eval`, which also checks that the output is the target's own greedy output).
 #
 # Usage: examples/gsm8k/run.sh [--mini | --full] [--data DIR] [--out DIR] [--dflash BINARY]
+#                               [--stages LIST]
 #   --mini (default)  CPU: a 1.4M-parameter target, part of the data (2-core machine)
 #   --full            one GPU: a 16.5M-parameter target on all of GSM8K, 500 held-out questions
 #   --data DIR        holds GSM8K train.jsonl and test.jsonl (default: ../shared/data/gsm8k)
-#   --out DIR         work directory (default: runs/gsm8k-MODE); a rerun starts afresh
+#   --out DIR         work directory (default: runs/gsm8k-MODE); pretrain starts it afresh
 #   --dflash BINARY   default: $BUILD_DIR/src/dflash, else build/src/dflash
+#   --stages LIST     a comma-separated part of pretrain,generate,prepare,train,eval (default:
+#                     all), to split the run over several calls with the same --out
 # Prints each stage's wall time, the target's validation loss and tau; writes OUT/summary.json.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 mode=mini
+stages=pretrain,generate,prepare,train,eval
 data=""
 out=""
 dflash=${BUILD_DIR:-$root/build}/src/dflash
@@ -26,7 +30,8 @@ while [ $# -gt 0 ]; do
     --data) data=$2; shift ;;
     --out) out=$2; shift ;;
     --dflash) dflash=$2; shift ;;
-    *) sed -n '8,15p' "$0"; exit 2 ;;
+    --stages) stages=$2; shift ;;
+    *) sed -n '8,18p' "$0"; exit 2 ;;
   esac
   shift
 done
@@ -40,7 +45,11 @@ if [ ! -f "$data/train.jsonl" ] || [ ! -f "$data/test.jsonl" ]; then
   exit 1
 fi
 out=${out:-$root/runs/gsm8k-$mode}
-rm -rf "$out"
+has() { [[ ",$stages," == *",$1,"* ]]; }
+# A stage starts from nothing (generate resumes by itself: it skips the lines it has written).
+if has pretrain; then rm -rf "$out"; fi
+if has prepare; then rm -rf "$out/data"; fi
+if has train; then rm -rf "$out/drafter"; fi
 mkdir -p "$out"
 
 if [ "$mode" = mini ]; then
@@ -74,14 +83,16 @@ else
   cp "$data/train.jsonl" "$out/questions.jsonl"
 fi
 
-times=()
-stage() {  # stage NAME command...: runs it (output also in OUT/NAME.log) and times it
+stage() {  # stage NAME command...: runs it if asked for (output in OUT/NAME.log), timed
   local name=$1 start=$EPOCHREALTIME
   shift
+  has "$name" || return 0
   echo "=== $name: $*"
   "$@" 2>&1 | tee "$out/$name.log"
-  times+=("$name=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')")
-  echo "=== $name: ${times[-1]#*=} s"
+  local s
+  s=$(awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+  echo "$name=$s" >> "$out/seconds.txt"
+  echo "=== $name: $s s"
 }
 
 stage pretrain "$dflash" pretrain --data "$data/train.jsonl" --eval-data "$data/test.jsonl" \
@@ -96,12 +107,16 @@ stage train "$dflash" train --target "$out/target" --data "$out/data" --out "$ou
 eval_json() { "$dflash" eval --json "$@" > "$out/eval.json"; }
 stage eval eval_json --target "$out/target" --drafter "$out/drafter" \
   --prompts "$out/heldout.jsonl" --enable-thinking false --device "$device" "${eval[@]}"
+has eval || exit 0
 "$dflash" export "$out/drafter" "$out/export"
 
-python3 - "$out" "$mode" "${times[@]}" <<'PY'
+python3 - "$out" "$mode" <<'PY'
 import json, pathlib, sys
 out, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
-seconds = {k: float(v) for k, v in (a.split("=") for a in sys.argv[3:])}
+seconds = {}
+for line in (out / "seconds.txt").read_text().split():
+    name, value = line.split("=")
+    seconds[name] = float(value)
 target = json.loads((out / "target" / "pretrain.json").read_text())
 report = json.loads((out / "eval.json").read_text())
 f = report["files"][0]
