@@ -496,16 +496,11 @@ Recent recent() {
       poll_gpu(g, r.options);
       poll_nvml(r);
       const auto n = r.nvml_samples - r.recent_nvml_samples;
-      double wall = 0;
-      for (size_t i = 0; i < kNumStages; ++i) {
-        delta[i] = g.total_ms[i] - r.recent_gpu_ms[i];
-        wall += delta[i];
-      }
+      for (size_t i = 0; i < kNumStages; ++i) delta[i] = g.total_ms[i] - r.recent_gpu_ms[i];
       if (n > 0) out.gpu_busy = (r.nvml_sum - r.recent_nvml_sum) / static_cast<double>(n);
       r.recent_nvml_sum = r.nvml_sum;
       r.recent_nvml_samples = r.nvml_samples;
       r.recent_gpu_ms = g.total_ms;
-      (void)wall;
     }
   }
   if (std::all_of(delta.begin(), delta.end(), [](double d) { return d <= 0; })) {

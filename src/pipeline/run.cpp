@@ -21,6 +21,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "common/json_file.h"
+#include "common/progress_text.h"
 #include "dist/comm.h"
 #include "dist/world.h"
 #include "models/drafter.h"
@@ -50,19 +51,6 @@ constexpr double kH200BF16 = 792e12;
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-std::string clock_text(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  auto s = static_cast<long>(seconds + 0.5);
-  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
-                   : fmt::format("{}:{:02}", s / 60, s % 60);
-}
-
-std::string rate_text(double x) {
-  if (x >= 1e6) return fmt::format("{:.2f}M", x / 1e6);
-  if (x >= 1e3) return fmt::format("{:.1f}K", x / 1e3);
-  return fmt::format("{:.1f}", x);
 }
 
 at::ScalarType parse_dtype(const std::string& name, const at::Device& device) {
