@@ -5,14 +5,28 @@
 #include <c10/core/GradMode.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <tuple>
+
 #include "common/error.h"
 #include "io/safetensors.h"
+#include "kernels/decode_ops.h"
 #include "kernels/rotary.h"
+#include "kernels/small_linear.h"
 
 namespace dflash::models {
 namespace {
 
 std::string layer_prefix(int64_t i) { return fmt::format("model.layers.{}.", i); }
+
+// Whether `rows` rows of x take the decode step's kernels: they read each weight once at
+// memory bandwidth where cuBLAS tiles for many rows, and fuse the launches ATen makes one per
+// op. Training, prefill and verify (more rows) and fp32 (the parity paths) keep ATen.
+bool decode_kernels(const at::Tensor& x, int64_t rows) {
+  return x.is_cuda() && !c10::GradMode::is_enabled() &&
+         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
+         rows <= kernels::kSmallLinearMaxRows;
+}
 
 // Every tensor a config implies, with its expected shape, in Hugging Face naming.
 std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& c) {
@@ -142,31 +156,55 @@ at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
 }
 
 at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const {
+  const int64_t rows = hidden.numel() / std::max<int64_t>(hidden.size(-1), 1);
+  if (decode_kernels(hidden, rows)) return kernels::small_linear(hidden, lm_head_);
   return at::linear(hidden, lm_head_);
 }
 
 template <class Attend>
-at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, const at::Tensor& x,
-                                      const at::Tensor& cos, const at::Tensor& sin,
-                                      Attend&& attend) const {
+at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
+                                      at::Tensor& pending, const at::Tensor& cos,
+                                      const at::Tensor& sin, bool fused, Attend&& attend) const {
   const ModelConfig& c = config_;
+  const double eps = c.rms_norm_eps;
   const int64_t t = x.size(0), d = c.head_dim;
   const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
-  auto h = rms_norm(x, w.input_norm, c.rms_norm_eps);
-  auto qkv = w.b_qkv.defined() ? at::linear(h, w.w_qkv, w.b_qkv) : at::linear(h, w.w_qkv);
-  auto q = qkv.narrow(1, 0, nq).view({t, c.num_heads, d});
-  auto k = qkv.narrow(1, nq, nkv).view({t, c.num_kv_heads, d});
-  auto v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
-  if (c.qk_norm) {
-    q = rms_norm(q, w.q_norm, c.rms_norm_eps);
-    k = rms_norm(k, w.k_norm, c.rms_norm_eps);
+  auto linear = [&](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias) {
+    if (fused) return kernels::small_linear(in, weight, bias);
+    return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);
+  };
+  at::Tensor h;
+  if (pending.defined()) {
+    auto r = kernels::add_rms_norm(x, pending, w.input_norm, eps);
+    x = r.sum;
+    h = r.normed;
+  } else {
+    h = rms_norm(x, w.input_norm, eps);
   }
-  q = kernels::rotary(q, cos, sin);
-  k = kernels::rotary(k, cos, sin);
+  auto qkv = linear(h, w.w_qkv, w.b_qkv);
+  auto v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
+  at::Tensor q, k;
+  if (fused && c.qk_norm) {
+    std::tie(q, k) = kernels::qk_norm_rotary(qkv, c.num_heads, c.num_kv_heads, w.q_norm, w.k_norm,
+                                             cos, sin, eps);
+  } else {
+    q = qkv.narrow(1, 0, nq).view({t, c.num_heads, d});
+    k = qkv.narrow(1, nq, nkv).view({t, c.num_kv_heads, d});
+    if (c.qk_norm) {
+      q = rms_norm(q, w.q_norm, eps);
+      k = rms_norm(k, w.k_norm, eps);
+    }
+    q = kernels::rotary(q, cos, sin);
+    k = kernels::rotary(k, cos, sin);
+  }
   auto attn = attend(q, k, v).reshape({t, nq});
-  auto x1 = x + at::linear(attn, w.w_o);
-  return x1 +
-         swiglu_mlp(rms_norm(x1, w.post_attention_norm, c.rms_norm_eps), w.w_gate_up, w.w_down);
+  if (!fused) {
+    auto x1 = x + at::linear(attn, w.w_o);
+    return x1 + swiglu_mlp(rms_norm(x1, w.post_attention_norm, eps), w.w_gate_up, w.w_down);
+  }
+  auto r = kernels::add_rms_norm(x, linear(attn, w.w_o, {}), w.post_attention_norm, eps);
+  pending = linear(kernels::silu_mul(linear(r.normed, w.w_gate_up, {})), w.w_down, {});
+  return r.sum;
 }
 
 template <class Attend>
@@ -184,22 +222,27 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
   result.taps.resize(request.tap_layers.size());
   auto x = embed(tokens);
   auto [cos, sin] = rotary_.tables(positions, x.scalar_type());
+  const bool fused = decode_kernels(x, x.size(0));
+  at::Tensor pending;  // fused: the last layer's MLP output, not yet added to x
   for (int64_t i = 0; i < config_.num_layers; ++i) {
-    x = decoder_layer(layers_[i], x, cos, sin,
+    x = decoder_layer(layers_[i], x, pending, cos, sin, fused,
                       [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                         return attend(i, q, k, v);
                       });
     // Holding x only where tapped lets every other layer's output be freed.
     for (size_t j = 0; j < request.tap_layers.size(); ++j) {
-      if (request.tap_layers[j] == i) result.taps[j] = x;
+      if (request.tap_layers[j] == i) result.taps[j] = pending.defined() ? x + pending : x;
     }
   }
   if (request.logits == Logits::kNone) return result;
   if (request.logits == Logits::kLast) {
     auto last = cu_seqlens.narrow(0, 1, cu_seqlens.size(0) - 1).to(at::kLong) - 1;
     x = x.index_select(0, last);
+    if (pending.defined()) pending = pending.index_select(0, last);
   }
-  result.logits = lm_head(rms_norm(x, norm_, config_.rms_norm_eps));
+  const double eps = config_.rms_norm_eps;
+  result.logits = lm_head(pending.defined() ? kernels::add_rms_norm(x, pending, norm_, eps).normed
+                                            : rms_norm(x, norm_, eps));
   return result;
 }
 

@@ -94,9 +94,16 @@ class TargetModel {
   ForwardResult run(const at::Tensor& tokens, const at::Tensor& positions,
                     const at::Tensor& cu_seqlens, const ForwardRequest& request,
                     Attend&& attend) const;
+  // One layer on the residual stream x, returning the stream after it. With `fused` (the
+  // decode step: no autograd, CUDA, half precision, at most kSmallLinearMaxRows tokens) it runs
+  // the kernels of kernels/small_linear.h and kernels/decode_ops.h and defers the MLP's
+  // residual add: `pending` holds the previous layer's MLP output not yet added to x
+  // (undefined before the first layer), which this layer adds while normalizing, and on return
+  // holds this layer's. Without `fused`, pending stays undefined.
   template <class Attend>
-  at::Tensor decoder_layer(const TargetLayerWeights& w, const at::Tensor& x, const at::Tensor& cos,
-                           const at::Tensor& sin, Attend&& attend) const;
+  at::Tensor decoder_layer(const TargetLayerWeights& w, at::Tensor x, at::Tensor& pending,
+                           const at::Tensor& cos, const at::Tensor& sin, bool fused,
+                           Attend&& attend) const;
 
   ModelConfig config_;
   Rotary rotary_;

@@ -1,0 +1,189 @@
+// add_rms_norm: a block per row; pass 1 writes the rounded sum and accumulates its squares,
+// pass 2 rereads the row it wrote (each thread its own elements) and scales it.
+// qk_norm_rotary: a warp per (token, head); each lane takes pairs (i, i + D/2), the warp sums
+// the squares, then each lane normalizes and rotates its pairs in fp32.
+// silu_mul: a thread per output element (8 per thread with 16-byte loads where aligned).
+// All compute in fp32.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+
+#include "kernels/float_cast.cuh"
+
+namespace dflash::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ y,
+                        const T* __restrict__ weight, T* __restrict__ sum, T* __restrict__ normed,
+                        int64_t h, float eps) {
+  const int64_t base = int64_t(blockIdx.x) * h;
+  float squares = 0.f;
+  for (int64_t i = threadIdx.x; i < h; i += kThreads) {
+    const T s = from_float<T>(to_float(x[base + i]) + to_float(y[base + i]));
+    sum[base + i] = s;
+    const float f = to_float(s);
+    squares = fmaf(f, f, squares);
+  }
+  __shared__ float warps[kThreads / 32];
+  squares = warp_sum(squares);
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = squares;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int j = 0; j < kThreads / 32; ++j) total += warps[j];
+  const float rstd = rsqrtf(total / static_cast<float>(h) + eps);
+  for (int64_t i = threadIdx.x; i < h; i += kThreads) {
+    normed[base + i] = from_float<T>(to_float(sum[base + i]) * rstd * to_float(weight[i]));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    qk_norm_rotary_kernel(const T* __restrict__ qkv, int64_t ld, const T* __restrict__ q_norm,
+                          const T* __restrict__ k_norm, const T* __restrict__ cos,
+                          const T* __restrict__ sin, T* __restrict__ q, T* __restrict__ k,
+                          int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, float eps) {
+  const int64_t heads = q_heads + kv_heads, half = d / 2;
+  const int lane = threadIdx.x % 32;
+  // Items are whole warps (the stride too), so every shuffle runs with all 32 lanes.
+  for (int64_t item = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32; item < tokens * heads;
+       item += int64_t(gridDim.x) * (kThreads / 32)) {
+    const int64_t t = item / heads, head = item % heads;
+    const bool is_q = head < q_heads;
+    const T* in = qkv + t * ld + head * d;
+    const T* w = is_q ? q_norm : k_norm;
+    T* out = is_q ? q + (t * q_heads + head) * d : k + (t * kv_heads + head - q_heads) * d;
+    float squares = 0.f;
+    for (int64_t i = lane; i < d; i += 32) {
+      const float v = to_float(in[i]);
+      squares = fmaf(v, v, squares);
+    }
+    const float rstd = rsqrtf(warp_sum(squares) / static_cast<float>(d) + eps);
+    const T* c = cos + t * d;
+    const T* s = sin + t * d;
+    for (int64_t i = lane; i < half; i += 32) {
+      const float lo = to_float(in[i]) * rstd * to_float(w[i]);
+      const float hi = to_float(in[i + half]) * rstd * to_float(w[i + half]);
+      out[i] = from_float<T>(lo * to_float(c[i]) - hi * to_float(s[i]));
+      out[i + half] = from_float<T>(hi * to_float(c[i + half]) + lo * to_float(s[i + half]));
+    }
+  }
+}
+
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+// kVec outputs per thread: out[t, j..j+kVec) from gate_up[t, j..] and gate_up[t, f + j..].
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    silu_mul_kernel(const T* __restrict__ gate_up, T* __restrict__ out, int64_t tokens, int64_t f) {
+  const int64_t per_row = f / kVec;
+  const int64_t n = tokens * per_row;
+  for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < n;
+       idx += int64_t(gridDim.x) * kThreads) {
+    const int64_t t = idx / per_row, j = (idx % per_row) * kVec;
+    const T* g = gate_up + t * 2 * f + j;
+    T* o = out + t * f + j;
+    if constexpr (kVec == 1) {
+      o[0] = from_float<T>(silu_times(to_float(g[0]), to_float(g[f])));
+    } else {
+      struct alignas(16) Pack {
+        T v[kVec];
+      };
+      const Pack gv = *reinterpret_cast<const Pack*>(g);
+      const Pack uv = *reinterpret_cast<const Pack*>(g + f);
+      Pack ov;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        ov.v[e] = from_float<T>(silu_times(to_float(gv.v[e]), to_float(uv.v[e])));
+      }
+      *reinterpret_cast<Pack*>(o) = ov;
+    }
+  }
+}
+
+unsigned grid_for(int64_t threads_needed) {
+  return static_cast<unsigned>(
+      std::min<int64_t>((threads_needed + kThreads - 1) / kThreads, int64_t(65535) * 8));
+}
+
+template <typename T>
+const T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+template <typename T>
+T* mut(at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+template <typename F>
+void dispatch_half(c10::ScalarType dtype, const char* what, F&& f) {
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, what, ": bf16 or fp16 only");
+  dispatch_float(dtype, what, [&](auto tag) {
+    if constexpr (sizeof(tag) == 2) f(tag);
+  });
+}
+
+}  // namespace
+
+void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                       double eps, at::Tensor& sum, at::Tensor& normed) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream(x.device().index());
+  dispatch_half(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm_kernel<T><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
+        ptr<T>(x), ptr<T>(y), ptr<T>(weight), mut<T>(sum), mut<T>(normed), x.size(1),
+        static_cast<float>(eps));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                         const at::Tensor& cos, const at::Tensor& sin, double eps, at::Tensor& q,
+                         at::Tensor& k) {
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  const auto stream = at::cuda::getCurrentCUDAStream(qkv.device().index());
+  const int64_t tokens = q.size(0), q_heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
+  dispatch_half(qkv.scalar_type(), "qk_norm_rotary", [&](auto tag) {
+    using T = decltype(tag);
+    qk_norm_rotary_kernel<T><<<grid_for(tokens * (q_heads + kv_heads) * 32), kThreads, 0, stream>>>(
+        ptr<T>(qkv), qkv.stride(0), ptr<T>(q_norm), ptr<T>(k_norm), ptr<T>(cos), ptr<T>(sin),
+        mut<T>(q), mut<T>(k), tokens, q_heads, kv_heads, d, static_cast<float>(eps));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void silu_mul_cuda(const at::Tensor& gate_up, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto stream = at::cuda::getCurrentCUDAStream(gate_up.device().index());
+  const int64_t tokens = out.size(0), f = out.size(1);
+  dispatch_half(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vector = f % kVec == 0 &&
+                        reinterpret_cast<uintptr_t>(gate_up.data_ptr()) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+    if (vector) {
+      silu_mul_kernel<T, kVec><<<grid_for(tokens * f / kVec), kThreads, 0, stream>>>(
+          ptr<T>(gate_up), mut<T>(out), tokens, f);
+    } else {
+      silu_mul_kernel<T, 1>
+          <<<grid_for(tokens * f), kThreads, 0, stream>>>(ptr<T>(gate_up), mut<T>(out), tokens, f);
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace dflash::kernels

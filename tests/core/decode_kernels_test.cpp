@@ -1,0 +1,273 @@
+// The decode step's kernels (kernels/small_linear.h, kernels/decode_ops.h) against their fp32
+// ATen references computed on the CPU, on shapes that take every path (16-byte and scalar
+// loads, unaligned pointers, strided rows, bias, 1..8 rows); then the target's fused decode path
+// against its ATen path in the same dtype. GPU cases skip where there is no GPU; argument
+// checks and the CPU fallbacks run everywhere.
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+
+#include "common/error.h"
+#include "decode_test_util.h"
+#include "kernels/decode_ops.h"
+#include "kernels/rotary.h"
+#include "kernels/small_linear.h"
+#include "models/target.h"
+#include "test_util.h"
+
+namespace dflash {
+namespace {
+
+// |actual - expected| <= one rounding step of the dtype at |expected|, plus `floor` for values
+// near zero (where fp32 sums in another order cancel differently): both accumulate in fp32 and
+// round once, so they may differ by that one step.
+void expect_within_rounding(const at::Tensor& actual, const at::Tensor& expected, double floor) {
+  ASSERT_EQ(actual.sizes(), expected.sizes());
+  ASSERT_EQ(actual.scalar_type(), expected.scalar_type());
+  const double step = expected.scalar_type() == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
+  auto a = actual.cpu().to(at::kDouble), e = expected.cpu().to(at::kDouble);
+  auto excess = (a - e).abs() - (e.abs() * step + floor);
+  EXPECT_LE(excess.max().item<double>(), 0.0)
+      << "max |diff| " << (a - e).abs().max().item<double>();
+}
+
+// A [rows, k] tensor of `dtype` whose data starts `offset` elements into its storage and whose
+// rows are `ld` apart: an unaligned or strided operand, as slices of wider tensors are.
+at::Tensor strided_rows(int64_t rows, int64_t k, int64_t ld, int64_t offset, at::ScalarType dtype,
+                        at::Device device) {
+  auto storage = at::randn({offset + rows * ld}).to(dtype).to(device);
+  return storage.narrow(0, offset, rows * ld).view({rows, ld}).narrow(1, 0, k);
+}
+
+struct LinearCase {
+  std::string name;
+  at::ScalarType dtype;
+  int64_t rows, n, k;
+  bool bias;
+  int64_t ld, offset;  // x's row stride (0: k) and storage offset
+};
+
+class SmallLinearGpu : public ::testing::TestWithParam<LinearCase> {};
+
+TEST_P(SmallLinearGpu, MatchesReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const LinearCase c = GetParam();
+  at::manual_seed(1);
+  auto x = strided_rows(c.rows, c.k, c.ld > 0 ? c.ld : c.k, c.offset, c.dtype, at::kCPU);
+  auto w = (at::randn({c.n, c.k}) * 0.05).to(c.dtype);
+  auto b = c.bias ? at::randn({c.n}).to(c.dtype) : at::Tensor();
+  auto expected = kernels::small_linear_reference(x, w, b);
+  auto xg = strided_rows(c.rows, c.k, c.ld > 0 ? c.ld : c.k, c.offset, c.dtype, at::kCUDA);
+  xg.copy_(x);
+  const c10::NoGradGuard no_grad;
+  auto actual = kernels::small_linear(xg, w.cuda(), c.bias ? b.cuda() : at::Tensor());
+  expect_within_rounding(actual, expected, 1e-3);
+  // Each row's result is the same whatever the other rows: decoding one sequence or several
+  // gives one sequence the same tokens. (Not with rows an odd stride apart: alone, row 0 may
+  // take the 16-byte loads the strided rows could not, summing in another order.)
+  if (c.ld % 8 != 0) return;
+  for (int64_t m = 0; m < c.rows; m += std::max<int64_t>(c.rows - 1, 1)) {
+    auto alone =
+        kernels::small_linear(xg.narrow(0, m, 1), w.cuda(), c.bias ? b.cuda() : at::Tensor());
+    EXPECT_TRUE(at::equal(alone, actual.narrow(0, m, 1))) << "row " << m;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, SmallLinearGpu,
+    ::testing::Values(
+        // Qwen3-8B's o_proj and down_proj shapes at batch 1 (16-byte loads).
+        LinearCase{"o_proj_bf16_m1", at::kBFloat16, 1, 4096, 4096, false, 0, 0},
+        LinearCase{"down_bf16_m2", at::kBFloat16, 2, 4096, 12288, false, 0, 0},
+        // Every row count the kernel is instantiated for, N not a multiple of 4 features.
+        LinearCase{"bf16_m3_bias", at::kBFloat16, 3, 1027, 512, true, 0, 0},
+        LinearCase{"fp16_m5", at::kHalf, 5, 258, 1024, false, 0, 0},
+        LinearCase{"bf16_m8_bias", at::kBFloat16, 8, 6144, 4096, true, 0, 0},
+        LinearCase{"fp16_m4", at::kHalf, 4, 33, 2048, false, 0, 0},
+        LinearCase{"bf16_m6_n1", at::kBFloat16, 6, 1, 264, false, 0, 0},
+        LinearCase{"bf16_m7", at::kBFloat16, 7, 129, 8, false, 0, 0},
+        // K not a multiple of 8, x unaligned, x rows strided by a non-multiple of 8: scalar
+        // loads; strided by a multiple of 8: 16-byte loads of a slice.
+        LinearCase{"bf16_m2_k4100", at::kBFloat16, 2, 300, 4100, true, 0, 0},
+        LinearCase{"bf16_m1_k3", at::kBFloat16, 1, 70, 3, false, 0, 0},
+        LinearCase{"fp16_m3_unaligned", at::kHalf, 3, 100, 512, false, 0, 1},
+        LinearCase{"bf16_m4_ld_odd", at::kBFloat16, 4, 100, 512, true, 515, 0},
+        LinearCase{"bf16_m4_ld_slice", at::kBFloat16, 4, 100, 512, false, 1536, 0}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(SmallLinearGpu, LeadingDimsBiasAndTooManyRows) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(2);
+  const c10::NoGradGuard no_grad;
+  auto x = at::randn({2, 3, 64}).to(at::kBFloat16);
+  auto w = at::randn({40, 64}).to(at::kBFloat16);
+  auto b = at::randn({40}).to(at::kBFloat16);
+  auto actual = kernels::small_linear(x.cuda(), w.cuda(), b.cuda());
+  EXPECT_EQ(actual.sizes(), (std::vector<int64_t>{2, 3, 40}));
+  expect_within_rounding(actual, kernels::small_linear_reference(x, w, b), 1e-3);
+  EXPECT_THROW(kernels::small_linear(at::zeros({9, 64}, w.options().device(at::kCUDA)), w.cuda()),
+               Error);
+  // fp32 takes at::linear, any number of rows.
+  auto x32 = at::randn({20, 64});
+  auto w32 = at::randn({40, 64});
+  EXPECT_TRUE(at::allclose(kernels::small_linear(x32.cuda(), w32.cuda()).cpu(),
+                           at::linear(x32, w32), 1e-4, 1e-4));
+}
+
+TEST(SmallLinear, CpuIsAtLinearAndBadShapesAreNamed) {
+  auto x = at::randn({11, 16});
+  auto w = at::randn({5, 16});
+  auto b = at::randn({5});
+  EXPECT_TRUE(at::equal(kernels::small_linear(x, w, b), at::linear(x, w, b)));
+  try {
+    kernels::small_linear(x, at::randn({5, 15}));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("x must be [..., K] and w [N, K]"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(kernels::small_linear(x, w, at::randn({4})), Error);
+  EXPECT_THROW(kernels::small_linear(x, w.to(at::kBFloat16)), Error);
+  EXPECT_THROW(kernels::small_linear_reference(x, w, at::randn({5, 1})), Error);
+}
+
+TEST(DecodeOpsGpu, AddRmsNormMatchesReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(3);
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (auto [rows, h] : {std::pair<int64_t, int64_t>{1, 4096}, {3, 100}, {5, 1}}) {
+      SCOPED_TRACE(fmt::format("{} rows {} h {}", c10::toString(dtype), rows, h));
+      auto x = at::randn({rows, h}).to(dtype), y = at::randn({rows, h}).to(dtype);
+      auto weight = (at::rand({h}) + 0.5).to(dtype);
+      auto want = kernels::add_rms_norm_reference(x, y, weight, 1e-6);
+      auto got = kernels::add_rms_norm(x.cuda(), y.cuda(), weight.cuda(), 1e-6);
+      // The sum is one fp32 add rounded, as at::add: exact.
+      EXPECT_TRUE(at::equal(got.sum.cpu(), want.sum));
+      EXPECT_TRUE(at::equal(got.sum, x.cuda() + y.cuda()));
+      expect_within_rounding(got.normed, want.normed, 1e-4);
+    }
+  }
+}
+
+TEST(DecodeOpsGpu, QkNormRotaryMatchesReferenceAndTheUnfusedOps) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(4);
+  struct Shape {
+    int64_t tokens, q_heads, kv_heads, d, ld;  // ld: qkv's row stride (wider: a slice)
+  };
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    // Qwen3-8B's heads; a head_dim below a warp's pairs; several tokens from a strided slice.
+    for (Shape s : {Shape{1, 32, 8, 128, 0}, Shape{5, 4, 2, 40, 0}, Shape{3, 2, 1, 128, 600}}) {
+      SCOPED_TRACE(fmt::format("{} T {} D {}", c10::toString(dtype), s.tokens, s.d));
+      const int64_t width = (s.q_heads + 2 * s.kv_heads) * s.d;
+      auto qkv = strided_rows(s.tokens, width, s.ld > 0 ? s.ld : width, 0, dtype, at::kCPU);
+      auto q_norm = (at::rand({s.d}) + 0.5).to(dtype), k_norm = (at::rand({s.d}) + 0.5).to(dtype);
+      auto angles = at::rand({s.tokens, s.d / 2}) * 100;
+      auto cos = at::cat({angles.cos(), angles.cos()}, 1).to(dtype);
+      auto sin = at::cat({angles.sin(), angles.sin()}, 1).to(dtype);
+      auto [q_want, k_want] = kernels::qk_norm_rotary_reference(qkv, s.q_heads, s.kv_heads, q_norm,
+                                                                k_norm, cos, sin, 1e-6);
+      auto qkv_gpu = strided_rows(s.tokens, width, s.ld > 0 ? s.ld : width, 0, dtype, at::kCUDA);
+      qkv_gpu.copy_(qkv);
+      auto [q, k] = kernels::qk_norm_rotary(qkv_gpu, s.q_heads, s.kv_heads, q_norm.cuda(),
+                                            k_norm.cuda(), cos.cuda(), sin.cuda(), 1e-6);
+      // Normalized values are O(1): the floor covers a rotated pair that cancels.
+      expect_within_rounding(q, q_want, 2e-2);
+      expect_within_rounding(k, k_want, 2e-2);
+      EXPECT_TRUE(q.is_contiguous() && k.is_contiguous());
+    }
+  }
+}
+
+TEST(DecodeOpsGpu, SiluMulMatchesReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(5);
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    // 16-byte loads; F not a multiple of 8; an unaligned start.
+    for (auto [rows, f, offset] :
+         {std::tuple<int64_t, int64_t, int64_t>{1, 12288, 0}, {3, 13, 0}, {2, 64, 3}}) {
+      SCOPED_TRACE(fmt::format("{} rows {} f {} offset {}", c10::toString(dtype), rows, f, offset));
+      auto gate_up = (strided_rows(rows, 2 * f, 2 * f, offset, dtype, at::kCPU) * 4);
+      auto gpu = strided_rows(rows, 2 * f, 2 * f, offset, dtype, at::kCUDA);
+      gpu.copy_(gate_up);
+      expect_within_rounding(kernels::silu_mul(gpu), kernels::silu_mul_reference(gate_up), 1e-4);
+    }
+  }
+}
+
+TEST(DecodeOps, CpuIsTheReferenceAndBadShapesAreNamed) {
+  auto x = at::randn({2, 8}), y = at::randn({2, 8}), w = at::rand({8});
+  auto r = kernels::add_rms_norm(x, y, w, 1e-6);
+  EXPECT_TRUE(at::allclose(r.normed, at::rms_norm(x + y, {8}, w, 1e-6), 1e-6, 1e-6));
+  EXPECT_THROW(kernels::add_rms_norm(x, at::randn({2, 7}), w, 1e-6), Error);
+  EXPECT_THROW(kernels::add_rms_norm(x, y, at::rand({7}), 1e-6), Error);
+  EXPECT_THROW(kernels::add_rms_norm(x, y.to(at::kBFloat16), w, 1e-6), Error);
+
+  auto gate_up = at::randn({3, 10});
+  EXPECT_TRUE(at::allclose(kernels::silu_mul(gate_up),
+                           at::silu(gate_up.narrow(1, 0, 5)) * gate_up.narrow(1, 5, 5)));
+  EXPECT_THROW(kernels::silu_mul(at::randn({3, 9})), Error);
+
+  // Against the composition the target uses without the kernel: rms_norm then rotary per head.
+  const int64_t t = 2, hq = 2, hkv = 1, d = 8;
+  auto qkv = at::randn({t, (hq + 2 * hkv) * d});
+  auto qn = at::rand({d}), kn = at::rand({d});
+  auto angles = at::randn({t, d / 2});
+  auto cos = at::cat({angles.cos(), angles.cos()}, 1),
+       sin = at::cat({angles.sin(), angles.sin()}, 1);
+  auto [q, k] = kernels::qk_norm_rotary(qkv, hq, hkv, qn, kn, cos, sin, 1e-6);
+  auto q_want = kernels::rotary_reference(
+      at::rms_norm(qkv.narrow(1, 0, hq * d).view({t, hq, d}), {d}, qn, 1e-6), cos, sin);
+  EXPECT_TRUE(at::allclose(q, q_want, 1e-6, 1e-6));
+  EXPECT_EQ(k.sizes(), (std::vector<int64_t>{t, hkv, d}));
+  try {
+    kernels::qk_norm_rotary(qkv, hq, 2, qn, kn, cos, sin, 1e-6);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("qkv must be [T, (Hq + 2 Hkv) D]"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(kernels::qk_norm_rotary(qkv, hq, hkv, qn, kn, cos.narrow(0, 0, 1), sin, 1e-6),
+               Error);
+}
+
+// The target's decode path (these kernels, few tokens, no autograd) against its ATen path in the
+// same dtype (request.grad turns the kernels off): logits and taps within bf16 rounding, for
+// Qwen3 (q/k norms), Qwen2 (bias) and Llama (neither), with kAll and kLast.
+class FusedDecodeGpu : public ::testing::TestWithParam<models::Architecture> {};
+
+TEST_P(FusedDecodeGpu, MatchesTheAtenPathInBf16) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto config = testing::tiny_target_config(GetParam());
+  config.hidden_size = 128;
+  config.intermediate_size = 256;
+  config.head_dim = 32;
+  auto model = testing::peaked_target(config, at::kCUDA, at::kBFloat16, 7);
+  // Norm weights away from 1, so a kernel that skipped one would show.
+  auto gen = models::seeded_generator(at::kCUDA, 8);
+  for (auto& p : model.parameters()) {
+    if (p.dim() == 1) p.mul_(at::rand(p.sizes(), gen, p.options()) + 0.5);
+  }
+  auto tokens = at::randint(config.vocab_size, {7}, gen,
+                            at::TensorOptions().dtype(at::kLong).device(at::kCUDA));
+  auto batch = models::PackedBatch::from_lengths({3, 4}, at::kCUDA);
+  for (auto logits : {models::Logits::kAll, models::Logits::kLast}) {
+    SCOPED_TRACE(logits == models::Logits::kAll ? "all" : "last");
+    auto fused = model.forward(tokens, batch, {{0, 2}, logits});
+    auto aten = model.forward(tokens, batch, {{0, 2}, logits, /*grad=*/true});
+    EXPECT_CLOSE(fused.logits, aten.logits.detach(), 2e-2);
+    EXPECT_CLOSE(fused.taps[0], aten.taps[0].detach(), 2e-2);
+    EXPECT_CLOSE(fused.taps[1], aten.taps[1].detach(), 2e-2);
+    EXPECT_TRUE(at::equal(fused.logits.argmax(-1), aten.logits.argmax(-1)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, FusedDecodeGpu,
+                         ::testing::Values(models::Architecture::kQwen3,
+                                           models::Architecture::kQwen2,
+                                           models::Architecture::kLlama),
+                         [](const auto& info) {
+                           return std::string(models::architecture_name(info.param));
+                         });
+
+}  // namespace
+}  // namespace dflash
