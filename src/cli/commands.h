@@ -16,6 +16,7 @@ void add_train_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_bench_decode_command(CLI::App& app);
+void add_bench_kernels_command(CLI::App& app);
 void add_eval_command(CLI::App& app);
 void add_pretrain_command(CLI::App& app);
 void add_report_command(CLI::App& app);

@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
   dflash::cli::add_bench_command(app);
   dflash::cli::add_generate_command(app);
   dflash::cli::add_bench_decode_command(app);
+  dflash::cli::add_bench_kernels_command(app);
   dflash::cli::add_eval_command(app);
   dflash::cli::add_pretrain_command(app);
   dflash::cli::add_report_command(app);

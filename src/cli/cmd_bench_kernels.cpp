@@ -1,0 +1,170 @@
+// `dflash bench-kernels`: the decode step's kernels alone, one line each (llm.c style): the
+// small-row linear kernel on each linear layer shape of a preset (and cuBLAS through at::linear
+// on the same shape), and the fused norm/activation kernels against the ATen ops they replace.
+// Each line times a CUDA graph of many calls (as decoding replays them), with the weights
+// rotated over enough copies to exceed the L2 cache, and reports us per call and the bytes
+// each call must move per second.
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "common/error.h"
+#include "common/file.h"
+#include "eval/generator.h"
+#include "kernels/decode_ops.h"
+#include "kernels/rotary.h"
+#include "kernels/small_linear.h"
+#include "models/config.h"
+#include "models/layers.h"
+
+namespace dflash::cli {
+namespace {
+
+struct BenchKernelsOptions {
+  std::string preset = "qwen3-8b";
+  std::string device = "cuda";
+  std::vector<int64_t> rows = {1, 4, 8};
+  int calls = 40;  // calls per captured graph
+  int iters = 20;  // timed replays
+  std::string json_out;
+};
+
+// Microseconds per call of fn(i) (i: the call's index), from CUDA events around `iters` replays
+// of one graph holding `calls` calls.
+double us_per_call(at::Device device, const BenchKernelsOptions& o,
+                   const std::function<void(int)>& fn) {
+  at::cuda::CUDAGraph graph;
+  eval::capture_cuda_graph(
+      graph, device,
+      [&] {
+        for (int i = 0; i < o.calls; ++i) fn(i);
+      },
+      [] {});
+  const c10::cuda::CUDAGuard guard(device);
+  graph.replay();  // warm-up
+  at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+  start.record();
+  for (int i = 0; i < o.iters; ++i) graph.replay();
+  stop.record();
+  stop.synchronize();
+  return start.elapsed_time(stop) * 1e3 / (o.iters * o.calls);
+}
+
+void run_bench_kernels(const BenchKernelsOptions& o) {
+  const at::Device device(o.device);
+  if (!device.is_cuda()) fail("bench-kernels: needs a CUDA device, got {}", o.device);
+  for (int64_t m : o.rows) {
+    if (m < 1 || m > kernels::kSmallLinearMaxRows) {
+      fail("bench-kernels: --rows must be in [1, {}], got {}", kernels::kSmallLinearMaxRows, m);
+    }
+  }
+  const c10::NoGradGuard no_grad;
+  const auto c = models::preset_config(o.preset);
+  const auto opts = at::TensorOptions().device(device).dtype(at::kBFloat16);
+  const int64_t h = c.hidden_size, d = c.head_dim, q = c.num_heads * d, kv = c.num_kv_heads * d;
+  nlohmann::json lines = nlohmann::json::array();
+  fmt::print("bench-kernels: {} shapes, bf16 on {}, {} calls per graph x {} replays\n", o.preset,
+             device.str(), o.calls, o.iters);
+  fmt::print("{:<34} {:>5} {:>8} {:>8} {:>10} {:>8}\n", "kernel", "rows", "N", "K", "us/call",
+             "GB/s");
+  auto report = [&](const std::string& name, int64_t rows, int64_t n, int64_t k, double us,
+                    double bytes) {
+    const double gbps = bytes / (us * 1e-6) / 1e9;
+    fmt::print("{:<34} {:>5} {:>8} {:>8} {:>10.2f} {:>8.0f}\n", name, rows, n, k, us, gbps);
+    lines.push_back({{"kernel", name},
+                     {"rows", rows},
+                     {"n", n},
+                     {"k", k},
+                     {"us_per_call", us},
+                     {"gb_per_s", gbps}});
+  };
+
+  const std::vector<std::tuple<std::string, int64_t, int64_t>> linears = {
+      {"qkv", q + 2 * kv, h},
+      {"o_proj", h, q},
+      {"gate_up", 2 * c.intermediate_size, h},
+      {"down_proj", h, c.intermediate_size},
+      {"lm_head", c.vocab_size, h}};
+  for (const auto& [name, n, k] : linears) {
+    // Copies of the weight filling at least 256 MB: each call reads one not in L2 (50 MB).
+    const double bytes = 2.0 * n * k;
+    const int copies = static_cast<int>(std::max(2.0, std::ceil(256e6 / bytes)));
+    std::vector<at::Tensor> weights;
+    for (int i = 0; i < copies; ++i) weights.push_back(at::randn({n, k}, opts) * 0.02);
+    for (int64_t m : o.rows) {
+      auto x = at::randn({m, k}, opts);
+      const double moved = bytes + 2.0 * m * (n + k);
+      report("small_linear " + name, m, n, k,
+             us_per_call(device, o, [&](int i) { kernels::small_linear(x, weights[i % copies]); }),
+             moved);
+      report("at::linear " + name, m, n, k,
+             us_per_call(device, o, [&](int i) { at::linear(x, weights[i % copies]); }), moved);
+    }
+  }
+
+  // The fused ops at batch 1 against the ATen sequence each replaces in the target's layer.
+  const double eps = c.rms_norm_eps;
+  auto x = at::randn({1, h}, opts), y = at::randn({1, h}, opts), norm = at::ones({h}, opts);
+  const double norm_bytes = 2.0 * 4 * h;  // read x, y; write sum, normed
+  report("add_rms_norm", 1, h, 0,
+         us_per_call(device, o, [&](int) { kernels::add_rms_norm(x, y, norm, eps); }), norm_bytes);
+  report("at::add + rms_norm", 1, h, 0,
+         us_per_call(device, o, [&](int) { models::rms_norm(x + y, norm, eps); }), norm_bytes);
+  auto qkv = at::randn({1, q + 2 * kv}, opts);
+  auto head_norm = at::ones({d}, opts);
+  auto cos = at::randn({1, d}, opts), sin = at::randn({1, d}, opts);
+  const double qk_bytes = 2.0 * 2 * (q + kv);
+  report("qk_norm_rotary", 1, q + kv, 0,
+         us_per_call(device, o,
+                     [&](int) {
+                       kernels::qk_norm_rotary(qkv, c.num_heads, c.num_kv_heads, head_norm,
+                                               head_norm, cos, sin, eps);
+                     }),
+         qk_bytes);
+  report("2 rms_norm + 2 rotary", 1, q + kv, 0,
+         us_per_call(device, o,
+                     [&](int) {
+                       auto qh = qkv.narrow(1, 0, q).view({1, c.num_heads, d});
+                       auto kh = qkv.narrow(1, q, kv).view({1, c.num_kv_heads, d});
+                       kernels::rotary(models::rms_norm(qh, head_norm, eps), cos, sin);
+                       kernels::rotary(models::rms_norm(kh, head_norm, eps), cos, sin);
+                     }),
+         qk_bytes);
+  const int64_t f = c.intermediate_size;
+  auto gate_up = at::randn({1, 2 * f}, opts);
+  const double act_bytes = 2.0 * 3 * f;
+  report("silu_mul", 1, f, 0, us_per_call(device, o, [&](int) { kernels::silu_mul(gate_up); }),
+         act_bytes);
+  report("at::silu * up", 1, f, 0,
+         us_per_call(device, o,
+                     [&](int) { at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f); }),
+         act_bytes);
+  if (!o.json_out.empty()) {
+    write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));
+  }
+}
+
+}  // namespace
+
+void add_bench_kernels_command(CLI::App& app) {
+  auto o = std::make_shared<BenchKernelsOptions>();
+  auto* cmd = app.add_subcommand(
+      "bench-kernels", "Time the decode step's kernels alone against the ATen ops they replace");
+  cmd->add_option("--preset", o->preset, "model shape: qwen3-8b or tiny")->capture_default_str();
+  cmd->add_option("--device", o->device, "cuda or cuda:N")->capture_default_str();
+  cmd->add_option("--rows", o->rows, "rows of x for the linear kernels")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--calls", o->calls, "calls per captured CUDA graph")->capture_default_str();
+  cmd->add_option("--iters", o->iters, "timed replays of the graph")->capture_default_str();
+  cmd->add_option("--json", o->json_out, "also write the results here");
+  cmd->callback([o] { run_bench_kernels(*o); });
+}
+
+}  // namespace dflash::cli
