@@ -2,7 +2,8 @@
 # One device call's worth of work on the GPU machine: build, run every test (GPU tests
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
-# Stages: build test target load drafter decode spec train pipeline pretrain gsm8k tokenizer
+# Stages: build test target load drafter decode kernels spec train pipeline pretrain gsm8k
+# tokenizer
 # (default: the first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -64,6 +65,24 @@ if has decode; then
   echo "decode tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/decode_tests.log" | tail -8
   "$dflash" bench-decode --preset qwen3-8b --device cuda --json "$out/bench_decode.json" 2>&1 \
     | tee "$out/bench_decode.txt"
+fi
+if has kernels; then
+  # The decode step's kernels (kernels/small_linear.h, kernels/decode_ops.h): their tests
+  # against the fp32 references, the target's fused decode path against its ATen path, the
+  # decoding tests that compare decode with the packed forward and speculative with greedy in
+  # bf16; then each kernel alone against the ATen ops it replaces, and bench-decode at batch 1
+  # and 128 with a profile of the batch-1 step.
+  step kernels
+  "$build/tests/dflash_core_tests" \
+    --gtest_filter='*SmallLinear*:*DecodeOps*:*FusedDecode*:*DecodeGpu*:*Generator*:*SpeculativeGpu*:*Rotary*' \
+    > "$out/kernel_tests.log" 2>&1
+  echo "kernel tests exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" \
+    "$out/kernel_tests.log" | tail -25
+  "$dflash" bench-kernels --json "$out/bench_kernels.json" 2>&1 | tee "$out/bench_kernels.txt"
+  "$dflash" bench-decode --preset qwen3-8b --device cuda --batches 1,128 \
+    --json "$out/bench_decode_kernels.json" --profile "$out/decode_trace.json" 2>&1 \
+    | tee "$out/bench_decode_kernels.txt"
+  gzip -f "$out/decode_trace.json"
 fi
 if has spec; then
   # Speculative decoding on CUDA: the drafter's inference against its training forward and
