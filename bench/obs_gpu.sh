@@ -43,7 +43,7 @@ if [ "$part" != one ] && [ "$gpus" -ge 2 ]; then
   bench 2gpu_disagg_off --nproc-per-node 2 --topology disaggregated --target-ranks 1 --steps 30 \
     --obs=false
   step two GPUs disaggregated with a slow post-process injected on the target rank
-  DFLASH_SLOW_STAGE=post_process:150 bench 2gpu_disagg_slow_post --nproc-per-node 2 \
+  DFLASH_SLOW_STAGE=post_process:300 bench 2gpu_disagg_slow_post --nproc-per-node 2 \
     --topology disaggregated --target-ranks 1 --steps 20 --out "$out/run_2gpu_slow_post"
 fi
 for d in "$out"/run_*; do

@@ -13,6 +13,7 @@
 #include "eval/generator.h"
 #include "models/drafter.h"
 #include "models/target.h"
+#include "obs/profile.h"
 #include "obs/stats.h"
 
 namespace dflash::cli {
@@ -28,6 +29,7 @@ struct BenchDecodeOptions {
   int warmup = 1;
   int iters = 3;
   std::string json_out;
+  std::string profile;  // Chrome trace of the batch-1 decode step; empty: no profile
 };
 
 std::vector<std::vector<int64_t>> random_prompts(int64_t n, int64_t length, int64_t vocab,
@@ -126,6 +128,25 @@ void run_bench_decode(const BenchDecodeOptions& o) {
     return obs::median(times) * 1e3;
   };
   const double step_ms = pass_ms(1), verify_ms = pass_ms(o.verify_tokens);
+  nlohmann::json profile;
+  if (!o.profile.empty()) {
+    // Eager, so the kernels show; the graph replays the same kernels without the launch gaps.
+    constexpr int kProfiled = 10;
+    auto token = prompt.narrow(0, 0, 1);
+    auto p = obs::profile_device(
+        [&] {
+          for (int i = 0; i < kProfiled; ++i) {
+            auto batch = models::AppendBatch::make(cache, {0}, {1});
+            model.forward_cached(token, batch, cache, {{}, models::Logits::kAll}).logits.argmax(-1);
+            cache.crop(0, o.prompt_len);
+          }
+          obs::synchronize(device);
+        },
+        kProfiled, o.profile);
+    fmt::print("profile of one batch-1 decode step at {} cached tokens (eager; trace: {}):\n{}",
+               o.prompt_len, o.profile, obs::format_profile(p, 20));
+    profile = obs::profile_json(p);
+  }
   fmt::print(
       "speculative, batch 1 at {} cached tokens (eager): plain decode step {:.3f} ms, verify of "
       "{} tokens {:.3f} ms ({:.2f}x a step)\n",
@@ -171,6 +192,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
                           {"draft_ms", draft_ms},
                           {"speculative_step_ms", draft_ms + verify_ms},
                           {"speculative_step_over_step", (draft_ms + verify_ms) / step_ms}}}};
+  if (!profile.is_null()) doc["decode_step_profile"] = profile;
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
 
@@ -194,7 +216,14 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_option("--warmup", o->warmup)->capture_default_str();
   cmd->add_option("--iters", o->iters, "timed runs; the median is reported")->capture_default_str();
   cmd->add_option("--json", o->json_out, "also write the results here");
-  cmd->callback([o] { run_bench_decode(*o); });
+  cmd->add_option("--profile", o->profile,
+                  "profile the batch-1 decode step (CUDA) and write its Chrome trace here");
+  cmd->callback([o] {
+    if (!o->profile.empty() && o->device.rfind("cuda", 0) != 0) {
+      fail("bench-decode: --profile needs a CUDA device");
+    }
+    run_bench_decode(*o);
+  });
 }
 
 }  // namespace dflash::cli

@@ -5,11 +5,13 @@
 
 #include <chrono>
 #include <deque>
+#include <optional>
 #include <thread>
 
 #include "common/error.h"
 #include "dist/comm.h"
 #include "obs/stages.h"
+#include "obs/stats.h"
 
 namespace dflash::pipeline {
 
@@ -90,28 +92,30 @@ void serve_features(dist::Comm& world, Topology topology, const models::TargetMo
   const at::Device device = target.device();
   std::deque<dist::Comm::Pending> sends;
   // GPU: an event after each item's forward. Before launching item i the host sleeps until
-  // item i-2's forward is done, so the device always has one item queued but the host never
-  // spins in the driver on a full launch queue while the trainers hold the sends back.
-  std::deque<c10::Event> forwarded;
+  // item i-1's forward is done. The stream also holds each item's wait for its send, which is
+  // long while the trainers are slower; queuing a second forward behind it would fill the
+  // driver's launch queue and leave the host spinning inside a launch. Launching a forward
+  // takes well under a millisecond of an item's tens, so the device never runs dry.
+  std::optional<c10::Event> forwarded;
   for (int64_t item = 0;; ++item) {
     const auto work = topology.target_work(rank, start, item);
     if (work.position >= end || stop()) break;
     const int64_t step = work.position / accumulation + 1;
     obs::maybe_write_snapshot(step - 1);
-    if (forwarded.size() >= 2) {
+    if (forwarded) {
       obs::Scope waiting(obs::Stage::kGpuWait);
-      while (!forwarded.front().query()) std::this_thread::sleep_for(std::chrono::microseconds(50));
-      forwarded.pop_front();
+      while (!forwarded->query()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      forwarded.reset();
     }
     obs::begin_step(step, device);
     auto mb = to_device(batches.get(item), device);
     if (mb.lengths.empty()) continue;
     auto features = target_features(target, taps, mb);
-    if (device.is_cuda()) {
-      forwarded.emplace_back(device.type());
-      forwarded.back().record(c10::Stream(c10::Stream::DEFAULT, device));
-    }
     obs::Scope scope(obs::Stage::kSendWait, target.device());
+    if (device.is_cuda()) {
+      forwarded.emplace(device.type());
+      forwarded->record(c10::Stream(c10::Stream::DEFAULT, device));
+    }
     sends.push_back(
         world.isend(features, work.trainer, feature_tag(work.position), "feature_send"));
     // Backpressure: the oldest transfer must finish before more are started.
@@ -120,11 +124,14 @@ void serve_features(dist::Comm& world, Topology topology, const models::TargetMo
       sends.pop_front();
     }
   }
+  // The last items wait on the device until the trainers take them (on NCCL a send's wait
+  // only orders the stream): that is send_wait too, not time outside any stage.
   obs::Scope scope(obs::Stage::kSendWait, target.device());
   while (!sends.empty()) {
     sends.front().wait();
     sends.pop_front();
   }
+  obs::synchronize(device);
 }
 
 }  // namespace dflash::pipeline

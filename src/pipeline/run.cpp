@@ -199,7 +199,10 @@ void start_obs(const RunConfig& c, const Rank& r, const fs::path& run_dir, int64
 // thread being joined is not part of the steady state).
 void final_snapshot(at::Device device, int64_t step) {
   if (!obs::enabled()) return;
-  obs::synchronize(device);
+  {
+    obs::Scope waiting(obs::Stage::kGpuWait);
+    obs::synchronize(device);
+  }
   obs::maybe_write_snapshot(step, /*force=*/true);
 }
 
