@@ -28,22 +28,13 @@ struct alignas(sizeof(T) * kVec) Pack {
   T v[kVec];
 };
 
-// The weight: streamed (evict-first), read once.
-template <typename T, int kVec>
-__device__ __forceinline__ Pack<T, kVec> load_weight(const T* p) {
+// kStream: the weight, read once, streamed (evict-first); otherwise x, which every block
+// rereads, through the read-only cache.
+template <typename T, int kVec, bool kStream>
+__device__ __forceinline__ Pack<T, kVec> load(const T* p) {
   if constexpr (sizeof(Pack<T, kVec>) == 16) {
-    const uint4 u = __ldcs(reinterpret_cast<const uint4*>(p));
-    return *reinterpret_cast<const Pack<T, kVec>*>(&u);
-  } else {
-    return *reinterpret_cast<const Pack<T, kVec>*>(p);
-  }
-}
-
-// x: read by every block, through the read-only cache.
-template <typename T, int kVec>
-__device__ __forceinline__ Pack<T, kVec> load_input(const T* p) {
-  if constexpr (sizeof(Pack<T, kVec>) == 16) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const auto* v = reinterpret_cast<const uint4*>(p);
+    const uint4 u = kStream ? __ldcs(v) : __ldg(v);
     return *reinterpret_cast<const Pack<T, kVec>*>(&u);
   } else {
     return *reinterpret_cast<const Pack<T, kVec>*>(p);
@@ -73,7 +64,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int r = 0; r < kFeatures; ++r) {
         const int64_t row = n0 + (r < valid ? r : valid - 1);
-        wv[u][r] = load_weight<T, kVec>(w + row * k + c * kVec);
+        wv[u][r] = load<T, kVec, true>(w + row * k + c * kVec);
       }
     }
 #pragma unroll
@@ -82,7 +73,7 @@ __global__ void __launch_bounds__(kThreads)
       if (c >= chunks) break;
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
-        const Pack<T, kVec> xv = load_input<T, kVec>(x + m * ldx + c * kVec);
+        const Pack<T, kVec> xv = load<T, kVec, false>(x + m * ldx + c * kVec);
 #pragma unroll
         for (int r = 0; r < kFeatures; ++r) {
 #pragma unroll
