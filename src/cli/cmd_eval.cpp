@@ -20,13 +20,14 @@ struct EvalCliOptions {
   int64_t limit = 0;
   std::optional<std::string> chat_format;
   std::string device = "auto";
+  std::string dtype = "auto";
   bool json = false;
   eval::EvalOptions eval;
 };
 
 void run_eval(const EvalCliOptions& o) {
   const at::Device device = dist::device_for(dist::world_from_env(), o.device);
-  const at::ScalarType dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType dtype = models::parse_dtype(o.dtype, device);
   auto tokenizer = tok::Tokenizer::load(o.target);
   const data::ChatConfig chat = eval::chat_config(o.target, o.chat_format, "eval");
   std::vector<eval::PromptFile> files;
@@ -88,6 +89,10 @@ void add_eval_command(CLI::App& app) {
                   "logit gap under which a divergence is a numerical tie, not a mismatch "
                   "(default: 1e-4 in fp32, 0.25 in bf16)");
   cmd->add_option("--device", o->device, "auto (cuda:LOCAL_RANK or cpu), cuda:N or cpu")
+      ->capture_default_str();
+  cmd->add_option("--dtype", o->dtype,
+                  "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32: fp32 makes near-ties in the "
+                  "logits rare, bf16 is the serving setting")
       ->capture_default_str();
   cmd->add_flag("!--no-cuda-graph", o->eval.cuda_graph,
                 "run the decode step and the verify pass without CUDA graphs");

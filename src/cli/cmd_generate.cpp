@@ -36,6 +36,8 @@ void add_generate_command(CLI::App& app) {
                   "qwen3 or llama3 (default: detected from tokenizer_config.json)");
   cmd->add_option("--device", o->device, "auto (cuda:LOCAL_RANK or cpu), cuda:N or cpu")
       ->capture_default_str();
+  cmd->add_option("--dtype", o->dtype, "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+      ->capture_default_str();
   cmd->add_flag("!--no-cuda-graph", o->cuda_graph, "run the decode step without a CUDA graph");
   cmd->add_option("--progress-s", o->progress_seconds, "seconds between progress lines (0: none)")
       ->capture_default_str();

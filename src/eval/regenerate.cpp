@@ -191,7 +191,7 @@ void regenerate(const RegenerateOptions& o) {
   };
 
   if (todo_lines > 0) {
-    const at::ScalarType dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+    const at::ScalarType dtype = models::parse_dtype(o.dtype, device);
     auto model = models::TargetModel::load(o.target, device, dtype);
     GenerationOptions g;
     g.sampling = o.sampling;

@@ -29,6 +29,7 @@ struct RegenerateOptions {
   bool enable_thinking = true;    // Qwen3's switch (false: the empty think block is prompted)
   std::optional<std::string> chat_format;  // overrides the template detection
   std::string device = "auto";
+  std::string dtype = "auto";  // models::parse_dtype
   bool cuda_graph = true;
   double progress_seconds = 5.0;  // between progress lines; 0: none
 };

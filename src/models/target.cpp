@@ -112,6 +112,13 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
   return m;
 }
 
+at::ScalarType parse_dtype(const std::string& name, at::Device device) {
+  if (name == "auto") return device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
+  if (name == "fp32" || name == "float32") return at::kFloat;
+  fail("dtype must be auto, bf16 or fp32, got \"{}\"", name);
+}
+
 at::Generator seeded_generator(at::Device device, uint64_t seed) {
   if (device.is_cpu()) return at::make_generator<at::CPUGeneratorImpl>(seed);
   if (!device.is_cuda()) fail("random weights: no generator for device {}", device.str());

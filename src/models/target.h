@@ -18,6 +18,9 @@ namespace dflash::models {
 // ATen's global generator with at::manual_seed would race with them).
 at::Generator seeded_generator(at::Device device, uint64_t seed);
 
+// The compute dtype a --dtype option names: auto (bf16 on CUDA, fp32 elsewhere), bf16 or fp32.
+at::ScalarType parse_dtype(const std::string& name, at::Device device);
+
 struct TargetLayerWeights {
   at::Tensor input_norm, post_attention_norm;
   at::Tensor w_qkv;           // [(Hq + 2 Hkv) * D, H]: q, k and v projections fused into one matmul
