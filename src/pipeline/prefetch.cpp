@@ -42,6 +42,11 @@ void Prefetcher::stop() {
   queue_.reset();
 }
 
+void Prefetcher::pause() {
+  stop();
+  next_ = -1;
+}
+
 train::MicroBatch Prefetcher::get(int64_t item) {
   if (item != next_) {
     stop();

@@ -26,6 +26,11 @@ class Prefetcher {
 
   // Item `item`; a failure in the producer is rethrown here with its message.
   train::MicroBatch get(int64_t item);
+  // Stops the producer and drops the items it formed ahead; the next get() starts it again
+  // at the item asked for. For a consumer about to be busy elsewhere (evaluation) for longer
+  // than the queue's timeout, which would otherwise fail the producer's wait, and so that no
+  // other thread touches the device meanwhile (CUDA graph capture).
+  void pause();
 
  private:
   struct Item {

@@ -183,7 +183,8 @@ std::vector<StepLog> Trainer::take_logs(bool wait) {
   return logs;
 }
 
-int64_t Trainer::run(int64_t steps, const std::function<void(const StepLog&)>& log) {
+int64_t Trainer::run(int64_t steps, const std::function<void(const StepLog&)>& log,
+                     const std::function<void(int64_t step)>& after_step) {
   const bool checkpoints = !options_.checkpoint_dir.empty();
   auto emit = [&](bool wait) {
     for (const auto& l : take_logs(wait)) {
@@ -194,6 +195,7 @@ int64_t Trainer::run(int64_t steps, const std::function<void(const StepLog&)>& l
   // all of them see a stop vote at the same step and stop together.
   while (state_.step < steps && !stop_agreed_) {
     train_step();
+    if (after_step) after_step(state_.step);
     emit(false);
     if (checkpoints && options_.checkpoint_every > 0 &&
         state_.step % options_.checkpoint_every == 0) {

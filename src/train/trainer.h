@@ -81,7 +81,11 @@ class Trainer {
 
   // Runs until `steps` optimizer steps are done in total or a stop signal reaches any trainer
   // rank; checkpoints every checkpoint_every steps and at the end. Returns the steps done.
-  int64_t run(int64_t steps, const std::function<void(const StepLog&)>& log = {});
+  // `after_step(n)` runs once step n is queued (its update is what the drafter's weights now
+  // hold, in stream order) and before step n is logged, so that what it measures (evaluation)
+  // can go into step n's log line.
+  int64_t run(int64_t steps, const std::function<void(const StepLog&)>& log = {},
+              const std::function<void(int64_t step)>& after_step = {});
 
   std::filesystem::path save_checkpoint();
   void load_checkpoint(const std::filesystem::path& path);
