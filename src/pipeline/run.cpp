@@ -24,6 +24,8 @@
 #include "common/progress_text.h"
 #include "dist/comm.h"
 #include "dist/world.h"
+#include "eval/evaluate.h"
+#include "eval/regenerate.h"
 #include "models/drafter.h"
 #include "models/target.h"
 #include "models/target_head.h"
@@ -249,6 +251,8 @@ struct Job {
   std::optional<models::TargetModel> target;  // ranks that run the target
   models::TargetHead head;                    // trainer ranks
   std::optional<models::Drafter> drafter;     // trainer ranks
+  // --eval-prompts: this trainer rank's share of the prompts with the target's answers.
+  std::optional<eval::Evaluator> evaluator;
   const SampleSource* samples = nullptr;
   int64_t steps = 0;
   int64_t batches_per_epoch = 0;
@@ -274,9 +278,140 @@ void broadcast_drafter(Job& job) {
 
 using StepCallback = std::function<void(const train::StepLog&)>;
 
+// One evaluation during training: every trainer rank's counts summed.
+struct TrainEval {
+  int64_t step = 0;
+  eval::FileReport report;  // counts, histogram and speeds; no divergence list
+  int64_t mismatches = 0, ties = 0;
+  double seconds = 0;  // the wall time training paused for it
+};
+using EvalCallback = std::function<void(const TrainEval&)>;
+
+bool eval_due(const RunConfig& c, int64_t step, int64_t steps) {
+  return !c.eval_prompts.empty() &&
+         (step == steps || (c.eval_every > 0 && step % c.eval_every == 0));
+}
+
+// The evaluation options make sense together and with the topology (checked before any
+// loading).
+void check_eval_options(const RunConfig& c, const Topology& topology) {
+  if (c.eval_prompts.empty()) {
+    if (c.eval_every > 0) fail("train: --eval-every needs --eval-prompts (a held-out prompt file)");
+    return;
+  }
+  if (c.eval_every < 0) fail("train: --eval-every must be 0 (only at the end) or positive");
+  if (topology.disaggregated()) {
+    // Trainer ranks hold no target there, and target ranks no drafter.
+    fail(
+        "train: --eval-prompts needs --topology colocated (evaluation runs the target and the "
+        "drafter on the same rank); evaluate a disaggregated run's checkpoints with `dflash "
+        "eval`");
+  }
+}
+
+// --eval-prompts: prompt i goes to trainer rank i mod trainers, whose Evaluator computes the
+// target's greedy answers to its share here, once, before the run's threads start. Each
+// evaluation is then real speculative decoding with the drafter's weights of that moment.
+void prepare_eval(Job& job) {
+  const RunConfig& c = job.config;
+  const Rank& r = job.rank;
+  if (c.eval_prompts.empty()) return;
+  obs::Scope scope(obs::Stage::kEval);
+  const auto t0 = Clock::now();
+  eval::PromptFile all = eval::read_prompt_file(c.eval_prompts, c.eval_limit);
+  eval::PromptFile share{all.name, {}};
+  for (size_t i = static_cast<size_t>(r.world.rank); i < all.prompts.size();
+       i += static_cast<size_t>(r.topology.trainers)) {
+    share.prompts.push_back(std::move(all.prompts[i]));
+  }
+  const size_t mine = share.prompts.size();
+  const auto tokenizer = tok::Tokenizer::load(c.target);
+  const data::ChatConfig chat = eval::chat_config(c.target, std::nullopt, "train");
+  eval::EvalOptions o;
+  o.max_new_tokens = c.eval_max_new_tokens;
+  o.slots = c.eval_batch_size;
+  o.enable_thinking = c.eval_enable_thinking;
+  o.stop_tokens = eval::stop_tokens(c.target, tokenizer, chat.format);
+  std::vector<eval::PromptFile> files;
+  files.push_back(std::move(share));
+  job.evaluator.emplace(*job.target, tokenizer, chat, std::move(files), o);
+  if (r.leads()) {
+    fmt::print(
+        "train: eval: {} prompts of {} ({} on rank 0), the target's greedy answers in {:.1f} s; "
+        "tau by speculative decoding (block {}, at most {} new tokens) {}\n",
+        all.prompts.size(), c.eval_prompts, mine, seconds_since(t0),
+        job.drafter->config().block_size, c.eval_max_new_tokens,
+        c.eval_every > 0 ? fmt::format("every {} steps and at the end", c.eval_every)
+                         : std::string("at the end"));
+    std::fflush(stdout);
+  }
+}
+
+// Every trainer rank decodes its share with the drafter as it is now; the counts are summed
+// over ranks, so each rank returns the job's figures. Weights are only read, without autograd.
+TrainEval evaluate_drafter(Job& job, int64_t step) {
+  const Rank& r = job.rank;
+  {
+    // The step's own work first, so that the decoding speed is the decoder's alone.
+    obs::Scope wait(obs::Stage::kGpuWait);
+    obs::synchronize(r.device);
+  }
+  obs::Scope scope(obs::Stage::kEval, r.device);
+  const auto t0 = Clock::now();
+  const int64_t block = job.drafter->config().block_size;
+  eval::EvalReport local;
+  {
+    c10::NoGradGuard no_grad;
+    local = job.evaluator->evaluate(*job.drafter);
+  }
+  const eval::FileReport& f = local.files.at(0);
+  for (const auto& d : f.divergences) {
+    if (d.tie) continue;
+    // Local prompt j of rank r is prompt j * trainers + r of the file.
+    fmt::print(stderr,
+               "train: ERROR: eval at step {}: prompt {} turn {}: speculative output differs "
+               "from the target's greedy output at answer token {} (target {} vs speculative "
+               "{}, logit gap {:.4g})\n",
+               step, d.prompt * r.topology.trainers + r.world.rank, d.turn, d.position,
+               d.target_token, d.speculative_token, d.logit_gap);
+  }
+  std::vector<int64_t> counts = {f.prompts,
+                                 f.turns,
+                                 f.speculative.verify_steps,
+                                 f.speculative.generated_tokens,
+                                 std::llround(f.speculative.seconds * 1e6),
+                                 f.target.generated_tokens,
+                                 std::llround(f.target.seconds * 1e6),
+                                 f.mismatches(),
+                                 f.ties()};
+  std::vector<int64_t> histogram = f.speculative.committed;
+  histogram.resize(static_cast<size_t>(block + 1), 0);
+  counts.insert(counts.end(), histogram.begin(), histogram.end());
+  TrainEval e;
+  e.step = step;
+  e.report.name = f.name;
+  e.report.block_size = block;
+  e.report.speculative.committed.assign(histogram.size(), 0);
+  for (const auto& v : r.data_parallel().all_gather_int64(counts, "eval_counts")) {
+    e.report.prompts += v[0];
+    e.report.turns += v[1];
+    e.report.speculative.verify_steps += v[2];
+    e.report.speculative.generated_tokens += v[3];
+    e.report.speculative.seconds += static_cast<double>(v[4]) * 1e-6;
+    e.report.target.generated_tokens += v[5];
+    e.report.target.seconds += static_cast<double>(v[6]) * 1e-6;
+    e.mismatches += v[7];
+    e.ties += v[8];
+    for (size_t k = 0; k < histogram.size(); ++k) e.report.speculative.committed[k] += v[9 + k];
+  }
+  e.seconds = seconds_since(t0);
+  return e;
+}
+
 // The loop of this rank; `resume`: trainer ranks continue from the newest checkpoint in
 // `run_dir`, target ranks from the data position rank 0 broadcasts. Returns the steps done.
-int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallback& on_step) {
+int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallback& on_step,
+                 const EvalCallback& on_eval = {}) {
   const RunConfig& c = job.config;
   Rank& r = job.rank;
   const Topology topo = r.topology;
@@ -350,10 +485,21 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
         "run directories?)",
         r.world.rank, loop.data_position(), start_position);
   }
-  const int64_t done = loop.run(job.steps, [&](const train::StepLog& l) {
-    if (on_step) on_step(l);
-    obs::maybe_write_snapshot(l.step);
-  });
+  const auto after_step = [&](int64_t step) {
+    if (!job.evaluator || !eval_due(c, step, job.steps)) return;
+    // The batch-forming thread stops for the evaluation (it would time out waiting on a full
+    // queue) and restarts at the next micro-batch, which it forms again identically.
+    batches.pause();
+    const TrainEval e = evaluate_drafter(job, step);
+    if (on_eval) on_eval(e);
+  };
+  const int64_t done = loop.run(
+      job.steps,
+      [&](const train::StepLog& l) {
+        if (on_step) on_step(l);
+        obs::maybe_write_snapshot(l.step);
+      },
+      after_step);
   final_snapshot(r.device, done);
   return done;
 }
@@ -405,6 +551,22 @@ class RunLog {
                  {"tokens_per_s", rate},
                  {"elapsed_s", elapsed_before_ + session}};
     if (l.skipped_nonfinite) line["nonfinite"] = true;
+    if (eval_ && eval_->step == l.step) {
+      const auto& f = eval_->report;
+      line["eval_tau"] = f.speculative.tau();
+      line["eval_committed_histogram"] = f.speculative.committed;
+      line["eval_prompts"] = f.prompts;
+      line["eval_turns"] = f.turns;
+      line["eval_verify_steps"] = f.speculative.verify_steps;
+      line["eval_generated_tokens"] = f.speculative.generated_tokens;
+      line["eval_mismatches"] = eval_->mismatches;
+      line["eval_ties"] = eval_->ties;
+      line["eval_seconds"] = eval_->seconds;
+      line["eval_target_tokens_per_s"] = f.target_tokens_per_s();
+      line["eval_speculative_tokens_per_s"] = f.speculative_tokens_per_s();
+      line["eval_speedup"] = f.speedup();
+      eval_.reset();
+    }
     const json split = obs::step_split();
     for (const auto& [key, value] : split.items()) line[key] = value;
     const std::string text = line.dump() + "\n";
@@ -438,17 +600,56 @@ class RunLog {
       if (!recent.top_stage.empty()) {
         where += fmt::format(" | top stage {} {:.0f}%", recent.top_stage, 100 * recent.top_share);
       }
+      const std::string held_out =
+          eval_tau_ ? fmt::format(" | eval tau {:.2f} (step {})", *eval_tau_, eval_step_) : "";
       fmt::print(
           stderr,
-          "train: step {}/{} ({:.1f}%) | loss {:.4f} | acc1 {:.3f} | tau {:.2f} | lr {:.2e} "
+          "train: step {}/{} ({:.1f}%) | loss {:.4f} | acc1 {:.3f} | tau {:.2f}{} | lr {:.2e} "
           "| {:.2f} steps/s {} tokens/s{} | elapsed {} | ETA {}\n",
           l.step, steps_, 100.0 * static_cast<double>(l.step) / static_cast<double>(steps_), l.loss,
-          l.accuracy.empty() ? 0.0 : l.accuracy[0], l.acceptance, l.lr, steps_per_s,
+          l.accuracy.empty() ? 0.0 : l.accuracy[0], l.acceptance, held_out, l.lr, steps_per_s,
           rate_text(static_cast<double>(session_tokens_) / std::max(session, 1e-9)), where,
           clock_text(elapsed_before_ + session),
           clock_text(steps_per_s > 0 ? static_cast<double>(steps_ - l.step) / steps_per_s : NAN));
       std::fflush(stderr);
     }
+  }
+  // An evaluation at step e.step, which is logged after it: its figures join that step's
+  // metrics line; TensorBoard and a line of its own get them now.
+  void add_eval(const TrainEval& e) {
+    obs::Scope scope(obs::Stage::kLog);
+    const auto& f = e.report;
+    const double tau = f.speculative.tau();
+    eval_ = e;
+    eval_tau_ = tau;
+    eval_step_ = e.step;
+    tb_.add_scalars(e.step, {{"eval/tau", tau},
+                             {"eval/mismatches", static_cast<double>(e.mismatches)},
+                             {"eval/seconds", e.seconds},
+                             {"eval/target_tokens_per_s", f.target_tokens_per_s()},
+                             {"eval/speculative_tokens_per_s", f.speculative_tokens_per_s()},
+                             {"eval/speedup", f.speedup()}});
+    tb_.flush();
+    std::string histogram;
+    for (size_t k = 1; k < f.speculative.committed.size(); ++k) {
+      histogram += fmt::format(" {}:{}", k, f.speculative.committed[k]);
+    }
+    fmt::print(stderr,
+               "train: eval at step {}: tau {:.3f} on {} prompts ({} verify steps; committed "
+               "per step{}) | target-only {:.1f} tokens/s, speculative {:.1f} tokens/s, "
+               "speed-up {:.2f}x | {:.1f} s\n",
+               e.step, tau, f.prompts, f.speculative.verify_steps, histogram,
+               f.target_tokens_per_s(), f.speculative_tokens_per_s(), f.speedup(), e.seconds);
+    if (e.mismatches > 0) {
+      // Training goes on: the weights are not at fault, the decoder is, and a long run should
+      // not be lost to it; the count is in metrics.jsonl and `dflash eval` shows the turns.
+      fmt::print(stderr,
+                 "train: ERROR: eval at step {}: speculative output differs from the target's "
+                 "greedy output in {} turn(s) of {} (the decoder is wrong; this tau is not "
+                 "trustworthy)\n",
+                 e.step, e.mismatches, f.turns);
+    }
+    std::fflush(stderr);
   }
   const fs::path& metrics_path() const { return metrics_path_; }
 
@@ -461,6 +662,9 @@ class RunLog {
   double log_seconds_;
   Clock::time_point start_ = Clock::now(), last_step_ = start_, last_print_ = start_;
   int64_t session_tokens_ = 0;
+  std::optional<TrainEval> eval_;  // waiting for its step's line
+  std::optional<double> eval_tau_;
+  int64_t eval_step_ = 0;
 };
 
 // run_config.json (what the run is) and run_config.yaml (the resolved config, reusable with
@@ -548,6 +752,7 @@ void run_training(const RunConfig& c) {
   job.config = c;
   job.rank = join(c);
   Rank& r = job.rank;
+  check_eval_options(c, r.topology);
   const fs::path run_dir = c.out;
   const bool existing = !train::list_checkpoints(run_dir).empty();
   if (existing && !c.resume) {
@@ -626,10 +831,16 @@ void run_training(const RunConfig& c) {
   }
   train::install_stop_signals();
   start_obs(c, r, run_dir, /*warmup_steps=*/1, job.steps);
-  const int64_t done = run_rank(job, resuming, run_dir, [&](const train::StepLog& l) {
-    if (log) log->add(l);
-    if (r.world.rank == kill_rank && l.step == kill_step) ::raise(SIGKILL);
-  });
+  prepare_eval(job);
+  const int64_t done = run_rank(
+      job, resuming, run_dir,
+      [&](const train::StepLog& l) {
+        if (log) log->add(l);
+        if (r.world.rank == kill_rank && l.step == kill_step) ::raise(SIGKILL);
+      },
+      [&](const TrainEval& e) {
+        if (log) log->add_eval(e);
+      });
   const std::string report = finish_obs(c, r, run_dir);
   if (!r.leads()) return;
   if (!report.empty()) {
@@ -654,6 +865,7 @@ void run_training(const RunConfig& c) {
 void run_bench(const RunConfig& config, const BenchConfig& bench) {
   RunConfig c = config;
   if (c.steps <= bench.warmup) fail("bench: --steps must exceed --warmup ({})", bench.warmup);
+  if (!c.eval_prompts.empty()) fail("bench: --eval-prompts is an option of `dflash train`");
   Job job;
   job.config = c;
   job.rank = join(c);

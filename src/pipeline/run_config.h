@@ -45,6 +45,13 @@ struct RunConfig {
   int64_t keep_last = 3;
   bool resume = false;
   double log_seconds = 10;
+  // Evaluation during training: real speculative decoding of held-out prompts (eval/).
+  std::string eval_prompts;  // a prompt file `dflash eval` reads; empty: no evaluation
+  int64_t eval_every = 0;    // steps between evaluations (0: only at the end)
+  int64_t eval_limit = 64;   // first N prompts of the file (0: all)
+  int64_t eval_max_new_tokens = 256;
+  int64_t eval_batch_size = 1;  // prompts decoded together on a rank
+  bool eval_enable_thinking = false;
   // Devices and ranks.
   std::string device = "auto";
   std::string dtype = "auto";

@@ -1,0 +1,137 @@
+"""`dflash train --eval-prompts` on the CPU with tiny shapes: tau by real speculative decoding
+during training.
+
+Usage: train_eval.py DFLASH_BINARY [DEVICE]   (DEVICE: cpu, the default, or cuda: bf16, one
+rank, only the comparison with `dflash eval`; training on the GPU is not bitwise repeatable)
+
+A random tiny target with its tokenizer (seed 0: its greedy answers repeat one token, so a
+drafter learns them within a few steps and tau moves from 1 to the block's limit), trained on
+its own answers (`dflash generate`, `dflash prepare`). One rank, evaluated every 2 of 6 steps
+on the first 4 prompts of a 5-prompt file:
+  - metrics.jsonl holds each step once, and eval_tau (with the histogram, mismatches, seconds
+    and speeds) on steps 2, 4 and 6 only;
+  - each of them equals `dflash eval` of that step's checkpoint with the same prompts and
+    options (CPU, fp32: the same counts, so the same tau);
+  - the run without evaluation has the same losses, accuracies and grad norms, and the same
+    final checkpoint to the byte (evaluation perturbs neither the weights nor any RNG stream).
+Two ranks (Gloo), evaluated every 4 of 6 steps (so at 4 and at the end), prompts split over
+the ranks: the summed counts equal `dflash eval` of those checkpoints.
+--eval-every without --eval-prompts, and --eval-prompts on a disaggregated topology, fail
+with a message saying why.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+STEPS = 6
+LIMIT = 4
+NEW_TOKENS = 24
+
+
+def run(cmd, expect_ok=True):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env,
+                       timeout=300)
+    if expect_ok and r.returncode != 0:
+        sys.exit(f"FAILED ({r.returncode}): {' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def metrics(run_dir):
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [l["step"] for l in lines]
+    assert steps == list(range(1, STEPS + 1)), f"{run_dir}: steps logged {steps}"
+    return lines
+
+
+def main():
+    dflash = sys.argv[1]
+    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        target = work / "target"
+        run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "0"])
+        chat = work / "chat.jsonl"
+        chat.write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": f"What is {i} plus {i + 3}?"},
+            {"role": "assistant", "content": "regenerated"}]}) + "\n" for i in range(16)))
+        answers, data = work / "answers.jsonl", work / "data"
+        run([dflash, "generate", "--target", target, "--data", chat, "--out", answers,
+             "--max-new-tokens", 40, "--enable-thinking", "false", "--device", "cpu"])
+        run([dflash, "prepare", "--tokenizer", target, "--data", answers, "--out", data])
+        prompts = work / "heldout.jsonl"
+        prompts.write_text("".join(json.dumps(row) + "\n" for row in [
+            {"question": "What is 20 plus 23?"}, {"prompt": "What is 21 plus 24?"},
+            {"turns": ["What is 22 plus 25?", "What is 23 plus 26?"]},
+            {"question": "What is 24 plus 27?"}, {"question": "Beyond the limit: never asked."}]))
+        train = ["train", "--target", target, "--data", data, "--steps", STEPS,
+                 "--batch-size", 2, "--max-seq-len", 64, "--drafter-layers", 2,
+                 "--block-size", 8, "--max-anchors", 16, "--lr", "5e-5", "--log-seconds", 0,
+                 "--device", device, "--keep-last", STEPS]
+        evaluation = ["--eval-prompts", prompts, "--eval-limit", LIMIT,
+                      "--eval-max-new-tokens", NEW_TOKENS]
+
+        def same_as_dflash_eval(run_dir, step, line):
+            r = run([dflash, "eval", "--json", "--target", target, "--drafter",
+                     run_dir / f"step-{step:08d}", "--prompts", prompts, "--limit", LIMIT,
+                     "--max-new-tokens", NEW_TOKENS, "--device", device])
+            f = json.loads(r.stdout)["files"][0]
+            got = {k: line[f"eval_{k}"] for k in
+                   ("tau", "committed_histogram", "verify_steps", "generated_tokens",
+                    "prompts", "turns", "mismatches")}
+            want = {k: f[k] for k in got}
+            assert got == want, f"{run_dir} step {step}: train's eval {got} != dflash eval {want}"
+            assert line["eval_seconds"] > 0 and line["eval_speculative_tokens_per_s"] > 0
+            assert line["eval_target_tokens_per_s"] > 0 and line["eval_speedup"] > 0
+            return f["committed_histogram"]
+
+        # One rank, every 2 steps; and the same run without evaluation.
+        with_eval, without = work / "with_eval", work / "without"
+        r = run([dflash, *train, "--out", with_eval, "--checkpoint-every", 2, *evaluation,
+                 "--eval-every", 2])
+        assert "eval at step 2: tau" in r.stderr and "eval tau" in r.stderr, r.stderr
+        a = metrics(with_eval)
+        assert [l["step"] for l in a if "eval_tau" in l] == [2, 4, 6], a
+        histograms = [same_as_dflash_eval(with_eval, s, a[s - 1]) for s in (2, 4, 6)]
+        assert all(l["eval_prompts"] == LIMIT and l["eval_turns"] == LIMIT + 1
+                   for l in a if "eval_tau" in l), a
+        print("train_eval: tau " + ", ".join(f"{l['eval_tau']:.3f} at step {l['step']}"
+                                             for l in a if "eval_tau" in l))
+        # The drafter changed between the evaluations, and tau with it: a check that read
+        # stale or other weights would fail.
+        assert len({str(h) for h in histograms}) > 1, histograms
+        if device != "cpu":
+            print("train_eval: OK")
+            return
+        run([dflash, *train, "--out", without, "--checkpoint-every", 2])
+        b = metrics(without)
+        for x, y in zip(a, b):
+            for key in ("loss", "accuracy", "grad_norm", "acceptance", "lr", "tokens"):
+                assert x[key] == y[key], f"step {x['step']}: {key} {x[key]} != {y[key]}"
+            assert not any(k.startswith("eval_") for k in y), y
+        final = f"step-{STEPS:08d}/state.safetensors"
+        assert (with_eval / final).read_bytes() == (without / final).read_bytes(), \
+            "the final checkpoint differs with evaluation"
+
+        # Two ranks, every 4 steps (so at 4 and at the end): the prompts are split over ranks.
+        two = work / "two_ranks"
+        run([dflash, *train, "--out", two, "--checkpoint-every", 2, *evaluation,
+             "--eval-every", 4, "--nproc-per-node", 2])
+        c = metrics(two)
+        assert [l["step"] for l in c if "eval_tau" in l] == [4, 6], c
+        for s in (4, 6):
+            same_as_dflash_eval(two, s, c[s - 1])
+
+        r = run([dflash, *train, "--out", work / "bad1", "--eval-every", 2], expect_ok=False)
+        assert r.returncode != 0 and "--eval-every needs --eval-prompts" in r.stderr, r.stderr
+        r = run([dflash, *train, "--out", work / "bad2", *evaluation, "--nproc-per-node", 2,
+                 "--topology", "disaggregated", "--target-ranks", 1], expect_ok=False)
+        assert r.returncode != 0 and "needs --topology colocated" in r.stderr, r.stderr
+    print("train_eval: OK")
+
+
+if __name__ == "__main__":
+    main()
