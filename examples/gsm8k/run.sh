@@ -61,6 +61,8 @@ if [ "$mode" = mini ]; then
   questions=400        # train questions the target answers for the drafter
   generate=(--max-new-tokens 160 --batch-size 64)
   drafter=(--drafter-layers 2 --steps 150 --batch-size 8 --max-anchors 64 --lr 3e-3)
+  # tau during training on the first 20 held-out questions (a few seconds in all)
+  train_eval=(--eval-every 50 --eval-limit 20 --eval-max-new-tokens 160 --eval-batch-size 8)
   heldout=40
   eval=(--max-new-tokens 160 --batch-size 8)
 else
@@ -70,8 +72,10 @@ else
   questions=0          # all 7473
   generate=(--max-new-tokens 384 --batch-size 256)
   drafter=(--drafter-layers 5 --epochs 16 --batch-size 16 --max-anchors 512)
+  train_eval=(--eval-every 500 --eval-limit 100 --eval-max-new-tokens 384 --eval-batch-size 16)
   heldout=500
   # fp32: this small model's bf16 logits tie exactly often enough (103 of 500 answers in a bf16 run)
+  # that a verify pass and a decode step, which round differently, pick different tokens.
   eval=(--max-new-tokens 384 --batch-size 1 --dtype fp32)
 fi
 
@@ -104,7 +108,8 @@ stage generate "$dflash" generate --target "$out/target" --data "$out/questions.
 stage prepare "$dflash" prepare --tokenizer "$out/target" --data "$out/answers.jsonl" \
   --out "$out/data"
 stage train "$dflash" train --target "$out/target" --data "$out/data" --out "$out/drafter" \
-  --block-size 16 --device "$device" "${drafter[@]}"
+  --block-size 16 --device "$device" "${drafter[@]}" --eval-prompts "$out/heldout.jsonl" \
+  "${train_eval[@]}"
 eval_json() { "$dflash" eval --json "$@" > "$out/eval.json"; }
 stage eval eval_json --target "$out/target" --drafter "$out/drafter" \
   --prompts "$out/heldout.jsonl" --enable-thinking false --device "$device" "${eval[@]}"
@@ -121,14 +126,18 @@ for line in (out / "seconds.txt").read_text().split():
 target = json.loads((out / "target" / "pretrain.json").read_text())
 report = json.loads((out / "eval.json").read_text())
 f = report["files"][0]
+metrics = [json.loads(l) for l in (out / "drafter" / "metrics.jsonl").read_text().splitlines()]
+train_tau = {l["step"]: l["eval_tau"] for l in metrics if "eval_tau" in l}
 summary = {"mode": mode, "seconds": seconds, "total_seconds": sum(seconds.values()),
-           "target": target, "eval": report}
+           "target": target, "eval": report, "train_eval_tau": train_tau}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 hist = " ".join(f"{k}:{n}" for k, n in enumerate(f["committed_histogram"]) if k > 0)
 print(f"gsm8k {mode}: target {target['params'] / 1e6:.2f}M params, validation loss "
       f"{target['eval_loss']:.4f} (answer tokens, {target['eval_samples']} test samples)")
 print(f"gsm8k {mode}: tau {f['tau']:.3f} on {f['prompts']} held-out questions (B = "
       f"{f['block_size']}); committed per step {hist}")
+print(f"gsm8k {mode}: tau during training (first questions of the held-out set): " +
+      ", ".join(f"step {s} {t:.3f}" for s, t in train_tau.items()))
 print(f"gsm8k {mode}: speed-up {f['speedup']:.2f}x (target-only {f['target_tokens_per_s']:.0f}, "
       f"speculative {f['speculative_tokens_per_s']:.0f} tokens/s); output == target greedy on "
       f"{f['turns'] - f['mismatches']}/{f['turns']}")

@@ -1,7 +1,8 @@
 """The end-to-end GSM8K run in miniature (examples/gsm8k/run.sh --mini): a target trained by
 `dflash pretrain` on GSM8K, its greedy answers, a drafter trained on them, and speculative
 decoding on held-out GSM8K test questions. Asserts tau >= 1.5 and speculative output ==
-target greedy output on every question (eval itself fails on a mismatch).
+target greedy output on every question (eval itself fails on a mismatch), and that train
+logged tau on held-out questions during training (--eval-every).
 
 Usage: gsm8k_mini.py DFLASH_BINARY   (GSM8K from ../shared/data/gsm8k, as run.sh finds it)
 """
@@ -29,6 +30,9 @@ def main():
             sys.exit("FAILED: speculative output differs from the target's greedy output")
         if f["tau"] < 1.5:
             sys.exit(f"FAILED: tau {f['tau']:.3f} < 1.5")
+        # train --eval-every 50 over 150 steps: tau on held-out questions at 50, 100 and 150.
+        if sorted(summary["train_eval_tau"]) != ["100", "150", "50"]:
+            sys.exit(f"FAILED: tau during training logged at {summary['train_eval_tau']}")
 
 
 if __name__ == "__main__":
