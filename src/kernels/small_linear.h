@@ -11,6 +11,10 @@ namespace dflash::kernels {
 
 // The most rows of x the kernel takes: each thread keeps rows x 4 accumulators in registers.
 inline constexpr int64_t kSmallLinearMaxRows = 8;
+// The most rows at which it beats cuBLAS on an H200 (`dflash bench-kernels`, Qwen3-8B shapes,
+// 2026-11-30): at 1 row 1.07-1.35x faster on every linear; at 4 rows 0.68-0.94x, at 8 0.49-0.73x
+// (cuBLAS's tiles already read the weight once there, and each extra row here costs registers).
+inline constexpr int64_t kSmallLinearFasterRows = 1;
 
 // x: [..., K] with the last dimension contiguous and at most kSmallLinearMaxRows rows in all
 // (the leading dimensions flatten to rows with one stride); w: [N, K] contiguous; b: [N] or

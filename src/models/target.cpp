@@ -164,7 +164,9 @@ at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
 
 at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const {
   const int64_t rows = hidden.numel() / std::max<int64_t>(hidden.size(-1), 1);
-  if (decode_kernels(hidden, rows)) return kernels::small_linear(hidden, lm_head_);
+  if (decode_kernels(hidden, rows) && rows <= kernels::kSmallLinearFasterRows) {
+    return kernels::small_linear(hidden, lm_head_);
+  }
   return at::linear(hidden, lm_head_);
 }
 
@@ -177,7 +179,9 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   const int64_t t = x.size(0), d = c.head_dim;
   const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias) {
-    if (fused) return kernels::small_linear(in, weight, bias);
+    if (fused && t <= kernels::kSmallLinearFasterRows) {
+      return kernels::small_linear(in, weight, bias);
+    }
     return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);
   };
   at::Tensor h;
