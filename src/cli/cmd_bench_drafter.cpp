@@ -26,7 +26,7 @@ namespace {
 struct BenchDrafterOptions {
   std::string preset = "qwen3-8b";
   std::string device = "cuda";
-  int64_t seq_len = -1;  // -1: preset default (2048 for qwen3-8b, 256 for tiny)
+  int64_t seq_len = -1;  // -1: preset default (256 for the tiny presets, else 2048)
   int64_t anchors = -1;  // -1: preset default (512, 32)
   int64_t block_size = 16;
   int64_t layers = 5;
@@ -53,7 +53,7 @@ class FixedBatch : public train::BatchSource {
 void run_bench(const BenchDrafterOptions& o) {
   const at::Device device(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-drafter: --profile needs a CUDA device");
-  const bool tiny = o.preset == "tiny";
+  const bool tiny = o.preset.starts_with("tiny");
   const int64_t seq = o.seq_len > 0 ? o.seq_len : (tiny ? 256 : 2048);
   const int64_t anchors = o.anchors > 0 ? o.anchors : (tiny ? 32 : 512);
   auto target = models::preset_config(o.preset);
@@ -176,7 +176,8 @@ void add_bench_drafter_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench-drafter",
       "Measure one DFlash drafter training step on a random-weight target's features");
-  cmd->add_option("--preset", o->preset, "target shape: qwen3-8b or tiny")->capture_default_str();
+  cmd->add_option("--preset", o->preset, "target shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
+      ->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
   cmd->add_option("--seq-len", o->seq_len, "tokens in the sequence (default 2048; tiny 256)");
   cmd->add_option("--anchors", o->anchors, "blocks per sequence (default 512; tiny 32)");

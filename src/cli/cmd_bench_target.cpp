@@ -40,9 +40,10 @@ void run_bench(const BenchOptions& o) {
   const auto taps =
       models::default_target_layer_ids(config.num_layers, models::DrafterOptions{}.num_layers);
   fmt::print(
-      "bench-target: {} ({:.2f} B params), {} on {}, seq {}, taps [{}], warmup {}, iters {}\n",
-      o.preset, config.num_parameters() / 1e9, c10::toString(dtype), o.device, o.seq_len,
-      fmt::join(taps, ","), o.warmup, o.iters);
+      "bench-target: {} ({:.2f} B params, {:.2f} B active per token), {} on {}, seq {}, taps "
+      "[{}], warmup {}, iters {}\n",
+      o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
+      c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), o.warmup, o.iters);
   fmt::print("{:>6} {:>10} {:>12} {:>10} {:>14}\n", "batch", "median ms", "tokens/s", "TFLOP/s",
              "peak GPU GiB");
   nlohmann::json rows = nlohmann::json::array();
@@ -126,7 +127,8 @@ void add_bench_target_command(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   auto* cmd =
       app.add_subcommand("bench-target", "Measure target prefill throughput (random weights)");
-  cmd->add_option("--preset", o->preset, "model shape: qwen3-8b or tiny")->capture_default_str();
+  cmd->add_option("--preset", o->preset, "model shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
+      ->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
   cmd->add_option("--seq-len", o->seq_len, "tokens per sequence")->capture_default_str();
   cmd->add_option("--batches", o->batches, "sequences per prefill, one run each")
@@ -143,7 +145,8 @@ void add_bench_target_command(CLI::App& app) {
   auto r = std::make_shared<RandomModelOptions>();
   auto* rm =
       app.add_subcommand("random-model", "Write a random-weight target as a HF model directory");
-  rm->add_option("--preset", r->preset, "model shape: qwen3-8b or tiny")->capture_default_str();
+  rm->add_option("--preset", r->preset, "model shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
+      ->capture_default_str();
   rm->add_option("--out", r->out, "output directory")->required();
   rm->add_option("--seed", r->seed)->capture_default_str();
   rm->add_option("--shard-gib", r->shard_gib, "maximum shard size")->capture_default_str();

@@ -51,6 +51,15 @@ void run_info(const InfoOptions& o) {
   fmt::print("layers:       {}\n", config.num_layers);
   fmt::print("hidden size:  {} (FFN {}, heads {}/{} x {})\n", config.hidden_size,
              config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim);
+  if (config.num_experts > 0) {
+    int64_t sparse = 0;
+    for (int64_t i = 0; i < config.num_layers; ++i) sparse += config.is_moe_layer(i);
+    fmt::print(
+        "experts:      {} in each of {} sparse layers, {} per token (FFN {}); {:.3f} B "
+        "parameters active per token\n",
+        config.num_experts, sparse, config.num_experts_per_tok, config.moe_intermediate_size,
+        config.num_active_parameters() / 1e9);
+  }
   fmt::print("vocabulary:   {}{}\n", config.vocab_size,
              config.tie_word_embeddings ? " (LM head tied to embedding)" : "");
   fmt::print("parameters:   {} ({:.3f} B; config implies {})\n", params, params / 1e9,

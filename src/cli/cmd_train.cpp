@@ -33,7 +33,8 @@ void add_bench_command(CLI::App& app) {
       "bench",
       "The whole training pipeline on a synthetic workload (random target of a preset, random "
       "tokens, no files): tokens/s per GPU, MFU, host CPU, memory");
-  cmd->add_option("--preset", a->bench.preset, "target shape: qwen3-8b or tiny")
+  cmd->add_option("--preset", a->bench.preset,
+                  "target shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
       ->capture_default_str();
   cmd->add_option("--seq-len", a->bench.seq_len, "tokens per sequence")->capture_default_str();
   cmd->add_option("--samples", a->bench.samples, "distinct synthetic sequences")

@@ -1,5 +1,6 @@
 #include "models/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 
@@ -116,6 +117,22 @@ Rope parse_rope(const json& j, int64_t max_position_embeddings, const std::strin
   return rope;
 }
 
+// Qwen3MoeConfig's fields and defaults; transformers 5 writes num_experts as
+// "num_local_experts" (an attribute alias), published checkpoints as "num_experts".
+void parse_moe(const json& j, ModelConfig& c, const std::string& origin) {
+  c.num_experts = optional_field<int64_t>(
+      j, "num_experts", optional_field<int64_t>(j, "num_local_experts", 128, origin), origin);
+  c.num_experts_per_tok = optional_field<int64_t>(j, "num_experts_per_tok", 8, origin);
+  c.moe_intermediate_size = optional_field<int64_t>(j, "moe_intermediate_size", 768, origin);
+  c.norm_topk_prob = optional_field<bool>(j, "norm_topk_prob", false, origin);
+  c.decoder_sparse_step = optional_field<int64_t>(j, "decoder_sparse_step", 1, origin);
+  c.mlp_only_layers =
+      optional_field<std::vector<int64_t>>(j, "mlp_only_layers", std::vector<int64_t>{}, origin);
+  if (optional_field<bool>(j, "use_sliding_window", false, origin)) {
+    fail("{}: use_sliding_window = true is not supported", origin);
+  }
+}
+
 }  // namespace
 
 const char* architecture_name(Architecture arch) {
@@ -126,6 +143,8 @@ const char* architecture_name(Architecture arch) {
       return "qwen2";
     case Architecture::kLlama:
       return "llama";
+    case Architecture::kQwen3Moe:
+      return "qwen3_moe";
   }
   return "?";
 }
@@ -134,15 +153,16 @@ ModelConfig parse_model_config(const json& j, const std::string& origin) {
   if (!j.is_object()) fail("{}: expected a JSON object", origin);
   ModelConfig c;
   std::string type = required<std::string>(j, "model_type", origin);
-  if (type == "qwen3") {
-    c.arch = Architecture::kQwen3;
+  if (type == "qwen3" || type == "qwen3_moe") {
+    c.arch = type == "qwen3" ? Architecture::kQwen3 : Architecture::kQwen3Moe;
     c.qk_norm = true;
   } else if (type == "qwen2") {
     c.arch = Architecture::kQwen2;
   } else if (type == "llama") {
     c.arch = Architecture::kLlama;
   } else {
-    fail("{}: model_type \"{}\" is not supported (supported: qwen3, qwen2, llama)", origin, type);
+    fail("{}: model_type \"{}\" is not supported (supported: qwen3, qwen3_moe, qwen2, llama)",
+         origin, type);
   }
   c.vocab_size = required<int64_t>(j, "vocab_size", origin);
   c.hidden_size = required<int64_t>(j, "hidden_size", origin);
@@ -171,6 +191,7 @@ ModelConfig parse_model_config(const json& j, const std::string& origin) {
     fail("{}: hidden_act \"{}\" is not supported (silu)", origin, hidden_act);
   c.torch_dtype = optional_field<std::string>(
       j, "dtype", optional_field<std::string>(j, "torch_dtype", "bfloat16", origin), origin);
+  if (c.arch == Architecture::kQwen3Moe) parse_moe(j, c, origin);
   c.validate(origin);
   return c;
 }
@@ -191,17 +212,49 @@ void ModelConfig::validate(const std::string& origin) const {
          num_heads, num_kv_heads);
   }
   if (head_dim % 2 != 0) fail("{}: head_dim must be even for RoPE, got {}", origin, head_dim);
+  if (num_experts == 0) return;
+  if (num_experts < 0) fail("{}: num_experts must not be negative, got {}", origin, num_experts);
+  positive(moe_intermediate_size, "moe_intermediate_size");
+  positive(decoder_sparse_step, "decoder_sparse_step");
+  if (num_experts_per_tok < 1 || num_experts_per_tok > num_experts) {
+    fail("{}: num_experts_per_tok must be in [1, num_experts = {}], got {}", origin, num_experts,
+         num_experts_per_tok);
+  }
 }
 
-int64_t ModelConfig::num_parameters() const {
-  const int64_t h = hidden_size, q = num_heads * head_dim, kv = num_kv_heads * head_dim;
-  int64_t attn = h * q + 2 * h * kv + q * h;
-  if (attention_bias) attn += q + 2 * kv;
-  if (qk_norm) attn += 2 * head_dim;
-  const int64_t layer = attn + 3 * h * intermediate_size + 2 * h;
-  const int64_t embed = vocab_size * h;
-  return num_layers * layer + h + embed * (tie_word_embeddings ? 1 : 2);
+bool ModelConfig::is_moe_layer(int64_t layer) const {
+  return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0 &&
+         std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end();
 }
+
+int64_t ModelConfig::mlp_parameters(int64_t layer, bool active) const {
+  const int64_t h = hidden_size;
+  if (!is_moe_layer(layer)) return 3 * h * intermediate_size;
+  const int64_t experts = active ? num_experts_per_tok : num_experts;
+  return h * num_experts + experts * 3 * h * moe_intermediate_size;
+}
+
+namespace {
+
+int64_t layer_parameters(const ModelConfig& c, int64_t i, bool active) {
+  const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  int64_t attn = h * q + 2 * h * kv + q * h;
+  if (c.attention_bias) attn += q + 2 * kv;
+  if (c.qk_norm) attn += 2 * c.head_dim;
+  return attn + c.mlp_parameters(i, active) + 2 * h;
+}
+
+int64_t model_parameters(const ModelConfig& c, bool active) {
+  int64_t n = c.hidden_size + c.vocab_size * c.hidden_size * (c.tie_word_embeddings ? 1 : 2);
+  for (int64_t i = 0; i < c.num_layers; ++i) n += layer_parameters(c, i, active);
+  return n;
+}
+
+}  // namespace
+
+int64_t ModelConfig::num_parameters() const { return model_parameters(*this, false); }
+
+int64_t ModelConfig::num_active_parameters() const { return model_parameters(*this, true); }
 
 ModelConfig load_model_config(const std::filesystem::path& config_json) {
   return parse_model_config(read_json_file(config_json), config_json.string());
@@ -227,7 +280,7 @@ ModelConfig qwen3_8b_config() {
 
 json to_hf_json(const ModelConfig& c) {
   static const char* const kArchitectures[] = {"Qwen3ForCausalLM", "Qwen2ForCausalLM",
-                                               "LlamaForCausalLM"};
+                                               "LlamaForCausalLM", "Qwen3MoeForCausalLM"};
   json j = {{"architectures", {kArchitectures[static_cast<int>(c.arch)]}},
             {"model_type", architecture_name(c.arch)},
             {"vocab_size", c.vocab_size},
@@ -244,6 +297,14 @@ json to_hf_json(const ModelConfig& c) {
             {"tie_word_embeddings", c.tie_word_embeddings},
             {"attention_bias", c.attention_bias},
             {"torch_dtype", c.torch_dtype}};
+  if (c.arch == Architecture::kQwen3Moe) {
+    j["num_experts"] = c.num_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["decoder_sparse_step"] = c.decoder_sparse_step;
+    j["mlp_only_layers"] = c.mlp_only_layers;
+  }
   if (!c.rope_scaling) return j;
   // Written as "rope_scaling" with the top-level rope_theta: what transformers 4 and 5, SGLang
   // and vLLM all read.
@@ -297,7 +358,31 @@ ModelConfig preset_config(const std::string& name) {
     c.tie_word_embeddings = true;
     return c;
   }
-  fail("unknown model preset \"{}\" (known: qwen3-8b, tiny)", name);
+  if (name == "qwen3-30b-a3b") {
+    ModelConfig c = qwen3_8b_config();
+    c.arch = Architecture::kQwen3Moe;
+    c.hidden_size = 2048;
+    c.intermediate_size = 6144;
+    c.num_layers = 48;
+    c.num_heads = 32;
+    c.num_kv_heads = 4;
+    c.num_experts = 128;
+    c.num_experts_per_tok = 8;
+    c.moe_intermediate_size = 768;
+    c.norm_topk_prob = true;
+    return c;
+  }
+  if (name == "tiny-moe") {
+    ModelConfig c = preset_config("tiny");
+    c.arch = Architecture::kQwen3Moe;
+    c.num_experts = 8;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 64;
+    c.norm_topk_prob = true;
+    c.mlp_only_layers = {0};
+    return c;
+  }
+  fail("unknown model preset \"{}\" (known: qwen3-8b, qwen3-30b-a3b, tiny, tiny-moe)", name);
 }
 
 }  // namespace dflash::models

@@ -1,5 +1,5 @@
-// models: target decoders (Qwen3, Qwen2, Llama) as plain tensor code, their config.json, and
-// the layers the DFlash drafter shares with them.
+// models: target decoders (Qwen3, Qwen3 MoE, Qwen2, Llama) as plain tensor code, their config.json,
+// and the layers the DFlash drafter shares with them.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -7,10 +7,11 @@
 #include <optional>
 #include <string>
 #include <variant>
+#include <vector>
 
 namespace dflash::models {
 
-enum class Architecture { kQwen3, kQwen2, kLlama };
+enum class Architecture { kQwen3, kQwen2, kLlama, kQwen3Moe };
 const char* architecture_name(Architecture arch);
 
 // RoPE frequency scalings, computed as transformers' modeling_rope_utils does.
@@ -57,8 +58,28 @@ struct ModelConfig {
   bool qk_norm = false;         // per-head RMSNorm on q and k (Qwen3)
   std::string torch_dtype = "bfloat16";
 
+  // Sparse MLPs (Qwen3 MoE; num_experts 0: every layer dense). A sparse layer routes each token
+  // to its num_experts_per_tok highest-scoring experts of moe_intermediate_size; the dense
+  // layers among them (mlp_only_layers, and those decoder_sparse_step skips) keep
+  // intermediate_size.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;  // renormalise the top-k routing weights to sum to one
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+
+  // Whether decoder layer `layer` has a sparse (expert) MLP, as transformers decides it.
+  bool is_moe_layer(int64_t layer) const;
+  // The weights of layer `layer`'s MLP (a sparse one's router included): all of them, or
+  // (`active`) those one token multiplies by.
+  int64_t mlp_parameters(int64_t layer, bool active) const;
+
   // Number of parameters the weights hold (embedding and LM head counted once when tied).
   int64_t num_parameters() const;
+  // The same with only num_experts_per_tok experts of each sparse layer: the "activated
+  // parameters" of MoE model cards. Equal to num_parameters() for a dense model.
+  int64_t num_active_parameters() const;
   // Checks internal consistency (e.g. heads divide evenly); throws naming `origin`.
   void validate(const std::string& origin) const;
 };
@@ -71,8 +92,9 @@ ModelConfig load_model_config(const std::filesystem::path& config_json);
 // The inverse of parse_model_config: a config.json transformers loads.
 nlohmann::json to_hf_json(const ModelConfig& config);
 
-// Named shapes for runs and benchmarks that need no files: "qwen3-8b" and "tiny" (a
-// Qwen3-shaped model small enough for CPU tests and the default demo).
+// Named shapes for runs and benchmarks that need no files: "qwen3-8b", "qwen3-30b-a3b" (Qwen3
+// MoE, 128 experts, 8 active), "tiny" (a Qwen3-shaped model small enough for CPU tests and the
+// default demo) and "tiny-moe" (its MoE counterpart, with one dense layer).
 ModelConfig preset_config(const std::string& name);
 
 // The Qwen3-8B shape, used by benchmarks that need no files.

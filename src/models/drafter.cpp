@@ -157,6 +157,11 @@ DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOption
   DrafterConfig c;
   c.layers = target;
   c.layers.arch = Architecture::kQwen3;
+  // Dense whatever the target: an MoE target's drafter takes the config's intermediate_size.
+  c.layers.num_experts = 0;
+  c.layers.num_experts_per_tok = 0;
+  c.layers.moe_intermediate_size = 0;
+  c.layers.mlp_only_layers.clear();
   c.layers.qk_norm = true;
   c.layers.attention_bias = false;
   c.layers.tie_word_embeddings = false;
@@ -365,6 +370,9 @@ Drafter Drafter::from_target_layers(const DrafterConfig& config, const TargetMod
       fail("drafter init: source layer {} is out of range [0, {})", src, t.num_layers);
     }
     const TargetLayerWeights& s = target.layers()[src];
+    if (!s.w_gate_up.defined()) {
+      fail("drafter init: target layer {} has a sparse (MoE) MLP; copy only dense layers", src);
+    }
     DrafterLayerWeights& l = d.layers_[i];
     l.input_norm.copy_(s.input_norm);
     l.post_attention_norm.copy_(s.post_attention_norm);

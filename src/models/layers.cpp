@@ -142,4 +142,59 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at
   return at::linear(act, w_down);
 }
 
+namespace {
+
+// at::_grouped_mm reads every operand through 16-byte-aligned row strides: x's rows [H], the
+// transposed weights' columns [2F] and [F], and the activations' rows [F].
+bool grouped_mm_aligned(const at::Tensor& x, int64_t f) {
+  const int64_t bytes = x.element_size();
+  return (x.size(1) * bytes) % 16 == 0 && (f * bytes) % 16 == 0;
+}
+
+}  // namespace
+
+at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tensor& experts_gate_up,
+                   const at::Tensor& experts_down, int64_t top_k, bool norm_topk_prob,
+                   ExpertGemm gemm) {
+  const int64_t t = x.size(0), h = x.size(1), experts = router.size(0);
+  const int64_t f = experts_down.size(2);
+  auto probs = at::softmax(at::linear(x, router), -1, at::kFloat);
+  auto [weights, chosen] = at::topk(probs, top_k, -1);
+  if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  weights = weights.to(x.scalar_type());
+  // One row per (token, choice), sorted by expert; the stable sort keeps each expert's tokens in
+  // order.
+  auto flat = chosen.reshape(-1);
+  auto order = std::get<1>(at::sort(flat, /*stable=*/true, 0, /*descending=*/false));
+  auto rows = x.index_select(0, at::floor_divide(order, top_k));
+  auto counts = at::zeros({experts}, flat.options()).scatter_add_(0, flat, at::ones_like(flat));
+  if (gemm == ExpertGemm::kAuto) {
+    gemm = x.is_cuda() && x.scalar_type() == at::kBFloat16 && grouped_mm_aligned(x, f)
+               ? ExpertGemm::kGrouped
+               : ExpertGemm::kLoop;
+  }
+  at::Tensor y;
+  if (gemm == ExpertGemm::kGrouped) {
+    // Offsets stay on the device: no host sync, so a CUDA graph can capture the layer.
+    auto offsets = counts.cumsum(0).to(at::kInt);
+    auto gate_up = at::_grouped_mm(rows, experts_gate_up.transpose(1, 2), offsets);
+    auto act = at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f);
+    y = at::_grouped_mm(act, experts_down.transpose(1, 2), offsets);
+  } else {
+    auto host = counts.cpu();
+    const int64_t* n = host.data_ptr<int64_t>();
+    std::vector<at::Tensor> outs;
+    for (int64_t e = 0, start = 0; e < experts; start += n[e++]) {
+      if (n[e] == 0) continue;
+      outs.push_back(
+          swiglu_mlp(rows.narrow(0, start, n[e]), experts_gate_up.select(0, e), experts_down[e]));
+    }
+    y = at::cat(outs);
+  }
+  // Back to (token, choice) order, then each token's weighted sum over its choices.
+  auto inverse =
+      at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
+  return (y.index_select(0, inverse).view({t, top_k, h}) * weights.unsqueeze(-1)).sum(1);
+}
+
 }  // namespace dflash::models

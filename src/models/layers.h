@@ -54,4 +54,20 @@ at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, con
 // SwiGLU MLP with gate and up projections fused in one weight [2F, H] (gate rows first).
 at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down);
 
+// How a sparse MLP multiplies the tokens routed to each expert: kGrouped is one
+// at::_grouped_mm per projection over all experts (the Hopper kernel on CUDA bf16, ATen's
+// per-group loop elsewhere); kLoop one SwiGLU per expert that received tokens (one host read
+// of the counts); kAuto takes kGrouped on CUDA bf16 when every row stride is a multiple of 16
+// bytes (the kernel's condition) and kLoop otherwise.
+enum class ExpertGemm { kAuto, kGrouped, kLoop };
+
+// Qwen3 MoE's sparse MLP on x [T, H]: router logits x router^T ([E, H] router), softmax over the
+// experts in fp32, the top_k experts per token with their probabilities (renormalised to sum to
+// one when norm_topk_prob) cast to x's dtype; the result is the weighted sum of each chosen
+// expert's SwiGLU, experts_gate_up [E, 2F, H] (gate rows first) and experts_down [E, H, F].
+// Token rows are sorted by expert so each expert multiplies its rows at once.
+at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tensor& experts_gate_up,
+                   const at::Tensor& experts_down, int64_t top_k, bool norm_topk_prob,
+                   ExpertGemm gemm = ExpertGemm::kAuto);
+
 }  // namespace dflash::models

@@ -28,10 +28,50 @@ bool decode_kernels(const at::Tensor& x, int64_t rows) {
          rows <= kernels::kSmallLinearMaxRows;
 }
 
-// Every tensor a config implies, with its expected shape, in Hugging Face naming.
-std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& c) {
+using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+
+// Layer i's MLP tensors, with their expected shapes: a sparse layer's experts per expert or,
+// with `fused_experts`, as the two 3-D tensors of transformers 5's Qwen3MoeExperts.
+void mlp_tensors(const ModelConfig& c, int64_t i, bool fused_experts, Shapes& out) {
+  const std::string p = layer_prefix(i) + "mlp.";
+  const int64_t h = c.hidden_size;
+  if (!c.is_moe_layer(i)) {
+    out.push_back({p + "gate_proj.weight", {c.intermediate_size, h}});
+    out.push_back({p + "up_proj.weight", {c.intermediate_size, h}});
+    out.push_back({p + "down_proj.weight", {h, c.intermediate_size}});
+    return;
+  }
+  const int64_t e = c.num_experts, f = c.moe_intermediate_size;
+  out.push_back({p + "gate.weight", {e, h}});
+  if (fused_experts) {
+    out.push_back({p + "experts.gate_up_proj", {e, 2 * f, h}});
+    out.push_back({p + "experts.down_proj", {e, h, f}});
+    return;
+  }
+  for (int64_t j = 0; j < e; ++j) {
+    const std::string x = fmt::format("{}experts.{}.", p, j);
+    out.push_back({x + "gate_proj.weight", {f, h}});
+    out.push_back({x + "up_proj.weight", {f, h}});
+    out.push_back({x + "down_proj.weight", {h, f}});
+  }
+}
+
+// A checkpoint's layer i holds its experts fused (else per expert).
+bool has_fused_experts(const io::Checkpoint& ckpt, int64_t i) {
+  return ckpt.contains(layer_prefix(i) + "mlp.experts.gate_up_proj");
+}
+
+at::Tensor sparse_mlp(const ModelConfig& c, const TargetLayerWeights& w, const at::Tensor& x) {
+  return moe_mlp(x, w.router, w.experts_gate_up, w.experts_down, c.num_experts_per_tok,
+                 c.norm_topk_prob);
+}
+
+// Every tensor a config implies, with its expected shape, in Hugging Face naming;
+// fused_experts(i) picks the layout of sparse layer i's experts.
+template <class FusedExperts>
+Shapes expected_tensors(const ModelConfig& c, FusedExperts&& fused_experts) {
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  Shapes out;
   out.push_back({"model.embed_tokens.weight", {c.vocab_size, h}});
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = layer_prefix(i);
@@ -50,9 +90,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const
       out.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
       out.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
     }
-    out.push_back({p + "mlp.gate_proj.weight", {c.intermediate_size, h}});
-    out.push_back({p + "mlp.up_proj.weight", {c.intermediate_size, h}});
-    out.push_back({p + "mlp.down_proj.weight", {h, c.intermediate_size}});
+    mlp_tensors(c, i, c.is_moe_layer(i) && fused_experts(i), out);
   }
   out.push_back({"model.norm.weight", {h}});
   if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", {c.vocab_size, h}});
@@ -70,7 +108,8 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
   const ModelConfig& c = m.config_;
   auto ckpt = io::Checkpoint::open(dir);
   std::vector<std::string> names;
-  for (const auto& [name, shape] : expected_tensors(c)) {
+  auto fused = [&](int64_t i) { return has_fused_experts(ckpt, i); };
+  for (const auto& [name, shape] : expected_tensors(c, fused)) {
     if (!ckpt.contains(name)) {
       fail("{}: tensor {} is missing (config.json implies it)", dir.string(), name);
     }
@@ -103,8 +142,24 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
       l.k_norm = take(p + "self_attn.k_norm.weight");
     }
     l.w_o = take(p + "self_attn.o_proj.weight");
-    l.w_gate_up = at::cat({take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")});
-    l.w_down = take(p + "mlp.down_proj.weight");
+    if (!c.is_moe_layer(i)) {
+      l.w_gate_up = at::cat({take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")});
+      l.w_down = take(p + "mlp.down_proj.weight");
+    } else if (fused(i)) {
+      l.router = take(p + "mlp.gate.weight");
+      l.experts_gate_up = take(p + "mlp.experts.gate_up_proj");
+      l.experts_down = take(p + "mlp.experts.down_proj");
+    } else {
+      l.router = take(p + "mlp.gate.weight");
+      std::vector<at::Tensor> gate_up, down;
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string x = fmt::format("{}mlp.experts.{}.", p, e);
+        gate_up.push_back(at::cat({take(x + "gate_proj.weight"), take(x + "up_proj.weight")}));
+        down.push_back(take(x + "down_proj.weight"));
+      }
+      l.experts_gate_up = at::stack(gate_up);
+      l.experts_down = at::stack(down);
+    }
     m.layers_.push_back(std::move(l));
   }
   m.norm_ = take("model.norm.weight");
@@ -149,8 +204,15 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
       l.k_norm = ones(c.head_dim);
     }
     l.w_o = normal({h, q});
-    l.w_gate_up = normal({2 * c.intermediate_size, h});
-    l.w_down = normal({h, c.intermediate_size});
+    if (c.is_moe_layer(i)) {
+      const int64_t e = c.num_experts, f = c.moe_intermediate_size;
+      l.router = normal({e, h});
+      l.experts_gate_up = normal({e, 2 * f, h});
+      l.experts_down = normal({e, h, f});
+    } else {
+      l.w_gate_up = normal({2 * c.intermediate_size, h});
+      l.w_down = normal({h, c.intermediate_size});
+    }
     m.layers_.push_back(std::move(l));
   }
   m.norm_ = ones(h);
@@ -211,10 +273,13 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   auto attn = attend(q, k, v).reshape({t, nq});
   if (!fused) {
     auto x1 = x + at::linear(attn, w.w_o);
-    return x1 + swiglu_mlp(rms_norm(x1, w.post_attention_norm, eps), w.w_gate_up, w.w_down);
+    auto h1 = rms_norm(x1, w.post_attention_norm, eps);
+    return x1 + (w.router.defined() ? sparse_mlp(c, w, h1) : swiglu_mlp(h1, w.w_gate_up, w.w_down));
   }
   auto r = kernels::add_rms_norm(x, linear(attn, w.w_o, {}), w.post_attention_norm, eps);
-  pending = linear(kernels::silu_mul(linear(r.normed, w.w_gate_up, {})), w.w_down, {});
+  pending = w.router.defined()
+                ? sparse_mlp(c, w, r.normed)
+                : linear(kernels::silu_mul(linear(r.normed, w.w_gate_up, {})), w.w_down, {});
   return r.sum;
 }
 
@@ -324,10 +389,22 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
       out.push_back({p + "self_attn.k_norm.weight", l.k_norm});
     }
     out.push_back({p + "self_attn.o_proj.weight", l.w_o});
-    out.push_back({p + "mlp.gate_proj.weight", l.w_gate_up.narrow(0, 0, c.intermediate_size)});
-    out.push_back({p + "mlp.up_proj.weight",
-                   l.w_gate_up.narrow(0, c.intermediate_size, c.intermediate_size)});
-    out.push_back({p + "mlp.down_proj.weight", l.w_down});
+    if (!l.router.defined()) {
+      out.push_back({p + "mlp.gate_proj.weight", l.w_gate_up.narrow(0, 0, c.intermediate_size)});
+      out.push_back({p + "mlp.up_proj.weight",
+                     l.w_gate_up.narrow(0, c.intermediate_size, c.intermediate_size)});
+      out.push_back({p + "mlp.down_proj.weight", l.w_down});
+      continue;
+    }
+    // The published per-expert layout, which every reader of Qwen3 MoE checkpoints takes.
+    const int64_t f = c.moe_intermediate_size;
+    out.push_back({p + "mlp.gate.weight", l.router});
+    for (int64_t e = 0; e < c.num_experts; ++e) {
+      const std::string x = fmt::format("{}mlp.experts.{}.", p, e);
+      out.push_back({x + "gate_proj.weight", l.experts_gate_up[e].narrow(0, 0, f)});
+      out.push_back({x + "up_proj.weight", l.experts_gate_up[e].narrow(0, f, f)});
+      out.push_back({x + "down_proj.weight", l.experts_down[e]});
+    }
   }
   out.push_back({"model.norm.weight", norm_});
   if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", lm_head_});
@@ -337,8 +414,9 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
 std::vector<at::Tensor> TargetModel::parameters() const {
   std::vector<at::Tensor> out = {embed_};
   for (const auto& l : layers_) {
-    for (const at::Tensor& t : {l.input_norm, l.post_attention_norm, l.w_qkv, l.b_qkv, l.q_norm,
-                                l.k_norm, l.w_o, l.w_gate_up, l.w_down}) {
+    for (const at::Tensor& t :
+         {l.input_norm, l.post_attention_norm, l.w_qkv, l.b_qkv, l.q_norm, l.k_norm, l.w_o,
+          l.w_gate_up, l.w_down, l.router, l.experts_gate_up, l.experts_down}) {
       if (t.defined()) out.push_back(t);
     }
   }
@@ -354,8 +432,9 @@ TargetModel TargetModel::cast(at::ScalarType dtype) const {
   };
   to(m.embed_);
   for (auto& l : m.layers_) {
-    for (at::Tensor* t : {&l.input_norm, &l.post_attention_norm, &l.w_qkv, &l.b_qkv, &l.q_norm,
-                          &l.k_norm, &l.w_o, &l.w_gate_up, &l.w_down}) {
+    for (at::Tensor* t :
+         {&l.input_norm, &l.post_attention_norm, &l.w_qkv, &l.b_qkv, &l.q_norm, &l.k_norm, &l.w_o,
+          &l.w_gate_up, &l.w_down, &l.router, &l.experts_gate_up, &l.experts_down}) {
       to(*t);
     }
   }
@@ -367,11 +446,15 @@ TargetModel TargetModel::cast(at::ScalarType dtype) const {
 double prefill_flops(const ModelConfig& c, const std::vector<int64_t>& lengths,
                      int64_t logit_rows) {
   const double h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-  const double linear_params = h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size;
+  // A sparse layer's experts counted only as often as tokens are routed to them.
+  double linear_params = 0;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    linear_params += h * (q + 2 * kv) + q * h + static_cast<double>(c.mlp_parameters(i, true));
+  }
   double flops = 0;
   for (int64_t n : lengths) {
     const double s = static_cast<double>(n);
-    flops += c.num_layers * (2 * linear_params * s + 2 * s * (s + 1) * q);
+    flops += 2 * linear_params * s + c.num_layers * 2 * s * (s + 1) * q;
   }
   return flops + 2.0 * h * c.vocab_size * logit_rows;
 }

@@ -1,5 +1,5 @@
-// models: the frozen target decoder (Qwen3, Qwen2, Llama). It owns its weights, runs packed
-// multi-sequence prefill and returns logits and the hidden states of requested layers.
+// models: the frozen target decoder (Qwen3, Qwen3 MoE, Qwen2, Llama). It owns its weights, runs
+// packed multi-sequence prefill and returns logits and the hidden states of requested layers.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -27,8 +27,11 @@ struct TargetLayerWeights {
   at::Tensor b_qkv;           // undefined unless attention_bias
   at::Tensor q_norm, k_norm;  // [D], Qwen3 only
   at::Tensor w_o;             // [H, Hq * D]
-  at::Tensor w_gate_up;       // [2F, H]
-  at::Tensor w_down;          // [H, F]
+  at::Tensor w_gate_up;       // [2F, H]; undefined in a sparse (MoE) layer
+  at::Tensor w_down;          // [H, F]; undefined in a sparse layer
+  // A sparse layer's router [E, H] and experts, laid out as transformers' Qwen3MoeExperts:
+  // [E, 2F, H] (each expert's gate rows first) and [E, H, F]. Undefined in a dense layer.
+  at::Tensor router, experts_gate_up, experts_down;
 };
 
 enum class Logits { kNone, kLast, kAll };
@@ -47,7 +50,10 @@ struct ForwardResult {
 
 class TargetModel {
  public:
-  // Reads config.json and the safetensors weights of a Hugging Face model directory.
+  // Reads config.json and the safetensors weights of a Hugging Face model directory. A sparse
+  // layer's experts are read per expert (mlp.experts.{e}.{gate,up,down}_proj.weight: published
+  // checkpoints, transformers' save_pretrained) or fused (mlp.experts.gate_up_proj [E, 2F, H],
+  // mlp.experts.down_proj [E, H, F]: transformers 5's state_dict).
   static TargetModel load(const std::filesystem::path& dir, at::Device device,
                           at::ScalarType dtype);
   // Random weights (normal, std 0.02; norms at 1) for benchmarks that need no files.
@@ -114,8 +120,9 @@ class TargetModel {
   std::vector<TargetLayerWeights> layers_;
 };
 
-// Floating-point operations of one prefill: projections, causal attention (only the
-// unmasked half counted) and `logit_rows` rows of the LM head.
+// Floating-point operations of one prefill: projections (of a sparse layer, the router and
+// the experts each token is routed to), causal attention (only the unmasked half counted) and
+// `logit_rows` rows of the LM head.
 double prefill_flops(const ModelConfig& config, const std::vector<int64_t>& lengths,
                      int64_t logit_rows);
 

@@ -1,6 +1,7 @@
 // Helpers shared by the decoding tests: tiny random target configs (Qwen3 with qk_norm and
-// GQA, Qwen2 with bias, Llama-3 with scaled RoPE) and the plain greedy loop that re-runs the
-// full forward at every step, the reference every cached decoder is compared with.
+// GQA, Qwen3 MoE with a dense middle layer, Qwen2 with bias, Llama-3 with scaled RoPE) and the
+// plain greedy loop that re-runs the full forward at every step, the reference every cached
+// decoder is compared with.
 #pragma once
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -29,6 +30,13 @@ inline models::ModelConfig tiny_target_config(models::Architecture arch) {
   if (arch == models::Architecture::kQwen3) {
     c.qk_norm = true;
     c.tie_word_embeddings = true;
+  } else if (arch == models::Architecture::kQwen3Moe) {
+    c.qk_norm = true;
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 16;
+    c.norm_topk_prob = true;
+    c.mlp_only_layers = {1};
   } else if (arch == models::Architecture::kQwen2) {
     c.attention_bias = true;
     c.num_kv_heads = 4;  // plain multi-head attention

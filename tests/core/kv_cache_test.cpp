@@ -30,6 +30,7 @@ struct Variant {
 std::vector<Variant> variants() {
   using models::Architecture;
   return {{"Qwen3QkNormGqa", testing::tiny_target_config(Architecture::kQwen3)},
+          {"Qwen3MoeSparse", testing::tiny_target_config(Architecture::kQwen3Moe)},
           {"Qwen2BiasMha", testing::tiny_target_config(Architecture::kQwen2)},
           {"Llama3ScaledMqa", testing::tiny_target_config(Architecture::kLlama)}};
 }

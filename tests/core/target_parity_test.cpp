@@ -1,5 +1,7 @@
 // Target decoders against transformers: logits and every decoder layer's output, fp32, for
-// packed multi-sequence batches and single sequences.
+// packed multi-sequence batches and single sequences; Qwen3 MoE with top-2 and top-4 routing,
+// with and without norm_topk_prob, dense layers by mlp_only_layers and decoder_sparse_step,
+// experts stored per expert (sharded too) and fused.
 #include <gtest/gtest.h>
 
 #include "io/safetensors.h"
@@ -64,7 +66,9 @@ TEST_P(TargetParity, LastLogitsAndSingleSequence) {
 
 INSTANTIATE_TEST_SUITE_P(Models, TargetParity,
                          ::testing::Values("qwen3_tied", "qwen3_untied_sharded", "qwen2_untied",
-                                           "llama3_scaled_sharded", "llama_tied"));
+                                           "llama3_scaled_sharded", "llama_tied",
+                                           "qwen3_moe_top2_tied", "qwen3_moe_top4_mlp_only_sharded",
+                                           "qwen3_moe_step2_fused"));
 
 TEST(TargetModel, TiedModelSharesEmbeddingWithLmHead) {
   auto model = TargetModel::load(fixture("models/qwen3_tied"), at::kCPU, at::kFloat);
