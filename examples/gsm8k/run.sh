@@ -76,7 +76,7 @@ else
   heldout=500
   # fp32: this small model's bf16 logits tie exactly often enough (103 of 500 answers in a bf16 run)
   # that a verify pass and a decode step, which round differently, pick different tokens.
-  eval=(--max-new-tokens 384 --batch-size 1 --dtype fp32)
+  eval=(--max-new-tokens 384 --batch-size 16 --dtype fp32)
 fi
 
 # Held out: the first `heldout` GSM8K test questions. pretrain reads the test answers only for
