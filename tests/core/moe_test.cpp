@@ -30,6 +30,7 @@ struct MoeCase {
   bool norm_topk_prob;
   ExpertGemm gemm;
 };
+void PrintTo(const MoeCase& c, std::ostream* os) { *os << c.name; }
 
 // The sparse MLP token by token: softmax over all experts, the top_k largest, each chosen
 // expert's SwiGLU weighted by its probability.

@@ -68,7 +68,8 @@ INSTANTIATE_TEST_SUITE_P(Models, TargetParity,
                          ::testing::Values("qwen3_tied", "qwen3_untied_sharded", "qwen2_untied",
                                            "llama3_scaled_sharded", "llama_tied",
                                            "qwen3_moe_top2_tied", "qwen3_moe_top4_mlp_only_sharded",
-                                           "qwen3_moe_step2_fused"));
+                                           "qwen3_moe_step2_fused"),
+                         [](const auto& info) { return info.param; });
 
 TEST(TargetModel, TiedModelSharesEmbeddingWithLmHead) {
   auto model = TargetModel::load(fixture("models/qwen3_tied"), at::kCPU, at::kFloat);
