@@ -170,7 +170,7 @@ if has tokenizer && [ -d "$root/.deps/bench" ]; then
 fi
 if has moe; then
   # Qwen3 MoE targets: the MoE tests on CUDA (grouped bf16 experts against the per-expert loop,
-  # fp32 and bf16 against transformers, the fused decode path, KV cache), then the
+  # fp32 and bf16 against transformers, the decode path of a few rows, KV cache), then the
   # Qwen3-30B-A3B shape with random weights: prefill (issue 12 asks >= 40K tokens/s at 2048
   # tokens; TFLOP/s on active parameters, peak memory), the drafter step on its features, and
   # the whole pipeline on one GPU.
@@ -181,6 +181,10 @@ if has moe; then
     > "$out/moe_tests.log" 2>&1
   echo "moe tests exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" \
     "$out/moe_tests.log" | tail -25
+  # tiny-moe through random-model, prepare, train, export and eval in bf16 (the generator's
+  # CUDA graph captures the grouped experts).
+  python3 "$root/tests/cli/moe_cli.py" "$dflash" cuda > "$out/moe_cli.log" 2>&1
+  echo "moe_cli exit $?"; tail -5 "$out/moe_cli.log"
   "$dflash" bench-target --preset qwen3-30b-a3b --device cuda --seq-len 2048 --batches 1,4 \
     --warmup 3 --iters 10 --json "$out/bench_target_moe.json" \
     --profile "$out/target_moe_trace.json" 2>&1 | tee "$out/bench_target_moe.txt"
