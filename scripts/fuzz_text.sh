@@ -2,17 +2,26 @@
 # Builds the tokenizer and chat libFuzzer targets with clang++-14 (ASan + UBSan) straight from
 # the dflash_text sources, then runs each for SECONDS (default 600) on one core, seeded from
 # the test fixtures. Logs and crash files land in $OUT (default build-fuzz-text/).
-# Usage: scripts/fuzz_text.sh [SECONDS]   (run the make_fixtures test first)
+# Usage: scripts/fuzz_text.sh [SECONDS]   (in a configured build whose make_fixtures test has run:
+# build-text/, or DFLASH_TEXT_BUILD=DIR)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 secs=${1:-600}
 out=${OUT:-$root/build-fuzz-text}
-fixtures=${DFLASH_FUZZ_FIXTURES:-$root/build-text/fixtures/tokenizer}
+text_build=${DFLASH_TEXT_BUILD:-$root/build-text}
+fixtures=${DFLASH_FUZZ_FIXTURES:-$text_build/fixtures/tokenizer}
+# tokenizer/builtin.cpp includes the tokenizer that CMake generates at configure time.
+generated=$text_build/src/generated
+if [ ! -f "$generated/tokenizer/builtin_data.inc" ]; then
+  echo "fuzz_text.sh: $generated/tokenizer/builtin_data.inc is missing: configure $text_build" \
+    "with CMake first (or set DFLASH_TEXT_BUILD to a configured build directory)" >&2
+  exit 1
+fi
 export DFLASH_FUZZ_FIXTURES=$fixtures
 mkdir -p "$out"
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-  -I"$root/src" $(pkg-config --cflags libpcre2-8 2>/dev/null || true))
+  -I"$root/src" -I"$generated" $(pkg-config --cflags libpcre2-8 2>/dev/null || true))
 libs=(-lfmt -lpcre2-8)
 srcs=("$root"/src/tokenizer/*.cpp "$root"/src/data/*.cpp "$root"/src/common/*.cpp)
 for target in tokenizer_fuzz chat_fuzz; do
