@@ -84,7 +84,9 @@ void capture_cuda_graph(at::cuda::CUDAGraph& graph, at::Device device,
       forward();
       reset();
     }
-    graph.capture_begin();
+    // Thread-local: what other threads do meanwhile (NCCL's watchdog querying its events, a
+    // training run's batch thread copying to the device) neither breaks the capture nor fails.
+    graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     forward();
     graph.capture_end();
     reset();
