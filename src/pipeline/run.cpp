@@ -55,13 +55,6 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-at::ScalarType parse_dtype(const std::string& name, const at::Device& device) {
-  if (name == "auto") return device.is_cuda() ? at::kBFloat16 : at::kFloat;
-  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
-  if (name == "fp32" || name == "float32") return at::kFloat;
-  fail("dtype must be auto, bf16 or fp32, got \"{}\"", name);
-}
-
 double cpu_seconds() {
   rusage u{};
   ::getrusage(RUSAGE_SELF, &u);
@@ -128,7 +121,7 @@ Rank join(const RunConfig& c) {
   Rank r;
   r.world = dist::world_from_env();
   r.device = dist::device_for(r.world, c.device);
-  r.dtype = parse_dtype(c.dtype, r.device);
+  r.dtype = models::parse_dtype(c.dtype, r.device);
   if (c.topology == "colocated") {
     r.topology = {r.world.world_size, 0};
   } else if (c.topology == "disaggregated") {
