@@ -497,6 +497,30 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
   return done;
 }
 
+// This process's GPU memory: the caching allocator's peaks of live tensors and of what it holds,
+// and what the device has in use (cudaMemGetInfo: allocator pools, CUDA context, NCCL buffers),
+// as nvidia-smi counts it; one process per GPU, so it is this process's. Host calls only.
+struct GpuMemory {
+  int64_t allocated_peak = 0, reserved_peak = 0, in_use = 0;
+};
+
+GpuMemory gpu_memory(at::Device device) {
+  GpuMemory m;
+  if (!device.is_cuda()) return m;
+  c10::cuda::CUDAGuard guard(device);
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+    m.in_use = static_cast<int64_t>(total_bytes - free_bytes);
+  }
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+  using c10::CachingAllocator::StatType;
+  m.allocated_peak = stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak;
+  m.reserved_peak = stats.reserved_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak;
+  return m;
+}
+
+double gib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
 // The steps `c` asks for: --steps, or --epochs worth of optimizer steps.
 int64_t total_steps(const RunConfig& c, int64_t batches_per_epoch) {
   if (c.steps > 0) return c.steps;
@@ -508,8 +532,10 @@ int64_t total_steps(const RunConfig& c, int64_t batches_per_epoch) {
 // Rank 0's view of a run's progress: metrics.jsonl, TensorBoard scalars, the progress line.
 class RunLog {
  public:
-  RunLog(const fs::path& run_dir, int64_t first_step, int64_t steps, double log_seconds)
-      : metrics_path_(run_dir / "metrics.jsonl"),
+  RunLog(const fs::path& run_dir, at::Device device, int64_t first_step, int64_t steps,
+         double log_seconds)
+      : device_(device),
+        metrics_path_(run_dir / "metrics.jsonl"),
         elapsed_before_(truncate_metrics(metrics_path_, first_step)),
         metrics_(std::fopen(metrics_path_.c_str(), "a"), &std::fclose),
         tb_(run_dir / "tb"),
@@ -544,6 +570,12 @@ class RunLog {
                  {"tokens_per_s", rate},
                  {"elapsed_s", elapsed_before_ + session}};
     if (l.skipped_nonfinite) line["nonfinite"] = true;
+    const GpuMemory memory = gpu_memory(device_);
+    if (device_.is_cuda()) {
+      line["gpu_allocated_peak_gib"] = gib(memory.allocated_peak);
+      line["gpu_reserved_peak_gib"] = gib(memory.reserved_peak);
+      line["gpu_in_use_gib"] = gib(memory.in_use);
+    }
     if (eval_ && eval_->step == l.step) {
       const auto& f = eval_->report;
       line["eval_tau"] = f.speculative.tau();
@@ -571,6 +603,11 @@ class RunLog {
                                                            {"train/grad_norm", l.grad_norm},
                                                            {"train/lr", l.lr},
                                                            {"train/tokens_per_s", rate}};
+    if (device_.is_cuda()) {
+      scalars.push_back({"memory/gpu_allocated_peak_gib", gib(memory.allocated_peak)});
+      scalars.push_back({"memory/gpu_reserved_peak_gib", gib(memory.reserved_peak)});
+      scalars.push_back({"memory/gpu_in_use_gib", gib(memory.in_use)});
+    }
     for (size_t k = 0; k < l.accuracy.size(); ++k) {
       scalars.push_back({fmt::format("accuracy/position_{:02d}", k + 1), l.accuracy[k]});
     }
@@ -647,6 +684,7 @@ class RunLog {
   const fs::path& metrics_path() const { return metrics_path_; }
 
  private:
+  at::Device device_;
   fs::path metrics_path_;
   double elapsed_before_;
   std::unique_ptr<FILE, int (*)(FILE*)> metrics_;
@@ -811,7 +849,7 @@ void run_training(const RunConfig& c) {
                  job.steps);
     }
     std::fflush(stdout);  // so that a log file shows these before the progress lines (stderr)
-    log.emplace(run_dir, first_step, job.steps, c.log_seconds);
+    log.emplace(run_dir, r.device, first_step, job.steps, c.log_seconds);
   }
   // Fault injection for the tests: DFLASH_KILL_AT=RANK:STEP makes that rank kill itself with
   // SIGKILL (no chance to clean up, as a crash or an OOM kill) once step STEP is logged.
@@ -917,24 +955,11 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   const double cores =
       (cpu_seconds() - cpu_at_warmup) / std::max(seconds_since(wall_at_warmup), 1e-9);
   const std::string obs_report = finish_obs(c, r, c.out);
-  int64_t gpu_peak = 0, gpu_reserved = 0, gpu_used = 0;
-  if (r.device.is_cuda()) {
-    // What the device has in use now (cudaMemGetInfo: allocator pools, CUDA context, NCCL
-    // buffers), as nvidia-smi counts it; one process per GPU, so it is this process's.
-    c10::cuda::CUDAGuard guard(r.device);
-    size_t free_bytes = 0, total_bytes = 0;
-    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
-      gpu_used = static_cast<int64_t>(total_bytes - free_bytes);
-    }
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(r.device.index());
-    using c10::CachingAllocator::StatType;
-    gpu_peak = stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak;
-    gpu_reserved = stats.reserved_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak;
-  }
-  const auto all =
-      r.comm->all_gather_int64({static_cast<int64_t>(cores * 1000), gpu_peak, gpu_reserved,
-                                static_cast<int64_t>(peak_rss_gib() * (1 << 30)), gpu_used},
-                               "bench_report");
+  const GpuMemory memory = gpu_memory(r.device);
+  const auto all = r.comm->all_gather_int64(
+      {static_cast<int64_t>(cores * 1000), memory.allocated_peak, memory.reserved_peak,
+       static_cast<int64_t>(peak_rss_gib() * (1 << 30)), memory.in_use},
+      "bench_report");
   if (!r.leads()) return;
   const double step_s = obs::median(step_seconds);
   const double tokens_per_s = static_cast<double>(tokens_per_step) / step_s;
@@ -970,16 +995,14 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
     const auto& v = all[i];
     report["per_rank"].push_back({{"rank", i},
                                   {"host_cpu_cores", static_cast<double>(v[0]) / 1000},
-                                  {"gpu_allocated_peak_gib", static_cast<double>(v[1]) / (1 << 30)},
-                                  {"gpu_reserved_peak_gib", static_cast<double>(v[2]) / (1 << 30)},
-                                  {"host_rss_peak_gib", static_cast<double>(v[3]) / (1 << 30)},
-                                  {"gpu_device_used_gib", static_cast<double>(v[4]) / (1 << 30)}});
+                                  {"gpu_allocated_peak_gib", gib(v[1])},
+                                  {"gpu_reserved_peak_gib", gib(v[2])},
+                                  {"host_rss_peak_gib", gib(v[3])},
+                                  {"gpu_device_used_gib", gib(v[4])}});
     fmt::print(
         "bench: rank {}: host CPU {:.2f} cores, GPU peak {:.1f} GiB allocated / {:.1f} GiB "
         "reserved, {:.1f} GiB in use on the device at the end, host RSS peak {:.1f} GiB\n",
-        i, static_cast<double>(v[0]) / 1000, static_cast<double>(v[1]) / (1 << 30),
-        static_cast<double>(v[2]) / (1 << 30), static_cast<double>(v[4]) / (1 << 30),
-        static_cast<double>(v[3]) / (1 << 30));
+        i, static_cast<double>(v[0]) / 1000, gib(v[1]), gib(v[2]), gib(v[4]), gib(v[3]));
   }
   report["obs"] = c.obs;
   if (!bench.json_out.empty()) write_file_atomic(bench.json_out, report.dump(2) + "\n");

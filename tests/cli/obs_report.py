@@ -37,7 +37,7 @@ def run(cmd, env=None):
 def bench(dflash, device, out, topology="colocated", slow=None, extra=()):
     cmd = [dflash, "--nproc-per-node", 2, "bench", "--preset", "tiny", "--seq-len", 64,
            "--samples", 16, "--batch-size", 2, "--max-anchors", 8, "--block-size", 4,
-           "--drafter-layers", 1, "--steps", 8, "--warmup", 2, "--device", device,
+           "--drafter-layers", 1, "--steps", 16, "--warmup", 2, "--device", device,
            "--topology", topology, "--out", out, "--obs-seconds", 0.2, *extra]
     r = run(cmd, {"DFLASH_SLOW_STAGE": slow} if slow else None)
     return r.stdout
