@@ -195,3 +195,5 @@ if has moe; then
     2>&1 | grep -v "^train:" | tee "$out/bench_moe.txt"
 fi
 step done
+# The device tool brings back a handful of files: everything travels in one archive.
+(cd "$out" && tar czf ../gpu-out.tgz . && rm -rf ./* && mv ../gpu-out.tgz all.tgz)

@@ -38,6 +38,7 @@
 #include "pipeline/samples.h"
 #include "pipeline/stream.h"
 #include "train/checkpoint.h"
+#include "train/export.h"
 #include "train/trainer.h"
 
 namespace dflash::pipeline {
@@ -246,6 +247,7 @@ struct Job {
   std::optional<models::Drafter> drafter;     // trainer ranks
   // --eval-prompts: this trainer rank's share of the prompts with the target's answers.
   std::optional<eval::Evaluator> evaluator;
+  std::string mask_token;  // the mask id's text in the target's tokenizer (for RUN/best)
   const SampleSource* samples = nullptr;
   int64_t steps = 0;
   int64_t batches_per_epoch = 0;
@@ -328,6 +330,7 @@ void prepare_eval(Job& job) {
   std::vector<eval::PromptFile> files;
   files.push_back(std::move(share));
   job.evaluator.emplace(*job.target, tokenizer, chat, std::move(files), o);
+  job.mask_token = train::mask_token_text(tokenizer, job.drafter->config().mask_token_id);
   if (r.leads()) {
     fmt::print(
         "train: eval: {} prompts of {} ({} on rank 0), the target's greedy answers in {:.1f} s; "
@@ -399,6 +402,28 @@ TrainEval evaluate_drafter(Job& job, int64_t step) {
   }
   e.seconds = seconds_since(t0);
   return e;
+}
+
+// RUN/best: the export (config.json + bf16 model.safetensors: what `dflash eval`, `dflash
+// export`, SGLang and vLLM load) of the drafter with the highest eval tau so far, beside
+// RUN/best.json {"step", "tau"}. Training past the best tau overfits small data sets, and the
+// checkpoints kept by --keep-last are the newest, not the best. Written under a temporary name
+// and renamed, so a kill leaves a whole export; a resumed run compares against best.json.
+void keep_if_best(const Job& job, const fs::path& run_dir, const TrainEval& e) {
+  const double tau = e.report.speculative.tau();
+  const fs::path record = run_dir / "best.json";
+  if (fs::exists(record) && read_json_file(record).value("tau", 0.0) >= tau) return;
+  models::DrafterConfig config = job.drafter->config();
+  config.mask_token = job.mask_token;
+  const fs::path tmp = run_dir / "best.tmp", old = run_dir / "best.old", best = run_dir / "best";
+  remove_tree(tmp);
+  models::write_drafter_export(tmp, config, job.drafter->named_parameters());
+  remove_tree(old);
+  if (fs::exists(best)) fs::rename(best, old);
+  fs::rename(tmp, best);
+  fsync_dir(run_dir);
+  write_file_atomic(record, nlohmann::json{{"step", e.step}, {"tau", tau}}.dump(2) + "\n");
+  remove_tree(old);
 }
 
 // The loop of this rank; `resume`: trainer ranks continue from the newest checkpoint in
@@ -871,6 +896,7 @@ void run_training(const RunConfig& c) {
       },
       [&](const TrainEval& e) {
         if (log) log->add_eval(e);
+        if (r.leads()) keep_if_best(job, run_dir, e);
       });
   const std::string report = finish_obs(c, r, run_dir);
   if (!r.leads()) return;
@@ -889,6 +915,11 @@ void run_training(const RunConfig& c) {
   fmt::print("train: done, {} steps; checkpoints in {} (newest {})\n", done, run_dir.string(),
              newest.filename().string());
   fmt::print("  metrics: {}\n", log->metrics_path().string());
+  if (const fs::path best = run_dir / "best.json"; fs::exists(best)) {
+    const auto b = read_json_file(best);
+    fmt::print("  the highest eval tau, {:.3f} at step {}: {}\n", b.value("tau", 0.0),
+               b.value("step", int64_t{0}), (run_dir / "best").string());
+  }
   fmt::print("  export for SGLang/vLLM: dflash export {} {}/export\n", run_dir.string(),
              run_dir.string());
 }
