@@ -151,12 +151,15 @@ if has gsm8k; then
   # GSM8K_STAGES splits it over device calls (runs/ stays on a warm machine), e.g.
   # GSM8K_STAGES=pretrain,generate then GSM8K_STAGES=prepare,train,eval.
   step gsm8k
-  bash "$root/examples/gsm8k/run.sh" --full --data "$root/.deps/gsm8k" --dflash "$dflash" \
+  # GSM8K_TIMEOUT (seconds) stops it early enough that what it wrote still comes back.
+  timeout "${GSM8K_TIMEOUT:-0}" bash "$root/examples/gsm8k/run.sh" --full \
+    --data "$root/.deps/gsm8k" --dflash "$dflash" \
     --out "$root/runs/gsm8k-full" --stages "${GSM8K_STAGES:-pretrain,generate,prepare,train,eval}" \
     > "$out/gsm8k_full.log" 2>&1
   echo "gsm8k exit $?"; grep -E "^(gsm8k|=== )" "$out/gsm8k_full.log"
-  for f in summary.json eval.json seconds.txt pretrain.log generate.log train.log; do
-    cp "$root/runs/gsm8k-full/$f" "$out/gsm8k_$f" 2>/dev/null
+  for f in summary.json eval.json seconds.txt pretrain.log generate.log train.log \
+    drafter/metrics.jsonl drafter/best.json; do
+    cp "$root/runs/gsm8k-full/$f" "$out/gsm8k_${f//\//_}" 2>/dev/null
   done
 fi
 if has tokenizer && [ -d "$root/.deps/bench" ]; then
