@@ -93,7 +93,7 @@ fi
 # with the highest tau there, so the final figure is on questions nothing was selected on.
 # pretrain reads the test answers only for its validation loss; nothing trains on the test split.
 head -n "$heldout" "$data/test.jsonl" > "$out/heldout.jsonl"
-tail -n +"$((heldout + 1))" "$data/test.jsonl" | head -n "$validation" > "$out/validation.jsonl"
+sed -n "$((heldout + 1)),$((heldout + validation))p" "$data/test.jsonl" > "$out/validation.jsonl"
 if [ "$questions" -gt 0 ]; then
   head -n "$questions" "$data/train.jsonl" > "$out/questions.jsonl"
 else
