@@ -106,7 +106,8 @@ def main():
                                              for l in a if "eval_tau" in l))
         # The drafter changed between the evaluations, and tau with it: a check that read
         # stale or other weights would fail.
-        assert len({str(h) for h in histograms}) > 1, histograms
+        assert len({str(h) for h in histograms}) > 1, (histograms, [
+            (l["step"], l["loss"], l["accuracy"]) for l in a])
         # RUN/best: the export of the drafter at the highest tau (the first step reaching it).
         taus = [(l["eval_tau"], -l["step"]) for l in a if "eval_tau" in l]
         best_tau, best_step = max(taus)
