@@ -69,7 +69,8 @@ if [ "$mode" = mini ]; then
   eval=(--max-new-tokens 160 --batch-size 8)
 else
   device=cuda
-  pretrain=(--layers 10 --hidden 384 --heads 6 --kv-heads 2 --ffn 1024 --epochs 10
+  pretrain=(--layers 10 --hidden 384 --heads 6 --kv-heads 2 --ffn 1024
+            --epochs "${GSM8K_TARGET_EPOCHS:-10}"
             --batch-size 64 --lr 2e-3 --eval-every 200)
   questions=0          # all 7473
   # Three answers sampled at temperature 0.7 per question beside the greedy one: four times
