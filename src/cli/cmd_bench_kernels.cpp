@@ -110,12 +110,16 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
 
   // The fused ops at batch 1 against the ATen sequence each replaces in the target's layer.
   const double eps = c.rms_norm_eps;
-  auto x = at::randn({1, h}, opts), y = at::randn({1, h}, opts), norm = at::ones({h}, opts);
-  const double norm_bytes = 2.0 * 4 * h;  // read x, y; write sum, normed
-  report("add_rms_norm", 1, h, 0,
-         us_per_call(device, o, [&](int) { kernels::add_rms_norm(x, y, norm, eps); }), norm_bytes);
-  report("at::add + rms_norm", 1, h, 0,
-         us_per_call(device, o, [&](int) { models::rms_norm(x + y, norm, eps); }), norm_bytes);
+  auto norm = at::ones({h}, opts);
+  for (int64_t m : o.rows) {
+    auto x = at::randn({m, h}, opts), y = at::randn({m, h}, opts);
+    const double norm_bytes = 2.0 * (4 * m + 1) * h;  // read x, y, weight; write sum, normed
+    report("add_rms_norm", m, h, 0,
+           us_per_call(device, o, [&](int) { kernels::add_rms_norm(x, y, norm, eps); }),
+           norm_bytes);
+    report("at::add + rms_norm", m, h, 0,
+           us_per_call(device, o, [&](int) { models::rms_norm(x + y, norm, eps); }), norm_bytes);
+  }
   auto qkv = at::randn({1, q + 2 * kv}, opts);
   auto head_norm = at::ones({d}, opts);
   auto cos = at::randn({1, d}, opts), sin = at::randn({1, d}, opts);
@@ -136,6 +140,30 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                        kernels::rotary(models::rms_norm(kh, head_norm, eps), cos, sin);
                      }),
          qk_bytes);
+  // The same writing k and v into a KV cache (Qwen3-8B's layer at a 4096-token capacity)
+  // against it followed by KVCache::update's two index_copy_.
+  auto keys = at::zeros({4096, c.num_kv_heads, d}, opts), values = at::zeros_like(keys);
+  auto cache_row = at::full({1}, 4000, opts.dtype(at::kLong));
+  const double cache_bytes = qk_bytes + 2.0 * 2 * kv;  // v read and written besides
+  report("qk_norm_rotary_into_cache", 1, q + 2 * kv, 0,
+         us_per_call(device, o,
+                     [&](int) {
+                       kernels::qk_norm_rotary_into_cache(qkv, c.num_heads, c.num_kv_heads,
+                                                          head_norm, head_norm, cos, sin, eps, keys,
+                                                          values, cache_row);
+                     }),
+         cache_bytes);
+  report("qk_norm_rotary + 2 index_copy_", 1, q + 2 * kv, 0,
+         us_per_call(device, o,
+                     [&](int) {
+                       auto k = kernels::qk_norm_rotary(qkv, c.num_heads, c.num_kv_heads, head_norm,
+                                                        head_norm, cos, sin, eps)
+                                    .second;
+                       keys.index_copy_(0, cache_row, k);
+                       values.index_copy_(0, cache_row,
+                                          qkv.narrow(1, q + kv, kv).view({1, c.num_kv_heads, d}));
+                     }),
+         cache_bytes);
   const int64_t f = c.intermediate_size;
   auto gate_up = at::randn({1, 2 * f}, opts);
   const double act_bytes = 2.0 * 3 * f;
@@ -158,7 +186,7 @@ void add_bench_kernels_command(CLI::App& app) {
       "bench-kernels", "Time the decode step's kernels alone against the ATen ops they replace");
   cmd->add_option("--preset", o->preset, "model shape: qwen3-8b or tiny")->capture_default_str();
   cmd->add_option("--device", o->device, "cuda or cuda:N")->capture_default_str();
-  cmd->add_option("--rows", o->rows, "rows of x for the linear kernels")
+  cmd->add_option("--rows", o->rows, "rows of x for the linear kernels and add_rms_norm")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--calls", o->calls, "calls per captured CUDA graph")->capture_default_str();

@@ -12,7 +12,7 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tenso
                        double eps, at::Tensor& sum, at::Tensor& normed);
 void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                          const at::Tensor& cos, const at::Tensor& sin, double eps, at::Tensor& q,
-                         at::Tensor& k);
+                         at::Tensor& k, at::Tensor* v, const at::Tensor* rows);
 void silu_mul_cuda(const at::Tensor& gate_up, at::Tensor& out);
 
 namespace {
@@ -51,6 +51,22 @@ void check_qk_norm_rotary(const at::Tensor& qkv, int64_t q_heads, int64_t kv_hea
          sin.sizes());
   }
   check_same("qk_norm_rotary", qkv, {q_norm, k_norm, cos, sin});
+}
+
+// keys, values: [R, Hkv, D] contiguous caches of qkv's dtype and device; rows: int64 [T] there.
+void check_cache(const at::Tensor& qkv, int64_t kv_heads, int64_t d, const at::Tensor& keys,
+                 const at::Tensor& values, const at::Tensor& rows) {
+  if (keys.dim() != 3 || keys.size(1) != kv_heads || keys.size(2) != d ||
+      values.sizes() != keys.sizes() || !keys.is_contiguous() || !values.is_contiguous()) {
+    fail("qk_norm_rotary_into_cache: keys and values must be contiguous [R, {}, {}], got {} and {}",
+         kv_heads, d, keys.sizes(), values.sizes());
+  }
+  if (rows.dim() != 1 || rows.size(0) != qkv.size(0) || rows.scalar_type() != at::kLong ||
+      rows.device() != qkv.device()) {
+    fail("qk_norm_rotary_into_cache: rows must be int64 [{}] on {}, got {} [{}] on {}", qkv.size(0),
+         qkv.device().str(), c10::toString(rows.scalar_type()), rows.sizes(), rows.device().str());
+  }
+  check_same("qk_norm_rotary_into_cache", qkv, {keys, values});
 }
 
 void check_silu_mul(const at::Tensor& gate_up) {
@@ -113,9 +129,45 @@ std::pair<at::Tensor, at::Tensor> qk_norm_rotary(const at::Tensor& qkv, int64_t 
   auto k = at::empty({t, kv_heads, d}, qkv.options());
   if (t > 0) {
     qk_norm_rotary_cuda(qkv.stride(1) == 1 ? qkv : qkv.contiguous(), q_norm.contiguous(),
-                        k_norm.contiguous(), cos.contiguous(), sin.contiguous(), eps, q, k);
+                        k_norm.contiguous(), cos.contiguous(), sin.contiguous(), eps, q, k, nullptr,
+                        nullptr);
   }
   return {q, k};
+}
+
+at::Tensor qk_norm_rotary_into_cache_reference(const at::Tensor& qkv, int64_t q_heads,
+                                               int64_t kv_heads, const at::Tensor& q_norm,
+                                               const at::Tensor& k_norm, const at::Tensor& cos,
+                                               const at::Tensor& sin, double eps, at::Tensor keys,
+                                               at::Tensor values, const at::Tensor& rows) {
+  auto [q, k] = qk_norm_rotary_reference(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin, eps);
+  const int64_t d = q_norm.size(0);
+  check_cache(qkv, kv_heads, d, keys, values, rows);
+  keys.index_copy_(0, rows, k);
+  values.index_copy_(
+      0, rows, qkv.narrow(1, (q_heads + kv_heads) * d, kv_heads * d).reshape({-1, kv_heads, d}));
+  return q;
+}
+
+at::Tensor qk_norm_rotary_into_cache(const at::Tensor& qkv, int64_t q_heads, int64_t kv_heads,
+                                     const at::Tensor& q_norm, const at::Tensor& k_norm,
+                                     const at::Tensor& cos, const at::Tensor& sin, double eps,
+                                     at::Tensor keys, at::Tensor values, const at::Tensor& rows) {
+  if (!on_cuda_half(qkv)) {
+    return qk_norm_rotary_into_cache_reference(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin,
+                                               eps, std::move(keys), std::move(values), rows);
+  }
+  check_qk_norm_rotary(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin);
+  const int64_t t = qkv.size(0), d = q_norm.size(0);
+  check_cache(qkv, kv_heads, d, keys, values, rows);
+  auto q = at::empty({t, q_heads, d}, qkv.options());
+  if (t > 0) {
+    const at::Tensor packed_rows = rows.contiguous();
+    qk_norm_rotary_cuda(qkv.stride(1) == 1 ? qkv : qkv.contiguous(), q_norm.contiguous(),
+                        k_norm.contiguous(), cos.contiguous(), sin.contiguous(), eps, q, keys,
+                        &values, &packed_rows);
+  }
+  return q;
 }
 
 at::Tensor silu_mul_reference(const at::Tensor& gate_up) {

@@ -1,7 +1,13 @@
-// add_rms_norm: a block per row; pass 1 writes the rounded sum and accumulates its squares,
-// pass 2 rereads the row it wrote (each thread its own elements) and scales it.
+// add_rms_norm: a block per row. Where the row is 16-byte aligned and fits the threads'
+// registers (H a multiple of 8 halves, at most kThreads * 8 vectors), each thread loads its
+// 16-byte vectors of x, y and the weight once, keeps the rounded sum in registers while the
+// block sums the squares, then writes sum and normed: one read of each input, no reread of the
+// output. Otherwise (unaligned rows, odd H, very wide rows) a scalar kernel in two passes whose
+// second rereads the sum it wrote.
 // qk_norm_rotary: a warp per (token, head); each lane takes pairs (i, i + D/2), the warp sums
-// the squares, then each lane normalizes and rotates its pairs in fp32.
+// the squares, then each lane normalizes and rotates its pairs in fp32. With cache rows, k
+// heads go to their rows of the key cache and v heads (one more warp each) are copied to the
+// value cache, so the decode step needs no separate cache writes.
 // silu_mul: a thread per output element (8 per thread with 16-byte loads where aligned).
 // All compute in fp32.
 #include <ATen/ATen.h>
@@ -23,6 +29,26 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The sum of v over the block's kThreads threads, returned to every thread. One call per
+// kernel: the shared partials are not guarded against a second call's writes.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warps[kThreads / 32];
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int j = 0; j < kThreads / 32; ++j) total += warps[j];
+  return total;
+}
+
+// 16 bytes of T, loaded and stored as one vector.
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ y,
@@ -36,39 +62,90 @@ __global__ void __launch_bounds__(kThreads)
     const float f = to_float(s);
     squares = fmaf(f, f, squares);
   }
-  __shared__ float warps[kThreads / 32];
-  squares = warp_sum(squares);
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = squares;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int j = 0; j < kThreads / 32; ++j) total += warps[j];
-  const float rstd = rsqrtf(total / static_cast<float>(h) + eps);
+  const float rstd = rsqrtf(block_sum(squares) / static_cast<float>(h) + eps);
   for (int64_t i = threadIdx.x; i < h; i += kThreads) {
     normed[base + i] = from_float<T>(to_float(sum[base + i]) * rstd * to_float(weight[i]));
   }
 }
 
+// Thread i holds vectors i, i + kThreads, ... (at most kVecs of them) of its row: every
+// pointer 16-byte aligned and H a multiple of Pack<T>::kSize (the host checks both).
+template <typename T, int kVecs>
+__global__ void __launch_bounds__(kThreads)
+    add_rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ y,
+                            const T* __restrict__ weight, T* __restrict__ sum,
+                            T* __restrict__ normed, int64_t h, float eps) {
+  using P = Pack<T>;
+  const int64_t vecs = h / P::kSize, base = int64_t(blockIdx.x) * vecs;
+  const P* xr = reinterpret_cast<const P*>(x) + base;
+  const P* yr = reinterpret_cast<const P*>(y) + base;
+  const P* wr = reinterpret_cast<const P*>(weight);
+  P s[kVecs], w[kVecs];
+  float squares = 0.f;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t v = threadIdx.x + int64_t(j) * kThreads;
+    if (v < vecs) {
+      const P a = xr[v], b = yr[v];
+      w[j] = wr[v];  // loaded now so its latency hides behind the reduction
+#pragma unroll
+      for (int e = 0; e < P::kSize; ++e) {
+        s[j].v[e] = from_float<T>(to_float(a.v[e]) + to_float(b.v[e]));
+        const float f = to_float(s[j].v[e]);
+        squares = fmaf(f, f, squares);
+      }
+      reinterpret_cast<P*>(sum)[base + v] = s[j];
+    }
+  }
+  const float rstd = rsqrtf(block_sum(squares) / static_cast<float>(h) + eps);
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t v = threadIdx.x + int64_t(j) * kThreads;
+    if (v < vecs) {
+      P o;
+#pragma unroll
+      for (int e = 0; e < P::kSize; ++e) {
+        o.v[e] = from_float<T>(to_float(s[j].v[e]) * rstd * to_float(w[j].v[e]));
+      }
+      reinterpret_cast<P*>(normed)[base + v] = o;
+    }
+  }
+}
+
+// k_rows: null, or token t's row of k (and of v) as int64 [tokens]; k and v are then caches
+// of cache_rows rows of kv_heads * d, and v heads are copied from qkv to v. Without k_rows, k
+// is [tokens, kv_heads, d] and v is not written.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     qk_norm_rotary_kernel(const T* __restrict__ qkv, int64_t ld, const T* __restrict__ q_norm,
                           const T* __restrict__ k_norm, const T* __restrict__ cos,
                           const T* __restrict__ sin, T* __restrict__ q, T* __restrict__ k,
+                          T* __restrict__ v, const int64_t* __restrict__ k_rows, int64_t cache_rows,
                           int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, float eps) {
-  const int64_t heads = q_heads + kv_heads, half = d / 2;
+  const int64_t heads = q_heads + (k_rows != nullptr ? 2 : 1) * kv_heads, half = d / 2;
   const int lane = threadIdx.x % 32;
   // Items are whole warps (the stride too), so every shuffle runs with all 32 lanes.
   for (int64_t item = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32; item < tokens * heads;
        item += int64_t(gridDim.x) * (kThreads / 32)) {
     const int64_t t = item / heads, head = item % heads;
-    const bool is_q = head < q_heads;
     const T* in = qkv + t * ld + head * d;
+    int64_t row = t;
+    if (head >= q_heads && k_rows != nullptr) {
+      row = k_rows[t];
+      CUDA_KERNEL_ASSERT(row >= 0 && row < cache_rows);
+    }
+    if (head >= q_heads + kv_heads) {
+      T* out = v + (row * kv_heads + head - q_heads - kv_heads) * d;
+      for (int64_t i = lane; i < d; i += 32) out[i] = in[i];
+      continue;
+    }
+    const bool is_q = head < q_heads;
     const T* w = is_q ? q_norm : k_norm;
-    T* out = is_q ? q + (t * q_heads + head) * d : k + (t * kv_heads + head - q_heads) * d;
+    T* out = is_q ? q + (t * q_heads + head) * d : k + (row * kv_heads + head - q_heads) * d;
     float squares = 0.f;
     for (int64_t i = lane; i < d; i += 32) {
-      const float v = to_float(in[i]);
-      squares = fmaf(v, v, squares);
+      const float x = to_float(in[i]);
+      squares = fmaf(x, x, squares);
     }
     const float rstd = rsqrtf(warp_sum(squares) / static_cast<float>(d) + eps);
     const T* c = cos + t * d;
@@ -98,17 +175,16 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kVec == 1) {
       o[0] = from_float<T>(silu_times(to_float(g[0]), to_float(g[f])));
     } else {
-      struct alignas(16) Pack {
-        T v[kVec];
-      };
-      const Pack gv = *reinterpret_cast<const Pack*>(g);
-      const Pack uv = *reinterpret_cast<const Pack*>(g + f);
-      Pack ov;
+      using P = Pack<T>;
+      static_assert(kVec == P::kSize);
+      const P gv = *reinterpret_cast<const P*>(g);
+      const P uv = *reinterpret_cast<const P*>(g + f);
+      P ov;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         ov.v[e] = from_float<T>(silu_times(to_float(gv.v[e]), to_float(uv.v[e])));
       }
-      *reinterpret_cast<Pack*>(o) = ov;
+      *reinterpret_cast<P*>(o) = ov;
     }
   }
 }
@@ -127,6 +203,8 @@ T* mut(at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
 template <typename F>
 void dispatch_half(c10::ScalarType dtype, const char* what, F&& f) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, what, ": bf16 or fp16 only");
@@ -141,26 +219,46 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tenso
                        double eps, at::Tensor& sum, at::Tensor& normed) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream(x.device().index());
+  const int64_t h = x.size(1);
+  const auto grid = static_cast<unsigned>(x.size(0));
   dispatch_half(x.scalar_type(), "add_rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    add_rms_norm_kernel<T><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
-        ptr<T>(x), ptr<T>(y), ptr<T>(weight), mut<T>(sum), mut<T>(normed), x.size(1),
-        static_cast<float>(eps));
+    auto launch = [&](auto kernel) {
+      kernel<<<grid, kThreads, 0, stream>>>(ptr<T>(x), ptr<T>(y), ptr<T>(weight), mut<T>(sum),
+                                            mut<T>(normed), h, static_cast<float>(eps));
+    };
+    const int64_t per_thread = (h / Pack<T>::kSize + kThreads - 1) / kThreads;
+    const bool vector = h % Pack<T>::kSize == 0 && aligned16(x) && aligned16(y) &&
+                        aligned16(weight) && aligned16(sum) && aligned16(normed);
+    if (vector && per_thread <= 1) {
+      launch(add_rms_norm_vec_kernel<T, 1>);
+    } else if (vector && per_thread <= 2) {
+      launch(add_rms_norm_vec_kernel<T, 2>);
+    } else if (vector && per_thread <= 4) {
+      launch(add_rms_norm_vec_kernel<T, 4>);
+    } else if (vector && per_thread <= 8) {
+      launch(add_rms_norm_vec_kernel<T, 8>);
+    } else {
+      launch(add_rms_norm_kernel<T>);
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                          const at::Tensor& cos, const at::Tensor& sin, double eps, at::Tensor& q,
-                         at::Tensor& k) {
+                         at::Tensor& k, at::Tensor* v, const at::Tensor* rows) {
   const c10::cuda::CUDAGuard guard(qkv.device());
   const auto stream = at::cuda::getCurrentCUDAStream(qkv.device().index());
-  const int64_t tokens = q.size(0), q_heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
+  const int64_t tokens = qkv.size(0), q_heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
+  const int64_t heads = q_heads + (rows != nullptr ? 2 : 1) * kv_heads;
   dispatch_half(qkv.scalar_type(), "qk_norm_rotary", [&](auto tag) {
     using T = decltype(tag);
-    qk_norm_rotary_kernel<T><<<grid_for(tokens * (q_heads + kv_heads) * 32), kThreads, 0, stream>>>(
+    qk_norm_rotary_kernel<T><<<grid_for(tokens * heads * 32), kThreads, 0, stream>>>(
         ptr<T>(qkv), qkv.stride(0), ptr<T>(q_norm), ptr<T>(k_norm), ptr<T>(cos), ptr<T>(sin),
-        mut<T>(q), mut<T>(k), tokens, q_heads, kv_heads, d, static_cast<float>(eps));
+        mut<T>(q), mut<T>(k), v != nullptr ? mut<T>(*v) : nullptr,
+        rows != nullptr ? rows->data_ptr<int64_t>() : nullptr, k.size(0), tokens, q_heads, kv_heads,
+        d, static_cast<float>(eps));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -172,9 +270,7 @@ void silu_mul_cuda(const at::Tensor& gate_up, at::Tensor& out) {
   dispatch_half(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
     using T = decltype(tag);
     constexpr int kVec = 16 / sizeof(T);
-    const bool vector = f % kVec == 0 &&
-                        reinterpret_cast<uintptr_t>(gate_up.data_ptr()) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+    const bool vector = f % kVec == 0 && aligned16(gate_up) && aligned16(out);
     if (vector) {
       silu_mul_kernel<T, kVec><<<grid_for(tokens * f / kVec), kThreads, 0, stream>>>(
           ptr<T>(gate_up), mut<T>(out), tokens, f);

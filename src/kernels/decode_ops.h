@@ -4,7 +4,8 @@
 //
 // add_rms_norm: the residual add and the next RMSNorm in one pass (two launches in ATen).
 // qk_norm_rotary: Qwen3's per-head q/k RMSNorm and rotary, read from the fused QKV output
-//   (four launches in ATen and kernels::rotary).
+//   (four launches in ATen and kernels::rotary); qk_norm_rotary_into_cache also writes k and v
+//   into the KV cache (two index_copy_ launches more).
 // silu_mul: silu(gate) * up from the fused gate/up output (two launches and a temporary).
 #pragma once
 #include <ATen/ATen.h>
@@ -19,7 +20,8 @@ struct AddRmsNorm {
 };
 
 // x, y: [T, H] contiguous, one dtype; weight: [H] of that dtype. CUDA: one kernel (a block per
-// row); elsewhere the reference.
+// row, each input read once with 16-byte loads where rows are aligned); elsewhere the
+// reference.
 AddRmsNorm add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
                         double eps);
 AddRmsNorm add_rms_norm_reference(const at::Tensor& x, const at::Tensor& y,
@@ -37,6 +39,23 @@ std::pair<at::Tensor, at::Tensor> qk_norm_rotary(const at::Tensor& qkv, int64_t 
 std::pair<at::Tensor, at::Tensor> qk_norm_rotary_reference(
     const at::Tensor& qkv, int64_t q_heads, int64_t kv_heads, const at::Tensor& q_norm,
     const at::Tensor& k_norm, const at::Tensor& cos, const at::Tensor& sin, double eps);
+
+// The same with the new tokens' K and V going straight to a KV cache, as the decode step
+// needs them (gpt-fast's KVCache.update folded in): keys and values, [R, Hkv, D] contiguous
+// (KVCache's layer tensors, written in place through these handles), get token t's rotated k
+// heads and its v heads (copied from qkv) at row rows[t]; rows: int64 [T] on qkv's device, read
+// there (CUDA-graph capturable; a row outside [0, R) is a device-side assert). Returns q. CUDA:
+// the one qk_norm_rotary kernel with a warp per v head more; elsewhere the reference (the
+// reference's q and k, then index_copy_).
+at::Tensor qk_norm_rotary_into_cache(const at::Tensor& qkv, int64_t q_heads, int64_t kv_heads,
+                                     const at::Tensor& q_norm, const at::Tensor& k_norm,
+                                     const at::Tensor& cos, const at::Tensor& sin, double eps,
+                                     at::Tensor keys, at::Tensor values, const at::Tensor& rows);
+at::Tensor qk_norm_rotary_into_cache_reference(const at::Tensor& qkv, int64_t q_heads,
+                                               int64_t kv_heads, const at::Tensor& q_norm,
+                                               const at::Tensor& k_norm, const at::Tensor& cos,
+                                               const at::Tensor& sin, double eps, at::Tensor keys,
+                                               at::Tensor values, const at::Tensor& rows);
 
 // gate_up: [T, 2F] contiguous (gate columns first). Returns silu(gate) * up, [T, F], computed
 // in fp32 and rounded once. CUDA: one kernel; elsewhere the reference.

@@ -133,19 +133,48 @@ TEST(SmallLinear, CpuIsAtLinearAndBadShapesAreNamed) {
 TEST(DecodeOpsGpu, AddRmsNormMatchesReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(3);
+  struct Shape {
+    int64_t rows, h, offset;  // offset: the inputs' storage offset in elements (1: unaligned)
+  };
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
-    for (auto [rows, h] : {std::pair<int64_t, int64_t>{1, 4096}, {3, 100}, {5, 1}}) {
-      SCOPED_TRACE(fmt::format("{} rows {} h {}", c10::toString(dtype), rows, h));
-      auto x = at::randn({rows, h}).to(dtype), y = at::randn({rows, h}).to(dtype);
-      auto weight = (at::rand({h}) + 0.5).to(dtype);
+    // 16-byte loads with 1, 2, 4 and 8 vectors a thread (Qwen3-8B's hidden 4096 at 1 and 8
+    // rows; 40 and 64: fewer vectors than threads); the scalar kernel for H not a multiple of
+    // 8, unaligned rows and rows wider than the registers hold.
+    for (Shape s : {Shape{1, 4096, 0}, Shape{8, 4096, 0}, Shape{3, 40, 0}, Shape{2, 64, 0},
+                    Shape{2, 2056, 0}, Shape{1, 6144, 0}, Shape{2, 16384, 0}, Shape{3, 100, 0},
+                    Shape{5, 1, 0}, Shape{2, 4096, 1}, Shape{1, 16392, 0}}) {
+      SCOPED_TRACE(
+          fmt::format("{} rows {} h {} offset {}", c10::toString(dtype), s.rows, s.h, s.offset));
+      auto x = strided_rows(s.rows, s.h, s.h, s.offset, dtype, at::kCPU);
+      auto y = strided_rows(s.rows, s.h, s.h, s.offset, dtype, at::kCPU);
+      auto weight = (at::rand({s.h}) + 0.5).to(dtype);
       auto want = kernels::add_rms_norm_reference(x, y, weight, 1e-6);
-      auto got = kernels::add_rms_norm(x.cuda(), y.cuda(), weight.cuda(), 1e-6);
+      auto xg = strided_rows(s.rows, s.h, s.h, s.offset, dtype, at::kCUDA).copy_(x);
+      auto yg = strided_rows(s.rows, s.h, s.h, s.offset, dtype, at::kCUDA).copy_(y);
+      auto got = kernels::add_rms_norm(xg, yg, weight.cuda(), 1e-6);
       // The sum is one fp32 add rounded, as at::add: exact.
       EXPECT_TRUE(at::equal(got.sum.cpu(), want.sum));
-      EXPECT_TRUE(at::equal(got.sum, x.cuda() + y.cuda()));
+      EXPECT_TRUE(at::equal(got.sum, xg + yg));
       expect_within_rounding(got.normed, want.normed, 1e-4);
+      // A row's result does not depend on the rows beside it.
+      auto last = kernels::add_rms_norm(xg.narrow(0, s.rows - 1, 1), yg.narrow(0, s.rows - 1, 1),
+                                        weight.cuda(), 1e-6);
+      EXPECT_TRUE(at::equal(last.normed, got.normed.narrow(0, s.rows - 1, 1)));
     }
   }
+}
+
+// qk_norm_rotary's inputs on the CPU: qkv [tokens, width] with rows `ld` apart (0: packed),
+// norm weights in [0.5, 1.5) and the rotary tables of random angles.
+struct QkInputs {
+  at::Tensor qkv, q_norm, k_norm, cos, sin;
+};
+QkInputs qk_inputs(int64_t tokens, int64_t width, int64_t ld, int64_t d, at::ScalarType dtype) {
+  auto angles = at::rand({tokens, d / 2}) * 100;
+  return {strided_rows(tokens, width, ld > 0 ? ld : width, 0, dtype, at::kCPU),
+          (at::rand({d}) + 0.5).to(dtype), (at::rand({d}) + 0.5).to(dtype),
+          at::cat({angles.cos(), angles.cos()}, 1).to(dtype),
+          at::cat({angles.sin(), angles.sin()}, 1).to(dtype)};
 }
 
 TEST(DecodeOpsGpu, QkNormRotaryMatchesReferenceAndTheUnfusedOps) {
@@ -159,11 +188,7 @@ TEST(DecodeOpsGpu, QkNormRotaryMatchesReferenceAndTheUnfusedOps) {
     for (Shape s : {Shape{1, 32, 8, 128, 0}, Shape{5, 4, 2, 40, 0}, Shape{3, 2, 1, 128, 600}}) {
       SCOPED_TRACE(fmt::format("{} T {} D {}", c10::toString(dtype), s.tokens, s.d));
       const int64_t width = (s.q_heads + 2 * s.kv_heads) * s.d;
-      auto qkv = strided_rows(s.tokens, width, s.ld > 0 ? s.ld : width, 0, dtype, at::kCPU);
-      auto q_norm = (at::rand({s.d}) + 0.5).to(dtype), k_norm = (at::rand({s.d}) + 0.5).to(dtype);
-      auto angles = at::rand({s.tokens, s.d / 2}) * 100;
-      auto cos = at::cat({angles.cos(), angles.cos()}, 1).to(dtype);
-      auto sin = at::cat({angles.sin(), angles.sin()}, 1).to(dtype);
+      auto [qkv, q_norm, k_norm, cos, sin] = qk_inputs(s.tokens, width, s.ld, s.d, dtype);
       auto [q_want, k_want] = kernels::qk_norm_rotary_reference(qkv, s.q_heads, s.kv_heads, q_norm,
                                                                 k_norm, cos, sin, 1e-6);
       auto qkv_gpu = strided_rows(s.tokens, width, s.ld > 0 ? s.ld : width, 0, dtype, at::kCUDA);
@@ -174,6 +199,50 @@ TEST(DecodeOpsGpu, QkNormRotaryMatchesReferenceAndTheUnfusedOps) {
       expect_within_rounding(q, q_want, 2e-2);
       expect_within_rounding(k, k_want, 2e-2);
       EXPECT_TRUE(q.is_contiguous() && k.is_contiguous());
+    }
+  }
+}
+
+TEST(DecodeOpsGpu, QkNormRotaryIntoCacheWritesOnlyTheRows) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(6);
+  struct Shape {
+    int64_t tokens, q_heads, kv_heads, d, ld, cache_rows;
+  };
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    // Qwen3-8B's heads at decode; a prefill of several tokens from a strided slice; D = 40.
+    for (Shape s :
+         {Shape{1, 32, 8, 128, 0, 64}, Shape{6, 2, 1, 128, 600, 30}, Shape{5, 4, 2, 40, 0, 11}}) {
+      SCOPED_TRACE(fmt::format("{} T {} D {}", c10::toString(dtype), s.tokens, s.d));
+      const int64_t width = (s.q_heads + 2 * s.kv_heads) * s.d;
+      auto [qkv, q_norm, k_norm, cos, sin] = qk_inputs(s.tokens, width, s.ld, s.d, dtype);
+      // Scattered rows, not in order, the last row of the cache among them.
+      auto rows = at::randperm(s.cache_rows - 1, at::kLong).narrow(0, 0, s.tokens - 1);
+      rows = at::cat({at::full({1}, s.cache_rows - 1, at::kLong), rows});
+      auto keys = at::randn({s.cache_rows, s.kv_heads, s.d}).to(dtype);
+      auto values = at::randn({s.cache_rows, s.kv_heads, s.d}).to(dtype);
+      auto keys_want = keys.clone(), values_want = values.clone();
+      auto q_want = kernels::qk_norm_rotary_into_cache_reference(
+          qkv, s.q_heads, s.kv_heads, q_norm, k_norm, cos, sin, 1e-6, keys_want, values_want, rows);
+
+      auto qkv_gpu = strided_rows(s.tokens, width, s.ld > 0 ? s.ld : width, 0, dtype, at::kCUDA);
+      qkv_gpu.copy_(qkv);
+      auto keys_gpu = keys.cuda(), values_gpu = values.cuda(), rows_gpu = rows.cuda();
+      auto q = kernels::qk_norm_rotary_into_cache(qkv_gpu, s.q_heads, s.kv_heads, q_norm.cuda(),
+                                                  k_norm.cuda(), cos.cuda(), sin.cuda(), 1e-6,
+                                                  keys_gpu, values_gpu, rows_gpu);
+      expect_within_rounding(q, q_want, 2e-2);
+      expect_within_rounding(keys_gpu, keys_want, 2e-2);
+      // v is a copy, and every other row is untouched: exact.
+      EXPECT_TRUE(at::equal(values_gpu.cpu(), values_want));
+      auto untouched = at::ones({s.cache_rows}, at::kBool).index_fill_(0, rows, false);
+      EXPECT_TRUE(at::equal(keys_gpu.cpu().index({untouched}), keys.index({untouched})));
+      // The same kernel as qk_norm_rotary: the same q and k, bit for bit.
+      auto [q_plain, k_plain] =
+          kernels::qk_norm_rotary(qkv_gpu, s.q_heads, s.kv_heads, q_norm.cuda(), k_norm.cuda(),
+                                  cos.cuda(), sin.cuda(), 1e-6);
+      EXPECT_TRUE(at::equal(q, q_plain));
+      EXPECT_TRUE(at::equal(keys_gpu.index_select(0, rows_gpu), k_plain));
     }
   }
 }
@@ -230,6 +299,42 @@ TEST(DecodeOps, CpuIsTheReferenceAndBadShapesAreNamed) {
                Error);
 }
 
+TEST(DecodeOps, IntoCacheOnCpuIsQkNormRotaryThenIndexCopy) {
+  const int64_t t = 3, hq = 2, hkv = 1, d = 8, r = 10;
+  auto qkv = at::randn({t, (hq + 2 * hkv) * d});
+  auto qn = at::rand({d}), kn = at::rand({d});
+  auto angles = at::randn({t, d / 2});
+  auto cos = at::cat({angles.cos(), angles.cos()}, 1),
+       sin = at::cat({angles.sin(), angles.sin()}, 1);
+  auto keys = at::randn({r, hkv, d}), values = at::randn({r, hkv, d});
+  const auto keys_before = keys.clone(), values_before = values.clone();
+  auto rows = at::tensor(std::vector<int64_t>{7, 2, 9}, at::kLong);
+  auto q =
+      kernels::qk_norm_rotary_into_cache(qkv, hq, hkv, qn, kn, cos, sin, 1e-6, keys, values, rows);
+  auto [q_want, k_want] = kernels::qk_norm_rotary(qkv, hq, hkv, qn, kn, cos, sin, 1e-6);
+  EXPECT_TRUE(at::equal(q, q_want));
+  EXPECT_TRUE(at::equal(keys.index_select(0, rows), k_want));
+  EXPECT_TRUE(at::equal(values.index_select(0, rows),
+                        qkv.narrow(1, (hq + hkv) * d, hkv * d).view({t, hkv, d})));
+  for (int64_t row : {0, 1, 3, 4, 5, 6, 8}) {
+    EXPECT_TRUE(at::equal(keys[row], keys_before[row])) << row;
+    EXPECT_TRUE(at::equal(values[row], values_before[row])) << row;
+  }
+  try {
+    kernels::qk_norm_rotary_into_cache(qkv, hq, hkv, qn, kn, cos, sin, 1e-6, keys, values,
+                                       rows.to(at::kInt));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rows must be int64 [3]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(kernels::qk_norm_rotary_into_cache(qkv, hq, hkv, qn, kn, cos, sin, 1e-6,
+                                                  at::randn({r, 2, d}), values, rows),
+               Error);
+  EXPECT_THROW(kernels::qk_norm_rotary_into_cache(qkv, hq, hkv, qn, kn, cos, sin, 1e-6, keys,
+                                                  values.to(at::kDouble), rows),
+               Error);
+}
+
 // The target's decode path (these kernels, few tokens, no autograd) against its ATen path in the
 // same dtype (request.grad turns the kernels off): logits and taps within bf16 rounding, for
 // Qwen3 (q/k norms), Qwen2 (bias) and Llama (neither), with kAll and kLast.
@@ -259,7 +364,7 @@ TEST_P(FusedDecodeGpu, MatchesTheAtenPathInBf16) {
     EXPECT_CLOSE(fused.taps[1], aten.taps[1].detach(), 2e-2);
     // The argmax where the ATen path's top two logits are more than two bf16 ulps apart: within
     // rounding either may win (Qwen2 on the H200 had such a row).
-    auto top = aten.logits.detach().to(at::kFloat).topk(2, -1).values;
+    auto top = std::get<0>(aten.logits.detach().to(at::kFloat).topk(2, -1));
     auto clear = (top.select(-1, 0) - top.select(-1, 1)) > top.select(-1, 0).abs() / 64;
     EXPECT_GT(clear.sum().item<int64_t>(), 0);
     EXPECT_TRUE(at::equal(fused.logits.argmax(-1).masked_select(clear),
