@@ -96,23 +96,30 @@ class TargetModel {
 
  private:
   TargetModel(ModelConfig config, at::Device device);
+  // A layer's KV cache tensors and the cache rows of the new tokens (forward_cached), so the
+  // fused path can write K and V there in the kernel that makes k; undefined in forward.
+  struct CacheRows {
+    at::Tensor keys, values, rows;
+  };
   // The body both forwards share; only attention differs: attend(layer, q, k, v) with q
-  // [tokens, Hq, D] and k, v [tokens, Hkv, D] after norms and rotary, returning [tokens, Hq, D].
-  // cu_seqlens (int32 [n+1]) gives each sequence's last token for Logits::kLast.
+  // [tokens, Hq, D] and k, v [tokens, Hkv, D] after norms and rotary, returning [tokens, Hq, D];
+  // k and v are undefined where the layer already wrote them into `cache` (when not null) at
+  // `cache_rows`. cu_seqlens (int32 [n+1]) gives each sequence's last token for Logits::kLast.
   template <class Attend>
   ForwardResult run(const at::Tensor& tokens, const at::Tensor& positions,
-                    const at::Tensor& cu_seqlens, const ForwardRequest& request,
-                    Attend&& attend) const;
+                    const at::Tensor& cu_seqlens, const ForwardRequest& request, KVCache* cache,
+                    const at::Tensor& cache_rows, Attend&& attend) const;
   // One layer on the residual stream x, returning the stream after it. With `fused` (the
   // decode step: no autograd, CUDA, half precision, at most kSmallLinearMaxRows tokens) it runs
   // the kernels of kernels/small_linear.h and kernels/decode_ops.h and defers the MLP's
   // residual add: `pending` holds the previous layer's MLP output not yet added to x
   // (undefined before the first layer), which this layer adds while normalizing, and on return
-  // holds this layer's. Without `fused`, pending stays undefined.
+  // holds this layer's. Without `fused`, pending stays undefined. With `fused`, q/k norms and
+  // `cache` defined, K and V go into the cache and attend gets undefined k and v.
   template <class Attend>
   at::Tensor decoder_layer(const TargetLayerWeights& w, at::Tensor x, at::Tensor& pending,
                            const at::Tensor& cos, const at::Tensor& sin, bool fused,
-                           Attend&& attend) const;
+                           const CacheRows& cache, Attend&& attend) const;
 
   ModelConfig config_;
   Rotary rotary_;
