@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -36,18 +37,28 @@ struct BenchDrafterOptions {
   int iters = 10;
   std::string json_out;
   std::string profile;  // Chrome trace path; empty: no profile
+  bool fresh_anchors = false;
 };
 
 // The same sequence every step (a 64-token unsupervised "prompt"); the online step swaps in
-// freshly computed features.
-class FixedBatch : public train::BatchSource {
+// freshly computed features. With `resample`, every step draws its anchors anew (epoch = step,
+// as training resamples them), so the gathered keys change size from step to step as in
+// `dflash train`.
+class BenchBatch : public train::BatchSource {
  public:
-  explicit FixedBatch(train::MicroBatch batch) : batch_(std::move(batch)) {}
-  train::MicroBatch get(int64_t) override { return batch_; }
+  BenchBatch(train::MicroBatch batch, std::function<train::MicroBatch(int64_t)> resample)
+      : batch_(std::move(batch)), resample_(std::move(resample)) {}
+  train::MicroBatch get(int64_t position) override {
+    if (!resample_) return batch_;
+    auto b = resample_(position);
+    b.features = batch_.features;
+    return b;
+  }
   void set_features(at::Tensor features) { batch_.features = std::move(features); }
 
  private:
   train::MicroBatch batch_;
+  std::function<train::MicroBatch(int64_t)> resample_;
 };
 
 void run_bench(const BenchDrafterOptions& o) {
@@ -82,11 +93,16 @@ void run_bench(const BenchDrafterOptions& o) {
   train::AnchorOptions aopt;
   aopt.max_anchors = anchors;
   const train::SampleView sample{0, ids, mask};
-  auto micro = train::form_micro_batch(0, 0, {&sample, 1}, seq, aopt, config, false).to(device);
-  micro.step_weight_sum = micro.blocks.weight_sum;
-  micro.global_tokens = seq;
+  auto form = [&](int64_t epoch) {
+    auto mb = train::form_micro_batch(epoch, epoch, {&sample, 1}, seq, aopt, config, false);
+    mb.step_weight_sum = mb.blocks.weight_sum;
+    mb.global_tokens = seq;
+    return mb.to(device);
+  };
+  auto micro = form(0);
   micro.features = prefill();
-  FixedBatch data(micro);
+  BenchBatch data(micro, o.fresh_anchors ? std::function<train::MicroBatch(int64_t)>(form)
+                                         : std::function<train::MicroBatch(int64_t)>());
 
   train::TrainerOptions topt;
   topt.total_steps = 1000;
@@ -110,11 +126,12 @@ void run_bench(const BenchDrafterOptions& o) {
       drafter.num_parameters() / 1e9, fmt::join(config.target_layer_ids, ","), seq, sampled.size(),
       config.block_size, c10::toString(dtype), o.device, o.warmup, o.iters);
   const int dev = device.index() < 0 ? 0 : device.index();
-  auto peak_gib = [&] {
-    return device.is_cuda()
-               ? c10::cuda::CUDACachingAllocator::getDeviceStats(dev).allocated_bytes[0].peak /
-                     double(1 << 30)
-               : 0.0;
+  // Peaks of live tensors (allocated) and of what the caching allocator holds (reserved, what
+  // the process takes from the device); a gap between them is fragmentation.
+  auto peak_gib = [&](bool reserved) {
+    if (!device.is_cuda()) return 0.0;
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev);
+    return (reserved ? stats.reserved_bytes : stats.allocated_bytes)[0].peak / double(1 << 30);
   };
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(dev);
   train::StepLog last;
@@ -124,7 +141,7 @@ void run_bench(const BenchDrafterOptions& o) {
   };
   auto times = obs::time_steps(device, o.warmup, o.iters, step);
   const double ms = obs::median(times) * 1e3;
-  const double drafter_peak = peak_gib();
+  const double drafter_peak = peak_gib(false), drafter_reserved = peak_gib(true);
   // Online: the target prefill that produces the features, then the drafter step on them.
   auto online_times = obs::time_steps(device, 1, o.iters, [&] {
     data.set_features(prefill());
@@ -132,12 +149,12 @@ void run_bench(const BenchDrafterOptions& o) {
   });
   const double online_ms = obs::median(online_times) * 1e3;
   const double tflops = flops / (ms / 1e3) / 1e12;
-  fmt::print("{:>16} {:>12} {:>12} {:>10} {:>14} {:>10}\n", "step", "median ms", "tokens/s",
-             "TFLOP/s", "peak GPU GiB", "loss");
-  fmt::print("{:>16} {:>12.2f} {:>12.0f} {:>10.3g} {:>14.2f} {:>10.4f}\n", "drafter", ms,
-             seq / (ms / 1e3), tflops, drafter_peak, last.loss);
-  fmt::print("{:>16} {:>12.2f} {:>12.0f} {:>10} {:>14.2f}\n", "target + drafter", online_ms,
-             seq / (online_ms / 1e3), "", peak_gib());
+  fmt::print("{:>16} {:>12} {:>12} {:>10} {:>22} {:>10}\n", "step", "median ms", "tokens/s",
+             "TFLOP/s", "peak GiB alloc/reserved", "loss");
+  fmt::print("{:>16} {:>12.2f} {:>12.0f} {:>10.3g} {:>13.2f} / {:>6.2f} {:>10.4f}\n", "drafter", ms,
+             seq / (ms / 1e3), tflops, drafter_peak, drafter_reserved, last.loss);
+  fmt::print("{:>16} {:>12.2f} {:>12.0f} {:>10} {:>13.2f} / {:>6.2f}\n", "target + drafter",
+             online_ms, seq / (online_ms / 1e3), "", peak_gib(false), peak_gib(true));
   nlohmann::json doc = {{"preset", o.preset},
                         {"device", o.device},
                         {"seq_len", seq},
@@ -147,11 +164,14 @@ void run_bench(const BenchDrafterOptions& o) {
                         {"median_ms", ms},
                         {"tflops", tflops},
                         {"step_flops", flops},
+                        {"fresh_anchors", o.fresh_anchors},
                         {"peak_gpu_gib", drafter_peak},
+                        {"reserved_peak_gpu_gib", drafter_reserved},
                         {"times_s", times},
                         {"online_median_ms", online_ms},
                         {"online_tokens_per_s", seq / (online_ms / 1e3)},
-                        {"online_peak_gpu_gib", peak_gib()},
+                        {"online_peak_gpu_gib", peak_gib(false)},
+                        {"online_reserved_peak_gpu_gib", peak_gib(true)},
                         {"online_times_s", online_times},
                         {"loss", last.loss}};
   if (!o.profile.empty()) {
@@ -189,6 +209,8 @@ void add_bench_drafter_command(CLI::App& app) {
   cmd->add_option("--warmup", o->warmup)->capture_default_str();
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
       ->capture_default_str();
+  cmd->add_flag("--fresh-anchors", o->fresh_anchors,
+                "draw new anchors every step, as training does (the gathered keys change size)");
   cmd->add_option("--json", o->json_out, "also write the results here");
   cmd->add_option("--profile", o->profile,
                   "profile two drafter steps: GPU time per kernel, Chrome trace written here");

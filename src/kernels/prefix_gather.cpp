@@ -2,12 +2,20 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <bit>
+
 #include "common/error.h"
 
 namespace dflash::kernels {
 
 void prefix_gather_backward_cuda(const at::Tensor& grad, const PrefixGatherPlan& plan,
                                  at::Tensor& out);  // prefix_gather.cu
+
+int64_t gathered_capacity(int64_t keys) {
+  if (keys < 16) return keys;
+  const int64_t step = int64_t{1} << (std::bit_width(static_cast<uint64_t>(keys)) - 1 - 3);
+  return (keys + step - 1) / step * step;
+}
 
 PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
                                          const std::vector<int64_t>& sequence,
@@ -42,28 +50,40 @@ PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
   }
   for (int64_t s = 0; s < num_seqs; ++s)
     block_start[s + 1] = std::max(block_start[s + 1], block_start[s]);
-  const int64_t total = cu_k.back();
+  plan.keys = cu_k.back();
+  plan.capacity = gathered_capacity(plan.keys);
+  if (plan.capacity > INT32_MAX) fail("prefix gather: more than 2^31 gathered keys");
   auto to = [&](at::Tensor t) { return device.is_cpu() ? t : t.pin_memory().to(device, true); };
-  auto lens = to(at::tensor(plan.key_lengths, at::kLong));
+  // The padding rows form one more segment, of block id n, so every index tensor below has the
+  // capacity's fixed size.
+  std::vector<int64_t> lens_padded = plan.key_lengths;
+  lens_padded.push_back(plan.capacity - plan.keys);
+  auto lens = to(at::tensor(lens_padded, at::kLong));
   plan.anchor = to(at::tensor(anchors, at::kLong));
   plan.cu_keys = to(at::tensor(cu_k, at::kInt));
   plan.seq_row_start = to(at::tensor(row_start, at::kLong));
   plan.seq_block_start = to(at::tensor(block_start, at::kLong));
+  start.push_back(0);
   auto s = to(at::tensor(start, at::kLong));
+  std::vector<int64_t> anchors_padded = anchors;
+  anchors_padded.push_back(0);
+  auto a_padded = to(at::tensor(anchors_padded, at::kLong));
   // The index on the device, no host loop over keys: block id and offset of every key.
-  auto block = at::repeat_interleave(at::arange(n, lens.options()), lens, 0, total);
+  auto block = at::repeat_interleave(at::arange(n + 1, lens.options()), lens, 0, plan.capacity);
   auto offset =
-      at::arange(total, lens.options()) - plan.cu_keys.to(at::kLong).index_select(0, block);
-  auto a_row = plan.anchor.index_select(0, block);
-  plan.index = at::where(offset < a_row, s.index_select(0, block) + offset,
+      at::arange(plan.capacity, lens.options()) - plan.cu_keys.to(at::kLong).index_select(0, block);
+  auto a_row = a_padded.index_select(0, block);
+  auto index = at::where(offset < a_row, s.index_select(0, block) + offset,
                          plan.context_rows + block * block_size + (offset - a_row));
+  plan.index = at::where(block < n, index, at::zeros({}, index.options()));
   return plan;
 }
 
 at::Tensor prefix_gather_backward_reference(const at::Tensor& grad, const PrefixGatherPlan& plan) {
   const int64_t rows = plan.context_rows + plan.anchor.size(0) * plan.block_size;
   auto out = at::zeros({rows, grad.size(1)}, grad.options().dtype(at::kFloat));
-  out.index_add_(0, plan.index, grad.to(at::kFloat));
+  out.index_add_(0, plan.index.narrow(0, 0, plan.keys),
+                 grad.narrow(0, 0, plan.keys).to(at::kFloat));
   return out.to(grad.scalar_type());
 }
 
@@ -102,7 +122,12 @@ struct PrefixGatherFunction : public torch::autograd::Function<PrefixGatherFunct
     d["seq_block_start"] = plan.seq_block_start;
     d["context_rows"] = plan.context_rows;
     d["block_size"] = plan.block_size;
-    return rows.index_select(0, plan.index);
+    d["keys"] = plan.keys;
+    auto out = at::empty({plan.capacity, rows.size(1)}, rows.options());
+    auto segments = out.narrow(0, 0, plan.keys);
+    at::index_select_out(segments, rows, 0, plan.index.narrow(0, 0, plan.keys));
+    out.narrow(0, plan.keys, plan.capacity - plan.keys).zero_();
+    return out;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
@@ -115,6 +140,7 @@ struct PrefixGatherFunction : public torch::autograd::Function<PrefixGatherFunct
     plan.seq_block_start = d["seq_block_start"].toTensor();
     plan.context_rows = d["context_rows"].toInt();
     plan.block_size = d["block_size"].toInt();
+    plan.keys = d["keys"].toInt();
     return {prefix_gather_backward(grads[0], plan), at::Tensor()};
   }
 };

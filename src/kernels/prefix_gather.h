@@ -5,6 +5,9 @@
 // the whole index (embedding backward) or with atomics (index_add); the CUDA kernel here
 // instead walks, per context row, the blocks of its sequence: no sort, no atomics, one read of
 // the gradient, fp32 accumulation in a fixed order (deterministic).
+// The gathered rows (sum over blocks of a_i + B) change count every step with the sampled
+// anchors; the output is padded to a bucketed capacity so that the caching allocator sees a few
+// fixed sizes instead of a new size per step and per layer, which fragments its pools.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -13,16 +16,22 @@
 
 namespace dflash::kernels {
 
+// Rows the gathered output holds for `keys` gathered rows: `keys` rounded up to one of 8 steps
+// per power of two (at most 1/8 more; `keys` itself below 16).
+int64_t gathered_capacity(int64_t keys);
+
 struct PrefixGatherPlan {
   int64_t context_rows = 0;  // T: rows of the packed context; block rows follow them
   int64_t block_size = 0;
   int64_t max_keys = 0;
+  int64_t keys = 0;                  // gathered rows that belong to a segment: cu_keys[blocks]
+  int64_t capacity = 0;              // rows of the gathered output: gathered_capacity(keys)
   std::vector<int64_t> key_lengths;  // per block: a_i + B (host copy, for per-block loops)
-  at::Tensor index;                  // int64 [keys]: source row of each gathered row
-  at::Tensor cu_keys;                // int32 [blocks + 1]: segment starts
-  at::Tensor anchor;                 // int64 [blocks]
-  at::Tensor seq_row_start;          // int64 [sequences + 1]: first context row per sequence
-  at::Tensor seq_block_start;        // int64 [sequences + 1]: first block per sequence
+  at::Tensor index;            // int64 [capacity]: source row of each gathered row; 0 past keys
+  at::Tensor cu_keys;          // int32 [blocks + 1]: segment starts
+  at::Tensor anchor;           // int64 [blocks]
+  at::Tensor seq_row_start;    // int64 [sequences + 1]: first context row per sequence
+  at::Tensor seq_block_start;  // int64 [sequences + 1]: first block per sequence
 
   // Blocks must be grouped by sequence in order; anchors[i] < lengths[sequence[i]].
   static PrefixGatherPlan build(const std::vector<int64_t>& lengths,
@@ -32,11 +41,13 @@ struct PrefixGatherPlan {
 };
 
 // rows: [T + blocks*B, W] (context rows, then block rows), any layout of W contiguous per row.
-// Returns [keys, W]; differentiable with respect to rows.
+// Returns [capacity, W]: the segments in the first `keys` rows, zeros after them; differentiable
+// with respect to rows.
 at::Tensor prefix_gather(const at::Tensor& rows, const PrefixGatherPlan& plan);
 
-// The backward alone: grad [keys, W] -> [T + blocks*B, W]. CUDA: the kernel; elsewhere (and as
-// the test reference) index_add in fp32.
+// The backward alone: grad [capacity, W] -> [T + blocks*B, W]; rows past `keys` are never read
+// (attention's backward leaves them unwritten). CUDA: the kernel; elsewhere (and as the test
+// reference) index_add in fp32.
 at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan& plan);
 at::Tensor prefix_gather_backward_reference(const at::Tensor& grad, const PrefixGatherPlan& plan);
 

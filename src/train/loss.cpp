@@ -26,13 +26,18 @@ HeadLoss chunked_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head,
   out.predictions = at::empty({m}, labels.options());
   out.grad_hidden = at::empty_like(hidden);
   const auto w_head = lm_head.to(hidden.scalar_type());
+  // One logits buffer of chunk_rows rows serves every chunk, the last (shorter) one included:
+  // the row count varies from step to step, the size the allocator sees does not.
+  at::Tensor buffer;
+  if (m > 0) buffer = at::empty({chunk_rows, lm_head.size(0)}, hidden.options());
   for (int64_t start = 0; start < m; start += chunk_rows) {
     const int64_t n = std::min(chunk_rows, m - start);
     auto h = hidden.narrow(0, start, n);
     auto y = labels.narrow(0, start, n);
     auto w = weights.narrow(0, start, n);
     auto k = label_k.narrow(0, start, n);
-    auto logits = at::linear(h, w_head);  // [n, V] in the compute dtype, this chunk only
+    auto logits = buffer.narrow(0, 0, n);  // [n, V] in the compute dtype, this chunk only
+    at::mm_out(logits, h, w_head.t());
     // The fused kernel turns the logits into d(grad_scale * weighted CE)/d(logits) in place.
     auto r = kernels::cross_entropy_rows_(logits, y, w * grad_scale);
     out.weighted_ce.add_((r.loss * w).sum());

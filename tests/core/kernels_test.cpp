@@ -91,6 +91,54 @@ TEST(PrefixGather, SegmentsAreContextPrefixThenOwnBlock) {
   EXPECT_THROW(kernels::PrefixGatherPlan::build({5, 4}, {1, 0}, {0, 0}, 2, at::kCPU), Error);
 }
 
+TEST(PrefixGather, CapacityIsOneOfEightStepsPerPowerOfTwo) {
+  EXPECT_EQ(kernels::gathered_capacity(0), 0);
+  EXPECT_EQ(kernels::gathered_capacity(15), 15);
+  EXPECT_EQ(kernels::gathered_capacity(16), 16);
+  EXPECT_EQ(kernels::gathered_capacity(17), 18);
+  EXPECT_EQ(kernels::gathered_capacity(242), 256);
+  EXPECT_EQ(kernels::gathered_capacity(256), 256);
+  EXPECT_EQ(kernels::gathered_capacity(257), 288);
+  // The step: 512 anchors in a 2048-token sequence gather ~548K keys; the steps around
+  // that are 64K keys apart, so nearby totals share one size.
+  EXPECT_EQ(kernels::gathered_capacity(540'000), 589'824);
+  EXPECT_EQ(kernels::gathered_capacity(560'000), 589'824);
+  for (int64_t k = 16; k < 5000; ++k) {
+    const int64_t c = kernels::gathered_capacity(k);
+    ASSERT_GE(c, k);
+    ASSERT_LE(c * 8, k * 9) << k;
+  }
+}
+
+// The padded rows past the segments: zero in the forward, never read by the backward (flash
+// attention's backward leaves them unwritten, so the test puts NaN there).
+TEST(PrefixGather, PaddingRowsAreZeroAndIgnoredByTheBackward) {
+  auto plan = sample_plan(at::kCPU);
+  ASSERT_EQ(plan.keys, 54 + 4 + 103 + 67 + 14);
+  ASSERT_EQ(plan.capacity, 256);
+  ASSERT_EQ(plan.index.size(0), plan.capacity);
+  EXPECT_TRUE(at::equal(plan.index.narrow(0, plan.keys, plan.capacity - plan.keys),
+                        at::zeros({plan.capacity - plan.keys}, at::kLong)));
+  // Block 3 (sequence 2, anchor 63, context rows from 137): its 63 context rows, then its own 4.
+  auto seg = plan.index.narrow(0, 54 + 4 + 103, 67);
+  EXPECT_TRUE(at::equal(seg.narrow(0, 0, 63), at::arange(137, 200)));
+  EXPECT_TRUE(at::equal(seg.narrow(0, 63, 4), at::arange(201 + 3 * 4, 201 + 4 * 4)));
+
+  const int64_t total_rows = 201 + 5 * 4;
+  auto rows = at::randn({total_rows, 8}).requires_grad_(true);
+  auto out = kernels::prefix_gather(rows, plan);
+  ASSERT_EQ(out.sizes(), (at::IntArrayRef{plan.capacity, 8}));
+  auto valid = plan.index.narrow(0, 0, plan.keys);
+  EXPECT_TRUE(at::equal(out.narrow(0, 0, plan.keys), rows.detach().index_select(0, valid)));
+  EXPECT_TRUE(at::equal(out.narrow(0, plan.keys, plan.capacity - plan.keys),
+                        at::zeros({plan.capacity - plan.keys, 8})));
+  auto grad = at::randn({plan.capacity, 8});
+  grad.narrow(0, plan.keys, plan.capacity - plan.keys).fill_(NAN);
+  out.backward(grad);
+  auto expected = at::zeros({total_rows, 8}).index_add_(0, valid, grad.narrow(0, 0, plan.keys));
+  EXPECT_TRUE(at::allclose(rows.grad(), expected, 1e-6, 1e-6));
+}
+
 TEST(PrefixGather, CudaBackwardMatchesReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   auto cpu_plan = sample_plan(at::kCPU);
@@ -109,7 +157,10 @@ TEST(PrefixGather, CudaBackwardMatchesReference) {
                     .to(dtype)
                     .requires_grad_(true);
     auto out = kernels::prefix_gather(rows, plan);
-    EXPECT_TRUE(at::equal(out.cpu(), rows.detach().cpu().index_select(0, cpu_plan.index)));
+    const int64_t keys = cpu_plan.keys, pad = cpu_plan.capacity - keys;
+    EXPECT_TRUE(at::equal(out.cpu().narrow(0, 0, keys),
+                          rows.detach().cpu().index_select(0, cpu_plan.index.narrow(0, 0, keys))));
+    EXPECT_TRUE(at::equal(out.cpu().narrow(0, keys, pad), at::zeros({pad, width}).to(dtype)));
     out.backward(grad.cuda());
     EXPECT_TRUE(at::equal(rows.grad().cpu(), actual));
   }
