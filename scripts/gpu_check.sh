@@ -51,10 +51,19 @@ if has load; then
   rm -rf "$ckpt"
 fi
 if has drafter && "$dflash" bench-drafter --help > /dev/null 2>&1; then
+  # The drafter step's kernels and its parity (gathered keys, loss, optimizer) before timing it.
+  "$build/tests/dflash_core_tests" \
+    --gtest_filter='*PrefixGather*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*AdamW*' \
+    > "$out/drafter_tests.log" 2>&1
+  echo "drafter tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/drafter_tests.log" | tail -8
   step bench-drafter
   "$dflash" bench-drafter --device cuda --json "$out/bench_drafter.json" \
     --profile "$out/drafter_trace.json" 2>&1 | tee "$out/bench_drafter.txt"
   gzip -f "$out/drafter_trace.json"
+  # New anchors every step, as training draws them: the allocated and reserved peaks show
+  # whether the varying gathered-key count still fragments the caching allocator.
+  "$dflash" bench-drafter --device cuda --fresh-anchors --iters 30 \
+    --json "$out/bench_drafter_fresh.json" 2>&1 | tee "$out/bench_drafter_fresh.txt"
 fi
 if has decode; then
   # Generation: the decoding tests (flash attention over the KV cache, CUDA-graph replay
