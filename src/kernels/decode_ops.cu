@@ -80,17 +80,25 @@ __global__ void __launch_bounds__(kThreads)
   const P* xr = reinterpret_cast<const P*>(x) + base;
   const P* yr = reinterpret_cast<const P*>(y) + base;
   const P* wr = reinterpret_cast<const P*>(weight);
-  P s[kVecs], w[kVecs];
+  // Every load is issued before any is used: one memory round trip, not one per vector.
+  P s[kVecs], b[kVecs], w[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t v = threadIdx.x + int64_t(j) * kThreads;
+    if (v < vecs) {
+      s[j] = xr[v];
+      b[j] = yr[v];
+      w[j] = wr[v];
+    }
+  }
   float squares = 0.f;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     const int64_t v = threadIdx.x + int64_t(j) * kThreads;
     if (v < vecs) {
-      const P a = xr[v], b = yr[v];
-      w[j] = wr[v];  // loaded now so its latency hides behind the reduction
 #pragma unroll
       for (int e = 0; e < P::kSize; ++e) {
-        s[j].v[e] = from_float<T>(to_float(a.v[e]) + to_float(b.v[e]));
+        s[j].v[e] = from_float<T>(to_float(s[j].v[e]) + to_float(b[j].v[e]));
         const float f = to_float(s[j].v[e]);
         squares = fmaf(f, f, squares);
       }
