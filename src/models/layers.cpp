@@ -1,9 +1,13 @@
 #include "models/layers.h"
 
+#include <c10/core/GradMode.h>
+
 #include <cmath>
 #include <numbers>
 
 #include "common/error.h"
+#include "kernels/decode_ops.h"
+#include "kernels/moe_combine.h"
 
 namespace dflash::models {
 
@@ -161,7 +165,9 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tens
   auto probs = at::softmax(at::linear(x, router), -1, at::kFloat);
   auto [weights, chosen] = at::topk(probs, top_k, -1);
   if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
-  weights = weights.to(x.scalar_type());
+  // Without autograd (the frozen target's prefill and decode) the SwiGLU and the weighted sum
+  // take kernels: one pass each instead of three.
+  const bool frozen = !c10::GradMode::is_enabled();
   // One row per (token, choice), sorted by expert; the stable sort keeps each expert's tokens in
   // order.
   auto flat = chosen.reshape(-1);
@@ -178,7 +184,8 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tens
     // Offsets stay on the device: no host sync, so a CUDA graph can capture the layer.
     auto offsets = counts.cumsum(0).to(at::kInt);
     auto gate_up = at::_grouped_mm(rows, experts_gate_up.transpose(1, 2), offsets);
-    auto act = at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f);
+    auto act = frozen ? kernels::silu_mul(gate_up)
+                      : at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f);
     y = at::_grouped_mm(act, experts_down.transpose(1, 2), offsets);
   } else {
     auto host = counts.cpu();
@@ -194,7 +201,10 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tens
   // Back to (token, choice) order, then each token's weighted sum over its choices.
   auto inverse =
       at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
-  return (y.index_select(0, inverse).view({t, top_k, h}) * weights.unsqueeze(-1)).sum(1);
+  if (frozen) return kernels::moe_combine(y, inverse, weights);
+  return (y.index_select(0, inverse).view({t, top_k, h}) *
+          weights.to(x.scalar_type()).unsqueeze(-1))
+      .sum(1);
 }
 
 }  // namespace dflash::models

@@ -3,14 +3,17 @@
 // checkpoint layouts of the same weights, MoE configs (parsing, sparse-layer selection,
 // parameter counts), the dense drafter an MoE target gets, and on CUDA the grouped bf16 kernel
 // (skipped without a GPU).
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "common/error.h"
 #include "common/file.h"
 #include "io/safetensors.h"
+#include "kernels/moe_combine.h"
 #include "models/drafter.h"
 #include "models/target.h"
 #include "test_util.h"
@@ -80,6 +83,42 @@ INSTANTIATE_TEST_SUITE_P(
                       MoeCase{"Grouped64Top1", 64, 1, true, ExpertGemm::kGrouped},
                       MoeCase{"Auto64Top1", 64, 1, false, ExpertGemm::kAuto}),
     [](const auto& info) { return info.param.name; });
+
+// Expert outputs in a shuffled (sorted) order, the permutation back, and router weights.
+struct CombineInputs {
+  at::Tensor y, inverse, weights;
+};
+CombineInputs combine_inputs(int64_t tokens, int64_t k, int64_t h, at::ScalarType dtype,
+                             at::Device device) {
+  auto gen = models::seeded_generator(at::kCPU, 5);
+  auto order = at::randperm(tokens * k, gen, at::kLong);
+  auto inverse = at::empty_like(order).scatter_(0, order, at::arange(tokens * k, at::kLong));
+  return {at::randn({tokens * k, h}, gen).to(device, dtype), inverse.to(device),
+          at::rand({tokens, k}, gen).to(device)};
+}
+
+// The reference is the definition, token by token in double.
+TEST(MoeCombine, ReferenceIsTheWeightedSumOfEachTokensRows) {
+  const int64_t tokens = 5, k = 3, h = 7;
+  auto in = combine_inputs(tokens, k, h, at::kFloat, at::kCPU);
+  auto got = kernels::moe_combine(in.y, in.inverse, in.weights);
+  ASSERT_EQ(got.sizes(), (std::vector<int64_t>{tokens, h}));
+  for (int64_t t = 0; t < tokens; ++t) {
+    auto want = at::zeros({h}, at::kDouble);
+    for (int64_t j = 0; j < k; ++j) {
+      want += in.weights[t][j].item<double>() *
+              in.y[in.inverse[t * k + j].item<int64_t>()].to(at::kDouble);
+    }
+    EXPECT_CLOSE(got[t], want.to(at::kFloat), 1e-6);
+  }
+  try {
+    kernels::moe_combine(in.y, in.inverse.to(at::kInt), in.weights);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("inverse must be int64"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(kernels::moe_combine(in.y, in.inverse, in.weights.narrow(0, 0, 2)), Error);
+}
 
 at::Tensor forward_all(const TargetModel& model, const at::Tensor& tokens,
                        const std::vector<int64_t>& lengths) {
@@ -233,6 +272,40 @@ TEST_F(MoeGpu, GroupedBf16MatchesLoop) {
     auto loop = models::moe_mlp(x, router, gate_up, down, 8, true, ExpertGemm::kLoop);
     EXPECT_CLOSE(grouped, loop, 1e-2);
   }
+}
+
+// The combine kernel against its fp32 reference: vector loads (H a multiple of 8) and the scalar
+// path (H = 100), top-8 and top-1, bf16 and fp32.
+TEST_F(MoeGpu, CombineKernelMatchesReference) {
+  for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    for (int64_t h : {2048, 100}) {
+      for (int64_t k : {8, 1}) {
+        SCOPED_TRACE(fmt::format("{} h {} k {}", c10::toString(dtype), h, k));
+        auto in = combine_inputs(300, k, h, dtype, at::kCUDA);
+        auto got = kernels::moe_combine(in.y, in.inverse, in.weights);
+        auto want = kernels::moe_combine_reference(in.y, in.inverse, in.weights);
+        EXPECT_CLOSE(got, want, dtype == at::kFloat ? 1e-6 : 1e-2);
+      }
+    }
+  }
+}
+
+// The frozen path (silu_mul and combine kernels) against the same MLP under autograd (ATen).
+TEST_F(MoeGpu, FrozenKernelsMatchAutogradPath) {
+  auto gen = models::seeded_generator(at::kCUDA, 4);
+  auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const int64_t experts = 32, h = 256, f = 128;
+  auto router = at::randn({experts, h}, gen, opts) * 0.1;
+  auto gate_up = at::randn({experts, 2 * f, h}, gen, opts) * 0.05;
+  auto down = at::randn({experts, h, f}, gen, opts) * 0.05;
+  auto x = at::randn({700, h}, gen, opts);
+  auto aten = models::moe_mlp(x, router, gate_up, down, 8, true, ExpertGemm::kAuto);
+  at::Tensor frozen;
+  {
+    c10::NoGradGuard no_grad;
+    frozen = models::moe_mlp(x, router, gate_up, down, 8, true, ExpertGemm::kAuto);
+  }
+  EXPECT_CLOSE(frozen, aten, 1e-2);
 }
 
 // A bf16 MoE target on CUDA (grouped experts; the decode kernels for a few rows) against
