@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 #include <fmt/ranges.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -461,6 +462,48 @@ void Drafter::save(const std::filesystem::path& dir) const {
   write_drafter_export(dir, config_, named_);
 }
 
+namespace {
+
+// A compute copy read in the forward: its gradient reaches the fp32 master as Tensor::to's does.
+struct ReadCopy : public torch::autograd::Function<ReadCopy> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& /*master*/,
+                            const at::Tensor& copy) {
+    return copy;
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*,
+                                               torch::autograd::tensor_list grads) {
+    return {grads[0].to(at::kFloat), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+const std::vector<at::Tensor>& Drafter::compute_copies(at::ScalarType dtype) {
+  if (dtype == at::kFloat) fail("drafter: the masters are fp32; no compute copies in fp32");
+  if (copies_.empty() || copy_dtype_ != dtype) {
+    c10::NoGradGuard no_grad;
+    copies_.clear();
+    copy_versions_.clear();
+    for (const auto& [name, p] : named_) {
+      copies_.push_back(p.detach().to(dtype));
+      copy_versions_.push_back(p._version());
+    }
+    copy_dtype_ = dtype;
+  }
+  return copies_;
+}
+
+at::Tensor Drafter::compute_weight(size_t i, at::ScalarType dtype) const {
+  const at::Tensor& p = named_[i].second;
+  if (copies_.empty() || copy_dtype_ != dtype) return p.to(dtype);
+  if (p._version() != copy_versions_[i]) {
+    c10::NoGradGuard no_grad;
+    copies_[i].copy_(p.detach());
+    copy_versions_[i] = p._version();
+  }
+  return ReadCopy::apply(p, copies_[i]);
+}
+
 at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) const {
   return fused_context(config_, features, fc_, hidden_norm_, dtype);
 }
@@ -496,7 +539,12 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
     const bool flash = features.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
     attention = flash ? DrafterAttention::kGathered : DrafterAttention::kDense;
   }
-  auto ctx = context(features, dtype);
+  // named_ order: fc, hidden_norm, each layer's weights in DrafterLayerWeights' field order,
+  // norm. A weight used twice (k_proj, v_proj and k_norm serve the block and the context) is
+  // read twice, so that its two gradients reach the fp32 master separately, as two casts did.
+  constexpr size_t kPerLayer = 11;
+  auto weight = [&](size_t i) { return compute_weight(i, dtype); };
+  auto ctx = fused_context(config_, features, weight(0), weight(1), dtype);
   // The embedding is frozen: at::embedding of a tensor without requires_grad records nothing.
   auto x = at::embedding(head.embedding, layout.input_ids).to(dtype);
   auto [ctx_cos, ctx_sin] = rotary_.tables(batch.positions, dtype);
@@ -506,14 +554,28 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
     gather = kernels::PrefixGatherPlan::build(batch.lengths, layout.sequence, layout.anchor,
                                               layout.block_size, x.device());
   }
-  for (const auto& layer : layers_) {
-    x = layer_forward(layer, x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch, layout, dtype,
-                      gather ? &*gather : nullptr);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const size_t first = 2 + l * kPerLayer;
+    DrafterLayerWeights layer;
+    at::Tensor* fields[] = {&layer.input_norm, &layer.post_attention_norm,
+                            &layer.q_proj,     &layer.k_proj,
+                            &layer.v_proj,     &layer.o_proj,
+                            &layer.q_norm,     &layer.k_norm,
+                            &layer.gate_proj,  &layer.up_proj,
+                            &layer.down_proj};
+    for (size_t f = 0; f < kPerLayer; ++f) *fields[f] = weight(first + f);
+    DrafterLayerWeights context_layer;
+    context_layer.k_proj = weight(first + 3);
+    context_layer.v_proj = weight(first + 4);
+    context_layer.k_norm = weight(first + 7);
+    x = layer_forward(layer, context_layer, x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch,
+                      layout, dtype, gather ? &*gather : nullptr);
   }
-  return rms_norm(x, norm_.to(dtype), config_.layers.rms_norm_eps);
+  return rms_norm(x, weight(named_.size() - 1), config_.layers.rms_norm_eps);
 }
 
-at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& x,
+at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
+                                  const DrafterLayerWeights& context_w, const at::Tensor& x,
                                   const at::Tensor& ctx, const at::Tensor& ctx_cos,
                                   const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
                                   const at::Tensor& blk_sin, const PackedBatch& batch,
@@ -522,7 +584,7 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor
   const ModelConfig& c = config_.layers;
   const int64_t rows = x.size(0), d = c.head_dim, bs = layout.block_size;
   auto [q, k_blk, v_blk] = block_qkv(w, c, x, blk_cos, blk_sin, dtype);
-  auto [k_ctx, v_ctx] = context_kv(w, c, ctx, ctx_cos, ctx_sin, dtype);
+  auto [k_ctx, v_ctx] = context_kv(context_w, c, ctx, ctx_cos, ctx_sin, dtype);
 
   at::Tensor attn;  // [rows, Hq, D]
   if (gather == nullptr) {

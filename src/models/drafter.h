@@ -161,6 +161,12 @@ class Drafter {
   // Replaces parameter values in place (checkpoint resume); names and shapes must match.
   void assign(const std::vector<std::pair<std::string, at::Tensor>>& values,
               const std::string& origin);
+  // Copies of every parameter in `dtype` (named_parameters order), made on the first call for
+  // that dtype. From then on forward() in `dtype` reads them instead of casting each master
+  // every step, and the optimizer rewrites them with each update (AdamW::set_compute_copies);
+  // a copy whose master was written otherwise since (assign, any in-place op: its version
+  // moved) is cast again before use.
+  const std::vector<at::Tensor>& compute_copies(at::ScalarType dtype);
 
  private:
   friend class DraftModel;
@@ -169,17 +175,26 @@ class Drafter {
   // load() to overwrite. Norms at one either way.
   void allocate(at::Device device, const std::optional<at::Generator>& gen);
   void register_parameters();
-  at::Tensor layer_forward(const DrafterLayerWeights& w, const at::Tensor& x, const at::Tensor& ctx,
-                           const at::Tensor& ctx_cos, const at::Tensor& ctx_sin,
-                           const at::Tensor& blk_cos, const at::Tensor& blk_sin,
-                           const PackedBatch& batch, const BlockLayout& layout,
-                           at::ScalarType dtype, const kernels::PrefixGatherPlan* gather) const;
+  // `context_w`: the k_proj, v_proj and k_norm that the context's K/V use.
+  at::Tensor layer_forward(const DrafterLayerWeights& w, const DrafterLayerWeights& context_w,
+                           const at::Tensor& x, const at::Tensor& ctx, const at::Tensor& ctx_cos,
+                           const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
+                           const at::Tensor& blk_sin, const PackedBatch& batch,
+                           const BlockLayout& layout, at::ScalarType dtype,
+                           const kernels::PrefixGatherPlan* gather) const;
+
+  // Parameter i (named_parameters order) as forward() in `dtype` reads it: its compute copy when
+  // there is one, else a cast of the master.
+  at::Tensor compute_weight(size_t i, at::ScalarType dtype) const;
 
   DrafterConfig config_;
   Rotary rotary_;
   at::Tensor fc_, hidden_norm_, norm_;
   std::vector<DrafterLayerWeights> layers_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
+  at::ScalarType copy_dtype_ = at::kFloat;
+  mutable std::vector<at::Tensor> copies_;
+  mutable std::vector<int64_t> copy_versions_;  // each master's version when its copy was made
 };
 
 // A drafter ready for speculative decoding: its weights cast once to the inference dtype (the

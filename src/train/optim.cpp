@@ -6,6 +6,7 @@
 #include <numbers>
 
 #include "common/error.h"
+#include "kernels/adamw_cast.h"
 
 namespace dflash::train {
 
@@ -19,6 +20,18 @@ AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions options)
     exp_avg_sq_.push_back(at::zeros_like(p));
   }
   step_count_ = at::zeros({}, params_[0].options());
+}
+
+void AdamW::set_compute_copies(std::vector<at::Tensor> copies) {
+  if (!copies.empty() && copies.size() != params_.size()) {
+    fail("AdamW: {} compute copies for {} parameters", copies.size(), params_.size());
+  }
+  for (size_t i = 0; i < copies.size(); ++i) {
+    if (copies[i].sizes() != params_[i].sizes() || copies[i].device() != params_[i].device()) {
+      fail("AdamW: compute copy {} does not match its parameter", i);
+    }
+  }
+  copies_ = std::move(copies);
 }
 
 int64_t AdamW::steps() const { return std::llround(step_count_.item<double>()); }
@@ -39,9 +52,14 @@ void AdamW::step(double lr, const std::optional<at::Tensor>& grad_divisor,
   } else {
     step_count_.add_(1.0);
   }
+  const auto& o = options_;
+  if (!copies_.empty()) {
+    kernels::adamw_cast_(params_, grads, exp_avg_, exp_avg_sq_, copies_, step_count_, lr, o.beta1,
+                         o.beta2, o.weight_decay, o.eps, grad_divisor, found_inf);
+    return;
+  }
   // One step tensor serves every parameter: the kernel only reads it.
   const std::vector<at::Tensor> steps(params_.size(), step_count_);
-  const auto& o = options_;
   at::_fused_adamw_(params_, grads, exp_avg_, exp_avg_sq_, /*max_exp_avg_sqs=*/{}, steps, lr,
                     o.beta1, o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false,
                     /*maximize=*/false, grad_divisor, found_inf);

@@ -1,5 +1,6 @@
 // train: the optimizer side of a step: AdamW over fp32 master weights (ATen's fused AdamW
-// kernel, torch.optim.AdamW(fused=True): one pass over params, grads and moments), global
+// kernel, torch.optim.AdamW(fused=True): one pass over params, grads and moments; with compute
+// copies, kernels::adamw_cast_, which writes the bf16 weights in the same pass), global
 // grad-norm clipping folded into that pass, and the warmup + cosine learning-rate schedule.
 #pragma once
 #include <ATen/ATen.h>
@@ -27,6 +28,10 @@ class AdamW {
   // neither the weights, the moments nor the step count change, and the host never waits.
   void step(double lr, const std::optional<at::Tensor>& grad_divisor = std::nullopt,
             const std::optional<at::Tensor>& found_inf = std::nullopt);
+  // Compute-dtype copies of the params (same order and shapes) that every step rewrites from the
+  // updated weights in the same pass (kernels::adamw_cast_), so a forward can read them instead
+  // of casting the masters again. Empty (the default): no copies.
+  void set_compute_copies(std::vector<at::Tensor> copies);
   // Updates applied so far (reads the device counter: a host sync, for checkpoints).
   int64_t steps() const;
   void set_steps(int64_t steps);
@@ -36,7 +41,7 @@ class AdamW {
   const std::vector<at::Tensor>& exp_avg_sq() const { return exp_avg_sq_; }
 
  private:
-  std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_;
+  std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_, copies_;
   at::Tensor step_count_;  // fp32 device scalar: the fused kernel reads the bias-correction step
   AdamWOptions options_;
 };

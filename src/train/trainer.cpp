@@ -48,6 +48,11 @@ Trainer::Trainer(models::Drafter& drafter, models::TargetHead head, TrainerOptio
          head_.lm_head.size(0), drafter.config().layers.vocab_size);
   }
   state_.seed = options_.seed;
+  // The optimizer writes the compute-dtype weights with each update; the forward reads them
+  // instead of casting the fp32 masters every micro-batch.
+  if (options_.step.dtype != at::kFloat) {
+    optimizer_.set_compute_copies(drafter.compute_copies(options_.step.dtype));
+  }
   if (dp_) {
     // The step's figures ([wce, correct[B], count[B], stop votes]) are reduced with the
     // gradients.
