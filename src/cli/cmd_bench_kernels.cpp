@@ -165,6 +165,21 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                                           qkv.narrow(1, q + kv, kv).view({1, c.num_kv_heads, d}));
                      }),
          cache_bytes);
+  // KVCache::update's write alone (prefill and the passes without q/k norms).
+  auto k_new = qkv.narrow(1, q, kv).view({1, c.num_kv_heads, d});
+  auto v_new = qkv.narrow(1, q + kv, kv).view({1, c.num_kv_heads, d});
+  const double kv_bytes = 2.0 * 4 * kv;
+  report("write_kv_rows", 1, 2 * kv, 0,
+         us_per_call(device, o,
+                     [&](int) { kernels::write_kv_rows(keys, values, cache_row, k_new, v_new); }),
+         kv_bytes);
+  report("2 index_copy_", 1, 2 * kv, 0,
+         us_per_call(device, o,
+                     [&](int) {
+                       keys.index_copy_(0, cache_row, k_new);
+                       values.index_copy_(0, cache_row, v_new);
+                     }),
+         kv_bytes);
   const int64_t f = c.intermediate_size;
   auto gate_up = at::randn({1, 2 * f}, opts);
   const double act_bytes = 2.0 * 3 * f;

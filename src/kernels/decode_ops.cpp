@@ -13,6 +13,8 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tenso
 void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                          const at::Tensor& cos, const at::Tensor& sin, double eps, at::Tensor& q,
                          at::Tensor& k, at::Tensor* v, const at::Tensor* rows);
+void write_kv_rows_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& rows,
+                        const at::Tensor& k, const at::Tensor& v);
 void silu_mul_cuda(const at::Tensor& gate_up, at::Tensor& out);
 
 namespace {
@@ -53,20 +55,29 @@ void check_qk_norm_rotary(const at::Tensor& qkv, int64_t q_heads, int64_t kv_hea
   check_same("qk_norm_rotary", qkv, {q_norm, k_norm, cos, sin});
 }
 
-// keys, values: [R, Hkv, D] contiguous caches of qkv's dtype and device; rows: int64 [T] there.
-void check_cache(const at::Tensor& qkv, int64_t kv_heads, int64_t d, const at::Tensor& keys,
-                 const at::Tensor& values, const at::Tensor& rows) {
+// keys, values: [R, Hkv, D] contiguous caches of ref's dtype and device; rows: int64 [T] there.
+void check_cache(const char* op, const at::Tensor& ref, int64_t tokens, int64_t kv_heads, int64_t d,
+                 const at::Tensor& keys, const at::Tensor& values, const at::Tensor& rows) {
   if (keys.dim() != 3 || keys.size(1) != kv_heads || keys.size(2) != d ||
       values.sizes() != keys.sizes() || !keys.is_contiguous() || !values.is_contiguous()) {
-    fail("qk_norm_rotary_into_cache: keys and values must be contiguous [R, {}, {}], got {} and {}",
-         kv_heads, d, keys.sizes(), values.sizes());
+    fail("{}: keys and values must be contiguous [R, {}, {}], got {} and {}", op, kv_heads, d,
+         keys.sizes(), values.sizes());
   }
-  if (rows.dim() != 1 || rows.size(0) != qkv.size(0) || rows.scalar_type() != at::kLong ||
-      rows.device() != qkv.device()) {
-    fail("qk_norm_rotary_into_cache: rows must be int64 [{}] on {}, got {} [{}] on {}", qkv.size(0),
-         qkv.device().str(), c10::toString(rows.scalar_type()), rows.sizes(), rows.device().str());
+  if (rows.dim() != 1 || rows.size(0) != tokens || rows.scalar_type() != at::kLong ||
+      rows.device() != ref.device()) {
+    fail("{}: rows must be int64 [{}] on {}, got {} [{}] on {}", op, tokens, ref.device().str(),
+         c10::toString(rows.scalar_type()), rows.sizes(), rows.device().str());
   }
-  check_same("qk_norm_rotary_into_cache", qkv, {keys, values});
+  check_same(op, ref, {keys, values});
+}
+
+void check_write_kv_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& rows,
+                         const at::Tensor& k, const at::Tensor& v) {
+  if (k.dim() != 3 || v.sizes() != k.sizes()) {
+    fail("write_kv_rows: k and v must be [T, Hkv, D] alike, got {} and {}", k.sizes(), v.sizes());
+  }
+  check_cache("write_kv_rows", k, k.size(0), k.size(1), k.size(2), keys, values, rows);
+  check_same("write_kv_rows", k, {v});
 }
 
 void check_silu_mul(const at::Tensor& gate_up) {
@@ -142,7 +153,7 @@ at::Tensor qk_norm_rotary_into_cache_reference(const at::Tensor& qkv, int64_t q_
                                                at::Tensor values, const at::Tensor& rows) {
   auto [q, k] = qk_norm_rotary_reference(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin, eps);
   const int64_t d = q_norm.size(0);
-  check_cache(qkv, kv_heads, d, keys, values, rows);
+  check_cache("qk_norm_rotary_into_cache", qkv, qkv.size(0), kv_heads, d, keys, values, rows);
   keys.index_copy_(0, rows, k);
   values.index_copy_(
       0, rows, qkv.narrow(1, (q_heads + kv_heads) * d, kv_heads * d).reshape({-1, kv_heads, d}));
@@ -159,7 +170,7 @@ at::Tensor qk_norm_rotary_into_cache(const at::Tensor& qkv, int64_t q_heads, int
   }
   check_qk_norm_rotary(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin);
   const int64_t t = qkv.size(0), d = q_norm.size(0);
-  check_cache(qkv, kv_heads, d, keys, values, rows);
+  check_cache("qk_norm_rotary_into_cache", qkv, qkv.size(0), kv_heads, d, keys, values, rows);
   auto q = at::empty({t, q_heads, d}, qkv.options());
   if (t > 0) {
     const at::Tensor packed_rows = rows.contiguous();
@@ -168,6 +179,25 @@ at::Tensor qk_norm_rotary_into_cache(const at::Tensor& qkv, int64_t q_heads, int
                         &values, &packed_rows);
   }
   return q;
+}
+
+void write_kv_rows_reference(at::Tensor keys, at::Tensor values, const at::Tensor& rows,
+                             const at::Tensor& k, const at::Tensor& v) {
+  check_write_kv_rows(keys, values, rows, k, v);
+  keys.index_copy_(0, rows, k);
+  values.index_copy_(0, rows, v);
+}
+
+void write_kv_rows(at::Tensor keys, at::Tensor values, const at::Tensor& rows, const at::Tensor& k,
+                   const at::Tensor& v) {
+  if (!on_cuda_half(k)) return write_kv_rows_reference(keys, values, rows, k, v);
+  check_write_kv_rows(keys, values, rows, k, v);
+  if (k.numel() == 0) return;
+  // The kernel reads each token's heads as one run of Hkv * D elements.
+  auto packed = [](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+  };
+  write_kv_rows_cuda(keys, values, rows.contiguous(), packed(k), packed(v));
 }
 
 at::Tensor silu_mul_reference(const at::Tensor& gate_up) {

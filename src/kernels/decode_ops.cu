@@ -8,6 +8,7 @@
 // the squares, then each lane normalizes and rotates its pairs in fp32. With cache rows, k
 // heads go to their rows of the key cache and v heads (one more warp each) are copied to the
 // value cache, so the decode step needs no separate cache writes.
+// write_kv_rows: a thread per K/V element, both caches in one launch.
 // silu_mul: a thread per output element (8 per thread with 16-byte loads where aligned).
 // All compute in fp32.
 #include <ATen/ATen.h>
@@ -167,6 +168,23 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Element e of token t's K/V (heads packed, rows of k and v `ld_k` and `ld_v` apart) to row
+// rows[t] of the caches; a thread per element.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    write_kv_rows_kernel(T* __restrict__ keys, T* __restrict__ values,
+                         const int64_t* __restrict__ rows, int64_t cache_rows,
+                         const T* __restrict__ k, int64_t ld_k, const T* __restrict__ v,
+                         int64_t ld_v, int64_t tokens, int64_t width) {
+  for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < tokens * width;
+       idx += int64_t(gridDim.x) * kThreads) {
+    const int64_t t = idx / width, e = idx % width, row = rows[t];
+    CUDA_KERNEL_ASSERT(row >= 0 && row < cache_rows);
+    keys[row * width + e] = k[t * ld_k + e];
+    values[row * width + e] = v[t * ld_v + e];
+  }
+}
+
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
 // kVec outputs per thread: out[t, j..j+kVec) from gate_up[t, j..] and gate_up[t, f + j..].
@@ -267,6 +285,20 @@ void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const 
         mut<T>(q), mut<T>(k), v != nullptr ? mut<T>(*v) : nullptr,
         rows != nullptr ? rows->data_ptr<int64_t>() : nullptr, k.size(0), tokens, q_heads, kv_heads,
         d, static_cast<float>(eps));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void write_kv_rows_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& rows,
+                        const at::Tensor& k, const at::Tensor& v) {
+  const c10::cuda::CUDAGuard guard(keys.device());
+  const auto stream = at::cuda::getCurrentCUDAStream(keys.device().index());
+  const int64_t tokens = k.size(0), width = keys.size(1) * keys.size(2);
+  dispatch_half(keys.scalar_type(), "write_kv_rows", [&](auto tag) {
+    using T = decltype(tag);
+    write_kv_rows_kernel<T><<<grid_for(tokens * width), kThreads, 0, stream>>>(
+        mut<T>(keys), mut<T>(values), rows.data_ptr<int64_t>(), keys.size(0), ptr<T>(k),
+        k.stride(0), ptr<T>(v), v.stride(0), tokens, width);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -5,7 +5,7 @@
 // add_rms_norm: the residual add and the next RMSNorm in one pass (two launches in ATen).
 // qk_norm_rotary: Qwen3's per-head q/k RMSNorm and rotary, read from the fused QKV output
 //   (four launches in ATen and kernels::rotary); qk_norm_rotary_into_cache also writes k and v
-//   into the KV cache (two index_copy_ launches more).
+//   into the KV cache (two index_copy_ launches more); write_kv_rows writes k and v alone.
 // silu_mul: silu(gate) * up from the fused gate/up output (two launches and a temporary).
 #pragma once
 #include <ATen/ATen.h>
@@ -56,6 +56,17 @@ at::Tensor qk_norm_rotary_into_cache_reference(const at::Tensor& qkv, int64_t q_
                                                const at::Tensor& k_norm, const at::Tensor& cos,
                                                const at::Tensor& sin, double eps, at::Tensor keys,
                                                at::Tensor values, const at::Tensor& rows);
+
+// KVCache::update's two index_copy_ in one launch, for the passes that do not take
+// qk_norm_rotary_into_cache (prefill, models without q/k norms, the drafter): keys[rows[t]] =
+// k[t] and values[rows[t]] = v[t]. keys, values: [R, Hkv, D] contiguous, written in place;
+// k, v: [T, Hkv, D] of their dtype and device (any row stride); rows: int64 [T] there, read on
+// the device (a row outside [0, R) is a device-side assert). CUDA bf16/fp16: one kernel;
+// elsewhere the reference (index_copy_).
+void write_kv_rows(at::Tensor keys, at::Tensor values, const at::Tensor& rows, const at::Tensor& k,
+                   const at::Tensor& v);
+void write_kv_rows_reference(at::Tensor keys, at::Tensor values, const at::Tensor& rows,
+                             const at::Tensor& k, const at::Tensor& v);
 
 // gate_up: [T, 2F] contiguous (gate columns first). Returns silu(gate) * up, [T, F], computed
 // in fp32 and rounded once. CUDA: one kernel; elsewhere the reference.

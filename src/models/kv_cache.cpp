@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "common/error.h"
+#include "kernels/decode_ops.h"
 
 namespace dflash::models {
 
@@ -50,8 +51,7 @@ void KVCache::extend(int64_t slot, int64_t count) {
 
 void KVCache::update(int64_t layer, const at::Tensor& rows, const at::Tensor& k,
                      const at::Tensor& v) {
-  keys_[layer].index_copy_(0, rows, k);
-  values_[layer].index_copy_(0, rows, v);
+  kernels::write_kv_rows(keys_[layer], values_[layer], rows, k, v);
 }
 
 AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& slots,

@@ -37,7 +37,8 @@ class KVCache {
   const at::Tensor& values(int64_t layer) const { return values_[layer]; }
   at::Device device() const { return device_; }
   // Writes k and v, [tokens, Hkv, D], at `rows` (int64 [tokens]) of `layer`: gpt-fast's
-  // KVCache.update(input_pos, k, v) with slot and position folded into one row index.
+  // KVCache.update(input_pos, k, v) with slot and position folded into one row index; on CUDA
+  // in bf16/fp16 one kernel (kernels::write_kv_rows), elsewhere index_copy_.
   void update(int64_t layer, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v);
 
  private:

@@ -247,6 +247,32 @@ TEST(DecodeOpsGpu, QkNormRotaryIntoCacheWritesOnlyTheRows) {
   }
 }
 
+TEST(DecodeOpsGpu, WriteKvRowsIsIndexCopy) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(7);
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    // A decode token; a prefill of 40 tokens with v a slice of a wider qkv (rows 7 heads apart).
+    for (auto [tokens, kv_heads, d] :
+         {std::tuple<int64_t, int64_t, int64_t>{1, 8, 128}, {40, 2, 24}}) {
+      SCOPED_TRACE(fmt::format("{} T {}", c10::toString(dtype), tokens));
+      const int64_t r = 2 * tokens + 3;
+      auto keys = at::randn({r, kv_heads, d}).to(dtype), values = at::randn_like(keys);
+      auto k = at::randn({tokens, kv_heads, d}).to(dtype);
+      auto qkv = at::randn({tokens, (3 + 2 * kv_heads) * d}).to(dtype);
+      auto v = qkv.narrow(1, (3 + kv_heads) * d, kv_heads * d).view({tokens, kv_heads, d});
+      auto rows = at::randperm(r, at::kLong).narrow(0, 0, tokens);
+      auto keys_want = keys.clone(), values_want = values.clone();
+      kernels::write_kv_rows_reference(keys_want, values_want, rows, k, v);
+      auto keys_gpu = keys.cuda(), values_gpu = values.cuda(), qkv_gpu = qkv.cuda();
+      kernels::write_kv_rows(
+          keys_gpu, values_gpu, rows.cuda(), k.cuda(),
+          qkv_gpu.narrow(1, (3 + kv_heads) * d, kv_heads * d).view({tokens, kv_heads, d}));
+      EXPECT_TRUE(at::equal(keys_gpu.cpu(), keys_want));
+      EXPECT_TRUE(at::equal(values_gpu.cpu(), values_want));
+    }
+  }
+}
+
 TEST(DecodeOpsGpu, SiluMulMatchesReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(5);
@@ -332,6 +358,27 @@ TEST(DecodeOps, IntoCacheOnCpuIsQkNormRotaryThenIndexCopy) {
                Error);
   EXPECT_THROW(kernels::qk_norm_rotary_into_cache(qkv, hq, hkv, qn, kn, cos, sin, 1e-6, keys,
                                                   values.to(at::kDouble), rows),
+               Error);
+}
+
+TEST(DecodeOps, WriteKvRowsOnCpuIsIndexCopyAndBadShapesAreNamed) {
+  auto keys = at::zeros({6, 2, 4}), values = at::zeros({6, 2, 4});
+  auto k = at::randn({2, 2, 4}), v = at::randn({2, 2, 4});
+  auto rows = at::tensor(std::vector<int64_t>{4, 1}, at::kLong);
+  kernels::write_kv_rows(keys, values, rows, k, v);
+  EXPECT_TRUE(at::equal(keys.index_select(0, rows), k));
+  EXPECT_TRUE(at::equal(values.index_select(0, rows), v));
+  EXPECT_EQ(keys.abs().sum().item<float>(), k.abs().sum().item<float>());  // nothing else
+  try {
+    kernels::write_kv_rows(keys, values, rows, k, at::randn({2, 2, 3}));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("k and v must be [T, Hkv, D] alike"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(kernels::write_kv_rows(keys, values, rows.narrow(0, 0, 1), k, v), Error);
+  EXPECT_THROW(kernels::write_kv_rows(at::zeros({6, 1, 4}), values, rows, k, v), Error);
+  EXPECT_THROW(kernels::write_kv_rows(keys, values, rows, k.to(at::kDouble), v.to(at::kDouble)),
                Error);
 }
 
