@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -36,14 +37,17 @@ void run_bench(const BenchOptions& o) {
   auto config = models::preset_config(o.preset);
   auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   auto model = models::TargetModel::random(config, device, dtype, 0);
-  // The layers the default drafter taps, so the prefill keeps what training keeps.
+  // The layers the default drafter taps, and no logits: the prefill training runs, which stops
+  // after the last tapped layer.
   const auto taps =
       models::default_target_layer_ids(config.num_layers, models::DrafterOptions{}.num_layers);
+  const int64_t layers = *std::max_element(taps.begin(), taps.end()) + 1;
   fmt::print(
       "bench-target: {} ({:.2f} B params, {:.2f} B active per token), {} on {}, seq {}, taps "
-      "[{}], warmup {}, iters {}\n",
+      "[{}] (layers 0-{} run, no logits), warmup {}, iters {}\n",
       o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
-      c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), o.warmup, o.iters);
+      c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.warmup,
+      o.iters);
   fmt::print("{:>6} {:>10} {:>12} {:>10} {:>14}\n", "batch", "median ms", "tokens/s", "TFLOP/s",
              "peak GPU GiB");
   nlohmann::json rows = nlohmann::json::array();
@@ -55,11 +59,11 @@ void run_bench(const BenchOptions& o) {
     if (device.is_cuda())
       c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
     auto times = obs::time_steps(device, o.warmup, o.iters, [&] {
-      model.forward(tokens, batch, {taps, models::Logits::kLast});
+      model.forward(tokens, batch, {taps, models::Logits::kNone});
     });
     const double ms = obs::median(times) * 1e3;
     const double tps = batch.total / (ms / 1e3);
-    const double tflops = models::prefill_flops(config, lengths, b) / (ms / 1e3) / 1e12;
+    const double tflops = models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12;
     double peak_gib = 0;
     if (device.is_cuda()) {
       auto stats =
@@ -85,7 +89,7 @@ void run_bench(const BenchOptions& o) {
     auto p = obs::profile_device(
         [&] {
           for (int i = 0; i < kProfiled; ++i) {
-            model.forward(tokens, batch, {taps, models::Logits::kLast});
+            model.forward(tokens, batch, {taps, models::Logits::kNone});
           }
           obs::synchronize(device);
         },

@@ -307,7 +307,13 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
   auto [cos, sin] = rotary_.tables(positions, x.scalar_type());
   const bool fused = decode_kernels(x, x.size(0));
   at::Tensor pending;  // fused: the last layer's MLP output, not yet added to x
-  for (int64_t i = 0; i < config_.num_layers; ++i) {
+  // Without logits or a cache to fill (training's features) the layers after the last tapped
+  // one change nothing returned: Qwen3-8B's default taps end at layer 33 of 36.
+  int64_t layers = config_.num_layers;
+  if (request.logits == Logits::kNone && cache == nullptr && !request.tap_layers.empty()) {
+    layers = *std::max_element(request.tap_layers.begin(), request.tap_layers.end()) + 1;
+  }
+  for (int64_t i = 0; i < layers; ++i) {
     const CacheRows rows =
         cache != nullptr ? CacheRows{cache->keys(i), cache->values(i), cache_rows} : CacheRows{};
     x = decoder_layer(layers_[i], x, pending, cos, sin, fused, rows,
@@ -452,18 +458,19 @@ TargetModel TargetModel::cast(at::ScalarType dtype) const {
   return m;
 }
 
-double prefill_flops(const ModelConfig& c, const std::vector<int64_t>& lengths,
-                     int64_t logit_rows) {
+double prefill_flops(const ModelConfig& c, const std::vector<int64_t>& lengths, int64_t logit_rows,
+                     int64_t layers) {
   const double h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  if (layers < 0) layers = c.num_layers;
   // A sparse layer's experts counted only as often as tokens are routed to them.
   double linear_params = 0;
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  for (int64_t i = 0; i < layers; ++i) {
     linear_params += h * (q + 2 * kv) + q * h + static_cast<double>(c.mlp_parameters(i, true));
   }
   double flops = 0;
   for (int64_t n : lengths) {
     const double s = static_cast<double>(n);
-    flops += 2 * linear_params * s + c.num_layers * 2 * s * (s + 1) * q;
+    flops += 2 * linear_params * s + static_cast<double>(layers) * 2 * s * (s + 1) * q;
   }
   return flops + 2.0 * h * c.vocab_size * logit_rows;
 }

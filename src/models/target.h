@@ -127,10 +127,11 @@ class TargetModel {
   std::vector<TargetLayerWeights> layers_;
 };
 
-// Floating-point operations of one prefill: projections (of a sparse layer, the router and
-// the experts each token is routed to), causal attention (only the unmasked half counted) and
-// `logit_rows` rows of the LM head.
+// Floating-point operations of one prefill through the first `layers` decoder layers (-1: all;
+// a forward for features alone stops after the last tapped layer): projections (of a sparse
+// layer, the router and the experts each token is routed to), causal attention (only the
+// unmasked half counted) and `logit_rows` rows of the LM head.
 double prefill_flops(const ModelConfig& config, const std::vector<int64_t>& lengths,
-                     int64_t logit_rows);
+                     int64_t logit_rows, int64_t layers = -1);
 
 }  // namespace dflash::models

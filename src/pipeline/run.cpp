@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -958,8 +959,10 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   const auto dc = drafter_config(c, tc, false);
   GlobalStream probe(samples, stream_options_of(c), dc);
   const auto one = probe.form(0, 0, static_cast<int>(c.batch_size), false);
+  const int64_t target_layers =
+      *std::max_element(dc.target_layer_ids.begin(), dc.target_layer_ids.end()) + 1;
   const double flops_per_sequence =
-      models::prefill_flops(tc, one.lengths, 0) +
+      models::prefill_flops(tc, one.lengths, 0, target_layers) +
       models::drafter_step_flops(dc, one.lengths, one.blocks.layout.anchor, one.blocks.num_labels);
   const double step_flops = flops_per_sequence * static_cast<double>(c.batch_size * c.accumulation);
 

@@ -85,5 +85,20 @@ TEST(TargetModel, ForwardKeepsNoAutogradState) {
   EXPECT_FALSE(out.taps[0].requires_grad());
 }
 
+// A forward for features alone (no logits, no cache) stops after the last tapped layer and
+// returns the same taps, in the order asked, as the whole forward.
+TEST(TargetModel, FeaturesAloneStopAfterTheLastTap) {
+  auto model = TargetModel::load(fixture("models/qwen3_tied"), at::kCPU, at::kFloat);
+  ASSERT_GT(model.config().num_layers, 2);
+  auto batch = PackedBatch::from_lengths({5, 3}, at::kCPU);
+  auto tokens = at::arange(8, at::kLong);
+  auto full = model.forward(tokens, batch, {{1, 0}, Logits::kAll});
+  auto features = model.forward(tokens, batch, {{1, 0}, Logits::kNone});
+  EXPECT_FALSE(features.logits.defined());
+  ASSERT_EQ(features.taps.size(), 2u);
+  EXPECT_TRUE(at::equal(features.taps[0], full.taps[0]));
+  EXPECT_TRUE(at::equal(features.taps[1], full.taps[1]));
+}
+
 }  // namespace
 }  // namespace dflash
