@@ -1,6 +1,7 @@
 // `dflash bench-kernels`: the decode step's kernels alone, one line each (llm.c style): the
 // small-row linear kernel on each linear layer shape of a preset (and cuBLAS through at::linear
-// on the same shape), and the fused norm/activation kernels against the ATen ops they replace.
+// on the same shape), the fused norm/activation kernels against the ATen ops they replace, the
+// MoE prefill's combine kernel, and the optimizer's AdamW + bf16 copy.
 // Each line times a CUDA graph of many calls (as decoding replays them), with the weights
 // rotated over enough copies to exceed the L2 cache, and reports us per call and the bytes
 // each call must move per second.
@@ -19,6 +20,7 @@
 #include "eval/generator.h"
 #include "kernels/adamw_cast.h"
 #include "kernels/decode_ops.h"
+#include "kernels/moe_combine.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
 #include "models/config.h"
@@ -189,6 +191,28 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
          us_per_call(device, o,
                      [&](int) { at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f); }),
          act_bytes);
+  // The last step of a Qwen3-30B-A3B MoE layer's prefill at 2048 tokens: the router-weighted
+  // sum of each token's 8 expert outputs, against the gather, multiply and sum it replaces.
+  {
+    const auto moe = models::preset_config("qwen3-30b-a3b");
+    const int64_t tokens = 2048, k = moe.num_experts_per_tok, hm = moe.hidden_size;
+    auto y = at::randn({tokens * k, hm}, opts);
+    auto inverse = at::randperm(tokens * k, opts.dtype(at::kLong));
+    auto weights = at::rand({tokens, k}, opts.dtype(at::kFloat));
+    auto weights_half = weights.to(opts.dtype());
+    const double combine_bytes = 2.0 * (tokens * k * hm + tokens * hm);
+    report("moe_combine (30b-a3b, 2048 tok)", tokens, hm, k,
+           us_per_call(device, o, [&](int) { kernels::moe_combine(y, inverse, weights); }),
+           combine_bytes);
+    report("index_select * w, sum (ATen)", tokens, hm, k,
+           us_per_call(device, o,
+                       [&](int) {
+                         (y.index_select(0, inverse).view({tokens, k, hm}) *
+                          weights_half.unsqueeze(-1))
+                             .sum(1);
+                       }),
+           combine_bytes);
+  }
   // The optimizer over one drafter layer's fp32 masters (the 1.05B drafter's step runs this over
   // five layers and fc): AdamW writing the bf16 copies in its pass against ATen's fused AdamW
   // followed by the casts. Eager and timed with events: the kernel's table comes from pinned
