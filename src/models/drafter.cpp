@@ -282,9 +282,11 @@ Drafter::Drafter(DrafterConfig config, at::Device device)
 void Drafter::allocate(at::Device device, const std::optional<at::Generator>& gen) {
   const ModelConfig& c = config_.layers;
   auto opts = at::TensorOptions().device(device).dtype(at::kFloat);
+  // Drawn on the CPU and copied: a seed gives the same drafter on every device, so a GPU run
+  // starts where the CPU run of the same command does.
   auto normal = [&](std::vector<int64_t> shape) {
-    auto t = at::empty(shape, opts);
-    return gen ? t.normal_(0, 0.02, *gen) : t;
+    if (!gen) return at::empty(shape, opts);
+    return at::empty(shape, at::kFloat).normal_(0, 0.02, *gen).to(device);
   };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
@@ -341,7 +343,7 @@ void Drafter::register_parameters() {
 
 Drafter Drafter::random(const DrafterConfig& config, at::Device device, uint64_t seed) {
   Drafter d(config, device);
-  d.allocate(device, seeded_generator(device, seed));
+  d.allocate(device, seeded_generator(at::kCPU, seed));
   d.register_parameters();
   return d;
 }

@@ -121,12 +121,14 @@ TEST_F(DecodeGpu, SeededSamplingWithGraphMatchesEager) {
   model.final_norm().mul_(3.0);  // a spread distribution with clear ranks
   auto ps = prompts({4, 8, 6, 2, 5});
   GenerationOptions o;
-  o.slots = 2;
+  // One slot: the graph runs every slot's row each step and eager decoding only the active
+  // ones, and in bf16 one row (kernels::small_linear) and several (cuBLAS) round differently,
+  // enough to move a draw at a top-p boundary (2 slots against 5 matched on 3 of 5 prompts).
+  o.slots = 1;
   o.max_new_tokens = 16;
   o.sampling = {0.8, 0.9, 20, 42};
   o.cuda_graph = true;
   auto a = Generator(model, o).generate(ps);
-  o.slots = 5;
   o.cuda_graph = false;
   auto b = Generator(model, o).generate(ps);
   int same = 0;
