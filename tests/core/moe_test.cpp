@@ -256,18 +256,27 @@ class MoeGpu : public ::testing::Test {
   }
 };
 
+// A bf16 MoE layer's router and experts on CUDA: 32 experts of FFN 128 over hidden kGpuHidden.
+constexpr int64_t kGpuHidden = 256;
+struct GpuExperts {
+  at::Tensor router, gate_up, down;
+};
+GpuExperts gpu_experts(at::Generator& gen) {
+  auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const int64_t experts = 32, h = kGpuHidden, f = 128;
+  return {at::randn({experts, h}, gen, opts) * 0.1,
+          at::randn({experts, 2 * f, h}, gen, opts) * 0.05,
+          at::randn({experts, h, f}, gen, opts) * 0.05};
+}
+
 // The grouped Hopper kernel (kAuto on CUDA bf16) against the per-expert loop on the same bf16
 // inputs: the same routing, products differing only in accumulation order.
 TEST_F(MoeGpu, GroupedBf16MatchesLoop) {
   auto gen = models::seeded_generator(at::kCUDA, 3);
-  auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  const int64_t experts = 32, h = 256, f = 128;
-  auto router = at::randn({experts, h}, gen, opts) * 0.1;
-  auto gate_up = at::randn({experts, 2 * f, h}, gen, opts) * 0.05;
-  auto down = at::randn({experts, h, f}, gen, opts) * 0.05;
+  const auto [router, gate_up, down] = gpu_experts(gen);
   for (int64_t tokens : {1, 5, 300, 2048}) {
     SCOPED_TRACE("tokens " + std::to_string(tokens));
-    auto x = at::randn({tokens, h}, gen, opts);
+    auto x = at::randn({tokens, kGpuHidden}, gen, router.options());
     auto grouped = models::moe_mlp(x, router, gate_up, down, 8, true, ExpertGemm::kAuto);
     auto loop = models::moe_mlp(x, router, gate_up, down, 8, true, ExpertGemm::kLoop);
     EXPECT_CLOSE(grouped, loop, 1e-2);
@@ -293,12 +302,8 @@ TEST_F(MoeGpu, CombineKernelMatchesReference) {
 // The frozen path (silu_mul and combine kernels) against the same MLP under autograd (ATen).
 TEST_F(MoeGpu, FrozenKernelsMatchAutogradPath) {
   auto gen = models::seeded_generator(at::kCUDA, 4);
-  auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  const int64_t experts = 32, h = 256, f = 128;
-  auto router = at::randn({experts, h}, gen, opts) * 0.1;
-  auto gate_up = at::randn({experts, 2 * f, h}, gen, opts) * 0.05;
-  auto down = at::randn({experts, h, f}, gen, opts) * 0.05;
-  auto x = at::randn({700, h}, gen, opts);
+  const auto [router, gate_up, down] = gpu_experts(gen);
+  auto x = at::randn({700, kGpuHidden}, gen, router.options());
   auto aten = models::moe_mlp(x, router, gate_up, down, 8, true, ExpertGemm::kAuto);
   at::Tensor frozen;
   {
