@@ -132,9 +132,11 @@ generate_all() {
 stage generate generate_all
 stage prepare "$dflash" prepare --tokenizer "$out/target" --data "${answers[@]}" \
   --out "$out/data"
+# GSM8K_TRAIN_ARGS: more `dflash train` options for experiments (ones the recipe does not set).
+read -r -a train_extra <<< "${GSM8K_TRAIN_ARGS:-}"
 stage train "$dflash" train --target "$out/target" --data "$out/data" --out "$out/drafter" \
   --block-size 16 --device "$device" "${drafter[@]}" --eval-prompts "$out/validation.jsonl" \
-  "${train_eval[@]}"
+  "${train_eval[@]}" ${train_extra[@]+"${train_extra[@]}"}
 eval_json() { "$dflash" eval --json "$@" > "$out/eval.json"; }
 stage eval eval_json --target "$out/target" --drafter "$out/drafter/best" \
   --prompts "$out/heldout.jsonl" --enable-thinking false --device "$device" "${eval[@]}"
