@@ -16,20 +16,21 @@ dflash=${BUILD_DIR:-$root/build-gpu}/src/dflash
 runs=$root/runs/variants
 gpus=$(nvidia-smi -L | wc -l)
 mkdir -p "$out" "$runs"
-run_sh() { bash "$root/examples/gsm8k/run.sh" --full --data "$root/.deps/gsm8k" --dflash "$dflash" "$@"; }
+run_sh=(bash "$root/examples/gsm8k/run.sh" --full --data "$root/.deps/gsm8k" --dflash "$dflash")
 
 i=0
 for t in ${GSM8K_TARGETS:-t10:10}; do
   name=${t%%:*}
+  [ -d "$runs/$name/data" ] && continue  # prepared by an earlier call on this machine
   CUDA_VISIBLE_DEVICES=$((i % gpus)) GSM8K_TARGET_EPOCHS=${t#*:} \
-    run_sh --out "$runs/$name" --stages pretrain,generate,prepare > "$out/target_$name.log" 2>&1 &
+    "${run_sh[@]}" --out "$runs/$name" --stages pretrain,generate,prepare > "$out/target_$name.log" 2>&1 &
   i=$((i + 1))
 done
 wait
 for t in ${GSM8K_TARGETS:-t10:10}; do
   name=${t%%:*}
   echo "target $name: $(grep -E 'eval loss' "$runs/$name/pretrain.log" | tail -1)"
-  grep -E "^=== .*: [0-9.]+ s$" "$out/target_$name.log"
+  grep -E "^=== .*: [0-9.]+ s$" "$out/target_$name.log" 2>/dev/null
 done
 
 IFS=';' read -r -a variants <<< "${GSM8K_VARIANTS:-t10|base|}"
@@ -41,7 +42,7 @@ for v in "${variants[@]}"; do
   mkdir -p "$dir"
   for f in target data; do ln -sfn "$runs/$target/$f" "$dir/$f"; done
   CUDA_VISIBLE_DEVICES=$((i % gpus)) GSM8K_TRAIN_ARGS="$args" \
-    timeout "${GSM8K_TRAIN_TIMEOUT:-300}" run_sh --out "$dir" --stages train \
+    timeout "${GSM8K_TRAIN_TIMEOUT:-300}" "${run_sh[@]}" --out "$dir" --stages train \
     > "$out/train_$target-$label.log" 2>&1 &
   names+=("$target-$label")
   i=$((i + 1))
