@@ -25,22 +25,14 @@ import tempfile
 import numpy as np
 from safetensors.numpy import load_file
 
+from cli_util import run
+
 STEPS, EVERY = 6, 3
 REL = 2e-4
 # Adam turns a gradient that differs in its last bits into an update that differs by up to a
 # fraction of lr (3e-3) where the gradient is near zero: weights must agree within a sixth of
 # one step's update (a wrong batch share or normaliser moves them by whole steps).
 STATE_ATOL = 5e-4
-
-
-def run(cmd, env=None, expect_fail=False):
-    e = dict(os.environ, OMP_NUM_THREADS="1", DFLASH_KILL_GRACE_S="5")
-    e.update(env or {})
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=e, timeout=600)
-    if (r.returncode != 0) != expect_fail:
-        sys.exit(f"{'succeeded' if expect_fail else 'FAILED'} ({r.returncode}): "
-                 f"{' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
-    return r
 
 
 def metrics(run_dir):
@@ -166,7 +158,7 @@ def main():
         for what, first, second, rank in (("2 ranks -> 1 rank", "2", "1", 1),
                                           ("1 rank -> 2 ranks", "1", "2", 0)):
             out = f"kill{first}{second}"
-            r = run(train(out, "--nproc-per-node", first), expect_fail=True,
+            r = run(train(out, "--nproc-per-node", first), expect="fail",
                     env={"DFLASH_KILL_AT": f"{rank}:{EVERY + 1}"})
             if first == "2" and f"rank {rank}" not in r.stderr:
                 sys.exit(f"{what}: the launcher did not name the killed rank:\n{r.stderr}")

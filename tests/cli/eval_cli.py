@@ -12,16 +12,10 @@ prompt line.
 """
 import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 
-
-def run(cmd, expect_ok=True):
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    if expect_ok and r.returncode != 0:
-        sys.exit(f"FAILED ({r.returncode}): {' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
-    return r
+from cli_util import run
 
 
 def write_jsonl(path, rows):
@@ -99,7 +93,7 @@ def main():
         bad = work / "bad.jsonl"
         bad.write_text('{"question": "fine"}\n{"nothing": 1}\n')
         r = run([dflash, "eval", "--drafter", export, "--target", target, "--prompts", bad,
-                 "--device", device], expect_ok=False)
+                 "--device", device], expect=None)
         assert r.returncode != 0 and "bad.jsonl:2" in r.stderr, (r.returncode, r.stderr)
     print("eval_cli: OK")
 

@@ -27,18 +27,10 @@ import time
 
 from safetensors.torch import load_file, save_file
 
+from cli_util import run
+
 GEN_ARGS = ["--max-new-tokens", "24", "--max-context", "256", "--device", "cpu",
             "--progress-s", "0"]
-
-
-def run(cmd, expect_fail=False):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env,
-                       timeout=600)
-    if (r.returncode != 0) != expect_fail:
-        sys.exit(f"{'succeeded' if expect_fail else 'FAILED'} ({r.returncode}): "
-                 f"{' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
-    return r
 
 
 def chat_data(path):

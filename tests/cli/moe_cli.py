@@ -11,16 +11,10 @@ step in a CUDA graph, ties may diverge); `bench-target` and `bench-drafter` take
 """
 import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 
-
-def run(cmd):
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"FAILED ({r.returncode}): {' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
-    return r.stdout
+from cli_util import run
 
 
 def check_transformers_loads(target):
@@ -67,7 +61,7 @@ def main():
         prompts.write_text('{"question": "What is 3 plus 4?"}\n{"prompt": "Count to five."}\n')
         for d in [export, train]:
             text = run([dflash, "eval", "--drafter", d, "--target", target, "--prompts", prompts,
-                        "--max-new-tokens", 16, "--device", device])
+                        "--max-new-tokens", 16, "--device", device]).stdout
             needles = ["tau", "committed per step"]
             if device == "cpu":
                 needles.append("speculative output == target greedy output")
@@ -75,7 +69,7 @@ def main():
                 assert needle in text, f"{needle!r} missing from:\n{text}"
 
         text = run([dflash, "bench-target", "--preset", "tiny-moe", "--device", device,
-                    "--seq-len", 64, "--batches", "1,2", "--warmup", 1, "--iters", 1])
+                    "--seq-len", 64, "--batches", "1,2", "--warmup", 1, "--iters", 1]).stdout
         assert "B active per token" in text, text
         run([dflash, "bench-drafter", "--preset", "tiny-moe", "--device", device, "--seq-len", 64,
              "--anchors", 4, "--layers", 2, "--warmup", 1, "--iters", 1])

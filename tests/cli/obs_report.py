@@ -15,23 +15,13 @@ something else), and the trace of steps 3..4 must parse as Chrome trace JSON wit
 threads. Every worker thread and GPU must have >= 95% of its wall time in named stages.
 """
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 
+from cli_util import run
+
 DELAY_MS = 150
-
-
-def run(cmd, env=None):
-    e = dict(os.environ, OMP_NUM_THREADS="1", DFLASH_KILL_GRACE_S="5")
-    e.pop("DFLASH_SLOW_STAGE", None)
-    e.update(env or {})
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=e, timeout=600)
-    if r.returncode != 0:
-        sys.exit(f"FAILED ({r.returncode}): {' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
-    return r
 
 
 def bench(dflash, device, out, topology="colocated", slow=None, extra=(), steps=16):

@@ -20,11 +20,11 @@ the ranks: the summed counts equal `dflash eval` of those checkpoints.
 with a message saying why.
 """
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
+
+from cli_util import run
 
 STEPS = 6
 LIMIT = 4
@@ -33,15 +33,6 @@ NEW_TOKENS = 24
 # 115 verify steps of every evaluation (at lr 5e-5 and at 1e-3), so the check that tau moved
 # had nothing to see. The bf16 path is what the GSM8K run trains and evaluates in.
 DTYPE = ["--dtype", "fp32"]
-
-
-def run(cmd, expect_ok=True):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env,
-                       timeout=300)
-    if expect_ok and r.returncode != 0:
-        sys.exit(f"FAILED ({r.returncode}): {' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
-    return r
 
 
 def metrics(run_dir):
@@ -151,10 +142,10 @@ def main():
         for s in (4, 6):
             same_as_dflash_eval(two, s, c[s - 1])
 
-        r = run([dflash, *train, "--out", work / "bad1", "--eval-every", 2], expect_ok=False)
+        r = run([dflash, *train, "--out", work / "bad1", "--eval-every", 2], expect=None)
         assert r.returncode != 0 and "--eval-every needs --eval-prompts" in r.stderr, r.stderr
         r = run([dflash, *train, "--out", work / "bad2", *evaluation, "--nproc-per-node", 2,
-                 "--topology", "disaggregated", "--target-ranks", 1], expect_ok=False)
+                 "--topology", "disaggregated", "--target-ranks", 1], expect=None)
         assert r.returncode != 0 and "needs --topology colocated" in r.stderr, r.stderr
     print("train_eval: OK")
 

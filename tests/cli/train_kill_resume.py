@@ -17,7 +17,6 @@ A's losses: the resumed process's SessionLog START at step N+1 hides the killed 
 steps.
 """
 import json
-import os
 import pathlib
 import shutil
 import signal
@@ -27,15 +26,10 @@ import sys
 import tempfile
 import time
 
+from cli_util import run
+
 N = 4
 STEPS = 2 * N
-
-
-def run(cmd, **kw):
-    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if r.returncode != 0:
-        sys.exit(f"FAILED ({r.returncode}): {' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
-    return r
 
 
 def metrics(run_dir: pathlib.Path):
