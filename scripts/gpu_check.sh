@@ -2,8 +2,8 @@
 # One device call's worth of work on the GPU machine: build, run every test (GPU tests
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
-# Stages: build test target load drafter decode kernels spec train pipeline pretrain gsm8k
-# tokenizer moe
+# Stages: build test target load drafter decode kernels prefill spec train pipeline pretrain
+# gsm8k tokenizer moe
 # (default: the first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -92,6 +92,25 @@ if has kernels; then
     --json "$out/bench_decode_kernels.json" --profile "$out/decode_trace.json" 2>&1 \
     | tee "$out/bench_decode_kernels.txt"
   gzip -f "$out/decode_trace.json"
+fi
+if has prefill; then
+  # Issue 11: the target's prefill with the fused kernels at thousands of rows (against the ATen
+  # path, fp32 and transformers), cuDNN's attention against flash's, then bench-target at one
+  # sequence of 2048 tokens with each attention backend, each with a profile.
+  step prefill
+  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only models \
+    > "$out/fixtures_prefill.log" 2>&1 || tail -20 "$out/fixtures_prefill.log"
+  DFLASH_PYTHON=$(command -v python3) "$build/tests/dflash_core_tests" \
+    --gtest_filter='*FusedPrefill*:*CudnnAttention*:*AttentionBackend*:*DecodeOps*:*FusedDecode*:*TargetGpu*:*TargetParity*:*KVCache*:*Generator*' \
+    > "$out/prefill_tests.log" 2>&1
+  echo "prefill tests exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" \
+    "$out/prefill_tests.log" | tail -25
+  for attention in flash cudnn; do
+    "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1,4 \
+      --warmup 3 --iters 10 --attention $attention --json "$out/bench_prefill_$attention.json" \
+      --profile "$out/prefill_${attention}_trace.json" 2>&1 | tee "$out/bench_prefill_$attention.txt"
+    gzip -f "$out/prefill_${attention}_trace.json"
+  done
 fi
 if has spec; then
   # Speculative decoding on CUDA: the drafter's inference against its training forward and

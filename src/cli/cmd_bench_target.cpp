@@ -29,6 +29,7 @@ struct BenchOptions {
   int iters = 10;
   std::string json_out;
   std::string profile;  // Chrome trace path; empty: no profile
+  std::string attention = "flash";
 };
 
 void run_bench(const BenchOptions& o) {
@@ -36,6 +37,7 @@ void run_bench(const BenchOptions& o) {
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-target: --profile needs a CUDA device");
   auto config = models::preset_config(o.preset);
   auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  const auto attention = models::parse_attention_backend(o.attention);
   auto model = models::TargetModel::random(config, device, dtype, 0);
   // The layers the default drafter taps, and no logits: the prefill training runs, which stops
   // after the last tapped layer.
@@ -44,12 +46,13 @@ void run_bench(const BenchOptions& o) {
   const int64_t layers = *std::max_element(taps.begin(), taps.end()) + 1;
   fmt::print(
       "bench-target: {} ({:.2f} B params, {:.2f} B active per token), {} on {}, seq {}, taps "
-      "[{}] (layers 0-{} run, no logits), warmup {}, iters {}\n",
+      "[{}] (layers 0-{} run, no logits), {} attention, warmup {}, iters {}\n",
       o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
-      c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.warmup,
-      o.iters);
+      c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
+      o.warmup, o.iters);
   fmt::print("{:>6} {:>10} {:>12} {:>10} {:>14}\n", "batch", "median ms", "tokens/s", "TFLOP/s",
              "peak GPU GiB");
+  const models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
   nlohmann::json rows = nlohmann::json::array();
   for (int64_t b : o.batches) {
     std::vector<int64_t> lengths(b, o.seq_len);
@@ -58,9 +61,8 @@ void run_bench(const BenchOptions& o) {
                               at::TensorOptions().dtype(at::kLong).device(device));
     if (device.is_cuda())
       c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
-    auto times = obs::time_steps(device, o.warmup, o.iters, [&] {
-      model.forward(tokens, batch, {taps, models::Logits::kNone});
-    });
+    auto times =
+        obs::time_steps(device, o.warmup, o.iters, [&] { model.forward(tokens, batch, request); });
     const double ms = obs::median(times) * 1e3;
     const double tps = batch.total / (ms / 1e3);
     const double tflops = models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12;
@@ -79,7 +81,8 @@ void run_bench(const BenchOptions& o) {
                     {"peak_gpu_gib", peak_gib},
                     {"times_s", times}});
   }
-  nlohmann::json doc = {{"preset", o.preset}, {"device", o.device}, {"rows", rows}};
+  nlohmann::json doc = {
+      {"preset", o.preset}, {"device", o.device}, {"attention", o.attention}, {"rows", rows}};
   if (!o.profile.empty() && !o.batches.empty()) {
     constexpr int kProfiled = 3;
     std::vector<int64_t> lengths(o.batches.front(), o.seq_len);
@@ -89,7 +92,7 @@ void run_bench(const BenchOptions& o) {
     auto p = obs::profile_device(
         [&] {
           for (int i = 0; i < kProfiled; ++i) {
-            model.forward(tokens, batch, {taps, models::Logits::kNone});
+            model.forward(tokens, batch, request);
           }
           obs::synchronize(device);
         },
@@ -142,6 +145,9 @@ void add_bench_target_command(CLI::App& app) {
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
       ->capture_default_str();
   cmd->add_option("--json", o->json_out, "also write the results here");
+  cmd->add_option("--attention", o->attention,
+                  "attention kernel: flash (FlashAttention-2) or cudnn (cuDNN's fused attention)")
+      ->capture_default_str();
   cmd->add_option("--profile", o->profile,
                   "profile the first batch size: GPU time per kernel, Chrome trace written here");
   cmd->callback([o] { run_bench(*o); });

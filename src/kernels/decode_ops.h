@@ -1,6 +1,7 @@
-// decode_ops: the target's normalization and activation steps fused for the decode step, where
-// each ATen op is a launch over a few rows and launches, not bytes, cost the time. Inference
-// only (no autograd); each has an fp32 ATen reference, the CPU path and the test oracle.
+// decode_ops: the target's normalization and activation steps fused for its inference passes:
+// at decode each ATen op is a launch over a few rows and launches cost the time; at prefill
+// each is a pass over thousands of rows and the passes do. Inference only (no autograd); each
+// has an fp32 ATen reference, the CPU path and the test oracle.
 //
 // add_rms_norm: the residual add and the next RMSNorm in one pass (two launches in ATen).
 // qk_norm_rotary: Qwen3's per-head q/k RMSNorm and rotary, read from the fused QKV output

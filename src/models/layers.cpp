@@ -1,7 +1,9 @@
 #include "models/layers.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -113,10 +115,54 @@ std::pair<at::Tensor, at::Tensor> Rotary::tables(const at::Tensor& positions,
   return {cos.to(dtype), sin.to(dtype)};
 }
 
+AttentionBackend parse_attention_backend(const std::string& name) {
+  if (name == "flash") return AttentionBackend::kFlash;
+  if (name == "cudnn") return AttentionBackend::kCudnn;
+  fail("attention backend must be flash or cudnn, got \"{}\"", name);
+}
+
+namespace {
+
+// cuDNN's attention where this build and the shapes allow it: its backward needs the
+// log-sum-exp this inference path does not compute, hence no autograd.
+bool cudnn_attention_applies(const at::Tensor& q) {
+  const int64_t d = q.size(-1);
+  return !c10::GradMode::is_enabled() && d % 8 == 0 && d <= 128 &&
+         at::globalContext().userEnabledCuDNN() && at::detail::getCUDAHooks().hasCuDNN();
+}
+
+at::Tensor cudnn_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const PackedBatch& batch) {
+  const int64_t n = batch.size(), len = batch.max_length;
+  const bool one_length =
+      std::all_of(batch.lengths.begin(), batch.lengths.end(), [&](int64_t l) { return l == len; });
+  // Packed [T, H, D] rows (v arrives as a strided slice of the fused QKV output): the layout
+  // the ragged call's offsets assume, and the batched call's [B, L, H, D].
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  if (one_length) {
+    // [B*L, H, D] -> [B, H, L, D] views: no copy, and the output comes back in that layout.
+    auto bhld = [&](const at::Tensor& t) {
+      return t.view({n, len, t.size(1), t.size(2)}).transpose(1, 2);
+    };
+    auto out = std::get<0>(at::_scaled_dot_product_cudnn_attention(
+        bhld(qc), bhld(kc), bhld(vc), std::nullopt, /*compute_log_sumexp=*/false, 0.0,
+        /*is_causal=*/true, /*return_debug_mask=*/false));
+    return out.transpose(1, 2).reshape({batch.total, q.size(1), v.size(2)});
+  }
+  return std::get<0>(at::_cudnn_attention_forward(
+      qc, kc, vc, std::nullopt, batch.cu_seqlens, batch.cu_seqlens, len, len,
+      /*compute_log_sumexp=*/false, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false));
+}
+
+}  // namespace
+
 at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const PackedBatch& batch) {
+                                   const PackedBatch& batch, AttentionBackend backend) {
   const bool flash =
       q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+  if (flash && backend == AttentionBackend::kCudnn && cudnn_attention_applies(q)) {
+    return cudnn_causal_attention(q, k, v, batch);
+  }
   if (flash) {
     auto out = at::_flash_attention_forward(q, k, v, batch.cu_seqlens, batch.cu_seqlens,
                                             batch.max_length, batch.max_length, 0.0,

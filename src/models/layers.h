@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "models/config.h"
@@ -44,12 +45,22 @@ class Rotary {
   double attention_scaling_ = 1.0;
 };
 
+// The kernel of packed_causal_attention on CUDA in bf16/fp16. kFlash: ATen's FlashAttention-2
+// (one variable-length call). kCudnn: cuDNN's fused attention, without autograd only (the
+// target's prefill), head dims a multiple of 8 up to 128: sequences of one length as one
+// batched [B, H, L, D] call, others as one ragged call; elsewhere kFlash runs instead.
+enum class AttentionBackend { kFlash, kCudnn };
+
+// "flash" or "cudnn"; anything else fails naming the choices.
+AttentionBackend parse_attention_backend(const std::string& name);
+
 // Causal self-attention within each sequence of a packed batch, grouped-query.
 // q: [tokens, Hq, D], k/v: [tokens, Hkv, D] -> [tokens, Hq, D].
-// On CUDA in bf16/fp16 this is one variable-length flash-attention call; elsewhere one
+// On CUDA in bf16/fp16 this is one call of `backend`'s kernel; elsewhere one
 // scaled_dot_product_attention per sequence.
 at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const PackedBatch& batch);
+                                   const PackedBatch& batch,
+                                   AttentionBackend backend = AttentionBackend::kFlash);
 
 // SwiGLU MLP with gate and up projections fused in one weight [2F, H] (gate rows first).
 at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down);

@@ -19,13 +19,14 @@ namespace {
 
 std::string layer_prefix(int64_t i) { return fmt::format("model.layers.{}.", i); }
 
-// Whether `rows` rows of x take the decode step's kernels: they read each weight once at
-// memory bandwidth where cuBLAS tiles for many rows, and fuse the launches ATen makes one per
-// op. Training, prefill and verify (more rows) and fp32 (the parity paths) keep ATen.
-bool decode_kernels(const at::Tensor& x, int64_t rows) {
+// Whether a pass over x takes the fused kernels of kernels/decode_ops.h (one launch and one
+// read of the activations where ATen makes several), at any number of rows: prefill spends
+// as much on ATen's elementwise passes as on attention. Training the target (autograd) and
+// fp32 (the parity paths against transformers) keep ATen. Which rows also take small_linear
+// for the projections is decided per call (kSmallLinearFasterRows).
+bool fused_kernels(const at::Tensor& x) {
   return x.is_cuda() && !c10::GradMode::is_enabled() &&
-         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
-         rows <= kernels::kSmallLinearMaxRows;
+         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
 }
 
 using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
@@ -226,7 +227,7 @@ at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
 
 at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const {
   const int64_t rows = hidden.numel() / std::max<int64_t>(hidden.size(-1), 1);
-  if (decode_kernels(hidden, rows) && rows <= kernels::kSmallLinearFasterRows) {
+  if (fused_kernels(hidden) && rows <= kernels::kSmallLinearFasterRows) {
     return kernels::small_linear(hidden, lm_head_);
   }
   return at::linear(hidden, lm_head_);
@@ -305,7 +306,7 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
   result.taps.resize(request.tap_layers.size());
   auto x = embed(tokens);
   auto [cos, sin] = rotary_.tables(positions, x.scalar_type());
-  const bool fused = decode_kernels(x, x.size(0));
+  const bool fused = fused_kernels(x);
   at::Tensor pending;  // fused: the last layer's MLP output, not yet added to x
   // Without logits or a cache to fill (training's features) the layers after the last tapped
   // one change nothing returned: Qwen3-8B's default taps end at layer 33 of 36.
@@ -345,7 +346,7 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
   }
   return run(tokens, batch.positions, batch.cu_seqlens, request, nullptr, {},
              [&](int64_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-               return packed_causal_attention(q, k, v, batch);
+               return packed_causal_attention(q, k, v, batch, request.attention);
              });
 }
 

@@ -40,6 +40,8 @@ struct ForwardRequest {
   std::vector<int64_t> tap_layers;  // decoder layer ids whose output to return
   Logits logits = Logits::kLast;
   bool grad = false;  // record autograd history (training the target itself: dflash pretrain)
+  // forward's attention kernel (forward_cached has its own, over the cache).
+  AttentionBackend attention = AttentionBackend::kFlash;
 };
 
 struct ForwardResult {
@@ -109,13 +111,13 @@ class TargetModel {
   ForwardResult run(const at::Tensor& tokens, const at::Tensor& positions,
                     const at::Tensor& cu_seqlens, const ForwardRequest& request, KVCache* cache,
                     const at::Tensor& cache_rows, Attend&& attend) const;
-  // One layer on the residual stream x, returning the stream after it. With `fused` (the
-  // decode step: no autograd, CUDA, half precision, at most kSmallLinearMaxRows tokens) it runs
-  // the kernels of kernels/small_linear.h and kernels/decode_ops.h and defers the MLP's
-  // residual add: `pending` holds the previous layer's MLP output not yet added to x
-  // (undefined before the first layer), which this layer adds while normalizing, and on return
-  // holds this layer's. Without `fused`, pending stays undefined. With `fused`, q/k norms and
-  // `cache` defined, K and V go into the cache and attend gets undefined k and v.
+  // One layer on the residual stream x, returning the stream after it. With `fused` (no
+  // autograd, CUDA, half precision; prefill and decode alike) it runs the kernels of
+  // kernels/decode_ops.h (and kernels/small_linear.h for the projections of a single row) and
+  // defers the MLP's residual add: `pending` holds the previous layer's MLP output not yet
+  // added to x (undefined before the first layer), which this layer adds while normalizing,
+  // and on return holds this layer's. Without `fused`, pending stays undefined. With `fused`,
+  // q/k norms and `cache` defined, K and V go into the cache and attend gets undefined k and v.
   template <class Attend>
   at::Tensor decoder_layer(const TargetLayerWeights& w, at::Tensor x, at::Tensor& pending,
                            const at::Tensor& cos, const at::Tensor& sin, bool fused,

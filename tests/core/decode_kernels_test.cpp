@@ -24,7 +24,7 @@ void expect_within_rounding(const at::Tensor& actual, const at::Tensor& expected
   ASSERT_EQ(actual.sizes(), expected.sizes());
   ASSERT_EQ(actual.scalar_type(), expected.scalar_type());
   const double step = expected.scalar_type() == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
-  auto a = actual.cpu().to(at::kDouble), e = expected.cpu().to(at::kDouble);
+  auto a = actual.to(at::kDouble), e = expected.to(actual.device(), at::kDouble);
   auto excess = (a - e).abs() - (e.abs() * step + floor);
   EXPECT_LE(excess.max().item<double>(), 0.0)
       << "max |diff| " << (a - e).abs().max().item<double>();
@@ -289,6 +289,44 @@ TEST(DecodeOpsGpu, SiluMulMatchesReference) {
   }
 }
 
+// Row counts past the launch limits prefill could reach: add_rms_norm's grid of a block per
+// row beyond 65535 blocks, and qk_norm_rotary's and silu_mul's grid-stride loops beyond their
+// capped grids (65535 * 8 blocks of 256 threads). References computed on the GPU in fp32.
+TEST(DecodeOpsGpu, ManyRowsMatchTheReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(8);
+  auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  {
+    const int64_t rows = 70000, h = 64;
+    auto x = at::randn({rows, h}, opts), y = at::randn({rows, h}, opts);
+    auto weight = at::rand({h}, opts) + 0.5;
+    auto got = kernels::add_rms_norm(x, y, weight, 1e-6);
+    auto want = kernels::add_rms_norm_reference(x, y, weight, 1e-6);
+    EXPECT_TRUE(at::equal(got.sum, want.sum));
+    expect_within_rounding(got.normed, want.normed, 1e-4);
+  }
+  {
+    // 300000 tokens x 14 heads: more warps than the capped grid's 65535 * 8 * 8.
+    const int64_t tokens = 300000, hq = 12, hkv = 2, d = 8;
+    auto qkv = at::randn({tokens, (hq + 2 * hkv) * d}, opts);
+    auto q_norm = at::rand({d}, opts) + 0.5, k_norm = at::rand({d}, opts) + 0.5;
+    auto angles = at::rand({tokens, d / 2}, opts.dtype(at::kFloat)) * 100;
+    auto cos = at::cat({angles.cos(), angles.cos()}, 1).to(at::kBFloat16);
+    auto sin = at::cat({angles.sin(), angles.sin()}, 1).to(at::kBFloat16);
+    auto [q, k] = kernels::qk_norm_rotary(qkv, hq, hkv, q_norm, k_norm, cos, sin, 1e-6);
+    auto [q_want, k_want] =
+        kernels::qk_norm_rotary_reference(qkv, hq, hkv, q_norm, k_norm, cos, sin, 1e-6);
+    expect_within_rounding(q, q_want, 2e-2);
+    expect_within_rounding(k, k_want, 2e-2);
+  }
+  {
+    // F odd (the scalar kernel, a thread per output): 4.2M x 33 outputs, past the grid's
+    // 65535 * 8 * 256 threads.
+    auto gate_up = at::randn({4200000, 66}, opts) * 4;
+    expect_within_rounding(kernels::silu_mul(gate_up), kernels::silu_mul_reference(gate_up), 1e-4);
+  }
+}
+
 TEST(DecodeOps, CpuIsTheReferenceAndBadShapesAreNamed) {
   auto x = at::randn({2, 8}), y = at::randn({2, 8}), w = at::rand({8});
   auto r = kernels::add_rms_norm(x, y, w, 1e-6);
@@ -394,11 +432,8 @@ TEST_P(FusedDecodeGpu, MatchesTheAtenPathInBf16) {
   config.intermediate_size = 256;
   config.head_dim = 32;
   auto model = testing::peaked_target(config, at::kCUDA, at::kBFloat16, 7);
-  // Norm weights away from 1, so a kernel that skipped one would show.
   auto gen = models::seeded_generator(at::kCUDA, 8);
-  for (auto& p : model.parameters()) {
-    if (p.dim() == 1) p.mul_(at::rand(p.sizes(), gen, p.options()) + 0.5);
-  }
+  testing::scale_norms(model, gen);
   auto tokens = at::randint(config.vocab_size, {7}, gen,
                             at::TensorOptions().dtype(at::kLong).device(at::kCUDA));
   auto batch = models::PackedBatch::from_lengths({3, 4}, at::kCUDA);

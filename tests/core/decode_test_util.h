@@ -58,6 +58,14 @@ inline models::TargetModel peaked_target(const models::ModelConfig& config, at::
   return model;
 }
 
+// Every norm weight of `model` (the 1-D parameters) scaled by a draw from [0.5, 1.5) of `gen`:
+// away from 1, so a fused kernel that skipped one would show.
+inline void scale_norms(models::TargetModel& model, at::Generator& gen) {
+  for (auto& p : model.parameters()) {
+    if (p.dim() == 1) p.mul_(at::rand(p.sizes(), gen, p.options()) + 0.5);
+  }
+}
+
 // Prompts of the given lengths, token ids uniform below `vocab`, the same for a seed.
 inline std::vector<std::vector<int64_t>> random_prompts(int64_t vocab,
                                                         const std::vector<int64_t>& lengths,
