@@ -51,9 +51,10 @@ if has load; then
   rm -rf "$ckpt"
 fi
 if has drafter && "$dflash" bench-drafter --help > /dev/null 2>&1; then
-  # The drafter step's kernels and its parity (gathered keys, loss, optimizer) before timing it.
+  # The drafter step's kernels and its parity (gathered keys, prefix attention, loss,
+  # optimizer) before timing it.
   "$build/tests/dflash_core_tests" \
-    --gtest_filter='*PrefixGather*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*AdamW*' \
+    --gtest_filter='*PrefixGather*:*PrefixAttention*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*AdamW*' \
     > "$out/drafter_tests.log" 2>&1
   echo "drafter tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/drafter_tests.log" | tail -8
   step bench-drafter

@@ -19,6 +19,7 @@
 #include "common/file.h"
 #include "eval/generator.h"
 #include "kernels/adamw_cast.h"
+#include "kernels/attention_merge.h"
 #include "kernels/decode_ops.h"
 #include "kernels/moe_combine.h"
 #include "kernels/rotary.h"
@@ -212,6 +213,32 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                              .sum(1);
                        }),
            combine_bytes);
+  }
+  // Once per drafter layer in training (models/prefix_attention.h): a block's context part and
+  // its own-keys part merged by log-sum-exp, 512 blocks of B = 16 rows with the G query heads
+  // of a KV head folded into rows, against the ATen reference.
+  {
+    const int64_t blocks = 512, hk = c.num_kv_heads;
+    const int64_t rows = blocks * (c.num_heads / hk) * 16;
+    auto out_ctx = at::randn({rows, hk, d}, opts), out_blk = at::randn({rows, hk, d}, opts);
+    auto lse_ctx = at::randn({hk, rows}, opts.dtype(at::kFloat));
+    auto lse_blk = at::randn({hk, rows}, opts.dtype(at::kFloat));
+    auto context_length = at::randint(1, 2048, {blocks}, opts.dtype(at::kInt));
+    const double merge_bytes = 3.0 * 2 * rows * hk * d + 3.0 * 4 * hk * rows;
+    report("attention_merge (drafter)", rows, hk * d, 0,
+           us_per_call(device, o,
+                       [&](int) {
+                         kernels::attention_merge(out_ctx, lse_ctx, context_length, out_blk,
+                                                  lse_blk);
+                       }),
+           merge_bytes);
+    report("ATen merge (reference)", rows, hk * d, 0,
+           us_per_call(device, o,
+                       [&](int) {
+                         kernels::attention_merge_reference(out_ctx, lse_ctx, context_length,
+                                                            out_blk, lse_blk);
+                       }),
+           merge_bytes);
   }
   // The optimizer over one drafter layer's fp32 masters (the 1.05B drafter's step runs this over
   // five layers and fc): AdamW writing the bf16 copies in its pass against ATen's fused AdamW

@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <bit>
+#include <utility>
 
 #include "common/error.h"
 
@@ -28,9 +29,10 @@ PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
   for (int64_t s = 0; s < num_seqs; ++s) row_start[s + 1] = row_start[s] + lengths[s];
   PrefixGatherPlan plan;
   plan.context_rows = row_start.back();
+  if (plan.context_rows > INT32_MAX) fail("prefix gather: more than 2^31 context rows");
   plan.block_size = block_size;
   std::vector<int64_t> start(n);
-  std::vector<int32_t> cu_k(n + 1, 0);
+  std::vector<int32_t> cu_k(n + 1, 0), context_start(n + 1), context_length(n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = sequence[i];
     if (s < 0 || s >= num_seqs || (i > 0 && s < sequence[i - 1])) {
@@ -42,6 +44,9 @@ PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
     }
     block_start[s + 1] = i + 1;
     start[i] = row_start[s];
+    context_start[i] = static_cast<int32_t>(row_start[s]);
+    context_length[i] = static_cast<int32_t>(anchors[i]);
+    plan.max_context = std::max(plan.max_context, anchors[i]);
     const int64_t keys = anchors[i] + block_size;
     plan.key_lengths.push_back(keys);
     plan.max_keys = std::max(plan.max_keys, keys);
@@ -63,6 +68,9 @@ PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
   plan.cu_keys = to(at::tensor(cu_k, at::kInt));
   plan.seq_row_start = to(at::tensor(row_start, at::kLong));
   plan.seq_block_start = to(at::tensor(block_start, at::kLong));
+  context_start[n] = static_cast<int32_t>(plan.context_rows);
+  plan.context_start = to(at::tensor(context_start, at::kInt));
+  plan.context_length = to(at::tensor(context_length, at::kInt));
   start.push_back(0);
   auto s = to(at::tensor(start, at::kLong));
   std::vector<int64_t> anchors_padded = anchors;
@@ -109,20 +117,43 @@ at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan
 
 namespace {
 
-// The plan's tensors travel in the autograd context (the plan object itself may be gone by
-// the time backward runs).
+// The plan's fields that travel through an autograd context, by name.
+constexpr std::pair<const char*, at::Tensor PrefixGatherPlan::*> kSavedTensors[] = {
+    {"plan.index", &PrefixGatherPlan::index},
+    {"plan.cu_keys", &PrefixGatherPlan::cu_keys},
+    {"plan.anchor", &PrefixGatherPlan::anchor},
+    {"plan.seq_row_start", &PrefixGatherPlan::seq_row_start},
+    {"plan.seq_block_start", &PrefixGatherPlan::seq_block_start},
+    {"plan.context_start", &PrefixGatherPlan::context_start},
+    {"plan.context_length", &PrefixGatherPlan::context_length}};
+constexpr std::pair<const char*, int64_t PrefixGatherPlan::*> kSavedSizes[] = {
+    {"plan.context_rows", &PrefixGatherPlan::context_rows},
+    {"plan.block_size", &PrefixGatherPlan::block_size},
+    {"plan.max_keys", &PrefixGatherPlan::max_keys},
+    {"plan.max_context", &PrefixGatherPlan::max_context},
+    {"plan.keys", &PrefixGatherPlan::keys},
+    {"plan.capacity", &PrefixGatherPlan::capacity}};
+
+}  // namespace
+
+void PrefixGatherPlan::save(torch::autograd::AutogradContext* ctx) const {
+  for (const auto& [name, field] : kSavedTensors) ctx->saved_data[name] = this->*field;
+  for (const auto& [name, field] : kSavedSizes) ctx->saved_data[name] = this->*field;
+}
+
+PrefixGatherPlan PrefixGatherPlan::saved(torch::autograd::AutogradContext* ctx) {
+  PrefixGatherPlan plan;
+  for (const auto& [name, field] : kSavedTensors) plan.*field = ctx->saved_data[name].toTensor();
+  for (const auto& [name, field] : kSavedSizes) plan.*field = ctx->saved_data[name].toInt();
+  return plan;
+}
+
+namespace {
+
 struct PrefixGatherFunction : public torch::autograd::Function<PrefixGatherFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& rows,
                             const PrefixGatherPlan& plan) {
-    auto& d = ctx->saved_data;
-    d["index"] = plan.index;
-    d["cu_keys"] = plan.cu_keys;
-    d["anchor"] = plan.anchor;
-    d["seq_row_start"] = plan.seq_row_start;
-    d["seq_block_start"] = plan.seq_block_start;
-    d["context_rows"] = plan.context_rows;
-    d["block_size"] = plan.block_size;
-    d["keys"] = plan.keys;
+    plan.save(ctx);
     auto out = at::empty({plan.capacity, rows.size(1)}, rows.options());
     auto segments = out.narrow(0, 0, plan.keys);
     at::index_select_out(segments, rows, 0, plan.index.narrow(0, 0, plan.keys));
@@ -131,17 +162,7 @@ struct PrefixGatherFunction : public torch::autograd::Function<PrefixGatherFunct
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
-    auto& d = ctx->saved_data;
-    PrefixGatherPlan plan;
-    plan.index = d["index"].toTensor();
-    plan.cu_keys = d["cu_keys"].toTensor();
-    plan.anchor = d["anchor"].toTensor();
-    plan.seq_row_start = d["seq_row_start"].toTensor();
-    plan.seq_block_start = d["seq_block_start"].toTensor();
-    plan.context_rows = d["context_rows"].toInt();
-    plan.block_size = d["block_size"].toInt();
-    plan.keys = d["keys"].toInt();
-    return {prefix_gather_backward(grads[0], plan), at::Tensor()};
+    return {prefix_gather_backward(grads[0], PrefixGatherPlan::saved(ctx)), at::Tensor()};
   }
 };
 

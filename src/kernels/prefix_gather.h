@@ -14,6 +14,10 @@
 #include <cstdint>
 #include <vector>
 
+namespace torch::autograd {
+struct AutogradContext;
+}
+
 namespace dflash::kernels {
 
 // Rows the gathered output holds for `keys` gathered rows: `keys` rounded up to one of 8 steps
@@ -24,6 +28,7 @@ struct PrefixGatherPlan {
   int64_t context_rows = 0;  // T: rows of the packed context; block rows follow them
   int64_t block_size = 0;
   int64_t max_keys = 0;
+  int64_t max_context = 0;           // max over blocks of a_i
   int64_t keys = 0;                  // gathered rows that belong to a segment: cu_keys[blocks]
   int64_t capacity = 0;              // rows of the gathered output: gathered_capacity(keys)
   std::vector<int64_t> key_lengths;  // per block: a_i + B (host copy, for per-block loops)
@@ -32,12 +37,21 @@ struct PrefixGatherPlan {
   at::Tensor anchor;           // int64 [blocks]
   at::Tensor seq_row_start;    // int64 [sequences + 1]: first context row per sequence
   at::Tensor seq_block_start;  // int64 [sequences + 1]: first block per sequence
+  // The context keys of each block in place, for varlen attention with seqused_k: segments
+  // overlap (the blocks of a sequence share its start), so nothing is copied.
+  at::Tensor context_start;   // int32 [blocks + 1]: first context row of the block's sequence; T
+  at::Tensor context_length;  // int32 [blocks]: a_i
 
   // Blocks must be grouped by sequence in order; anchors[i] < lengths[sequence[i]].
   static PrefixGatherPlan build(const std::vector<int64_t>& lengths,
                                 const std::vector<int64_t>& sequence,
                                 const std::vector<int64_t>& anchors, int64_t block_size,
                                 at::Device device);
+
+  // The device tensors and sizes (not key_lengths) into an autograd context, and back in
+  // backward: the plan object itself may be gone by the time backward runs.
+  void save(torch::autograd::AutogradContext* ctx) const;
+  static PrefixGatherPlan saved(torch::autograd::AutogradContext* ctx);
 };
 
 // rows: [T + blocks*B, W] (context rows, then block rows), any layout of W contiguous per row.

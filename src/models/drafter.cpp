@@ -16,6 +16,7 @@
 #include "common/json_file.h"
 #include "io/safetensors.h"
 #include "kernels/rotary.h"
+#include "models/prefix_attention.h"
 #include "models/target.h"
 
 namespace dflash::models {
@@ -614,18 +615,9 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
     }
     attn = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
   } else {
-    // Block-sparse: each block's keys are gathered into their own varlen segment, so work and
-    // memory are linear in sum(a_i + B) and nothing is spent on masked-out keys.
+    // Block-sparse: work and memory are linear in sum(a_i + B) and nothing is spent on
+    // masked-out keys.
     const kernels::PrefixGatherPlan& plan = *gather;
-    // Each context row is read by up to every block; kernels::prefix_gather's backward sums
-    // those reads per row without sorting the index or atomics.
-    const int64_t kv_width = c.num_kv_heads * d;
-    auto gather_rows = [&](const at::Tensor& ctx_part, const at::Tensor& blk_part) {
-      auto all = at::cat({ctx_part, blk_part}).view({-1, kv_width});
-      return kernels::prefix_gather(all, plan).view({-1, c.num_kv_heads, d});
-    };
-    auto k_g = gather_rows(k_ctx, k_blk);
-    auto v_g = gather_rows(v_ctx, v_blk);
     // GQA folded into the query rows: the G = Hq/Hkv query heads that share a KV head become
     // G*B query rows of one KV head, so attention runs with Hkv heads and no GQA. Flash's GQA
     // backward would otherwise expand dK/dV of every gathered key to Hq heads and sum them
@@ -639,13 +631,18 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
     const bool flash =
         q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
     if (flash) {
-      packed = std::get<0>(at::_flash_attention_forward(
-          q_packed, k_g, v_g, at::arange(n + 1, plan.cu_keys.options()) * q_rows, plan.cu_keys,
-          q_rows, plan.max_keys, 0.0,
-          /*is_causal=*/false, /*return_debug_mask=*/false));
+      // Keys in place; autograd keeps no gathered copy (prefix_attention.h).
+      packed = prefix_attention(q_packed, k_ctx, v_ctx, k_blk, v_blk, plan);
     } else {
-      // The same segments, one SDPA each (flash has no fp32): lets CPU and fp32 GPU tests
-      // check the gather plan and the head packing.
+      // Each block's keys gathered into their own segment, one SDPA each (flash has no fp32):
+      // lets CPU and fp32 GPU tests check the gather plan and the head packing.
+      const int64_t kv_width = c.num_kv_heads * d;
+      auto gather_rows = [&](const at::Tensor& ctx_part, const at::Tensor& blk_part) {
+        auto all = at::cat({ctx_part, blk_part}).view({-1, kv_width});
+        return kernels::prefix_gather(all, plan).view({-1, c.num_kv_heads, d});
+      };
+      auto k_g = gather_rows(k_ctx, k_blk);
+      auto v_g = gather_rows(v_ctx, v_blk);
       std::vector<at::Tensor> outs;
       int64_t key_start = 0;
       for (int64_t i = 0; i < n; ++i) {

@@ -82,6 +82,12 @@ TEST(PrefixGather, SegmentsAreContextPrefixThenOwnBlock) {
   EXPECT_TRUE(at::equal(plan.index, at::tensor(expected, at::kLong))) << plan.index;
   EXPECT_EQ(plan.key_lengths, (std::vector<int64_t>{4, 2, 5}));
   EXPECT_EQ(plan.max_keys, 5);
+  // The same context keys in place: each block's sequence start and anchor, then T.
+  EXPECT_TRUE(at::equal(plan.context_start, at::tensor({0, 0, 5, 9}, at::kInt)))
+      << plan.context_start;
+  EXPECT_TRUE(at::equal(plan.context_length, at::tensor({2, 0, 3}, at::kInt)))
+      << plan.context_length;
+  EXPECT_EQ(plan.max_context, 3);
   auto rows = at::randn({15, 3}).requires_grad_(true);
   auto grad = at::randn({11, 3});
   kernels::prefix_gather(rows, plan).backward(grad);

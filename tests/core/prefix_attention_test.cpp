@@ -1,0 +1,254 @@
+// models/prefix_attention and kernels/attention_merge: the log-sum-exp merge against attention
+// over the union of keys (CPU), its CUDA kernel against that reference, and on CUDA the whole
+// function (flash over the context in place + flash over the blocks,
+// merged; backward through the re-gathered keys) against the path it replaces (keys gathered by
+// kernels::prefix_gather, one flash call) and an fp64 reference written from the mask's
+// definition, values and gradients.
+#include "models/prefix_attention.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "kernels/attention_merge.h"
+#include "kernels/prefix_gather.h"
+#include "test_util.h"
+
+namespace dflash {
+namespace {
+
+using testing::relative_error;
+
+// Plain attention of q [R, H, D] over keys [N, H, D]: out [R, H, D] and lse [H, R] (natural
+// log of the sum of exp(scaled scores), as flash reports it).
+std::pair<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v) {
+  auto scores = at::matmul(q.transpose(0, 1), k.permute({1, 2, 0})) / std::sqrt(q.size(2));
+  auto out = at::matmul(at::softmax(scores, -1), v.transpose(0, 1)).transpose(0, 1);
+  return {out, at::logsumexp(scores, -1)};
+}
+
+// Parts of a merge: per block, q against its context keys (none for block 1: what flash writes
+// for an empty key set) and against its own keys, and q against both (the expected result).
+struct MergeCase {
+  at::Tensor out_ctx, lse_ctx, context_length, out_blk, lse_blk, out_all, lse_all;
+};
+
+MergeCase merge_case(int64_t heads, int64_t d, int64_t rows, const std::vector<int64_t>& context) {
+  const int64_t bs = 2;
+  std::vector<at::Tensor> o_ctx, l_ctx, o_blk, l_blk, o_all, l_all;
+  for (int64_t c : context) {
+    auto q = at::randn({rows, heads, d}) * 2;
+    auto kc = at::randn({c, heads, d}), vc = at::randn({c, heads, d});
+    auto kb = at::randn({bs, heads, d}), vb = at::randn({bs, heads, d});
+    if (c > 0) {
+      auto [o, l] = attend(q, kc, vc);
+      o_ctx.push_back(o);
+      l_ctx.push_back(l);
+    } else {
+      o_ctx.push_back(at::zeros({rows, heads, d}));
+      l_ctx.push_back(at::full({heads, rows}, INFINITY));
+    }
+    auto [ob, lb] = attend(q, kb, vb);
+    o_blk.push_back(ob);
+    l_blk.push_back(lb);
+    auto [oa, la] = attend(q, at::cat({kc, kb}), at::cat({vc, vb}));
+    o_all.push_back(oa);
+    l_all.push_back(la);
+  }
+  return {at::cat(o_ctx),   at::cat(l_ctx, 1), at::tensor(context, at::kInt),
+          at::cat(o_blk),   at::cat(l_blk, 1), at::cat(o_all),
+          at::cat(l_all, 1)};
+}
+
+TEST(PrefixAttentionMerge, EqualsAttentionOverTheUnion) {
+  at::manual_seed(0);
+  auto m = merge_case(2, 8, 3, {5, 0, 1, 7});
+  auto [out, lse] =
+      kernels::attention_merge(m.out_ctx, m.lse_ctx, m.context_length, m.out_blk, m.lse_blk);
+  EXPECT_EQ(out.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::allclose(out, m.out_all, 1e-5, 1e-6)) << (out - m.out_all).abs().max();
+  EXPECT_TRUE(at::allclose(lse, m.lse_all, 1e-5, 1e-6));
+  // The output takes the parts' dtype; the log-sum-exp stays fp32.
+  auto [half_out, half_lse] =
+      kernels::attention_merge(m.out_ctx.to(at::kBFloat16), m.lse_ctx, m.context_length,
+                               m.out_blk.to(at::kBFloat16), m.lse_blk);
+  EXPECT_EQ(half_out.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(half_lse.scalar_type(), at::kFloat);
+  EXPECT_LE(relative_error(half_out, m.out_all), 1e-2);
+  // 12 rows do not split into 5 blocks; context lengths must be int32.
+  EXPECT_THROW(
+      kernels::attention_merge(m.out_ctx, m.lse_ctx, at::ones({5}, at::kInt), m.out_blk, m.lse_blk),
+      Error);
+  EXPECT_THROW(kernels::attention_merge(m.out_ctx, m.lse_ctx, m.context_length.to(at::kLong),
+                                        m.out_blk, m.lse_blk),
+               Error);
+}
+
+TEST(PrefixAttentionMerge, CudaMatchesReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(0);
+  // Head dims of the vector path (128, 64) and of the scalar one (12).
+  for (int64_t d : {128, 64, 12}) {
+    SCOPED_TRACE(d);
+    auto m = merge_case(3, d, 16, {40, 0, 1, 0, 130});
+    for (auto dtype : {at::kBFloat16, at::kFloat}) {
+      auto oc = m.out_ctx.to(dtype), ob = m.out_blk.to(dtype);
+      auto [expected, expected_lse] =
+          kernels::attention_merge_reference(oc, m.lse_ctx, m.context_length, ob, m.lse_blk);
+      auto [out, lse] = kernels::attention_merge(
+          oc.cuda(), m.lse_ctx.cuda(), m.context_length.cuda(), ob.cuda(), m.lse_blk.cuda());
+      EXPECT_EQ(out.scalar_type(), dtype);
+      // One rounding of the fp32 sum to the dtype, in either direction.
+      const double tol = dtype == at::kFloat ? 1e-5 : 8e-3;
+      EXPECT_TRUE(at::allclose(out.cpu().to(at::kFloat), expected.to(at::kFloat), tol, 1e-5))
+          << (out.cpu().to(at::kFloat) - expected.to(at::kFloat)).abs().max();
+      EXPECT_TRUE(at::allclose(lse.cpu(), expected_lse, 1e-5, 1e-5));
+      // Blocks without context copy their own part exactly.
+      auto rows = m.out_blk.size(0) / 5;
+      EXPECT_TRUE(at::equal(out.cpu().narrow(0, rows, rows), ob.narrow(0, rows, rows)));
+    }
+  }
+}
+
+struct GpuCase {
+  std::string name;
+  std::vector<int64_t> lengths, sequence, anchors;
+  int64_t head_dim;
+};
+
+class PrefixAttentionGpu : public ::testing::TestWithParam<GpuCase> {
+ protected:
+  void SetUp() override {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+struct Inputs {
+  at::Tensor q, k_ctx, v_ctx, k_blk, v_blk;
+};
+
+struct Result {
+  at::Tensor out;
+  std::vector<at::Tensor> grads;  // q, k_ctx, v_ctx, k_blk, v_blk
+};
+
+// out and the gradients of <out, dout> for fresh leaves copied from `in` (in `dtype`, on
+// `device`).
+template <class F>
+Result run(const Inputs& in, const at::Tensor& dout, at::ScalarType dtype, at::Device device,
+           F&& attention) {
+  std::vector<at::Tensor> leaves;
+  for (const auto& t : {in.q, in.k_ctx, in.v_ctx, in.k_blk, in.v_blk}) {
+    leaves.push_back(t.to(device, dtype).detach().requires_grad_(true));
+  }
+  auto out = attention(Inputs{leaves[0], leaves[1], leaves[2], leaves[3], leaves[4]});
+  out.backward(dout.to(device, dtype));
+  Result r{out.detach().to(at::kCPU, at::kDouble), {}};
+  for (const auto& l : leaves) r.grads.push_back(l.grad().to(at::kCPU, at::kDouble));
+  return r;
+}
+
+// The largest relative error over the blocks' row ranges: a key too many or too few in one
+// block shows even when the whole tensor's error would hide it.
+double worst_block_error(const at::Tensor& actual, const at::Tensor& expected, int64_t blocks) {
+  double worst = 0;
+  const int64_t rows = actual.size(0) / blocks;
+  for (int64_t i = 0; i < blocks; ++i) {
+    worst = std::max(worst, relative_error(actual.narrow(0, i * rows, rows),
+                                           expected.narrow(0, i * rows, rows)));
+  }
+  return worst;
+}
+
+TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
+  const GpuCase c = GetParam();
+  const int64_t kv_heads = 2, groups = 4, bs = 16, d = c.head_dim;
+  const int64_t n = static_cast<int64_t>(c.anchors.size()), q_rows = groups * bs;
+  at::Device cuda(at::kCUDA);
+  auto plan = kernels::PrefixGatherPlan::build(c.lengths, c.sequence, c.anchors, bs, cuda);
+  at::manual_seed(0);
+  Inputs in{at::randn({n * q_rows, kv_heads, d}) * 2, at::randn({plan.context_rows, kv_heads, d}),
+            at::randn({plan.context_rows, kv_heads, d}), at::randn({n * bs, kv_heads, d}),
+            at::randn({n * bs, kv_heads, d})};
+  auto dout = at::randn({n * q_rows, kv_heads, d});
+
+  auto fresh = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
+    return models::prefix_attention(x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, plan);
+  });
+  // The path it replaces: every block's keys gathered into a segment, one varlen flash call.
+  auto gathered = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
+    auto gather = [&](const at::Tensor& context, const at::Tensor& block) {
+      return kernels::prefix_gather(at::cat({context, block}).view({-1, kv_heads * d}), plan)
+          .view({-1, kv_heads, d});
+    };
+    auto cu_q = at::arange(n + 1, plan.cu_keys.options()) * q_rows;
+    return std::get<0>(at::_flash_attention_forward(
+        x.q, gather(x.k_ctx, x.k_blk), gather(x.v_ctx, x.v_blk), cu_q, plan.cu_keys, q_rows,
+        plan.max_keys, 0.0, /*is_causal=*/false, /*return_debug_mask=*/false));
+  });
+  // The definition in fp64 on the CPU (from the bf16-rounded inputs): block i attends to
+  // context rows [start(s), start(s) + a_i) and its own B rows.
+  auto rounded =
+      Inputs{in.q.to(at::kBFloat16), in.k_ctx.to(at::kBFloat16), in.v_ctx.to(at::kBFloat16),
+             in.k_blk.to(at::kBFloat16), in.v_blk.to(at::kBFloat16)};
+  std::vector<int64_t> seq_start(c.lengths.size() + 1, 0);
+  for (size_t s = 0; s < c.lengths.size(); ++s) seq_start[s + 1] = seq_start[s] + c.lengths[s];
+  auto reference =
+      run(rounded, dout.to(at::kBFloat16), at::kDouble, at::kCPU, [&](const Inputs& x) {
+        std::vector<at::Tensor> outs;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t start = seq_start[c.sequence[i]], a = c.anchors[i];
+          auto k = at::cat({x.k_ctx.narrow(0, start, a), x.k_blk.narrow(0, i * bs, bs)});
+          auto v = at::cat({x.v_ctx.narrow(0, start, a), x.v_blk.narrow(0, i * bs, bs)});
+          outs.push_back(attend(x.q.narrow(0, i * q_rows, q_rows), k, v).first);
+        }
+        return at::cat(outs);
+      });
+
+  EXPECT_FALSE(fresh.out.isnan().any().item<bool>());
+  const double out_gathered = worst_block_error(gathered.out, reference.out, n);
+  const double out_fresh = worst_block_error(fresh.out, reference.out, n);
+  // Both round to bf16 (the merged path once more, its two parts): within twice the error of
+  // the path it replaces, plus a little.
+  EXPECT_LE(out_fresh, 2 * out_gathered + 2e-3) << "gathered path: " << out_gathered;
+  EXPECT_LE(out_fresh, 1e-2);
+  const char* names[] = {"q", "k_ctx", "v_ctx", "k_blk", "v_blk"};
+  for (size_t g = 0; g < 5; ++g) {
+    SCOPED_TRACE(names[g]);
+    const double err_gathered = relative_error(gathered.grads[g], reference.grads[g]);
+    const double err_fresh = relative_error(fresh.grads[g], reference.grads[g]);
+    EXPECT_FALSE(fresh.grads[g].isnan().any().item<bool>());
+    EXPECT_LE(err_fresh, 1.5 * err_gathered + 2e-3) << "gathered path: " << err_gathered;
+    EXPECT_LE(err_fresh, 3e-2);
+    // Same backward kernel over the same keys: only the merged out and lse differ.
+    EXPECT_LE(relative_error(fresh.grads[g], gathered.grads[g]), 1e-2);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, PrefixAttentionGpu,
+    ::testing::Values(
+        // Three sequences; anchors at a sequence's start (no context), in the middle, at its
+        // last token; one sequence without blocks; anchors not sorted within a sequence.
+        GpuCase{"mixed_d128",
+                {40, 7, 30, 100},
+                {0, 0, 0, 1, 3, 3, 3, 3},
+                {17, 0, 39, 6, 99, 0, 50, 98},
+                128},
+        GpuCase{"mixed_d64",
+                {40, 7, 30, 100},
+                {0, 0, 0, 1, 3, 3, 3, 3},
+                {17, 0, 39, 6, 99, 0, 50, 98},
+                64},
+        // More context than one 128-key tile, several tiles per segment.
+        GpuCase{"long_d128", {300, 260}, {0, 0, 1, 1}, {299, 130, 0, 259}, 128},
+        // No block sees any context: the block part alone.
+        GpuCase{"no_context_d128", {20, 33}, {0, 0, 1}, {0, 0, 0}, 128}),
+    [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace dflash
