@@ -138,7 +138,9 @@ TEST(CudnnAttentionGpu, FallsBackToFlash) {
   at::manual_seed(14);
   auto batch = PackedBatch::from_lengths({40, 70}, at::kCUDA);
   auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  for (int64_t d : {64, 36, 256}) {
+  // With autograd (D 64) and past cuDNN's head-dim limit (D 256). Flash itself needs a
+  // multiple of 8, so there is no odd head dim that both can be asked for.
+  for (int64_t d : {64, 256}) {
     SCOPED_TRACE(fmt::format("D {}", d));
     auto q = at::randn({110, 4, d}, opts), k = at::randn({110, 2, d}, opts),
          v = at::randn({110, 2, d}, opts);
