@@ -17,11 +17,6 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename T, int kVec>
-struct alignas(sizeof(T) * kVec) Vec {
-  T v[kVec];
-};
-
-template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     attention_merge_kernel(const T* __restrict__ out_ctx, const float* __restrict__ lse_ctx,
                            const int32_t* __restrict__ context_length,

@@ -1,5 +1,6 @@
 // Device-side conversions between the storage dtypes the kernels accept (fp32, bf16, fp16)
-// and the fp32 they compute in, and the host-side dispatch from an ATen dtype to them.
+// and the fp32 they compute in, the vector type the kernels move them in, and the host-side
+// dispatch from an ATen dtype to them.
 #pragma once
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -26,6 +27,12 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float x) {
   return __float2half(x);
 }
+
+// kVec elements of T loaded or stored as one access (16 bytes when sizeof(T) * kVec is 16).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Vec {
+  T v[kVec];
+};
 
 // Calls f(T{}) with T the device type of `dtype` (float, __nv_bfloat16 or __half).
 template <typename F>

@@ -16,11 +16,6 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename T, int kVec>
-struct alignas(sizeof(T) * kVec) Vec {
-  T v[kVec];
-};
-
-template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     moe_combine_kernel(const T* __restrict__ y, const int64_t* __restrict__ inverse,
                        const float* __restrict__ weights, T* __restrict__ out, int64_t h, int k) {

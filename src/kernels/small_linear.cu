@@ -23,21 +23,16 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kFeatures = 4;  // output features (weight rows) per block
 constexpr int kUnroll = 2;    // chunks per weight row each thread loads before using them
 
-template <typename T, int kVec>
-struct alignas(sizeof(T) * kVec) Pack {
-  T v[kVec];
-};
-
 // kStream: the weight, read once, streamed (evict-first); otherwise x, which every block
 // rereads, through the read-only cache.
 template <typename T, int kVec, bool kStream>
-__device__ __forceinline__ Pack<T, kVec> load(const T* p) {
-  if constexpr (sizeof(Pack<T, kVec>) == 16) {
+__device__ __forceinline__ Vec<T, kVec> load(const T* p) {
+  if constexpr (sizeof(Vec<T, kVec>) == 16) {
     const auto* v = reinterpret_cast<const uint4*>(p);
     const uint4 u = kStream ? __ldcs(v) : __ldg(v);
-    return *reinterpret_cast<const Pack<T, kVec>*>(&u);
+    return *reinterpret_cast<const Vec<T, kVec>*>(&u);
   } else {
-    return *reinterpret_cast<const Pack<T, kVec>*>(p);
+    return *reinterpret_cast<const Vec<T, kVec>*>(p);
   }
 }
 
@@ -57,7 +52,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int64_t c0 = threadIdx.x; c0 < chunks; c0 += int64_t(kThreads) * kUnroll) {
     // Every load first (past the end: a clamped, valid address whose value is not used).
-    Pack<T, kVec> wv[kUnroll][kFeatures];
+    Vec<T, kVec> wv[kUnroll][kFeatures];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t c = c0 + u * kThreads < chunks ? c0 + u * kThreads : chunks - 1;
@@ -73,7 +68,7 @@ __global__ void __launch_bounds__(kThreads)
       if (c >= chunks) break;
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
-        const Pack<T, kVec> xv = load<T, kVec, false>(x + m * ldx + c * kVec);
+        const Vec<T, kVec> xv = load<T, kVec, false>(x + m * ldx + c * kVec);
 #pragma unroll
         for (int r = 0; r < kFeatures; ++r) {
 #pragma unroll
