@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -43,7 +42,7 @@ void run_bench(const BenchOptions& o) {
   // after the last tapped layer.
   const auto taps =
       models::default_target_layer_ids(config.num_layers, models::DrafterOptions{}.num_layers);
-  const int64_t layers = *std::max_element(taps.begin(), taps.end()) + 1;
+  const int64_t layers = models::layers_for_taps(taps);
   fmt::print(
       "bench-target: {} ({:.2f} B params, {:.2f} B active per token), {} on {}, seq {}, taps "
       "[{}] (layers 0-{} run, no logits), {} attention, warmup {}, iters {}\n",

@@ -312,7 +312,7 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
   // one change nothing returned: Qwen3-8B's default taps end at layer 33 of 36.
   int64_t layers = config_.num_layers;
   if (request.logits == Logits::kNone && cache == nullptr && !request.tap_layers.empty()) {
-    layers = *std::max_element(request.tap_layers.begin(), request.tap_layers.end()) + 1;
+    layers = layers_for_taps(request.tap_layers);
   }
   for (int64_t i = 0; i < layers; ++i) {
     const CacheRows rows =
@@ -457,6 +457,11 @@ TargetModel TargetModel::cast(at::ScalarType dtype) const {
   to(m.norm_);
   m.lm_head_ = config_.tie_word_embeddings ? m.embed_ : lm_head_.to(dtype);
   return m;
+}
+
+int64_t layers_for_taps(const std::vector<int64_t>& taps) {
+  if (taps.empty()) fail("layers_for_taps: no tapped layer");
+  return *std::max_element(taps.begin(), taps.end()) + 1;
 }
 
 double prefill_flops(const ModelConfig& c, const std::vector<int64_t>& lengths, int64_t logit_rows,

@@ -136,4 +136,7 @@ class TargetModel {
 double prefill_flops(const ModelConfig& config, const std::vector<int64_t>& lengths,
                      int64_t logit_rows, int64_t layers = -1);
 
+// Decoder layers a forward for the features of `taps` alone runs: up to the last tapped one.
+int64_t layers_for_taps(const std::vector<int64_t>& taps);
+
 }  // namespace dflash::models

@@ -959,10 +959,8 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   const auto dc = drafter_config(c, tc, false);
   GlobalStream probe(samples, stream_options_of(c), dc);
   const auto one = probe.form(0, 0, static_cast<int>(c.batch_size), false);
-  const int64_t target_layers =
-      *std::max_element(dc.target_layer_ids.begin(), dc.target_layer_ids.end()) + 1;
   const double flops_per_sequence =
-      models::prefill_flops(tc, one.lengths, 0, target_layers) +
+      models::prefill_flops(tc, one.lengths, 0, models::layers_for_taps(dc.target_layer_ids)) +
       models::drafter_step_flops(dc, one.lengths, one.blocks.layout.anchor, one.blocks.num_labels);
   const double step_flops = flops_per_sequence * static_cast<double>(c.batch_size * c.accumulation);
 
