@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <bit>
+#include <limits>
 #include <utility>
 
 #include "common/error.h"
@@ -21,7 +22,7 @@ int64_t gathered_capacity(int64_t keys) {
 PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
                                          const std::vector<int64_t>& sequence,
                                          const std::vector<int64_t>& anchors, int64_t block_size,
-                                         at::Device device) {
+                                         at::Device device, int64_t chunk_keys) {
   const int64_t n = static_cast<int64_t>(anchors.size());
   const int64_t num_seqs = static_cast<int64_t>(lengths.size());
   if (static_cast<int64_t>(sequence.size()) != n) fail("prefix gather: sequence/anchor sizes");
@@ -84,6 +85,21 @@ PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
   auto index = at::where(offset < a_row, s.index_select(0, block) + offset,
                          plan.context_rows + block * block_size + (offset - a_row));
   plan.index = at::where(block < n, index, at::zeros({}, index.options()));
+  if (plan.keys > chunk_keys) {
+    for (int64_t first = 0; first < n;) {
+      int64_t last = first + 1, keys = plan.key_lengths[first];
+      while (last < n && keys + plan.key_lengths[last] <= chunk_keys)
+        keys += plan.key_lengths[last++];
+      auto part = [&](const std::vector<int64_t>& v) {
+        return std::vector<int64_t>(v.begin() + first, v.begin() + last);
+      };
+      plan.chunks.push_back(build(lengths, part(sequence), part(anchors), block_size, device,
+                                  std::numeric_limits<int64_t>::max()));
+      plan.chunks.back().first_block = first;
+      first = last;
+    }
+    if (plan.chunks.size() == 1) plan.chunks.clear();
+  }
   return plan;
 }
 
@@ -119,32 +135,39 @@ namespace {
 
 // The plan's fields that travel through an autograd context, by name.
 constexpr std::pair<const char*, at::Tensor PrefixGatherPlan::*> kSavedTensors[] = {
-    {"plan.index", &PrefixGatherPlan::index},
-    {"plan.cu_keys", &PrefixGatherPlan::cu_keys},
-    {"plan.anchor", &PrefixGatherPlan::anchor},
-    {"plan.seq_row_start", &PrefixGatherPlan::seq_row_start},
-    {"plan.seq_block_start", &PrefixGatherPlan::seq_block_start},
-    {"plan.context_start", &PrefixGatherPlan::context_start},
-    {"plan.context_length", &PrefixGatherPlan::context_length}};
+    {"index", &PrefixGatherPlan::index},
+    {"cu_keys", &PrefixGatherPlan::cu_keys},
+    {"anchor", &PrefixGatherPlan::anchor},
+    {"seq_row_start", &PrefixGatherPlan::seq_row_start},
+    {"seq_block_start", &PrefixGatherPlan::seq_block_start},
+    {"context_start", &PrefixGatherPlan::context_start},
+    {"context_length", &PrefixGatherPlan::context_length}};
 constexpr std::pair<const char*, int64_t PrefixGatherPlan::*> kSavedSizes[] = {
-    {"plan.context_rows", &PrefixGatherPlan::context_rows},
-    {"plan.block_size", &PrefixGatherPlan::block_size},
-    {"plan.max_keys", &PrefixGatherPlan::max_keys},
-    {"plan.max_context", &PrefixGatherPlan::max_context},
-    {"plan.keys", &PrefixGatherPlan::keys},
-    {"plan.capacity", &PrefixGatherPlan::capacity}};
+    {"context_rows", &PrefixGatherPlan::context_rows},
+    {"block_size", &PrefixGatherPlan::block_size},
+    {"max_keys", &PrefixGatherPlan::max_keys},
+    {"max_context", &PrefixGatherPlan::max_context},
+    {"keys", &PrefixGatherPlan::keys},
+    {"capacity", &PrefixGatherPlan::capacity},
+    {"first_block", &PrefixGatherPlan::first_block}};
 
 }  // namespace
 
-void PrefixGatherPlan::save(torch::autograd::AutogradContext* ctx) const {
-  for (const auto& [name, field] : kSavedTensors) ctx->saved_data[name] = this->*field;
-  for (const auto& [name, field] : kSavedSizes) ctx->saved_data[name] = this->*field;
+void PrefixGatherPlan::save(torch::autograd::AutogradContext* ctx,
+                            const std::string& prefix) const {
+  for (const auto& [name, field] : kSavedTensors) ctx->saved_data[prefix + name] = this->*field;
+  for (const auto& [name, field] : kSavedSizes) ctx->saved_data[prefix + name] = this->*field;
 }
 
-PrefixGatherPlan PrefixGatherPlan::saved(torch::autograd::AutogradContext* ctx) {
+PrefixGatherPlan PrefixGatherPlan::saved(torch::autograd::AutogradContext* ctx,
+                                         const std::string& prefix) {
   PrefixGatherPlan plan;
-  for (const auto& [name, field] : kSavedTensors) plan.*field = ctx->saved_data[name].toTensor();
-  for (const auto& [name, field] : kSavedSizes) plan.*field = ctx->saved_data[name].toInt();
+  for (const auto& [name, field] : kSavedTensors) {
+    plan.*field = ctx->saved_data[prefix + name].toTensor();
+  }
+  for (const auto& [name, field] : kSavedSizes) {
+    plan.*field = ctx->saved_data[prefix + name].toInt();
+  }
   return plan;
 }
 

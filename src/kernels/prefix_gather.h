@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace torch::autograd {
@@ -23,6 +24,11 @@ namespace dflash::kernels {
 // Rows the gathered output holds for `keys` gathered rows: `keys` rounded up to one of 8 steps
 // per power of two (at most 1/8 more; `keys` itself below 16).
 int64_t gathered_capacity(int64_t keys);
+
+// Gathered rows per chunk of blocks in a backward that gathers one chunk at a time: four
+// tensors of this many rows (keys, values and their gradients) live at once, 1 GiB at the
+// Qwen3-8B drafter's 8 KV heads of 128, instead of four of the whole step's ~530K rows.
+constexpr int64_t kChunkKeys = int64_t{1} << 17;
 
 struct PrefixGatherPlan {
   int64_t context_rows = 0;  // T: rows of the packed context; block rows follow them
@@ -41,17 +47,23 @@ struct PrefixGatherPlan {
   // overlap (the blocks of a sequence share its start), so nothing is copied.
   at::Tensor context_start;   // int32 [blocks + 1]: first context row of the block's sequence; T
   at::Tensor context_length;  // int32 [blocks]: a_i
+  int64_t first_block = 0;    // a chunk's first block among the whole plan's blocks
+  // Plans of consecutive runs of blocks of at most chunk_keys gathered rows each (a longer
+  // block is a run of its own), over the same context rows; empty when one run holds them all.
+  std::vector<PrefixGatherPlan> chunks;
 
   // Blocks must be grouped by sequence in order; anchors[i] < lengths[sequence[i]].
   static PrefixGatherPlan build(const std::vector<int64_t>& lengths,
                                 const std::vector<int64_t>& sequence,
                                 const std::vector<int64_t>& anchors, int64_t block_size,
-                                at::Device device);
+                                at::Device device, int64_t chunk_keys = kChunkKeys);
 
-  // The device tensors and sizes (not key_lengths) into an autograd context, and back in
-  // backward: the plan object itself may be gone by the time backward runs.
-  void save(torch::autograd::AutogradContext* ctx) const;
-  static PrefixGatherPlan saved(torch::autograd::AutogradContext* ctx);
+  // The device tensors and sizes (not key_lengths, not chunks) into an autograd context under
+  // names starting with `prefix`, and back in backward: the plan object itself may be gone by
+  // the time backward runs.
+  void save(torch::autograd::AutogradContext* ctx, const std::string& prefix = "plan.") const;
+  static PrefixGatherPlan saved(torch::autograd::AutogradContext* ctx,
+                                const std::string& prefix = "plan.");
 };
 
 // rows: [T + blocks*B, W] (context rows, then block rows), any layout of W contiguous per row.

@@ -1,9 +1,11 @@
 #include "models/prefix_attention.h"
 
+#include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "common/error.h"
 #include "kernels/attention_merge.h"
@@ -36,8 +38,12 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
       std::tie(out, lse) = kernels::attention_merge(std::get<0>(part), std::get<1>(part),
                                                     plan.context_length, out, lse);
     }
-    ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, rng_state, unused, cu_q});
+    ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, rng_state, unused});
     plan.save(ctx);
+    ctx->saved_data["chunks"] = static_cast<int64_t>(plan.chunks.size());
+    for (size_t i = 0; i < plan.chunks.size(); ++i) {
+      plan.chunks[i].save(ctx, fmt::format("chunk{}.", i));
+    }
     ctx->saved_data["q_rows"] = q_rows;
     return out;
   }
@@ -46,31 +52,53 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k_ctx = saved[1], &v_ctx = saved[2], &k_blk = saved[3],
                &v_blk = saved[4], &out = saved[5], &lse = saved[6];
-    const auto plan = kernels::PrefixGatherPlan::saved(ctx);
     const int64_t heads = k_ctx.size(1), d = k_ctx.size(2), width = heads * d;
-    at::Tensor dq, dk, dv;
-    {
-      // The gathered keys live only in this scope: freed before the reductions below.
-      auto gather = [&](const at::Tensor& context, const at::Tensor& block) {
-        return kernels::prefix_gather(at::cat({context, block}).view({-1, width}), plan)
-            .view({-1, heads, d});
-      };
-      std::tie(dq, dk, dv) = at::_flash_attention_backward(
-          grads[0], q, gather(k_ctx, k_blk), gather(v_ctx, v_blk), out, lse, saved[9], plan.cu_keys,
-          ctx->saved_data["q_rows"].toInt(), plan.max_keys, 0.0,
-          /*is_causal=*/false, saved[7], saved[8]);
+    const int64_t q_rows = ctx->saved_data["q_rows"].toInt(), t = k_ctx.size(0);
+    // One chunk of blocks at a time (the whole plan when it has no chunks): only that chunk's
+    // gathered keys, values and their gradients exist at once. Blocks do not see each other,
+    // so a chunk's backward is its blocks' queries against their own segments; context rows
+    // seen from several chunks sum their gradients in fp32.
+    std::vector<kernels::PrefixGatherPlan> parts;
+    const int64_t chunks = ctx->saved_data["chunks"].toInt();
+    if (chunks == 0) parts.push_back(kernels::PrefixGatherPlan::saved(ctx));
+    for (int64_t i = 0; i < chunks; ++i) {
+      parts.push_back(kernels::PrefixGatherPlan::saved(ctx, fmt::format("chunk{}.", i)));
     }
-    // Back to rows: each context row sums the gradients of every block that saw it.
-    auto rows = [&](at::Tensor& gathered) {
-      auto r = kernels::prefix_gather_backward(gathered.view({-1, width}), plan);
-      gathered = at::Tensor();
-      return std::pair{
-          r.narrow(0, 0, plan.context_rows).view({-1, heads, d}),
-          r.narrow(0, plan.context_rows, r.size(0) - plan.context_rows).view({-1, heads, d})};
-    };
-    auto [dk_ctx, dk_blk] = rows(dk);
-    auto [dv_ctx, dv_blk] = rows(dv);
-    return {dq, dk_ctx, dv_ctx, dk_blk, dv_blk, at::Tensor()};
+    auto dq = at::empty_like(q);
+    auto dk_blk = at::empty_like(k_blk), dv_blk = at::empty_like(v_blk);
+    auto dk_ctx = at::zeros({t, width}, k_ctx.options().dtype(at::kFloat));
+    auto dv_ctx = at::zeros_like(dk_ctx);
+    for (const auto& plan : parts) {
+      const int64_t n = plan.anchor.size(0), bs = plan.block_size;
+      const int64_t first_q = plan.first_block * q_rows, first_k = plan.first_block * bs;
+      at::Tensor dq_part, dk, dv;
+      {
+        // The gathered keys live only in this scope: freed before the reductions below.
+        auto gather = [&](const at::Tensor& context, const at::Tensor& block) {
+          return kernels::prefix_gather(
+                     at::cat({context, block.narrow(0, first_k, n * bs)}).view({-1, width}), plan)
+              .view({-1, heads, d});
+        };
+        std::tie(dq_part, dk, dv) = at::_flash_attention_backward(
+            grads[0].narrow(0, first_q, n * q_rows), q.narrow(0, first_q, n * q_rows),
+            gather(k_ctx, k_blk), gather(v_ctx, v_blk), out.narrow(0, first_q, n * q_rows),
+            lse.narrow(1, first_q, n * q_rows).contiguous(),
+            at::arange(n + 1, plan.cu_keys.options()) * q_rows, plan.cu_keys, q_rows, plan.max_keys,
+            0.0, /*is_causal=*/false, saved[7], saved[8]);
+      }
+      dq.narrow(0, first_q, n * q_rows).copy_(dq_part);
+      // Back to rows: each context row sums the gradients of every block that saw it.
+      auto add_rows = [&](at::Tensor& gathered, at::Tensor& context, at::Tensor& block) {
+        auto r = kernels::prefix_gather_backward(gathered.view({-1, width}), plan);
+        gathered = at::Tensor();
+        context.add_(r.narrow(0, 0, t));
+        block.narrow(0, first_k, n * bs).copy_(r.narrow(0, t, n * bs).view({-1, heads, d}));
+      };
+      add_rows(dk, dk_ctx, dk_blk);
+      add_rows(dv, dv_ctx, dv_blk);
+    }
+    auto back = [&](const at::Tensor& x) { return x.to(k_ctx.scalar_type()).view({t, heads, d}); };
+    return {dq, back(dk_ctx), back(dv_ctx), dk_blk, dv_blk, at::Tensor()};
   }
 };
 

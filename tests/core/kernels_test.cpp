@@ -145,6 +145,43 @@ TEST(PrefixGather, PaddingRowsAreZeroAndIgnoredByTheBackward) {
   EXPECT_TRUE(at::allclose(rows.grad(), expected, 1e-6, 1e-6));
 }
 
+TEST(PrefixGather, ChunksAreRunsOfBlocksWithTheWholePlansSegments) {
+  EXPECT_TRUE(sample_plan(at::kCPU).chunks.empty());  // 242 keys, far below kChunkKeys
+  // Key lengths 54, 4, 103, 67, 14: runs of at most 110 keys are blocks {0, 1}, {2}, {3, 4}.
+  auto plan = kernels::PrefixGatherPlan::build({100, 37, 64}, {0, 0, 0, 2, 2}, {50, 0, 99, 63, 10},
+                                               4, at::kCPU,
+                                               /*chunk_keys=*/110);
+  ASSERT_EQ(plan.chunks.size(), 3u);
+  const std::vector<int64_t> first = {0, 2, 3}, count = {2, 1, 2};
+  const int64_t t = 201, bs = 4;
+  std::vector<int64_t> cu(plan.cu_keys.data_ptr<int32_t>(), plan.cu_keys.data_ptr<int32_t>() + 6);
+  auto rows = at::randn({t + 5 * bs, 8});
+  auto all = kernels::prefix_gather(rows, plan);
+  auto grad = at::randn({plan.capacity, 8});
+  auto summed = at::zeros({t + 5 * bs, 8});
+  for (size_t c = 0; c < plan.chunks.size(); ++c) {
+    const auto& chunk = plan.chunks[c];
+    SCOPED_TRACE(c);
+    EXPECT_EQ(chunk.first_block, first[c]);
+    ASSERT_EQ(chunk.anchor.size(0), count[c]);
+    EXPECT_EQ(chunk.context_rows, t);
+    EXPECT_TRUE(chunk.chunks.empty());
+    const int64_t begin = cu[first[c]], keys = cu[first[c] + count[c]] - begin;
+    ASSERT_EQ(chunk.keys, keys);
+    auto own = at::cat({rows.narrow(0, 0, t), rows.narrow(0, t + first[c] * bs, count[c] * bs)});
+    EXPECT_TRUE(at::equal(kernels::prefix_gather(own, chunk).narrow(0, 0, keys),
+                          all.narrow(0, begin, keys)));
+    // The chunks' reductions, added up, are the whole plan's.
+    auto part = at::zeros({chunk.capacity, 8});
+    part.narrow(0, 0, keys).copy_(grad.narrow(0, begin, keys));
+    auto r = kernels::prefix_gather_backward(part, chunk);
+    summed.narrow(0, 0, t).add_(r.narrow(0, 0, t));
+    summed.narrow(0, t + first[c] * bs, count[c] * bs).add_(r.narrow(0, t, count[c] * bs));
+  }
+  EXPECT_TRUE(
+      at::allclose(summed, kernels::prefix_gather_backward_reference(grad, plan), 1e-5, 1e-5));
+}
+
 TEST(PrefixGather, CudaBackwardMatchesReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   auto cpu_plan = sample_plan(at::kCPU);

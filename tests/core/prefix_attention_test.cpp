@@ -179,6 +179,13 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
   auto fresh = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
     return models::prefix_attention(x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, plan);
   });
+  // The backward a chunk of blocks at a time (about three chunks here): the same gradients.
+  auto chunked_plan = kernels::PrefixGatherPlan::build(c.lengths, c.sequence, c.anchors, bs, cuda,
+                                                       std::max<int64_t>(plan.keys / 3, 1));
+  ASSERT_GE(chunked_plan.chunks.size(), 2u);
+  auto chunked = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
+    return models::prefix_attention(x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, chunked_plan);
+  });
   // The path it replaces: every block's keys gathered into a segment, one varlen flash call.
   auto gathered = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
     auto gather = [&](const at::Tensor& context, const at::Tensor& block) {
@@ -210,6 +217,7 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
       });
 
   EXPECT_FALSE(fresh.out.isnan().any().item<bool>());
+  EXPECT_TRUE(at::equal(chunked.out, fresh.out));  // the forward does not chunk
   const double out_gathered = worst_block_error(gathered.out, reference.out, n);
   const double out_fresh = worst_block_error(fresh.out, reference.out, n);
   // Both round to bf16 (the merged path once more, its two parts): within twice the error of
@@ -226,6 +234,8 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
     EXPECT_LE(err_fresh, 3e-2);
     // Same backward kernel over the same keys: only the merged out and lse differ.
     EXPECT_LE(relative_error(fresh.grads[g], gathered.grads[g]), 1e-2);
+    // Chunked: the same kernels per block; context rows add their chunks' sums in fp32.
+    EXPECT_LE(relative_error(chunked.grads[g], fresh.grads[g]), 5e-3);
   }
 }
 
