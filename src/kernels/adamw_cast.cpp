@@ -34,10 +34,14 @@ void check(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
              params[i].sizes(), device.str(), t->defined() ? t->sizes() : at::IntArrayRef{});
       }
     }
-    for (const at::Tensor* t : {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i]}) {
+    for (const at::Tensor* t : {&params[i], &exp_avgs[i], &exp_avg_sqs[i]}) {
       if (t->scalar_type() != at::kFloat || !t->is_contiguous()) {
-        fail("adamw_cast: parameter {}'s weights, gradient and moments must be contiguous fp32", i);
+        fail("adamw_cast: parameter {}'s weights and moments must be contiguous fp32", i);
       }
+    }
+    if (grads[i].scalar_type() != at::kFloat && grads[i].scalar_type() != copy_dtype) {
+      fail("adamw_cast: gradient {} is {}; each must be fp32 or {} (the copies' dtype)", i,
+           c10::toString(grads[i].scalar_type()), c10::toString(copy_dtype));
     }
     if (copies[i].scalar_type() != copy_dtype) fail("adamw_cast: copies of more than one dtype");
   }
@@ -60,9 +64,12 @@ void adamw_cast_reference_(at::TensorList params, at::TensorList grads, at::Tens
                            const std::optional<at::Tensor>& found_inf) {
   check(params, grads, exp_avgs, exp_avg_sqs, copies, step, grad_divisor, found_inf);
   const std::vector<at::Tensor> steps(params.size(), step);
-  at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr, beta1,
-                    beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, grad_divisor,
-                    found_inf);
+  // Gradients in the copies' dtype are widened exactly, as the CUDA kernel reads them.
+  std::vector<at::Tensor> grads32;
+  for (const auto& g : grads) grads32.push_back(g.to(at::kFloat));
+  at::_fused_adamw_(params, grads32, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr,
+                    beta1, beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false,
+                    grad_divisor, found_inf);
   for (size_t i = 0; i < params.size(); ++i) copies[i].copy_(params[i]);
 }
 

@@ -13,7 +13,8 @@ namespace dflash::kernels {
 // params[i] in the copies' dtype (round to nearest even, as Tensor::to). `grad_divisor` (fp32
 // device scalar) divides the gradients inside the pass; `found_inf` (fp32 device scalar, 1 =
 // skip) leaves every tensor, copies included, as it was. Unlike ATen's kernel the gradients are
-// only read (ATen writes the divided gradients back; nothing reads them after the step).
+// only read (ATen writes the divided gradients back; nothing reads them after the step). Each
+// gradient is fp32 or the copies' dtype (one backward's, read without a cast pass).
 // CUDA: one multi-tensor kernel, whose table of tensors is copied from pinned host memory on
 // each call (so a captured CUDA graph would replay a stale table: call it eagerly); elsewhere
 // (and as the test reference) adamw_cast_reference_.

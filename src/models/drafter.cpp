@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -467,6 +468,19 @@ void Drafter::save(const std::filesystem::path& dir) const {
 
 namespace {
 
+// named_ order: fc, hidden_norm, each layer's weights in DrafterLayerWeights' field order, norm.
+constexpr size_t kPerLayer = 11;
+// The layer fields the context's K/V read too (k_proj, v_proj, k_norm): forward() reads them
+// twice, once for the block and once for the context.
+constexpr size_t kContextFields[] = {3, 4, 7};
+
+bool read_twice_in_forward(size_t i, size_t num_layers) {
+  if (i < 2 || i >= 2 + num_layers * kPerLayer) return false;
+  const size_t field = (i - 2) % kPerLayer;
+  return std::find(std::begin(kContextFields), std::end(kContextFields), field) !=
+         std::end(kContextFields);
+}
+
 // A compute copy read in the forward: its gradient reaches the fp32 master as Tensor::to's does.
 struct ReadCopy : public torch::autograd::Function<ReadCopy> {
   static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& /*master*/,
@@ -481,7 +495,8 @@ struct ReadCopy : public torch::autograd::Function<ReadCopy> {
 
 }  // namespace
 
-const std::vector<at::Tensor>& Drafter::compute_copies(at::ScalarType dtype) {
+const std::vector<at::Tensor>& Drafter::compute_copies(at::ScalarType dtype,
+                                                       bool gradients_on_copies) {
   if (dtype == at::kFloat) fail("drafter: the masters are fp32; no compute copies in fp32");
   if (copies_.empty() || copy_dtype_ != dtype) {
     c10::NoGradGuard no_grad;
@@ -492,6 +507,14 @@ const std::vector<at::Tensor>& Drafter::compute_copies(at::ScalarType dtype) {
       copy_versions_.push_back(p._version());
     }
     copy_dtype_ = dtype;
+  }
+  // A weight read twice keeps the fp32 route: its two gradients are summed in fp32 there, and in
+  // bf16 on a copy.
+  copy_holds_grad_.assign(copies_.size(), false);
+  for (size_t i = 0; i < copies_.size(); ++i) {
+    copy_holds_grad_[i] = gradients_on_copies && !read_twice_in_forward(i, layers_.size());
+    copies_[i].requires_grad_(copy_holds_grad_[i]);
+    if (!copy_holds_grad_[i]) copies_[i].mutable_grad() = at::Tensor();
   }
   return copies_;
 }
@@ -504,7 +527,7 @@ at::Tensor Drafter::compute_weight(size_t i, at::ScalarType dtype) const {
     copies_[i].copy_(p.detach());
     copy_versions_[i] = p._version();
   }
-  return ReadCopy::apply(p, copies_[i]);
+  return copy_holds_grad_[i] ? copies_[i] : ReadCopy::apply(p, copies_[i]);
 }
 
 at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) const {
@@ -542,10 +565,8 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
     const bool flash = features.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
     attention = flash ? DrafterAttention::kGathered : DrafterAttention::kDense;
   }
-  // named_ order: fc, hidden_norm, each layer's weights in DrafterLayerWeights' field order,
-  // norm. A weight used twice (k_proj, v_proj and k_norm serve the block and the context) is
-  // read twice, so that its two gradients reach the fp32 master separately, as two casts did.
-  constexpr size_t kPerLayer = 11;
+  // A weight used twice (kContextFields serve the block and the context) is read twice, so that
+  // its two gradients reach the fp32 master separately, as two casts did.
   auto weight = [&](size_t i) { return compute_weight(i, dtype); };
   auto ctx = fused_context(config_, features, weight(0), weight(1), dtype);
   // The embedding is frozen: at::embedding of a tensor without requires_grad records nothing.
@@ -568,9 +589,11 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
                             &layer.down_proj};
     for (size_t f = 0; f < kPerLayer; ++f) *fields[f] = weight(first + f);
     DrafterLayerWeights context_layer;
-    context_layer.k_proj = weight(first + 3);
-    context_layer.v_proj = weight(first + 4);
-    context_layer.k_norm = weight(first + 7);
+    at::Tensor* context_fields[] = {&context_layer.k_proj, &context_layer.v_proj,
+                                    &context_layer.k_norm};
+    for (size_t f = 0; f < std::size(kContextFields); ++f) {
+      *context_fields[f] = weight(first + kContextFields[f]);
+    }
     x = layer_forward(layer, context_layer, x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch,
                       layout, dtype, gather ? &*gather : nullptr);
   }

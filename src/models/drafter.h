@@ -165,8 +165,15 @@ class Drafter {
   // that dtype. From then on forward() in `dtype` reads them instead of casting each master
   // every step, and the optimizer rewrites them with each update (AdamW::set_compute_copies);
   // a copy whose master was written otherwise since (assign, any in-place op: its version
-  // moved) is cast again before use.
-  const std::vector<at::Tensor>& compute_copies(at::ScalarType dtype);
+  // moved) is cast again before use. A backward through forward() leaves each gradient on the
+  // master in fp32 (a cast pass per parameter, so several backwards sum in fp32) or, with
+  // `gradients_on_copies`, on the copy itself in `dtype`: the exact values of one backward
+  // (the weight gradients are computed in `dtype`) with no cast pass and half the memory, for an
+  // optimizer step after a single backward (AdamW reads them there). The weights forward() reads
+  // twice (k_proj, v_proj, k_norm) keep their gradients on the masters either way, so the two
+  // parts are summed in fp32.
+  const std::vector<at::Tensor>& compute_copies(at::ScalarType dtype,
+                                                bool gradients_on_copies = false);
 
  private:
   friend class DraftModel;
@@ -193,6 +200,7 @@ class Drafter {
   std::vector<DrafterLayerWeights> layers_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
   at::ScalarType copy_dtype_ = at::kFloat;
+  std::vector<bool> copy_holds_grad_;  // per parameter: forward() returns the leaf copy itself
   mutable std::vector<at::Tensor> copies_;
   mutable std::vector<int64_t> copy_versions_;  // each master's version when its copy was made
 };

@@ -34,6 +34,20 @@ void AdamW::set_compute_copies(std::vector<at::Tensor> copies) {
   copies_ = std::move(copies);
 }
 
+std::vector<at::Tensor> AdamW::gradients() const {
+  std::vector<at::Tensor> grads;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].grad();
+    grads.push_back(g.defined() || copies_.empty() ? g : copies_[i].grad());
+  }
+  return grads;
+}
+
+void AdamW::clear_gradients() {
+  for (auto& p : params_) p.mutable_grad() = at::Tensor();
+  for (auto& c : copies_) c.mutable_grad() = at::Tensor();
+}
+
 int64_t AdamW::steps() const { return std::llround(step_count_.item<double>()); }
 
 void AdamW::set_steps(int64_t steps) { step_count_.fill_(static_cast<double>(steps)); }
@@ -41,10 +55,9 @@ void AdamW::set_steps(int64_t steps) { step_count_.fill_(static_cast<double>(ste
 void AdamW::step(double lr, const std::optional<at::Tensor>& grad_divisor,
                  const std::optional<at::Tensor>& found_inf) {
   c10::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (const auto& p : params_) {
-    if (!p.grad().defined()) fail("AdamW: a parameter has no gradient");
-    grads.push_back(p.grad());
+  std::vector<at::Tensor> grads = gradients();
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined()) fail("AdamW: parameter {} has no gradient", i);
   }
   // The kernel reads the incremented count for its bias correction; a skipped step keeps it.
   if (found_inf) {
@@ -65,14 +78,14 @@ void AdamW::step(double lr, const std::optional<at::Tensor>& grad_divisor,
                     /*maximize=*/false, grad_divisor, found_inf);
 }
 
-at::Tensor grad_norm(const std::vector<at::Tensor>& params) {
+at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
   c10::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (const auto& p : params) {
-    if (p.grad().defined()) grads.push_back(p.grad());
+  std::vector<at::Tensor> defined;
+  for (const auto& g : grads) {
+    if (g.defined()) defined.push_back(g);
   }
-  if (grads.empty()) return at::zeros({});
-  return at::stack(at::_foreach_norm(grads, 2)).norm(2);
+  if (defined.empty()) return at::zeros({});
+  return at::stack(at::_foreach_norm(defined, 2, at::kFloat)).norm(2);
 }
 
 at::Tensor clip_divisor(const at::Tensor& norm, double max_norm) {

@@ -21,7 +21,7 @@ struct AdamWOptions {
 class AdamW {
  public:
   AdamW(std::vector<at::Tensor> params, AdamWOptions options);
-  // One update with learning rate `lr` from the params' .grad (all must be defined). With
+  // One update with learning rate `lr` from gradients() (all must be defined). With
   // `grad_divisor` (a device scalar, e.g. from clip_divisor) the gradients are divided by it
   // inside the same kernel, which is how clipping costs no pass of its own. With `found_inf`
   // (fp32 device scalar, 1 = skip) a step with non-finite gradients is skipped on the device:
@@ -32,6 +32,12 @@ class AdamW {
   // updated weights in the same pass (kernels::adamw_cast_), so a forward can read them instead
   // of casting the masters again. Empty (the default): no copies.
   void set_compute_copies(std::vector<at::Tensor> copies);
+  // Each parameter's gradient: its master's .grad, or else its compute copy's (a backward over
+  // copies that are leaves: models::Drafter::compute_copies' gradients_on_copies), undefined
+  // where neither has one.
+  std::vector<at::Tensor> gradients() const;
+  // Drops every gradient, the masters' and the copies'.
+  void clear_gradients();
   // Updates applied so far (reads the device counter: a host sync, for checkpoints).
   int64_t steps() const;
   void set_steps(int64_t steps);
@@ -46,8 +52,9 @@ class AdamW {
   AdamWOptions options_;
 };
 
-// Global L2 norm of all gradients as a device scalar (no host sync here).
-at::Tensor grad_norm(const std::vector<at::Tensor>& params);
+// Global L2 norm of the gradients (fp32 or bf16, summed in fp32; undefined ones skipped) as an
+// fp32 device scalar (no host sync here).
+at::Tensor grad_norm(const std::vector<at::Tensor>& grads);
 // What to divide gradients by so their global norm is at most max_norm (>= 1; 1 when already
 // within): the grad_divisor of AdamW::step.
 at::Tensor clip_divisor(const at::Tensor& norm, double max_norm);

@@ -254,7 +254,9 @@ PretrainSummary pretrain(const PretrainOptions& o) {
     const auto loss = lm_loss_sum(master.cast(compute), batch) /
                       static_cast<double>(std::max<int64_t>(1, batch.counted));
     loss.backward();
-    const auto divisor = clip_divisor(grad_norm(params), o.clip_norm);
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params) grads.push_back(p.grad());
+    const auto divisor = clip_divisor(grad_norm(grads), o.clip_norm);
     const double lr = cosine_lr(step, steps, warmup, o.lr, o.lr * o.min_lr_ratio);
     opt_decayed.step(lr, divisor);
     opt_plain.step(lr, divisor);

@@ -49,9 +49,13 @@ Trainer::Trainer(models::Drafter& drafter, models::TargetHead head, TrainerOptio
   }
   state_.seed = options_.seed;
   // The optimizer writes the compute-dtype weights with each update; the forward reads them
-  // instead of casting the fp32 masters every micro-batch.
+  // instead of casting the fp32 masters every micro-batch. A step of one backward on one rank
+  // leaves the gradients on those copies, as the backward computed them, and AdamW reads them
+  // there: no cast pass. Several backwards (accumulation) or an all-reduce sum them in fp32 on
+  // the masters.
   if (options_.step.dtype != at::kFloat) {
-    optimizer_.set_compute_copies(drafter.compute_copies(options_.step.dtype));
+    const bool gradients_on_copies = !dp_ && options_.accumulation == 1;
+    optimizer_.set_compute_copies(drafter.compute_copies(options_.step.dtype, gradients_on_copies));
   }
   if (dp_) {
     // The step's figures ([wce, correct[B], count[B], stop votes]) are reduced with the
@@ -116,7 +120,7 @@ void Trainer::train_step() {
     sync_->finish();
   }
   obs::Scope scope(obs::Stage::kOptimizer, device);
-  norm = sync_ ? sync_->grads().norm() : grad_norm(params_);
+  norm = sync_ ? sync_->grads().norm() : grad_norm(optimizer_.gradients());
   if (p.weight_sum > 0) {
     // A non-finite loss or gradient skips the update on the device (AdamW's found_inf).
     auto found_inf = at::logical_not(at::isfinite(norm) & at::isfinite(figures[0])).to(at::kFloat);
@@ -125,9 +129,7 @@ void Trainer::train_step() {
   } else {
     figures = at::cat({figures, at::zeros({2}, figures.options())});
   }
-  if (!dp_) {
-    for (auto& t : params_) t.mutable_grad() = at::Tensor();
-  }
+  if (!dp_) optimizer_.clear_gradients();
   // The figures come back without blocking: pinned host memory and an event on GPU runs.
   if (device.is_cuda()) {
     p.figures = at::empty(figures.sizes(), figures.options().device(at::kCPU).pinned_memory(true));

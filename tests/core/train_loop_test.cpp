@@ -323,7 +323,7 @@ TEST(Optim, ClipAndSchedule) {
   auto p = at::zeros({2});
   p.requires_grad_(true);
   p.mutable_grad() = at::tensor({3.0f, 4.0f});
-  auto norm = train::grad_norm({p});
+  auto norm = train::grad_norm({p.grad()});
   EXPECT_NEAR(norm.item<double>(), 5.0, 1e-6);
   train::AdamW adam({p}, {});
   adam.step(0.01, train::clip_divisor(norm, 1.0));
