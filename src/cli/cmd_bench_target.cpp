@@ -144,8 +144,10 @@ void add_bench_target_command(CLI::App& app) {
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
       ->capture_default_str();
   cmd->add_option("--json", o->json_out, "also write the results here");
-  cmd->add_option("--attention", o->attention,
-                  "attention kernel: flash (FlashAttention-2) or cudnn (cuDNN's fused attention)")
+  cmd->add_option(
+         "--attention", o->attention,
+         "attention kernel: flash (FlashAttention-2), cudnn (cuDNN's fused attention) or auto "
+         "(cudnn where the sequences share one length, as training's prefill runs)")
       ->capture_default_str();
   cmd->add_option("--profile", o->profile,
                   "profile the first batch size: GPU time per kernel, Chrome trace written here");

@@ -118,7 +118,8 @@ std::pair<at::Tensor, at::Tensor> Rotary::tables(const at::Tensor& positions,
 AttentionBackend parse_attention_backend(const std::string& name) {
   if (name == "flash") return AttentionBackend::kFlash;
   if (name == "cudnn") return AttentionBackend::kCudnn;
-  fail("attention backend must be flash or cudnn, got \"{}\"", name);
+  if (name == "auto") return AttentionBackend::kAuto;
+  fail("attention backend must be flash, cudnn or auto, got \"{}\"", name);
 }
 
 namespace {
@@ -131,15 +132,18 @@ bool cudnn_attention_applies(const at::Tensor& q) {
          at::globalContext().userEnabledCuDNN() && at::detail::getCUDAHooks().hasCuDNN();
 }
 
+bool one_length(const PackedBatch& batch) {
+  return std::all_of(batch.lengths.begin(), batch.lengths.end(),
+                     [&](int64_t l) { return l == batch.max_length; });
+}
+
 at::Tensor cudnn_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const PackedBatch& batch) {
   const int64_t n = batch.size(), len = batch.max_length;
-  const bool one_length =
-      std::all_of(batch.lengths.begin(), batch.lengths.end(), [&](int64_t l) { return l == len; });
   // Packed [T, H, D] rows (v arrives as a strided slice of the fused QKV output): the layout
   // the ragged call's offsets assume, and the batched call's [B, L, H, D].
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  if (one_length) {
+  if (one_length(batch)) {
     // [B*L, H, D] -> [B, H, L, D] views: no copy, and the output comes back in that layout.
     auto bhld = [&](const at::Tensor& t) {
       return t.view({n, len, t.size(1), t.size(2)}).transpose(1, 2);
@@ -160,7 +164,9 @@ at::Tensor packed_causal_attention(const at::Tensor& q, const at::Tensor& k, con
                                    const PackedBatch& batch, AttentionBackend backend) {
   const bool flash =
       q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
-  if (flash && backend == AttentionBackend::kCudnn && cudnn_attention_applies(q)) {
+  const bool cudnn = backend == AttentionBackend::kCudnn ||
+                     (backend == AttentionBackend::kAuto && one_length(batch));
+  if (flash && cudnn && cudnn_attention_applies(q)) {
     return cudnn_causal_attention(q, k, v, batch);
   }
   if (flash) {

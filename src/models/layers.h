@@ -48,10 +48,13 @@ class Rotary {
 // The kernel of packed_causal_attention on CUDA in bf16/fp16. kFlash: ATen's FlashAttention-2
 // (one variable-length call). kCudnn: cuDNN's fused attention, without autograd only (the
 // target's prefill), head dims a multiple of 8 up to 128: sequences of one length as one
-// batched [B, H, L, D] call, others as one ragged call; elsewhere kFlash runs instead.
-enum class AttentionBackend { kFlash, kCudnn };
+// batched [B, H, L, D] call, others as one ragged call; elsewhere kFlash runs instead. kAuto:
+// kCudnn for a batch of sequences of one length (its graph, built once per (B, L), is the only
+// one such batches need), kFlash otherwise (ragged batches of ever new shapes would each build a
+// cuDNN graph): what the training prefill runs.
+enum class AttentionBackend { kFlash, kCudnn, kAuto };
 
-// "flash" or "cudnn"; anything else fails naming the choices.
+// "flash", "cudnn" or "auto"; anything else fails naming the choices.
 AttentionBackend parse_attention_backend(const std::string& name);
 
 // Causal self-attention within each sequence of a packed batch, grouped-query.

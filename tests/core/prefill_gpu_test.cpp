@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 
 #include "common/error.h"
@@ -117,6 +118,12 @@ TEST_P(CudnnAttentionGpu, MatchesFlashAndFp32) {
   if (t >= 1000) {
     EXPECT_FALSE(at::equal(cudnn, flash));
   }
+  // kAuto, as the training prefill runs: cuDNN's result for sequences of one length, flash's
+  // for ragged ones.
+  auto automatic = models::packed_causal_attention(q, k, v, batch, AttentionBackend::kAuto);
+  const bool one_length =
+      std::all_of(c.lengths.begin(), c.lengths.end(), [&](int64_t l) { return l == c.lengths[0]; });
+  EXPECT_TRUE(at::equal(automatic, one_length ? cudnn : flash));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -150,21 +157,24 @@ TEST(CudnnAttentionGpu, FallsBackToFlash) {
   }
 }
 
-TEST(AttentionBackend, ParsesNamesAndCpuTakesSdpaForEither) {
+TEST(AttentionBackend, ParsesNamesAndCpuTakesSdpaForAny) {
   EXPECT_EQ(models::parse_attention_backend("flash"), AttentionBackend::kFlash);
   EXPECT_EQ(models::parse_attention_backend("cudnn"), AttentionBackend::kCudnn);
+  EXPECT_EQ(models::parse_attention_backend("auto"), AttentionBackend::kAuto);
   try {
     models::parse_attention_backend("sdpa");
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("flash or cudnn, got \"sdpa\""), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("flash, cudnn or auto, got \"sdpa\""), std::string::npos)
         << e.what();
   }
   at::manual_seed(15);
   auto batch = PackedBatch::from_lengths({3, 5}, at::kCPU);
   auto q = at::randn({8, 4, 8}), k = at::randn({8, 2, 8}), v = at::randn({8, 2, 8});
-  EXPECT_TRUE(at::equal(models::packed_causal_attention(q, k, v, batch, AttentionBackend::kCudnn),
-                        models::packed_causal_attention(q, k, v, batch)));
+  for (auto backend : {AttentionBackend::kCudnn, AttentionBackend::kAuto}) {
+    EXPECT_TRUE(at::equal(models::packed_causal_attention(q, k, v, batch, backend),
+                          models::packed_causal_attention(q, k, v, batch)));
+  }
 }
 
 }  // namespace
