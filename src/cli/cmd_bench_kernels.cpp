@@ -277,6 +277,14 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                                   1e-8, divisor, found_inf);
            }),
            30.0 * numel);
+    // The gradients as one backward leaves them on the bf16 copies (2 bytes each, no cast pass).
+    std::vector<at::Tensor> bf16_grads;
+    for (const auto& g : grads) bf16_grads.push_back(g.to(at::kBFloat16));
+    report("adamw_cast, bf16 gradients", 0, numel, 0, time_eager([&] {
+             kernels::adamw_cast_(params, bf16_grads, avg, avg_sq, copies, step, 1e-6, 0.9, 0.999,
+                                  0, 1e-8, divisor, found_inf);
+           }),
+           28.0 * numel);
     const std::vector<at::Tensor> steps(params.size(), step);
     report("at::_fused_adamw_ + casts", 0, numel, 0, time_eager([&] {
              at::_fused_adamw_(params, grads, avg, avg_sq, {}, steps, 1e-6, 0.9, 0.999, 0, 1e-8,
