@@ -1,7 +1,8 @@
 // `dflash bench-kernels`: the decode step's kernels alone, one line each (llm.c style): the
 // small-row linear kernel on each linear layer shape of a preset (and cuBLAS through at::linear
 // on the same shape), the fused norm/activation kernels against the ATen ops they replace, the
-// MoE prefill's combine kernel, and the optimizer's AdamW + bf16 copy.
+// MoE prefill's combine kernel, the optimizer's AdamW + bf16 copy, and the drafter's SwiGLU
+// forward and backward.
 // Each line times a CUDA graph of many calls (as decoding replays them), with the weights
 // rotated over enough copies to exceed the L2 cache, and reports us per call and the bytes
 // each call must move per second.
@@ -24,6 +25,7 @@
 #include "kernels/moe_combine.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
+#include "kernels/swiglu.h"
 #include "models/config.h"
 #include "models/layers.h"
 
@@ -292,6 +294,32 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
              for (size_t i = 0; i < params.size(); ++i) copies[i].copy_(params[i]);
            }),
            38.0 * numel);
+  }
+  // The drafter's SwiGLU over a training step's block rows (512 anchors x 16): the fused forward
+  // and backward against ATen's silu and mul and the three passes of their backward.
+  {
+    const int64_t rows = 512 * 16, f = c.intermediate_size;
+    auto gate = at::randn({rows, f}, opts), up = at::randn({rows, f}, opts);
+    auto dy = at::randn({rows, f}, opts);
+    const double tensor_bytes = 2.0 * rows * f;
+    report("swiglu forward", rows, f, 0,
+           us_per_call(device, o, [&](int) { kernels::swiglu_forward(gate, up); }),
+           3 * tensor_bytes);
+    report("at::silu * up", rows, f, 0, us_per_call(device, o, [&](int) { at::silu(gate) * up; }),
+           5 * tensor_bytes);
+    report("swiglu backward", rows, f, 0,
+           us_per_call(device, o, [&](int) { kernels::swiglu_backward(dy, gate, up); }),
+           5 * tensor_bytes);
+    // What autograd runs for silu(gate) * up: d(up) = dy * silu(gate) (saved), d(silu) = dy * up,
+    // then silu's backward.
+    auto silu = at::silu(gate);
+    report("ATen backward of silu * up", rows, f, 0,
+           us_per_call(device, o,
+                       [&](int) {
+                         auto grad_up = dy * silu;
+                         at::silu_backward(dy * up, gate);
+                       }),
+           9 * tensor_bytes);
   }
   if (!o.json_out.empty()) {
     write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));

@@ -4,6 +4,7 @@
 
 #include "common/error.h"
 #include "kernels/rotary.h"
+#include "kernels/swiglu.h"
 
 namespace dflash::kernels {
 
@@ -15,7 +16,6 @@ void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const 
                          at::Tensor& k, at::Tensor* v, const at::Tensor* rows);
 void write_kv_rows_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& rows,
                         const at::Tensor& k, const at::Tensor& v);
-void silu_mul_cuda(const at::Tensor& gate_up, at::Tensor& out);
 
 namespace {
 
@@ -203,16 +203,13 @@ void write_kv_rows(at::Tensor keys, at::Tensor values, const at::Tensor& rows, c
 at::Tensor silu_mul_reference(const at::Tensor& gate_up) {
   check_silu_mul(gate_up);
   const int64_t f = gate_up.size(1) / 2;
-  auto g = gate_up.narrow(1, 0, f).to(at::kFloat), u = gate_up.narrow(1, f, f).to(at::kFloat);
-  return (at::silu(g) * u).to(gate_up.scalar_type());
+  return swiglu_forward_reference(gate_up.narrow(1, 0, f), gate_up.narrow(1, f, f));
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  if (!on_cuda_half(gate_up)) return silu_mul_reference(gate_up);
   check_silu_mul(gate_up);
-  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  if (out.numel() > 0) silu_mul_cuda(gate_up.contiguous(), out);
-  return out;
+  const int64_t f = gate_up.size(1) / 2;
+  return swiglu_forward(gate_up.narrow(1, 0, f), gate_up.narrow(1, f, f));
 }
 
 }  // namespace dflash::kernels

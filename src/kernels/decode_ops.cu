@@ -185,36 +185,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
-
-// kVec outputs per thread: out[t, j..j+kVec) from gate_up[t, j..] and gate_up[t, f + j..].
-template <typename T, int kVec>
-__global__ void __launch_bounds__(kThreads)
-    silu_mul_kernel(const T* __restrict__ gate_up, T* __restrict__ out, int64_t tokens, int64_t f) {
-  const int64_t per_row = f / kVec;
-  const int64_t n = tokens * per_row;
-  for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < n;
-       idx += int64_t(gridDim.x) * kThreads) {
-    const int64_t t = idx / per_row, j = (idx % per_row) * kVec;
-    const T* g = gate_up + t * 2 * f + j;
-    T* o = out + t * f + j;
-    if constexpr (kVec == 1) {
-      o[0] = from_float<T>(silu_times(to_float(g[0]), to_float(g[f])));
-    } else {
-      using P = Pack<T>;
-      static_assert(kVec == P::kSize);
-      const P gv = *reinterpret_cast<const P*>(g);
-      const P uv = *reinterpret_cast<const P*>(g + f);
-      P ov;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        ov.v[e] = from_float<T>(silu_times(to_float(gv.v[e]), to_float(uv.v[e])));
-      }
-      *reinterpret_cast<P*>(o) = ov;
-    }
-  }
-}
-
 unsigned grid_for(int64_t threads_needed) {
   return static_cast<unsigned>(
       std::min<int64_t>((threads_needed + kThreads - 1) / kThreads, int64_t(65535) * 8));
@@ -299,25 +269,6 @@ void write_kv_rows_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& 
     write_kv_rows_kernel<T><<<grid_for(tokens * width), kThreads, 0, stream>>>(
         mut<T>(keys), mut<T>(values), rows.data_ptr<int64_t>(), keys.size(0), ptr<T>(k),
         k.stride(0), ptr<T>(v), v.stride(0), tokens, width);
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void silu_mul_cuda(const at::Tensor& gate_up, at::Tensor& out) {
-  const c10::cuda::CUDAGuard guard(gate_up.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(gate_up.device().index());
-  const int64_t tokens = out.size(0), f = out.size(1);
-  dispatch_half(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int kVec = 16 / sizeof(T);
-    const bool vector = f % kVec == 0 && aligned16(gate_up) && aligned16(out);
-    if (vector) {
-      silu_mul_kernel<T, kVec><<<grid_for(tokens * f / kVec), kThreads, 0, stream>>>(
-          ptr<T>(gate_up), mut<T>(out), tokens, f);
-    } else {
-      silu_mul_kernel<T, 1>
-          <<<grid_for(tokens * f), kThreads, 0, stream>>>(ptr<T>(gate_up), mut<T>(out), tokens, f);
-    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -69,8 +69,8 @@ void write_kv_rows(at::Tensor keys, at::Tensor values, const at::Tensor& rows, c
 void write_kv_rows_reference(at::Tensor keys, at::Tensor values, const at::Tensor& rows,
                              const at::Tensor& k, const at::Tensor& v);
 
-// gate_up: [T, 2F] contiguous (gate columns first). Returns silu(gate) * up, [T, F], computed
-// in fp32 and rounded once. CUDA: one kernel; elsewhere the reference.
+// gate_up: [T, 2F] (gate columns first). Returns silu(gate) * up, [T, F], computed in fp32 and
+// rounded once: kernels::swiglu_forward over the two halves (one kernel on CUDA).
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor silu_mul_reference(const at::Tensor& gate_up);
 

@@ -17,6 +17,7 @@
 #include "common/json_file.h"
 #include "io/safetensors.h"
 #include "kernels/rotary.h"
+#include "kernels/swiglu.h"
 #include "models/prefix_attention.h"
 #include "models/target.h"
 
@@ -79,7 +80,8 @@ at::Tensor layer_output(const DrafterLayerWeights& w, const ModelConfig& c, cons
   const int64_t rows = x.size(0);
   auto x1 = x + at::linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
   auto h2 = rms_norm(x1, w.post_attention_norm.to(dtype), c.rms_norm_eps);
-  auto act = at::silu(at::linear(h2, w.gate_proj.to(dtype))) * at::linear(h2, w.up_proj.to(dtype));
+  auto act =
+      kernels::swiglu(at::linear(h2, w.gate_proj.to(dtype)), at::linear(h2, w.up_proj.to(dtype)));
   return x1 + at::linear(act, w.down_proj.to(dtype));
 }
 
