@@ -611,10 +611,22 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
                                   const kernels::PrefixGatherPlan* gather) const {
   const ModelConfig& c = config_.layers;
   const int64_t rows = x.size(0), d = c.head_dim, bs = layout.block_size;
-  auto [q, k_blk, v_blk] = block_qkv(w, c, x, blk_cos, blk_sin, dtype);
+  const int64_t hkv = c.num_kv_heads, groups = c.num_heads / hkv;
+  // Block-sparse attention folds GQA into the query rows (below), which wants q's heads in
+  // group-major order (the G query heads of one KV head G*Hkv*D apart): q_proj's rows and
+  // o_proj's columns permuted to that order make the fold, and the unfold of the output, free
+  // views. Permuting the two weights copies 2 x Hq*D*H elements per layer, against four copies of
+  // the [rows, Hq, D] activations (forward and backward).
+  DrafterLayerWeights wp = w;
+  if (gather != nullptr && groups > 1) {
+    const int64_t h = c.hidden_size;
+    wp.q_proj = w.q_proj.view({hkv, groups, d, h}).transpose(0, 1).reshape({groups * hkv * d, h});
+    wp.o_proj = w.o_proj.view({h, hkv, groups, d}).transpose(1, 2).reshape({h, groups * hkv * d});
+  }
+  auto [q, k_blk, v_blk] = block_qkv(wp, c, x, blk_cos, blk_sin, dtype);
   auto [k_ctx, v_ctx] = context_kv(context_w, c, ctx, ctx_cos, ctx_sin, dtype);
 
-  at::Tensor attn;  // [rows, Hq, D]
+  at::Tensor attn;  // [rows, Hq, D], heads in wp's order
   if (gather == nullptr) {
     std::vector<at::Tensor> outs;
     int64_t ctx_start = 0, block = 0;
@@ -644,13 +656,12 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
     // masked-out keys.
     const kernels::PrefixGatherPlan& plan = *gather;
     // GQA folded into the query rows: the G = Hq/Hkv query heads that share a KV head become
-    // G*B query rows of one KV head, so attention runs with Hkv heads and no GQA. Flash's GQA
-    // backward would otherwise expand dK/dV of every gathered key to Hq heads and sum them
-    // back (the biggest cost of the step when measured), and a block's 16 queries alone
-    // would fill an eighth of a 128-row tile.
-    const int64_t n = layout.num_blocks(), hkv = c.num_kv_heads, groups = c.num_heads / hkv;
-    auto q_packed =
-        q.view({n, bs, hkv, groups, d}).permute({0, 3, 1, 2, 4}).reshape({n * groups * bs, hkv, d});
+    // G*B query rows of one KV head (rows ordered block, position, group), so attention runs
+    // with Hkv heads and no GQA. Flash's GQA backward would otherwise expand dK/dV of every
+    // gathered key to Hq heads and sum them back (the biggest cost of the step when measured),
+    // and a block's 16 queries alone would fill an eighth of a 128-row tile.
+    const int64_t n = layout.num_blocks();
+    auto q_packed = q.view({n * bs * groups, hkv, d});
     const int64_t q_rows = groups * bs;
     at::Tensor packed;  // [n*G*B, Hkv, D]
     const bool flash =
@@ -681,11 +692,9 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
       }
       packed = at::cat(outs, 0);
     }
-    attn = packed.view({n, groups, bs, hkv, d})
-               .permute({0, 2, 3, 1, 4})
-               .reshape({rows, c.num_heads, d});
+    attn = packed.view({rows, c.num_heads, d});
   }
-  return layer_output(w, c, x, attn, dtype);
+  return layer_output(wp, c, x, attn, dtype);
 }
 
 DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType dtype,
