@@ -1,8 +1,8 @@
 // `dflash bench-kernels`: the decode step's kernels alone, one line each (llm.c style): the
 // small-row linear kernel on each linear layer shape of a preset (and cuBLAS through at::linear
 // on the same shape), the fused norm/activation kernels against the ATen ops they replace, the
-// MoE prefill's combine kernel, the optimizer's AdamW + bf16 copy, and the drafter's SwiGLU
-// forward and backward.
+// MoE prefill's combine kernel, the optimizer's AdamW + bf16 copy, and the drafter's SwiGLU and
+// q norm + rotary, forward and backward.
 // Each line times a CUDA graph of many calls (as decoding replays them), with the weights
 // rotated over enough copies to exceed the L2 cache, and reports us per call and the bytes
 // each call must move per second.
@@ -320,6 +320,49 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                          at::silu_backward(dy * up, gate);
                        }),
            9 * tensor_bytes);
+  }
+  // The drafter's q: per-head RMSNorm and rotary over a step's block rows, fused forward and
+  // backward against at::rms_norm + kernels::rotary and their autograd backward.
+  {
+    const int64_t rows = 512 * 16;
+    auto x = at::randn({rows, c.num_heads, d}, opts);
+    auto weight = at::ones({d}, opts);
+    auto angles = at::randn({rows, d / 2}, opts.dtype(at::kFloat));
+    auto cos = at::cat({angles.cos(), angles.cos()}, 1).to(at::kBFloat16);
+    auto sin = at::cat({angles.sin(), angles.sin()}, 1).to(at::kBFloat16);
+    auto grad = at::randn({rows, c.num_heads, d}, opts);
+    const double bytes = 2.0 * rows * q;
+    report("norm_rotary forward", rows, q, 0,
+           us_per_call(device, o, [&](int) { kernels::norm_rotary(x, weight, cos, sin, 1e-6); }),
+           2 * bytes);
+    report("rms_norm + rotary", rows, q, 0,
+           us_per_call(device, o,
+                       [&](int) { kernels::rotary(at::rms_norm(x, {d}, weight, 1e-6), cos, sin); }),
+           4 * bytes);
+    // Backward, timed eagerly: autograd does not run inside a captured graph here.
+    auto time_backward =
+        [&](const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& forward) {
+          const c10::AutoGradMode grad_mode(true);
+          auto xg = x.detach().requires_grad_(true), wg = weight.detach().requires_grad_(true);
+          auto run = [&] { forward(xg, wg).backward(grad); };
+          run();  // warm-up
+          at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+          start.record();
+          for (int i = 0; i < o.iters; ++i) run();
+          stop.record();
+          stop.synchronize();
+          return start.elapsed_time(stop) * 1e3 / o.iters;
+        };
+    report("norm_rotary forward + backward", rows, q, 0,
+           time_backward([&](const at::Tensor& xg, const at::Tensor& wg) {
+             return kernels::norm_rotary(xg, wg, cos, sin, 1e-6);
+           }),
+           5 * bytes);
+    report("rms_norm + rotary fwd + bwd", rows, q, 0,
+           time_backward([&](const at::Tensor& xg, const at::Tensor& wg) {
+             return kernels::rotary(at::rms_norm(xg, {d}, wg, 1e-6), cos, sin);
+           }),
+           10 * bytes);
   }
   if (!o.json_out.empty()) {
     write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));

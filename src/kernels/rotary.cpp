@@ -12,6 +12,16 @@ namespace dflash::kernels {
 void rotary_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
                  at::Tensor& out);
 
+// rotary.cu: norm_rotary's forward, and its backward (grad_x and per-warp partial sums of
+// grad_weight, [warps, D] fp32, whose count norm_rotary_partials gives).
+void norm_rotary_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                      const at::Tensor& sin, double eps, at::Tensor& out);
+void norm_rotary_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
+                               const at::Tensor& weight, const at::Tensor& cos,
+                               const at::Tensor& sin, double eps, at::Tensor& grad_x,
+                               at::Tensor& weight_partials);
+int64_t norm_rotary_partials(int64_t vectors);
+
 at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = x.size(-1) / 2;
   auto rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
@@ -40,21 +50,82 @@ struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   }
 };
 
-}  // namespace
-
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+void check_rotary(const char* what, const at::Tensor& x, const at::Tensor& cos,
+                  const at::Tensor& sin) {
   if (x.dim() != 3 || x.size(-1) % 2 != 0) {
-    fail("rotary: x must be [tokens, heads, even head_dim], got {}", x.sizes());
+    fail("{}: x must be [tokens, heads, even head_dim], got {}", what, x.sizes());
   }
   const std::array<int64_t, 2> table{x.size(0), x.size(2)};
   if (cos.sizes() != at::IntArrayRef(table) || sin.sizes() != at::IntArrayRef(table)) {
-    fail("rotary: cos/sin must be [{}, {}], got {} and {}", x.size(0), x.size(2), cos.sizes(),
+    fail("{}: cos/sin must be [{}, {}], got {} and {}", what, x.size(0), x.size(2), cos.sizes(),
          sin.sizes());
   }
   if (cos.device() != x.device() || sin.device() != x.device()) {
-    fail("rotary: x, cos and sin must be on one device, got {}, {} and {}", x.device().str(),
+    fail("{}: x, cos and sin must be on one device, got {}, {} and {}", what, x.device().str(),
          cos.device().str(), sin.device().str());
   }
+}
+
+struct NormRotaryFunction : public torch::autograd::Function<NormRotaryFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
+                            double eps) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["cos"] = cos;
+    ctx->saved_data["sin"] = sin;
+    ctx->saved_data["eps"] = eps;
+    auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    if (x.numel() > 0) norm_rotary_cuda(x, weight, cos, sin, eps, out);
+    return out;
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    auto cos = ctx->saved_data["cos"].toTensor(), sin = ctx->saved_data["sin"].toTensor();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    auto grad_x = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    const int64_t vectors = x.size(0) * x.size(1);
+    auto partials =
+        at::empty({norm_rotary_partials(vectors), x.size(2)}, x.options().dtype(at::kFloat));
+    if (vectors > 0) {
+      norm_rotary_backward_cuda(grads[0].contiguous(), x, weight, cos, sin, eps, grad_x, partials);
+    }
+    auto grad_weight =
+        vectors > 0 ? partials.sum(0).to(weight.scalar_type()) : at::zeros_like(weight);
+    return {grad_x, grad_weight, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor norm_rotary_reference(const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& cos, const at::Tensor& sin, double eps) {
+  return rotary(at::rms_norm(x, {x.size(-1)}, weight, eps), cos, sin);
+}
+
+at::Tensor norm_rotary(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                       const at::Tensor& sin, double eps) {
+  check_rotary("norm_rotary", x, cos, sin);
+  const int64_t d = x.size(2);
+  if (weight.dim() != 1 || weight.size(0) != d || weight.device() != x.device()) {
+    fail("norm_rotary: weight must be [{}] on {}, got {}", d, x.device().str(), weight.sizes());
+  }
+  const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+  const bool kernel = x.is_cuda() && half && x.stride(2) == 1 &&
+                      (d == 64 || d == 128 || d == 256) &&
+                      weight.scalar_type() == x.scalar_type() &&
+                      cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type();
+  if (!kernel) return norm_rotary_reference(x, weight, cos, sin, eps);
+  if (cos.requires_grad() || sin.requires_grad()) {
+    fail("norm_rotary: the tables must be constants");
+  }
+  return NormRotaryFunction::apply(x, weight.contiguous(), cos.contiguous(), sin.contiguous(),
+                                   eps);
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rotary("rotary", x, cos, sin);
   if (!x.is_cuda() || x.stride(2) != 1) return rotary_reference(x, cos, sin);
   if (cos.requires_grad() || sin.requires_grad()) fail("rotary: the tables must be constants");
   return RotaryFunction::apply(x, cos, sin);

@@ -1,5 +1,6 @@
 // rotary: rotary position embedding applied to [tokens, heads, head_dim] in one kernel (ATen
-// needs five: neg, cat, two multiplies and an add), forward and backward.
+// needs five: neg, cat, two multiplies and an add), forward and backward; and norm_rotary, the
+// per-head RMSNorm before it fused in.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -14,5 +15,16 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // The ATen composition: the CPU path and the kernel's test reference.
 at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// rotary(rms_norm(x) * weight): Qwen3's per-head q/k RMSNorm (weight [D], shared by the heads)
+// and the rotary above, for training. x as rotary's; weight of x's dtype. Differentiable with
+// respect to x and weight. CUDA bf16/fp16 with D in {64, 128, 256}: one kernel each way, one
+// warp per head vector computing in fp32 with no rounding between the norm and the rotation
+// (ATen: the norm, then rotary; backward: rotary's, the norm's input gradient and a separate
+// reduction for the weight's); elsewhere norm_rotary_reference.
+at::Tensor norm_rotary(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                       const at::Tensor& sin, double eps);
+at::Tensor norm_rotary_reference(const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& cos, const at::Tensor& sin, double eps);
 
 }  // namespace dflash::kernels

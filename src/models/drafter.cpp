@@ -40,9 +40,9 @@ BlockQkv block_qkv(const DrafterLayerWeights& w, const ModelConfig& c, const at:
   const int64_t rows = x.size(0), d = c.head_dim;
   auto h = rms_norm(x, w.input_norm.to(dtype), eps);
   auto q = at::linear(h, w.q_proj.to(dtype)).view({rows, c.num_heads, d});
-  q = kernels::rotary(rms_norm(q, w.q_norm.to(dtype), eps), cos, sin);
+  q = kernels::norm_rotary(q, w.q_norm.to(dtype), cos, sin, eps);
   auto k = at::linear(h, w.k_proj.to(dtype)).view({rows, c.num_kv_heads, d});
-  k = kernels::rotary(rms_norm(k, w.k_norm.to(dtype), eps), cos, sin);
+  k = kernels::norm_rotary(k, w.k_norm.to(dtype), cos, sin, eps);
   auto v = at::linear(h, w.v_proj.to(dtype)).view({rows, c.num_kv_heads, d});
   return {q, k, v};
 }
@@ -56,7 +56,7 @@ std::pair<at::Tensor, at::Tensor> context_kv(const DrafterLayerWeights& w, const
                                              const at::Tensor& sin, at::ScalarType dtype) {
   const int64_t t = ctx.size(0), d = c.head_dim;
   auto k = at::linear(ctx, w.k_proj.to(dtype)).view({t, c.num_kv_heads, d});
-  k = kernels::rotary(rms_norm(k, w.k_norm.to(dtype), c.rms_norm_eps), cos, sin);
+  k = kernels::norm_rotary(k, w.k_norm.to(dtype), cos, sin, c.rms_norm_eps);
   auto v = at::linear(ctx, w.v_proj.to(dtype)).view({t, c.num_kv_heads, d});
   return {k, v};
 }

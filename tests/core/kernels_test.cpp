@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "common/error.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/prefix_gather.h"
@@ -239,10 +241,62 @@ TEST(Rotary, CudaMatchesReferenceValuesAndGradients) {
   }
 }
 
+// norm_rotary against rms_norm then rotary differentiated by autograd in fp32, for each head dim
+// the kernel takes and over a strided slice of a fused output (as the drafter's q is not, and a
+// target's would be).
+class NormRotaryGpu : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(NormRotaryGpu, MatchesReferenceValuesAndGradients) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(1);
+  const int64_t t = 37, heads = 5, d = GetParam();
+  const double eps = 1e-6;
+  auto angles = at::randn({t, d / 2}) * 3;
+  auto cos = at::cat({angles.cos(), angles.cos()}, 1).to(at::kBFloat16);
+  auto sin = at::cat({angles.sin(), angles.sin()}, 1).to(at::kBFloat16);
+  auto fused = (at::randn({t, 3 * heads * d}) * 2).to(at::kBFloat16);
+  auto weight = (at::rand({d}) + 0.5).to(at::kBFloat16);
+  auto grad = at::randn({t, heads, d}).to(at::kBFloat16);
+  auto slice = [&](const at::Tensor& f) {
+    return f.narrow(1, heads * d, heads * d).view({t, heads, d});
+  };
+
+  auto x_ref = slice(fused).to(at::kFloat).clone().requires_grad_(true);
+  auto w_ref = weight.to(at::kFloat).requires_grad_(true);
+  auto ref =
+      kernels::norm_rotary_reference(x_ref, w_ref, cos.to(at::kFloat), sin.to(at::kFloat), eps);
+  ref.backward(grad.to(at::kFloat));
+
+  auto fused_gpu = fused.cuda().requires_grad_(true);
+  auto w_gpu = weight.cuda().requires_grad_(true);
+  auto out = kernels::norm_rotary(slice(fused_gpu), w_gpu, cos.cuda(), sin.cuda(), eps);
+  out.backward(grad.cuda());
+  // bf16 inputs read alike; the kernel rounds once where the reference rounds nothing: one bf16
+  // step on the outputs. The weight's gradient sums t * heads products in fp32.
+  EXPECT_CLOSE(out.cpu().to(at::kFloat), ref.detach(), 8e-3);
+  EXPECT_CLOSE(slice(fused_gpu.grad()).cpu().to(at::kFloat), x_ref.grad(), 8e-3);
+  EXPECT_CLOSE(w_gpu.grad().cpu().to(at::kFloat), w_ref.grad(), 8e-3);
+  // Where the kernel does not apply (fp32), the same function runs the reference.
+  auto x32 = slice(fused).to(at::kFloat).cuda();
+  EXPECT_CLOSE(kernels::norm_rotary(x32, weight.to(at::kFloat).cuda(), cos.to(at::kFloat).cuda(),
+                                    sin.to(at::kFloat).cuda(), eps)
+                   .cpu(),
+               ref.detach(), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDims, NormRotaryGpu, ::testing::Values(64, 128, 256),
+                         [](const auto& info) { return "d" + std::to_string(info.param); });
+
 TEST(Rotary, BadShapesAreNamed) {
   auto x = at::zeros({3, 2, 8});
   EXPECT_THROW(kernels::rotary(x, at::zeros({3, 4}), at::zeros({3, 4})), Error);
   EXPECT_THROW(kernels::rotary(at::zeros({3, 2, 7}), at::zeros({3, 7}), at::zeros({3, 7})), Error);
+  EXPECT_THROW(kernels::norm_rotary(x, at::ones({4}), at::zeros({3, 8}), at::zeros({3, 8}), 1e-6),
+               Error);
+  // On the CPU norm_rotary is rms_norm then rotary.
+  auto xs = at::randn({3, 2, 8}), w = at::rand({8}), c = at::randn({3, 8}), s = at::randn({3, 8});
+  EXPECT_TRUE(at::equal(kernels::norm_rotary(xs, w, c, s, 1e-6),
+                        kernels::rotary(at::rms_norm(xs, {8}, w, 1e-6), c, s)));
 }
 
 // Each kernel on the last device while device 0 is current (a second GPU's tensors in a
