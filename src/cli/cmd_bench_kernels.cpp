@@ -62,6 +62,18 @@ double us_per_call(at::Device device, const BenchKernelsOptions& o,
   return start.elapsed_time(stop) * 1e3 / (o.iters * o.calls);
 }
 
+// Microseconds per call of fn run eagerly o.iters times after one warm-up, from CUDA events:
+// for work a captured graph cannot hold (a table copied from pinned memory, autograd).
+double us_eager(const BenchKernelsOptions& o, const std::function<void()>& fn) {
+  fn();  // warm-up
+  at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+  start.record();
+  for (int i = 0; i < o.iters; ++i) fn();
+  stop.record();
+  stop.synchronize();
+  return start.elapsed_time(stop) * 1e3 / o.iters;
+}
+
 void run_bench_kernels(const BenchKernelsOptions& o) {
   const at::Device device(o.device);
   if (!device.is_cuda()) fail("bench-kernels: needs a CUDA device, got {}", o.device);
@@ -262,37 +274,34 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     }
     const auto step = at::ones({}, opts.dtype(at::kFloat));
     const auto divisor = at::full({}, 1.5, step.options()), found_inf = at::zeros_like(step);
-    auto time_eager = [&](const std::function<void()>& fn) {
-      fn();  // warm-up
-      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-      start.record();
-      for (int i = 0; i < o.iters; ++i) fn();
-      stop.record();
-      stop.synchronize();
-      return start.elapsed_time(stop) * 1e3 / o.iters;
-    };
     // Bytes per element: params, grads and moments read, params and moments written, the bf16
     // copy written; ATen's kernel also writes the divided gradients back, then the cast reads
     // the params again.
-    report("adamw_cast (1 layer)", 0, numel, 0, time_eager([&] {
-             kernels::adamw_cast_(params, grads, avg, avg_sq, copies, step, 1e-6, 0.9, 0.999, 0,
-                                  1e-8, divisor, found_inf);
-           }),
+    report("adamw_cast (1 layer)", 0, numel, 0,
+           us_eager(o,
+                    [&] {
+                      kernels::adamw_cast_(params, grads, avg, avg_sq, copies, step, 1e-6, 0.9,
+                                           0.999, 0, 1e-8, divisor, found_inf);
+                    }),
            30.0 * numel);
     // The gradients as one backward leaves them on the bf16 copies (2 bytes each, no cast pass).
     std::vector<at::Tensor> bf16_grads;
     for (const auto& g : grads) bf16_grads.push_back(g.to(at::kBFloat16));
-    report("adamw_cast, bf16 gradients", 0, numel, 0, time_eager([&] {
-             kernels::adamw_cast_(params, bf16_grads, avg, avg_sq, copies, step, 1e-6, 0.9, 0.999,
-                                  0, 1e-8, divisor, found_inf);
-           }),
+    report("adamw_cast, bf16 gradients", 0, numel, 0,
+           us_eager(o,
+                    [&] {
+                      kernels::adamw_cast_(params, bf16_grads, avg, avg_sq, copies, step, 1e-6, 0.9,
+                                           0.999, 0, 1e-8, divisor, found_inf);
+                    }),
            28.0 * numel);
     const std::vector<at::Tensor> steps(params.size(), step);
-    report("at::_fused_adamw_ + casts", 0, numel, 0, time_eager([&] {
-             at::_fused_adamw_(params, grads, avg, avg_sq, {}, steps, 1e-6, 0.9, 0.999, 0, 1e-8,
-                               false, false, divisor, found_inf);
-             for (size_t i = 0; i < params.size(); ++i) copies[i].copy_(params[i]);
-           }),
+    report("at::_fused_adamw_ + casts", 0, numel, 0,
+           us_eager(o,
+                    [&] {
+                      at::_fused_adamw_(params, grads, avg, avg_sq, {}, steps, 1e-6, 0.9, 0.999, 0,
+                                        1e-8, false, false, divisor, found_inf);
+                      for (size_t i = 0; i < params.size(); ++i) copies[i].copy_(params[i]);
+                    }),
            38.0 * numel);
   }
   // The drafter's SwiGLU over a training step's block rows (512 anchors x 16): the fused forward
@@ -344,14 +353,7 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
         [&](const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& forward) {
           const c10::AutoGradMode grad_mode(true);
           auto xg = x.detach().requires_grad_(true), wg = weight.detach().requires_grad_(true);
-          auto run = [&] { forward(xg, wg).backward(grad); };
-          run();  // warm-up
-          at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-          start.record();
-          for (int i = 0; i < o.iters; ++i) run();
-          stop.record();
-          stop.synchronize();
-          return start.elapsed_time(stop) * 1e3 / o.iters;
+          return us_eager(o, [&] { forward(xg, wg).backward(grad); });
         };
     report("norm_rotary forward + backward", rows, q, 0,
            time_backward([&](const at::Tensor& xg, const at::Tensor& wg) {
