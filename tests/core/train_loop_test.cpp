@@ -102,13 +102,33 @@ fs::path temp_dir(const std::string& name) {
   return d;
 }
 
-TEST(TrainLoop, ResumeFromCheckpointIsBitwiseExact) {
+// fp32 with accumulation (gradients summed on the fp32 masters), and bf16 with one backward per
+// step (gradients left on the bf16 compute copies, which a resume must cast again from the
+// loaded masters).
+struct ResumeCase {
+  std::string name;
+  at::ScalarType dtype;
+  int64_t accumulation;
+};
+
+void PrintTo(const ResumeCase& c, std::ostream* os) { *os << c.name; }
+
+class TrainLoopResume : public ::testing::TestWithParam<ResumeCase> {};
+
+TEST_P(TrainLoopResume, FromCheckpointIsBitwiseExact) {
+  const ResumeCase c = GetParam();
   const int64_t n = 2;
   auto dir_a = temp_dir("resume_a"), dir_b = temp_dir("resume_b");
+  auto run_options = [&](const fs::path& dir) {
+    auto o = options(dir);
+    o.accumulation = c.accumulation;
+    o.step.dtype = c.dtype;
+    return o;
+  };
   DflashCase straight("tied");
-  Pipeline pipe_a(straight);
+  Pipeline pipe_a(straight, c.accumulation);
   Source data_a(pipe_a);
-  train::Trainer a(*straight.drafter, models::TargetHead::of(*straight.target), options(dir_a),
+  train::Trainer a(*straight.drafter, models::TargetHead::of(*straight.target), run_options(dir_a),
                    data_a);
   std::vector<double> losses_a;
   a.run(2 * n, [&](const train::StepLog& l) { losses_a.push_back(l.loss); });
@@ -116,21 +136,22 @@ TEST(TrainLoop, ResumeFromCheckpointIsBitwiseExact) {
   std::vector<double> losses_b;
   {
     DflashCase first("tied");
-    Pipeline pipe(first);
+    Pipeline pipe(first, c.accumulation);
     Source data(pipe);
-    train::Trainer b(*first.drafter, models::TargetHead::of(*first.target), options(dir_b), data);
+    train::Trainer b(*first.drafter, models::TargetHead::of(*first.target), run_options(dir_b),
+                     data);
     b.run(n, [&](const train::StepLog& l) { losses_b.push_back(l.loss); });
   }  // everything of the first run is gone, as after kill -9
   DflashCase resumed("tied");
   // Different fresh weights before loading, so nothing carries over by accident.
   for (auto p : resumed.drafter->parameters()) p.detach().add_(0.5);
-  Pipeline pipe_r(resumed);
+  Pipeline pipe_r(resumed, c.accumulation);
   Source data_r(pipe_r);
-  train::Trainer r(*resumed.drafter, models::TargetHead::of(*resumed.target), options(dir_b),
+  train::Trainer r(*resumed.drafter, models::TargetHead::of(*resumed.target), run_options(dir_b),
                    data_r);
   r.load_checkpoint(dir_b);
   EXPECT_EQ(r.steps_done(), n);
-  EXPECT_EQ(r.data_position(), 2 * n);
+  EXPECT_EQ(r.data_position(), c.accumulation * n);
   r.run(2 * n, [&](const train::StepLog& l) { losses_b.push_back(l.loss); });
 
   EXPECT_EQ(losses_a, losses_b);
@@ -162,6 +183,12 @@ TEST(TrainLoop, ResumeFromCheckpointIsBitwiseExact) {
   remove_tree(dir_b);
   remove_tree(out);
 }
+
+INSTANTIATE_TEST_SUITE_P(Routes, TrainLoopResume,
+                         ::testing::Values(ResumeCase{"fp32_accumulation_2", at::kFloat, 2},
+                                           ResumeCase{"bf16_gradients_on_copies", at::kBFloat16,
+                                                      1}),
+                         [](const auto& info) { return info.param.name; });
 
 TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
   auto dir = temp_dir("other_config");
