@@ -274,26 +274,23 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     }
     const auto step = at::ones({}, opts.dtype(at::kFloat));
     const auto divisor = at::full({}, 1.5, step.options()), found_inf = at::zeros_like(step);
-    // Bytes per element: params, grads and moments read, params and moments written, the bf16
-    // copy written; ATen's kernel also writes the divided gradients back, then the cast reads
-    // the params again.
-    report("adamw_cast (1 layer)", 0, numel, 0,
-           us_eager(o,
-                    [&] {
-                      kernels::adamw_cast_(params, grads, avg, avg_sq, copies, step, 1e-6, 0.9,
-                                           0.999, 0, 1e-8, divisor, found_inf);
-                    }),
-           30.0 * numel);
-    // The gradients as one backward leaves them on the bf16 copies (2 bytes each, no cast pass).
+    // Ours with fp32 gradients, then with bf16 ones as one backward leaves them on the copies.
+    // Bytes per element: params, grads (4 or 2) and moments read, params and moments written,
+    // the bf16 copy written; ATen's kernel also writes the divided gradients back, then the
+    // cast reads the params again.
     std::vector<at::Tensor> bf16_grads;
     for (const auto& g : grads) bf16_grads.push_back(g.to(at::kBFloat16));
-    report("adamw_cast, bf16 gradients", 0, numel, 0,
-           us_eager(o,
-                    [&] {
-                      kernels::adamw_cast_(params, bf16_grads, avg, avg_sq, copies, step, 1e-6, 0.9,
-                                           0.999, 0, 1e-8, divisor, found_inf);
-                    }),
-           28.0 * numel);
+    const std::tuple<const char*, const std::vector<at::Tensor>*, double> variants[] = {
+        {"adamw_cast (1 layer)", &grads, 30.0}, {"adamw_cast, bf16 gradients", &bf16_grads, 28.0}};
+    for (const auto& [name, g, bytes_per_element] : variants) {
+      report(name, 0, numel, 0,
+             us_eager(o,
+                      [&] {
+                        kernels::adamw_cast_(params, *g, avg, avg_sq, copies, step, 1e-6, 0.9,
+                                             0.999, 0, 1e-8, divisor, found_inf);
+                      }),
+             bytes_per_element * numel);
+    }
     const std::vector<at::Tensor> steps(params.size(), step);
     report("at::_fused_adamw_ + casts", 0, numel, 0,
            us_eager(o,
