@@ -185,11 +185,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-unsigned grid_for(int64_t threads_needed) {
-  return static_cast<unsigned>(
-      std::min<int64_t>((threads_needed + kThreads - 1) / kThreads, int64_t(65535) * 8));
-}
-
 template <typename T>
 const T* ptr(const at::Tensor& t) {
   return reinterpret_cast<const T*>(t.data_ptr());
@@ -250,11 +245,12 @@ void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const 
   const int64_t heads = q_heads + (rows != nullptr ? 2 : 1) * kv_heads;
   dispatch_half(qkv.scalar_type(), "qk_norm_rotary", [&](auto tag) {
     using T = decltype(tag);
-    qk_norm_rotary_kernel<T><<<grid_for(tokens * heads * 32), kThreads, 0, stream>>>(
-        ptr<T>(qkv), qkv.stride(0), ptr<T>(q_norm), ptr<T>(k_norm), ptr<T>(cos), ptr<T>(sin),
-        mut<T>(q), mut<T>(k), v != nullptr ? mut<T>(*v) : nullptr,
-        rows != nullptr ? rows->data_ptr<int64_t>() : nullptr, k.size(0), tokens, q_heads, kv_heads,
-        d, static_cast<float>(eps));
+    qk_norm_rotary_kernel<T>
+        <<<grid_stride_blocks(tokens * heads * 32, kThreads), kThreads, 0, stream>>>(
+            ptr<T>(qkv), qkv.stride(0), ptr<T>(q_norm), ptr<T>(k_norm), ptr<T>(cos), ptr<T>(sin),
+            mut<T>(q), mut<T>(k), v != nullptr ? mut<T>(*v) : nullptr,
+            rows != nullptr ? rows->data_ptr<int64_t>() : nullptr, k.size(0), tokens, q_heads,
+            kv_heads, d, static_cast<float>(eps));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -266,7 +262,7 @@ void write_kv_rows_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& 
   const int64_t tokens = k.size(0), width = keys.size(1) * keys.size(2);
   dispatch_half(keys.scalar_type(), "write_kv_rows", [&](auto tag) {
     using T = decltype(tag);
-    write_kv_rows_kernel<T><<<grid_for(tokens * width), kThreads, 0, stream>>>(
+    write_kv_rows_kernel<T><<<grid_stride_blocks(tokens * width, kThreads), kThreads, 0, stream>>>(
         mut<T>(keys), mut<T>(values), rows.data_ptr<int64_t>(), keys.size(0), ptr<T>(k),
         k.stride(0), ptr<T>(v), v.stride(0), tokens, width);
   });

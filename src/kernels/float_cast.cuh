@@ -1,11 +1,14 @@
 // Device-side conversions between the storage dtypes the kernels accept (fp32, bf16, fp16)
-// and the fp32 they compute in, the vector type the kernels move them in, and the host-side
-// dispatch from an ATen dtype to them.
+// and the fp32 they compute in, the vector type the kernels move them in, the host-side
+// dispatch from an ATen dtype to them, and the grid of a grid-stride loop.
 #pragma once
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
 
 namespace dflash::kernels {
 
@@ -33,6 +36,13 @@ template <typename T, int kVec>
 struct alignas(sizeof(T) * kVec) Vec {
   T v[kVec];
 };
+
+// Thread blocks for a grid-stride loop over `threads_needed` threads: enough for one pass,
+// capped at 8 x 65535 (the loop covers the rest).
+inline unsigned grid_stride_blocks(int64_t threads_needed, int threads_per_block) {
+  return static_cast<unsigned>(std::min<int64_t>(
+      (threads_needed + threads_per_block - 1) / threads_per_block, int64_t(65535) * 8));
+}
 
 // Calls f(T{}) with T the device type of `dtype` (float, __nv_bfloat16 or __half).
 template <typename F>

@@ -49,8 +49,7 @@ void launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, b
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   const int64_t n = tokens * heads * (dim / 2);
   constexpr int kThreads = 256;
-  const unsigned blocks =
-      static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8));
+  const unsigned blocks = grid_stride_blocks(n, kThreads);
   const auto stream = at::cuda::getCurrentCUDAStream(x.device().index());
   auto args = std::make_tuple(
       reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const C*>(cos.data_ptr()),

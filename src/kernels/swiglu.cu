@@ -68,11 +68,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-unsigned grid_for(int64_t threads_needed) {
-  return static_cast<unsigned>(
-      std::min<int64_t>((threads_needed + kThreads - 1) / kThreads, int64_t(65535) * 8));
-}
-
 template <typename T>
 Rows<const T> rows(const at::Tensor& t) {
   return {reinterpret_cast<const T*>(t.data_ptr()), t.stride(0)};
@@ -99,11 +94,13 @@ void swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tenso
     constexpr int kVec = 16 / sizeof(T);
     T* o = reinterpret_cast<T*>(out.data_ptr());
     if (vectorizable(f, sizeof(T), {&gate, &up, &out})) {
-      swiglu_forward_kernel<T, kVec><<<grid_for(tokens * f / kVec), kThreads, 0, stream>>>(
-          rows<T>(gate), rows<T>(up), o, tokens, f);
+      swiglu_forward_kernel<T, kVec>
+          <<<grid_stride_blocks(tokens * f / kVec, kThreads), kThreads, 0, stream>>>(
+              rows<T>(gate), rows<T>(up), o, tokens, f);
     } else {
       swiglu_forward_kernel<T, 1>
-          <<<grid_for(tokens * f), kThreads, 0, stream>>>(rows<T>(gate), rows<T>(up), o, tokens, f);
+          <<<grid_stride_blocks(tokens * f, kThreads), kThreads, 0, stream>>>(
+              rows<T>(gate), rows<T>(up), o, tokens, f);
     }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -121,11 +118,13 @@ void swiglu_backward_cuda(const at::Tensor& grad, const at::Tensor& gate, const 
     T* dg = reinterpret_cast<T*>(grad_gate.data_ptr());
     T* du = reinterpret_cast<T*>(grad_up.data_ptr());
     if (vectorizable(f, sizeof(T), {&grad, &gate, &up, &grad_gate, &grad_up})) {
-      swiglu_backward_kernel<T, kVec><<<grid_for(tokens * f / kVec), kThreads, 0, stream>>>(
-          dy, rows<T>(gate), rows<T>(up), dg, du, tokens, f);
+      swiglu_backward_kernel<T, kVec>
+          <<<grid_stride_blocks(tokens * f / kVec, kThreads), kThreads, 0, stream>>>(
+              dy, rows<T>(gate), rows<T>(up), dg, du, tokens, f);
     } else {
-      swiglu_backward_kernel<T, 1><<<grid_for(tokens * f), kThreads, 0, stream>>>(
-          dy, rows<T>(gate), rows<T>(up), dg, du, tokens, f);
+      swiglu_backward_kernel<T, 1>
+          <<<grid_stride_blocks(tokens * f, kThreads), kThreads, 0, stream>>>(
+              dy, rows<T>(gate), rows<T>(up), dg, du, tokens, f);
     }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
