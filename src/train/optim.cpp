@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 
 #include <cmath>
+#include <map>
 #include <numbers>
 
 #include "common/error.h"
@@ -88,23 +89,14 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads) {
   // _foreach_norm's one-launch path takes tensors of one dtype: one call per dtype (bf16
   // gradients left on the compute copies, fp32 ones on the masters), the per-tensor norms put
   // back in the gradients' order so the sum runs in the same order whatever the dtypes.
+  std::map<at::ScalarType, std::vector<size_t>> by_dtype;
+  for (size_t i = 0; i < defined.size(); ++i) by_dtype[defined[i].scalar_type()].push_back(i);
   std::vector<at::Tensor> norms(defined.size());
-  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) {
+  for (const auto& [dtype, where] : by_dtype) {
     std::vector<at::Tensor> group;
-    std::vector<size_t> where;
-    for (size_t i = 0; i < defined.size(); ++i) {
-      if (defined[i].scalar_type() == dtype) {
-        group.push_back(defined[i]);
-        where.push_back(i);
-      }
-    }
-    if (group.empty()) continue;
+    for (size_t i : where) group.push_back(defined[i]);
     auto group_norms = at::_foreach_norm(group, 2, at::kFloat);
     for (size_t j = 0; j < where.size(); ++j) norms[where[j]] = group_norms[j];
-  }
-  for (size_t i = 0; i < norms.size(); ++i) {
-    if (!norms[i].defined())
-      fail("grad_norm: gradient {} is {}", i, c10::toString(defined[i].scalar_type()));
   }
   return at::stack(norms).norm(2);
 }
