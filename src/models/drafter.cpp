@@ -510,15 +510,18 @@ const std::vector<at::Tensor>& Drafter::compute_copies(at::ScalarType dtype,
     }
     copy_dtype_ = dtype;
   }
-  // A weight read twice keeps the fp32 route: its two gradients are summed in fp32 there, and in
-  // bf16 on a copy.
-  copy_holds_grad_.assign(copies_.size(), false);
+  gradients_on_copies_ = gradients_on_copies;
   for (size_t i = 0; i < copies_.size(); ++i) {
-    copy_holds_grad_[i] = gradients_on_copies && !read_twice_in_forward(i, layers_.size());
-    copies_[i].requires_grad_(copy_holds_grad_[i]);
-    if (!copy_holds_grad_[i]) copies_[i].mutable_grad() = at::Tensor();
+    copies_[i].requires_grad_(copy_holds_grad(i));
+    if (!copy_holds_grad(i)) copies_[i].mutable_grad() = at::Tensor();
   }
   return copies_;
+}
+
+bool Drafter::copy_holds_grad(size_t i) const {
+  // A weight read twice keeps the fp32 route: its two gradients are summed in fp32 there, and
+  // would be in bf16 on a copy.
+  return gradients_on_copies_ && !read_twice_in_forward(i, layers_.size());
 }
 
 at::Tensor Drafter::compute_weight(size_t i, at::ScalarType dtype) const {
@@ -529,7 +532,7 @@ at::Tensor Drafter::compute_weight(size_t i, at::ScalarType dtype) const {
     copies_[i].copy_(p.detach());
     copy_versions_[i] = p._version();
   }
-  return copy_holds_grad_[i] ? copies_[i] : ReadCopy::apply(p, copies_[i]);
+  return copy_holds_grad(i) ? copies_[i] : ReadCopy::apply(p, copies_[i]);
 }
 
 at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) const {

@@ -193,6 +193,9 @@ class Drafter {
   // Parameter i (named_parameters order) as forward() in `dtype` reads it: its compute copy when
   // there is one, else a cast of the master.
   at::Tensor compute_weight(size_t i, at::ScalarType dtype) const;
+  // Whether copy i is a leaf that takes its own gradient (gradients_on_copies, and a weight
+  // forward() reads once).
+  bool copy_holds_grad(size_t i) const;
 
   DrafterConfig config_;
   Rotary rotary_;
@@ -200,7 +203,7 @@ class Drafter {
   std::vector<DrafterLayerWeights> layers_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
   at::ScalarType copy_dtype_ = at::kFloat;
-  std::vector<bool> copy_holds_grad_;  // per parameter: forward() returns the leaf copy itself
+  bool gradients_on_copies_ = false;
   mutable std::vector<at::Tensor> copies_;
   mutable std::vector<int64_t> copy_versions_;  // each master's version when its copy was made
 };

@@ -5,8 +5,9 @@
 // its rows) and once over the blocks' own keys, and merges the two with their log-sum-exps
 // (kernels/attention_merge.h).
 // Autograd keeps only the ungathered K/V; the backward gathers each block's keys again
-// (kernels::prefix_gather, one layer at a time) and runs flash's backward over them with the
-// merged output and log-sum-exp, which is exactly the gradient of attention over the union.
+// (kernels::prefix_gather, one chunk of blocks at a time: PrefixGatherPlan::chunks) and runs
+// flash's backward over them with the merged output and log-sum-exp, which is exactly the
+// gradient of attention over the union.
 #pragma once
 #include <ATen/ATen.h>
 
