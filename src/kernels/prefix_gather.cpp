@@ -3,7 +3,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <bit>
-#include <limits>
 #include <utility>
 
 #include "common/error.h"
@@ -22,20 +21,23 @@ int64_t gathered_capacity(int64_t keys) {
 PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
                                          const std::vector<int64_t>& sequence,
                                          const std::vector<int64_t>& anchors, int64_t block_size,
-                                         at::Device device, int64_t chunk_keys) {
+                                         at::Device device, const std::vector<int64_t>& begins) {
   const int64_t n = static_cast<int64_t>(anchors.size());
   const int64_t num_seqs = static_cast<int64_t>(lengths.size());
   if (static_cast<int64_t>(sequence.size()) != n) fail("prefix gather: sequence/anchor sizes");
+  if (!begins.empty() && static_cast<int64_t>(begins.size()) != n) {
+    fail("prefix gather: {} begins for {} blocks", begins.size(), n);
+  }
   std::vector<int64_t> row_start(num_seqs + 1, 0), block_start(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) row_start[s + 1] = row_start[s] + lengths[s];
   PrefixGatherPlan plan;
   plan.context_rows = row_start.back();
   if (plan.context_rows > INT32_MAX) fail("prefix gather: more than 2^31 context rows");
   plan.block_size = block_size;
-  std::vector<int64_t> start(n);
+  plan.blocks = n;
   std::vector<int32_t> cu_k(n + 1, 0), context_start(n + 1), context_length(n);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = sequence[i];
+    const int64_t s = sequence[i], begin = begins.empty() ? 0 : begins[i];
     if (s < 0 || s >= num_seqs || (i > 0 && s < sequence[i - 1])) {
       fail("prefix gather: blocks must be grouped by sequence in order (block {})", i);
     }
@@ -43,12 +45,14 @@ PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
       fail("prefix gather: anchor {} of block {} outside its sequence of length {}", anchors[i], i,
            lengths[s]);
     }
+    if (begin < 0 || begin > anchors[i]) {
+      fail("prefix gather: begin {} of block {} outside [0, anchor {}]", begin, i, anchors[i]);
+    }
     block_start[s + 1] = i + 1;
-    start[i] = row_start[s];
-    context_start[i] = static_cast<int32_t>(row_start[s]);
-    context_length[i] = static_cast<int32_t>(anchors[i]);
-    plan.max_context = std::max(plan.max_context, anchors[i]);
-    const int64_t keys = anchors[i] + block_size;
+    context_start[i] = static_cast<int32_t>(row_start[s] + begin);
+    context_length[i] = static_cast<int32_t>(anchors[i] - begin);
+    plan.max_context = std::max<int64_t>(plan.max_context, context_length[i]);
+    const int64_t keys = context_length[i] + block_size;
     plan.key_lengths.push_back(keys);
     plan.max_keys = std::max(plan.max_keys, keys);
     if (cu_k[i] + keys > INT32_MAX) fail("prefix gather: more than 2^31 gathered keys");
@@ -65,46 +69,29 @@ PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
   std::vector<int64_t> lens_padded = plan.key_lengths;
   lens_padded.push_back(plan.capacity - plan.keys);
   auto lens = to(at::tensor(lens_padded, at::kLong));
-  plan.anchor = to(at::tensor(anchors, at::kLong));
   plan.cu_keys = to(at::tensor(cu_k, at::kInt));
   plan.seq_row_start = to(at::tensor(row_start, at::kLong));
   plan.seq_block_start = to(at::tensor(block_start, at::kLong));
   context_start[n] = static_cast<int32_t>(plan.context_rows);
   plan.context_start = to(at::tensor(context_start, at::kInt));
   plan.context_length = to(at::tensor(context_length, at::kInt));
-  start.push_back(0);
-  auto s = to(at::tensor(start, at::kLong));
-  std::vector<int64_t> anchors_padded = anchors;
-  anchors_padded.push_back(0);
-  auto a_padded = to(at::tensor(anchors_padded, at::kLong));
-  // The index on the device, no host loop over keys: block id and offset of every key.
+  // The index on the device, no host loop over keys: block id and offset of every key. The
+  // padding segment (block n) reads context_start[n] = T and length 0; its rows are zeroed.
   auto block = at::repeat_interleave(at::arange(n + 1, lens.options()), lens, 0, plan.capacity);
   auto offset =
       at::arange(plan.capacity, lens.options()) - plan.cu_keys.to(at::kLong).index_select(0, block);
-  auto a_row = a_padded.index_select(0, block);
-  auto index = at::where(offset < a_row, s.index_select(0, block) + offset,
-                         plan.context_rows + block * block_size + (offset - a_row));
+  auto length = at::cat({plan.context_length, at::zeros({1}, plan.context_length.options())})
+                    .to(at::kLong)
+                    .index_select(0, block);
+  auto index =
+      at::where(offset < length, plan.context_start.to(at::kLong).index_select(0, block) + offset,
+                plan.context_rows + block * block_size + (offset - length));
   plan.index = at::where(block < n, index, at::zeros({}, index.options()));
-  if (plan.keys > chunk_keys) {
-    for (int64_t first = 0; first < n;) {
-      int64_t last = first + 1, keys = plan.key_lengths[first];
-      while (last < n && keys + plan.key_lengths[last] <= chunk_keys)
-        keys += plan.key_lengths[last++];
-      auto part = [&](const std::vector<int64_t>& v) {
-        return std::vector<int64_t>(v.begin() + first, v.begin() + last);
-      };
-      plan.chunks.push_back(build(lengths, part(sequence), part(anchors), block_size, device,
-                                  std::numeric_limits<int64_t>::max()));
-      plan.chunks.back().first_block = first;
-      first = last;
-    }
-    if (plan.chunks.size() == 1) plan.chunks.clear();
-  }
   return plan;
 }
 
 at::Tensor prefix_gather_backward_reference(const at::Tensor& grad, const PrefixGatherPlan& plan) {
-  const int64_t rows = plan.context_rows + plan.anchor.size(0) * plan.block_size;
+  const int64_t rows = plan.context_rows + plan.blocks * plan.block_size;
   auto out = at::zeros({rows, grad.size(1)}, grad.options().dtype(at::kFloat));
   out.index_add_(0, plan.index.narrow(0, 0, plan.keys),
                  grad.narrow(0, 0, plan.keys).to(at::kFloat));
@@ -125,7 +112,7 @@ at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan
   const bool aligned = reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0 &&
                        (g.size(1) * g.element_size()) % 16 == 0;
   if (!g.is_cuda() || !aligned) return prefix_gather_backward_reference(g, plan);
-  const int64_t rows = plan.context_rows + plan.anchor.size(0) * plan.block_size;
+  const int64_t rows = plan.context_rows + plan.blocks * plan.block_size;
   auto out = at::empty({rows, grad.size(1)}, grad.options());
   if (rows > 0 && g.size(1) > 0) prefix_gather_backward_cuda(g, plan, out);
   return out;
@@ -137,7 +124,6 @@ namespace {
 constexpr std::pair<const char*, at::Tensor PrefixGatherPlan::*> kSavedTensors[] = {
     {"index", &PrefixGatherPlan::index},
     {"cu_keys", &PrefixGatherPlan::cu_keys},
-    {"anchor", &PrefixGatherPlan::anchor},
     {"seq_row_start", &PrefixGatherPlan::seq_row_start},
     {"seq_block_start", &PrefixGatherPlan::seq_block_start},
     {"context_start", &PrefixGatherPlan::context_start},
@@ -145,11 +131,11 @@ constexpr std::pair<const char*, at::Tensor PrefixGatherPlan::*> kSavedTensors[]
 constexpr std::pair<const char*, int64_t PrefixGatherPlan::*> kSavedSizes[] = {
     {"context_rows", &PrefixGatherPlan::context_rows},
     {"block_size", &PrefixGatherPlan::block_size},
+    {"blocks", &PrefixGatherPlan::blocks},
     {"max_keys", &PrefixGatherPlan::max_keys},
     {"max_context", &PrefixGatherPlan::max_context},
     {"keys", &PrefixGatherPlan::keys},
-    {"capacity", &PrefixGatherPlan::capacity},
-    {"first_block", &PrefixGatherPlan::first_block}};
+    {"capacity", &PrefixGatherPlan::capacity}};
 
 }  // namespace
 
@@ -192,7 +178,7 @@ struct PrefixGatherFunction : public torch::autograd::Function<PrefixGatherFunct
 }  // namespace
 
 at::Tensor prefix_gather(const at::Tensor& rows, const PrefixGatherPlan& plan) {
-  const int64_t expected = plan.context_rows + plan.anchor.size(0) * plan.block_size;
+  const int64_t expected = plan.context_rows + plan.blocks * plan.block_size;
   if (rows.dim() != 2 || rows.size(0) != expected) {
     fail("prefix gather: rows {} do not fit the plan ({} context + {} block rows)", rows.sizes(),
          plan.context_rows, expected - plan.context_rows);

@@ -1,6 +1,6 @@
 // One thread block per output row, 16 bytes of the row per thread. A context row sums the
-// gradient of every block of its sequence whose anchor lies beyond it (in block order, fp32);
-// a block row copies its block's last B gathered rows back.
+// gradient of every segment of its sequence that holds it (in block order, fp32); a block row
+// copies its block's last B gathered rows back.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,20 +14,18 @@ namespace dflash::kernels {
 namespace {
 
 template <typename T>
-__global__ void prefix_gather_backward_kernel(const T* __restrict__ grad, T* __restrict__ out,
-                                              int64_t width, int64_t context_rows,
-                                              int64_t block_size, int64_t num_seqs,
-                                              const int32_t* __restrict__ cu_keys,
-                                              const int64_t* __restrict__ anchor,
-                                              const int64_t* __restrict__ seq_row_start,
-                                              const int64_t* __restrict__ seq_block_start) {
+__global__ void prefix_gather_backward_kernel(
+    const T* __restrict__ grad, T* __restrict__ out, int64_t width, int64_t context_rows,
+    int64_t block_size, int64_t num_seqs, const int32_t* __restrict__ cu_keys,
+    const int32_t* __restrict__ context_start, const int32_t* __restrict__ context_length,
+    const int64_t* __restrict__ seq_row_start, const int64_t* __restrict__ seq_block_start) {
   constexpr int kVec = 16 / sizeof(T);
   const int64_t row = blockIdx.x;
   const int64_t nvec = width / kVec;
   T* dst = out + row * width;
   if (row >= context_rows) {
     const int64_t b = (row - context_rows) / block_size, t = (row - context_rows) % block_size;
-    const T* src = grad + (cu_keys[b] + anchor[b] + t) * width;
+    const T* src = grad + (int64_t{cu_keys[b]} + context_length[b] + t) * width;
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
     }
@@ -35,14 +33,14 @@ __global__ void prefix_gather_backward_kernel(const T* __restrict__ grad, T* __r
   }
   int64_t s = 0;  // the sequence holding this row (few sequences: a linear scan)
   while (s + 1 < num_seqs && seq_row_start[s + 1] <= row) ++s;
-  const int64_t j = row - seq_row_start[s];
   const int64_t first = seq_block_start[s], last = seq_block_start[s + 1];
   for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
     float acc[kVec];
 #pragma unroll
     for (int k = 0; k < kVec; ++k) acc[k] = 0.f;
     for (int64_t b = first; b < last; ++b) {
-      if (anchor[b] <= j) continue;  // block b's queries see keys strictly before its anchor
+      const int64_t j = row - context_start[b];  // row's place in block b's segment
+      if (j < 0 || j >= context_length[b]) continue;
       const uint4 raw = reinterpret_cast<const uint4*>(grad + (cu_keys[b] + j) * width)[v];
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
@@ -67,8 +65,9 @@ void launch(const at::Tensor& grad, const PrefixGatherPlan& plan, at::Tensor& ou
   prefix_gather_backward_kernel<T><<<static_cast<unsigned>(out.size(0)), threads, 0, stream>>>(
       reinterpret_cast<const T*>(grad.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), width,
       plan.context_rows, plan.block_size, plan.seq_row_start.size(0) - 1,
-      plan.cu_keys.data_ptr<int32_t>(), plan.anchor.data_ptr<int64_t>(),
-      plan.seq_row_start.data_ptr<int64_t>(), plan.seq_block_start.data_ptr<int64_t>());
+      plan.cu_keys.data_ptr<int32_t>(), plan.context_start.data_ptr<int32_t>(),
+      plan.context_length.data_ptr<int32_t>(), plan.seq_row_start.data_ptr<int64_t>(),
+      plan.seq_block_start.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

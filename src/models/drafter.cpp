@@ -578,10 +578,18 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
   auto x = at::embedding(head.embedding, layout.input_ids).to(dtype);
   auto [ctx_cos, ctx_sin] = rotary_.tables(batch.positions, dtype);
   auto [blk_cos, blk_sin] = rotary_.tables(layout.positions, dtype);
-  std::optional<kernels::PrefixGatherPlan> gather;
+  // Built once for all layers.
+  std::optional<kernels::PrefixGatherPlan> gathered;
+  std::optional<PrefixAttentionPlan> in_place;
   if (attention == DrafterAttention::kGathered) {
-    gather = kernels::PrefixGatherPlan::build(batch.lengths, layout.sequence, layout.anchor,
-                                              layout.block_size, x.device());
+    const bool flash = x.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
+    if (flash) {
+      in_place = PrefixAttentionPlan::build(batch.lengths, layout.sequence, layout.anchor,
+                                            layout.block_size, x.device());
+    } else {
+      gathered = kernels::PrefixGatherPlan::build(batch.lengths, layout.sequence, layout.anchor,
+                                                  layout.block_size, x.device());
+    }
   }
   for (size_t l = 0; l < layers_.size(); ++l) {
     const size_t first = 2 + l * kPerLayer;
@@ -600,7 +608,8 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
       *context_fields[f] = weight(first + kContextFields[f]);
     }
     x = layer_forward(layer, context_layer, x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch,
-                      layout, dtype, gather ? &*gather : nullptr);
+                      layout, dtype, gathered ? &*gathered : nullptr,
+                      in_place ? &*in_place : nullptr);
   }
   return rms_norm(x, weight(named_.size() - 1), config_.layers.rms_norm_eps);
 }
@@ -611,7 +620,8 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
                                   const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
                                   const at::Tensor& blk_sin, const PackedBatch& batch,
                                   const BlockLayout& layout, at::ScalarType dtype,
-                                  const kernels::PrefixGatherPlan* gather) const {
+                                  const kernels::PrefixGatherPlan* gathered,
+                                  const PrefixAttentionPlan* in_place) const {
   const ModelConfig& c = config_.layers;
   const int64_t rows = x.size(0), d = c.head_dim, bs = layout.block_size;
   const int64_t hkv = c.num_kv_heads, groups = c.num_heads / hkv;
@@ -621,7 +631,8 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
   // views. Permuting the two weights copies 2 x Hq*D*H elements per layer, against four copies of
   // the [rows, Hq, D] activations (forward and backward).
   DrafterLayerWeights wp = w;
-  if (gather != nullptr && groups > 1) {
+  const bool sparse = gathered != nullptr || in_place != nullptr;
+  if (sparse && groups > 1) {
     const int64_t h = c.hidden_size;
     wp.q_proj = w.q_proj.view({hkv, groups, d, h}).transpose(0, 1).reshape({groups * hkv * d, h});
     wp.o_proj = w.o_proj.view({h, hkv, groups, d}).transpose(1, 2).reshape({h, groups * hkv * d});
@@ -630,7 +641,7 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
   auto [k_ctx, v_ctx] = context_kv(context_w, c, ctx, ctx_cos, ctx_sin, dtype);
 
   at::Tensor attn;  // [rows, Hq, D], heads in wp's order
-  if (gather == nullptr) {
+  if (!sparse) {
     std::vector<at::Tensor> outs;
     int64_t ctx_start = 0, block = 0;
     for (int64_t s = 0; s < batch.size(); ++s) {
@@ -657,7 +668,6 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
   } else {
     // Block-sparse: work and memory are linear in sum(a_i + B) and nothing is spent on
     // masked-out keys.
-    const kernels::PrefixGatherPlan& plan = *gather;
     // GQA folded into the query rows: the G = Hq/Hkv query heads that share a KV head become
     // G*B query rows of one KV head (rows ordered block, position, group), so attention runs
     // with Hkv heads and no GQA. Flash's GQA backward would otherwise expand dK/dV of every
@@ -667,12 +677,11 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
     auto q_packed = q.view({n * bs * groups, hkv, d});
     const int64_t q_rows = groups * bs;
     at::Tensor packed;  // [n*G*B, Hkv, D]
-    const bool flash =
-        q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
-    if (flash) {
-      // Keys in place; autograd keeps no gathered copy (prefix_attention.h).
-      packed = prefix_attention(q_packed, k_ctx, v_ctx, k_blk, v_blk, plan);
+    if (in_place != nullptr) {
+      // Context keys in place, blocks of close anchors grouped (prefix_attention.h).
+      packed = prefix_attention(q_packed, k_ctx, v_ctx, k_blk, v_blk, *in_place);
     } else {
+      const kernels::PrefixGatherPlan& plan = *gathered;
       // Each block's keys gathered into their own segment, one SDPA each (flash has no fp32):
       // lets CPU and fp32 GPU tests check the gather plan and the head packing.
       const int64_t kv_width = c.num_kv_heads * d;

@@ -20,6 +20,7 @@
 #include "models/config.h"
 #include "models/kv_cache.h"
 #include "models/layers.h"
+#include "models/prefix_attention.h"
 
 namespace dflash::models {
 
@@ -182,13 +183,16 @@ class Drafter {
   // load() to overwrite. Norms at one either way.
   void allocate(at::Device device, const std::optional<at::Generator>& gen);
   void register_parameters();
-  // `context_w`: the k_proj, v_proj and k_norm that the context's K/V use.
+  // `context_w`: the k_proj, v_proj and k_norm that the context's K/V use. Block-sparse attention
+  // takes one of the two plans: `in_place` for flash, `gathered` for other dtypes and devices;
+  // neither is dense attention.
   at::Tensor layer_forward(const DrafterLayerWeights& w, const DrafterLayerWeights& context_w,
                            const at::Tensor& x, const at::Tensor& ctx, const at::Tensor& ctx_cos,
                            const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
                            const at::Tensor& blk_sin, const PackedBatch& batch,
                            const BlockLayout& layout, at::ScalarType dtype,
-                           const kernels::PrefixGatherPlan* gather) const;
+                           const kernels::PrefixGatherPlan* gathered,
+                           const PrefixAttentionPlan* in_place) const;
 
   // Parameter i (named_parameters order) as forward() in `dtype` reads it: its compute copy when
   // there is one, else a cast of the master.

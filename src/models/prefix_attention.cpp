@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -11,40 +12,150 @@
 #include "kernels/attention_merge.h"
 
 namespace dflash::models {
+
+PrefixAttentionPlan PrefixAttentionPlan::build(const std::vector<int64_t>& lengths,
+                                               const std::vector<int64_t>& sequence,
+                                               const std::vector<int64_t>& anchors,
+                                               int64_t block_size, at::Device device,
+                                               int64_t max_tail_context, int64_t chunk_keys) {
+  const int64_t n = static_cast<int64_t>(anchors.size());
+  if (static_cast<int64_t>(sequence.size()) != n) {
+    fail("prefix attention plan: {} sequence ids for {} anchors", sequence.size(), n);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    // Checked here too: a bad anchor would otherwise surface as a bad group bound.
+    const int64_t s = sequence[i];
+    if (s < 0 || s >= static_cast<int64_t>(lengths.size()) || anchors[i] < 0 ||
+        anchors[i] >= lengths[s]) {
+      fail("prefix attention plan: block {} has anchor {} in sequence {} of {} ({} sequences)", i,
+           anchors[i], s, s >= 0 && s < static_cast<int64_t>(lengths.size()) ? lengths[s] : -1,
+           lengths.size());
+    }
+  }
+  PrefixAttentionPlan plan;
+  plan.blocks = n;
+  // Greedy groups: the longest run from each group's first block whose anchors stay within
+  // max_tail_context of each other.
+  std::vector<int32_t> cu_groups{0};
+  std::vector<int64_t> group_sequence, group_start, begins(n), group_keys;
+  for (int64_t i = 0; i < n;) {
+    int64_t lo = anchors[i], hi = anchors[i], j = i + 1;
+    while (j < n && sequence[j] == sequence[i] &&
+           std::max(hi, anchors[j]) - std::min(lo, anchors[j]) <= max_tail_context) {
+      lo = std::min(lo, anchors[j]);
+      hi = std::max(hi, anchors[j]);
+      ++j;
+    }
+    int64_t keys = lo;
+    for (int64_t k = i; k < j; ++k) {
+      begins[k] = lo;
+      keys += anchors[k] - lo + block_size;
+    }
+    group_sequence.push_back(sequence[i]);
+    group_start.push_back(lo);
+    group_keys.push_back(keys);
+    cu_groups.push_back(static_cast<int32_t>(j));
+    plan.max_group_blocks = std::max(plan.max_group_blocks, j - i);
+    i = j;
+  }
+  plan.shared = kernels::PrefixGatherPlan::build(lengths, group_sequence, group_start,
+                                                 /*block_size=*/0, device);
+  plan.tail =
+      kernels::PrefixGatherPlan::build(lengths, sequence, anchors, block_size, device, begins);
+  auto to = [&](at::Tensor t) { return device.is_cpu() ? t : t.pin_memory().to(device, true); };
+  plan.cu_group_blocks = to(at::tensor(cu_groups, at::kInt));
+  std::vector<int32_t> shared_length(begins.begin(), begins.end());
+  plan.shared_length = to(at::tensor(shared_length, at::kInt));
+  if (plan.shared.keys + plan.tail.keys > chunk_keys) {
+    const size_t groups = group_keys.size();
+    for (size_t g = 0; g < groups;) {
+      size_t h = g + 1;
+      int64_t keys = group_keys[g];
+      while (h < groups && keys + group_keys[h] <= chunk_keys) keys += group_keys[h++];
+      const auto first = cu_groups[g], last = cu_groups[h];
+      auto part = [&](const std::vector<int64_t>& v) {
+        return std::vector<int64_t>(v.begin() + first, v.begin() + last);
+      };
+      // The same greedy grouping from a group's first block finds the same groups.
+      plan.chunks.push_back(build(lengths, part(sequence), part(anchors), block_size, device,
+                                  max_tail_context, std::numeric_limits<int64_t>::max()));
+      plan.chunks.back().first_block = first;
+      g = h;
+    }
+    if (plan.chunks.size() == 1) plan.chunks.clear();
+  }
+  return plan;
+}
+
+void PrefixAttentionPlan::save(torch::autograd::AutogradContext* ctx,
+                               const std::string& prefix) const {
+  shared.save(ctx, prefix + "shared.");
+  tail.save(ctx, prefix + "tail.");
+  ctx->saved_data[prefix + "cu_group_blocks"] = cu_group_blocks;
+  ctx->saved_data[prefix + "shared_length"] = shared_length;
+  ctx->saved_data[prefix + "blocks"] = blocks;
+  ctx->saved_data[prefix + "max_group_blocks"] = max_group_blocks;
+  ctx->saved_data[prefix + "first_block"] = first_block;
+  ctx->saved_data[prefix + "chunks"] = static_cast<int64_t>(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i)
+    chunks[i].save(ctx, fmt::format("{}chunk{}.", prefix, i));
+}
+
+PrefixAttentionPlan PrefixAttentionPlan::saved(torch::autograd::AutogradContext* ctx,
+                                               const std::string& prefix) {
+  PrefixAttentionPlan plan;
+  plan.shared = kernels::PrefixGatherPlan::saved(ctx, prefix + "shared.");
+  plan.tail = kernels::PrefixGatherPlan::saved(ctx, prefix + "tail.");
+  plan.cu_group_blocks = ctx->saved_data[prefix + "cu_group_blocks"].toTensor();
+  plan.shared_length = ctx->saved_data[prefix + "shared_length"].toTensor();
+  plan.blocks = ctx->saved_data[prefix + "blocks"].toInt();
+  plan.max_group_blocks = ctx->saved_data[prefix + "max_group_blocks"].toInt();
+  plan.first_block = ctx->saved_data[prefix + "first_block"].toInt();
+  const int64_t chunks = ctx->saved_data[prefix + "chunks"].toInt();
+  for (int64_t i = 0; i < chunks; ++i) {
+    plan.chunks.push_back(saved(ctx, fmt::format("{}chunk{}.", prefix, i)));
+  }
+  return plan;
+}
+
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 
+// [rows, H, D] -> the plan's segments, [capacity, H, D] (gradient-free: used inside the
+// autograd function).
+at::Tensor gather(const at::Tensor& rows, const kernels::PrefixGatherPlan& plan) {
+  const at::NoGradGuard no_grad;
+  const int64_t heads = rows.size(1), d = rows.size(2);
+  return kernels::prefix_gather(rows.reshape({-1, heads * d}), plan).view({-1, heads, d});
+}
+
 struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_ctx,
                             const at::Tensor& v_ctx, const at::Tensor& k_blk,
-                            const at::Tensor& v_blk, const kernels::PrefixGatherPlan& plan) {
-    const int64_t n = plan.anchor.size(0), q_rows = q.size(0) / n, bs = plan.block_size;
-    auto steps = at::arange(n + 1, plan.cu_keys.options());
-    auto cu_q = steps * q_rows;
+                            const at::Tensor& v_blk, const PrefixAttentionPlan& plan) {
+    const int64_t n = plan.blocks, q_rows = q.size(0) / n;
+    const auto& tail = plan.tail;
+    auto cu_q = at::arange(n + 1, tail.cu_keys.options()) * q_rows;
     auto [out, lse, rng_state, unused, debug_mask] = at::_flash_attention_forward(
-        q, k_blk, v_blk, cu_q, steps * bs, q_rows, bs, 0.0, /*is_causal=*/false,
+        q, gather(at::cat({k_ctx, k_blk}), tail), gather(at::cat({v_ctx, v_blk}), tail), cu_q,
+        tail.cu_keys, q_rows, tail.max_keys, 0.0, /*is_causal=*/false,
         /*return_debug_mask=*/false);
-    if (plan.max_context > 0) {
-      // Block i's context keys are rows [context_start[i], context_start[i] + a_i) of k_ctx:
-      // FA2's varlen kernel reads a segment's keys from cu_seqlens_k[i] for seqused_k[i] rows
-      // and never looks at cu_seqlens_k[i + 1], so the segments may overlap.
+    if (plan.shared.max_context > 0) {
+      // Group g's shared keys are rows [context_start[g], context_start[g] + s_g) of k_ctx:
+      // FA2's varlen kernel reads a segment's keys from cu_seqlens_k[g] for seqused_k[g] rows
+      // and never looks at cu_seqlens_k[g + 1], so the segments may overlap.
       auto part = at::_flash_attention_forward(
-          q, k_ctx, v_ctx, cu_q, plan.context_start, q_rows, plan.max_context, 0.0,
-          /*is_causal=*/false, /*return_debug_mask=*/false, std::optional<double>(),
-          std::optional<int64_t>(), std::optional<int64_t>(),
-          std::optional<at::Tensor>(plan.context_length));
+          q, k_ctx, v_ctx, plan.cu_group_blocks * q_rows, plan.shared.context_start,
+          plan.max_group_blocks * q_rows, plan.shared.max_context, 0.0, /*is_causal=*/false,
+          /*return_debug_mask=*/false, std::optional<double>(), std::optional<int64_t>(),
+          std::optional<int64_t>(), std::optional<at::Tensor>(plan.shared.context_length));
       std::tie(out, lse) = kernels::attention_merge(std::get<0>(part), std::get<1>(part),
-                                                    plan.context_length, out, lse);
+                                                    plan.shared_length, out, lse);
     }
     ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, rng_state, unused});
     plan.save(ctx);
-    ctx->saved_data["chunks"] = static_cast<int64_t>(plan.chunks.size());
-    for (size_t i = 0; i < plan.chunks.size(); ++i) {
-      plan.chunks[i].save(ctx, fmt::format("chunk{}.", i));
-    }
-    ctx->saved_data["q_rows"] = q_rows;
     return out;
   }
 
@@ -52,50 +163,60 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k_ctx = saved[1], &v_ctx = saved[2], &k_blk = saved[3],
                &v_blk = saved[4], &out = saved[5], &lse = saved[6];
-    const int64_t heads = k_ctx.size(1), d = k_ctx.size(2), width = heads * d;
-    const int64_t q_rows = ctx->saved_data["q_rows"].toInt(), t = k_ctx.size(0);
-    // One chunk of blocks at a time (the whole plan when it has no chunks): only that chunk's
-    // gathered keys, values and their gradients exist at once. Blocks do not see each other,
-    // so a chunk's backward is its blocks' queries against their own segments; context rows
-    // seen from several chunks sum their gradients in fp32.
-    std::vector<kernels::PrefixGatherPlan> parts;
-    const int64_t chunks = ctx->saved_data["chunks"].toInt();
-    if (chunks == 0) parts.push_back(kernels::PrefixGatherPlan::saved(ctx));
-    for (int64_t i = 0; i < chunks; ++i) {
-      parts.push_back(kernels::PrefixGatherPlan::saved(ctx, fmt::format("chunk{}.", i)));
-    }
+    const int64_t heads = k_ctx.size(1), d = k_ctx.size(2), width = heads * d, t = k_ctx.size(0);
+    const auto whole = PrefixAttentionPlan::saved(ctx);
+    const int64_t q_rows = q.size(0) / whole.blocks;
     auto dq = at::empty_like(q);
     auto dk_blk = at::empty_like(k_blk), dv_blk = at::empty_like(v_blk);
     auto dk_ctx = at::zeros({t, width}, k_ctx.options().dtype(at::kFloat));
     auto dv_ctx = at::zeros_like(dk_ctx);
-    for (const auto& plan : parts) {
-      const int64_t n = plan.anchor.size(0), bs = plan.block_size;
-      const int64_t first_q = plan.first_block * q_rows, first_k = plan.first_block * bs;
-      at::Tensor dq_part, dk, dv;
-      {
-        // The gathered keys live only in this scope: freed before the reductions below.
-        auto gather = [&](const at::Tensor& context, const at::Tensor& block) {
-          return kernels::prefix_gather(
-                     at::cat({context, block.narrow(0, first_k, n * bs)}).view({-1, width}), plan)
-              .view({-1, heads, d});
+    // One chunk of groups at a time (the whole plan when it has no chunks): only that chunk's
+    // gathered keys, values and their gradients exist at once. Blocks do not see each other,
+    // so a chunk's backward is its blocks' queries against their own segments; context rows
+    // seen from several segments and chunks sum their gradients in fp32.
+    std::vector<const PrefixAttentionPlan*> parts;
+    for (const auto& chunk : whole.chunks) parts.push_back(&chunk);
+    if (parts.empty()) parts.push_back(&whole);
+    for (const PrefixAttentionPlan* part : parts) {
+      const int64_t n = part->blocks, bs = part->tail.block_size;
+      const int64_t first_q = part->first_block * q_rows, first_k = part->first_block * bs;
+      auto rows = [&](const at::Tensor& x) { return x.narrow(0, first_q, n * q_rows); };
+      const auto lse_part = lse.narrow(1, first_q, n * q_rows).contiguous();
+      // Flash's backward over one split of the keys; the gathered keys live only in here.
+      auto backward_over = [&](const at::Tensor& block_k, const at::Tensor& block_v,
+                               const kernels::PrefixGatherPlan& split, const at::Tensor& cu_q,
+                               int64_t max_q) {
+        auto keys = [&](const at::Tensor& c, const at::Tensor& b) {
+          return gather(b.defined() ? at::cat({c, b}) : c, split);
         };
-        std::tie(dq_part, dk, dv) = at::_flash_attention_backward(
-            grads[0].narrow(0, first_q, n * q_rows), q.narrow(0, first_q, n * q_rows),
-            gather(k_ctx, k_blk), gather(v_ctx, v_blk), out.narrow(0, first_q, n * q_rows),
-            lse.narrow(1, first_q, n * q_rows).contiguous(),
-            at::arange(n + 1, plan.cu_keys.options()) * q_rows, plan.cu_keys, q_rows, plan.max_keys,
-            0.0, /*is_causal=*/false, saved[7], saved[8]);
-      }
-      dq.narrow(0, first_q, n * q_rows).copy_(dq_part);
-      // Back to rows: each context row sums the gradients of every block that saw it.
-      auto add_rows = [&](at::Tensor& gathered, at::Tensor& context, at::Tensor& block) {
-        auto r = kernels::prefix_gather_backward(gathered.view({-1, width}), plan);
-        gathered = at::Tensor();
-        context.add_(r.narrow(0, 0, t));
-        block.narrow(0, first_k, n * bs).copy_(r.narrow(0, t, n * bs).view({-1, heads, d}));
+        return at::_flash_attention_backward(rows(grads[0]), rows(q), keys(k_ctx, block_k),
+                                             keys(v_ctx, block_v), rows(out), lse_part, cu_q,
+                                             split.cu_keys, max_q, split.max_keys, 0.0,
+                                             /*is_causal=*/false, saved[7], saved[8]);
       };
-      add_rows(dk, dk_ctx, dk_blk);
-      add_rows(dv, dv_ctx, dv_blk);
+      // Back to rows: each context row sums the gradients of every segment that held it.
+      auto add_rows = [&](at::Tensor gathered, const kernels::PrefixGatherPlan& split,
+                          at::Tensor& context, at::Tensor* block) {
+        auto r = kernels::prefix_gather_backward(gathered.view({-1, width}), split);
+        context.add_(r.narrow(0, 0, t));
+        if (block != nullptr) {
+          block->narrow(0, first_k, n * bs).copy_(r.narrow(0, t, n * bs).view({-1, heads, d}));
+        }
+      };
+      auto [dq_part, dk, dv] = backward_over(
+          k_blk.narrow(0, first_k, n * bs), v_blk.narrow(0, first_k, n * bs), part->tail,
+          at::arange(n + 1, part->tail.cu_keys.options()) * q_rows, q_rows);
+      add_rows(std::move(dk), part->tail, dk_ctx, &dk_blk);
+      add_rows(std::move(dv), part->tail, dv_ctx, &dv_blk);
+      if (part->shared.max_context > 0) {
+        auto [dq_shared, dk_shared, dv_shared] =
+            backward_over(at::Tensor(), at::Tensor(), part->shared, part->cu_group_blocks * q_rows,
+                          part->max_group_blocks * q_rows);
+        dq_part.add_(dq_shared);
+        add_rows(std::move(dk_shared), part->shared, dk_ctx, nullptr);
+        add_rows(std::move(dv_shared), part->shared, dv_ctx, nullptr);
+      }
+      rows(dq).copy_(dq_part);
     }
     auto back = [&](const at::Tensor& x) { return x.to(k_ctx.scalar_type()).view({t, heads, d}); };
     return {dq, back(dk_ctx), back(dv_ctx), dk_blk, dv_blk, at::Tensor()};
@@ -106,23 +227,24 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
 
 at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx,
                             const at::Tensor& k_blk, const at::Tensor& v_blk,
-                            const kernels::PrefixGatherPlan& plan) {
-  const int64_t n = plan.anchor.size(0);
+                            const PrefixAttentionPlan& plan) {
+  const int64_t n = plan.blocks;
   const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
   if (!q.is_cuda() || !half) {
     fail("prefix attention: flash needs CUDA bf16/fp16, got {} {}", q.device().str(),
          c10::toString(q.scalar_type()));
   }
+  const int64_t bs = plan.tail.block_size;
   if (q.dim() != 3 || n == 0 || q.size(0) % n != 0 || k_ctx.dim() != 3 ||
-      k_ctx.size(0) != plan.context_rows || k_blk.dim() != 3 ||
-      k_blk.size(0) != n * plan.block_size || k_ctx.sizes().slice(1) != q.sizes().slice(1) ||
+      k_ctx.size(0) != plan.tail.context_rows || k_blk.dim() != 3 || k_blk.size(0) != n * bs ||
+      k_ctx.sizes().slice(1) != q.sizes().slice(1) ||
       k_blk.sizes().slice(1) != q.sizes().slice(1) || v_ctx.sizes() != k_ctx.sizes() ||
       v_blk.sizes() != k_blk.sizes()) {
     fail(
         "prefix attention: q {}, context K/V {} / {}, block K/V {} / {} do not fit a plan of {} "
         "blocks of {} over {} context rows",
-        q.sizes(), k_ctx.sizes(), v_ctx.sizes(), k_blk.sizes(), v_blk.sizes(), n, plan.block_size,
-        plan.context_rows);
+        q.sizes(), k_ctx.sizes(), v_ctx.sizes(), k_blk.sizes(), v_blk.sizes(), n, bs,
+        plan.tail.context_rows);
   }
   return PrefixAttentionFunction::apply(q, k_ctx, v_ctx, k_blk, v_blk, plan);
 }

@@ -1,25 +1,68 @@
 // prefix_attention: the drafter's block attention in training on CUDA (flash attention, bf16 or
-// fp16) without the gathered copy of the keys in the forward. Each block attends to the
-// context rows of its sequence before its anchor and to its own B rows; the forward runs flash
-// twice, once over the context in place (varlen with seqused_k: the blocks of a sequence share
-// its rows) and once over the blocks' own keys, and merges the two with their log-sum-exps
-// (kernels/attention_merge.h).
-// Autograd keeps only the ungathered K/V; the backward gathers each block's keys again
-// (kernels::prefix_gather, one chunk of blocks at a time: PrefixGatherPlan::chunks) and runs
-// flash's backward over them with the merged output and log-sum-exp, which is exactly the
-// gradient of attention over the union.
+// fp16). Block i's queries attend to context rows [0, a_i) of its sequence and to its own B
+// rows. Blocks whose anchors lie close together share most of those keys, so a plan groups
+// consecutive blocks of a sequence whose anchors span at most `max_tail_context` rows, with s
+// the group's smallest anchor, and splits each block's keys in two:
+//   shared: context rows [0, s), one segment per group, seen by all the group's query rows;
+//   tail:   context rows [s, a_i), then the block's own B rows, one short segment per block.
+// The forward runs flash over the shared segments in place (varlen with seqused_k: the groups
+// of a sequence share its rows) and over the gathered tails, and merges the two by their
+// log-sum-exps (kernels/attention_merge.h). Autograd keeps only the ungathered K/V; the backward
+// gathers both parts again (kernels::prefix_gather) and runs flash's backward on each with the
+// merged output and log-sum-exp, which is exactly the gradient of attention over the union.
+// Grouping is what makes the backward fast: flash's backward keeps a tile of keys on chip and
+// walks the query rows that see it, so a segment seen by a group's G*B*heads rows costs one
+// pass where a per-block segment cost G, and the gathered copies are G times smaller.
 #pragma once
 #include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
 
 #include "kernels/prefix_gather.h"
 
 namespace dflash::models {
+
+struct PrefixAttentionPlan {
+  // Anchor span of a group: a tail holds at most this many context rows plus B, which fits one
+  // 128-key tile of flash's backward at B = 16.
+  static constexpr int64_t kMaxTailContext = 112;
+  // Gathered rows (shared and tail) per chunk of groups in the backward, which gathers one
+  // chunk at a time: four tensors of this many rows (keys, values and their gradients) live at
+  // once, 1 GiB at the Qwen3-8B drafter's 8 KV heads of 128.
+  static constexpr int64_t kChunkKeys = int64_t{1} << 17;
+
+  kernels::PrefixGatherPlan shared;  // one segment per group: context rows [0, s), no own rows
+  kernels::PrefixGatherPlan tail;    // one segment per block: context rows [s, a_i), own rows
+  at::Tensor cu_group_blocks;        // int32 [groups + 1]: first block of each group
+  at::Tensor shared_length;          // int32 [blocks]: s of the block's group
+  int64_t blocks = 0;
+  int64_t max_group_blocks = 0;
+  int64_t first_block = 0;  // a chunk's first block among the whole plan's blocks
+  // Plans of consecutive runs of groups of at most chunk_keys gathered rows each (a bigger
+  // group is a run of its own); empty when one run holds them all.
+  std::vector<PrefixAttentionPlan> chunks;
+
+  // Blocks grouped by sequence in order (anchors in any order within one; sorted anchors make
+  // the groups largest); anchors[i] < lengths[sequence[i]].
+  static PrefixAttentionPlan build(const std::vector<int64_t>& lengths,
+                                   const std::vector<int64_t>& sequence,
+                                   const std::vector<int64_t>& anchors, int64_t block_size,
+                                   at::Device device, int64_t max_tail_context = kMaxTailContext,
+                                   int64_t chunk_keys = kChunkKeys);
+
+  // Into and out of an autograd context, as kernels::PrefixGatherPlan (chunks included).
+  void save(torch::autograd::AutogradContext* ctx, const std::string& prefix = "plan.") const;
+  static PrefixAttentionPlan saved(torch::autograd::AutogradContext* ctx,
+                                   const std::string& prefix = "plan.");
+};
 
 // q: [blocks*R, Hkv, D], block i's R query rows at [i*R, (i+1)*R) (R = B, or G*B with the G
 // query heads of a KV head folded into rows); k_ctx, v_ctx: [T, Hkv, D]; k_blk, v_blk:
 // [blocks*B, Hkv, D]. Returns [blocks*R, Hkv, D], differentiable in all five.
 at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx,
                             const at::Tensor& k_blk, const at::Tensor& v_blk,
-                            const kernels::PrefixGatherPlan& plan);
+                            const PrefixAttentionPlan& plan);
 
 }  // namespace dflash::models

@@ -2,6 +2,7 @@
 // where there is no GPU; the argument checks run everywhere).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -147,67 +148,59 @@ TEST(PrefixGather, PaddingRowsAreZeroAndIgnoredByTheBackward) {
   EXPECT_TRUE(at::allclose(rows.grad(), expected, 1e-6, 1e-6));
 }
 
-TEST(PrefixGather, ChunksAreRunsOfBlocksWithTheWholePlansSegments) {
-  EXPECT_TRUE(sample_plan(at::kCPU).chunks.empty());  // 242 keys, far below kChunkKeys
-  // Key lengths 54, 4, 103, 67, 14: runs of at most 110 keys are blocks {0, 1}, {2}, {3, 4}.
-  auto plan = kernels::PrefixGatherPlan::build({100, 37, 64}, {0, 0, 0, 2, 2}, {50, 0, 99, 63, 10},
-                                               4, at::kCPU,
-                                               /*chunk_keys=*/110);
-  ASSERT_EQ(plan.chunks.size(), 3u);
-  const std::vector<int64_t> first = {0, 2, 3}, count = {2, 1, 2};
-  const int64_t t = 201, bs = 4;
-  std::vector<int64_t> cu(plan.cu_keys.data_ptr<int32_t>(), plan.cu_keys.data_ptr<int32_t>() + 6);
-  auto rows = at::randn({t + 5 * bs, 8});
-  auto all = kernels::prefix_gather(rows, plan);
-  auto grad = at::randn({plan.capacity, 8});
-  auto summed = at::zeros({t + 5 * bs, 8});
-  for (size_t c = 0; c < plan.chunks.size(); ++c) {
-    const auto& chunk = plan.chunks[c];
-    SCOPED_TRACE(c);
-    EXPECT_EQ(chunk.first_block, first[c]);
-    ASSERT_EQ(chunk.anchor.size(0), count[c]);
-    EXPECT_EQ(chunk.context_rows, t);
-    EXPECT_TRUE(chunk.chunks.empty());
-    const int64_t begin = cu[first[c]], keys = cu[first[c] + count[c]] - begin;
-    ASSERT_EQ(chunk.keys, keys);
-    auto own = at::cat({rows.narrow(0, 0, t), rows.narrow(0, t + first[c] * bs, count[c] * bs)});
-    EXPECT_TRUE(at::equal(kernels::prefix_gather(own, chunk).narrow(0, 0, keys),
-                          all.narrow(0, begin, keys)));
-    // The chunks' reductions, added up, are the whole plan's.
-    auto part = at::zeros({chunk.capacity, 8});
-    part.narrow(0, 0, keys).copy_(grad.narrow(0, begin, keys));
-    auto r = kernels::prefix_gather_backward(part, chunk);
-    summed.narrow(0, 0, t).add_(r.narrow(0, 0, t));
-    summed.narrow(0, t + first[c] * bs, count[c] * bs).add_(r.narrow(0, t, count[c] * bs));
-  }
-  EXPECT_TRUE(
-      at::allclose(summed, kernels::prefix_gather_backward_reference(grad, plan), 1e-5, 1e-5));
+// A segment may start past its sequence's first row (begin), and may hold no own rows (B = 0),
+// as prefix attention's split plans do.
+TEST(PrefixGather, SegmentsMayBeginInsideTheContext) {
+  auto plan =
+      kernels::PrefixGatherPlan::build({5, 4}, {0, 0, 1}, {2, 3, 3}, 2, at::kCPU, {1, 3, 0});
+  // Block 0: context rows 1..1, block 1: none (begin = anchor), block 2: rows 5..7.
+  std::vector<int64_t> expected = {1, 9, 10, 11, 12, 5, 6, 7, 13, 14};
+  EXPECT_TRUE(at::equal(plan.index, at::tensor(expected, at::kLong))) << plan.index;
+  EXPECT_TRUE(at::equal(plan.context_start, at::tensor({1, 3, 5, 9}, at::kInt)));
+  EXPECT_TRUE(at::equal(plan.context_length, at::tensor({1, 0, 3}, at::kInt)));
+  auto shared = kernels::PrefixGatherPlan::build({5, 4}, {0, 1}, {2, 3}, 0, at::kCPU);
+  EXPECT_TRUE(at::equal(shared.index, at::tensor({0, 1, 5, 6, 7}, at::kLong))) << shared.index;
+  auto rows = at::randn({9, 3}).requires_grad_(true);
+  auto grad = at::randn({5, 3});
+  kernels::prefix_gather(rows, shared).backward(grad);
+  EXPECT_TRUE(at::allclose(rows.grad(), at::zeros({9, 3}).index_add_(0, shared.index, grad)));
+  EXPECT_THROW(kernels::PrefixGatherPlan::build({5}, {0}, {2}, 2, at::kCPU, {3}), Error);
+  EXPECT_THROW(kernels::PrefixGatherPlan::build({5}, {0}, {2}, 2, at::kCPU, {0, 0}), Error);
 }
 
 TEST(PrefixGather, CudaBackwardMatchesReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  auto cpu_plan = sample_plan(at::kCPU);
-  auto plan = sample_plan(at::kCUDA);
-  for (auto [dtype, width] : {std::pair{at::kBFloat16, 64}, std::pair{at::kFloat, 40}}) {
-    SCOPED_TRACE(c10::toString(dtype));
-    auto grad = at::randn({cpu_plan.index.size(0), width}).to(dtype);
-    auto expected = kernels::prefix_gather_backward_reference(grad, cpu_plan);
-    auto actual = kernels::prefix_gather_backward(grad.cuda(), plan).cpu();
-    // Both sum in fp32; the order differs, so allow the last bit of the output dtype.
-    const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
-    EXPECT_TRUE(at::allclose(actual.to(at::kFloat), expected.to(at::kFloat), tol, tol))
-        << (actual.to(at::kFloat) - expected.to(at::kFloat)).abs().max();
-    // Through autograd, as the drafter uses it.
-    auto rows = at::randn({expected.size(0), width}, at::TensorOptions().device(at::kCUDA))
-                    .to(dtype)
-                    .requires_grad_(true);
-    auto out = kernels::prefix_gather(rows, plan);
-    const int64_t keys = cpu_plan.keys, pad = cpu_plan.capacity - keys;
-    EXPECT_TRUE(at::equal(out.cpu().narrow(0, 0, keys),
-                          rows.detach().cpu().index_select(0, cpu_plan.index.narrow(0, 0, keys))));
-    EXPECT_TRUE(at::equal(out.cpu().narrow(0, keys, pad), at::zeros({pad, width}).to(dtype)));
-    out.backward(grad.cuda());
-    EXPECT_TRUE(at::equal(rows.grad().cpu(), actual));
+  // The sample plan, and the same blocks with segments that begin inside the context.
+  const std::vector<int64_t> begins = {10, 0, 98, 60, 10};
+  for (bool begin : {false, true}) {
+    auto build = [&](at::Device device) {
+      return kernels::PrefixGatherPlan::build({100, 37, 64}, {0, 0, 0, 2, 2}, {50, 0, 99, 63, 10},
+                                              4, device, begin ? begins : std::vector<int64_t>{});
+    };
+    auto cpu_plan = build(at::kCPU);
+    auto plan = build(at::kCUDA);
+    for (auto [dtype, width] : {std::pair{at::kBFloat16, 64}, std::pair{at::kFloat, 40}}) {
+      SCOPED_TRACE(fmt::format("{} begin {}", c10::toString(dtype), begin));
+      auto grad = at::randn({cpu_plan.index.size(0), width}).to(dtype);
+      auto expected = kernels::prefix_gather_backward_reference(grad, cpu_plan);
+      auto actual = kernels::prefix_gather_backward(grad.cuda(), plan).cpu();
+      // Both sum in fp32; the order differs, so allow the last bit of the output dtype.
+      const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+      EXPECT_TRUE(at::allclose(actual.to(at::kFloat), expected.to(at::kFloat), tol, tol))
+          << (actual.to(at::kFloat) - expected.to(at::kFloat)).abs().max();
+      // Through autograd, as the drafter uses it.
+      auto rows = at::randn({expected.size(0), width}, at::TensorOptions().device(at::kCUDA))
+                      .to(dtype)
+                      .requires_grad_(true);
+      auto out = kernels::prefix_gather(rows, plan);
+      const int64_t keys = cpu_plan.keys, pad = cpu_plan.capacity - keys;
+      EXPECT_TRUE(
+          at::equal(out.cpu().narrow(0, 0, keys),
+                    rows.detach().cpu().index_select(0, cpu_plan.index.narrow(0, 0, keys))));
+      EXPECT_TRUE(at::equal(out.cpu().narrow(0, keys, pad), at::zeros({pad, width}).to(dtype)));
+      out.backward(grad.cuda());
+      EXPECT_TRUE(at::equal(rows.grad().cpu(), actual));
+    }
   }
 }
 

@@ -1,9 +1,10 @@
-// models/prefix_attention and kernels/attention_merge: the log-sum-exp merge against attention
-// over the union of keys (CPU), its CUDA kernel against that reference, and on CUDA the whole
-// function (flash over the context in place + flash over the blocks,
-// merged; backward through the re-gathered keys) against the path it replaces (keys gathered by
-// kernels::prefix_gather, one flash call) and an fp64 reference written from the mask's
-// definition, values and gradients.
+// models/prefix_attention and kernels/attention_merge: the plan's split of each block's keys
+// into its group's shared segment and its own tail (CPU), the log-sum-exp merge against
+// attention over the union of keys (CPU), its CUDA kernel against that reference, and on CUDA
+// the whole function (flash over the shared segments in place + flash over the gathered tails,
+// merged; backward through both re-gathered) against the path it replaces (every block's keys
+// gathered by kernels::prefix_gather, one flash call) and an fp64 reference written from the
+// mask's definition, values and gradients.
 #include "models/prefix_attention.h"
 
 #include <gtest/gtest.h>
@@ -29,6 +30,98 @@ std::pair<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& 
   auto scores = at::matmul(q.transpose(0, 1), k.permute({1, 2, 0})) / std::sqrt(q.size(2));
   auto out = at::matmul(at::softmax(scores, -1), v.transpose(0, 1)).transpose(0, 1);
   return {out, at::logsumexp(scores, -1)};
+}
+
+// The source rows of each segment of a gather plan.
+std::vector<std::vector<int64_t>> segments(const kernels::PrefixGatherPlan& plan) {
+  auto index = plan.index.cpu();
+  std::vector<std::vector<int64_t>> out;
+  int64_t at = 0;
+  for (int64_t len : plan.key_lengths) {
+    out.emplace_back(index.data_ptr<int64_t>() + at, index.data_ptr<int64_t>() + at + len);
+    at += len;
+  }
+  return out;
+}
+
+std::vector<int64_t> host(const at::Tensor& t) {
+  auto c = t.cpu().to(at::kLong);
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+
+// Four sequences (the second without blocks), anchors unsorted in places; groups of anchors
+// within 10 rows of each other.
+const std::vector<int64_t> kLengths = {100, 37, 64, 300},
+                           kSequence = {0, 0, 0, 0, 2, 2, 3, 3, 3, 3, 3, 3},
+                           kAnchors = {5, 9, 50, 49, 0, 63, 0, 3, 12, 250, 244, 299};
+
+TEST(PrefixAttentionPlan, SharedAndTailSplitEachBlocksKeys) {
+  const int64_t bs = 4, t = 501, n = static_cast<int64_t>(kAnchors.size());
+  auto plan = models::PrefixAttentionPlan::build(kLengths, kSequence, kAnchors, bs, at::kCPU,
+                                                 /*max_tail_context=*/10);
+  // Groups: {5, 9}, {50, 49}, {0}, {63}, {0, 3}, {12}, {250, 244}, {299}.
+  EXPECT_EQ(host(plan.cu_group_blocks), (std::vector<int64_t>{0, 2, 4, 5, 6, 8, 9, 11, 12}));
+  EXPECT_EQ(host(plan.shared_length),
+            (std::vector<int64_t>{5, 5, 49, 49, 0, 63, 0, 0, 12, 244, 244, 299}));
+  EXPECT_EQ(plan.max_group_blocks, 2);
+  EXPECT_TRUE(plan.chunks.empty());
+  // Each block's keys, shared part then tail, are its whole segment in the plain gather plan:
+  // context rows [start, start + a_i), then its own rows.
+  auto whole =
+      segments(kernels::PrefixGatherPlan::build(kLengths, kSequence, kAnchors, bs, at::kCPU));
+  auto shared = segments(plan.shared), tail = segments(plan.tail);
+  const auto cu = host(plan.cu_group_blocks);
+  for (size_t g = 0; g + 1 < cu.size(); ++g) {
+    for (int64_t i = cu[g]; i < cu[g + 1]; ++i) {
+      SCOPED_TRACE(i);
+      auto keys = shared[g];
+      keys.insert(keys.end(), tail[i].begin(), tail[i].end());
+      EXPECT_EQ(keys, whole[i]);
+      EXPECT_EQ(tail[i].back(), t + i * bs + bs - 1);
+    }
+  }
+  EXPECT_EQ(plan.tail.blocks, n);
+  EXPECT_EQ(plan.shared.block_size, 0);
+  EXPECT_THROW(
+      models::PrefixAttentionPlan::build(
+          kLengths, kSequence, {5, 9, 50, 49, 0, 64, 0, 3, 12, 250, 244, 299}, bs, at::kCPU),
+      Error);
+}
+
+TEST(PrefixAttentionPlan, ChunksAreRunsOfGroupsWithTheWholePlansSegments) {
+  const int64_t bs = 4;
+  auto plan = models::PrefixAttentionPlan::build(kLengths, kSequence, kAnchors, bs, at::kCPU, 10,
+                                                 /*chunk_keys=*/300);
+  ASSERT_GE(plan.chunks.size(), 3u);
+  auto shared = segments(plan.shared), tail = segments(plan.tail);
+  const auto cu = host(plan.cu_group_blocks);
+  int64_t block = 0;
+  size_t group = 0;
+  for (const auto& chunk : plan.chunks) {
+    SCOPED_TRACE(chunk.first_block);
+    EXPECT_EQ(chunk.first_block, block);
+    EXPECT_TRUE(chunk.chunks.empty());
+    const auto chunk_cu = host(chunk.cu_group_blocks);
+    if (chunk_cu.size() > 2) {
+      EXPECT_LE(chunk.shared.keys + chunk.tail.keys, 300);  // only a lone group may exceed
+    }
+    auto chunk_shared = segments(chunk.shared), chunk_tail = segments(chunk.tail);
+    for (size_t g = 0; g + 1 < chunk_cu.size(); ++g, ++group) {
+      EXPECT_EQ(chunk_cu[g + 1] - chunk_cu[g], cu[group + 1] - cu[group]);  // the same groups
+      EXPECT_EQ(chunk_shared[g], shared[group]);
+    }
+    for (int64_t i = 0; i < chunk.blocks; ++i) {
+      // The chunk's own rows follow the context from its first block on.
+      auto expected = tail[block + i];
+      for (auto& r : expected) {
+        if (r >= chunk.tail.context_rows) r -= chunk.first_block * bs;
+      }
+      EXPECT_EQ(chunk_tail[i], expected);
+    }
+    block += chunk.blocks;
+  }
+  EXPECT_EQ(block, plan.blocks);
+  EXPECT_EQ(group + 1, cu.size());
 }
 
 // Parts of a merge: per block, q against its context keys (none for block 1: what flash writes
@@ -118,6 +211,7 @@ struct GpuCase {
   std::string name;
   std::vector<int64_t> lengths, sequence, anchors;
   int64_t head_dim;
+  int64_t tail;  // max_tail_context of the small-groups plan
 };
 
 class PrefixAttentionGpu : public ::testing::TestWithParam<GpuCase> {
@@ -176,16 +270,22 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
             at::randn({n * bs, kv_heads, d})};
   auto dout = at::randn({n * q_rows, kv_heads, d});
 
-  auto fresh = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
-    return models::prefix_attention(x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, plan);
-  });
-  // The backward a chunk of blocks at a time (about three chunks here): the same gradients.
-  auto chunked_plan = kernels::PrefixGatherPlan::build(c.lengths, c.sequence, c.anchors, bs, cuda,
-                                                       std::max<int64_t>(plan.keys / 3, 1));
+  auto with = [&](const models::PrefixAttentionPlan& p) {
+    return run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
+      return models::prefix_attention(x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, p);
+    });
+  };
+  auto fresh = with(models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, bs, cuda));
+  // Small groups: more shared segments and tails.
+  auto small_plan =
+      models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, bs, cuda, c.tail);
+  auto small = with(small_plan);
+  // The backward a chunk of groups at a time (about three chunks here): the same gradients.
+  auto chunked_plan =
+      models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, bs, cuda, c.tail,
+                                         (small_plan.shared.keys + small_plan.tail.keys) / 3);
   ASSERT_GE(chunked_plan.chunks.size(), 2u);
-  auto chunked = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
-    return models::prefix_attention(x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, chunked_plan);
-  });
+  auto chunked = with(chunked_plan);
   // The path it replaces: every block's keys gathered into a segment, one varlen flash call.
   auto gathered = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
     auto gather = [&](const at::Tensor& context, const at::Tensor& block) {
@@ -216,27 +316,48 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
         return at::cat(outs);
       });
 
-  EXPECT_FALSE(fresh.out.isnan().any().item<bool>());
-  EXPECT_TRUE(at::equal(chunked.out, fresh.out));  // the forward does not chunk
+  EXPECT_TRUE(at::equal(chunked.out, small.out));  // the forward does not chunk
   const double out_gathered = worst_block_error(gathered.out, reference.out, n);
-  const double out_fresh = worst_block_error(fresh.out, reference.out, n);
-  // Both round to bf16 (the merged path once more, its two parts): within twice the error of
-  // the path it replaces, plus a little.
-  EXPECT_LE(out_fresh, 2 * out_gathered + 2e-3) << "gathered path: " << out_gathered;
-  EXPECT_LE(out_fresh, 1e-2);
   const char* names[] = {"q", "k_ctx", "v_ctx", "k_blk", "v_blk"};
-  for (size_t g = 0; g < 5; ++g) {
-    SCOPED_TRACE(names[g]);
-    const double err_gathered = relative_error(gathered.grads[g], reference.grads[g]);
-    const double err_fresh = relative_error(fresh.grads[g], reference.grads[g]);
-    EXPECT_FALSE(fresh.grads[g].isnan().any().item<bool>());
-    EXPECT_LE(err_fresh, 1.5 * err_gathered + 2e-3) << "gathered path: " << err_gathered;
-    EXPECT_LE(err_fresh, 3e-2);
-    // Same backward kernel over the same keys: only the merged out and lse differ.
-    EXPECT_LE(relative_error(fresh.grads[g], gathered.grads[g]), 1e-2);
-    // Chunked: the same kernels per block; context rows add their chunks' sums in fp32.
-    EXPECT_LE(relative_error(chunked.grads[g], fresh.grads[g]), 5e-3);
+  for (const auto& [name, r] :
+       {std::pair{"default groups", &fresh}, std::pair{"small groups", &small},
+        std::pair{"chunked", &chunked}}) {
+    SCOPED_TRACE(name);
+    EXPECT_FALSE(r->out.isnan().any().item<bool>());
+    const double out_err = worst_block_error(r->out, reference.out, n);
+    // Both round to bf16 (the merged path once more, its two parts): within twice the error of
+    // the path it replaces, plus a little.
+    EXPECT_LE(out_err, 2 * out_gathered + 2e-3) << "gathered path: " << out_gathered;
+    EXPECT_LE(out_err, 1e-2);
+    for (size_t g = 0; g < 5; ++g) {
+      SCOPED_TRACE(names[g]);
+      const double err_gathered = relative_error(gathered.grads[g], reference.grads[g]);
+      const double err = relative_error(r->grads[g], reference.grads[g]);
+      EXPECT_FALSE(r->grads[g].isnan().any().item<bool>());
+      EXPECT_LE(err, 1.5 * err_gathered + 2e-3) << "gathered path: " << err_gathered;
+      EXPECT_LE(err, 3e-2);
+      // The same backward kernel over the same keys, split in two: the rounding of the
+      // two parts' sums apart.
+      EXPECT_LE(relative_error(r->grads[g], gathered.grads[g]), 1e-2);
+    }
   }
+  for (size_t g = 0; g < 5; ++g) {
+    // Chunked: the same kernels per group; context rows add their chunks' sums in fp32.
+    EXPECT_LE(relative_error(chunked.grads[g], small.grads[g]), 5e-3) << names[g];
+  }
+}
+
+GpuCase dense_case() {
+  GpuCase c{"dense_d128", {400, 200}, {}, {}, 128, 30};
+  for (int64_t i = 0; i < 40; ++i) {
+    c.sequence.push_back(0);
+    c.anchors.push_back(10 * i + i % 3);
+  }
+  for (int64_t a = 3; a < 200; a += 13) {
+    c.sequence.push_back(1);
+    c.anchors.push_back(a);
+  }
+  return c;
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -248,16 +369,21 @@ INSTANTIATE_TEST_SUITE_P(
                 {40, 7, 30, 100},
                 {0, 0, 0, 1, 3, 3, 3, 3},
                 {17, 0, 39, 6, 99, 0, 50, 98},
-                128},
+                128,
+                20},
         GpuCase{"mixed_d64",
                 {40, 7, 30, 100},
                 {0, 0, 0, 1, 3, 3, 3, 3},
                 {17, 0, 39, 6, 99, 0, 50, 98},
-                64},
+                64,
+                20},
         // More context than one 128-key tile, several tiles per segment.
-        GpuCase{"long_d128", {300, 260}, {0, 0, 1, 1}, {299, 130, 0, 259}, 128},
+        GpuCase{"long_d128", {300, 260}, {0, 0, 1, 1}, {299, 130, 0, 259}, 128, 20},
         // No block sees any context: the block part alone.
-        GpuCase{"no_context_d128", {20, 33}, {0, 0, 1}, {0, 0, 0}, 128}),
+        GpuCase{"no_context_d128", {20, 33}, {0, 0, 1}, {0, 0, 0}, 128, 20},
+        // Sorted anchors a few rows apart, as training samples them: groups of several blocks
+        // whose shared segments span several key tiles.
+        dense_case()),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace
