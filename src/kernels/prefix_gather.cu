@@ -1,6 +1,6 @@
-// One thread block per output row, 16 bytes of the row per thread. A context row sums the
-// gradient of every segment of its sequence that holds it (in block order, fp32); a block row
-// copies its block's last B gathered rows back.
+// One thread block (at least one warp) per output row, 16 bytes of the row per thread. A
+// context row sums the gradient of every segment of its sequence that holds it (in block
+// order, fp32); a block row copies its block's last B gathered rows back.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +12,8 @@
 
 namespace dflash::kernels {
 namespace {
+
+constexpr int64_t kMaxHits = 1024;
 
 template <typename T>
 __global__ void prefix_gather_backward_kernel(
@@ -34,13 +36,39 @@ __global__ void prefix_gather_backward_kernel(
   int64_t s = 0;  // the sequence holding this row (few sequences: a linear scan)
   while (s + 1 < num_seqs && seq_row_start[s + 1] <= row) ++s;
   const int64_t first = seq_block_start[s], last = seq_block_start[s + 1];
+  // The first warp lists, in block order, the segments that hold this row (a sequence may have
+  // thousands of blocks, and split plans put a row in few of them), so that every thread then
+  // reads only those. More than kMaxHits: every thread walks all of them instead.
+  __shared__ int32_t hits[kMaxHits];
+  __shared__ int64_t hit_count;
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    int64_t n = 0;
+    for (int64_t base = first; base < last; base += 32) {
+      const int64_t b = base + lane;
+      bool hit = false;
+      if (b < last) {
+        const int64_t j = row - context_start[b];
+        hit = j >= 0 && j < context_length[b];
+      }
+      const unsigned mask = __ballot_sync(0xffffffffu, hit);
+      const int64_t at = n + __popc(mask & ((1u << lane) - 1u));
+      if (hit && at < kMaxHits) hits[at] = static_cast<int32_t>(b);
+      n += __popc(mask);
+    }
+    if (lane == 0) hit_count = n;
+  }
+  __syncthreads();
+  const int64_t n = hit_count;
+  const bool listed = n <= kMaxHits;
   for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
     float acc[kVec];
 #pragma unroll
     for (int k = 0; k < kVec; ++k) acc[k] = 0.f;
-    for (int64_t b = first; b < last; ++b) {
+    for (int64_t i = listed ? 0 : first, end = listed ? n : last; i < end; ++i) {
+      const int64_t b = listed ? hits[i] : i;
       const int64_t j = row - context_start[b];  // row's place in block b's segment
-      if (j < 0 || j >= context_length[b]) continue;
+      if (!listed && (j < 0 || j >= context_length[b])) continue;
       const uint4 raw = reinterpret_cast<const uint4*>(grad + (cu_keys[b] + j) * width)[v];
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll

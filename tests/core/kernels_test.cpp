@@ -170,17 +170,23 @@ TEST(PrefixGather, SegmentsMayBeginInsideTheContext) {
 
 TEST(PrefixGather, CudaBackwardMatchesReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  // The sample plan, and the same blocks with segments that begin inside the context.
+  // The sample plan; the same blocks with segments that begin inside the context; more
+  // segments holding one row than the kernel lists (1024), so that it walks them all.
   const std::vector<int64_t> begins = {10, 0, 98, 60, 10};
-  for (bool begin : {false, true}) {
+  for (const std::string variant : {"sample", "begins", "many"}) {
     auto build = [&](at::Device device) {
-      return kernels::PrefixGatherPlan::build({100, 37, 64}, {0, 0, 0, 2, 2}, {50, 0, 99, 63, 10},
-                                              4, device, begin ? begins : std::vector<int64_t>{});
+      if (variant == "many") {
+        return kernels::PrefixGatherPlan::build({3, 9}, std::vector<int64_t>(1100, 1),
+                                                std::vector<int64_t>(1100, 6), 1, device);
+      }
+      return kernels::PrefixGatherPlan::build(
+          {100, 37, 64}, {0, 0, 0, 2, 2}, {50, 0, 99, 63, 10}, 4, device,
+          variant == "begins" ? begins : std::vector<int64_t>{});
     };
     auto cpu_plan = build(at::kCPU);
     auto plan = build(at::kCUDA);
     for (auto [dtype, width] : {std::pair{at::kBFloat16, 64}, std::pair{at::kFloat, 40}}) {
-      SCOPED_TRACE(fmt::format("{} begin {}", c10::toString(dtype), begin));
+      SCOPED_TRACE(fmt::format("{} {}", c10::toString(dtype), variant));
       auto grad = at::randn({cpu_plan.index.size(0), width}).to(dtype);
       auto expected = kernels::prefix_gather_backward_reference(grad, cpu_plan);
       auto actual = kernels::prefix_gather_backward(grad.cuda(), plan).cpu();
