@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -23,6 +24,7 @@
 #include "kernels/attention_merge.h"
 #include "kernels/decode_ops.h"
 #include "kernels/moe_combine.h"
+#include "kernels/residual_norm.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
 #include "kernels/swiglu.h"
@@ -362,6 +364,37 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
              return kernels::rotary(at::rms_norm(xg, {d}, wg, 1e-6), cos, sin);
            }),
            10 * bytes);
+  }
+  // The drafter's residual add and the RMSNorm that reads it, over a step's block rows, with a
+  // gradient reaching both the sum (the residual stream) and the normed output: fused forward
+  // and backward against x + y, at::rms_norm and their autograd backward.
+  {
+    const int64_t rows = 512 * 16;
+    auto x = at::randn({rows, h}, opts), y = at::randn({rows, h}, opts);
+    auto weight = at::ones({h}, opts);
+    auto d_sum = at::randn({rows, h}, opts), d_normed = at::randn({rows, h}, opts);
+    auto time_step = [&](const std::function<std::pair<at::Tensor, at::Tensor>(
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&)>& forward) {
+      const c10::AutoGradMode grad_mode(true);
+      auto xg = x.detach().requires_grad_(true), yg = y.detach().requires_grad_(true);
+      auto wg = weight.detach().requires_grad_(true);
+      return us_eager(o, [&] {
+        auto [sum, normed] = forward(xg, yg, wg);
+        torch::autograd::backward({sum, normed}, {d_sum, d_normed});
+      });
+    };
+    const double bytes = 2.0 * rows * h;
+    report("residual_rms_norm fwd + bwd", rows, h, 0,
+           time_step([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& w) {
+             return kernels::residual_rms_norm(a, b, w, 1e-6);
+           }),
+           8 * bytes);
+    report("add + rms_norm fwd + bwd (ATen)", rows, h, 0,
+           time_step([&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& w) {
+             auto sum = a + b;
+             return std::pair{sum, at::rms_norm(sum, {h}, w, 1e-6)};
+           }),
+           12 * bytes);
   }
   if (!o.json_out.empty()) {
     write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));

@@ -16,6 +16,7 @@
 #include "common/file.h"
 #include "common/json_file.h"
 #include "io/safetensors.h"
+#include "kernels/residual_norm.h"
 #include "kernels/rotary.h"
 #include "kernels/swiglu.h"
 #include "models/prefix_attention.h"
@@ -32,13 +33,21 @@ struct BlockQkv {
   at::Tensor q, k, v;  // [rows, Hq, D], [rows, Hkv, D] x2
 };
 
-// The block rows' attention inputs: input_layernorm, Q/K/V projections, q_norm/k_norm and RoPE
-// at the rows' absolute positions. Weights are cast to `dtype` (a no-op when they already are).
-BlockQkv block_qkv(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& x,
+// {x + pending, rms_norm(x + pending) * weight}: the add and the norm in one pass each way
+// (kernels::residual_rms_norm); x itself when nothing is pending.
+std::pair<at::Tensor, at::Tensor> add_and_norm(const Residual& r, const at::Tensor& weight,
+                                               double eps) {
+  if (!r.pending.defined()) return {r.x, rms_norm(r.x, weight, eps)};
+  return kernels::residual_rms_norm(r.x, r.pending, weight, eps);
+}
+
+// The block rows' attention inputs from their input_layernorm output h: Q/K/V projections,
+// q_norm/k_norm and RoPE at the rows' absolute positions. Weights are cast to `dtype` (a no-op
+// when they already are).
+BlockQkv block_qkv(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& h,
                    const at::Tensor& cos, const at::Tensor& sin, at::ScalarType dtype) {
   const double eps = c.rms_norm_eps;
-  const int64_t rows = x.size(0), d = c.head_dim;
-  auto h = rms_norm(x, w.input_norm.to(dtype), eps);
+  const int64_t rows = h.size(0), d = c.head_dim;
   auto q = at::linear(h, w.q_proj.to(dtype)).view({rows, c.num_heads, d});
   q = kernels::norm_rotary(q, w.q_norm.to(dtype), cos, sin, eps);
   auto k = at::linear(h, w.k_proj.to(dtype)).view({rows, c.num_kv_heads, d});
@@ -74,15 +83,16 @@ at::Tensor fused_context(const DrafterConfig& config, const at::Tensor& features
   return rms_norm(fused, hidden_norm.to(dtype), config.layers.rms_norm_eps);
 }
 
-// The rest of a drafter layer after attention: o_proj and residual, then the SwiGLU MLP.
-at::Tensor layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& x,
-                        const at::Tensor& attn, at::ScalarType dtype) {
+// The rest of a drafter layer after attention: o_proj and residual, then the SwiGLU MLP, whose
+// output is left pending for the next norm to add.
+Residual layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& x,
+                      const at::Tensor& attn, at::ScalarType dtype) {
   const int64_t rows = x.size(0);
-  auto x1 = x + at::linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
-  auto h2 = rms_norm(x1, w.post_attention_norm.to(dtype), c.rms_norm_eps);
+  auto o = at::linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
+  auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm.to(dtype), c.rms_norm_eps);
   auto act =
       kernels::swiglu(at::linear(h2, w.gate_proj.to(dtype)), at::linear(h2, w.up_proj.to(dtype)));
-  return x1 + at::linear(act, w.down_proj.to(dtype));
+  return {x1, at::linear(act, w.down_proj.to(dtype))};
 }
 
 }  // namespace
@@ -575,7 +585,8 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
   auto weight = [&](size_t i) { return compute_weight(i, dtype); };
   auto ctx = fused_context(config_, features, weight(0), weight(1), dtype);
   // The embedding is frozen: at::embedding of a tensor without requires_grad records nothing.
-  auto x = at::embedding(head.embedding, layout.input_ids).to(dtype);
+  Residual stream{at::embedding(head.embedding, layout.input_ids).to(dtype), {}};
+  const at::Tensor& x = stream.x;
   auto [ctx_cos, ctx_sin] = rotary_.tables(batch.positions, dtype);
   auto [blk_cos, blk_sin] = rotary_.tables(layout.positions, dtype);
   // Built once for all layers.
@@ -607,22 +618,22 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
     for (size_t f = 0; f < std::size(kContextFields); ++f) {
       *context_fields[f] = weight(first + kContextFields[f]);
     }
-    x = layer_forward(layer, context_layer, x, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch,
-                      layout, dtype, gathered ? &*gathered : nullptr,
-                      in_place ? &*in_place : nullptr);
+    stream = layer_forward(layer, context_layer, stream, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin,
+                           batch, layout, dtype, gathered ? &*gathered : nullptr,
+                           in_place ? &*in_place : nullptr);
   }
-  return rms_norm(x, weight(named_.size() - 1), config_.layers.rms_norm_eps);
+  return add_and_norm(stream, weight(named_.size() - 1), config_.layers.rms_norm_eps).second;
 }
 
-at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
-                                  const DrafterLayerWeights& context_w, const at::Tensor& x,
-                                  const at::Tensor& ctx, const at::Tensor& ctx_cos,
-                                  const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
-                                  const at::Tensor& blk_sin, const PackedBatch& batch,
-                                  const BlockLayout& layout, at::ScalarType dtype,
-                                  const kernels::PrefixGatherPlan* gathered,
-                                  const PrefixAttentionPlan* in_place) const {
+Residual Drafter::layer_forward(const DrafterLayerWeights& w, const DrafterLayerWeights& context_w,
+                                const Residual& input, const at::Tensor& ctx,
+                                const at::Tensor& ctx_cos, const at::Tensor& ctx_sin,
+                                const at::Tensor& blk_cos, const at::Tensor& blk_sin,
+                                const PackedBatch& batch, const BlockLayout& layout,
+                                at::ScalarType dtype, const kernels::PrefixGatherPlan* gathered,
+                                const PrefixAttentionPlan* in_place) const {
   const ModelConfig& c = config_.layers;
+  auto [x, h] = add_and_norm(input, w.input_norm.to(dtype), c.rms_norm_eps);
   const int64_t rows = x.size(0), d = c.head_dim, bs = layout.block_size;
   const int64_t hkv = c.num_kv_heads, groups = c.num_heads / hkv;
   // Block-sparse attention folds GQA into the query rows (below), which wants q's heads in
@@ -637,7 +648,7 @@ at::Tensor Drafter::layer_forward(const DrafterLayerWeights& w,
     wp.q_proj = w.q_proj.view({hkv, groups, d, h}).transpose(0, 1).reshape({groups * hkv * d, h});
     wp.o_proj = w.o_proj.view({h, hkv, groups, d}).transpose(1, 2).reshape({h, groups * hkv * d});
   }
-  auto [q, k_blk, v_blk] = block_qkv(wp, c, x, blk_cos, blk_sin, dtype);
+  auto [q, k_blk, v_blk] = block_qkv(wp, c, h, blk_cos, blk_sin, dtype);
   auto [k_ctx, v_ctx] = context_kv(context_w, c, ctx, ctx_cos, ctx_sin, dtype);
 
   at::Tensor attn;  // [rows, Hq, D], heads in wp's order
@@ -787,16 +798,17 @@ at::Tensor DraftModel::hidden(KVCache& cache, const std::vector<int64_t>& slots,
   auto batch = AppendBatch::make(cache, slots, std::vector<int64_t>(slots.size(), bs));
   auto ids = at::full({n, bs}, config_.mask_token_id, batch.positions.options());
   ids.select(1, 0).copy_(last_tokens);
-  auto x = at::embedding(head_.embedding, ids.view({n * bs})).to(dtype_);
+  Residual stream{at::embedding(head_.embedding, ids.view({n * bs})).to(dtype_), {}};
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& w = layers_[l];
-    auto [q, k, v] = block_qkv(w, c, x, cos, sin, dtype_);
+    auto [x, h] = add_and_norm(stream, w.input_norm.to(dtype_), c.rms_norm_eps);
+    auto [q, k, v] = block_qkv(w, c, h, cos, sin, dtype_);
     cache.update(static_cast<int64_t>(l), batch.rows, k, v);
     auto attn = cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
-    x = layer_output(w, c, x, attn, dtype_);
+    stream = layer_output(w, c, x, attn, dtype_);
   }
-  return rms_norm(x, norm_, c.rms_norm_eps).view({n, bs, c.hidden_size});
+  return add_and_norm(stream, norm_, c.rms_norm_eps).second.view({n, bs, c.hidden_size});
 }
 
 at::Tensor DraftModel::logits(KVCache& cache, const std::vector<int64_t>& slots,

@@ -112,6 +112,12 @@ enum class DrafterAttention {
   kGathered,  // per block, keys gathered from the context prefix + own block (block-sparse)
 };
 
+// The residual stream between drafter layers: x plus the last branch output not yet added to
+// it (undefined when none), so that the add and the next RMSNorm run as one pass.
+struct Residual {
+  at::Tensor x, pending;
+};
+
 struct DrafterLayerWeights {
   at::Tensor input_norm, post_attention_norm;  // [H]
   at::Tensor q_proj, k_proj, v_proj, o_proj;   // [Hq*D, H], [Hkv*D, H] x2, [H, Hq*D]
@@ -186,13 +192,13 @@ class Drafter {
   // `context_w`: the k_proj, v_proj and k_norm that the context's K/V use. Block-sparse attention
   // takes one of the two plans: `in_place` for flash, `gathered` for other dtypes and devices;
   // neither is dense attention.
-  at::Tensor layer_forward(const DrafterLayerWeights& w, const DrafterLayerWeights& context_w,
-                           const at::Tensor& x, const at::Tensor& ctx, const at::Tensor& ctx_cos,
-                           const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
-                           const at::Tensor& blk_sin, const PackedBatch& batch,
-                           const BlockLayout& layout, at::ScalarType dtype,
-                           const kernels::PrefixGatherPlan* gathered,
-                           const PrefixAttentionPlan* in_place) const;
+  Residual layer_forward(const DrafterLayerWeights& w, const DrafterLayerWeights& context_w,
+                         const Residual& input, const at::Tensor& ctx, const at::Tensor& ctx_cos,
+                         const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
+                         const at::Tensor& blk_sin, const PackedBatch& batch,
+                         const BlockLayout& layout, at::ScalarType dtype,
+                         const kernels::PrefixGatherPlan* gathered,
+                         const PrefixAttentionPlan* in_place) const;
 
   // Parameter i (named_parameters order) as forward() in `dtype` reads it: its compute copy when
   // there is one, else a cast of the master.
