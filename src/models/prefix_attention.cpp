@@ -1,12 +1,8 @@
 #include "models/prefix_attention.h"
 
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -127,38 +123,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 
-// Work queued on a pool stream beside the current one: flash over the tails is thousands of
-// one-tile CTAs, and flash over the shared segments leaves SMs idle in its last waves, so the
-// two fill each other's gaps. The side stream starts after everything queued so far; join()
-// makes the current stream wait for it, after which tensors made on the side may be used and
-// freed on the current stream.
-class SideStream {
- public:
-  explicit SideStream(const at::Device& device)
-      : main_(c10::cuda::getCurrentCUDAStream(device.index())),
-        side_(c10::cuda::getStreamFromPool(false, device.index())) {
-    at::cuda::CUDAEvent ready;
-    ready.record(main_);
-    ready.block(side_);
-  }
-  template <class F>
-  auto run(F&& work) {
-    const c10::cuda::CUDAStreamGuard guard(side_);
-    return work();
-  }
-  void join(std::initializer_list<at::Tensor> made_on_side) {
-    at::cuda::CUDAEvent done;
-    done.record(side_);
-    done.block(main_);
-    for (const auto& t : made_on_side) {
-      if (t.defined() && t.is_cuda()) t.record_stream(main_);
-    }
-  }
-
- private:
-  c10::cuda::CUDAStream main_, side_;
-};
-
 // [rows, H, D] -> the plan's segments, [capacity, H, D] (gradient-free: used inside the
 // autograd function).
 at::Tensor gather(const at::Tensor& rows, const kernels::PrefixGatherPlan& plan) {
@@ -173,19 +137,12 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
                             const at::Tensor& v_blk, const PrefixAttentionPlan& plan) {
     const int64_t n = plan.blocks, q_rows = q.size(0) / n;
     const auto& tail = plan.tail;
-    auto attend_tails = [&] {
-      auto cu_q = at::arange(n + 1, tail.cu_keys.options()) * q_rows;
-      return at::_flash_attention_forward(q, gather(at::cat({k_ctx, k_blk}), tail),
-                                          gather(at::cat({v_ctx, v_blk}), tail), cu_q, tail.cu_keys,
-                                          q_rows, tail.max_keys, 0.0,
-                                          /*is_causal=*/false, /*return_debug_mask=*/false);
-    };
-    at::Tensor out, lse, rng_state, unused;
-    if (plan.shared.max_context == 0) {
-      std::tie(out, lse, rng_state, unused, std::ignore) = attend_tails();
-    } else {
-      SideStream side(q.device());
-      std::tie(out, lse, rng_state, unused, std::ignore) = side.run(attend_tails);
+    auto cu_q = at::arange(n + 1, tail.cu_keys.options()) * q_rows;
+    auto [out, lse, rng_state, unused, debug_mask] = at::_flash_attention_forward(
+        q, gather(at::cat({k_ctx, k_blk}), tail), gather(at::cat({v_ctx, v_blk}), tail), cu_q,
+        tail.cu_keys, q_rows, tail.max_keys, 0.0, /*is_causal=*/false,
+        /*return_debug_mask=*/false);
+    if (plan.shared.max_context > 0) {
       // Group g's shared keys are rows [context_start[g], context_start[g] + s_g) of k_ctx:
       // FA2's varlen kernel reads a segment's keys from cu_seqlens_k[g] for seqused_k[g] rows
       // and never looks at cu_seqlens_k[g + 1], so the segments may overlap.
@@ -194,7 +151,6 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
           plan.max_group_blocks * q_rows, plan.shared.max_context, 0.0, /*is_causal=*/false,
           /*return_debug_mask=*/false, std::optional<double>(), std::optional<int64_t>(),
           std::optional<int64_t>(), std::optional<at::Tensor>(plan.shared.context_length));
-      side.join({out, lse, rng_state, unused});
       std::tie(out, lse) = kernels::attention_merge(std::get<0>(part), std::get<1>(part),
                                                     plan.shared_length, out, lse);
     }
