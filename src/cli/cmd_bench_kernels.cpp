@@ -365,6 +365,23 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
            }),
            10 * bytes);
   }
+  // The drafter's per-step permutes of q_proj's head rows and o_proj's head columns to
+  // group-major order: models::swap_middle_dims against ATen's copy of the transposed view.
+  {
+    const int64_t groups = c.num_heads / c.num_kv_heads, hkv = c.num_kv_heads;
+    auto o_proj = at::randn({h, q}, opts);
+    const double bytes = 2.0 * 2.0 * h * q;
+    report(
+        "swap_middle_dims o_proj", h, q, 0,
+        us_per_call(device, o, [&](int) { models::swap_middle_dims(o_proj, h, hkv, groups, d); }),
+        bytes);
+    report("transpose().contiguous() o_proj", h, q, 0,
+           us_per_call(device, o,
+                       [&](int) {
+                         o_proj.view({h, hkv, groups, d}).transpose(1, 2).contiguous();
+                       }),
+           bytes);
+  }
   // The drafter's residual add and the RMSNorm that reads it, over a step's block rows, with a
   // gradient reaching both the sum (the residual stream) and the normed output: fused forward
   // and backward against x + y, at::rms_norm and their autograd backward.

@@ -645,8 +645,8 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const DrafterLayer
   const bool sparse = gathered != nullptr || in_place != nullptr;
   if (sparse && groups > 1) {
     const int64_t h = c.hidden_size;
-    wp.q_proj = w.q_proj.view({hkv, groups, d, h}).transpose(0, 1).reshape({groups * hkv * d, h});
-    wp.o_proj = w.o_proj.view({h, hkv, groups, d}).transpose(1, 2).reshape({h, groups * hkv * d});
+    wp.q_proj = swap_middle_dims(w.q_proj, 1, hkv, groups, d * h);
+    wp.o_proj = swap_middle_dims(w.o_proj, h, hkv, groups, d);
   }
   auto [q, k_blk, v_blk] = block_qkv(wp, c, h, blk_cos, blk_sin, dtype);
   auto [k_ctx, v_ctx] = context_kv(context_w, c, ctx, ctx_cos, ctx_sin, dtype);

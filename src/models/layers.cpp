@@ -2,9 +2,11 @@
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <numbers>
 
 #include "common/error.h"
@@ -12,6 +14,45 @@
 #include "kernels/moe_combine.h"
 
 namespace dflash::models {
+
+namespace {
+
+at::Tensor swap_middle_copy(const at::Tensor& x, int64_t a, int64_t b, int64_t c, int64_t e) {
+  const auto shape = x.sizes().vec();
+  auto flat = x.contiguous().view({a, b, c, e});
+  // Whole 8-byte words of a run of e elements move as int64: the same bytes, a quarter of the
+  // bf16 elements.
+  const int64_t bytes = e * x.element_size();
+  if (bytes % 8 == 0 && reinterpret_cast<uintptr_t>(flat.data_ptr()) % 8 == 0) {
+    auto words = flat.view(at::kLong);  // [a, b, c, bytes / 8]
+    return words.transpose(1, 2).contiguous().view(at::kByte).view(x.scalar_type()).view(shape);
+  }
+  return flat.transpose(1, 2).contiguous().view(shape);
+}
+
+struct SwapMiddleDims : public torch::autograd::Function<SwapMiddleDims> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t a,
+                            int64_t b, int64_t c, int64_t e) {
+    ctx->saved_data["dims"] = std::vector<int64_t>{a, b, c, e};
+    return swap_middle_copy(x, a, b, c, e);
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto d = ctx->saved_data["dims"].toIntVector();
+    return {swap_middle_copy(grads[0], d[0], d[2], d[1], d[3]), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor swap_middle_dims(const at::Tensor& x, int64_t a, int64_t b, int64_t c, int64_t e) {
+  if (a * b * c * e != x.numel()) {
+    fail("swap_middle_dims: [{}, {}, {}, {}] does not hold the {} elements of {}", a, b, c, e,
+         x.numel(), x.sizes());
+  }
+  return SwapMiddleDims::apply(x, a, b, c, e);
+}
 
 PackedBatch PackedBatch::from_lengths(const std::vector<int64_t>& lengths, at::Device device) {
   PackedBatch b;

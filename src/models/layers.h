@@ -29,6 +29,13 @@ struct PackedBatch {
 // RMSNorm over the last dimension, accumulated in fp32.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// x (contiguous) viewed as [a, b, c, e] with its middle dims swapped: [a, c, b, e], contiguous,
+// x's shape folded back as [a * c * b * e / x.size(-1), x.size(-1)] for 2-d x. Differentiable
+// (the backward swaps back). ATen's copy of a transposed tensor moves 2 bytes a thread for
+// bf16 (no vector path for non-contiguous input); this moves 8 where e's run of bytes allows,
+// which is what the drafter's per-step permutes of q_proj and o_proj need.
+at::Tensor swap_middle_dims(const at::Tensor& x, int64_t a, int64_t b, int64_t c, int64_t e);
+
 // Rotary embedding tables for a config (default, llama3- or yarn-scaled frequencies), applied
 // by kernels::rotary (rotate-half convention, as HF).
 class Rotary {
