@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -41,19 +42,45 @@ std::pair<at::Tensor, at::Tensor> add_and_norm(const Residual& r, const at::Tens
   return kernels::residual_rms_norm(r.x, r.pending, weight, eps);
 }
 
-// The block rows' attention inputs from their input_layernorm output h: Q/K/V projections,
-// q_norm/k_norm and RoPE at the rows' absolute positions. Weights are cast to `dtype` (a no-op
-// when they already are).
-BlockQkv block_qkv(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& h,
-                   const at::Tensor& cos, const at::Tensor& sin, at::ScalarType dtype) {
+// The block rows' attention inputs: `project(weight, queries)` gives the rows' products with
+// q_proj (queries = true), k_proj and v_proj; then q_norm/k_norm and RoPE at the rows' absolute
+// positions (q_cos/q_sin for the query rows, which may be fewer than the key rows). Weights are
+// cast to `dtype` (a no-op when they already are).
+using Projection = std::function<at::Tensor(const at::Tensor& weight, bool queries)>;
+BlockQkv block_qkv(const DrafterLayerWeights& w, const ModelConfig& c, const Projection& project,
+                   const at::Tensor& q_cos, const at::Tensor& q_sin, const at::Tensor& cos,
+                   const at::Tensor& sin, at::ScalarType dtype) {
   const double eps = c.rms_norm_eps;
-  const int64_t rows = h.size(0), d = c.head_dim;
-  auto q = at::linear(h, w.q_proj.to(dtype)).view({rows, c.num_heads, d});
-  q = kernels::norm_rotary(q, w.q_norm.to(dtype), cos, sin, eps);
-  auto k = at::linear(h, w.k_proj.to(dtype)).view({rows, c.num_kv_heads, d});
-  k = kernels::norm_rotary(k, w.k_norm.to(dtype), cos, sin, eps);
-  auto v = at::linear(h, w.v_proj.to(dtype)).view({rows, c.num_kv_heads, d});
-  return {q, k, v};
+  const int64_t d = c.head_dim;
+  auto q = project(w.q_proj.to(dtype), true);
+  q = kernels::norm_rotary(q.view({q.size(0), c.num_heads, d}), w.q_norm.to(dtype), q_cos, q_sin,
+                           eps);
+  auto k = project(w.k_proj.to(dtype), false);
+  k = kernels::norm_rotary(k.view({k.size(0), c.num_kv_heads, d}), w.k_norm.to(dtype), cos, sin,
+                           eps);
+  auto v = project(w.v_proj.to(dtype), false);
+  return {q, k, v.view({v.size(0), c.num_kv_heads, d})};
+}
+
+// Rows of block positions 1..B-1 of [blocks*B, ...] rows (a copy; its backward scatters).
+at::Tensor prediction_rows(const at::Tensor& t, int64_t blocks, int64_t block_size) {
+  auto sizes = t.sizes().vec();
+  sizes[0] = blocks * (block_size - 1);
+  return t.view({blocks, block_size, -1}).narrow(1, 1, block_size - 1).reshape(sizes);
+}
+
+// [blocks + 1, C] distinct rows (each block's anchor row, then the MASK row) -> the blocks'
+// rows: [blocks*B, C] (anchor, then MASK B-1 times), or [blocks*(B-1), C] (the MASK rows) with
+// `predictions`. The backward sums the MASK rows' gradients (in fp32 for bf16).
+at::Tensor spread_to_blocks(const at::Tensor& distinct, int64_t blocks, int64_t block_size,
+                            bool predictions) {
+  const int64_t width = distinct.size(1);
+  auto mask = distinct.narrow(0, blocks, 1);
+  if (predictions) return mask.expand({blocks * (block_size - 1), width}).contiguous();
+  return at::cat({distinct.narrow(0, 0, blocks).unsqueeze(1),
+                  mask.unsqueeze(0).expand({blocks, block_size - 1, width})},
+                 1)
+      .view({blocks * block_size, width});
 }
 
 // K/V injection: the same k_proj/v_proj (and k_norm, RoPE at absolute positions) over the
@@ -551,8 +578,8 @@ at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) co
 
 at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch,
                             const BlockLayout& layout, const TargetHead& head, at::ScalarType dtype,
-                            DrafterAttention attention) const {
-  const int64_t n = layout.num_blocks();
+                            DrafterAttention attention, BlockRows rows) const {
+  const int64_t n = layout.num_blocks(), bs = layout.block_size;
   if (features.size(0) != batch.total) {
     fail("drafter: features have {} rows, the packed batch has {} tokens", features.size(0),
          batch.total);
@@ -562,6 +589,11 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
          config_.block_size);
   }
   if (n == 0) fail("drafter: no blocks to run");
+  if (!layout.anchor_ids.defined() || layout.anchor_ids.dim() != 1 ||
+      layout.anchor_ids.size(0) != n) {
+    fail("drafter: the block layout's anchor_ids must be [{}] (one per block), got {}", n,
+         layout.anchor_ids.defined() ? layout.anchor_ids.sizes() : at::IntArrayRef{});
+  }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = layout.sequence[i];
     if (s < 0 || s >= batch.size() || (i > 0 && s < layout.sequence[i - 1])) {
@@ -585,21 +617,25 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
   auto weight = [&](size_t i) { return compute_weight(i, dtype); };
   auto ctx = fused_context(config_, features, weight(0), weight(1), dtype);
   // The embedding is frozen: at::embedding of a tensor without requires_grad records nothing.
-  Residual stream{at::embedding(head.embedding, layout.input_ids).to(dtype), {}};
-  const at::Tensor& x = stream.x;
+  // The blocks' inputs have blocks + 1 distinct rows: each anchor's token, then the MASK's.
+  auto distinct_ids = at::cat(
+      {layout.anchor_ids, at::full({1}, config_.mask_token_id, layout.anchor_ids.options())});
+  auto distinct = at::embedding(head.embedding, distinct_ids).to(dtype);
+  Residual stream{spread_to_blocks(distinct, n, bs, /*predictions=*/false), {}};
+  const at::Device device = stream.x.device();
   auto [ctx_cos, ctx_sin] = rotary_.tables(batch.positions, dtype);
   auto [blk_cos, blk_sin] = rotary_.tables(layout.positions, dtype);
   // Built once for all layers.
   std::optional<kernels::PrefixGatherPlan> gathered;
   std::optional<PrefixAttentionPlan> in_place;
   if (attention == DrafterAttention::kGathered) {
-    const bool flash = x.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
+    const bool flash = device.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
     if (flash) {
       in_place = PrefixAttentionPlan::build(batch.lengths, layout.sequence, layout.anchor,
-                                            layout.block_size, x.device());
+                                            layout.block_size, device);
     } else {
       gathered = kernels::PrefixGatherPlan::build(batch.lengths, layout.sequence, layout.anchor,
-                                                  layout.block_size, x.device());
+                                                  layout.block_size, device);
     }
   }
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -618,24 +654,46 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
     for (size_t f = 0; f < std::size(kContextFields); ++f) {
       *context_fields[f] = weight(first + kContextFields[f]);
     }
-    stream = layer_forward(layer, context_layer, stream, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin,
-                           batch, layout, dtype, gathered ? &*gathered : nullptr,
-                           in_place ? &*in_place : nullptr);
+    const bool predictions = rows == BlockRows::kPredictions && l + 1 == layers_.size();
+    stream = layer_forward(layer, context_layer, stream, l == 0 ? distinct : at::Tensor(),
+                           predictions, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch, layout,
+                           dtype, gathered ? &*gathered : nullptr, in_place ? &*in_place : nullptr);
   }
   return add_and_norm(stream, weight(named_.size() - 1), config_.layers.rms_norm_eps).second;
 }
 
 Residual Drafter::layer_forward(const DrafterLayerWeights& w, const DrafterLayerWeights& context_w,
-                                const Residual& input, const at::Tensor& ctx,
-                                const at::Tensor& ctx_cos, const at::Tensor& ctx_sin,
-                                const at::Tensor& blk_cos, const at::Tensor& blk_sin,
-                                const PackedBatch& batch, const BlockLayout& layout,
-                                at::ScalarType dtype, const kernels::PrefixGatherPlan* gathered,
+                                const Residual& input, const at::Tensor& distinct, bool predictions,
+                                const at::Tensor& ctx, const at::Tensor& ctx_cos,
+                                const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
+                                const at::Tensor& blk_sin, const PackedBatch& batch,
+                                const BlockLayout& layout, at::ScalarType dtype,
+                                const kernels::PrefixGatherPlan* gathered,
                                 const PrefixAttentionPlan* in_place) const {
   const ModelConfig& c = config_.layers;
-  auto [x, h] = add_and_norm(input, w.input_norm.to(dtype), c.rms_norm_eps);
-  const int64_t rows = x.size(0), d = c.head_dim, bs = layout.block_size;
+  const int64_t n = layout.num_blocks(), bs = layout.block_size, d = c.head_dim;
   const int64_t hkv = c.num_kv_heads, groups = c.num_heads / hkv;
+  // Query rows per block: the anchor row predicts nothing, so a last layer returning only the
+  // predicting rows needs neither its query nor anything after attention.
+  const int64_t qb = predictions ? bs - 1 : bs;
+  at::Tensor x, h;
+  Projection project;
+  if (distinct.defined()) {
+    // First layer: its norm and projections over the distinct rows (1/B of the rows), the
+    // products spread to the blocks. Exact: equal rows have equal products.
+    x = input.x;
+    h = rms_norm(distinct, w.input_norm.to(dtype), c.rms_norm_eps);
+    project = [&](const at::Tensor& weight, bool queries) {
+      return spread_to_blocks(at::linear(h, weight), n, bs, queries && predictions);
+    };
+  } else {
+    std::tie(x, h) = add_and_norm(input, w.input_norm.to(dtype), c.rms_norm_eps);
+    project = [&](const at::Tensor& weight, bool queries) {
+      return at::linear(queries && predictions ? prediction_rows(h, n, bs) : h, weight);
+    };
+  }
+  if (predictions) x = prediction_rows(x, n, bs);
+  const int64_t rows = x.size(0);
   // Block-sparse attention folds GQA into the query rows (below), which wants q's heads in
   // group-major order (the G query heads of one KV head G*Hkv*D apart): q_proj's rows and
   // o_proj's columns permuted to that order make the fold, and the unfold of the output, free
@@ -648,7 +706,9 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const DrafterLayer
     wp.q_proj = swap_middle_dims(w.q_proj, 1, hkv, groups, d * h);
     wp.o_proj = swap_middle_dims(w.o_proj, h, hkv, groups, d);
   }
-  auto [q, k_blk, v_blk] = block_qkv(wp, c, h, blk_cos, blk_sin, dtype);
+  const at::Tensor q_cos = predictions ? prediction_rows(blk_cos, n, bs) : blk_cos;
+  const at::Tensor q_sin = predictions ? prediction_rows(blk_sin, n, bs) : blk_sin;
+  auto [q, k_blk, v_blk] = block_qkv(wp, c, project, q_cos, q_sin, blk_cos, blk_sin, dtype);
   auto [k_ctx, v_ctx] = context_kv(context_w, c, ctx, ctx_cos, ctx_sin, dtype);
 
   at::Tensor attn;  // [rows, Hq, D], heads in wp's order
@@ -663,14 +723,15 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const DrafterLayer
         anchors.push_back(layout.anchor[block++]);
       }
       if (!anchors.empty()) {
-        const int64_t nrows = static_cast<int64_t>(anchors.size()) * bs;
+        const int64_t blocks = static_cast<int64_t>(anchors.size()), nrows = blocks * bs;
         auto keys = at::cat({k_ctx.narrow(0, ctx_start, len), k_blk.narrow(0, first * bs, nrows)});
         auto vals = at::cat({v_ctx.narrow(0, ctx_start, len), v_blk.narrow(0, first * bs, nrows)});
         auto mask = dense_block_mask(len, anchors, bs, x.device());
+        if (predictions) mask = prediction_rows(mask, blocks, bs);
         auto view = [](const at::Tensor& a) { return a.transpose(0, 1).unsqueeze(0); };
-        auto o = at::scaled_dot_product_attention(view(q.narrow(0, first * bs, nrows)), view(keys),
-                                                  view(vals), mask, 0.0, false, std::nullopt,
-                                                  /*enable_gqa=*/true);
+        auto o = at::scaled_dot_product_attention(view(q.narrow(0, first * qb, blocks * qb)),
+                                                  view(keys), view(vals), mask, 0.0, false,
+                                                  std::nullopt, /*enable_gqa=*/true);
         outs.push_back(o.squeeze(0).transpose(0, 1));
       }
       ctx_start += len;
@@ -684,10 +745,9 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const DrafterLayer
     // with Hkv heads and no GQA. Flash's GQA backward would otherwise expand dK/dV of every
     // gathered key to Hq heads and sum them back (the biggest cost of the step when measured),
     // and a block's 16 queries alone would fill an eighth of a 128-row tile.
-    const int64_t n = layout.num_blocks();
-    auto q_packed = q.view({n * bs * groups, hkv, d});
-    const int64_t q_rows = groups * bs;
-    at::Tensor packed;  // [n*G*B, Hkv, D]
+    auto q_packed = q.view({n * qb * groups, hkv, d});
+    const int64_t q_rows = groups * qb;
+    at::Tensor packed;  // [n*G*qb, Hkv, D]
     if (in_place != nullptr) {
       // Context keys in place, blocks of close anchors grouped (prefix_attention.h).
       packed = prefix_attention(q_packed, k_ctx, v_ctx, k_blk, v_blk, *in_place);
@@ -803,7 +863,9 @@ at::Tensor DraftModel::hidden(KVCache& cache, const std::vector<int64_t>& slots,
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& w = layers_[l];
     auto [x, h] = add_and_norm(stream, w.input_norm.to(dtype_), c.rms_norm_eps);
-    auto [q, k, v] = block_qkv(w, c, h, cos, sin, dtype_);
+    auto [q, k, v] = block_qkv(
+        w, c, [&](const at::Tensor& weight, bool) { return at::linear(h, weight); }, cos, sin, cos,
+        sin, dtype_);
     cache.update(static_cast<int64_t>(l), batch.rows, k, v);
     auto attn = cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
     stream = layer_output(w, c, x, attn, dtype_);
@@ -830,14 +892,25 @@ double drafter_step_flops(const DrafterConfig& config, const std::vector<int64_t
   const double f = c.intermediate_size, bs = config.block_size;
   double tokens = 0;
   for (int64_t n : lengths) tokens += static_cast<double>(n);
-  const double block_rows = static_cast<double>(anchors.size()) * bs;
-  double keys = 0;  // sum over block rows of the keys they attend to
-  for (int64_t a : anchors) keys += bs * (static_cast<double>(a) + bs);
-  const double layer_block = 2 * block_rows * (h * (q + 2 * kv) + q * h + 3 * h * f);
-  const double layer_ctx = 2 * tokens * h * 2 * kv;
-  const double layer_attn = 4 * keys * q;  // QK^T and PV
+  const double blocks = static_cast<double>(anchors.size()), block_rows = blocks * bs;
+  const double predicting = blocks * (bs - 1);
+  double keys = 0;  // sum over a block's positions of the keys each attends to, over blocks
+  for (int64_t a : anchors) keys += static_cast<double>(a) + bs;
+  // As the training step runs it: the first layer projects Q/K/V from its input's blocks + 1
+  // distinct rows, and the last layer computes queries, attention, O and the MLP for the
+  // predicting rows only (BlockRows::kPredictions).
+  auto layer = [&](int64_t l) {
+    const bool first = l == 0, last = l + 1 == c.num_layers;
+    const double qkv_rows = first ? blocks + 1 : block_rows;
+    const double q_rows = first ? blocks + 1 : (last ? predicting : block_rows);
+    const double post_rows = last ? predicting : block_rows, query_positions = last ? bs - 1 : bs;
+    return 2 * (q_rows * h * q + qkv_rows * h * 2 * kv + post_rows * (q * h + 3 * h * f)) +
+           2 * tokens * h * 2 * kv            // the context's K/V
+           + 4 * query_positions * keys * q;  // QK^T and PV
+  };
   const double fc = 2 * tokens * config.num_taps() * h * h;
-  const double forward = fc + c.num_layers * (layer_block + layer_ctx + layer_attn);
+  double forward = fc;
+  for (int64_t l = 0; l < c.num_layers; ++l) forward += layer(l);
   const double head = 2 * static_cast<double>(logit_rows) * h * c.vocab_size;
   // Backward is twice the forward (input and weight grads); the frozen LM head needs only the
   // input grad, so it costs one more forward's worth.

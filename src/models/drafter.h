@@ -92,8 +92,11 @@ struct BlockLayout {
   int64_t block_size = 0;
   std::vector<int64_t> sequence;  // per block: index of its sequence in the packed batch
   std::vector<int64_t> anchor;    // per block: anchor position a within that sequence
-  at::Tensor input_ids;           // int64 [blocks*B]: token a, then MASK x (B-1)
-  at::Tensor positions;           // int64 [blocks*B]: a + k (absolute positions)
+  // int64 [blocks]: each block's anchor token. A block's input is that token, then the MASK
+  // token B-1 times (the drafter's config names it); nothing else is ever fed, which lets the
+  // first layer project blocks + 1 distinct rows instead of blocks*B.
+  at::Tensor anchor_ids;
+  at::Tensor positions;  // int64 [blocks*B]: a + k (absolute positions)
   int64_t num_blocks() const { return static_cast<int64_t>(anchor.size()); }
 };
 
@@ -110,6 +113,14 @@ enum class DrafterAttention {
   kAuto,      // gathered + flash on CUDA in bf16/fp16, dense otherwise
   kDense,     // per sequence, SDPA with dense_block_mask (small shapes, reference path)
   kGathered,  // per block, keys gathered from the context prefix + own block (block-sparse)
+};
+
+// The block rows Drafter::forward returns.
+enum class BlockRows {
+  kAll,          // [blocks*B, H]: every position of every block
+  kPredictions,  // [blocks*(B-1), H]: positions 1..B-1 (block i's position k at i*(B-1)+k-1),
+                 // the ones that predict a token; the last layer skips the anchor rows' Q,
+                 // attention, O and MLP (their K/V are still the block's keys)
 };
 
 // The residual stream between drafter layers: x plus the last branch output not yet added to
@@ -152,12 +163,14 @@ class Drafter {
   // Fused context: hidden_norm(fc(features)), features [T, K*H] in any float dtype.
   at::Tensor context(const at::Tensor& features, at::ScalarType dtype) const;
 
-  // Drafter hidden states after the final norm, [blocks*B, H], in `dtype` (params are cast
-  // from their fp32 masters, so gradients reach them in fp32). `features` are the
-  // concatenated taps [batch.total, K*H] of the packed sequences in `batch`.
+  // Drafter hidden states after the final norm, [blocks*B, H] (or the predicting rows only,
+  // BlockRows), in `dtype` (params are cast from their fp32 masters, so gradients reach them in
+  // fp32). `features` are the concatenated taps [batch.total, K*H] of the packed sequences in
+  // `batch`.
   at::Tensor forward(const at::Tensor& features, const PackedBatch& batch,
                      const BlockLayout& layout, const TargetHead& head, at::ScalarType dtype,
-                     DrafterAttention attention = DrafterAttention::kAuto) const;
+                     DrafterAttention attention = DrafterAttention::kAuto,
+                     BlockRows rows = BlockRows::kAll) const;
 
   const DrafterConfig& config() const { return config_; }
   // Every trainable parameter, named as in the export, in a fixed order.
@@ -191,9 +204,13 @@ class Drafter {
   void register_parameters();
   // `context_w`: the k_proj, v_proj and k_norm that the context's K/V use. Block-sparse attention
   // takes one of the two plans: `in_place` for flash, `gathered` for other dtypes and devices;
-  // neither is dense attention.
+  // neither is dense attention. `distinct`, in the first layer only: the blocks + 1 distinct
+  // rows of its input (each anchor's embedding, then the MASK's; input.x is them spread to the
+  // blocks), which its norm and Q/K/V projections read instead of input.x. `predictions`:
+  // return the rows of block positions 1..B-1 only (BlockRows::kPredictions).
   Residual layer_forward(const DrafterLayerWeights& w, const DrafterLayerWeights& context_w,
-                         const Residual& input, const at::Tensor& ctx, const at::Tensor& ctx_cos,
+                         const Residual& input, const at::Tensor& distinct, bool predictions,
+                         const at::Tensor& ctx, const at::Tensor& ctx_cos,
                          const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
                          const at::Tensor& blk_sin, const PackedBatch& batch,
                          const BlockLayout& layout, at::ScalarType dtype,
@@ -268,8 +285,10 @@ class DraftModel {
 };
 
 // Floating-point operations of one drafter training step (forward + backward) for a packed
-// batch: projections and MLP over block tokens, context fc and K/V projections, attention over
-// the keys each block actually sees, and the LM head over `logit_rows` rows (no weight grad).
+// batch, as the step runs it: projections and MLP over the block rows (the first layer's Q/K/V
+// over its blocks + 1 distinct input rows, the last layer's queries, O and MLP over the
+// predicting rows), context fc and K/V projections, attention over the keys each block actually
+// sees, and the LM head over `logit_rows` rows (no weight grad).
 double drafter_step_flops(const DrafterConfig& config, const std::vector<int64_t>& lengths,
                           const std::vector<int64_t>& anchors, int64_t logit_rows);
 

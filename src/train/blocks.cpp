@@ -65,7 +65,7 @@ BlockTargets build_blocks(const std::vector<std::vector<int64_t>>& tokens,
   const int64_t bs = config.block_size;
   BlockTargets t;
   t.layout.block_size = bs;
-  std::vector<int64_t> ids, rows, labels, ks;
+  std::vector<int64_t> anchor_ids, rows, labels, ks;
   std::vector<float> weights;
   for (size_t s = 0; s < tokens.size(); ++s) {
     const int64_t n = static_cast<int64_t>(tokens[s].size());
@@ -82,12 +82,11 @@ BlockTargets build_blocks(const std::vector<std::vector<int64_t>>& tokens,
       const int64_t block = t.layout.num_blocks();
       t.layout.sequence.push_back(static_cast<int64_t>(s));
       t.layout.anchor.push_back(a);
-      ids.push_back(tokens[s][a]);
-      for (int64_t k = 1; k < bs; ++k) ids.push_back(config.mask_token_id);
+      anchor_ids.push_back(tokens[s][a]);
       auto lab = block_labels(tokens[s], loss_masks[s], a, bs);
       for (int64_t k = 1; k < bs; ++k) {
         if (lab[k] == kNoLabel) continue;
-        rows.push_back(block * bs + k);
+        rows.push_back(block * (bs - 1) + k - 1);
         labels.push_back(lab[k]);
         ks.push_back(k);
         weights.push_back(static_cast<float>(position_weight(k, config.gamma)));
@@ -96,7 +95,7 @@ BlockTargets build_blocks(const std::vector<std::vector<int64_t>>& tokens,
     }
   }
   auto to = [&](at::Tensor x) { return device.is_cpu() ? x : x.pin_memory().to(device, true); };
-  t.layout.input_ids = to(at::tensor(ids, at::kLong));
+  t.layout.anchor_ids = to(at::tensor(anchor_ids, at::kLong));
   t.layout.positions = to(models::block_positions(t.layout.anchor, bs));
   t.label_rows = to(at::tensor(rows, at::kLong));
   t.labels = to(at::tensor(labels, at::kLong));

@@ -37,7 +37,9 @@ double position_weight(int64_t k, double gamma);
 // carry a label go through the final norm, the LM head and the cross entropy.
 struct BlockTargets {
   models::BlockLayout layout;
-  at::Tensor label_rows;  // int64 [M]: row index into blocks*B
+  // int64 [M]: row among the blocks' predicting rows (BlockRows::kPredictions): block i's
+  // position k at i*(B-1) + k-1
+  at::Tensor label_rows;
   at::Tensor labels;      // int64 [M]
   at::Tensor weights;     // fp32 [M]
   at::Tensor label_k;     // int64 [M]: block position 1..B-1

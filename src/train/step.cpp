@@ -36,7 +36,7 @@ MicroBatch MicroBatch::to(at::Device device) const {
   auto move = [&](const at::Tensor& t) { return t.to(device, /*non_blocking=*/true); };
   out.tokens = move(tokens);
   auto& b = out.blocks;
-  b.layout.input_ids = move(blocks.layout.input_ids);
+  b.layout.anchor_ids = move(blocks.layout.anchor_ids);
   b.layout.positions = move(blocks.layout.positions);
   b.label_rows = move(blocks.label_rows);
   b.labels = move(blocks.labels);
@@ -91,7 +91,7 @@ MicroBatch form_micro_batch(int64_t position, int64_t epoch, std::span<const Sam
   if (pin) {
     mb.tokens = mb.tokens.pin_memory();
     auto& b = mb.blocks;
-    for (at::Tensor* t : {&b.layout.input_ids, &b.layout.positions, &b.label_rows, &b.labels,
+    for (at::Tensor* t : {&b.layout.anchor_ids, &b.layout.positions, &b.label_rows, &b.labels,
                           &b.weights, &b.label_k}) {
       *t = t->pin_memory();
     }
@@ -137,7 +137,7 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
   {
     obs::Scope scope(obs::Stage::kDrafterForward, device);
     auto hidden = drafter.forward(mb.features, mb.packed, blocks.layout, head, options.dtype,
-                                  options.attention);
+                                  options.attention, models::BlockRows::kPredictions);
     rows = hidden.index_select(0, blocks.label_rows);
   }
   HeadLoss loss;

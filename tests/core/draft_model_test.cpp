@@ -88,9 +88,7 @@ at::Tensor training_hidden(const Drafter& drafter, const TargetModel& target,
   layout.block_size = bs;
   layout.sequence.assign(anchors.size(), 0);
   layout.anchor = anchors;
-  auto ids = at::full({n, bs}, cfg.mask_token_id, tokens.options());
-  for (int64_t i = 0; i < n; ++i) ids[i][0] = tokens[anchors[i]];
-  layout.input_ids = ids.view({n * bs});
+  layout.anchor_ids = tokens.index_select(0, at::tensor(anchors, at::kLong).to(tokens.device()));
   layout.positions = models::block_positions(anchors, bs).to(tokens.device());
   auto batch = models::PackedBatch::from_lengths({tokens.size(0)}, tokens.device());
   // kAuto: the dense reference path on the CPU and in fp32, the gathered flash path on a GPU

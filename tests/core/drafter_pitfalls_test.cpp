@@ -78,21 +78,56 @@ TEST_P(AttentionPath, BlockSeesContextStrictlyBeforeItsAnchor) {
   EXPECT_TRUE(at::equal(rows(run(c, other, layout, GetParam())), rows(base)));
 }
 
-// Block position 0 must see the MASK positions after it (bidirectional); another block's tokens
-// must stay invisible.
+// Block position 0 must see the MASK positions after it (bidirectional); another block's rows
+// must stay invisible. A block's inputs are its anchor token and MASKs, so the last position's
+// key is changed through its RoPE position instead of its token.
 TEST_P(AttentionPath, BlockIsBidirectionalAndBlocksAreIsolated) {
   DflashCase c("tied");
   auto layout = layout_of(c);
   const int64_t bs = layout.block_size;
   auto base = run(c, c.input.features, layout, GetParam());
   auto changed = layout;
-  changed.input_ids = layout.input_ids.clone();
-  changed.input_ids[bs - 1] = 7;  // last token of block 0 (a MASK) becomes another token
+  changed.positions = layout.positions.clone();
+  changed.positions[bs - 1].add_(3);  // the last position of block 0 moves
   auto out = run(c, c.input.features, changed, GetParam());
   EXPECT_FALSE(at::allclose(out[0], base[0], 1e-5, 1e-6))
       << "block position 0 does not see later positions of its block (causal mask?)";
   EXPECT_TRUE(at::equal(out.narrow(0, bs, out.size(0) - bs), base.narrow(0, bs, base.size(0) - bs)))
       << "other blocks see block 0's tokens";
+}
+
+// BlockRows::kPredictions (what training runs: the last layer without the anchor rows' query,
+// O and MLP) returns exactly kAll's rows of positions 1..B-1, and the same gradients.
+TEST_P(AttentionPath, PredictingRowsAreThoseOfAllRows) {
+  DflashCase c("tied");
+  auto layout = layout_of(c);
+  const int64_t bs = layout.block_size, n = layout.num_blocks();
+  auto batch = models::PackedBatch::from_lengths(c.lengths, at::kCPU);
+  auto head = models::TargetHead::of(*c.target);
+  auto params = c.drafter->parameters();
+  auto run_rows = [&](models::BlockRows rows) {
+    c.zero_grads();
+    auto out =
+        c.drafter->forward(c.input.features, batch, layout, head, at::kFloat, GetParam(), rows);
+    if (rows == models::BlockRows::kAll) {
+      EXPECT_EQ(out.size(0), n * bs);
+      out = out.view({n, bs, -1}).narrow(1, 1, bs - 1).reshape({n * (bs - 1), -1});
+    }
+    EXPECT_EQ(out.size(0), n * (bs - 1));
+    auto w = at::linspace(-1.0, 1.0, out.numel(), out.options()).view(out.sizes());
+    (out * w).sum().backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params) grads.push_back(p.grad().clone());
+    return std::pair{out.detach(), grads};
+  };
+  auto [all, all_grads] = run_rows(models::BlockRows::kAll);
+  auto [predicting, grads] = run_rows(models::BlockRows::kPredictions);
+  EXPECT_LE(testing::relative_error(predicting, all), 1e-6);
+  const auto& named = c.drafter->named_parameters();
+  for (size_t i = 0; i < grads.size(); ++i) {
+    // fp32 sums over other row counts: rounding apart.
+    EXPECT_LE(testing::relative_error(grads[i], all_grads[i]), 1e-6) << named[i].first;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, AttentionPath,
@@ -119,11 +154,12 @@ TEST(DflashPitfalls, BlockInputsAndPositions) {
   auto t = train::build_blocks({{40, 41, 42, 43, 44, 45}}, {{1, 1, 1, 1, 1, 1}}, {{1, 4}},
                                c.drafter->config(), at::kCPU);
   const int64_t m = c.drafter->config().mask_token_id;  // 3, block size 5
-  EXPECT_TRUE(t.layout.input_ids.equal(
-      at::tensor(std::vector<int64_t>{41, m, m, m, m, 44, m, m, m, m}, at::kLong)));
+  EXPECT_EQ(m, 3);
+  EXPECT_TRUE(t.layout.anchor_ids.equal(at::tensor(std::vector<int64_t>{41, 44}, at::kLong)));
   EXPECT_TRUE(t.layout.positions.equal(at::tensor({1, 2, 3, 4, 5, 4, 5, 6, 7, 8}, at::kLong)));
-  // Rows with labels: block 0 k=1..4 (tokens 42..45), block 1 k=1 (token 45).
-  EXPECT_TRUE(t.label_rows.equal(at::tensor({1, 2, 3, 4, 6}, at::kLong)));
+  // Rows with labels among the predicting rows (k = 1..4 of each block): block 0 k=1..4
+  // (tokens 42..45), block 1 k=1 (token 45).
+  EXPECT_TRUE(t.label_rows.equal(at::tensor({0, 1, 2, 3, 4}, at::kLong)));
   EXPECT_TRUE(t.labels.equal(at::tensor({42, 43, 44, 45, 45}, at::kLong)));
 }
 

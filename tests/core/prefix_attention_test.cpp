@@ -212,6 +212,9 @@ struct GpuCase {
   std::vector<int64_t> lengths, sequence, anchors;
   int64_t head_dim;
   int64_t tail;  // max_tail_context of the small-groups plan
+  // Query positions per block: B, or B-1 for the predicting rows of a last layer
+  // (models::BlockRows::kPredictions), which still attend to all B of the block's keys.
+  int64_t query_positions = 16;
 };
 
 class PrefixAttentionGpu : public ::testing::TestWithParam<GpuCase> {
@@ -261,7 +264,7 @@ double worst_block_error(const at::Tensor& actual, const at::Tensor& expected, i
 TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
   const GpuCase c = GetParam();
   const int64_t kv_heads = 2, groups = 4, bs = 16, d = c.head_dim;
-  const int64_t n = static_cast<int64_t>(c.anchors.size()), q_rows = groups * bs;
+  const int64_t n = static_cast<int64_t>(c.anchors.size()), q_rows = groups * c.query_positions;
   at::Device cuda(at::kCUDA);
   auto plan = kernels::PrefixGatherPlan::build(c.lengths, c.sequence, c.anchors, bs, cuda);
   at::manual_seed(0);
@@ -360,6 +363,15 @@ GpuCase dense_case() {
   return c;
 }
 
+// The dense layout with 15 query positions a block (G*15 = 60 query rows, not a multiple of
+// flash's tiles).
+GpuCase predicting_case() {
+  GpuCase c = dense_case();
+  c.name = "dense_d128_predicting";
+  c.query_positions = 15;
+  return c;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Layouts, PrefixAttentionGpu,
     ::testing::Values(
@@ -383,7 +395,7 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{"no_context_d128", {20, 33}, {0, 0, 1}, {0, 0, 0}, 128, 20},
         // Sorted anchors a few rows apart, as training samples them: groups of several blocks
         // whose shared segments span several key tiles.
-        dense_case()),
+        dense_case(), predicting_case()),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace
