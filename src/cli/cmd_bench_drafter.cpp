@@ -1,7 +1,8 @@
 // `dflash bench-drafter`: time of one full DFlash training step (anchor sampling, drafter
 // forward, chunked LM-head loss, backward, clipping, AdamW) at a given shape, fed with the
 // tapped features of a random-weight target of the preset's shape, so it needs no files:
-// median drafter step after warm-up, achieved TFLOP/s (models::drafter_step_flops), the
+// median drafter step after warm-up (steps queued back to back, as training runs them; also
+// each step waited for), achieved TFLOP/s (models::drafter_step_flops), the
 // online step (target prefill + drafter step) and peak GPU memory with the target resident.
 // --profile adds where the drafter step's GPU time goes (obs::profile_device).
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -141,11 +142,16 @@ void run_bench(const BenchDrafterOptions& o) {
     trainer.train_step();
     for (auto& l : trainer.take_logs(false)) last = l;
   };
-  auto times = obs::time_steps(device, o.warmup, o.iters, step);
+  // Queued back to back as `dflash train` runs its steps (no drain between them).
+  auto times = obs::time_queued_steps(device, o.warmup, o.iters, step);
   const double ms = obs::median(times) * 1e3;
   const double drafter_peak = peak_gib(false), drafter_reserved = peak_gib(true);
+  // The same steps each waited for (the figure before queued timing): the difference is the
+  // GPU's idle time at each step's start.
+  auto synced_times = obs::time_steps(device, 0, o.iters, step);
+  const double synced_ms = obs::median(synced_times) * 1e3;
   // Online: the target prefill that produces the features, then the drafter step on them.
-  auto online_times = obs::time_steps(device, 1, o.iters, [&] {
+  auto online_times = obs::time_queued_steps(device, 1, o.iters, [&] {
     data.set_features(prefill());
     step();
   });
@@ -155,6 +161,7 @@ void run_bench(const BenchDrafterOptions& o) {
              "TFLOP/s", "peak GiB alloc/reserved", "loss");
   fmt::print("{:>16} {:>12.2f} {:>12.0f} {:>10.3g} {:>13.2f} / {:>6.2f} {:>10.4f}\n", "drafter", ms,
              seq / (ms / 1e3), tflops, drafter_peak, drafter_reserved, last.loss);
+  fmt::print("{:>16} {:>12.2f} {:>12.0f}\n", "drafter, synced", synced_ms, seq / (synced_ms / 1e3));
   fmt::print("{:>16} {:>12.2f} {:>12.0f} {:>10} {:>13.2f} / {:>6.2f}\n", "target + drafter",
              online_ms, seq / (online_ms / 1e3), "", peak_gib(false), peak_gib(true));
   nlohmann::json doc = {{"preset", o.preset},
@@ -170,6 +177,7 @@ void run_bench(const BenchDrafterOptions& o) {
                         {"peak_gpu_gib", drafter_peak},
                         {"reserved_peak_gpu_gib", drafter_reserved},
                         {"times_s", times},
+                        {"synced_median_ms", synced_ms},
                         {"online_median_ms", online_ms},
                         {"online_tokens_per_s", seq / (online_ms / 1e3)},
                         {"online_peak_gpu_gib", peak_gib(false)},

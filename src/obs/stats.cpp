@@ -1,5 +1,6 @@
 #include "obs/stats.h"
 
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
@@ -46,6 +47,25 @@ std::vector<double> time_steps(at::Device device, int warmup, int iters,
     synchronize(device);
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
+  return times;
+}
+
+std::vector<double> time_queued_steps(at::Device device, int warmup, int iters,
+                                      const std::function<void()>& step) {
+  if (!device.is_cuda()) return time_steps(device, warmup, iters, step);
+  for (int i = 0; i < warmup; ++i) step();
+  synchronize(device);
+  std::vector<at::cuda::CUDAEvent> events;
+  events.reserve(iters + 1);
+  for (int i = 0; i <= iters; ++i) events.emplace_back(cudaEventDefault);  // timing enabled
+  events[0].record();
+  for (int i = 0; i < iters; ++i) {
+    step();
+    events[i + 1].record();
+  }
+  synchronize(device);
+  std::vector<double> times;
+  for (int i = 0; i < iters; ++i) times.push_back(events[i].elapsed_time(events[i + 1]) / 1e3);
   return times;
 }
 

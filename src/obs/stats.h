@@ -23,4 +23,12 @@ double median(std::vector<double> values);
 std::vector<double> time_steps(at::Device device, int warmup, int iters,
                                const std::function<void()>& step);
 
+// As time_steps, but the timed steps are queued back to back with no synchronization between
+// them, as a training loop runs them: on CUDA each step's time is the interval between events
+// recorded on the current stream at its boundaries, so the GPU queue never drains and a host
+// that falls behind the GPU still shows (the GPU idles inside the interval). Elsewhere
+// time_steps.
+std::vector<double> time_queued_steps(at::Device device, int warmup, int iters,
+                                      const std::function<void()>& step);
+
 }  // namespace dflash::obs
