@@ -2,9 +2,11 @@
 // a table of the tensors' first blocks (a few dozen entries, copied from pinned memory). The
 // per-element math is at::_fused_adamw_'s (ATen/native/cuda/fused_adam_utils.cuh), in fp32;
 // each thread moves kVec elements per access where the tensor's pointers allow it.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
 #include <cstring>
@@ -163,7 +165,7 @@ void launch(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
   auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memcpy(host.data_ptr(), table.data(), bytes);
   auto device_table = host.to(params[0].device(), /*non_blocking=*/true);
-  const auto stream = at::cuda::getCurrentCUDAStream(params[0].device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(params[0].device().index());
   adamw_cast_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       reinterpret_cast<const AdamWTensor<T>*>(device_table.data_ptr()),
       static_cast<int>(table.size()), step.data_ptr<float>(), static_cast<float>(lr),

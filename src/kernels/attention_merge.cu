@@ -3,9 +3,10 @@
 // parts' vector and writes the merged vector; the first of a row-head writes the merged lse.
 // A row-head whose block has no context reads only the block part and copies it. Rows that
 // are not 16-byte aligned, or D not a multiple of the vector, take the scalar path.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
 
@@ -59,7 +60,7 @@ void attention_merge_cuda(const at::Tensor& out_ctx, const at::Tensor& lse_ctx,
                           const at::Tensor& context_length, const at::Tensor& out_blk,
                           const at::Tensor& lse_blk, at::Tensor& out, at::Tensor& lse) {
   const c10::cuda::CUDAGuard guard(out_blk.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(out_blk.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(out_blk.device().index());
   const int64_t rows = out_blk.size(0), heads = out_blk.size(1), d = out_blk.size(2);
   const int64_t rows_per_block = rows / context_length.size(0);
   dispatch_float(out_blk.scalar_type(), "attention_merge", [&](auto tag) {

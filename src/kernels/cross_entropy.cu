@@ -1,9 +1,10 @@
 // One thread block per row: pass 1 keeps a running max, sum of exponentials and argmax per
 // thread (online softmax) and reduces them across the block; pass 2 rereads the row (mostly
 // from L2) and writes coef * (softmax - onehot) over it. Loads are 16 bytes wide.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cfloat>
 #include <cstdint>
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 void launch(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef, at::Tensor& loss,
             at::Tensor& argmax) {
-  const auto stream = at::cuda::getCurrentCUDAStream(logits.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(logits.device().index());
   cross_entropy_rows_kernel<T><<<static_cast<unsigned>(logits.size(0)), kThreads, 0, stream>>>(
       reinterpret_cast<T*>(logits.data_ptr()), labels.data_ptr<int64_t>(), coef.data_ptr<float>(),
       loss.data_ptr<float>(), argmax.data_ptr<int64_t>(), logits.size(1));

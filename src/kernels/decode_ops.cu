@@ -11,9 +11,10 @@
 // write_kv_rows: a thread per K/V element, both caches in one launch.
 // silu_mul: a thread per output element (8 per thread with 16-byte loads where aligned).
 // All compute in fp32.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
 
@@ -209,7 +210,7 @@ void dispatch_half(c10::ScalarType dtype, const char* what, F&& f) {
 void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
                        double eps, at::Tensor& sum, at::Tensor& normed) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(x.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const int64_t h = x.size(1);
   const auto grid = static_cast<unsigned>(x.size(0));
   dispatch_half(x.scalar_type(), "add_rms_norm", [&](auto tag) {
@@ -240,7 +241,7 @@ void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const 
                          const at::Tensor& cos, const at::Tensor& sin, double eps, at::Tensor& q,
                          at::Tensor& k, at::Tensor* v, const at::Tensor* rows) {
   const c10::cuda::CUDAGuard guard(qkv.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(qkv.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(qkv.device().index());
   const int64_t tokens = qkv.size(0), q_heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
   const int64_t heads = q_heads + (rows != nullptr ? 2 : 1) * kv_heads;
   dispatch_half(qkv.scalar_type(), "qk_norm_rotary", [&](auto tag) {
@@ -258,7 +259,7 @@ void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const 
 void write_kv_rows_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& rows,
                         const at::Tensor& k, const at::Tensor& v) {
   const c10::cuda::CUDAGuard guard(keys.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(keys.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(keys.device().index());
   const int64_t tokens = k.size(0), width = keys.size(1) * keys.size(2);
   dispatch_half(keys.scalar_type(), "write_kv_rows", [&](auto tag) {
     using T = decltype(tag);

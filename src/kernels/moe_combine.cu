@@ -2,9 +2,10 @@
 // (8 bf16 for H = 2048 at 256 threads: one vector each) and adds the K chosen expert rows into
 // fp32 accumulators, so every expert output is read once and the output written once. Rows
 // that are not 16-byte aligned, or H not a multiple of the vector, take the scalar loop.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
 
@@ -46,7 +47,7 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 void moe_combine_cuda(const at::Tensor& y, const at::Tensor& inverse, const at::Tensor& weights,
                       at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(y.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(y.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(y.device().index());
   const int64_t tokens = weights.size(0), h = y.size(1);
   const int k = static_cast<int>(weights.size(1));
   dispatch_float(y.scalar_type(), "moe_combine", [&](auto tag) {

@@ -1,9 +1,10 @@
 // One thread block (at least one warp) per output row, 16 bytes of the row per thread. A
 // context row sums the gradient of every segment of its sequence that holds it (in block
 // order, fp32); a block row copies its block's last B gathered rows back.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
 
@@ -89,7 +90,7 @@ void launch(const at::Tensor& grad, const PrefixGatherPlan& plan, at::Tensor& ou
   TORCH_CHECK(width % kVec == 0, "prefix gather backward: row width ", width,
               " is not a multiple of ", kVec);
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, width / kVec)));
-  const auto stream = at::cuda::getCurrentCUDAStream(grad.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(grad.device().index());
   prefix_gather_backward_kernel<T><<<static_cast<unsigned>(out.size(0)), threads, 0, stream>>>(
       reinterpret_cast<const T*>(grad.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), width,
       plan.context_rows, plan.block_size, plan.seq_row_start.size(0) - 1,

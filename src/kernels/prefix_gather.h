@@ -10,7 +10,7 @@
 // anchors; the output is padded to a bucketed capacity so that the caching allocator sees a few
 // fixed sizes instead of a new size per step and per layer, which fragments its pools.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <string>

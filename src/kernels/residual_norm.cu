@@ -4,9 +4,11 @@
 // the squares and the dot product with the gradient together, and it writes the input gradient
 // (plus the gradient that reached the sum directly) rounded once. The weight's gradient leaves
 // as one fp32 row of partial sums per block, summed by the caller in a fixed order.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
 
@@ -133,7 +135,7 @@ void residual_rms_norm_backward_cuda(const at::Tensor& grad_sum, const at::Tenso
   const int64_t blocks = (rows + kRows - 1) / kRows;
   weight_partials = at::empty({blocks, h}, sum.options().dtype(at::kFloat));
   if (rows == 0) return;
-  const auto stream = at::cuda::getCurrentCUDAStream(sum.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(sum.device().index());
   const int k = vecs_per_thread(h, sum.element_size());
   TORCH_CHECK(k > 0 && sum.element_size() == 2, "residual_rms_norm backward: H ", h,
               " does not fit the kernel");

@@ -1,9 +1,10 @@
 // rotary: one thread per (token, head, i < D/2) pair: it reads x[i] and x[i + D/2] and writes
 // both outputs, computing in fp32 from the tables' values. norm_rotary: one warp per head
 // vector (below).
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -50,7 +51,7 @@ void launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, b
   const int64_t n = tokens * heads * (dim / 2);
   constexpr int kThreads = 256;
   const unsigned blocks = grid_stride_blocks(n, kThreads);
-  const auto stream = at::cuda::getCurrentCUDAStream(x.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   auto args = std::make_tuple(
       reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const C*>(cos.data_ptr()),
       reinterpret_cast<const C*>(sin.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), tokens,
@@ -205,7 +206,7 @@ int64_t norm_rotary_partials(int64_t vectors) {
 void norm_rotary_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
                       const at::Tensor& sin, double eps, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(x.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const VectorIndex index{x.size(0), x.size(1), x.stride(0), x.stride(1)};
   dispatch_norm_rotary(x, [&](auto tag, auto e) {
     using T = decltype(tag);
@@ -224,7 +225,7 @@ void norm_rotary_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
                                const at::Tensor& sin, double eps, at::Tensor& grad_x,
                                at::Tensor& weight_partials) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(x.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const VectorIndex index{x.size(0), x.size(1), x.stride(0), x.stride(1)};
   dispatch_norm_rotary(x, [&](auto tag, auto e) {
     using T = decltype(tag);

@@ -6,9 +6,10 @@
 // row's result depends neither on how many rows there are nor on the launch. No split-K
 // across blocks: nothing to reduce in a second pass. When K, x's row stride or a pointer does
 // not allow 16-byte loads, the same kernel loads one element at a time.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
 
@@ -113,7 +114,7 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::T
   const bool vector =
       k % kVec == 0 && ldx % kVec == 0 && aligned16(x.data_ptr()) && aligned16(w.data_ptr());
   const unsigned blocks = static_cast<unsigned>((n + kFeatures - 1) / kFeatures);
-  const auto stream = at::cuda::getCurrentCUDAStream(x.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const T* wp = reinterpret_cast<const T*>(w.data_ptr());
   const T* bp = b.defined() ? reinterpret_cast<const T*>(b.data_ptr()) : nullptr;

@@ -3,7 +3,7 @@
 // split-K variants that add a reduce pass; at batch 1 reading the weight once at full memory
 // bandwidth is all that matters.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -1,8 +1,9 @@
 // One thread per kVec adjacent elements of a row (16-byte accesses where the row strides and
 // pointers allow, one element otherwise), a grid-stride loop over rows x F / kVec.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -87,7 +88,7 @@ bool vectorizable(int64_t f, int64_t element_bytes, std::initializer_list<const 
 
 void swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(gate.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(gate.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(gate.device().index());
   const int64_t tokens = out.size(0), f = out.size(1);
   dispatch_float(gate.scalar_type(), "swiglu", [&](auto tag) {
     using T = decltype(tag);
@@ -109,7 +110,7 @@ void swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up, at::Tenso
 void swiglu_backward_cuda(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
                           at::Tensor& grad_gate, at::Tensor& grad_up) {
   const c10::cuda::CUDAGuard guard(gate.device());
-  const auto stream = at::cuda::getCurrentCUDAStream(gate.device().index());
+  const auto stream = c10::cuda::getCurrentCUDAStream(gate.device().index());
   const int64_t tokens = grad.size(0), f = grad.size(1);
   dispatch_float(gate.scalar_type(), "swiglu backward", [&](auto tag) {
     using T = decltype(tag);
