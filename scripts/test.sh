@@ -4,7 +4,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
 "$root/scripts/build.sh"
-# Tests run two at a time (ctest -j); one OpenMP thread each avoids oversubscribing the cores.
+# Tests run one per core (ctest -j); one OpenMP thread each avoids oversubscribing the cores.
+# The core count is read before OMP_NUM_THREADS is set: nproc honours that variable.
+jobs=${JOBS:-$(nproc)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cd "${BUILD_DIR:-$root/build}"
-ctest --output-on-failure -j "${JOBS:-$(nproc)}" "$@"
+ctest --output-on-failure -j "$jobs" "$@"
