@@ -54,7 +54,7 @@ if has drafter && "$dflash" bench-drafter --help > /dev/null 2>&1; then
   # The drafter step's kernels and its parity (gathered keys, prefix attention, loss,
   # optimizer) before timing it.
   "$build/tests/dflash_core_tests" \
-    --gtest_filter='*PrefixGather*:*PrefixAttention*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*AdamW*:*DraftModelVsTraining*' \
+    --gtest_filter='*PrefixGather*:*PrefixAttention*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*AdamW*:*GradNorm*:*TailAttention*:*DraftModelVsTraining*' \
     > "$out/drafter_tests.log" 2>&1
   echo "drafter tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/drafter_tests.log" | tail -8
   step bench-drafter

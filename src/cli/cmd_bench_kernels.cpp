@@ -1,8 +1,8 @@
 // `dflash bench-kernels`: the decode step's kernels alone, one line each (llm.c style): the
 // small-row linear kernel on each linear layer shape of a preset (and cuBLAS through at::linear
 // on the same shape), the fused norm/activation kernels against the ATen ops they replace, the
-// MoE prefill's combine kernel, the optimizer's AdamW + bf16 copy, and the drafter's SwiGLU and
-// q norm + rotary, forward and backward.
+// MoE prefill's combine kernel, the optimizer's AdamW + bf16 copy and gradient norm, and the
+// drafter's SwiGLU, q norm + rotary and block-attention tails, forward and backward.
 // Each line times a CUDA graph of many calls (as decoding replays them), with the weights
 // rotated over enough copies to exceed the L2 cache, and reports us per call and the bytes
 // each call must move per second.
@@ -23,13 +23,17 @@
 #include "kernels/adamw_cast.h"
 #include "kernels/attention_merge.h"
 #include "kernels/decode_ops.h"
+#include "kernels/grad_norm.h"
 #include "kernels/moe_combine.h"
+#include "kernels/prefix_gather.h"
 #include "kernels/residual_norm.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
 #include "kernels/swiglu.h"
+#include "kernels/tail_attention.h"
 #include "models/config.h"
 #include "models/layers.h"
+#include "models/prefix_attention.h"
 
 namespace dflash::cli {
 namespace {
@@ -303,6 +307,31 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                     }),
            38.0 * numel);
   }
+  // The gradient norm clipping reads, over the whole 1.05B drafter's bf16 gradients (5 layers of
+  // the preset's shape, each with its four norms; fc over the 5 tapped target layers' hidden
+  // states and the two norms around it): one multi-tensor kernel against ATen's per-tensor norms
+  // and their norm (the one-dtype path train::grad_norm took before). Eager: the kernel's table
+  // comes from pinned host memory.
+  {
+    const int64_t layers = 5;
+    std::vector<std::vector<int64_t>> shapes;
+    for (int64_t i = 0; i < layers; ++i) {
+      for (const auto& shape : std::vector<std::vector<int64_t>>{
+               {q, h}, {kv, h}, {kv, h}, {h, q}, {f, h}, {f, h}, {h, f}, {h}, {h}, {d}, {d}}) {
+        shapes.push_back(shape);
+      }
+    }
+    shapes.insert(shapes.end(), {{h, layers * h}, {h}, {h}});
+    std::vector<at::Tensor> grads;
+    for (const auto& shape : shapes) grads.push_back(at::randn(shape, opts) * 1e-3);
+    int64_t numel = 0;
+    for (const auto& g : grads) numel += g.numel();
+    report("grad_norm (drafter, bf16)", 0, numel, 0,
+           us_eager(o, [&] { kernels::grad_norm(grads); }), 2.0 * numel);
+    report("at::_foreach_norm + norm", 0, numel, 0,
+           us_eager(o, [&] { at::stack(at::_foreach_norm(grads, 2, at::kFloat)).norm(2); }),
+           2.0 * numel);
+  }
   // The drafter's SwiGLU over a training step's block rows (512 anchors x 16): the fused forward
   // and backward against ATen's silu and mul and the three passes of their backward.
   {
@@ -412,6 +441,76 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
              return std::pair{sum, at::rms_norm(sum, {h}, w, 1e-6)};
            }),
            12 * bytes);
+  }
+  // The drafter's block-attention tails at the step's shape (one 2048-token sequence, 512 sorted
+  // anchors, B = 16, a KV head's query heads folded into rows), merged with a shared part:
+  // kernels::tail_attention against what it replaces (the tails gathered by
+  // kernels::prefix_gather, one flash varlen call, kernels::attention_merge; in the backward
+  // the gathers, flash's backward and the dQ sum). Bytes: q, the shared output and dO or the
+  // output once each, the tails' keys and values.
+  {
+    const int64_t seq = 2048, blocks = 512, bs = 16, hkv = c.num_kv_heads;
+    const int64_t rows = (c.num_heads / hkv) * bs;
+    auto picked = at::randperm(seq - bs - 1, at::kLong).narrow(0, 0, blocks).add_(1);
+    auto sorted = std::get<0>(picked.sort());
+    std::vector<int64_t> anchors(sorted.data_ptr<int64_t>(), sorted.data_ptr<int64_t>() + blocks);
+    const auto plan = models::PrefixAttentionPlan::build({seq}, std::vector<int64_t>(blocks, 0),
+                                                         anchors, bs, device);
+    const kernels::TailAttentionBlocks tail{plan.tail.context_start, plan.tail.context_length, bs,
+                                            plan.tail.max_keys};
+    auto qx = at::randn({blocks * rows, hkv, d}, opts);
+    auto k_ctx = at::randn({seq, hkv, d}, opts), v_ctx = at::randn({seq, hkv, d}, opts);
+    auto k_blk = at::randn({blocks * bs, hkv, d}, opts),
+         v_blk = at::randn({blocks * bs, hkv, d}, opts);
+    auto out_shared = at::randn_like(qx), dout = at::randn_like(qx), dq_shared = at::randn_like(qx);
+    auto lse_shared = at::randn({hkv, blocks * rows}, opts.dtype(at::kFloat)).add_(5);
+    const double bytes = 2.0 * (3 * qx.numel() + 2 * plan.tail.keys * hkv * d);
+    auto gathered = [&](const at::Tensor& ctx, const at::Tensor& blk) {
+      return kernels::prefix_gather(at::cat({ctx, blk}).view({-1, hkv * d}), plan.tail)
+          .view({-1, hkv, d});
+    };
+    const auto cu_q = at::arange(blocks + 1, plan.tail.cu_keys.options()) * rows;
+    auto flash_forward = [&] {
+      return at::_flash_attention_forward(qx, gathered(k_ctx, k_blk), gathered(v_ctx, v_blk), cu_q,
+                                          plan.tail.cu_keys, rows, plan.tail.max_keys, 0.0,
+                                          /*is_causal=*/false, /*return_debug_mask=*/false);
+    };
+    report("tail_attention forward", blocks, plan.tail.keys, rows,
+           us_eager(o,
+                    [&] {
+                      kernels::tail_attention_forward(qx, k_ctx, v_ctx, k_blk, v_blk, tail,
+                                                      out_shared, lse_shared, plan.shared_length);
+                    }),
+           bytes);
+    report("gather + flash + merge forward", blocks, plan.tail.keys, rows,
+           us_eager(o,
+                    [&] {
+                      auto f = flash_forward();
+                      kernels::attention_merge(out_shared, lse_shared, plan.shared_length,
+                                               std::get<0>(f), std::get<1>(f));
+                    }),
+           bytes);
+    auto [out, lse] = kernels::tail_attention_forward(qx, k_ctx, v_ctx, k_blk, v_blk, tail,
+                                                      out_shared, lse_shared, plan.shared_length);
+    report("tail_attention backward", blocks, plan.tail.keys, rows,
+           us_eager(o,
+                    [&] {
+                      kernels::tail_attention_backward(
+                          dout, qx, k_ctx, v_ctx, k_blk, v_blk, out, lse, tail, plan.tail.cu_keys,
+                          plan.tail.capacity, dq_shared, plan.shared_length);
+                    }),
+           2 * bytes);
+    const auto f = flash_forward();
+    report("gather + flash backward + dq sum", blocks, plan.tail.keys, rows,
+           us_eager(o,
+                    [&] {
+                      auto g = at::_flash_attention_backward(
+                          dout, qx, gathered(k_ctx, k_blk), gathered(v_ctx, v_blk), out, lse, cu_q,
+                          plan.tail.cu_keys, rows, plan.tail.max_keys, 0.0, /*is_causal=*/false,
+                          std::get<2>(f), std::get<3>(f));
+                      std::get<0>(g).add_(dq_shared);
+                    }),
+           2 * bytes);
   }
   if (!o.json_out.empty()) {
     write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));

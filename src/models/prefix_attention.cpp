@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "kernels/attention_merge.h"
+#include "kernels/tail_attention.h"
 
 namespace dflash::models {
 
@@ -131,29 +132,55 @@ at::Tensor gather(const at::Tensor& rows, const kernels::PrefixGatherPlan& plan)
   return kernels::prefix_gather(rows.reshape({-1, heads * d}), plan).view({-1, heads, d});
 }
 
+// Flash over the groups' shared segments, keys read in place: group g's shared keys are rows
+// [context_start[g], context_start[g] + s_g) of k_ctx. FA2's varlen kernel reads a segment's
+// keys from cu_seqlens_k[g] for seqused_k[g] rows and never looks at cu_seqlens_k[g + 1], so the
+// segments may overlap.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shared_forward(
+    const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx,
+    const PrefixAttentionPlan& plan) {
+  const int64_t q_rows = q.size(0) / plan.blocks;
+  return at::_flash_attention_forward(
+      q, k_ctx, v_ctx, plan.cu_group_blocks * q_rows, plan.shared.context_start,
+      plan.max_group_blocks * q_rows, plan.shared.max_context, 0.0, /*is_causal=*/false,
+      /*return_debug_mask=*/false, std::optional<double>(), std::optional<int64_t>(),
+      std::optional<int64_t>(), std::optional<at::Tensor>(plan.shared.context_length));
+}
+
+kernels::TailAttentionBlocks tail_blocks(const kernels::PrefixGatherPlan& tail) {
+  return {tail.context_start, tail.context_length, tail.block_size, tail.max_keys};
+}
+
 struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_ctx,
                             const at::Tensor& v_ctx, const at::Tensor& k_blk,
                             const at::Tensor& v_blk, const PrefixAttentionPlan& plan) {
     const int64_t n = plan.blocks, q_rows = q.size(0) / n;
     const auto& tail = plan.tail;
-    auto cu_q = at::arange(n + 1, tail.cu_keys.options()) * q_rows;
-    auto [out, lse, rng_state, unused, debug_mask] = at::_flash_attention_forward(
-        q, gather(at::cat({k_ctx, k_blk}), tail), gather(at::cat({v_ctx, v_blk}), tail), cu_q,
-        tail.cu_keys, q_rows, tail.max_keys, 0.0, /*is_causal=*/false,
-        /*return_debug_mask=*/false);
-    if (plan.shared.max_context > 0) {
-      // Group g's shared keys are rows [context_start[g], context_start[g] + s_g) of k_ctx:
-      // FA2's varlen kernel reads a segment's keys from cu_seqlens_k[g] for seqused_k[g] rows
-      // and never looks at cu_seqlens_k[g + 1], so the segments may overlap.
-      auto part = at::_flash_attention_forward(
-          q, k_ctx, v_ctx, plan.cu_group_blocks * q_rows, plan.shared.context_start,
-          plan.max_group_blocks * q_rows, plan.shared.max_context, 0.0, /*is_causal=*/false,
-          /*return_debug_mask=*/false, std::optional<double>(), std::optional<int64_t>(),
-          std::optional<int64_t>(), std::optional<at::Tensor>(plan.shared.context_length));
-      std::tie(out, lse) = kernels::attention_merge(std::get<0>(part), std::get<1>(part),
-                                                    plan.shared_length, out, lse);
+    const bool fused = kernels::tail_attention_fits(q, q_rows, tail.max_keys);
+    at::Tensor out, lse, rng_state, unused;
+    if (fused) {
+      at::Tensor out_shared, lse_shared;
+      if (plan.shared.max_context > 0) {
+        std::tie(out_shared, lse_shared, rng_state, unused, std::ignore) =
+            shared_forward(q, k_ctx, v_ctx, plan);
+      }
+      std::tie(out, lse) =
+          kernels::tail_attention_forward(q, k_ctx, v_ctx, k_blk, v_blk, tail_blocks(tail),
+                                          out_shared, lse_shared, plan.shared_length);
+    } else {
+      auto cu_q = at::arange(n + 1, tail.cu_keys.options()) * q_rows;
+      std::tie(out, lse, rng_state, unused, std::ignore) = at::_flash_attention_forward(
+          q, gather(at::cat({k_ctx, k_blk}), tail), gather(at::cat({v_ctx, v_blk}), tail), cu_q,
+          tail.cu_keys, q_rows, tail.max_keys, 0.0, /*is_causal=*/false,
+          /*return_debug_mask=*/false);
+      if (plan.shared.max_context > 0) {
+        auto part = shared_forward(q, k_ctx, v_ctx, plan);
+        std::tie(out, lse) = kernels::attention_merge(std::get<0>(part), std::get<1>(part),
+                                                      plan.shared_length, out, lse);
+      }
     }
+    ctx->saved_data["fused_tail"] = fused;
     ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, rng_state, unused});
     plan.save(ctx);
     return out;
@@ -166,7 +193,11 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
     const int64_t heads = k_ctx.size(1), d = k_ctx.size(2), width = heads * d, t = k_ctx.size(0);
     const auto whole = PrefixAttentionPlan::saved(ctx);
     const int64_t q_rows = q.size(0) / whole.blocks;
-    auto dq = at::empty_like(q);
+    const bool fused = ctx->saved_data["fused_tail"].toBool();
+    std::vector<const PrefixAttentionPlan*> parts;
+    for (const auto& chunk : whole.chunks) parts.push_back(&chunk);
+    if (parts.empty()) parts.push_back(&whole);
+    at::Tensor dq = parts.size() == 1 ? at::Tensor() : at::empty_like(q);
     auto dk_blk = at::empty_like(k_blk), dv_blk = at::empty_like(v_blk);
     auto dk_ctx = at::zeros({t, width}, k_ctx.options().dtype(at::kFloat));
     auto dv_ctx = at::zeros_like(dk_ctx);
@@ -174,9 +205,6 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
     // gathered keys, values and their gradients exist at once. Blocks do not see each other,
     // so a chunk's backward is its blocks' queries against their own segments; context rows
     // seen from several segments and chunks sum their gradients in fp32.
-    std::vector<const PrefixAttentionPlan*> parts;
-    for (const auto& chunk : whole.chunks) parts.push_back(&chunk);
-    if (parts.empty()) parts.push_back(&whole);
     for (const PrefixAttentionPlan* part : parts) {
       const int64_t n = part->blocks, bs = part->tail.block_size;
       const int64_t first_q = part->first_block * q_rows, first_k = part->first_block * bs;
@@ -203,20 +231,38 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
           block->narrow(0, first_k, n * bs).copy_(r.narrow(0, t, n * bs).view({-1, heads, d}));
         }
       };
-      auto [dq_part, dk, dv] = backward_over(
-          k_blk.narrow(0, first_k, n * bs), v_blk.narrow(0, first_k, n * bs), part->tail,
-          at::arange(n + 1, part->tail.cu_keys.options()) * q_rows, q_rows);
-      add_rows(std::move(dk), part->tail, dk_ctx, &dk_blk);
-      add_rows(std::move(dv), part->tail, dv_ctx, &dv_blk);
+      const auto block_k = k_blk.narrow(0, first_k, n * bs),
+                 block_v = v_blk.narrow(0, first_k, n * bs);
+      at::Tensor dq_shared, dq_part;
       if (part->shared.max_context > 0) {
-        auto [dq_shared, dk_shared, dv_shared] =
+        auto [dq_s, dk_shared, dv_shared] =
             backward_over(at::Tensor(), at::Tensor(), part->shared, part->cu_group_blocks * q_rows,
                           part->max_group_blocks * q_rows);
-        dq_part.add_(dq_shared);
+        dq_shared = std::move(dq_s);
         add_rows(std::move(dk_shared), part->shared, dk_ctx, nullptr);
         add_rows(std::move(dv_shared), part->shared, dv_ctx, nullptr);
       }
-      rows(dq).copy_(dq_part);
+      if (fused) {
+        auto g = kernels::tail_attention_backward(
+            rows(grads[0]), rows(q), k_ctx, v_ctx, block_k, block_v, rows(out), lse_part,
+            tail_blocks(part->tail), part->tail.cu_keys, part->tail.capacity, dq_shared,
+            part->shared_length);
+        add_rows(std::move(g.dk), part->tail, dk_ctx, &dk_blk);
+        add_rows(std::move(g.dv), part->tail, dv_ctx, &dv_blk);
+        dq_part = std::move(g.dq);
+      } else {
+        auto [dq_tail, dk, dv] =
+            backward_over(block_k, block_v, part->tail,
+                          at::arange(n + 1, part->tail.cu_keys.options()) * q_rows, q_rows);
+        add_rows(std::move(dk), part->tail, dk_ctx, &dk_blk);
+        add_rows(std::move(dv), part->tail, dv_ctx, &dv_blk);
+        dq_part = dq_shared.defined() ? dq_tail.add_(dq_shared) : dq_tail;
+      }
+      if (parts.size() == 1) {
+        dq = std::move(dq_part);
+      } else {
+        rows(dq).copy_(dq_part);
+      }
     }
     auto back = [&](const at::Tensor& x) { return x.to(k_ctx.scalar_type()).view({t, heads, d}); };
     return {dq, back(dk_ctx), back(dv_ctx), dk_blk, dv_blk, at::Tensor()};
