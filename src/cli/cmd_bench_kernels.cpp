@@ -445,9 +445,8 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
   // The drafter's block-attention tails at the step's shape (one 2048-token sequence, 512 sorted
   // anchors, B = 16, a KV head's query heads folded into rows), merged with a shared part:
   // kernels::tail_attention against what it replaces (the tails gathered by
-  // kernels::prefix_gather, one flash varlen call, kernels::attention_merge; in the backward
-  // the gathers, flash's backward and the dQ sum). Bytes: q, the shared output and dO or the
-  // output once each, the tails' keys and values.
+  // kernels::prefix_gather, one flash varlen call, kernels::attention_merge). Bytes: q, the
+  // shared output and the output once each, the tails' keys and values.
   {
     const int64_t seq = 2048, blocks = 512, bs = 16, hkv = c.num_kv_heads;
     const int64_t rows = (c.num_heads / hkv) * bs;
@@ -462,7 +461,7 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     auto k_ctx = at::randn({seq, hkv, d}, opts), v_ctx = at::randn({seq, hkv, d}, opts);
     auto k_blk = at::randn({blocks * bs, hkv, d}, opts),
          v_blk = at::randn({blocks * bs, hkv, d}, opts);
-    auto out_shared = at::randn_like(qx), dout = at::randn_like(qx), dq_shared = at::randn_like(qx);
+    auto out_shared = at::randn_like(qx);
     auto lse_shared = at::randn({hkv, blocks * rows}, opts.dtype(at::kFloat)).add_(5);
     const double bytes = 2.0 * (3 * qx.numel() + 2 * plan.tail.keys * hkv * d);
     auto gathered = [&](const at::Tensor& ctx, const at::Tensor& blk) {
@@ -470,11 +469,6 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
           .view({-1, hkv, d});
     };
     const auto cu_q = at::arange(blocks + 1, plan.tail.cu_keys.options()) * rows;
-    auto flash_forward = [&] {
-      return at::_flash_attention_forward(qx, gathered(k_ctx, k_blk), gathered(v_ctx, v_blk), cu_q,
-                                          plan.tail.cu_keys, rows, plan.tail.max_keys, 0.0,
-                                          /*is_causal=*/false, /*return_debug_mask=*/false);
-    };
     report("tail_attention forward", blocks, plan.tail.keys, rows,
            us_eager(o,
                     [&] {
@@ -485,32 +479,14 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     report("gather + flash + merge forward", blocks, plan.tail.keys, rows,
            us_eager(o,
                     [&] {
-                      auto f = flash_forward();
+                      auto f = at::_flash_attention_forward(
+                          qx, gathered(k_ctx, k_blk), gathered(v_ctx, v_blk), cu_q,
+                          plan.tail.cu_keys, rows, plan.tail.max_keys, 0.0, /*is_causal=*/false,
+                          /*return_debug_mask=*/false);
                       kernels::attention_merge(out_shared, lse_shared, plan.shared_length,
                                                std::get<0>(f), std::get<1>(f));
                     }),
            bytes);
-    auto [out, lse] = kernels::tail_attention_forward(qx, k_ctx, v_ctx, k_blk, v_blk, tail,
-                                                      out_shared, lse_shared, plan.shared_length);
-    report("tail_attention backward", blocks, plan.tail.keys, rows,
-           us_eager(o,
-                    [&] {
-                      kernels::tail_attention_backward(
-                          dout, qx, k_ctx, v_ctx, k_blk, v_blk, out, lse, tail, plan.tail.cu_keys,
-                          plan.tail.capacity, dq_shared, plan.shared_length);
-                    }),
-           2 * bytes);
-    const auto f = flash_forward();
-    report("gather + flash backward + dq sum", blocks, plan.tail.keys, rows,
-           us_eager(o,
-                    [&] {
-                      auto g = at::_flash_attention_backward(
-                          dout, qx, gathered(k_ctx, k_blk), gathered(v_ctx, v_blk), out, lse, cu_q,
-                          plan.tail.cu_keys, rows, plan.tail.max_keys, 0.0, /*is_causal=*/false,
-                          std::get<2>(f), std::get<3>(f));
-                      std::get<0>(g).add_(dq_shared);
-                    }),
-           2 * bytes);
   }
   if (!o.json_out.empty()) {
     write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));

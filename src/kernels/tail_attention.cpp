@@ -19,15 +19,6 @@ void tail_attention_forward_cuda(const at::Tensor& q, const at::Tensor& k_ctx,
                                  const at::Tensor& context_length, const at::Tensor& out_shared,
                                  const at::Tensor& lse_shared, const at::Tensor& shared_length,
                                  int64_t block_size, at::Tensor& out, at::Tensor& lse);
-void tail_attention_backward_cuda(const at::Tensor& dout, const at::Tensor& q,
-                                  const at::Tensor& k_ctx, const at::Tensor& v_ctx,
-                                  const at::Tensor& k_blk, const at::Tensor& v_blk,
-                                  const at::Tensor& out, const at::Tensor& lse,
-                                  const at::Tensor& context_start, const at::Tensor& context_length,
-                                  const at::Tensor& cu_keys, const at::Tensor& dq_shared,
-                                  const at::Tensor& shared_length, int64_t block_size,
-                                  at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
-
 namespace {
 
 constexpr int64_t kHeadDim = 128, kMaxRows = 64, kMaxKeys = 128;
@@ -143,76 +134,6 @@ std::pair<at::Tensor, at::Tensor> tail_attention_forward(
                               contiguous_or_undefined(lse_shared),
                               contiguous_or_undefined(shared_length), blocks.block_size, out, lse);
   return {out, lse};
-}
-
-TailAttentionGrads tail_attention_backward_reference(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx,
-    const at::Tensor& k_blk, const at::Tensor& v_blk, const at::Tensor& out, const at::Tensor& lse,
-    const TailAttentionBlocks& blocks, const at::Tensor& cu_keys, int64_t capacity,
-    const at::Tensor& dq_shared, const at::Tensor& shared_length) {
-  const int64_t n = check(q, k_ctx, v_ctx, k_blk, v_blk, blocks), rows = q.size(0) / n;
-  const auto starts = blocks.context_start.cpu(), lengths = blocks.context_length.cpu(),
-             cu = cu_keys.cpu();
-  const auto shared = dq_shared.defined() ? shared_length.cpu() : at::Tensor();
-  const double scale = softmax_scale(q);
-  TailAttentionGrads g{at::empty(q.sizes(), q.options()),
-                       at::zeros({capacity, q.size(1), q.size(2)}, q.options()), at::Tensor()};
-  g.dv = at::zeros_like(g.dk);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t length = lengths[i].item<int64_t>();
-    const auto kv = block_keys(k_ctx, v_ctx, k_blk, v_blk, starts[i].item<int64_t>(), length, i,
-                               blocks.block_size);
-    auto part = [&](const at::Tensor& t) { return t.narrow(0, i * rows, rows).to(at::kFloat); };
-    const auto qi = part(q), doi = part(dout), oi = part(out);
-    auto s = at::einsum("rhd,lhd->hrl", {qi, kv.k}) * scale;
-    auto p = (s - lse.narrow(1, i * rows, rows).unsqueeze(-1)).exp();
-    auto dp = at::einsum("rhd,lhd->hrl", {doi, kv.v});
-    auto delta = (doi * oi).sum(-1).t().unsqueeze(-1);
-    auto ds = p * (dp - delta);
-    auto dq = at::einsum("hrl,lhd->rhd", {ds, kv.k}) * scale;
-    if (shared.defined() && shared[i].item<int64_t>() > 0) dq += part(dq_shared);
-    g.dq.narrow(0, i * rows, rows).copy_(dq);
-    const int64_t seg = cu[i].item<int64_t>(), keys = length + blocks.block_size;
-    g.dk.narrow(0, seg, keys).copy_(at::einsum("hrl,rhd->lhd", {ds, qi}) * scale);
-    g.dv.narrow(0, seg, keys).copy_(at::einsum("hrl,rhd->lhd", {p, doi}));
-  }
-  return g;
-}
-
-TailAttentionGrads tail_attention_backward(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx,
-    const at::Tensor& k_blk, const at::Tensor& v_blk, const at::Tensor& out, const at::Tensor& lse,
-    const TailAttentionBlocks& blocks, const at::Tensor& cu_keys, int64_t capacity,
-    const at::Tensor& dq_shared, const at::Tensor& shared_length) {
-  const int64_t n = check(q, k_ctx, v_ctx, k_blk, v_blk, blocks), rows = q.size(0) / n;
-  if (!tail_attention_fits(q, rows, blocks.max_keys)) {
-    return tail_attention_backward_reference(dout, q, k_ctx, v_ctx, k_blk, v_blk, out, lse, blocks,
-                                             cu_keys, capacity, dq_shared, shared_length);
-  }
-  if (dout.sizes() != q.sizes() || out.sizes() != q.sizes() || lse.dim() != 2 ||
-      lse.size(0) != q.size(1) || lse.size(1) != q.size(0) || lse.stride(1) != 1 ||
-      lse.scalar_type() != at::kFloat || cu_keys.numel() < n + 1 ||
-      (dq_shared.defined() && (dq_shared.sizes() != q.sizes() || !shared_length.defined() ||
-                               shared_length.numel() != n))) {
-    fail("tail attention backward: dO {}, out {}, lse {}, cu_keys {}, dq_shared {} do not fit q {}",
-         dout.sizes(), out.sizes(), lse.sizes(), cu_keys.sizes(),
-         dq_shared.defined() ? dq_shared.sizes() : at::IntArrayRef{}, q.sizes());
-  }
-  const auto qc = q.contiguous(), kc = k_ctx.contiguous(), vc = v_ctx.contiguous(),
-             kb = k_blk.contiguous(), vb = v_blk.contiguous(), dc = dout.contiguous(),
-             oc = out.contiguous(), dqs = contiguous_or_undefined(dq_shared);
-  TailAttentionGrads g{at::empty(q.sizes(), q.options()),
-                       at::empty({capacity, q.size(1), q.size(2)}, q.options()), at::Tensor()};
-  g.dv = at::empty_like(g.dk);
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{
-           &qc, &kc, &vc, &kb, &vb, &dc, &oc, &dqs, &g.dq, &g.dk, &g.dv}) {
-    if (!aligned16(*t)) fail("tail attention backward: tensors must be 16-byte aligned");
-  }
-  tail_attention_backward_cuda(dc, qc, kc, vc, kb, vb, oc, lse, blocks.context_start.contiguous(),
-                               blocks.context_length.contiguous(), cu_keys.contiguous(), dqs,
-                               contiguous_or_undefined(shared_length), blocks.block_size, g.dq,
-                               g.dk, g.dv);
-  return g;
 }
 
 }  // namespace dflash::kernels

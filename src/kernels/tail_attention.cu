@@ -1,11 +1,10 @@
 // tail_attention: one thread block (16 warps) per (block, KV head). The block's query rows (at
 // most 64), keys and values (at most 128: its context rows read in place, then its own rows)
-// are staged in shared memory by cp.async, zero-padded to whole 16-row tiles, and every product
-// runs on tensor cores through WMMA (16x16x16, fp32 accumulation). Work and traffic are tiny per
+// are staged in shared memory by cp.async, zero-padded to whole 16-row tiles, and both products
+// run on tensor cores through WMMA (16x16x16, fp32 accumulation). Work and traffic are tiny per
 // thread block (64 x 128 x 128), so the kernel is bound by latency: many warps per SM hide it.
-// Shared memory, forward: Q then P, K then V (16-bit), S then O (fp32): 86 KB, two thread
-// blocks per SM; backward: Q, dO then the shared dQ, K, V, P then dS (16-bit), S and dP (fp32)
-// and a 16x16 fp32 tile per warp: 205 KB of the 227 KB a thread block may opt into on sm_90.
+// Shared memory: Q then P, K then V (V loads while the softmax runs), S then O (fp32): 86 KB,
+// two thread blocks per SM.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -30,15 +29,11 @@ constexpr int kLdh = kD + 8;     // leading dim of the 16-bit tiles (16-byte mul
 constexpr int kLdf = kKeys + 4;  // leading dim of the fp32 tiles
 constexpr int kTile = 16;
 
-// Tiles per warp: the 64 x 128 products (S, dP, O, dQ) are 4 x 8 tiles, the 128 x 128 ones
-// (dK, dV) 8 x 8.
+// Tiles per warp of the 64 x 128 products (S, O): 4 x 8 tiles.
 constexpr int kRowTiles = 4 * 8 / kWarps;
-constexpr int kKeyTiles = 8 * 8 / kWarps;
 
 template <typename T>
 using FragA = wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, T, wmma::row_major>;
-template <typename T>
-using FragAt = wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, T, wmma::col_major>;
 template <typename T>
 using FragB = wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, wmma::row_major>;
 template <typename T>
@@ -147,57 +142,6 @@ __device__ void store_rows(float* out, const Acc (&acc)[kRowTiles], int col_tile
   }
 }
 
-// This warp's tiles of a 128 x 128 product: key tile kt, column tiles j0 .. j0 + kKeyTiles.
-struct KeyTiles {
-  int kt, j0;
-  __device__ KeyTiles() : kt(threadIdx.x / 32 % 8), j0(threadIdx.x / 32 / 8 * kKeyTiles) {}
-};
-
-// acc = a^T[key tile kt] x b over the 64 query rows (dK, dV); a: [64, keys] row-major (P or
-// dS), b: [64, D] row-major.
-template <typename T>
-__device__ void keys_times(const T* a, const T* b, Acc (&acc)[kKeyTiles]) {
-  const KeyTiles w;
-#pragma unroll
-  for (int j = 0; j < kKeyTiles; ++j) wmma::fill_fragment(acc[j], 0.f);
-#pragma unroll
-  for (int k = 0; k < kRows / kTile; ++k) {
-    FragAt<T> fa;
-    wmma::load_matrix_sync(fa, a + k * kTile * kLdh + w.kt * kTile, kLdh);
-#pragma unroll
-    for (int j = 0; j < kKeyTiles; ++j) {
-      FragB<T> fb;
-      wmma::load_matrix_sync(fb, b + k * kTile * kLdh + (w.j0 + j) * kTile, kLdh);
-      wmma::mma_sync(acc[j], fa, fb, acc[j]);
-    }
-  }
-}
-
-// This warp's key rows of acc (times `scale`) into the gathered gradient `dst` ([keys, H, D],
-// the block's segment starting at row `first`), rows past `count` left alone.
-template <typename T>
-__device__ void write_key_tiles(T* dst, int64_t first, int count, int64_t heads, int64_t h,
-                                const Acc (&acc)[kKeyTiles], float scale, float* scratch) {
-  const KeyTiles w;
-  const int lane = threadIdx.x % 32;
-  const int r = w.kt * kTile + lane / 2, c0 = (lane % 2) * 8;
-#pragma unroll
-  for (int j = 0; j < kKeyTiles; ++j) {
-    wmma::store_matrix_sync(scratch, acc[j], kTile, wmma::mem_row_major);
-    __syncwarp();
-    if (r < count) {
-      Vec<T, 8> v;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        v.v[e] = from_float<T>(scale * scratch[(lane / 2) * kTile + c0 + e]);
-      }
-      *reinterpret_cast<Vec<T, 8>*>(dst + ((first + r) * heads + h) * kD + (w.j0 + j) * kTile +
-                                    c0) = v;
-    }
-    __syncwarp();
-  }
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2)
     tail_forward_kernel(TailArgs args, const T* __restrict__ out_shared,
@@ -297,124 +241,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    tail_backward_kernel(TailArgs args, const T* __restrict__ dout, const T* __restrict__ out,
-                         const float* __restrict__ lse, int64_t lse_stride,
-                         const int32_t* __restrict__ cu_keys, const T* __restrict__ dq_shared,
-                         T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* sQ = reinterpret_cast<T*>(smem);
-  T* sO = sQ + kRows * kLdh;  // dO, then the shared part's dQ
-  T* sK = sO + kRows * kLdh;
-  T* sV = sK + kKeys * kLdh;
-  T* sP = sV + kKeys * kLdh;  // P, then dS
-  float* sS = reinterpret_cast<float*>(sP + kRows * kLdh);
-  float* sdP = sS + kRows * kLdf;
-  float* scratch = sdP + kRows * kLdf + (threadIdx.x / 32) * kTile * kTile;
-  __shared__ float row_lse[kRows], row_delta[kRows];
-
-  const int64_t b = blockIdx.x, h = blockIdx.y, H = args.heads;
-  const int R = static_cast<int>(args.rows_per_block), B = static_cast<int>(args.block_size);
-  const int ctx_len = args.context_length[b];
-  const int64_t ctx_first = args.context_start[b];
-  const int keys = ctx_len + B, key_tiles = (keys + kTile - 1) / kTile, padded = key_tiles * kTile;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  T* sOut = reinterpret_cast<T*>(sS);  // the merged output, until S takes its place
-  load_rows(sQ, static_cast<const T*>(args.q), b * R, R, kRows, H, h);
-  load_rows(sO, dout, b * R, R, kRows, H, h);
-  load_rows(sOut, out, b * R, R, kRows, H, h);
-  load_keys(sK, static_cast<const T*>(args.k_ctx), static_cast<const T*>(args.k_blk), ctx_first,
-            ctx_len, b * B, B, padded, H, h);
-  load_keys(sV, static_cast<const T*>(args.v_ctx), static_cast<const T*>(args.v_blk), ctx_first,
-            ctx_len, b * B, B, padded, H, h);
-  if (threadIdx.x < kRows) {
-    row_lse[threadIdx.x] =
-        static_cast<int>(threadIdx.x) < R ? lse[h * lse_stride + b * R + threadIdx.x] : 0.f;
-  }
-  cp_async_wait_all();
-  __syncthreads();
-  // delta = rowsum(dO * O) over the merged output, as flash's backward computes it.
-  for (int r = warp; r < kRows; r += kWarps) {
-    float delta = 0.f;
-    for (int c = lane; c < kD; c += 32) {
-      delta += to_float(sOut[r * kLdh + c]) * to_float(sO[r * kLdh + c]);
-    }
-    for (int o = 16; o > 0; o /= 2) delta += __shfl_xor_sync(0xffffffffu, delta, o);
-    if (lane == 0) row_delta[r] = delta;
-  }
-  __syncthreads();
-
-  Acc acc[kRowTiles];
-  rows_times<T, true>(sQ, sK, kD / kTile, key_tiles, acc);
-  store_rows(sS, acc, key_tiles);
-  __syncthreads();
-  // P = exp(scale*S - lse): this part's share of the merged softmax. Zero past the keys.
-  for (int i = threadIdx.x; i < kRows * padded; i += kThreads) {
-    const int r = i / padded, j = i % padded;
-    float p = 0.f;
-    if (r < R && j < keys) p = __expf(args.scale * sS[r * kLdf + j] - row_lse[r]);
-    sP[r * kLdh + j] = from_float<T>(p);
-  }
-  __syncthreads();
-
-  const int64_t seg = cu_keys[b];
-  const KeyTiles kw;
-  Acc kacc[kKeyTiles];
-  if (kw.kt < key_tiles) {  // dV = P^T dO
-    keys_times(sP, sO, kacc);
-    write_key_tiles(dv, seg, keys, H, h, kacc, 1.f, scratch);
-  }
-  rows_times<T, true>(sO, sV, kD / kTile, key_tiles, acc);  // dP = dO V^T
-  store_rows(sdP, acc, key_tiles);
-  __syncthreads();
-  // dO is spent: the shared part's dQ loads into its place while dS, dK and dQ run.
-  const bool shared =
-      args.shared_length != nullptr && args.shared_length[b] > 0 && dq_shared != nullptr;
-  if (shared) load_rows(sO, dq_shared, b * R, R, R, H, h);
-  // dS = P * (dP - delta), P again in fp32; over P's storage (dV has read it).
-  for (int i = threadIdx.x; i < kRows * padded; i += kThreads) {
-    const int r = i / padded, j = i % padded;
-    float ds = 0.f;
-    if (r < R && j < keys) {
-      const float p = __expf(args.scale * sS[r * kLdf + j] - row_lse[r]);
-      ds = p * (sdP[r * kLdf + j] - row_delta[r]);
-    }
-    sP[r * kLdh + j] = from_float<T>(ds);
-  }
-  cp_async_wait_all();
-  __syncthreads();
-
-  if (kw.kt < key_tiles) {  // dK = scale * dS^T Q
-    keys_times(sP, sQ, kacc);
-    write_key_tiles(dk, seg, keys, H, h, kacc, args.scale, scratch);
-  }
-  // dQ = scale * dS K, plus the shared part's dQ.
-  rows_times<T, false>(sP, sK, key_tiles, kD / kTile, acc);
-  const RowTiles rw;
-  const int r = rw.rt * kTile + lane / 2, c0 = (lane % 2) * 8;
-#pragma unroll
-  for (int j = 0; j < kRowTiles; ++j) {
-    wmma::store_matrix_sync(scratch, acc[j], kTile, wmma::mem_row_major);
-    __syncwarp();
-    if (r < R) {
-      const int col = (rw.ct0 + j) * kTile + c0;
-      const auto s = *reinterpret_cast<const Vec<T, 8>*>(sO + r * kLdh + col);
-      Vec<T, 8> v;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float part = args.scale * scratch[(lane / 2) * kTile + c0 + e];
-        v.v[e] = from_float<T>(shared ? part + to_float(s.v[e]) : part);
-      }
-      *reinterpret_cast<Vec<T, 8>*>(dq + ((b * R + r) * H + h) * kD + col) = v;
-    }
-    __syncwarp();
-  }
-}
-
 constexpr size_t kForwardSmem = (kRows + kKeys) * kLdh * 2 + size_t{kRows} * kLdf * 4;
-constexpr size_t kBackwardSmem =
-    (3 * kRows + 2 * kKeys) * kLdh * 2 + 2 * size_t{kRows} * kLdf * 4 + kWarps * kTile * kTile * 4;
 
 template <typename T>
 TailArgs make_args(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx,
@@ -465,38 +292,6 @@ void tail_attention_forward_cuda(const at::Tensor& q, const at::Tensor& k_ctx,
                        lse_shared.defined() ? shared_length : at::Tensor(), rows, block_size),
           ptr_or_null<T>(out_shared), lse_shared.defined() ? lse_shared.data_ptr<float>() : nullptr,
           lse.stride(0), reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>());
-    } else {
-      TORCH_CHECK(false, "tail attention: fp32 has no tensor-core path");
-    }
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void tail_attention_backward_cuda(const at::Tensor& dout, const at::Tensor& q,
-                                  const at::Tensor& k_ctx, const at::Tensor& v_ctx,
-                                  const at::Tensor& k_blk, const at::Tensor& v_blk,
-                                  const at::Tensor& out, const at::Tensor& lse,
-                                  const at::Tensor& context_start, const at::Tensor& context_length,
-                                  const at::Tensor& cu_keys, const at::Tensor& dq_shared,
-                                  const at::Tensor& shared_length, int64_t block_size,
-                                  at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
-  const c10::cuda::CUDAGuard guard(q.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream(q.device().index());
-  const int64_t blocks = context_length.size(0), rows = q.size(0) / blocks;
-  dispatch_float(q.scalar_type(), "tail attention backward", [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (sizeof(T) == 2) {
-      auto kernel = tail_backward_kernel<T>;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kBackwardSmem)));
-      const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(q.size(1)));
-      kernel<<<grid, kThreads, kBackwardSmem, stream>>>(
-          make_args<T>(q, k_ctx, v_ctx, k_blk, v_blk, context_start, context_length,
-                       dq_shared.defined() ? shared_length : at::Tensor(), rows, block_size),
-          reinterpret_cast<const T*>(dout.data_ptr()), reinterpret_cast<const T*>(out.data_ptr()),
-          lse.data_ptr<float>(), lse.stride(0), cu_keys.data_ptr<int32_t>(),
-          ptr_or_null<T>(dq_shared), reinterpret_cast<T*>(dq.data_ptr()),
-          reinterpret_cast<T*>(dk.data_ptr()), reinterpret_cast<T*>(dv.data_ptr()));
     } else {
       TORCH_CHECK(false, "tail attention: fp32 has no tensor-core path");
     }

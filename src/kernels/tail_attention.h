@@ -2,15 +2,15 @@
 // (models/prefix_attention.h splits each block's keys into a shared part and a tail). Block i's
 // query rows attend to context rows [context_start[i], context_start[i] + context_length[i])
 // and to its own B rows, read in place from the context and block K/V: no gathered copy. The
-// forward merges the result with the shared part's (output, log-sum-exp) in the same pass; the
-// backward takes the merged output and log-sum-exp, adds the shared part's dQ, and writes dK/dV
-// per block segment in the layout kernels::prefix_gather uses (its backward then sums the
-// context rows deterministically). Flash did this part as a gathered varlen call, a merge
-// kernel and three backward passes, each small and latency-bound at the drafter's 16-row
-// blocks.
+// result is merged with the shared part's (output, log-sum-exp) in the same pass. Flash did
+// this as a gather, a varlen call over the gathered tails and a separate merge kernel, each
+// small and latency-bound at the drafter's 16-row blocks.
+// Forward only: a WMMA backward of the same design measured slower than flash's backward over
+// the gathered tails (629 against 575 us at the step's shape on an H200), so the backward
+// stays flash's.
 // CUDA: one thread block per (block, KV head) on tensor cores, for bf16/fp16, head dim 128, at
-// most 64 query rows and 128 keys per block (tail_attention_fits); the references below
-// compute the same in fp32 with ATen ops on any device and are the tests' oracle.
+// most 64 query rows and 128 keys per block (tail_attention_fits); the reference below
+// computes the same in fp32 with ATen ops on any device and is the tests' oracle.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -41,26 +41,5 @@ std::pair<at::Tensor, at::Tensor> tail_attention_forward_reference(
     const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx, const at::Tensor& k_blk,
     const at::Tensor& v_blk, const TailAttentionBlocks& blocks, const at::Tensor& out_shared,
     const at::Tensor& lse_shared, const at::Tensor& shared_length);
-
-struct TailAttentionGrads {
-  at::Tensor dq;      // [n*R, H, D]: the tail's dQ plus dq_shared
-  at::Tensor dk, dv;  // [>= cu_keys[n], H, D]: block i's segment at cu_keys[i], its context
-                      // rows then its B rows; rows past cu_keys[n] unwritten
-};
-
-// The tail's gradients given the merged out and lse (lse may be a column slice of a wider
-// [H, rows] tensor) and dO. dq_shared: the shared part's dQ, or undefined (blocks with
-// shared_length 0 ignore it). cu_keys: int32 [n + 1], the segment starts; `capacity` rows of
-// dk/dv are allocated (at least cu_keys[n]).
-TailAttentionGrads tail_attention_backward(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx,
-    const at::Tensor& k_blk, const at::Tensor& v_blk, const at::Tensor& out, const at::Tensor& lse,
-    const TailAttentionBlocks& blocks, const at::Tensor& cu_keys, int64_t capacity,
-    const at::Tensor& dq_shared, const at::Tensor& shared_length);
-TailAttentionGrads tail_attention_backward_reference(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx,
-    const at::Tensor& k_blk, const at::Tensor& v_blk, const at::Tensor& out, const at::Tensor& lse,
-    const TailAttentionBlocks& blocks, const at::Tensor& cu_keys, int64_t capacity,
-    const at::Tensor& dq_shared, const at::Tensor& shared_length);
 
 }  // namespace dflash::kernels

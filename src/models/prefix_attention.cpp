@@ -157,9 +157,8 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
                             const at::Tensor& v_blk, const PrefixAttentionPlan& plan) {
     const int64_t n = plan.blocks, q_rows = q.size(0) / n;
     const auto& tail = plan.tail;
-    const bool fused = kernels::tail_attention_fits(q, q_rows, tail.max_keys);
     at::Tensor out, lse, rng_state, unused;
-    if (fused) {
+    if (kernels::tail_attention_fits(q, q_rows, tail.max_keys)) {
       at::Tensor out_shared, lse_shared;
       if (plan.shared.max_context > 0) {
         std::tie(out_shared, lse_shared, rng_state, unused, std::ignore) =
@@ -180,7 +179,6 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
                                                       plan.shared_length, out, lse);
       }
     }
-    ctx->saved_data["fused_tail"] = fused;
     ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, rng_state, unused});
     plan.save(ctx);
     return out;
@@ -193,7 +191,6 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
     const int64_t heads = k_ctx.size(1), d = k_ctx.size(2), width = heads * d, t = k_ctx.size(0);
     const auto whole = PrefixAttentionPlan::saved(ctx);
     const int64_t q_rows = q.size(0) / whole.blocks;
-    const bool fused = ctx->saved_data["fused_tail"].toBool();
     std::vector<const PrefixAttentionPlan*> parts;
     for (const auto& chunk : whole.chunks) parts.push_back(&chunk);
     if (parts.empty()) parts.push_back(&whole);
@@ -242,22 +239,12 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
         add_rows(std::move(dk_shared), part->shared, dk_ctx, nullptr);
         add_rows(std::move(dv_shared), part->shared, dv_ctx, nullptr);
       }
-      if (fused) {
-        auto g = kernels::tail_attention_backward(
-            rows(grads[0]), rows(q), k_ctx, v_ctx, block_k, block_v, rows(out), lse_part,
-            tail_blocks(part->tail), part->tail.cu_keys, part->tail.capacity, dq_shared,
-            part->shared_length);
-        add_rows(std::move(g.dk), part->tail, dk_ctx, &dk_blk);
-        add_rows(std::move(g.dv), part->tail, dv_ctx, &dv_blk);
-        dq_part = std::move(g.dq);
-      } else {
-        auto [dq_tail, dk, dv] =
-            backward_over(block_k, block_v, part->tail,
-                          at::arange(n + 1, part->tail.cu_keys.options()) * q_rows, q_rows);
-        add_rows(std::move(dk), part->tail, dk_ctx, &dk_blk);
-        add_rows(std::move(dv), part->tail, dv_ctx, &dv_blk);
-        dq_part = dq_shared.defined() ? dq_tail.add_(dq_shared) : dq_tail;
-      }
+      auto [dq_tail, dk, dv] =
+          backward_over(block_k, block_v, part->tail,
+                        at::arange(n + 1, part->tail.cu_keys.options()) * q_rows, q_rows);
+      add_rows(std::move(dk), part->tail, dk_ctx, &dk_blk);
+      add_rows(std::move(dv), part->tail, dv_ctx, &dv_blk);
+      dq_part = dq_shared.defined() ? dq_tail.add_(dq_shared) : dq_tail;
       if (parts.size() == 1) {
         dq = std::move(dq_part);
       } else {

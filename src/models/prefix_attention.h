@@ -7,12 +7,11 @@
 //   tail:   context rows [s, a_i), then the block's own B rows, one short segment per block.
 // The forward runs flash over the shared segments in place (varlen with seqused_k: the groups
 // of a sequence share its rows), then kernels::tail_attention over the tails, which reads their
-// keys in place and merges the two parts by their log-sum-exps in the same pass. Autograd keeps
-// only the ungathered K/V; the backward gathers the shared keys again (kernels::prefix_gather)
-// for flash's backward, and tail_attention's backward takes the merged output and log-sum-exp,
-// which is exactly the gradient of attention over the union. Shapes the tail kernel does not
-// serve (head dim other than 128, more than 64 query rows or 128 tail keys a block) run the
-// tails as a gathered flash call and kernels::attention_merge instead.
+// keys in place and merges the two parts by their log-sum-exps in the same pass (shapes it does
+// not serve run the tails as a gathered flash call and kernels::attention_merge). Autograd keeps
+// only the ungathered K/V; the backward gathers both parts again (kernels::prefix_gather) and
+// runs flash's backward on each with the merged output and log-sum-exp, which is exactly the
+// gradient of attention over the union.
 // Grouping is what makes the backward fast: flash's backward keeps a tile of keys on chip and
 // walks the query rows that see it, so a segment seen by a group's G*B*heads rows costs one
 // pass where a per-block segment cost G, and the gathered copies are G times smaller.

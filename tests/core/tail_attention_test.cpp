@@ -1,12 +1,10 @@
-// kernels/tail_attention: the ATen reference against autograd of attention over each block's
-// keys, split as models/prefix_attention splits them (a shared prefix and a tail, merged by
-// log-sum-exp: CPU), and the CUDA kernel against that reference, values and gradients, at the
-// drafter's shapes (64 query rows a block, or 60 for a last layer's predicting rows; with and
-// without a shared part).
+// kernels/tail_attention: the ATen reference, merged with a shared part computed the same way,
+// against attention over each block's whole key set (CPU), and the CUDA kernel against that
+// reference at the drafter's shapes (64 query rows a block, or 60 for a last layer's
+// predicting rows; with and without a shared part).
 #include "kernels/tail_attention.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/prefix_gather.h"
 #include "models/prefix_attention.h"
 #include "test_util.h"
 
@@ -50,12 +47,6 @@ struct Layout {
   }
 };
 
-at::Tensor cumulative(const at::Tensor& lengths, int64_t extra) {
-  auto c = at::zeros({lengths.numel() + 1}, at::kInt);
-  c.narrow(0, 1, lengths.numel()).copy_(at::cumsum(lengths.to(at::kInt) + extra, 0));
-  return c;
-}
-
 struct Inputs {
   at::Tensor q, k_ctx, v_ctx, k_blk, v_blk;
 };
@@ -75,8 +66,7 @@ TEST(TailAttentionReference, IsAttentionOverTheUnionWhenMergedWithTheSharedPart)
   const auto tail = kernels::TailAttentionBlocks{plan.tail.context_start, plan.tail.context_length,
                                                  kBlock, plan.tail.max_keys};
   const auto shared = l.shared_blocks(plan);
-  Inputs in = random_inputs(l, rows, heads, d);
-  for (auto* t : {&in.q, &in.k_ctx, &in.v_ctx, &in.k_blk, &in.v_blk}) t->requires_grad_(true);
+  const Inputs x = random_inputs(l, rows, heads, d);
 
   // The definition: block i's rows attend to context rows [start, start + a_i) and its own rows.
   std::vector<at::Tensor> outs, lses;
@@ -85,18 +75,12 @@ TEST(TailAttentionReference, IsAttentionOverTheUnionWhenMergedWithTheSharedPart)
     auto keys = [&](const at::Tensor& c, const at::Tensor& b) {
       return at::cat({c.narrow(0, start, l.anchors[i]), b.narrow(0, i * kBlock, kBlock)});
     };
-    auto q = in.q.narrow(0, i * rows, rows);
-    auto scores = at::einsum("rhd,lhd->hrl", {q, keys(in.k_ctx, in.k_blk)}) / std::sqrt(double(d));
+    auto q = x.q.narrow(0, i * rows, rows);
+    auto scores = at::einsum("rhd,lhd->hrl", {q, keys(x.k_ctx, x.k_blk)}) / std::sqrt(double(d));
     lses.push_back(at::logsumexp(scores, -1));
-    outs.push_back(at::einsum("hrl,lhd->rhd", {at::softmax(scores, -1), keys(in.v_ctx, in.v_blk)}));
+    outs.push_back(at::einsum("hrl,lhd->rhd", {at::softmax(scores, -1), keys(x.v_ctx, x.v_blk)}));
   }
   auto expected_out = at::cat(outs), expected_lse = at::cat(lses, 1);
-  auto dout = at::randn_like(expected_out);
-  expected_out.backward(dout);
-
-  c10::NoGradGuard no_grad;
-  const Inputs x{in.q.detach(), in.k_ctx.detach(), in.v_ctx.detach(), in.k_blk.detach(),
-                 in.v_blk.detach()};
   const auto no_block = at::empty({0, heads, d});
   auto [out_shared, lse_shared] = kernels::tail_attention_forward_reference(
       x.q, x.k_ctx, x.v_ctx, no_block, no_block, shared, at::Tensor(), at::Tensor(), at::Tensor());
@@ -107,37 +91,6 @@ TEST(TailAttentionReference, IsAttentionOverTheUnionWhenMergedWithTheSharedPart)
       x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, tail, out_shared, lse_shared, plan.shared_length);
   EXPECT_LE(relative_error(out, expected_out), 1e-5);
   EXPECT_TRUE(at::allclose(lse, expected_lse, 1e-5, 1e-5));
-
-  // The shared part's gradients (the same formula over its keys, no own rows), then the tail's
-  // with the shared dQ added: together the gradients of attention over the union.
-  auto sg = kernels::tail_attention_backward_reference(
-      dout, x.q, x.k_ctx, x.v_ctx, no_block, no_block, out, lse, shared,
-      cumulative(plan.shared_length, 0), plan.shared_length.sum().item<int64_t>(), at::Tensor(),
-      at::Tensor());
-  auto tg = kernels::tail_attention_backward_reference(
-      dout, x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, out, lse, tail, plan.tail.cu_keys,
-      plan.tail.capacity, sg.dq, plan.shared_length);
-  EXPECT_LE(relative_error(tg.dq, in.q.grad()), 1e-5);
-  // Back to rows: the tail's segments through prefix_gather's backward; the shared part's
-  // segments are context rows [start, start + s_i).
-  const int64_t t = l.context_rows(), w = heads * d;
-  auto rows_of = [&](const at::Tensor& tail_grad, const at::Tensor& shared_grad) {
-    auto r = kernels::prefix_gather_backward_reference(tail_grad.view({-1, w}), plan.tail)
-                 .to(at::kFloat);
-    auto starts = shared.context_start, lengths = shared.context_length;
-    int64_t at = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t s = starts[i].item<int64_t>(), len = lengths[i].item<int64_t>();
-      r.narrow(0, s, len).add_(shared_grad.narrow(0, at, len).view({len, w}));
-      at += len;
-    }
-    return r;
-  };
-  auto dk = rows_of(tg.dk, sg.dk), dv = rows_of(tg.dv, sg.dv);
-  EXPECT_LE(relative_error(dk.narrow(0, 0, t), in.k_ctx.grad().view({t, w})), 1e-5);
-  EXPECT_LE(relative_error(dv.narrow(0, 0, t), in.v_ctx.grad().view({t, w})), 1e-5);
-  EXPECT_LE(relative_error(dk.narrow(0, t, n * kBlock), in.k_blk.grad().view({-1, w})), 1e-5);
-  EXPECT_LE(relative_error(dv.narrow(0, t, n * kBlock), in.v_blk.grad().view({-1, w})), 1e-5);
 }
 
 struct GpuCase {
@@ -154,7 +107,7 @@ class TailAttentionGpu : public ::testing::TestWithParam<GpuCase> {
   }
 };
 
-TEST_P(TailAttentionGpu, KernelMatchesReference) {
+TEST_P(TailAttentionGpu, MatchesReference) {
   const GpuCase c = GetParam();
   at::manual_seed(0);
   const Layout l;
@@ -184,29 +137,11 @@ TEST_P(TailAttentionGpu, KernelMatchesReference) {
   EXPECT_LE(relative_error(out, ref_out), 1e-2);
   EXPECT_LE((lse - ref_lse).abs().max().item<double>(), 2e-3);
 
-  auto dout = dev(at::randn({n * rows, heads, d}));
-  const auto dq_shared = c.shared ? dev(at::randn({n * rows, heads, d})) : at::Tensor();
-  // The backward as prefix_attention calls it: lse a column slice of a wider [H, rows] tensor.
-  auto wide = at::randn({heads, n * rows + 7}, lse.options());
-  wide.narrow(1, 3, n * rows).copy_(ref_lse);
-  const auto lse_slice = wide.narrow(1, 3, n * rows);
-  auto g = kernels::tail_attention_backward(dout, x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, ref_out,
-                                            lse_slice, tail, plan.tail.cu_keys, plan.tail.capacity,
-                                            dq_shared, plan.shared_length);
-  auto r = kernels::tail_attention_backward_reference(
-      dout, x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, ref_out, ref_lse, tail, plan.tail.cu_keys,
-      plan.tail.capacity, dq_shared, plan.shared_length);
-  const int64_t keys = plan.tail.keys;
-  EXPECT_LE(relative_error(g.dq, r.dq), 1e-2);
-  EXPECT_LE(relative_error(g.dk.narrow(0, 0, keys), r.dk.narrow(0, 0, keys)), 1e-2);
-  EXPECT_LE(relative_error(g.dv.narrow(0, 0, keys), r.dv.narrow(0, 0, keys)), 1e-2);
   // Block by block: a key too many or too few in one block shows even when the whole tensor's
   // error would hide it.
-  const auto cu = plan.tail.cu_keys.cpu();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = cu[i].item<int64_t>(), len = cu[i + 1].item<int64_t>() - s;
-    EXPECT_LE(relative_error(g.dk.narrow(0, s, len), r.dk.narrow(0, s, len)), 2e-2) << i;
-    EXPECT_LE(relative_error(g.dq.narrow(0, i * rows, rows), r.dq.narrow(0, i * rows, rows)), 2e-2)
+    EXPECT_LE(relative_error(out.narrow(0, i * rows, rows), ref_out.narrow(0, i * rows, rows)),
+              2e-2)
         << i;
   }
 }
