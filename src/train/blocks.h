@@ -38,7 +38,7 @@ double position_weight(int64_t k, double gamma);
 struct BlockTargets {
   models::BlockLayout layout;
   // int64 [M]: row among the blocks' predicting rows (BlockRows::kPredictions): block i's
-  // position k at i*(B-1) + k-1
+  // position k at i*(B-1) + k-1; ascending, no repeats
   at::Tensor label_rows;
   at::Tensor labels;      // int64 [M]
   at::Tensor weights;     // fp32 [M]

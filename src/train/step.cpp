@@ -138,7 +138,9 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
     obs::Scope scope(obs::Stage::kDrafterForward, device);
     auto hidden = drafter.forward(mb.features, mb.packed, blocks.layout, head, options.dtype,
                                   options.attention, models::BlockRows::kPredictions);
-    rows = hidden.index_select(0, blocks.label_rows);
+    // label_rows ascend without repeats: as many labels as predicting rows is every row in
+    // order, read as it is (no copy, and no index_add back in the backward).
+    rows = blocks.num_labels == hidden.size(0) ? hidden : hidden.index_select(0, blocks.label_rows);
   }
   HeadLoss loss;
   {
