@@ -46,6 +46,9 @@ struct LinearCase {
   int64_t ld, offset;  // x's row stride (0: k) and storage offset
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const LinearCase& c, std::ostream* os) { *os << c.name; }
+
 class SmallLinearGpu : public ::testing::TestWithParam<LinearCase> {};
 
 TEST_P(SmallLinearGpu, MatchesReference) {

@@ -33,6 +33,9 @@ struct Shape {
   }
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const Shape& c, std::ostream* os) { *os << c.name; }
+
 struct Models {
   TargetModel target;
   Drafter drafter;

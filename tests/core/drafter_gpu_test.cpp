@@ -17,6 +17,11 @@ struct GpuCase {
   double loss_tol, grad_tol;
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const GpuCase& c, std::ostream* os) {
+  *os << (c.dtype == at::kFloat ? "fp32" : "bf16");
+}
+
 class DrafterGpu : public ::testing::TestWithParam<GpuCase> {
  protected:
   void SetUp() override {

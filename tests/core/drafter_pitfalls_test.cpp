@@ -10,6 +10,15 @@
 #include "drafter_test_util.h"
 #include "train/blocks.h"
 
+namespace dflash::models {
+// CTest names each case by this (GoogleTest would print the enum's bytes).
+void PrintTo(DrafterAttention a, std::ostream* os) {
+  *os << (a == DrafterAttention::kDense      ? "dense"
+          : a == DrafterAttention::kGathered ? "gathered"
+                                             : "auto");
+}
+}  // namespace dflash::models
+
 namespace dflash {
 namespace {
 

@@ -22,6 +22,9 @@ struct CeCase {
   double scale;  // logit spread: large values test the running-max rescaling
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const CeCase& c, std::ostream* os) { *os << c10::toString(c.dtype) << "_" << c.vocab; }
+
 class CrossEntropyKernel : public ::testing::TestWithParam<CeCase> {};
 
 TEST_P(CrossEntropyKernel, MatchesReference) {

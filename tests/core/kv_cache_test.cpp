@@ -27,6 +27,9 @@ struct Variant {
   ModelConfig config;
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const Variant& c, std::ostream* os) { *os << c.name; }
+
 std::vector<Variant> variants() {
   using models::Architecture;
   return {{"Qwen3QkNormGqa", testing::tiny_target_config(Architecture::kQwen3)},

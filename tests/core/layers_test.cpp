@@ -21,6 +21,9 @@ struct SwapCase {
   at::ScalarType dtype;
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const SwapCase& c, std::ostream* os) { *os << c.name; }
+
 class SwapMiddleDims : public ::testing::TestWithParam<SwapCase> {};
 
 TEST_P(SwapMiddleDims, EqualsTransposeBitwiseValuesAndGradients) {

@@ -89,6 +89,9 @@ struct AttentionCase {
   int64_t q_heads, kv_heads, d;
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
+
 class CudnnAttentionGpu : public ::testing::TestWithParam<AttentionCase> {};
 
 // cuDNN's attention and flash attention on the same bf16 inputs against attention computed

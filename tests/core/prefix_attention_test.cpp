@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -216,6 +217,9 @@ struct GpuCase {
   // (models::BlockRows::kPredictions), which still attend to all B of the block's keys.
   int64_t query_positions = 16;
 };
+
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
 
 class PrefixAttentionGpu : public ::testing::TestWithParam<GpuCase> {
  protected:

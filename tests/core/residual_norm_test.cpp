@@ -30,6 +30,9 @@ struct ResidualNormCase {
   bool grad_to_sum;  // a gradient reaches the sum (the residual stream) besides the norm's
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const ResidualNormCase& c, std::ostream* os) { *os << c.name; }
+
 class ResidualRmsNormGpu : public ::testing::TestWithParam<ResidualNormCase> {};
 
 TEST_P(ResidualRmsNormGpu, MatchesFp32Autograd) {

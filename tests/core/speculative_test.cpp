@@ -176,6 +176,11 @@ struct Case {
   int64_t block_size, slots;
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.drafter << "_block" << c.block_size << "_slots" << c.slots;
+}
+
 class SpeculativeGreedy : public ::testing::TestWithParam<Case> {};
 
 TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {

@@ -48,6 +48,9 @@ struct SwiGluCase {
   bool fused;  // gate and up as the halves of one [T, 2F] tensor (row stride 2F)
 };
 
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const SwiGluCase& c, std::ostream* os) { *os << c.name; }
+
 class SwiGluGpu : public ::testing::TestWithParam<SwiGluCase> {};
 
 TEST_P(SwiGluGpu, MatchesReference) {

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <limits>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,9 @@ struct GpuCase {
   bool shared;
   at::ScalarType dtype;
 };
+
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
 
 class TailAttentionGpu : public ::testing::TestWithParam<GpuCase> {
  protected:

@@ -2,11 +2,18 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <filesystem>
+#include <ostream>
 #include <string>
+
+#include "models/config.h"
+
+namespace dflash::models {
+// CTest names architecture-parameterised cases by this (GoogleTest would print the enum's bytes).
+inline void PrintTo(Architecture a, std::ostream* os) { *os << architecture_name(a); }
+}  // namespace dflash::models
 
 namespace dflash::testing {
 
