@@ -1,19 +1,18 @@
-// One thread block per chunk of one tensor; the blocks find their tensor by a binary search over
-// a table of the tensors' first blocks (a few dozen entries, copied from pinned memory). The
-// per-element math is at::_fused_adamw_'s (ATen/native/cuda/fused_adam_utils.cuh), in fp32;
+// One thread block per chunk of one tensor, over a table of the tensors (a few dozen entries;
+// kernels/multi_tensor.cuh). The per-element math is at::_fused_adamw_'s
+// (ATen/native/cuda/fused_adam_utils.cuh), in fp32;
 // each thread moves kVec elements per access where the tensor's pointers allow it.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/multi_tensor.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -96,16 +95,7 @@ __global__ void __launch_bounds__(kThreads)
                       float weight_decay, float eps, const float* __restrict__ grad_divisor,
                       const float* __restrict__ found_inf) {
   if (found_inf != nullptr && *found_inf == 1.f) return;
-  int lo = 0, hi = num_tensors - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tensors[mid].first_block <= static_cast<int64_t>(blockIdx.x)) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const AdamWTensor<T> t = tensors[lo];
+  const AdamWTensor<T> t = entry_of_block(tensors, num_tensors);
   const int64_t begin = (static_cast<int64_t>(blockIdx.x) - t.first_block) * kChunk;
   const int64_t end = begin + kChunk < t.numel ? begin + kChunk : t.numel;
   const float step_count = *step;
@@ -159,12 +149,7 @@ void launch(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
   }
   if (table.empty()) return;
   TORCH_CHECK(blocks < INT32_MAX, "adamw_cast: too many elements");
-  // The table travels from pinned memory on the stream; the host allocator keeps the pinned
-  // block until the copy has run.
-  const int64_t bytes = static_cast<int64_t>(table.size() * sizeof(AdamWTensor<T>));
-  auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), table.data(), bytes);
-  auto device_table = host.to(params[0].device(), /*non_blocking=*/true);
+  auto device_table = table_on_device(table, params[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream(params[0].device().index());
   adamw_cast_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       reinterpret_cast<const AdamWTensor<T>*>(device_table.data_ptr()),

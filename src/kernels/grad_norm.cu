@@ -1,7 +1,6 @@
-// grad_norm on CUDA: one thread block per chunk of one tensor, the blocks finding their tensor by
-// a binary search over a table of the tensors' first blocks (copied from pinned memory, as in
-// adamw_cast.cu). Each thread reads units of 8 consecutive elements (one 16-byte load for bf16
-// and fp16, two for fp32; element by element where the tensor does not start on 16 bytes),
+// grad_norm on CUDA: one thread block per chunk of one tensor, over a table of the tensors
+// (kernels/multi_tensor.cuh). Each thread reads units of 8 consecutive elements (one 16-byte load
+// for bf16 and fp16, two for fp32; element by element where the tensor does not start on 16 bytes),
 // a few units in flight, and sums their squares in fp32 in a fixed order; the block adds its
 // threads' sums in a fixed tree and writes one partial. A second kernel of one block adds the
 // partials in fp64 in a fixed order and takes the root. Which thread sums which elements, and
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/multi_tensor.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -124,16 +124,7 @@ __device__ __forceinline__ A block_sum(A v) {
 __global__ void __launch_bounds__(kThreads)
     partial_sums_kernel(const NormTensor* __restrict__ tensors, int num_tensors, int64_t chunk,
                         float* __restrict__ partials) {
-  int lo = 0, hi = num_tensors - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tensors[mid].first_block <= static_cast<int64_t>(blockIdx.x)) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const NormTensor t = tensors[lo];
+  const NormTensor t = entry_of_block(tensors, num_tensors);
   const int64_t begin = (static_cast<int64_t>(blockIdx.x) - t.first_block) * chunk;
   const int64_t end = begin + chunk < t.numel ? begin + chunk : t.numel;
   float acc;
@@ -185,12 +176,7 @@ at::Tensor grad_norm_cuda(at::TensorList grads, int64_t chunk) {
   auto norm = at::empty({}, grads[0].options().dtype(at::kFloat));
   if (table.empty()) return norm.zero_();
   TORCH_CHECK(blocks < INT32_MAX, "grad_norm: too many elements");
-  // The table travels from pinned memory on the stream; the host allocator keeps the pinned
-  // block until the copy has run.
-  const int64_t bytes = static_cast<int64_t>(table.size() * sizeof(NormTensor));
-  auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), table.data(), bytes);
-  auto device_table = host.to(device, /*non_blocking=*/true);
+  auto device_table = table_on_device(table, device);
   auto partials = at::empty({blocks}, norm.options());
   const auto stream = c10::cuda::getCurrentCUDAStream(device.index());
   partial_sums_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
