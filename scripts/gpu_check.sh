@@ -2,7 +2,7 @@
 # One device call's worth of work on the GPU machine: build, run every test (GPU tests
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
-# Stages: build test target load drafter decode kernels prefill spec train pipeline pretrain
+# Stages: build test target load drafter decode kernels prefill spec train pipeline overlap pretrain
 # gsm8k tokenizer moe
 # (default: the first five).
 set -uo pipefail
@@ -161,6 +161,26 @@ if has pipeline; then
       --warmup 8 --json "$out/bench_2gpu_disaggregated.json" 2>&1 | grep -v "^train:" \
       | tee -a "$out/bench.txt"
   fi
+fi
+if has overlap; then
+  # Issue 11: the colocated target forward on its own stream beside the drafter's backward.
+  # Bitwise against one stream (fp32 with accumulation, bf16), then `dflash bench` with and
+  # without it, alternating, twice each (run-to-run variance is ~1-2%).
+  step overlap
+  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only dflash \
+    > "$out/fixtures_overlap.log" 2>&1 || tail -20 "$out/fixtures_overlap.log"
+  "$build/tests/dflash_core_tests" --gtest_filter='*TrainLoopOverlapGpu*:TrainLoop*' \
+    > "$out/overlap_tests.log" 2>&1
+  echo "overlap tests exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" \
+    "$out/overlap_tests.log" | tail -8
+  for rep in 1 2; do
+    for ov in false true; do
+      step "bench overlap-target=$ov ($rep)"
+      "$dflash" bench --steps 30 --warmup 8 --overlap-target=$ov \
+        --json "$out/bench_overlap_${ov}_$rep.json" 2>&1 | grep -v "^train:" \
+        | tee -a "$out/bench_overlap.txt"
+    done
+  done
 fi
 if has pretrain; then
   # Training the target itself on CUDA: bf16 compute over fp32 masters against transformers'

@@ -2,6 +2,8 @@
 
 #include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <chrono>
 #include <deque>
@@ -47,8 +49,13 @@ at::Tensor target_features(const models::TargetModel& target, const std::vector<
 }
 
 ColocatedSource::ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps,
-                                 Prefetcher& batches)
-    : target_(target), taps_(std::move(taps)), batches_(batches) {}
+                                 Prefetcher& batches, bool overlap)
+    : target_(target), taps_(std::move(taps)), batches_(batches) {
+  const at::Device device = target.device();
+  if (overlap && device.is_cuda()) {
+    feature_stream_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+  }
+}
 
 namespace {
 
@@ -58,11 +65,37 @@ train::MicroBatch to_device(train::MicroBatch mb, at::Device device) {
   return mb.to(device);
 }
 
+// Every device tensor of `mb` marked as used on `stream` (see ColocatedSource).
+void record_stream(train::MicroBatch& mb, c10::Stream stream) {
+  auto& b = mb.blocks;
+  for (at::Tensor* t :
+       {&mb.tokens, &mb.features, &mb.packed.cu_seqlens, &mb.packed.positions, &b.layout.anchor_ids,
+        &b.layout.positions, &b.label_rows, &b.labels, &b.weights, &b.label_k}) {
+    if (t->defined() && t->is_cuda()) t->record_stream(stream);
+  }
+}
+
 }  // namespace
 
 train::MicroBatch ColocatedSource::get(int64_t position) {
-  auto mb = to_device(batches_.get(position), target_.device());
-  if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, mb);
+  const at::Device device = target_.device();
+  if (!feature_stream_) {
+    auto mb = to_device(batches_.get(position), device);
+    if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, mb);
+    return mb;
+  }
+  auto host = batches_.get(position);
+  const c10::Stream compute = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+  train::MicroBatch mb;
+  c10::Event ready(device.type());
+  {
+    c10::StreamGuard on_features(*feature_stream_);
+    mb = to_device(std::move(host), device);
+    if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, mb);
+    ready.record(*feature_stream_);
+  }
+  ready.block(compute);
+  record_stream(mb, compute);
   return mb;
 }
 

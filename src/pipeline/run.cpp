@@ -471,7 +471,8 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
     source = std::make_unique<ReceivedSource>(
         *r.comm, topo, trainer, dc.num_taps() * dc.layers.hidden_size, r.dtype, r.device, batches);
   } else {
-    source = std::make_unique<ColocatedSource>(*job.target, dc.target_layer_ids, batches);
+    source = std::make_unique<ColocatedSource>(*job.target, dc.target_layer_ids, batches,
+                                               c.overlap_target);
   }
   train::TrainerOptions to;
   to.lr = c.lr;

@@ -89,6 +89,10 @@ const std::vector<ConfigKey>& config_keys() {
       {"target_ranks", &RunConfig::target_ranks,
        "disaggregated: how many ranks only run the target (the first world-T ranks train)"},
       {"prefetch", &RunConfig::prefetch, "micro-batches formed ahead / feature sends in flight"},
+      {"overlap_target", &RunConfig::overlap_target,
+       "colocated on a GPU: the next micro-batch's target forward runs on a stream of its own, "
+       "beside the drafter's backward, all-reduce and optimizer (the GPU stage times then "
+       "overlap; on one H200 it measured 0.4% faster, within run-to-run variance)"},
       {"allreduce_bucket_mb", &RunConfig::allreduce_bucket_mb,
        "MiB of gradients per all-reduce, started during the backward as each bucket is ready"},
       {"timeout_s", &RunConfig::timeout_s,

@@ -23,13 +23,13 @@ using testing::DflashCase;
 // The real data path over the fixture's tiny target: synthetic samples, the global stream
 // (anchors, blocks, the step's normaliser), the batch-forming thread and the target's features.
 struct Pipeline {
-  Pipeline(const DflashCase& c, int64_t accumulation = 2, bool poison = false)
+  Pipeline(const DflashCase& c, int64_t accumulation = 2, bool poison = false, bool overlap = false)
       : samples(12, 30, 4, c.target->config().vocab_size, 3),
         stream(samples, stream_options(accumulation), c.drafter->config()),
         batches(
             "batches", [this](int64_t p) { return stream.form(p, 0, 1, false); }, 2,
             std::chrono::seconds(30)),
-        features(*c.target, c.drafter->config().target_layer_ids, batches),
+        features(*c.target, c.drafter->config().target_layer_ids, batches, overlap),
         poison(poison) {}
   static pipeline::StreamOptions stream_options(int64_t accumulation) {
     pipeline::StreamOptions o;
@@ -184,10 +184,9 @@ TEST_P(TrainLoopResume, FromCheckpointIsBitwiseExact) {
   remove_tree(out);
 }
 
-INSTANTIATE_TEST_SUITE_P(Routes, TrainLoopResume,
-                         ::testing::Values(ResumeCase{"fp32_accumulation_2", at::kFloat, 2},
-                                           ResumeCase{"bf16_gradients_on_copies", at::kBFloat16,
-                                                      1}),
+const auto kRoutes = ::testing::Values(ResumeCase{"fp32_accumulation_2", at::kFloat, 2},
+                                       ResumeCase{"bf16_gradients_on_copies", at::kBFloat16, 1});
+INSTANTIATE_TEST_SUITE_P(Routes, TrainLoopResume, kRoutes,
                          [](const auto& info) { return info.param.name; });
 
 TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
@@ -279,6 +278,40 @@ TEST(TrainLoop, SimulatedAcceptanceByHand) {
   EXPECT_DOUBLE_EQ(train::simulated_acceptance({0.5, 0.5}), 1.75);
   EXPECT_DOUBLE_EQ(train::simulated_acceptance({0.5, 1.0, 0.0, 1.0}), 2.0);
 }
+
+// The target forward on its own stream (ColocatedSource's overlap) computes the same features
+// and so trains the same drafter as one stream: losses and weights bitwise, on the GPU, in fp32
+// with accumulation and in bf16 with the gradients on the compute copies.
+class TrainLoopOverlapGpu : public ::testing::TestWithParam<ResumeCase> {};
+
+TEST_P(TrainLoopOverlapGpu, TargetOnItsOwnStreamIsBitwiseOneStream) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ResumeCase c = GetParam();
+  auto run = [&](bool overlap, std::vector<double>& losses) {
+    auto dc = std::make_unique<DflashCase>("tied", at::Device(at::kCUDA));
+    Pipeline pipe(*dc, c.accumulation, /*poison=*/false, overlap);
+    Source data(pipe);
+    auto o = options({});
+    o.accumulation = c.accumulation;
+    o.step.dtype = c.dtype;
+    train::Trainer t(*dc->drafter, models::TargetHead::of(*dc->target), o, data);
+    t.run(6, [&](const train::StepLog& l) { losses.push_back(l.loss); });
+    return dc;
+  };
+  std::vector<double> one, two;
+  auto a = run(false, one);
+  auto b = run(true, two);
+  ASSERT_EQ(one.size(), 6u);
+  EXPECT_EQ(one, two);
+  const auto& pa = a->drafter->named_parameters();
+  const auto& pb = b->drafter->named_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(pa[i].second.equal(pb[i].second)) << pa[i].first;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Routes, TrainLoopOverlapGpu, kRoutes,
+                         [](const auto& info) { return info.param.name; });
 
 TEST(TrainLoop, AccumulationEqualsOneBigBatch) {
   DflashCase c("tied");
