@@ -20,3 +20,4 @@ find "$root/.deps/root" -type l | while read -r link; do
   case "$target" in /*) ln -sfn "$(basename "$target")" "$link" ;; esac
 done
 du -sh "$root/.deps/root"
+"$root/scripts/fetch_cudnn_frontend.sh"

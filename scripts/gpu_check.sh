@@ -2,8 +2,8 @@
 # One device call's worth of work on the GPU machine: build, run every test (GPU tests
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
-# Stages: build test target load drafter decode kernels prefill spec train pipeline overlap pretrain
-# gsm8k tokenizer moe
+# Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
+# pretrain gsm8k tokenizer moe
 # (default: the first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,6 +15,19 @@ dflash=$build/src/dflash
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 has() { [[ " $stages " == *" $1 "* ]]; }
 step() { echo "=== $* ($(date +%T))"; }
+# fixtures NAME MODULE...: the Python reference fixtures the GPU tests read (log fixtures_NAME.log).
+fixtures() {
+  local name=$1; shift
+  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only "$@" \
+    > "$out/fixtures_$name.log" 2>&1 || tail -20 "$out/fixtures_$name.log"
+}
+# gtests NAME FILTER: the core tests matching FILTER (GPU ones included), log NAME_tests.log.
+gtests() {
+  DFLASH_PYTHON=$(command -v python3) "$build/tests/dflash_core_tests" --gtest_filter="$2" \
+    > "$out/$1_tests.log" 2>&1
+  echo "$1 tests exit $?"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$out/$1_tests.log" | tail -25
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$out/gpu.txt"
 if has build; then
@@ -26,12 +39,9 @@ if has test; then
   # The LibTorch tests, GPU ones included (they skip on CPU CI). Tokenizer fixtures need the
   # GSM8K data in ../shared, which does not travel to this machine; CI runs those.
   step test
-  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only models dflash safetensors pretrain \
-    > "$out/fixtures.log" 2>&1 || tail -20 "$out/fixtures.log"
-  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only rope \
-    >> "$out/fixtures.log" 2>&1 || tail -20 "$out/fixtures.log"
-  DFLASH_PYTHON=$(command -v python3) "$build/tests/dflash_core_tests" > "$out/core_tests.log" 2>&1
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$out/core_tests.log" | tail -25
+  fixtures test models dflash safetensors pretrain
+  fixtures rope rope
+  gtests core '*'
 fi
 if has target; then
   step bench-target
@@ -53,10 +63,7 @@ fi
 if has drafter && "$dflash" bench-drafter --help > /dev/null 2>&1; then
   # The drafter step's kernels and its parity (gathered keys, prefix attention, loss,
   # optimizer) before timing it.
-  "$build/tests/dflash_core_tests" \
-    --gtest_filter='*PrefixGather*:*PrefixAttention*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*AdamW*:*GradNorm*:*TailAttention*:*DraftModelVsTraining*' \
-    > "$out/drafter_tests.log" 2>&1
-  echo "drafter tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/drafter_tests.log" | tail -8
+  gtests drafter '*PrefixGather*:*PrefixAttention*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*AdamW*:*GradNorm*:*TailAttention*:*DraftModelVsTraining*'
   step bench-drafter
   "$dflash" bench-drafter --device cuda --json "$out/bench_drafter.json" \
     --profile "$out/drafter_trace.json" 2>&1 | tee "$out/bench_drafter.txt"
@@ -70,9 +77,7 @@ if has decode; then
   # Generation: the decoding tests (flash attention over the KV cache, CUDA-graph replay
   # against eager), then bench-decode on the Qwen3-8B shape (batch 1 and 128, graph on/off).
   step decode
-  "$build/tests/dflash_core_tests" --gtest_filter='*KVCache*:*Generator*:*DecodeGpu*:*Sampling*' \
-    > "$out/decode_tests.log" 2>&1
-  echo "decode tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/decode_tests.log" | tail -8
+  gtests decode '*KVCache*:*Generator*:*DecodeGpu*:*Sampling*'
   "$dflash" bench-decode --preset qwen3-8b --device cuda --json "$out/bench_decode.json" 2>&1 \
     | tee "$out/bench_decode.txt"
 fi
@@ -83,11 +88,7 @@ if has kernels; then
   # bf16; then each kernel alone against the ATen ops it replaces, and bench-decode at batch 1
   # and 128 with a profile of the batch-1 step.
   step kernels
-  "$build/tests/dflash_core_tests" \
-    --gtest_filter='*SmallLinear*:*DecodeOps*:*FusedDecode*:*DecodeGpu*:*Generator*:*SpeculativeGpu*:*Rotary*' \
-    > "$out/kernel_tests.log" 2>&1
-  echo "kernel tests exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" \
-    "$out/kernel_tests.log" | tail -25
+  gtests kernel '*SmallLinear*:*DecodeOps*:*FusedDecode*:*DecodeGpu*:*Generator*:*SpeculativeGpu*:*Rotary*'
   "$dflash" bench-kernels --json "$out/bench_kernels.json" 2>&1 | tee "$out/bench_kernels.txt"
   "$dflash" bench-decode --preset qwen3-8b --device cuda --batches 1,128 \
     --json "$out/bench_decode_kernels.json" --profile "$out/decode_trace.json" 2>&1 \
@@ -99,13 +100,8 @@ if has prefill; then
   # path, fp32 and transformers), cuDNN's attention against flash's, then bench-target at one
   # sequence of 2048 tokens with each attention backend, each with a profile.
   step prefill
-  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only models \
-    > "$out/fixtures_prefill.log" 2>&1 || tail -20 "$out/fixtures_prefill.log"
-  DFLASH_PYTHON=$(command -v python3) "$build/tests/dflash_core_tests" \
-    --gtest_filter='*FusedPrefill*:*CudnnAttention*:*AttentionBackend*:*DecodeOps*:*FusedDecode*:*TargetGpu*:*TargetParity*:*KVCache*:*Generator*' \
-    > "$out/prefill_tests.log" 2>&1
-  echo "prefill tests exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" \
-    "$out/prefill_tests.log" | tail -25
+  fixtures prefill models
+  gtests prefill '*FusedPrefill*:*CudnnAttention*:*AttentionBackend*:*DecodeOps*:*FusedDecode*:*TargetGpu*:*TargetParity*:*KVCache*:*Generator*'
   for attention in flash cudnn; do
     "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1,4 \
       --warmup 3 --iters 10 --attention $attention --json "$out/bench_prefill_$attention.json" \
@@ -119,9 +115,7 @@ if has spec; then
   # a tiny random model in bf16 (generator CUDA graph against speculative, the tie check). The
   # draft's cost against a plain decode step is in bench-decode (decode stage).
   step spec
-  "$build/tests/dflash_core_tests" --gtest_filter='*DraftModel*:*Speculative*:*Accounting*' \
-    > "$out/spec_tests.log" 2>&1
-  echo "spec tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/spec_tests.log" | tail -8
+  gtests spec '*DraftModel*:*Speculative*:*Accounting*'
   python3 "$root/tests/cli/eval_cli.py" "$dflash" cuda > "$out/eval_cli.log" 2>&1
   echo "eval_cli exit $?"; tail -5 "$out/eval_cli.log"
   # tau during `dflash train --eval-prompts` on CUDA in bf16 (the verify pass captured while the
@@ -167,12 +161,8 @@ if has overlap; then
   # Bitwise against one stream (fp32 with accumulation, bf16), then `dflash bench` with and
   # without it, alternating, twice each (run-to-run variance is ~1-2%).
   step overlap
-  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only dflash \
-    > "$out/fixtures_overlap.log" 2>&1 || tail -20 "$out/fixtures_overlap.log"
-  "$build/tests/dflash_core_tests" --gtest_filter='*TrainLoopOverlapGpu*:TrainLoop*' \
-    > "$out/overlap_tests.log" 2>&1
-  echo "overlap tests exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" \
-    "$out/overlap_tests.log" | tail -8
+  fixtures overlap dflash
+  gtests overlap '*TrainLoopOverlapGpu*:*TrainLoop*'
   for rep in 1 2; do
     for ov in false true; do
       step "bench overlap-target=$ov ($rep)"
@@ -182,15 +172,28 @@ if has overlap; then
     done
   done
 fi
+if has cudnn; then
+  # Issue 11: the shared segments' attention backward through cuDNN (kernels/cudnn_attention),
+  # against fp64 and flash's backward, in the block attention and in the drafter step; then its
+  # bench-kernels lines beside flash's, and the drafter step with each.
+  step cudnn
+  fixtures cudnn dflash
+  gtests cudnn '*CudnnAttentionBackward*:*PrefixAttentionGpu*:*DrafterGpu*:*DrafterParity*'
+  "$dflash" bench-kernels --json "$out/bench_kernels_cudnn.json" 2>&1 \
+    | grep -E "^(kernel|shared backward|tail backward|tail_attention|gather \+ flash)" \
+    | tee "$out/bench_kernels_cudnn.txt"
+  for attention in gathered gathered-cudnn-shared gathered-cudnn; do
+    "$dflash" bench-drafter --device cuda --attention $attention \
+      --json "$out/bench_drafter_$attention.json" 2>&1 | tail -5 | tee -a "$out/bench_drafter_cudnn.txt"
+  done
+fi
 if has pretrain; then
   # Training the target itself on CUDA: bf16 compute over fp32 masters against transformers'
   # gradients (fixture: pretrain), then a short `dflash pretrain` on GSM8K (.deps/gsm8k, copied
   # there by hand from ../shared/data/gsm8k) for its speed.
   step pretrain
-  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only pretrain \
-    > "$out/fixtures_pretrain.log" 2>&1 || tail -20 "$out/fixtures_pretrain.log"
-  "$build/tests/dflash_core_tests" --gtest_filter='*Pretrain*' > "$out/pretrain_tests.log" 2>&1
-  echo "pretrain tests exit $?"; grep -E "PASSED|FAILED|SKIPPED" "$out/pretrain_tests.log" | tail -6
+  fixtures pretrain pretrain
+  gtests pretrain '*Pretrain*'
   "$dflash" pretrain --data "$root/.deps/gsm8k/train.jsonl" --eval-data "$root/.deps/gsm8k/test.jsonl" \
     --out /tmp/pretrain-speed --layers 10 --hidden 384 --heads 6 --kv-heads 2 --ffn 1024 \
     --steps 200 --batch-size 64 --lr 2e-3 --log-seconds 5 2>&1 | tee "$out/pretrain_speed.txt"
@@ -227,12 +230,8 @@ if has moe; then
   # tokens; TFLOP/s on active parameters, peak memory), the drafter step on its features, and
   # the whole pipeline on one GPU.
   step moe
-  python3 "$root/tests/python/make_fixtures.py" --out "$build/fixtures" --only models \
-    > "$out/fixtures_moe.log" 2>&1 || tail -20 "$out/fixtures_moe.log"
-  "$build/tests/dflash_core_tests" --gtest_filter='*Moe*:*TargetParity*:*FusedDecode*:*KVCache*' \
-    > "$out/moe_tests.log" 2>&1
-  echo "moe tests exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" \
-    "$out/moe_tests.log" | tail -25
+  fixtures moe models
+  gtests moe '*Moe*:*TargetParity*:*FusedDecode*:*KVCache*'
   # tiny-moe through random-model, prepare, train, export and eval in bf16 (the generator's
   # CUDA graph captures the grouped experts).
   python3 "$root/tests/cli/moe_cli.py" "$dflash" cuda > "$out/moe_cli.log" 2>&1

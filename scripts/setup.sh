@@ -31,4 +31,5 @@ if ! .venv/bin/python -c "import torch,sys; sys.exit(torch.__version__.split('+'
   .venv/bin/pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" \
     transformers safetensors tokenizers numpy jinja2 tensorboard
 fi
+"$root/scripts/fetch_cudnn_frontend.sh"
 echo "setup: done"

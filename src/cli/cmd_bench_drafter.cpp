@@ -111,13 +111,7 @@ void run_bench(const BenchDrafterOptions& o) {
   topt.total_steps = 1000;
   topt.step.dtype = dtype;
   topt.step.head_chunk_rows = o.head_chunk;
-  if (o.attention == "dense") {
-    topt.step.attention = models::DrafterAttention::kDense;
-  } else if (o.attention == "gathered") {
-    topt.step.attention = models::DrafterAttention::kGathered;
-  } else if (o.attention != "auto") {
-    fail("bench-drafter: --attention must be auto, dense or gathered, got {}", o.attention);
-  }
+  topt.step.attention = models::parse_drafter_attention(o.attention, "bench-drafter --attention");
   train::Trainer trainer(drafter, head, topt, data);
 
   const auto& sampled = micro.blocks.layout.anchor;
@@ -215,7 +209,10 @@ void add_bench_drafter_command(CLI::App& app) {
   cmd->add_option("--layers", o->layers, "drafter layers (= tapped layers)")->capture_default_str();
   cmd->add_option("--head-chunk", o->head_chunk, "LM-head rows per loss chunk")
       ->capture_default_str();
-  cmd->add_option("--attention", o->attention, "auto, dense or gathered")->capture_default_str();
+  cmd->add_option("--attention", o->attention,
+                  "auto, dense, gathered, gathered-cudnn-shared (the shared context's "
+                  "attention backward through cuDNN) or gathered-cudnn (the tails' too)")
+      ->capture_default_str();
   cmd->add_option("--warmup", o->warmup)->capture_default_str();
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
       ->capture_default_str();

@@ -22,6 +22,7 @@
 #include "eval/generator.h"
 #include "kernels/adamw_cast.h"
 #include "kernels/attention_merge.h"
+#include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
 #include "kernels/grad_norm.h"
 #include "kernels/moe_combine.h"
@@ -487,6 +488,50 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                                                std::get<0>(f), std::get<1>(f));
                     }),
            bytes);
+    // The attention backward over the groups' shared segments (the step's largest attention
+    // cost) and over the blocks' tails, each one varlen call over its gathered keys: flash's
+    // against cuDNN's (kernels/cudnn_attention), on flash's forward output and log-sum-exp.
+    // Bytes: q, out, dout, dq, and the keys, values and their gradients once each; TFLOP/s
+    // counts the backward's 5 matmuls of 2 * query rows * keys * D per KV head.
+    auto dout = at::randn_like(qx);
+    auto time_backward = [&](const std::string& part, const kernels::PrefixGatherPlan& split,
+                             const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& cu_q,
+                             int64_t max_q) {
+      auto f = at::_flash_attention_forward(qx, ks, vs, cu_q, split.cu_keys, max_q, split.max_keys,
+                                            0.0, /*is_causal=*/false,
+                                            /*return_debug_mask=*/false);
+      const auto &out = std::get<0>(f), &lse = std::get<1>(f);
+      const auto q_lengths = at::diff(cu_q).cpu();
+      double work = 0;  // sum over segments of query rows x keys
+      for (size_t g = 0; g < split.key_lengths.size(); ++g) {
+        work += static_cast<double>(q_lengths[g].item<int>()) * split.key_lengths[g];
+      }
+      const double flops = 5 * 2 * work * d * hkv;
+      const double part_bytes = 2.0 * (4 * qx.numel() + 4 * split.keys * hkv * d);
+      const double us_flash = us_eager(o, [&] {
+        at::_flash_attention_backward(dout, qx, ks, vs, out, lse, cu_q, split.cu_keys, max_q,
+                                      split.max_keys, 0.0, /*is_causal=*/false, std::get<2>(f),
+                                      std::get<3>(f));
+      });
+      report(part + " backward, flash", split.blocks, split.keys, max_q, us_flash, part_bytes);
+      if (!kernels::cudnn_attention_available()) return;
+      const double us_cudnn = us_eager(o, [&] {
+        kernels::cudnn_varlen_attention_backward(dout, qx, ks, vs, out, lse, cu_q, split.cu_keys,
+                                                 max_q, split.max_keys,
+                                                 1.0 / std::sqrt(static_cast<double>(d)));
+      });
+      report(part + " backward, cudnn", split.blocks, split.keys, max_q, us_cudnn, part_bytes);
+      fmt::print("{} backward: {:.1f} TFLOP/s flash, {:.1f} TFLOP/s cudnn\n", part,
+                 flops / us_flash / 1e6, flops / us_cudnn / 1e6);
+    };
+    if (plan.every_group_shares) {
+      auto shared_rows = [&](const at::Tensor& x) {
+        return kernels::prefix_gather(x.view({-1, hkv * d}), plan.shared).view({-1, hkv, d});
+      };
+      time_backward("shared", plan.shared, shared_rows(k_ctx), shared_rows(v_ctx),
+                    plan.cu_group_blocks * rows, plan.max_group_blocks * rows);
+    }
+    time_backward("tail", plan.tail, gathered(k_ctx, k_blk), gathered(v_ctx, v_blk), cu_q, rows);
   }
   if (!o.json_out.empty()) {
     write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));

@@ -306,6 +306,18 @@ at::Tensor block_positions(const std::vector<int64_t>& anchors, int64_t block_si
   return at::tensor(pos, at::kLong);
 }
 
+DrafterAttention parse_drafter_attention(const std::string& name, const std::string& what) {
+  if (name == "auto") return DrafterAttention::kAuto;
+  if (name == "dense") return DrafterAttention::kDense;
+  if (name == "gathered") return DrafterAttention::kGathered;
+  if (name == "gathered-cudnn-shared") return DrafterAttention::kGatheredCudnnShared;
+  if (name == "gathered-cudnn") return DrafterAttention::kGatheredCudnn;
+  fail(
+      "{}: the drafter's attention must be auto, dense, gathered, gathered-cudnn-shared or "
+      "gathered-cudnn, got '{}'",
+      what, name);
+}
+
 at::Tensor dense_block_mask(int64_t context_len, const std::vector<int64_t>& anchors,
                             int64_t block_size, at::Device device) {
   const int64_t n = static_cast<int64_t>(anchors.size()), rows = n * block_size;
@@ -628,11 +640,21 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
   // Built once for all layers.
   std::optional<kernels::PrefixGatherPlan> gathered;
   std::optional<PrefixAttentionPlan> in_place;
-  if (attention == DrafterAttention::kGathered) {
+  const bool cudnn = attention == DrafterAttention::kGatheredCudnnShared ||
+                     attention == DrafterAttention::kGatheredCudnn;
+  if (attention == DrafterAttention::kGathered || cudnn) {
     const bool flash = device.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
     if (flash) {
       in_place = PrefixAttentionPlan::build(batch.lengths, layout.sequence, layout.anchor,
                                             layout.block_size, device);
+      if (cudnn) {
+        const bool tails = attention == DrafterAttention::kGatheredCudnn;
+        in_place->set_backward(
+            {BackwardKernel::kCudnn, tails ? BackwardKernel::kCudnn : BackwardKernel::kFlash});
+      }
+    } else if (cudnn) {
+      fail("drafter: the cuDNN shared backward needs CUDA bf16/fp16, got {} {}", device.str(),
+           c10::toString(dtype));
     } else {
       gathered = kernels::PrefixGatherPlan::build(batch.lengths, layout.sequence, layout.anchor,
                                                   layout.block_size, device);

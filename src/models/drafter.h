@@ -113,7 +113,15 @@ enum class DrafterAttention {
   kAuto,      // gathered + flash on CUDA in bf16/fp16, dense otherwise
   kDense,     // per sequence, SDPA with dense_block_mask (small shapes, reference path)
   kGathered,  // per block, keys gathered from the context prefix + own block (block-sparse)
+  // kGathered with the attention backward through cuDNN's fused attention instead of flash's
+  // (models/prefix_attention.h; CUDA bf16/fp16 only): over the grouped blocks' shared context
+  // only, or over it and the blocks' tails
+  kGatheredCudnnShared,
+  kGatheredCudnn,
 };
+// "auto", "dense", "gathered", "gathered-cudnn-shared" or "gathered-cudnn"; anything else fails
+// naming `what`.
+DrafterAttention parse_drafter_attention(const std::string& name, const std::string& what);
 
 // The block rows Drafter::forward returns.
 enum class BlockRows {

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -10,6 +12,7 @@
 
 #include "common/error.h"
 #include "kernels/attention_merge.h"
+#include "kernels/cudnn_attention.h"
 #include "kernels/tail_attention.h"
 
 namespace dflash::models {
@@ -61,6 +64,8 @@ PrefixAttentionPlan PrefixAttentionPlan::build(const std::vector<int64_t>& lengt
   }
   plan.shared = kernels::PrefixGatherPlan::build(lengths, group_sequence, group_start,
                                                  /*block_size=*/0, device);
+  plan.every_group_shares =
+      std::all_of(group_start.begin(), group_start.end(), [](int64_t s) { return s > 0; });
   plan.tail =
       kernels::PrefixGatherPlan::build(lengths, sequence, anchors, block_size, device, begins);
   auto to = [&](at::Tensor t) { return device.is_cpu() ? t : t.pin_memory().to(device, true); };
@@ -88,6 +93,11 @@ PrefixAttentionPlan PrefixAttentionPlan::build(const std::vector<int64_t>& lengt
   return plan;
 }
 
+void PrefixAttentionPlan::set_backward(BackwardKernels kernels) {
+  backward = kernels;
+  for (auto& chunk : chunks) chunk.set_backward(kernels);
+}
+
 void PrefixAttentionPlan::save(torch::autograd::AutogradContext* ctx,
                                const std::string& prefix) const {
   shared.save(ctx, prefix + "shared.");
@@ -97,6 +107,9 @@ void PrefixAttentionPlan::save(torch::autograd::AutogradContext* ctx,
   ctx->saved_data[prefix + "blocks"] = blocks;
   ctx->saved_data[prefix + "max_group_blocks"] = max_group_blocks;
   ctx->saved_data[prefix + "first_block"] = first_block;
+  ctx->saved_data[prefix + "cudnn_shared"] =
+      backward.shared == BackwardKernel::kCudnn && every_group_shares;
+  ctx->saved_data[prefix + "cudnn_tail"] = backward.tail == BackwardKernel::kCudnn;
   ctx->saved_data[prefix + "chunks"] = static_cast<int64_t>(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i)
     chunks[i].save(ctx, fmt::format("{}chunk{}.", prefix, i));
@@ -112,6 +125,11 @@ PrefixAttentionPlan PrefixAttentionPlan::saved(torch::autograd::AutogradContext*
   plan.blocks = ctx->saved_data[prefix + "blocks"].toInt();
   plan.max_group_blocks = ctx->saved_data[prefix + "max_group_blocks"].toInt();
   plan.first_block = ctx->saved_data[prefix + "first_block"].toInt();
+  if (ctx->saved_data[prefix + "cudnn_shared"].toBool()) {
+    plan.backward.shared = BackwardKernel::kCudnn;
+    plan.every_group_shares = true;
+  }
+  if (ctx->saved_data[prefix + "cudnn_tail"].toBool()) plan.backward.tail = BackwardKernel::kCudnn;
   const int64_t chunks = ctx->saved_data[prefix + "chunks"].toInt();
   for (int64_t i = 0; i < chunks; ++i) {
     plan.chunks.push_back(saved(ctx, fmt::format("{}chunk{}.", prefix, i)));
@@ -207,13 +225,21 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
       const int64_t first_q = part->first_block * q_rows, first_k = part->first_block * bs;
       auto rows = [&](const at::Tensor& x) { return x.narrow(0, first_q, n * q_rows); };
       const auto lse_part = lse.narrow(1, first_q, n * q_rows).contiguous();
-      // Flash's backward over one split of the keys; the gathered keys live only in here.
+      // The backward over one split of the keys, flash's or cuDNN's (the same arguments, the
+      // softmax scale flash defaults to); the gathered keys live only in here.
       auto backward_over = [&](const at::Tensor& block_k, const at::Tensor& block_v,
                                const kernels::PrefixGatherPlan& split, const at::Tensor& cu_q,
-                               int64_t max_q) {
+                               int64_t max_q, BackwardKernel kernel) {
         auto keys = [&](const at::Tensor& c, const at::Tensor& b) {
           return gather(b.defined() ? at::cat({c, b}) : c, split);
         };
+        if (kernel == BackwardKernel::kCudnn) {
+          auto g = kernels::cudnn_varlen_attention_backward(
+              rows(grads[0]), rows(q), keys(k_ctx, block_k), keys(v_ctx, block_v), rows(out),
+              lse_part, cu_q, split.cu_keys, max_q, split.max_keys,
+              1.0 / std::sqrt(static_cast<double>(d)));
+          return std::tuple{std::move(g.dq), std::move(g.dk), std::move(g.dv)};
+        }
         return at::_flash_attention_backward(rows(grads[0]), rows(q), keys(k_ctx, block_k),
                                              keys(v_ctx, block_v), rows(out), lse_part, cu_q,
                                              split.cu_keys, max_q, split.max_keys, 0.0,
@@ -232,16 +258,19 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
                  block_v = v_blk.narrow(0, first_k, n * bs);
       at::Tensor dq_shared, dq_part;
       if (part->shared.max_context > 0) {
+        const bool cudnn =
+            part->backward.shared == BackwardKernel::kCudnn && part->every_group_shares;
         auto [dq_s, dk_shared, dv_shared] =
             backward_over(at::Tensor(), at::Tensor(), part->shared, part->cu_group_blocks * q_rows,
-                          part->max_group_blocks * q_rows);
+                          part->max_group_blocks * q_rows,
+                          cudnn ? BackwardKernel::kCudnn : BackwardKernel::kFlash);
         dq_shared = std::move(dq_s);
         add_rows(std::move(dk_shared), part->shared, dk_ctx, nullptr);
         add_rows(std::move(dv_shared), part->shared, dv_ctx, nullptr);
       }
-      auto [dq_tail, dk, dv] =
-          backward_over(block_k, block_v, part->tail,
-                        at::arange(n + 1, part->tail.cu_keys.options()) * q_rows, q_rows);
+      auto [dq_tail, dk, dv] = backward_over(
+          block_k, block_v, part->tail, at::arange(n + 1, part->tail.cu_keys.options()) * q_rows,
+          q_rows, part->backward.tail);
       add_rows(std::move(dk), part->tail, dk_ctx, &dk_blk);
       add_rows(std::move(dv), part->tail, dv_ctx, &dv_blk);
       dq_part = dq_shared.defined() ? dq_tail.add_(dq_shared) : dq_tail;

@@ -26,6 +26,14 @@
 
 namespace dflash::models {
 
+// What runs each part of the backward: ATen's FlashAttention-2, or cuDNN's fused attention
+// (kernels/cudnn_attention), which takes the same inputs.
+enum class BackwardKernel { kFlash, kCudnn };
+struct BackwardKernels {
+  BackwardKernel shared = BackwardKernel::kFlash;
+  BackwardKernel tail = BackwardKernel::kFlash;
+};
+
 struct PrefixAttentionPlan {
   // Anchor span of a group: a tail holds at most this many context rows plus B, which fits one
   // 128-key tile of flash's backward at B = 16.
@@ -42,6 +50,11 @@ struct PrefixAttentionPlan {
   int64_t blocks = 0;
   int64_t max_group_blocks = 0;
   int64_t first_block = 0;  // a chunk's first block among the whole plan's blocks
+  BackwardKernels backward;
+  // Every group has shared keys (s > 0). cuDNN is only handed shared segments where it holds:
+  // a segment of zero keys is flash's documented case, not cuDNN's. (A tail always holds its
+  // block's B keys.)
+  bool every_group_shares = false;
   // Plans of consecutive runs of groups of at most chunk_keys gathered rows each (a bigger
   // group is a run of its own); empty when one run holds them all.
   std::vector<PrefixAttentionPlan> chunks;
@@ -53,6 +66,9 @@ struct PrefixAttentionPlan {
                                    const std::vector<int64_t>& anchors, int64_t block_size,
                                    at::Device device, int64_t max_tail_context = kMaxTailContext,
                                    int64_t chunk_keys = kChunkKeys);
+
+  // This plan's and its chunks' backward kernels.
+  void set_backward(BackwardKernels kernels);
 
   // Into and out of an autograd context, as kernels::PrefixGatherPlan (chunks included).
   void save(torch::autograd::AutogradContext* ctx, const std::string& prefix = "plan.") const;

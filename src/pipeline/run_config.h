@@ -24,8 +24,9 @@ struct RunConfig {
   int64_t drafter_layers = 5;
   std::vector<int64_t> target_layer_ids;  // empty: DFlash's spread
   int64_t block_size = 16;
-  int64_t mask_token_id = -1;  // -1: 151669 if inside the vocabulary, else the last id
-  std::string init_from;       // a drafter export directory
+  std::string drafter_attention = "auto";  // models::parse_drafter_attention's names
+  int64_t mask_token_id = -1;              // -1: 151669 if inside the vocabulary, else the last id
+  std::string init_from;                   // a drafter export directory
   std::vector<int64_t> init_from_target_layers;
   // Data and schedule (a resumed run must keep these).
   int64_t steps = 0;  // 0: `epochs` worth

@@ -1,7 +1,8 @@
 // The DFlash training step on CUDA against the plain-PyTorch reference (run on the GPU
 // machine; skipped where there is no GPU). fp32 checks the CUDA index construction and
 // gather backward as tightly as on the CPU; bf16 runs the production path (gathered keys
-// through variable-length flash attention) and must agree within bf16 rounding.
+// through variable-length flash attention) and must agree within bf16 rounding, as must bf16
+// with the attention backward through cuDNN.
 #include <gtest/gtest.h>
 
 #include "drafter_test_util.h"
@@ -13,14 +14,14 @@ namespace {
 using testing::DflashCase;
 
 struct GpuCase {
+  std::string name;
   at::ScalarType dtype;
+  models::DrafterAttention attention;
   double loss_tol, grad_tol;
 };
 
 // CTest names each case by this (GoogleTest would print the struct's bytes).
-void PrintTo(const GpuCase& c, std::ostream* os) {
-  *os << (c.dtype == at::kFloat ? "fp32" : "bf16");
-}
+void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
 
 class DrafterGpu : public ::testing::TestWithParam<GpuCase> {
  protected:
@@ -34,7 +35,7 @@ TEST_P(DrafterGpu, GatheredStepMatchesReference) {
   DflashCase c("untied", at::kCUDA);
   train::StepOptions options;
   options.dtype = g.dtype;
-  options.attention = models::DrafterAttention::kGathered;
+  options.attention = g.attention;
   auto r = train::forward_backward(*c.drafter, models::TargetHead::of(*c.target), c.input,
                                    c.anchors, /*grad_scale=*/1.0, options);
   ASSERT_GT(r.weight_sum, 0);
@@ -52,12 +53,16 @@ TEST_P(DrafterGpu, GatheredStepMatchesReference) {
   EXPECT_GT(checked, 10);
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, DrafterGpu,
-                         ::testing::Values(GpuCase{at::kFloat, 1e-4, 1e-4},
-                                           GpuCase{at::kBFloat16, 2e-2, 5e-2}),
-                         [](const auto& info) {
-                           return std::string(info.param.dtype == at::kFloat ? "fp32" : "bf16");
-                         });
+using models::DrafterAttention;
+INSTANTIATE_TEST_SUITE_P(
+    Dtypes, DrafterGpu,
+    ::testing::Values(GpuCase{"fp32", at::kFloat, DrafterAttention::kGathered, 1e-4, 1e-4},
+                      GpuCase{"bf16", at::kBFloat16, DrafterAttention::kGathered, 2e-2, 5e-2},
+                      GpuCase{"bf16_cudnn_shared", at::kBFloat16,
+                              DrafterAttention::kGatheredCudnnShared, 2e-2, 5e-2},
+                      GpuCase{"bf16_cudnn", at::kBFloat16, DrafterAttention::kGatheredCudnn, 2e-2,
+                              5e-2}),
+    [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace dflash

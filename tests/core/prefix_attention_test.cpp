@@ -16,6 +16,7 @@
 
 #include "common/error.h"
 #include "kernels/attention_merge.h"
+#include "kernels/cudnn_attention.h"
 #include "kernels/prefix_gather.h"
 #include "test_util.h"
 
@@ -293,6 +294,23 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
                                          (small_plan.shared.keys + small_plan.tail.keys) / 3);
   ASSERT_GE(chunked_plan.chunks.size(), 2u);
   auto chunked = with(chunked_plan);
+  // The backward through cuDNN: the shared segments' (layouts with a group of no shared keys
+  // keep flash's) whole and chunked, and the tails' too.
+  ASSERT_TRUE(kernels::cudnn_attention_available());
+  using models::BackwardKernel;
+  auto with_backward = [&](models::PrefixAttentionPlan p, models::BackwardKernels kernels) {
+    p.set_backward(kernels);
+    return with(p);
+  };
+  const auto default_plan =
+      models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, bs, cuda);
+  auto cudnn = with_backward(default_plan, {BackwardKernel::kCudnn, BackwardKernel::kFlash});
+  auto cudnn_chunked =
+      with_backward(chunked_plan, {BackwardKernel::kCudnn, BackwardKernel::kFlash});
+  auto cudnn_all = with_backward(default_plan, {BackwardKernel::kCudnn, BackwardKernel::kCudnn});
+  if (c.name == "dense_d128_every_group_shares") {
+    ASSERT_TRUE(default_plan.every_group_shares);
+  }
   // The path it replaces: every block's keys gathered into a segment, one varlen flash call.
   auto gathered = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
     auto gather = [&](const at::Tensor& context, const at::Tensor& block) {
@@ -328,7 +346,9 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
   const char* names[] = {"q", "k_ctx", "v_ctx", "k_blk", "v_blk"};
   for (const auto& [name, r] :
        {std::pair{"default groups", &fresh}, std::pair{"small groups", &small},
-        std::pair{"chunked", &chunked}}) {
+        std::pair{"chunked", &chunked}, std::pair{"cudnn shared backward", &cudnn},
+        std::pair{"cudnn shared backward, chunked", &cudnn_chunked},
+        std::pair{"cudnn shared and tail backward", &cudnn_all}}) {
     SCOPED_TRACE(name);
     EXPECT_FALSE(r->out.isnan().any().item<bool>());
     const double out_err = worst_block_error(r->out, reference.out, n);
@@ -367,6 +387,15 @@ GpuCase dense_case() {
   return c;
 }
 
+// The dense layout shifted one row on, so that every group has shared context: the layout on
+// which the cuDNN shared backward runs (a plan with a group of none keeps flash's).
+GpuCase every_group_shares_case() {
+  GpuCase c = dense_case();
+  c.name = "dense_d128_every_group_shares";
+  for (auto& a : c.anchors) a += 1;
+  return c;
+}
+
 // The dense layout with 15 query positions a block (G*15 = 60 query rows, not a multiple of
 // flash's tiles).
 GpuCase predicting_case() {
@@ -399,7 +428,7 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{"no_context_d128", {20, 33}, {0, 0, 1}, {0, 0, 0}, 128, 20},
         // Sorted anchors a few rows apart, as training samples them: groups of several blocks
         // whose shared segments span several key tiles.
-        dense_case(), predicting_case()),
+        dense_case(), predicting_case(), every_group_shares_case()),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -1,0 +1,260 @@
+#include "kernels/cudnn_attention.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <bit>
+#include <compare>
+#include <map>
+#include <memory>
+#include <unordered_map>
+
+// cuDNN calls through dlsym (no link-time libcudnn: LibTorch loads it), and none of the
+// frontend's JSON serialisation.
+#define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING
+#define CUDNN_FRONTEND_SKIP_JSON_LIB
+#include <cudnn_frontend.h>
+
+#include "common/error.h"
+
+// The frontend's dynamic loading resolves every cuDNN call through this handle (its shim
+// declares it; the program defines it).
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;
+}
+
+namespace dflash::kernels {
+namespace {
+
+namespace fe = cudnn_frontend;
+
+// LibTorch's CUDA library already has libcudnn loaded; dlopen by soname returns that copy.
+bool open_cudnn() {
+  static const bool opened = [] {
+    for (const char* name : {"libcudnn.so.9", "libcudnn.so"}) {
+      fe::cudnn_dlhandle = ::dlopen(name, RTLD_NOW | RTLD_GLOBAL);
+      if (fe::cudnn_dlhandle != nullptr) break;
+    }
+    if (fe::cudnn_dlhandle == nullptr) return false;
+    using GetVersion = size_t (*)();
+    auto version = reinterpret_cast<GetVersion>(::dlsym(fe::cudnn_dlhandle, "cudnnGetVersion"));
+    return version != nullptr && version() >= 90000;
+  }();
+  return opened;
+}
+
+// The variant pack's tensor ids.
+enum Uid : int64_t {
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kDO,
+  kStats,
+  kScale,
+  kSeqLenQ,
+  kSeqLenKv,
+  kRaggedQ,
+  kRaggedKv,
+  kRaggedStats,
+  kDQ,
+  kDK,
+  kDV,
+};
+
+struct GraphKey {
+  int device;
+  fe::DataType_t dtype;
+  int64_t batches, heads, kv_heads, head_dim, nominal_q, nominal_kv;
+  auto operator<=>(const GraphKey&) const = default;
+};
+
+void check(fe::error_t status, const char* what, const GraphKey& key) {
+  if (status.is_good()) return;
+  fail("cudnn attention backward: {} failed for {} sequences, {} / {} heads of {}: {}", what,
+       key.batches, key.heads, key.kv_heads, key.head_dim, status.get_message());
+}
+
+std::shared_ptr<fe::graph::Graph> build_graph(const GraphKey& key, cudnnHandle_t handle) {
+  const int64_t b = key.batches, h = key.heads, hk = key.kv_heads, d = key.head_dim;
+  const int64_t sq = key.nominal_q, skv = key.nominal_kv;
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(key.dtype)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  auto scalar_per_batch = [&](Uid uid, const char* name, int64_t n) {
+    return graph->tensor(fe::graph::Tensor_attributes()
+                             .set_uid(uid)
+                             .set_name(name)
+                             .set_dim({n, 1, 1, 1})
+                             .set_stride({1, 1, 1, 1})
+                             .set_data_type(fe::DataType_t::INT32));
+  };
+  auto ragged_q = scalar_per_batch(kRaggedQ, "ragged_q", b + 1);
+  auto ragged_kv = scalar_per_batch(kRaggedKv, "ragged_kv", b + 1);
+  auto ragged_stats = scalar_per_batch(kRaggedStats, "ragged_stats", b + 1);
+  // Packed rows ([rows, heads, D]) seen as [b, heads, nominal length, D]: a sequence's rows
+  // start at its ragged offset (in elements), its length comes from the padding mask.
+  auto packed = [&](Uid uid, const char* name, int64_t heads, int64_t s,
+                    const std::shared_ptr<fe::graph::Tensor_attributes>& ragged) {
+    return graph->tensor(fe::graph::Tensor_attributes()
+                             .set_uid(uid)
+                             .set_name(name)
+                             .set_dim({b, heads, s, d})
+                             .set_stride({s * heads * d, d, heads * d, 1})
+                             .set_ragged_offset(ragged));
+  };
+  auto q = packed(kQ, "q", h, sq, ragged_q);
+  auto k = packed(kK, "k", hk, skv, ragged_kv);
+  auto v = packed(kV, "v", hk, skv, ragged_kv);
+  auto o = packed(kO, "o", h, sq, ragged_q);
+  auto dout = packed(kDO, "do", h, sq, ragged_q);
+  // The log-sum-exp, row-major [rows, heads] (flash's [heads, rows] transposed by the caller).
+  auto stats = graph->tensor(fe::graph::Tensor_attributes()
+                                 .set_uid(kStats)
+                                 .set_name("stats")
+                                 .set_dim({b, h, sq, 1})
+                                 .set_stride({sq * h, 1, h, 1})
+                                 .set_data_type(fe::DataType_t::FLOAT)
+                                 .set_ragged_offset(ragged_stats));
+  auto scale = graph->tensor(fe::graph::Tensor_attributes()
+                                 .set_uid(kScale)
+                                 .set_name("scale")
+                                 .set_dim({1, 1, 1, 1})
+                                 .set_stride({1, 1, 1, 1})
+                                 .set_is_pass_by_value(true)
+                                 .set_data_type(fe::DataType_t::FLOAT));
+  auto options = fe::graph::SDPA_backward_attributes()
+                     .set_name("dflash_varlen_backward")
+                     .set_attn_scale(scale)
+                     .set_padding_mask(true)
+                     .set_seq_len_q(scalar_per_batch(kSeqLenQ, "seq_len_q", b))
+                     .set_seq_len_kv(scalar_per_batch(kSeqLenKv, "seq_len_kv", b));
+  auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, dout, stats, options);
+  auto output = [&](std::shared_ptr<fe::graph::Tensor_attributes>& t, Uid uid, int64_t heads,
+                    int64_t s, const std::shared_ptr<fe::graph::Tensor_attributes>& ragged) {
+    t->set_output(true)
+        .set_uid(uid)
+        .set_dim({b, heads, s, d})
+        .set_stride({s * heads * d, d, heads * d, 1})
+        .set_ragged_offset(ragged);
+  };
+  output(dq, kDQ, h, sq, ragged_q);
+  output(dk, kDK, hk, skv, ragged_kv);
+  output(dv, kDV, hk, skv, ragged_kv);
+  check(graph->validate(), "validate", key);
+  check(graph->build_operation_graph(handle), "build_operation_graph", key);
+  check(graph->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans", key);
+  check(graph->check_support(handle), "check_support", key);
+  check(graph->build_plans(handle), "build_plans", key);
+  return graph;
+}
+
+// One handle per thread and device (cuDNN handles are not to be shared between threads), on
+// the caller's current stream.
+cudnnHandle_t handle_for(int device, cudaStream_t stream) {
+  thread_local std::map<int, cudnnHandle_t> handles;
+  auto it = handles.find(device);
+  if (it == handles.end()) {
+    cudnnHandle_t handle = nullptr;
+    if (fe::detail::create_handle(&handle) != CUDNN_STATUS_SUCCESS) {
+      fail("cudnn attention backward: cudnnCreate failed on cuda:{}", device);
+    }
+    it = handles.emplace(device, handle).first;
+  }
+  if (fe::detail::set_stream(it->second, stream) != CUDNN_STATUS_SUCCESS) {
+    fail("cudnn attention backward: cudnnSetStream failed on cuda:{}", device);
+  }
+  return it->second;
+}
+
+int64_t nominal(int64_t length) {
+  return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(length, 64))));
+}
+
+}  // namespace
+
+bool cudnn_attention_available() { return at::hasCUDA() && open_cudnn(); }
+
+AttentionGrads cudnn_varlen_attention_backward(const at::Tensor& dout, const at::Tensor& q,
+                                               const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& out, const at::Tensor& lse,
+                                               const at::Tensor& cu_q, const at::Tensor& cu_k,
+                                               int64_t max_q, int64_t max_k, double scale) {
+  if (!q.is_cuda() || (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)) {
+    fail("cudnn attention backward: needs CUDA bf16/fp16, got {} {}", q.device().str(),
+         c10::toString(q.scalar_type()));
+  }
+  if (!cudnn_attention_available()) {
+    fail("cudnn attention backward: libcudnn (9.0 or newer) could not be opened");
+  }
+  const int64_t h = q.size(1), hk = k.size(1), d = q.size(2);
+  const int64_t b = cu_q.numel() - 1;
+  if (q.dim() != 3 || k.dim() != 3 || k.sizes() != v.sizes() || out.sizes() != q.sizes() ||
+      dout.sizes() != q.sizes() || k.size(2) != d || h % hk != 0 || d % 8 != 0 || d > 256 ||
+      lse.dim() != 2 || lse.size(0) != h || lse.size(1) != q.size(0) ||
+      lse.scalar_type() != at::kFloat || cu_k.numel() != b + 1 || b < 1 ||
+      cu_q.scalar_type() != at::kInt || cu_k.scalar_type() != at::kInt) {
+    fail(
+        "cudnn attention backward: q {}, k {}, v {}, out {}, dout {}, lse {} ({}), cu_q {}, cu_k "
+        "{} do not fit [Tq, H, D] / [Tk, Hk, D] / fp32 [H, Tq] / int32 [b + 1]",
+        q.sizes(), k.sizes(), v.sizes(), out.sizes(), dout.sizes(), lse.sizes(),
+        c10::toString(lse.scalar_type()), cu_q.sizes(), cu_k.sizes());
+  }
+  // The ragged offsets are int32 element counts.
+  if (q.numel() >= (int64_t{1} << 31) || k.numel() >= (int64_t{1} << 31)) {
+    fail("cudnn attention backward: {} query or {} key elements overflow int32 offsets", q.numel(),
+         k.numel());
+  }
+  const int device = q.get_device();
+  const GraphKey key{
+      device,
+      q.scalar_type() == at::kBFloat16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF,
+      b,
+      h,
+      hk,
+      d,
+      nominal(max_q),
+      nominal(max_k)};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  cudnnHandle_t handle = handle_for(device, stream);
+  thread_local std::map<GraphKey, std::shared_ptr<fe::graph::Graph>> graphs;
+  auto& graph = graphs[key];
+  if (!graph) graph = build_graph(key, handle);
+
+  auto rows = [](const at::Tensor& x) { return x.contiguous(); };
+  const auto q_c = rows(q), k_c = rows(k), v_c = rows(v), o_c = rows(out), do_c = rows(dout);
+  const auto stats = lse.t().contiguous();  // [Tq, H]
+  const auto ragged_q = (cu_q * static_cast<int32_t>(h * d)).to(at::kInt);
+  const auto ragged_kv = (cu_k * static_cast<int32_t>(hk * d)).to(at::kInt);
+  const auto ragged_stats = (cu_q * static_cast<int32_t>(h)).to(at::kInt);
+  const auto seq_q = at::diff(cu_q).to(at::kInt).contiguous();
+  const auto seq_kv = at::diff(cu_k).to(at::kInt).contiguous();
+  AttentionGrads g{at::empty_like(q_c), at::empty_like(k_c), at::empty_like(v_c)};
+  float scale_value = static_cast<float>(scale);
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, q_c.data_ptr()},
+      {kK, k_c.data_ptr()},
+      {kV, v_c.data_ptr()},
+      {kO, o_c.data_ptr()},
+      {kDO, do_c.data_ptr()},
+      {kStats, stats.data_ptr()},
+      {kScale, &scale_value},
+      {kSeqLenQ, seq_q.data_ptr()},
+      {kSeqLenKv, seq_kv.data_ptr()},
+      {kRaggedQ, ragged_q.data_ptr()},
+      {kRaggedKv, ragged_kv.data_ptr()},
+      {kRaggedStats, ragged_stats.data_ptr()},
+      {kDQ, g.dq.data_ptr()},
+      {kDK, g.dk.data_ptr()},
+      {kDV, g.dv.data_ptr()},
+  };
+  const int64_t workspace_bytes = graph->get_workspace_size();
+  auto workspace = at::empty({std::max<int64_t>(workspace_bytes, 1)}, q.options().dtype(at::kByte));
+  check(graph->execute(handle, pack, workspace.data_ptr()), "execute", key);
+  return g;
+}
+
+}  // namespace dflash::kernels

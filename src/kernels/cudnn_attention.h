@@ -1,0 +1,36 @@
+// cudnn_attention: the backward of variable-length, non-causal attention through cuDNN's fused
+// SDPA kernels (its frontend's graph API, header-only; the library itself is the libcudnn that
+// LibTorch already loads, opened with dlopen). On Hopper these are cuDNN's own flash kernels, a
+// different implementation from ATen's FlashAttention-2; models/prefix_attention can run the
+// backward of its shared segments, its largest attention cost, through either.
+// The contract is at::_flash_attention_backward's for packed (varlen) inputs, so the two are
+// interchangeable: flash's forward output and log-sum-exp in, gradients out in the inputs'
+// layouts. Graphs are built once per shape key and cached (building one takes tens of
+// milliseconds or more): the batch count is exact, the sequence bounds are rounded up to powers
+// of two (the per-sequence lengths come from the device tensors, as a padding mask).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace dflash::kernels {
+
+struct AttentionGrads {
+  at::Tensor dq, dk, dv;
+};
+
+// Whether cuDNN's library can be opened and is at least 9.0 (CUDA builds; false without a GPU).
+bool cudnn_attention_available();
+
+// dout, q, out: [Tq, H, D]; k, v: [Tk, Hk, D] with H a multiple of Hk, D a multiple of 8 and at
+// most 256, bf16 or fp16 on one CUDA device; lse: fp32 [H, Tq] (flash's varlen log-sum-exp);
+// cu_q, cu_k: int32 [b + 1] on the device, sequence i's rows at [cu[i], cu[i+1]), each sequence
+// with at least one query and one key; max_q, max_k: bounds on the lengths. Rows of k and v
+// past cu_k[b] are not read, and the same rows of dk and dv are left unwritten.
+AttentionGrads cudnn_varlen_attention_backward(const at::Tensor& dout, const at::Tensor& q,
+                                               const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& out, const at::Tensor& lse,
+                                               const at::Tensor& cu_q, const at::Tensor& cu_k,
+                                               int64_t max_q, int64_t max_k, double scale);
+
+}  // namespace dflash::kernels
