@@ -266,8 +266,9 @@ double worst_block_error(const at::Tensor& actual, const at::Tensor& expected, i
   return worst;
 }
 
-TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
-  const GpuCase c = GetParam();
+// The plans (default groups, small groups, chunked) with `kernels` in their backward, against
+// the per-block gathered flash path and the fp64 definition.
+void check_layout(const GpuCase& c, models::BackwardKernels kernels) {
   const int64_t kv_heads = 2, groups = 4, bs = 16, d = c.head_dim;
   const int64_t n = static_cast<int64_t>(c.anchors.size()), q_rows = groups * c.query_positions;
   at::Device cuda(at::kCUDA);
@@ -278,7 +279,8 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
             at::randn({n * bs, kv_heads, d})};
   auto dout = at::randn({n * q_rows, kv_heads, d});
 
-  auto with = [&](const models::PrefixAttentionPlan& p) {
+  auto with = [&](models::PrefixAttentionPlan p) {
+    p.set_backward(kernels);
     return run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
       return models::prefix_attention(x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, p);
     });
@@ -294,23 +296,6 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
                                          (small_plan.shared.keys + small_plan.tail.keys) / 3);
   ASSERT_GE(chunked_plan.chunks.size(), 2u);
   auto chunked = with(chunked_plan);
-  // The backward through cuDNN: the shared segments' (layouts with a group of no shared keys
-  // keep flash's) whole and chunked, and the tails' too.
-  ASSERT_TRUE(kernels::cudnn_attention_available());
-  using models::BackwardKernel;
-  auto with_backward = [&](models::PrefixAttentionPlan p, models::BackwardKernels kernels) {
-    p.set_backward(kernels);
-    return with(p);
-  };
-  const auto default_plan =
-      models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, bs, cuda);
-  auto cudnn = with_backward(default_plan, {BackwardKernel::kCudnn, BackwardKernel::kFlash});
-  auto cudnn_chunked =
-      with_backward(chunked_plan, {BackwardKernel::kCudnn, BackwardKernel::kFlash});
-  auto cudnn_all = with_backward(default_plan, {BackwardKernel::kCudnn, BackwardKernel::kCudnn});
-  if (c.name == "dense_d128_every_group_shares") {
-    ASSERT_TRUE(default_plan.every_group_shares);
-  }
   // The path it replaces: every block's keys gathered into a segment, one varlen flash call.
   auto gathered = run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
     auto gather = [&](const at::Tensor& context, const at::Tensor& block) {
@@ -346,9 +331,7 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
   const char* names[] = {"q", "k_ctx", "v_ctx", "k_blk", "v_blk"};
   for (const auto& [name, r] :
        {std::pair{"default groups", &fresh}, std::pair{"small groups", &small},
-        std::pair{"chunked", &chunked}, std::pair{"cudnn shared backward", &cudnn},
-        std::pair{"cudnn shared backward, chunked", &cudnn_chunked},
-        std::pair{"cudnn shared and tail backward", &cudnn_all}}) {
+        std::pair{"chunked", &chunked}}) {
     SCOPED_TRACE(name);
     EXPECT_FALSE(r->out.isnan().any().item<bool>());
     const double out_err = worst_block_error(r->out, reference.out, n);
@@ -372,6 +355,29 @@ TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
     // Chunked: the same kernels per group; context rows add their chunks' sums in fp32.
     EXPECT_LE(relative_error(chunked.grads[g], small.grads[g]), 5e-3) << names[g];
   }
+}
+
+using models::BackwardKernel;
+
+TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
+  check_layout(GetParam(), {BackwardKernel::kFlash, BackwardKernel::kFlash});
+}
+
+// The backward through cuDNN (kernels/cudnn_attention): the shared segments' (a plan with a
+// group of no shared keys keeps flash's for them), then the tails' too.
+TEST_P(PrefixAttentionGpu, CudnnSharedBackwardMatchesGatheredFlashAndReference) {
+  ASSERT_TRUE(kernels::cudnn_attention_available());
+  const GpuCase c = GetParam();
+  if (c.name == "dense_d128_every_group_shares") {
+    ASSERT_TRUE(models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, 16, at::kCUDA)
+                    .every_group_shares);
+  }
+  check_layout(c, {BackwardKernel::kCudnn, BackwardKernel::kFlash});
+}
+
+TEST_P(PrefixAttentionGpu, CudnnBackwardMatchesGatheredFlashAndReference) {
+  ASSERT_TRUE(kernels::cudnn_attention_available());
+  check_layout(GetParam(), {BackwardKernel::kCudnn, BackwardKernel::kCudnn});
 }
 
 GpuCase dense_case() {
