@@ -1,6 +1,7 @@
 #include "kernels/cudnn_attention.h"
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <dlfcn.h>
 
@@ -196,10 +197,11 @@ AttentionGrads cudnn_varlen_attention_backward(const at::Tensor& dout, const at:
       dout.sizes() != q.sizes() || k.size(2) != d || h % hk != 0 || d % 8 != 0 || d > 256 ||
       lse.dim() != 2 || lse.size(0) != h || lse.size(1) != q.size(0) ||
       lse.scalar_type() != at::kFloat || cu_k.numel() != b + 1 || b < 1 ||
-      cu_q.scalar_type() != at::kInt || cu_k.scalar_type() != at::kInt) {
+      cu_q.scalar_type() != at::kInt || cu_k.scalar_type() != at::kInt ||
+      cu_q.device() != q.device() || cu_k.device() != q.device()) {
     fail(
         "cudnn attention backward: q {}, k {}, v {}, out {}, dout {}, lse {} ({}), cu_q {}, cu_k "
-        "{} do not fit [Tq, H, D] / [Tk, Hk, D] / fp32 [H, Tq] / int32 [b + 1]",
+        "{} do not fit [Tq, H, D] / [Tk, Hk, D] / fp32 [H, Tq] / int32 [b + 1] on q's device",
         q.sizes(), k.sizes(), v.sizes(), out.sizes(), dout.sizes(), lse.sizes(),
         c10::toString(lse.scalar_type()), cu_q.sizes(), cu_k.sizes());
   }
@@ -209,6 +211,7 @@ AttentionGrads cudnn_varlen_attention_backward(const at::Tensor& dout, const at:
          k.numel());
   }
   const int device = q.get_device();
+  const c10::cuda::CUDAGuard on_device(q.device());
   const GraphKey key{
       device,
       q.scalar_type() == at::kBFloat16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF,
