@@ -22,6 +22,7 @@
 #include "eval/generator.h"
 #include "kernels/adamw_cast.h"
 #include "kernels/attention_merge.h"
+#include "kernels/cross_entropy.h"
 #include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
 #include "kernels/grad_norm.h"
@@ -332,6 +333,19 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     report("at::_foreach_norm + norm", 0, numel, 0,
            us_eager(o, [&] { at::stack(at::_foreach_norm(grads, 2, at::kFloat)).norm(2); }),
            2.0 * numel);
+  }
+  // The LM-head loss over one chunk of the training step's rows (train::StepOptions'
+  // head_chunk_rows, 1024) at the target's vocabulary, in place as the step runs it: the
+  // kernel reads each row twice (the second time mostly from L2) and writes it once. Bytes: the
+  // logits read once and written once, the least any version moves.
+  {
+    const int64_t rows = 1024, vocab = c.vocab_size;
+    auto logits = at::randn({rows, vocab}, opts);
+    auto labels = at::randint(vocab, {rows}, opts.dtype(at::kLong));
+    auto coef = at::rand({rows}, opts.dtype(at::kFloat));
+    report("cross_entropy_rows_ (LM head chunk)", rows, vocab, 0,
+           us_per_call(device, o, [&](int) { kernels::cross_entropy_rows_(logits, labels, coef); }),
+           2.0 * 2.0 * rows * vocab);
   }
   // The drafter's SwiGLU over a training step's block rows (512 anchors x 16): the fused forward
   // and backward against ATen's silu and mul and the three passes of their backward.
