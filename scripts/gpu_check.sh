@@ -180,7 +180,7 @@ if has cudnn; then
   fixtures cudnn dflash
   gtests cudnn '*CudnnAttentionBackward*:*PrefixAttentionGpu*:*DrafterGpu*:*DrafterParity*'
   "$dflash" bench-kernels --json "$out/bench_kernels_cudnn.json" 2>&1 \
-    | grep -E "^(kernel|shared backward|tail backward|tail_attention|gather \+ flash)" \
+    | grep -E "^(kernel|shared backward|tail backward|tail_attention|gather \+ flash|cross_entropy)" \
     | tee "$out/bench_kernels_cudnn.txt"
   for attention in gathered gathered-cudnn-shared gathered-cudnn; do
     "$dflash" bench-drafter --device cuda --attention $attention \
