@@ -653,7 +653,7 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
             {BackwardKernel::kCudnn, tails ? BackwardKernel::kCudnn : BackwardKernel::kFlash});
       }
     } else if (cudnn) {
-      fail("drafter: the cuDNN shared backward needs CUDA bf16/fp16, got {} {}", device.str(),
+      fail("drafter: the cuDNN attention backward needs CUDA bf16/fp16, got {} {}", device.str(),
            c10::toString(dtype));
     } else {
       gathered = kernels::PrefixGatherPlan::build(batch.lengths, layout.sequence, layout.anchor,

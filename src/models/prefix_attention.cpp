@@ -95,6 +95,7 @@ PrefixAttentionPlan PrefixAttentionPlan::build(const std::vector<int64_t>& lengt
 
 void PrefixAttentionPlan::set_backward(BackwardKernels kernels) {
   backward = kernels;
+  if (!every_group_shares) backward.shared = BackwardKernel::kFlash;
   for (auto& chunk : chunks) chunk.set_backward(kernels);
 }
 
@@ -107,8 +108,7 @@ void PrefixAttentionPlan::save(torch::autograd::AutogradContext* ctx,
   ctx->saved_data[prefix + "blocks"] = blocks;
   ctx->saved_data[prefix + "max_group_blocks"] = max_group_blocks;
   ctx->saved_data[prefix + "first_block"] = first_block;
-  ctx->saved_data[prefix + "cudnn_shared"] =
-      backward.shared == BackwardKernel::kCudnn && every_group_shares;
+  ctx->saved_data[prefix + "cudnn_shared"] = backward.shared == BackwardKernel::kCudnn;
   ctx->saved_data[prefix + "cudnn_tail"] = backward.tail == BackwardKernel::kCudnn;
   ctx->saved_data[prefix + "chunks"] = static_cast<int64_t>(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i)
@@ -125,11 +125,11 @@ PrefixAttentionPlan PrefixAttentionPlan::saved(torch::autograd::AutogradContext*
   plan.blocks = ctx->saved_data[prefix + "blocks"].toInt();
   plan.max_group_blocks = ctx->saved_data[prefix + "max_group_blocks"].toInt();
   plan.first_block = ctx->saved_data[prefix + "first_block"].toInt();
-  if (ctx->saved_data[prefix + "cudnn_shared"].toBool()) {
-    plan.backward.shared = BackwardKernel::kCudnn;
-    plan.every_group_shares = true;
-  }
-  if (ctx->saved_data[prefix + "cudnn_tail"].toBool()) plan.backward.tail = BackwardKernel::kCudnn;
+  auto kernel = [&](const char* name) {
+    return ctx->saved_data[prefix + name].toBool() ? BackwardKernel::kCudnn
+                                                   : BackwardKernel::kFlash;
+  };
+  plan.backward = {kernel("cudnn_shared"), kernel("cudnn_tail")};
   const int64_t chunks = ctx->saved_data[prefix + "chunks"].toInt();
   for (int64_t i = 0; i < chunks; ++i) {
     plan.chunks.push_back(saved(ctx, fmt::format("{}chunk{}.", prefix, i)));
@@ -258,12 +258,9 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
                  block_v = v_blk.narrow(0, first_k, n * bs);
       at::Tensor dq_shared, dq_part;
       if (part->shared.max_context > 0) {
-        const bool cudnn =
-            part->backward.shared == BackwardKernel::kCudnn && part->every_group_shares;
         auto [dq_s, dk_shared, dv_shared] =
             backward_over(at::Tensor(), at::Tensor(), part->shared, part->cu_group_blocks * q_rows,
-                          part->max_group_blocks * q_rows,
-                          cudnn ? BackwardKernel::kCudnn : BackwardKernel::kFlash);
+                          part->max_group_blocks * q_rows, part->backward.shared);
         dq_shared = std::move(dq_s);
         add_rows(std::move(dk_shared), part->shared, dk_ctx, nullptr);
         add_rows(std::move(dv_shared), part->shared, dv_ctx, nullptr);

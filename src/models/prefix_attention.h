@@ -51,9 +51,9 @@ struct PrefixAttentionPlan {
   int64_t max_group_blocks = 0;
   int64_t first_block = 0;  // a chunk's first block among the whole plan's blocks
   BackwardKernels backward;
-  // Every group has shared keys (s > 0). cuDNN is only handed shared segments where it holds:
-  // a segment of zero keys is flash's documented case, not cuDNN's. (A tail always holds its
-  // block's B keys.)
+  // Every group has shared keys (s > 0): a segment of zero keys is flash's documented case,
+  // not cuDNN's, so only such a plan runs its shared backward through cuDNN. (A tail always
+  // holds its block's B keys.)
   bool every_group_shares = false;
   // Plans of consecutive runs of groups of at most chunk_keys gathered rows each (a bigger
   // group is a run of its own); empty when one run holds them all.
@@ -67,7 +67,8 @@ struct PrefixAttentionPlan {
                                    at::Device device, int64_t max_tail_context = kMaxTailContext,
                                    int64_t chunk_keys = kChunkKeys);
 
-  // This plan's and its chunks' backward kernels.
+  // This plan's and its chunks' backward kernels; a plan (or chunk) where not every group
+  // shares keeps flash for its shared part.
   void set_backward(BackwardKernels kernels);
 
   // Into and out of an autograd context, as kernels::PrefixGatherPlan (chunks included).

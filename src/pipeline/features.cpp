@@ -67,12 +67,13 @@ train::MicroBatch to_device(train::MicroBatch mb, at::Device device) {
 
 // Every device tensor of `mb` marked as used on `stream` (see ColocatedSource).
 void record_stream(train::MicroBatch& mb, c10::Stream stream) {
-  auto& b = mb.blocks;
-  for (at::Tensor* t :
-       {&mb.tokens, &mb.features, &mb.packed.cu_seqlens, &mb.packed.positions, &b.layout.anchor_ids,
-        &b.layout.positions, &b.label_rows, &b.labels, &b.weights, &b.label_k}) {
-    if (t->defined() && t->is_cuda()) t->record_stream(stream);
-  }
+  auto mark = [&](const at::Tensor& t) {
+    if (t.defined() && t.is_cuda()) t.record_stream(stream);
+  };
+  for (const at::Tensor* t :
+       {&mb.tokens, &mb.features, &mb.packed.cu_seqlens, &mb.packed.positions})
+    mark(*t);
+  for (const at::Tensor* t : mb.blocks.tensors()) mark(*t);
 }
 
 }  // namespace

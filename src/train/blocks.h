@@ -4,6 +4,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -45,6 +46,12 @@ struct BlockTargets {
   at::Tensor label_k;     // int64 [M]: block position 1..B-1
   double weight_sum = 0;  // host copy of weights.sum()
   int64_t num_labels = 0;
+
+  // The per-block and per-label tensors, for whatever is done to all of them (pinning, moving
+  // to the device, marking a stream's use).
+  std::array<at::Tensor*, 6> tensors() {
+    return {&layout.anchor_ids, &layout.positions, &label_rows, &labels, &weights, &label_k};
+  }
 };
 
 // Blocks for sequences `tokens`/`loss_masks` (host) anchored at `anchors` (one list per

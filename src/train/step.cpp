@@ -35,13 +35,7 @@ MicroBatch MicroBatch::to(at::Device device) const {
   if (device == tokens.device()) return out;
   auto move = [&](const at::Tensor& t) { return t.to(device, /*non_blocking=*/true); };
   out.tokens = move(tokens);
-  auto& b = out.blocks;
-  b.layout.anchor_ids = move(blocks.layout.anchor_ids);
-  b.layout.positions = move(blocks.layout.positions);
-  b.label_rows = move(blocks.label_rows);
-  b.labels = move(blocks.labels);
-  b.weights = move(blocks.weights);
-  b.label_k = move(blocks.label_k);
+  for (at::Tensor* t : out.blocks.tensors()) *t = move(*t);
   return out;
 }
 
@@ -90,11 +84,7 @@ MicroBatch form_micro_batch(int64_t position, int64_t epoch, std::span<const Sam
   mb.blocks = build_blocks(tokens, masks, anchors, config, at::kCPU);
   if (pin) {
     mb.tokens = mb.tokens.pin_memory();
-    auto& b = mb.blocks;
-    for (at::Tensor* t : {&b.layout.anchor_ids, &b.layout.positions, &b.label_rows, &b.labels,
-                          &b.weights, &b.label_k}) {
-      *t = t->pin_memory();
-    }
+    for (at::Tensor* t : mb.blocks.tensors()) *t = t->pin_memory();
   }
   return mb;
 }

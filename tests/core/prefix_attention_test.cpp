@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <ostream>
 #include <string>
@@ -124,6 +125,39 @@ TEST(PrefixAttentionPlan, ChunksAreRunsOfGroupsWithTheWholePlansSegments) {
   }
   EXPECT_EQ(block, plan.blocks);
   EXPECT_EQ(group + 1, cu.size());
+}
+
+// cuDNN takes a plan's (or chunk's) shared backward only where every group has shared keys;
+// the tails may always go to it.
+TEST(PrefixAttentionPlan, CudnnSharedBackwardOnlyWhereEveryGroupShares) {
+  using models::BackwardKernel;
+  const int64_t bs = 4;
+  // kAnchors has anchors at a sequence's first row (groups of no shared keys).
+  auto plan = models::PrefixAttentionPlan::build(kLengths, kSequence, kAnchors, bs, at::kCPU, 10,
+                                                 /*chunk_keys=*/300);
+  ASSERT_GE(plan.chunks.size(), 3u);
+  EXPECT_FALSE(plan.every_group_shares);
+  plan.set_backward({BackwardKernel::kCudnn, BackwardKernel::kCudnn});
+  EXPECT_EQ(plan.backward.shared, BackwardKernel::kFlash);
+  EXPECT_EQ(plan.backward.tail, BackwardKernel::kCudnn);
+  int cudnn_chunks = 0;
+  for (const auto& chunk : plan.chunks) {
+    // A chunk decides by its own groups.
+    EXPECT_EQ(chunk.backward.shared,
+              chunk.every_group_shares ? BackwardKernel::kCudnn : BackwardKernel::kFlash);
+    EXPECT_EQ(chunk.backward.tail, BackwardKernel::kCudnn);
+    cudnn_chunks += chunk.backward.shared == BackwardKernel::kCudnn;
+  }
+  EXPECT_GT(cudnn_chunks, 0);
+  EXPECT_LT(cudnn_chunks, static_cast<int>(plan.chunks.size()));
+  // The first-row anchors one row on: every group shares.
+  auto shifted = kAnchors;
+  for (auto& a : shifted) a = std::max<int64_t>(a, 1);
+  auto all = models::PrefixAttentionPlan::build(kLengths, kSequence, shifted, bs, at::kCPU, 10);
+  EXPECT_TRUE(all.every_group_shares);
+  all.set_backward({BackwardKernel::kCudnn, BackwardKernel::kFlash});
+  EXPECT_EQ(all.backward.shared, BackwardKernel::kCudnn);
+  EXPECT_EQ(all.backward.tail, BackwardKernel::kFlash);
 }
 
 // Parts of a merge: per block, q against its context keys (none for block 1: what flash writes
@@ -369,8 +403,9 @@ TEST_P(PrefixAttentionGpu, CudnnSharedBackwardMatchesGatheredFlashAndReference) 
   ASSERT_TRUE(kernels::cudnn_attention_available());
   const GpuCase c = GetParam();
   if (c.name == "dense_d128_every_group_shares") {
-    ASSERT_TRUE(models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, 16, at::kCUDA)
-                    .every_group_shares);
+    auto plan = models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, 16, at::kCUDA);
+    plan.set_backward({BackwardKernel::kCudnn, BackwardKernel::kFlash});
+    ASSERT_EQ(plan.backward.shared, BackwardKernel::kCudnn);
   }
   check_layout(c, {BackwardKernel::kCudnn, BackwardKernel::kFlash});
 }
