@@ -58,6 +58,8 @@ class ColocatedSource : public train::BatchSource {
   ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps, Prefetcher& batches,
                   bool overlap = false);
   train::MicroBatch get(int64_t position) override;
+  // Whether the target runs on a stream of its own (overlap asked for, on a GPU).
+  bool overlapping() const { return feature_stream_.has_value(); }
 
  private:
   const models::TargetModel& target_;

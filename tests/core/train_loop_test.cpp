@@ -290,6 +290,7 @@ TEST_P(TrainLoopOverlapGpu, TargetOnItsOwnStreamIsBitwiseOneStream) {
   auto run = [&](bool overlap, std::vector<double>& losses) {
     auto dc = std::make_unique<DflashCase>("tied", at::Device(at::kCUDA));
     Pipeline pipe(*dc, c.accumulation, /*poison=*/false, overlap);
+    EXPECT_EQ(pipe.features.overlapping(), overlap);
     Source data(pipe);
     auto o = options({});
     o.accumulation = c.accumulation;
