@@ -3,6 +3,7 @@
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
+# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags)
 # pretrain gsm8k tokenizer moe
 # (default: the first five).
 set -uo pipefail
@@ -27,6 +28,21 @@ gtests() {
     > "$out/$1_tests.log" 2>&1
   echo "$1 tests exit $?"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$out/$1_tests.log" | tail -25
+}
+# AB="FLAGS A|FLAGS B|..." ab_bench NAME: `dflash bench` with each set of flags, alternating, twice
+# each (run-to-run variance is ~1-2%, so a lever needs its baseline in the same call).
+ab_bench() {
+  local name=$1 rep flags i
+  IFS='|' read -ra variants <<< "$AB"
+  for rep in 1 2; do
+    for i in "${!variants[@]}"; do
+      flags=${variants[$i]}
+      step "bench $name: $flags ($rep)"
+      # shellcheck disable=SC2086  # the flags split into arguments
+      "$dflash" bench --steps 30 --warmup 8 $flags --json "$out/bench_${name}_${i}_$rep.json" 2>&1 \
+        | grep -v "^train:" | tee -a "$out/bench_$name.txt"
+    done
+  done
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$out/gpu.txt"
@@ -159,18 +175,11 @@ fi
 if has overlap; then
   # Issue 11: the colocated target forward on its own stream beside the drafter's backward.
   # Bitwise against one stream (fp32 with accumulation, bf16), then `dflash bench` with and
-  # without it, alternating, twice each (run-to-run variance is ~1-2%).
+  # without it.
   step overlap
   fixtures overlap dflash
   gtests overlap '*TrainLoopOverlapGpu*:*TrainLoop*'
-  for rep in 1 2; do
-    for ov in false true; do
-      step "bench overlap-target=$ov ($rep)"
-      "$dflash" bench --steps 30 --warmup 8 --overlap-target=$ov \
-        --json "$out/bench_overlap_${ov}_$rep.json" 2>&1 | grep -v "^train:" \
-        | tee -a "$out/bench_overlap.txt"
-    done
-  done
+  AB="--overlap-target=false|--overlap-target=true" ab_bench overlap
 fi
 if has cudnn; then
   # Issue 11: the shared segments' attention backward through cuDNN (kernels/cudnn_attention),
@@ -186,6 +195,23 @@ if has cudnn; then
     "$dflash" bench-drafter --device cuda --attention $attention \
       --json "$out/bench_drafter_$attention.json" 2>&1 | tail -5 | tee -a "$out/bench_drafter_cudnn.txt"
   done
+fi
+if has profile; then
+  # Issue 11: where the online step's time goes now. The loss kernel's tests and bench line,
+  # the drafter step and the prefill each with a profile (the traces show the GPU's idle gaps
+  # and what follows them), then the drafter's attention backward, flash's against the default.
+  step profile
+  fixtures profile dflash
+  gtests profile '*CrossEntropyKernel*:*HeadLoss*:*DrafterGpu*:*DrafterParity*'
+  "$dflash" bench-kernels --json "$out/bench_kernels_profile.json" 2>&1 \
+    | grep -E "^(kernel|cross_entropy|shared backward|tail backward)" | tee "$out/bench_kernels_profile.txt"
+  "$dflash" bench-drafter --device cuda --json "$out/bench_drafter_profile.json" \
+    --profile "$out/drafter_trace.json" 2>&1 | tee "$out/bench_drafter_profile.txt"
+  "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 3 \
+    --iters 10 --attention cudnn --json "$out/bench_target_profile.json" \
+    --profile "$out/target_trace.json" 2>&1 | tee "$out/bench_target_profile.txt"
+  gzip -f "$out/drafter_trace.json" "$out/target_trace.json"
+  AB="${AB:---drafter-attention=gathered|--drafter-attention=auto}" ab_bench attention
 fi
 if has pretrain; then
   # Training the target itself on CUDA: bf16 compute over fp32 masters against transformers'

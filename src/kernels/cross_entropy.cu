@@ -1,11 +1,18 @@
 // One thread block per row: pass 1 keeps a running max, sum of exponentials and argmax per
-// thread (online softmax) and reduces them across the block; pass 2 rereads the row (mostly
-// from L2) and writes coef * (softmax - onehot) over it. Loads are 16 bytes wide.
+// thread (online softmax) and reduces them across the block; pass 2 rereads the row and writes
+// coef * (softmax - onehot) over it. Loads are 16 bytes wide.
+// Pass 1 keeps the row's first kStagedBytes in shared memory for pass 2. That much shared
+// memory also leaves room for one block an SM, so the rest of the rows in flight (132 x ~110 KB
+// at a 151,936 vocabulary, against ~80 MB of whole rows at two blocks an SM) stays in the 50 MB
+// L2 until pass 2 rereads it: the logits cross DRAM once each way. One block of 1,024 threads
+// keeps enough bytes in flight by issuing kUnroll loads before using them. Every thread visits
+// its elements in the same order as a plain strided loop, so the results do not depend on it.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 
@@ -15,6 +22,8 @@ namespace dflash::kernels {
 namespace {
 
 constexpr int kThreads = 1024;
+constexpr int kUnroll = 4;
+constexpr int kStagedBytes = 192 * 1024;
 
 // Running state of one thread: max m, sum of exp(x - m), and the first index holding m.
 struct Partial {
@@ -55,13 +64,26 @@ __global__ void __launch_bounds__(kThreads)
   // width (or an odd base pointer) falls back to scalar accesses.
   const bool vec = vocab % kVec == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   Partial p{-FLT_MAX, 0.f, INT64_MAX};
+  extern __shared__ uint4 staged[];
+  const int64_t nvec = vec ? vocab / kVec : 0;
+  const int64_t nstaged = min(nvec, static_cast<int64_t>(kStagedBytes / sizeof(uint4)));
   if (vec) {
-    const int64_t nvec = vocab / kVec;
-    for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
-      const uint4 raw = reinterpret_cast<const uint4*>(row)[v];
-      const T* e = reinterpret_cast<const T*>(&raw);
+    const uint4* row4 = reinterpret_cast<const uint4*>(row);
+    for (int64_t base = threadIdx.x; base < nvec; base += kUnroll * kThreads) {
+      uint4 raw[kUnroll];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) add(p, to_float(e[j]), v * kVec + j);
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * kThreads < nvec) raw[u] = row4[base + u * kThreads];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = base + u * kThreads;
+        if (v >= nvec) break;
+        if (v < nstaged) staged[v] = raw[u];
+        const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) add(p, to_float(e[j]), v * kVec + j);
+      }
     }
   } else {
     for (int64_t i = threadIdx.x; i < vocab; i += kThreads) add(p, to_float(row[i]), i);
@@ -100,16 +122,28 @@ __global__ void __launch_bounds__(kThreads)
   const float lse = row_lse, c = coef[blockIdx.x];
   const int64_t label = labels[blockIdx.x];
   if (vec) {
-    const int64_t nvec = vocab / kVec;
-    for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
-      uint4 raw = reinterpret_cast<const uint4*>(row)[v];
+    uint4* row4 = reinterpret_cast<uint4*>(row);
+    auto write = [&](int64_t v, uint4 raw) {
       T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const float g = __expf(to_float(e[j]) - lse) - (v * kVec + j == label ? 1.f : 0.f);
         e[j] = from_float<T>(c * g);
       }
-      reinterpret_cast<uint4*>(row)[v] = raw;
+      row4[v] = raw;
+    };
+    int64_t v = threadIdx.x;
+    for (; v < nstaged; v += kThreads) write(v, staged[v]);
+    for (; v < nvec; v += kUnroll * kThreads) {
+      uint4 raw[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v + u * kThreads < nvec) raw[u] = row4[v + u * kThreads];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v + u * kThreads < nvec) write(v + u * kThreads, raw[u]);
+      }
     }
   } else {
     for (int64_t i = threadIdx.x; i < vocab; i += kThreads) {
@@ -123,7 +157,15 @@ template <typename T>
 void launch(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef, at::Tensor& loss,
             at::Tensor& argmax) {
   const auto stream = c10::cuda::getCurrentCUDAStream(logits.device().index());
-  cross_entropy_rows_kernel<T><<<static_cast<unsigned>(logits.size(0)), kThreads, 0, stream>>>(
+  // Above 48 KB a kernel has to opt in, on each device it runs on (a few us on the host, on a
+  // handful of launches a step).
+  C10_CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_rows_kernel<T>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kStagedBytes));
+  constexpr int64_t kVec = 16 / sizeof(T);
+  const int64_t vocab = logits.size(1);
+  const bool vec = vocab % kVec == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+  const size_t smem = vec ? std::min<int64_t>(vocab / kVec * 16, kStagedBytes) : 0;
+  cross_entropy_rows_kernel<T><<<static_cast<unsigned>(logits.size(0)), kThreads, smem, stream>>>(
       reinterpret_cast<T*>(logits.data_ptr()), labels.data_ptr<int64_t>(), coef.data_ptr<float>(),
       loss.data_ptr<float>(), argmax.data_ptr<int64_t>(), logits.size(1));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -45,8 +45,9 @@ const std::vector<ConfigKey>& config_keys() {
        "tapped target layers (default: DFlash's spread, one per drafter layer)"},
       {"block_size", &RunConfig::block_size, "DFlash block size"},
       {"drafter_attention", &RunConfig::drafter_attention,
-       "the drafter's block attention: auto (gathered on CUDA bf16, dense otherwise), dense, "
-       "gathered, gathered-cudnn-shared (the shared context's attention backward through "
+       "the drafter's block attention: auto (gathered-cudnn-shared on CUDA bf16/fp16 where "
+       "cuDNN opens, dense otherwise), dense, gathered (flash's backward throughout), "
+       "gathered-cudnn-shared (the shared context's attention backward through "
        "cuDNN) or gathered-cudnn (the tails' too)"},
       {"mask_token_id", &RunConfig::mask_token_id,
        "MASK token (default: 151669 if inside the vocabulary, else the last id)"},
