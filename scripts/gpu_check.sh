@@ -118,6 +118,8 @@ if has prefill; then
   step prefill
   fixtures prefill models
   gtests prefill '*FusedPrefill*:*CudnnAttention*:*AttentionBackend*:*DecodeOps*:*FusedDecode*:*TargetGpu*:*TargetParity*:*KVCache*:*Generator*'
+  "$dflash" bench-kernels --json "$out/bench_kernels_prefill.json" 2>&1 \
+    | grep -E "^(kernel|qk_norm_rotary|2 rms_norm)" | tee "$out/bench_kernels_prefill.txt"
   for attention in flash cudnn; do
     "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1,4 \
       --warmup 3 --iters 10 --attention $attention --json "$out/bench_prefill_$attention.json" \

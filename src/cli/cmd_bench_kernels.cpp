@@ -166,6 +166,20 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                        kernels::rotary(models::rms_norm(kh, head_norm, eps), cos, sin);
                      }),
          qk_bytes);
+  {
+    // At the prefill's 2048 tokens, where the pass's bytes decide (one read and one write of
+    // q and k, the tables).
+    const int64_t tokens = 2048;
+    auto qkv_p = at::randn({tokens, q + 2 * kv}, opts);
+    auto cos_p = at::randn({tokens, d}, opts), sin_p = at::randn({tokens, d}, opts);
+    report("qk_norm_rotary (prefill)", tokens, q + kv, 0,
+           us_per_call(device, o,
+                       [&](int) {
+                         kernels::qk_norm_rotary(qkv_p, c.num_heads, c.num_kv_heads, head_norm,
+                                                 head_norm, cos_p, sin_p, eps);
+                       }),
+           2.0 * tokens * (2 * (q + kv) + 2 * d));
+  }
   // The same writing k and v into a KV cache (Qwen3-8B's layer at a 4096-token capacity)
   // against it followed by KVCache::update's two index_copy_.
   auto keys = at::zeros({4096, c.num_kv_heads, d}, opts), values = at::zeros_like(keys);

@@ -4,8 +4,9 @@
 // block sums the squares, then writes sum and normed: one read of each input, no reread of the
 // output. Otherwise (unaligned rows, odd H, very wide rows) a scalar kernel in two passes whose
 // second rereads the sum it wrote.
-// qk_norm_rotary: a warp per (token, head); each lane takes pairs (i, i + D/2), the warp sums
-// the squares, then each lane normalizes and rotates its pairs in fp32. With cache rows, k
+// qk_norm_rotary: a warp per (token, head); each lane holds D/32 contiguous elements (one
+// access each way; other D: lanes strided over the pairs (i, i + D/2)), the warp sums the
+// squares, then each lane normalizes and rotates in fp32. With cache rows, k
 // heads go to their rows of the key cache and v heads (one more warp each) are copied to the
 // value cache, so the decode step needs no separate cache writes.
 // write_kv_rows: a thread per K/V element, both caches in one launch.
@@ -122,16 +123,27 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// kE elements of T loaded or stored as one access (4, 8 or 16 bytes for kE = 2, 4, 8 halves).
+template <typename T, int kE>
+struct alignas(sizeof(T) * kE) Lanes {
+  T e[kE];
+};
+
 // k_rows: null, or token t's row of k (and of v) as int64 [tokens]; k and v are then caches
 // of cache_rows rows of kv_heads * d, and v heads are copied from qkv to v. Without k_rows, k
 // is [tokens, kv_heads, d] and v is not written.
-template <typename T>
+// kE > 0 (d = 32 kE, every pointer and row stride aligned to kE elements): lane l holds the
+// elements [l kE, (l + 1) kE) in registers, read and written as one access each, and its
+// rotary partners i + d/2 sit in lane l ^ 16. kE = 0: any even d, lanes strided over the pairs,
+// each element read twice.
+template <typename T, int kE>
 __global__ void __launch_bounds__(kThreads)
     qk_norm_rotary_kernel(const T* __restrict__ qkv, int64_t ld, const T* __restrict__ q_norm,
                           const T* __restrict__ k_norm, const T* __restrict__ cos,
                           const T* __restrict__ sin, T* __restrict__ q, T* __restrict__ k,
                           T* __restrict__ v, const int64_t* __restrict__ k_rows, int64_t cache_rows,
                           int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, float eps) {
+  using P = Lanes<T, kE == 0 ? 1 : kE>;
   const int64_t heads = q_heads + (k_rows != nullptr ? 2 : 1) * kv_heads, half = d / 2;
   const int lane = threadIdx.x % 32;
   // Items are whole warps (the stride too), so every shuffle runs with all 32 lanes.
@@ -146,25 +158,50 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (head >= q_heads + kv_heads) {
       T* out = v + (row * kv_heads + head - q_heads - kv_heads) * d;
-      for (int64_t i = lane; i < d; i += 32) out[i] = in[i];
+      if constexpr (kE > 0) {
+        reinterpret_cast<P*>(out)[lane] = reinterpret_cast<const P*>(in)[lane];
+      } else {
+        for (int64_t i = lane; i < d; i += 32) out[i] = in[i];
+      }
       continue;
     }
     const bool is_q = head < q_heads;
     const T* w = is_q ? q_norm : k_norm;
     T* out = is_q ? q + (t * q_heads + head) * d : k + (row * kv_heads + head - q_heads) * d;
-    float squares = 0.f;
-    for (int64_t i = lane; i < d; i += 32) {
-      const float x = to_float(in[i]);
-      squares = fmaf(x, x, squares);
-    }
-    const float rstd = rsqrtf(warp_sum(squares) / static_cast<float>(d) + eps);
     const T* c = cos + t * d;
     const T* s = sin + t * d;
-    for (int64_t i = lane; i < half; i += 32) {
-      const float lo = to_float(in[i]) * rstd * to_float(w[i]);
-      const float hi = to_float(in[i + half]) * rstd * to_float(w[i + half]);
-      out[i] = from_float<T>(lo * to_float(c[i]) - hi * to_float(s[i]));
-      out[i + half] = from_float<T>(hi * to_float(c[i + half]) + lo * to_float(s[i + half]));
+    if constexpr (kE > 0) {
+      const P x = reinterpret_cast<const P*>(in)[lane];
+      const P wp = reinterpret_cast<const P*>(w)[lane];
+      const P cp = reinterpret_cast<const P*>(c)[lane];
+      const P sp = reinterpret_cast<const P*>(s)[lane];
+      float squares = 0.f;
+#pragma unroll
+      for (int e = 0; e < kE; ++e) squares = fmaf(to_float(x.e[e]), to_float(x.e[e]), squares);
+      const float rstd = rsqrtf(warp_sum(squares) / static_cast<float>(d) + eps);
+      const bool low = lane < 16;
+      P o;
+#pragma unroll
+      for (int e = 0; e < kE; ++e) {
+        const float z = to_float(x.e[e]) * rstd * to_float(wp.e[e]);
+        const float partner = __shfl_xor_sync(0xffffffffu, z, 16);
+        const float cv = to_float(cp.e[e]), sv = to_float(sp.e[e]);
+        o.e[e] = from_float<T>(low ? z * cv - partner * sv : z * cv + partner * sv);
+      }
+      reinterpret_cast<P*>(out)[lane] = o;
+    } else {
+      float squares = 0.f;
+      for (int64_t i = lane; i < d; i += 32) {
+        const float x = to_float(in[i]);
+        squares = fmaf(x, x, squares);
+      }
+      const float rstd = rsqrtf(warp_sum(squares) / static_cast<float>(d) + eps);
+      for (int64_t i = lane; i < half; i += 32) {
+        const float lo = to_float(in[i]) * rstd * to_float(w[i]);
+        const float hi = to_float(in[i + half]) * rstd * to_float(w[i + half]);
+        out[i] = from_float<T>(lo * to_float(c[i]) - hi * to_float(s[i]));
+        out[i + half] = from_float<T>(hi * to_float(c[i + half]) + lo * to_float(s[i + half]));
+      }
     }
   }
 }
@@ -244,14 +281,33 @@ void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const 
   const auto stream = c10::cuda::getCurrentCUDAStream(qkv.device().index());
   const int64_t tokens = qkv.size(0), q_heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
   const int64_t heads = q_heads + (rows != nullptr ? 2 : 1) * kv_heads;
+  // The vector kernel where d is 32 kE and every pointer and row start allows kE-element
+  // accesses (KV-cache layers are slices of one allocation; check them too).
+  const int64_t e = d % 32 == 0 ? d / 32 : 0;
+  auto fits = [&](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % (e * qkv.element_size()) == 0;
+  };
+  const bool vector = (e == 2 || e == 4 || e == 8) && qkv.stride(0) % e == 0 && fits(qkv) &&
+                      fits(q_norm) && fits(k_norm) && fits(cos) && fits(sin) && fits(q) &&
+                      fits(k) && (v == nullptr || fits(*v));
   dispatch_half(qkv.scalar_type(), "qk_norm_rotary", [&](auto tag) {
     using T = decltype(tag);
-    qk_norm_rotary_kernel<T>
-        <<<grid_stride_blocks(tokens * heads * 32, kThreads), kThreads, 0, stream>>>(
-            ptr<T>(qkv), qkv.stride(0), ptr<T>(q_norm), ptr<T>(k_norm), ptr<T>(cos), ptr<T>(sin),
-            mut<T>(q), mut<T>(k), v != nullptr ? mut<T>(*v) : nullptr,
-            rows != nullptr ? rows->data_ptr<int64_t>() : nullptr, k.size(0), tokens, q_heads,
-            kv_heads, d, static_cast<float>(eps));
+    auto launch = [&](auto kernel) {
+      kernel<<<grid_stride_blocks(tokens * heads * 32, kThreads), kThreads, 0, stream>>>(
+          ptr<T>(qkv), qkv.stride(0), ptr<T>(q_norm), ptr<T>(k_norm), ptr<T>(cos), ptr<T>(sin),
+          mut<T>(q), mut<T>(k), v != nullptr ? mut<T>(*v) : nullptr,
+          rows != nullptr ? rows->data_ptr<int64_t>() : nullptr, k.size(0), tokens, q_heads,
+          kv_heads, d, static_cast<float>(eps));
+    };
+    if (vector && e == 2) {
+      launch(qk_norm_rotary_kernel<T, 2>);
+    } else if (vector && e == 4) {
+      launch(qk_norm_rotary_kernel<T, 4>);
+    } else if (vector && e == 8) {
+      launch(qk_norm_rotary_kernel<T, 8>);
+    } else {
+      launch(qk_norm_rotary_kernel<T, 0>);
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -187,8 +187,11 @@ TEST(DecodeOpsGpu, QkNormRotaryMatchesReferenceAndTheUnfusedOps) {
     int64_t tokens, q_heads, kv_heads, d, ld;  // ld: qkv's row stride (wider: a slice)
   };
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
-    // Qwen3-8B's heads; a head_dim below a warp's pairs; several tokens from a strided slice.
-    for (Shape s : {Shape{1, 32, 8, 128, 0}, Shape{5, 4, 2, 40, 0}, Shape{3, 2, 1, 128, 600}}) {
+    // Qwen3-8B's heads; the vector kernel at D 64 and 256; a head_dim below a warp's pairs;
+    // several tokens from a strided slice, its rows aligned for the vector kernel (600) and
+    // not (602: the strided kernel).
+    for (Shape s : {Shape{1, 32, 8, 128, 0}, Shape{4, 4, 2, 64, 0}, Shape{2, 2, 1, 256, 0},
+                    Shape{5, 4, 2, 40, 0}, Shape{3, 2, 1, 128, 600}, Shape{3, 2, 1, 128, 602}}) {
       SCOPED_TRACE(fmt::format("{} T {} D {}", c10::toString(dtype), s.tokens, s.d));
       const int64_t width = (s.q_heads + 2 * s.kv_heads) * s.d;
       auto [qkv, q_norm, k_norm, cos, sin] = qk_inputs(s.tokens, width, s.ld, s.d, dtype);
