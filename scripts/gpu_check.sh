@@ -117,6 +117,7 @@ if has prefill; then
   # sequence of 2048 tokens with each attention backend, each with a profile.
   step prefill
   fixtures prefill models
+  fixtures prefill_rope rope
   gtests prefill '*FusedPrefill*:*CudnnAttention*:*AttentionBackend*:*DecodeOps*:*FusedDecode*:*TargetGpu*:*TargetParity*:*KVCache*:*Generator*'
   "$dflash" bench-kernels --json "$out/bench_kernels_prefill.json" 2>&1 \
     | grep -E "^(kernel|qk_norm_rotary|2 rms_norm)" | tee "$out/bench_kernels_prefill.txt"

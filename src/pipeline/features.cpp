@@ -89,10 +89,6 @@ train::MicroBatch ColocatedSource::get(int64_t position) {
   const c10::Stream compute = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
   train::MicroBatch mb;
   c10::Event ready(device.type());
-  if (backward_done_) {
-    backward_done_->block(*feature_stream_);
-    backward_done_.reset();
-  }
   {
     c10::StreamGuard on_features(*feature_stream_);
     mb = to_device(std::move(host), device);
@@ -102,13 +98,6 @@ train::MicroBatch ColocatedSource::get(int64_t position) {
   ready.block(compute);
   record_stream(mb, compute);
   return mb;
-}
-
-void ColocatedSource::backward_queued() {
-  if (!feature_stream_) return;
-  const at::Device device = target_.device();
-  backward_done_.emplace(device.type());
-  backward_done_->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
 }
 
 ReceivedSource::ReceivedSource(dist::Comm& world, Topology topology, int trainer,

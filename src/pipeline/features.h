@@ -47,19 +47,17 @@ at::Tensor target_features(const models::TargetModel& target, const std::vector<
 
 // Colocated: this rank's share formed by `batches` (item = position), features from the local
 // target. On a GPU with `overlap`, the copies and the target forward run on a stream of their
-// own, from the moment micro-batch p's backward is done (an event the trainer's
-// backward_queued() call records): the compute-bound prefill of p+1 runs beside the
-// memory-bound AdamW and the gradient all-reduce of step p. (Started as soon as the trainer
-// asked, beside the backward, both sides were matmul-bound and it gained 0.4% on one H200.)
-// The compute stream waits for the features with an event; every tensor of the micro-batch
-// is marked as used by it, so the caching allocator does not hand its memory back to the
-// feature stream early.
+// own: the trainer asks for micro-batch p+1 while the GPU is still in step p's backward (the
+// launch gate), so the target's kernels can run beside the backward, the all-reduce and AdamW
+// and fill the SMs those leave idle. On one H200 that gained 0.4% (both sides are matmul-bound
+// there), so it is off by default. The compute stream waits for the features with an event;
+// every tensor of the micro-batch is marked as used by it, so the caching allocator does not
+// hand its memory back to the feature stream early.
 class ColocatedSource : public train::BatchSource {
  public:
   ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps, Prefetcher& batches,
                   bool overlap = false);
   train::MicroBatch get(int64_t position) override;
-  void backward_queued() override;
   // Whether the target runs on a stream of its own (overlap asked for, on a GPU).
   bool overlapping() const { return feature_stream_.has_value(); }
 
@@ -68,7 +66,6 @@ class ColocatedSource : public train::BatchSource {
   std::vector<int64_t> taps_;
   Prefetcher& batches_;
   std::optional<c10::Stream> feature_stream_;  // GPU with overlap
-  std::optional<c10::Event> backward_done_;    // the next get()'s start on the feature stream
 };
 
 // Disaggregated trainer rank `trainer`: its share formed by `batches` (item = position),

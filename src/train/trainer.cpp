@@ -103,7 +103,6 @@ void Trainer::train_step() {
       };
     }
     auto r = forward_backward(drafter_, head_, mb, 1.0 / p.weight_sum, options_.step, gate);
-    data_.backward_queued();
     figures.narrow(0, 0, 1).add_(r.weighted_ce.view({1}));
     figures.narrow(0, 1, bs).add_(r.correct);
     figures.narrow(0, 1 + bs, bs).add_(r.count);

@@ -31,11 +31,6 @@ class BatchSource {
  public:
   virtual ~BatchSource() = default;
   virtual MicroBatch get(int64_t position) = 0;
-  // Called once a micro-batch's backward is queued on the compute stream, before the
-  // gradient all-reduce and the optimizer: a source that computes the next micro-batch's
-  // features on a stream of its own can start them there, beside those memory- and
-  // network-bound passes.
-  virtual void backward_queued() {}
 };
 
 struct TrainerOptions {
