@@ -15,10 +15,18 @@ work=${WORK:-/tmp/dflash-train-e2e}
 rm -rf "$work" && mkdir -p "$work"
 "$dflash" random-model --preset qwen3-8b --out "$work/target" > /dev/null
 "$dflash" random-data --out "$work/data" --samples 64 --length 2048 --prompt 64 --vocab 151643
+# What the processes hold on the devices, as nvidia-smi reports it, sampled every second.
+(while sleep 1; do
+  nvidia-smi --query-compute-apps=used_memory --format=csv,noheader,nounits 2>/dev/null
+done) > "$work/smi.txt" &
+sampler=$!
 start=$(date +%s.%N)
 "$dflash" train --target "$work/target" --data "$work/data" --out "$work/run" --steps "$steps" \
   --device cuda --log-seconds 10 "$@" 2>&1 | tee "$out/$name.txt"
 end=$(date +%s.%N)
+kill $sampler 2>/dev/null || true
+echo "train_e2e: nvidia-smi peak $(sort -n "$work/smi.txt" | tail -1) MiB held by one process" \
+  | tee -a "$out/train_e2e.txt"
 start_export=$(date +%s.%N)
 "$dflash" export "$work/run" "$work/export" 2>&1 | tail -1
 end_export=$(date +%s.%N)

@@ -214,6 +214,13 @@ if has profile; then
     --iters 10 --attention cudnn --json "$out/bench_target_profile.json" \
     --profile "$out/target_trace.json" 2>&1 | tee "$out/bench_target_profile.txt"
   gzip -f "$out/drafter_trace.json" "$out/target_trace.json"
+  # New anchors every step: the cuDNN graphs are cached per segment count, so the first steps
+  # of each count build one; flash's backward alongside for the difference.
+  for attention in auto gathered; do
+    "$dflash" bench-drafter --device cuda --fresh-anchors --iters 30 --attention $attention \
+      --json "$out/bench_drafter_fresh_$attention.json" 2>&1 | tail -4 \
+      | tee -a "$out/bench_drafter_fresh.txt"
+  done
   AB="${AB:---drafter-attention=gathered|--drafter-attention=auto}" ab_bench attention
 fi
 if has pretrain; then

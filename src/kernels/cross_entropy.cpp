@@ -14,6 +14,9 @@ void check(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor&
     fail("cross entropy: logits must be a contiguous [rows, vocab] tensor, got {}", logits.sizes());
   }
   const int64_t n = logits.size(0);
+  if (logits.size(1) >= (int64_t{1} << 31)) {
+    fail("cross entropy: a vocabulary of {} does not fit 32-bit indices", logits.size(1));
+  }
   if (labels.sizes() != at::IntArrayRef{n} || labels.scalar_type() != at::kLong) {
     fail("cross entropy: labels must be int64 [{}], got {} {}", n, labels.sizes(),
          c10::toString(labels.scalar_type()));

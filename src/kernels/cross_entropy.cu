@@ -29,7 +29,7 @@ constexpr int kStagedBytes = 192 * 1024;
 struct Partial {
   float m;
   float s;
-  int64_t arg;
+  int32_t arg;  // 32-bit indices (the vocabulary is checked to fit): fewer instructions a step
 };
 
 __device__ __forceinline__ Partial combine(Partial a, Partial b) {
@@ -43,7 +43,7 @@ __device__ __forceinline__ Partial combine(Partial a, Partial b) {
   return {a.m, s, a.arg};
 }
 
-__device__ __forceinline__ void add(Partial& p, float x, int64_t i) {
+__device__ __forceinline__ void add(Partial& p, float x, int32_t i) {
   if (x > p.m) {
     p.s = p.s * __expf(p.m - x) + 1.f;
     p.m = x;
@@ -57,19 +57,19 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_rows_kernel(T* __restrict__ logits, const int64_t* __restrict__ labels,
                               const float* __restrict__ coef, float* __restrict__ loss,
-                              int64_t* __restrict__ argmax, int64_t vocab) {
+                              int64_t* __restrict__ argmax, int32_t vocab) {
   constexpr int kVec = 16 / sizeof(T);
-  T* row = logits + blockIdx.x * vocab;
+  T* row = logits + int64_t(blockIdx.x) * vocab;
   // 16-byte vectors need an aligned row start; a vocab that is not a multiple of the vector
   // width (or an odd base pointer) falls back to scalar accesses.
   const bool vec = vocab % kVec == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  Partial p{-FLT_MAX, 0.f, INT64_MAX};
+  Partial p{-FLT_MAX, 0.f, INT32_MAX};
   extern __shared__ uint4 staged[];
-  const int64_t nvec = vec ? vocab / kVec : 0;
-  const int64_t nstaged = min(nvec, static_cast<int64_t>(kStagedBytes / sizeof(uint4)));
+  const int32_t nvec = vec ? vocab / kVec : 0;
+  const int32_t nstaged = min(nvec, static_cast<int32_t>(kStagedBytes / sizeof(uint4)));
   if (vec) {
     const uint4* row4 = reinterpret_cast<const uint4*>(row);
-    for (int64_t base = threadIdx.x; base < nvec; base += kUnroll * kThreads) {
+    for (int32_t base = threadIdx.x; base < nvec; base += kUnroll * kThreads) {
       uint4 raw[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = base + u * kThreads;
+        const int32_t v = base + u * kThreads;
         if (v >= nvec) break;
         if (v < nstaged) staged[v] = raw[u];
         const T* e = reinterpret_cast<const T*>(&raw[u]);
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   } else {
-    for (int64_t i = threadIdx.x; i < vocab; i += kThreads) add(p, to_float(row[i]), i);
+    for (int32_t i = threadIdx.x; i < vocab; i += kThreads) add(p, to_float(row[i]), i);
   }
   // Block reduction: warps by shuffle, then the warp results in shared memory.
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) warp_partial[warp] = p;
   __syncthreads();
   if (warp == 0) {
-    p = lane < kThreads / 32 ? warp_partial[lane] : Partial{-FLT_MAX, 0.f, INT64_MAX};
+    p = lane < kThreads / 32 ? warp_partial[lane] : Partial{-FLT_MAX, 0.f, INT32_MAX};
     for (int offset = 16; offset > 0; offset >>= 1) {
       Partial o{__shfl_down_sync(0xffffffffu, p.m, offset),
                 __shfl_down_sync(0xffffffffu, p.s, offset),
@@ -120,10 +120,12 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const float lse = row_lse, c = coef[blockIdx.x];
-  const int64_t label = labels[blockIdx.x];
+  // Outside the vocabulary (the loss is NaN then) no element takes the one-hot.
+  const int64_t label64 = labels[blockIdx.x];
+  const int32_t label = label64 >= 0 && label64 < vocab ? static_cast<int32_t>(label64) : -1;
   if (vec) {
     uint4* row4 = reinterpret_cast<uint4*>(row);
-    auto write = [&](int64_t v, uint4 raw) {
+    auto write = [&](int32_t v, uint4 raw) {
       T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
@@ -132,7 +134,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       row4[v] = raw;
     };
-    int64_t v = threadIdx.x;
+    int32_t v = threadIdx.x;
     for (; v < nstaged; v += kThreads) write(v, staged[v]);
     for (; v < nvec; v += kUnroll * kThreads) {
       uint4 raw[kUnroll];
@@ -146,7 +148,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   } else {
-    for (int64_t i = threadIdx.x; i < vocab; i += kThreads) {
+    for (int32_t i = threadIdx.x; i < vocab; i += kThreads) {
       const float g = __expf(to_float(row[i]) - lse) - (i == label ? 1.f : 0.f);
       row[i] = from_float<T>(c * g);
     }
@@ -167,7 +169,7 @@ void launch(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef
   const size_t smem = vec ? std::min<int64_t>(vocab / kVec * 16, kStagedBytes) : 0;
   cross_entropy_rows_kernel<T><<<static_cast<unsigned>(logits.size(0)), kThreads, smem, stream>>>(
       reinterpret_cast<T*>(logits.data_ptr()), labels.data_ptr<int64_t>(), coef.data_ptr<float>(),
-      loss.data_ptr<float>(), argmax.data_ptr<int64_t>(), logits.size(1));
+      loss.data_ptr<float>(), argmax.data_ptr<int64_t>(), static_cast<int32_t>(vocab));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
