@@ -144,7 +144,7 @@ if has spec; then
 fi
 if has train; then
   step train
-  (cd "$root" && bash bench/train_e2e.sh "$dflash" "$out" 40)
+  (cd "$root" && bash bench/train_e2e.sh "$dflash" "$out" "${TRAIN_STEPS:-40}")
 fi
 if has train2 && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   step train on 2 GPUs
