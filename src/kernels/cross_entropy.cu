@@ -53,6 +53,16 @@ __device__ __forceinline__ void add(Partial& p, float x, int32_t i) {
   }
 }
 
+// A thread's vectors v, v + kThreads, ... (kUnroll of them, those below n), all loads issued
+// before any is used.
+__device__ __forceinline__ void load_strided(const uint4* row4, int32_t v, int32_t n,
+                                             uint4 (&raw)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (v + u * kThreads < n) raw[u] = row4[v + u * kThreads];
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_rows_kernel(T* __restrict__ logits, const int64_t* __restrict__ labels,
@@ -71,10 +81,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint4* row4 = reinterpret_cast<const uint4*>(row);
     for (int32_t base = threadIdx.x; base < nvec; base += kUnroll * kThreads) {
       uint4 raw[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * kThreads < nvec) raw[u] = row4[base + u * kThreads];
-      }
+      load_strided(row4, base, nvec, raw);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int32_t v = base + u * kThreads;
@@ -138,10 +145,7 @@ __global__ void __launch_bounds__(kThreads)
     for (; v < nstaged; v += kThreads) write(v, staged[v]);
     for (; v < nvec; v += kUnroll * kThreads) {
       uint4 raw[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (v + u * kThreads < nvec) raw[u] = row4[v + u * kThreads];
-      }
+      load_strided(row4, v, nvec, raw);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (v + u * kThreads < nvec) write(v + u * kThreads, raw[u]);
