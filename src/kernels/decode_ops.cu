@@ -45,11 +45,12 @@ __device__ __forceinline__ float block_sum(float v) {
   return total;
 }
 
-// 16 bytes of T, loaded and stored as one vector.
-template <typename T>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / sizeof(T);
-  T v[kSize];
+// N elements of T loaded and stored as one access (16 bytes by default; 4 or 8 bytes for the
+// head vectors of qk_norm_rotary).
+template <typename T, int N = 16 / sizeof(T)>
+struct alignas(sizeof(T) * N) Pack {
+  static constexpr int kSize = N;
+  T v[N];
 };
 
 template <typename T>
@@ -123,12 +124,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// kE elements of T loaded or stored as one access (4, 8 or 16 bytes for kE = 2, 4, 8 halves).
-template <typename T, int kE>
-struct alignas(sizeof(T) * kE) Lanes {
-  T e[kE];
-};
-
 // k_rows: null, or token t's row of k (and of v) as int64 [tokens]; k and v are then caches
 // of cache_rows rows of kv_heads * d, and v heads are copied from qkv to v. Without k_rows, k
 // is [tokens, kv_heads, d] and v is not written.
@@ -143,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
                           const T* __restrict__ sin, T* __restrict__ q, T* __restrict__ k,
                           T* __restrict__ v, const int64_t* __restrict__ k_rows, int64_t cache_rows,
                           int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, float eps) {
-  using P = Lanes<T, kE == 0 ? 1 : kE>;
+  using P = Pack<T, kE == 0 ? 1 : kE>;
   const int64_t heads = q_heads + (k_rows != nullptr ? 2 : 1) * kv_heads, half = d / 2;
   const int lane = threadIdx.x % 32;
   // Items are whole warps (the stride too), so every shuffle runs with all 32 lanes.
@@ -177,16 +172,17 @@ __global__ void __launch_bounds__(kThreads)
       const P sp = reinterpret_cast<const P*>(s)[lane];
       float squares = 0.f;
 #pragma unroll
-      for (int e = 0; e < kE; ++e) squares = fmaf(to_float(x.e[e]), to_float(x.e[e]), squares);
+      for (int e = 0; e < P::kSize; ++e)
+        squares = fmaf(to_float(x.v[e]), to_float(x.v[e]), squares);
       const float rstd = rsqrtf(warp_sum(squares) / static_cast<float>(d) + eps);
       const bool low = lane < 16;
       P o;
 #pragma unroll
-      for (int e = 0; e < kE; ++e) {
-        const float z = to_float(x.e[e]) * rstd * to_float(wp.e[e]);
+      for (int e = 0; e < P::kSize; ++e) {
+        const float z = to_float(x.v[e]) * rstd * to_float(wp.v[e]);
         const float partner = __shfl_xor_sync(0xffffffffu, z, 16);
-        const float cv = to_float(cp.e[e]), sv = to_float(sp.e[e]);
-        o.e[e] = from_float<T>(low ? z * cv - partner * sv : z * cv + partner * sv);
+        const float cv = to_float(cp.v[e]), sv = to_float(sp.v[e]);
+        o.v[e] = from_float<T>(low ? z * cv - partner * sv : z * cv + partner * sv);
       }
       reinterpret_cast<P*>(out)[lane] = o;
     } else {
