@@ -63,20 +63,19 @@ __device__ __forceinline__ void load_strided(const uint4* row4, int32_t v, int32
   }
 }
 
+// vec: rows read as 16-byte vectors (the host checked the alignment); nstaged: how many vectors
+// of each row pass 1 keeps in shared memory, the launch's dynamic size, so the two agree.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_rows_kernel(T* __restrict__ logits, const int64_t* __restrict__ labels,
                               const float* __restrict__ coef, float* __restrict__ loss,
-                              int64_t* __restrict__ argmax, int32_t vocab) {
+                              int64_t* __restrict__ argmax, int32_t vocab, bool vec,
+                              int32_t nstaged) {
   constexpr int kVec = 16 / sizeof(T);
   T* row = logits + int64_t(blockIdx.x) * vocab;
-  // 16-byte vectors need an aligned row start; a vocab that is not a multiple of the vector
-  // width (or an odd base pointer) falls back to scalar accesses.
-  const bool vec = vocab % kVec == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   Partial p{-FLT_MAX, 0.f, INT32_MAX};
-  extern __shared__ uint4 staged[];
+  extern __shared__ uint4 staged[];  // nstaged vectors, the launch's dynamic shared memory
   const int32_t nvec = vec ? vocab / kVec : 0;
-  const int32_t nstaged = min(nvec, static_cast<int32_t>(kStagedBytes / sizeof(uint4)));
   if (vec) {
     const uint4* row4 = reinterpret_cast<const uint4*>(row);
     for (int32_t base = threadIdx.x; base < nvec; base += kUnroll * kThreads) {
@@ -167,13 +166,18 @@ void launch(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef
   // handful of launches a step).
   C10_CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_rows_kernel<T>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kStagedBytes));
+  // 16-byte vectors need an aligned row start; a vocab that is not a multiple of the vector
+  // width (or an odd base pointer) falls back to scalar accesses, and stages nothing.
   constexpr int64_t kVec = 16 / sizeof(T);
   const int64_t vocab = logits.size(1);
   const bool vec = vocab % kVec == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
-  const size_t smem = vec ? std::min<int64_t>(vocab / kVec * 16, kStagedBytes) : 0;
-  cross_entropy_rows_kernel<T><<<static_cast<unsigned>(logits.size(0)), kThreads, smem, stream>>>(
-      reinterpret_cast<T*>(logits.data_ptr()), labels.data_ptr<int64_t>(), coef.data_ptr<float>(),
-      loss.data_ptr<float>(), argmax.data_ptr<int64_t>(), static_cast<int32_t>(vocab));
+  const int32_t nstaged =
+      vec ? static_cast<int32_t>(std::min<int64_t>(vocab / kVec, kStagedBytes / sizeof(uint4))) : 0;
+  cross_entropy_rows_kernel<T>
+      <<<static_cast<unsigned>(logits.size(0)), kThreads, nstaged * sizeof(uint4), stream>>>(
+          reinterpret_cast<T*>(logits.data_ptr()), labels.data_ptr<int64_t>(),
+          coef.data_ptr<float>(), loss.data_ptr<float>(), argmax.data_ptr<int64_t>(),
+          static_cast<int32_t>(vocab), vec, nstaged);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
