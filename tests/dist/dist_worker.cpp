@@ -229,8 +229,21 @@ int main(int argc, char** argv) {
       });
     }
     if (scenario == "missing_at_rendezvous") {
-      if (world.rank == last) return 3;
+      // The last rank leaves only once the others ignore SIGTERM: on a loaded machine the
+      // launcher's SIGTERM after its exit could otherwise end a rank still starting up, before
+      // its rendezvous had the chance to time out.
+      if (world.rank == last) {
+        const auto give_up = Clock::now() + std::chrono::seconds(30);
+        for (int r = 0; r < last && Clock::now() < give_up; ++r) {
+          while (!std::ifstream(fmt::format("{}/ignoring{}.txt", g_out_dir, r)) &&
+                 Clock::now() < give_up) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+        }
+        return 3;
+      }
       ignore_sigterm();
+      write_file(fmt::format("ignoring{}.txt", g_rank), "");
       return expect_error([&] { Comm::create(world, at::Device(at::kCPU), options); });
     }
     if (scenario == "fail_and_hang") {
