@@ -3,7 +3,7 @@
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
-# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags)
+# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A B")
 # pretrain gsm8k tokenizer moe
 # (default: the first five).
 set -uo pipefail
@@ -222,6 +222,33 @@ if has profile; then
       | tee -a "$out/bench_drafter_fresh.txt"
   done
   AB="${AB:---drafter-attention=gathered|--drafter-attention=auto}" ab_bench attention
+fi
+if has levers; then
+  # Issue 11, 2026-12-02: the attention-input and gate/up projections as one autograd node each
+  # (models/linear_group), cuDNN's forward over the shared segments, and the kernels changed
+  # after the last device call (the loss kernel's staging, Pack<T, N>), tested, then each lever
+  # beside its baseline in one call: bench-kernels lines, bench-drafter with each attention
+  # setting (the online step split into its prefill and drafter parts), and the prefill queued
+  # as training queues it against waited for.
+  step levers
+  fixtures levers dflash
+  gtests levers '*LinearGroup*:*CudnnAttention*:*PrefixAttention*:*PrefixGather*:*TailAttention*:*DrafterGpu*:*DrafterParity*:*AdamW*:*GradNorm*:*CrossEntropyKernel*:*HeadLoss*:*DecodeOps*:*DraftModel*:*TrainLoop*'
+  "$dflash" bench-kernels --json "$out/bench_kernels_levers.json" 2>&1 \
+    | grep -E "^(kernel|linear_group|5 x at::linear|q/k/v|shared forward|shared backward|cross_entropy|qk_norm_rotary)" \
+    | tee "$out/bench_kernels_levers.txt"
+  # SM clock, power and temperature every half second while the drafter runs: whether the
+  # GEMMs run at the power cap (machine-to-machine differences).
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
+    > "$out/clocks_levers.csv" 2>&1 &
+  smi=$!
+  for attention in ${ATTENTIONS:-gathered-cudnn-shared gathered-cudnn-shared-fwd}; do
+    "$dflash" bench-drafter --device cuda --attention $attention \
+      --json "$out/bench_drafter_$attention.json" 2>&1 | tail -7 | tee -a "$out/bench_drafter_levers.txt"
+  done
+  kill "$smi" 2>/dev/null
+  "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 3 \
+    --iters 10 --attention cudnn --json "$out/bench_target_levers.json" 2>&1 \
+    | tee "$out/bench_target_levers.txt"
 fi
 if has pretrain; then
   # Training the target itself on CUDA: bf16 compute over fp32 masters against transformers'

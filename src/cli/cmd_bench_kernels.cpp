@@ -35,6 +35,7 @@
 #include "kernels/tail_attention.h"
 #include "models/config.h"
 #include "models/layers.h"
+#include "models/linear_group.h"
 #include "models/prefix_attention.h"
 
 namespace dflash::cli {
@@ -471,6 +472,53 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
            }),
            12 * bytes);
   }
+  // The drafter's attention-input projections at the step's shape (q over 8,192 block rows, k
+  // and v over them and over the 2,048 context rows), forward and backward: models::linear_group
+  // (one node, gradient sums inside the GEMMs) against five at::linear under autograd (an add
+  // kernel per extra reader of h and ctx, two gradients per k/v weight summed apart).
+  {
+    const int64_t rows = 512 * 16, ctx_rows = 2048, kv = c.num_kv_heads * d;
+    auto hx = at::randn({rows, h}, opts), cx = at::randn({ctx_rows, h}, opts);
+    auto wq = at::randn({q, h}, opts) * 0.02, wk = at::randn({kv, h}, opts) * 0.02,
+         wv = at::randn({kv, h}, opts) * 0.02;
+    std::vector<at::Tensor> dys = {at::randn({rows, q}, opts), at::randn({rows, kv}, opts),
+                                   at::randn({rows, kv}, opts), at::randn({ctx_rows, kv}, opts),
+                                   at::randn({ctx_rows, kv}, opts)};
+    auto time_group =
+        [&](const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&,
+                                                        const std::vector<at::Tensor>&)>& forward) {
+          const c10::AutoGradMode grad_mode(true);
+          std::vector<at::Tensor> xs = {hx.detach().requires_grad_(true),
+                                        cx.detach().requires_grad_(true)};
+          std::vector<at::Tensor> ws = {wq.detach().requires_grad_(true),
+                                        wk.detach().requires_grad_(true),
+                                        wv.detach().requires_grad_(true)};
+          return us_eager(o, [&] {
+            torch::autograd::backward(forward(xs, ws), dys);
+            for (auto* list : {&xs, &ws}) {
+              for (auto& t : *list) t.mutable_grad() = at::Tensor();
+            }
+          });
+        };
+    const std::vector<models::LinearProduct> products = {{0, 0}, {0, 1}, {0, 2}, {1, 1}, {1, 2}};
+    const double gemm_bytes = 2.0 * ((rows + ctx_rows) * h * 3 + (q + 2 * kv) * h * 3);
+    const double us_group =
+        time_group([&](const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& ws) {
+          return models::linear_group(xs, ws, products);
+        });
+    const double us_linears =
+        time_group([&](const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& ws) {
+          std::vector<at::Tensor> out;
+          for (const auto& p : products) out.push_back(at::linear(xs[p.input], ws[p.weight]));
+          return out;
+        });
+    report("linear_group q/k/v fwd + bwd", rows, q + 2 * kv, h, us_group, gemm_bytes);
+    report("5 x at::linear fwd + bwd (autograd)", rows, q + 2 * kv, h, us_linears, gemm_bytes);
+    const double flops = 3 * 2.0 * h * (rows * (q + 2.0 * kv) + ctx_rows * 2.0 * kv);
+    fmt::print(
+        "q/k/v projections fwd + bwd: {:.1f} TFLOP/s linear_group, {:.1f} TFLOP/s at::linear\n",
+        flops / us_group / 1e6, flops / us_linears / 1e6);
+  }
   // The drafter's block-attention tails at the step's shape (one 2048-token sequence, 512 sorted
   // anchors, B = 16, a KV head's query heads folded into rows), merged with a shared part:
   // kernels::tail_attention against what it replaces (the tails gathered by
@@ -553,6 +601,38 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                  flops / us_flash / 1e6, flops / us_cudnn / 1e6);
     };
     if (plan.every_group_shares) {
+      // The forward over the shared segments, keys read in place (segments of one sequence
+      // overlap): flash's with seqused_k against cuDNN's with overlapping ragged offsets.
+      // TFLOP/s counts its 2 matmuls of 2 * query rows * keys * D per KV head.
+      const auto q_lengths = at::diff(plan.cu_group_blocks).cpu();
+      double work = 0;
+      for (size_t g = 0; g < plan.shared.key_lengths.size(); ++g) {
+        work += static_cast<double>(q_lengths[g].item<int>()) * rows * plan.shared.key_lengths[g];
+      }
+      const double flops = 2 * 2 * work * d * hkv;
+      const double fwd_bytes = 2.0 * (2 * qx.numel() + 2 * seq * hkv * d);
+      const auto cu_shared = plan.cu_group_blocks * rows;
+      const int64_t max_shared = plan.max_group_blocks * rows;
+      const double us_flash = us_eager(o, [&] {
+        at::_flash_attention_forward(qx, k_ctx, v_ctx, cu_shared, plan.shared.context_start,
+                                     max_shared, plan.shared.max_context, 0.0, /*is_causal=*/false,
+                                     /*return_debug_mask=*/false, std::optional<double>(),
+                                     std::optional<int64_t>(), std::optional<int64_t>(),
+                                     std::optional<at::Tensor>(plan.shared.context_length));
+      });
+      report("shared forward, flash", plan.shared.blocks, plan.shared.keys, max_shared, us_flash,
+             fwd_bytes);
+      if (kernels::cudnn_attention_available()) {
+        const double us_cudnn = us_eager(o, [&] {
+          kernels::cudnn_varlen_attention_forward(
+              qx, k_ctx, v_ctx, cu_shared, plan.shared.context_start, plan.shared.context_length,
+              max_shared, plan.shared.max_context, 1.0 / std::sqrt(static_cast<double>(d)));
+        });
+        report("shared forward, cudnn", plan.shared.blocks, plan.shared.keys, max_shared, us_cudnn,
+               fwd_bytes);
+        fmt::print("shared forward: {:.1f} TFLOP/s flash, {:.1f} TFLOP/s cudnn\n",
+                   flops / us_flash / 1e6, flops / us_cudnn / 1e6);
+      }
       auto shared_rows = [&](const at::Tensor& x) {
         return kernels::prefix_gather(x.view({-1, hkv * d}), plan.shared).view({-1, hkv, d});
       };

@@ -49,8 +49,8 @@ void run_bench(const BenchOptions& o) {
       o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
       c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
       o.warmup, o.iters);
-  fmt::print("{:>6} {:>10} {:>12} {:>10} {:>14}\n", "batch", "median ms", "tokens/s", "TFLOP/s",
-             "peak GPU GiB");
+  fmt::print("{:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "median ms", "tokens/s",
+             "TFLOP/s", "peak GPU GiB", "synced ms");
   const models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
   nlohmann::json rows = nlohmann::json::array();
   for (int64_t b : o.batches) {
@@ -60,9 +60,12 @@ void run_bench(const BenchOptions& o) {
                               at::TensorOptions().dtype(at::kLong).device(device));
     if (device.is_cuda())
       c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
-    auto times =
-        obs::time_steps(device, o.warmup, o.iters, [&] { model.forward(tokens, batch, request); });
-    const double ms = obs::median(times) * 1e3;
+    auto prefill = [&] { model.forward(tokens, batch, request); };
+    // Queued back to back, as training queues its prefills; then each one waited for (the GPU
+    // idles at each start while the host launches the first kernels).
+    auto times = obs::time_queued_steps(device, o.warmup, o.iters, prefill);
+    auto synced_times = obs::time_steps(device, 0, o.iters, prefill);
+    const double ms = obs::median(times) * 1e3, synced_ms = obs::median(synced_times) * 1e3;
     const double tps = batch.total / (ms / 1e3);
     const double tflops = models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12;
     double peak_gib = 0;
@@ -71,14 +74,17 @@ void run_bench(const BenchOptions& o) {
           c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
       peak_gib = stats.allocated_bytes[0].peak / double(1 << 30);
     }
-    fmt::print("{:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f}\n", b, ms, tps, tflops, peak_gib);
+    fmt::print("{:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b, ms, tps, tflops,
+               peak_gib, synced_ms);
     rows.push_back({{"batch", b},
                     {"seq_len", o.seq_len},
                     {"median_ms", ms},
                     {"tokens_per_s", tps},
                     {"tflops", tflops},
                     {"peak_gpu_gib", peak_gib},
-                    {"times_s", times}});
+                    {"times_s", times},
+                    {"synced_median_ms", synced_ms},
+                    {"synced_times_s", synced_times}});
   }
   nlohmann::json doc = {
       {"preset", o.preset}, {"device", o.device}, {"attention", o.attention}, {"rows", rows}};

@@ -30,6 +30,7 @@ namespace dflash::kernels {
 namespace {
 
 namespace fe = cudnn_frontend;
+using GraphTensor = std::shared_ptr<fe::graph::Tensor_attributes>;
 
 // LibTorch's CUDA library already has libcudnn loaded; dlopen by soname returns that copy.
 bool open_cudnn() {
@@ -66,6 +67,7 @@ enum Uid : int64_t {
 };
 
 struct GraphKey {
+  bool forward;  // the forward (output and log-sum-exp) or the backward
   int device;
   fe::DataType_t dtype;
   int64_t batches, heads, kv_heads, head_dim, nominal_q, nominal_kv;
@@ -74,8 +76,9 @@ struct GraphKey {
 
 void check(fe::error_t status, const char* what, const GraphKey& key) {
   if (status.is_good()) return;
-  fail("cudnn attention backward: {} failed for {} sequences, {} / {} heads of {}: {}", what,
-       key.batches, key.heads, key.kv_heads, key.head_dim, status.get_message());
+  fail("cudnn attention {}: {} failed for {} sequences, {} / {} heads of {}: {}",
+       key.forward ? "forward" : "backward", what, key.batches, key.heads, key.kv_heads,
+       key.head_dim, status.get_message());
 }
 
 std::shared_ptr<fe::graph::Graph> build_graph(const GraphKey& key, cudnnHandle_t handle) {
@@ -99,7 +102,7 @@ std::shared_ptr<fe::graph::Graph> build_graph(const GraphKey& key, cudnnHandle_t
   // Packed rows ([rows, heads, D]) seen as [b, heads, nominal length, D]: a sequence's rows
   // start at its ragged offset (in elements), its length comes from the padding mask.
   auto packed = [&](Uid uid, const char* name, int64_t heads, int64_t s,
-                    const std::shared_ptr<fe::graph::Tensor_attributes>& ragged) {
+                    const GraphTensor& ragged) {
     return graph->tensor(fe::graph::Tensor_attributes()
                              .set_uid(uid)
                              .set_name(name)
@@ -110,16 +113,6 @@ std::shared_ptr<fe::graph::Graph> build_graph(const GraphKey& key, cudnnHandle_t
   auto q = packed(kQ, "q", h, sq, ragged_q);
   auto k = packed(kK, "k", hk, skv, ragged_kv);
   auto v = packed(kV, "v", hk, skv, ragged_kv);
-  auto o = packed(kO, "o", h, sq, ragged_q);
-  auto dout = packed(kDO, "do", h, sq, ragged_q);
-  // The log-sum-exp, row-major [rows, heads] (flash's [heads, rows] transposed by the caller).
-  auto stats = graph->tensor(fe::graph::Tensor_attributes()
-                                 .set_uid(kStats)
-                                 .set_name("stats")
-                                 .set_dim({b, h, sq, 1})
-                                 .set_stride({sq * h, 1, h, 1})
-                                 .set_data_type(fe::DataType_t::FLOAT)
-                                 .set_ragged_offset(ragged_stats));
   auto scale = graph->tensor(fe::graph::Tensor_attributes()
                                  .set_uid(kScale)
                                  .set_name("scale")
@@ -127,24 +120,50 @@ std::shared_ptr<fe::graph::Graph> build_graph(const GraphKey& key, cudnnHandle_t
                                  .set_stride({1, 1, 1, 1})
                                  .set_is_pass_by_value(true)
                                  .set_data_type(fe::DataType_t::FLOAT));
-  auto options = fe::graph::SDPA_backward_attributes()
-                     .set_name("dflash_varlen_backward")
-                     .set_attn_scale(scale)
-                     .set_padding_mask(true)
-                     .set_seq_len_q(scalar_per_batch(kSeqLenQ, "seq_len_q", b))
-                     .set_seq_len_kv(scalar_per_batch(kSeqLenKv, "seq_len_kv", b));
-  auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, dout, stats, options);
-  auto output = [&](std::shared_ptr<fe::graph::Tensor_attributes>& t, Uid uid, int64_t heads,
-                    int64_t s, const std::shared_ptr<fe::graph::Tensor_attributes>& ragged) {
+  auto seq_len_q = scalar_per_batch(kSeqLenQ, "seq_len_q", b);
+  auto seq_len_kv = scalar_per_batch(kSeqLenKv, "seq_len_kv", b);
+  // The log-sum-exp, row-major [rows, heads] (flash's [heads, rows] transposed).
+  auto stats_layout = [&](GraphTensor& t) -> fe::graph::Tensor_attributes& {
+    return t->set_uid(kStats)
+        .set_dim({b, h, sq, 1})
+        .set_stride({sq * h, 1, h, 1})
+        .set_data_type(fe::DataType_t::FLOAT)
+        .set_ragged_offset(ragged_stats);
+  };
+  auto output = [&](GraphTensor& t, Uid uid, int64_t heads, int64_t s, const GraphTensor& ragged) {
     t->set_output(true)
         .set_uid(uid)
         .set_dim({b, heads, s, d})
         .set_stride({s * heads * d, d, heads * d, 1})
         .set_ragged_offset(ragged);
   };
-  output(dq, kDQ, h, sq, ragged_q);
-  output(dk, kDK, hk, skv, ragged_kv);
-  output(dv, kDV, hk, skv, ragged_kv);
+  if (key.forward) {
+    auto options = fe::graph::SDPA_attributes()
+                       .set_name("dflash_varlen_forward")
+                       .set_generate_stats(true)
+                       .set_attn_scale(scale)
+                       .set_padding_mask(true)
+                       .set_seq_len_q(seq_len_q)
+                       .set_seq_len_kv(seq_len_kv);
+    auto [o, stats] = graph->sdpa(q, k, v, options);
+    output(o, kO, h, sq, ragged_q);
+    stats_layout(stats).set_output(true);
+  } else {
+    auto o = packed(kO, "o", h, sq, ragged_q);
+    auto dout = packed(kDO, "do", h, sq, ragged_q);
+    auto stats = graph->tensor(fe::graph::Tensor_attributes().set_name("stats"));
+    stats_layout(stats);
+    auto options = fe::graph::SDPA_backward_attributes()
+                       .set_name("dflash_varlen_backward")
+                       .set_attn_scale(scale)
+                       .set_padding_mask(true)
+                       .set_seq_len_q(seq_len_q)
+                       .set_seq_len_kv(seq_len_kv);
+    auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, dout, stats, options);
+    output(dq, kDQ, h, sq, ragged_q);
+    output(dk, kDK, hk, skv, ragged_kv);
+    output(dv, kDV, hk, skv, ragged_kv);
+  }
   check(graph->validate(), "validate", key);
   check(graph->build_operation_graph(handle), "build_operation_graph", key);
   check(graph->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans", key);
@@ -161,12 +180,12 @@ cudnnHandle_t handle_for(int device, cudaStream_t stream) {
   if (it == handles.end()) {
     cudnnHandle_t handle = nullptr;
     if (fe::detail::create_handle(&handle) != CUDNN_STATUS_SUCCESS) {
-      fail("cudnn attention backward: cudnnCreate failed on cuda:{}", device);
+      fail("cudnn attention: cudnnCreate failed on cuda:{}", device);
     }
     it = handles.emplace(device, handle).first;
   }
   if (fe::detail::set_stream(it->second, stream) != CUDNN_STATUS_SUCCESS) {
-    fail("cudnn attention backward: cudnnSetStream failed on cuda:{}", device);
+    fail("cudnn attention: cudnnSetStream failed on cuda:{}", device);
   }
   return it->second;
 }
@@ -175,88 +194,142 @@ int64_t nominal(int64_t length) {
   return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(length, 64))));
 }
 
+// The checks both directions share: CUDA bf16/fp16, [rows, heads, D] q/k/v with H a multiple
+// of Hk, int32 [b + 1] query offsets on q's device, element counts within int32 offsets.
+void check_inputs(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& cu_q) {
+  if (!q.is_cuda() || (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)) {
+    fail("cudnn attention {}: needs CUDA bf16/fp16, got {} {}", who, q.device().str(),
+         c10::toString(q.scalar_type()));
+  }
+  if (!cudnn_attention_available()) {
+    fail("cudnn attention {}: libcudnn (9.0 or newer) could not be opened", who);
+  }
+  if (q.dim() != 3 || k.dim() != 3 || k.sizes() != v.sizes() || k.size(2) != q.size(2) ||
+      q.size(1) % k.size(1) != 0 || q.size(2) % 8 != 0 || q.size(2) > 256 || cu_q.numel() < 2 ||
+      cu_q.scalar_type() != at::kInt || cu_q.device() != q.device() ||
+      k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) {
+    fail(
+        "cudnn attention {}: q {}, k {}, v {}, cu_q {} do not fit [Tq, H, D] / [Tk, Hk, D] "
+        "(D a multiple of 8, at most 256) / int32 [b + 1] on q's device",
+        who, q.sizes(), k.sizes(), v.sizes(), cu_q.sizes());
+  }
+  // The ragged offsets are int32 element counts.
+  if (q.numel() >= (int64_t{1} << 31) || k.numel() >= (int64_t{1} << 31)) {
+    fail("cudnn attention {}: {} query or {} key elements overflow int32 offsets", who, q.numel(),
+         k.numel());
+  }
+}
+
+// The variant pack's device-side sizes: the ragged element offsets of q (and o, dq), k/v and
+// the stats, and the per-sequence lengths.
+struct RaggedSizes {
+  at::Tensor q, kv, stats, seq_q, seq_kv;
+};
+
+RaggedSizes ragged_sizes(const at::Tensor& cu_q, const at::Tensor& k_start, const at::Tensor& k_len,
+                         int64_t heads, int64_t kv_heads, int64_t d) {
+  return {(cu_q * static_cast<int32_t>(heads * d)).to(at::kInt),
+          (k_start * static_cast<int32_t>(kv_heads * d)).to(at::kInt),
+          (cu_q * static_cast<int32_t>(heads)).to(at::kInt),
+          at::diff(cu_q).to(at::kInt).contiguous(), k_len.to(at::kInt).contiguous()};
+}
+
+// Runs key's graph (built on the first call with that key, then cached) on the current stream.
+void execute(const GraphKey& key, std::unordered_map<int64_t, void*>& pack, const RaggedSizes& r,
+             float scale, const at::Tensor& like) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.device).stream();
+  cudnnHandle_t handle = handle_for(key.device, stream);
+  thread_local std::map<GraphKey, std::shared_ptr<fe::graph::Graph>> graphs;
+  auto& graph = graphs[key];
+  if (!graph) graph = build_graph(key, handle);
+  pack[kScale] = &scale;
+  pack[kSeqLenQ] = r.seq_q.data_ptr();
+  pack[kSeqLenKv] = r.seq_kv.data_ptr();
+  pack[kRaggedQ] = r.q.data_ptr();
+  pack[kRaggedKv] = r.kv.data_ptr();
+  pack[kRaggedStats] = r.stats.data_ptr();
+  const int64_t workspace_bytes = graph->get_workspace_size();
+  auto workspace =
+      at::empty({std::max<int64_t>(workspace_bytes, 1)}, like.options().dtype(at::kByte));
+  check(graph->execute(handle, pack, workspace.data_ptr()), "execute", key);
+}
+
+GraphKey graph_key(bool forward, const at::Tensor& q, const at::Tensor& k, int64_t batches,
+                   int64_t max_q, int64_t max_k) {
+  return {forward,
+          q.get_device(),
+          q.scalar_type() == at::kBFloat16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF,
+          batches,
+          q.size(1),
+          k.size(1),
+          q.size(2),
+          nominal(max_q),
+          nominal(max_k)};
+}
+
 }  // namespace
 
 bool cudnn_attention_available() { return at::hasCUDA() && open_cudnn(); }
+
+AttentionOutput cudnn_varlen_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, const at::Tensor& cu_q,
+                                               const at::Tensor& k_start, const at::Tensor& k_len,
+                                               int64_t max_q, int64_t max_k, double scale) {
+  check_inputs("forward", q, k, v, cu_q);
+  const int64_t b = cu_q.numel() - 1;
+  if (k_start.numel() != b + 1 || k_len.numel() != b || k_start.scalar_type() != at::kInt ||
+      k_len.scalar_type() != at::kInt || k_start.device() != q.device() ||
+      k_len.device() != q.device()) {
+    fail(
+        "cudnn attention forward: k_start {} and k_len {} must be int32 [{}] and [{}] on q's "
+        "device",
+        k_start.sizes(), k_len.sizes(), b + 1, b);
+  }
+  const c10::cuda::CUDAGuard on_device(q.device());
+  const auto key = graph_key(true, q, k, b, max_q, max_k);
+  const auto q_c = q.contiguous(), k_c = k.contiguous(), v_c = v.contiguous();
+  auto out = at::empty_like(q_c);
+  auto stats = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));  // [Tq, H]
+  std::unordered_map<int64_t, void*> pack = {{kQ, q_c.data_ptr()},
+                                             {kK, k_c.data_ptr()},
+                                             {kV, v_c.data_ptr()},
+                                             {kO, out.data_ptr()},
+                                             {kStats, stats.data_ptr()}};
+  execute(key, pack, ragged_sizes(cu_q, k_start, k_len, q.size(1), k.size(1), q.size(2)),
+          static_cast<float>(scale), q);
+  return {out, stats.t().contiguous()};
+}
 
 AttentionGrads cudnn_varlen_attention_backward(const at::Tensor& dout, const at::Tensor& q,
                                                const at::Tensor& k, const at::Tensor& v,
                                                const at::Tensor& out, const at::Tensor& lse,
                                                const at::Tensor& cu_q, const at::Tensor& cu_k,
                                                int64_t max_q, int64_t max_k, double scale) {
-  if (!q.is_cuda() || (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)) {
-    fail("cudnn attention backward: needs CUDA bf16/fp16, got {} {}", q.device().str(),
-         c10::toString(q.scalar_type()));
-  }
-  if (!cudnn_attention_available()) {
-    fail("cudnn attention backward: libcudnn (9.0 or newer) could not be opened");
-  }
-  const int64_t h = q.size(1), hk = k.size(1), d = q.size(2);
-  const int64_t b = cu_q.numel() - 1;
-  if (q.dim() != 3 || k.dim() != 3 || k.sizes() != v.sizes() || out.sizes() != q.sizes() ||
-      dout.sizes() != q.sizes() || k.size(2) != d || h % hk != 0 || d % 8 != 0 || d > 256 ||
-      lse.dim() != 2 || lse.size(0) != h || lse.size(1) != q.size(0) ||
-      lse.scalar_type() != at::kFloat || cu_k.numel() != b + 1 || b < 1 ||
-      cu_q.scalar_type() != at::kInt || cu_k.scalar_type() != at::kInt ||
-      cu_q.device() != q.device() || cu_k.device() != q.device()) {
+  check_inputs("backward", q, k, v, cu_q);
+  const int64_t h = q.size(1), b = cu_q.numel() - 1;
+  if (out.sizes() != q.sizes() || dout.sizes() != q.sizes() || lse.dim() != 2 || lse.size(0) != h ||
+      lse.size(1) != q.size(0) || lse.scalar_type() != at::kFloat || cu_k.numel() != b + 1 ||
+      cu_k.scalar_type() != at::kInt || cu_k.device() != q.device()) {
     fail(
-        "cudnn attention backward: q {}, k {}, v {}, out {}, dout {}, lse {} ({}), cu_q {}, cu_k "
-        "{} do not fit [Tq, H, D] / [Tk, Hk, D] / fp32 [H, Tq] / int32 [b + 1] on q's device",
-        q.sizes(), k.sizes(), v.sizes(), out.sizes(), dout.sizes(), lse.sizes(),
-        c10::toString(lse.scalar_type()), cu_q.sizes(), cu_k.sizes());
+        "cudnn attention backward: q {}, out {}, dout {}, lse {} ({}), cu_k {} do not fit "
+        "[Tq, H, D] / fp32 [H, Tq] / int32 [b + 1] on q's device",
+        q.sizes(), out.sizes(), dout.sizes(), lse.sizes(), c10::toString(lse.scalar_type()),
+        cu_k.sizes());
   }
-  // The ragged offsets are int32 element counts.
-  if (q.numel() >= (int64_t{1} << 31) || k.numel() >= (int64_t{1} << 31)) {
-    fail("cudnn attention backward: {} query or {} key elements overflow int32 offsets", q.numel(),
-         k.numel());
-  }
-  const int device = q.get_device();
   const c10::cuda::CUDAGuard on_device(q.device());
-  const GraphKey key{
-      device,
-      q.scalar_type() == at::kBFloat16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF,
-      b,
-      h,
-      hk,
-      d,
-      nominal(max_q),
-      nominal(max_k)};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  cudnnHandle_t handle = handle_for(device, stream);
-  thread_local std::map<GraphKey, std::shared_ptr<fe::graph::Graph>> graphs;
-  auto& graph = graphs[key];
-  if (!graph) graph = build_graph(key, handle);
-
+  const auto key = graph_key(false, q, k, b, max_q, max_k);
   auto rows = [](const at::Tensor& x) { return x.contiguous(); };
   const auto q_c = rows(q), k_c = rows(k), v_c = rows(v), o_c = rows(out), do_c = rows(dout);
   const auto stats = lse.t().contiguous();  // [Tq, H]
-  const auto ragged_q = (cu_q * static_cast<int32_t>(h * d)).to(at::kInt);
-  const auto ragged_kv = (cu_k * static_cast<int32_t>(hk * d)).to(at::kInt);
-  const auto ragged_stats = (cu_q * static_cast<int32_t>(h)).to(at::kInt);
-  const auto seq_q = at::diff(cu_q).to(at::kInt).contiguous();
-  const auto seq_kv = at::diff(cu_k).to(at::kInt).contiguous();
   AttentionGrads g{at::empty_like(q_c), at::empty_like(k_c), at::empty_like(v_c)};
-  float scale_value = static_cast<float>(scale);
   std::unordered_map<int64_t, void*> pack = {
-      {kQ, q_c.data_ptr()},
-      {kK, k_c.data_ptr()},
-      {kV, v_c.data_ptr()},
-      {kO, o_c.data_ptr()},
-      {kDO, do_c.data_ptr()},
-      {kStats, stats.data_ptr()},
-      {kScale, &scale_value},
-      {kSeqLenQ, seq_q.data_ptr()},
-      {kSeqLenKv, seq_kv.data_ptr()},
-      {kRaggedQ, ragged_q.data_ptr()},
-      {kRaggedKv, ragged_kv.data_ptr()},
-      {kRaggedStats, ragged_stats.data_ptr()},
-      {kDQ, g.dq.data_ptr()},
-      {kDK, g.dk.data_ptr()},
-      {kDV, g.dv.data_ptr()},
+      {kQ, q_c.data_ptr()},   {kK, k_c.data_ptr()},   {kV, v_c.data_ptr()},
+      {kO, o_c.data_ptr()},   {kDO, do_c.data_ptr()}, {kStats, stats.data_ptr()},
+      {kDQ, g.dq.data_ptr()}, {kDK, g.dk.data_ptr()}, {kDV, g.dv.data_ptr()},
   };
-  const int64_t workspace_bytes = graph->get_workspace_size();
-  auto workspace = at::empty({std::max<int64_t>(workspace_bytes, 1)}, q.options().dtype(at::kByte));
-  check(graph->execute(handle, pack, workspace.data_ptr()), "execute", key);
+  execute(key, pack, ragged_sizes(cu_q, cu_k, at::diff(cu_k), h, k.size(1), q.size(2)),
+          static_cast<float>(scale), q);
   return g;
 }
 

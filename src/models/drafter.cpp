@@ -21,6 +21,7 @@
 #include "kernels/residual_norm.h"
 #include "kernels/rotary.h"
 #include "kernels/swiglu.h"
+#include "models/linear_group.h"
 #include "models/prefix_attention.h"
 #include "models/target.h"
 
@@ -43,24 +44,32 @@ std::pair<at::Tensor, at::Tensor> add_and_norm(const Residual& r, const at::Tens
   return kernels::residual_rms_norm(r.x, r.pending, weight, eps);
 }
 
-// The block rows' attention inputs: `project(weight, queries)` gives the rows' products with
-// q_proj (queries = true), k_proj and v_proj; then q_norm/k_norm and RoPE at the rows' absolute
-// positions (q_cos/q_sin for the query rows, which may be fewer than the key rows). Weights are
-// cast to `dtype` (a no-op when they already are).
-using Projection = std::function<at::Tensor(const at::Tensor& weight, bool queries)>;
-BlockQkv block_qkv(const DrafterLayerWeights& w, const ModelConfig& c, const Projection& project,
-                   const at::Tensor& q_cos, const at::Tensor& q_sin, const at::Tensor& cos,
-                   const at::Tensor& sin, at::ScalarType dtype) {
+// q_norm/k_norm and RoPE over the q/k/v_proj products [rows, heads * D]: q at q_cos/q_sin
+// (the query rows, which may be fewer than the key rows), k at cos/sin; q may be undefined (the
+// context has no queries). Weights are cast to `dtype` (a no-op when they already are).
+BlockQkv norm_and_rotate(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& q,
+                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_cos,
+                         const at::Tensor& q_sin, const at::Tensor& cos, const at::Tensor& sin,
+                         at::ScalarType dtype) {
   const double eps = c.rms_norm_eps;
   const int64_t d = c.head_dim;
-  auto q = project(w.q_proj.to(dtype), true);
-  q = kernels::norm_rotary(q.view({q.size(0), c.num_heads, d}), w.q_norm.to(dtype), q_cos, q_sin,
-                           eps);
-  auto k = project(w.k_proj.to(dtype), false);
-  k = kernels::norm_rotary(k.view({k.size(0), c.num_kv_heads, d}), w.k_norm.to(dtype), cos, sin,
-                           eps);
-  auto v = project(w.v_proj.to(dtype), false);
-  return {q, k, v.view({v.size(0), c.num_kv_heads, d})};
+  BlockQkv out;
+  if (q.defined()) {
+    out.q = kernels::norm_rotary(q.view({q.size(0), c.num_heads, d}), w.q_norm.to(dtype), q_cos,
+                                 q_sin, eps);
+  }
+  out.k = kernels::norm_rotary(k.view({k.size(0), c.num_kv_heads, d}), w.k_norm.to(dtype), cos, sin,
+                               eps);
+  out.v = v.view({v.size(0), c.num_kv_heads, d});
+  return out;
+}
+
+// The attention inputs of rows h (all at cos/sin).
+BlockQkv block_qkv(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& h,
+                   const at::Tensor& cos, const at::Tensor& sin, at::ScalarType dtype) {
+  auto p = linear_group({h}, {w.q_proj.to(dtype), w.k_proj.to(dtype), w.v_proj.to(dtype)},
+                        {{0, 0}, {0, 1}, {0, 2}});
+  return norm_and_rotate(w, c, p[0], p[1], p[2], cos, sin, cos, sin, dtype);
 }
 
 // Rows of block positions 1..B-1 of [blocks*B, ...] rows (a copy; its backward scatters).
@@ -91,11 +100,9 @@ at::Tensor spread_to_blocks(const at::Tensor& distinct, int64_t blocks, int64_t 
 std::pair<at::Tensor, at::Tensor> context_kv(const DrafterLayerWeights& w, const ModelConfig& c,
                                              const at::Tensor& ctx, const at::Tensor& cos,
                                              const at::Tensor& sin, at::ScalarType dtype) {
-  const int64_t t = ctx.size(0), d = c.head_dim;
-  auto k = at::linear(ctx, w.k_proj.to(dtype)).view({t, c.num_kv_heads, d});
-  k = kernels::norm_rotary(k, w.k_norm.to(dtype), cos, sin, c.rms_norm_eps);
-  auto v = at::linear(ctx, w.v_proj.to(dtype)).view({t, c.num_kv_heads, d});
-  return {k, v};
+  auto p = linear_group({ctx}, {w.k_proj.to(dtype), w.v_proj.to(dtype)}, {{0, 0}, {0, 1}});
+  auto kv = norm_and_rotate(w, c, at::Tensor(), p[0], p[1], {}, {}, cos, sin, dtype);
+  return {kv.k, kv.v};
 }
 
 // hidden_norm(fc(features)): the context every drafter layer reads.
@@ -118,8 +125,8 @@ Residual layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const 
   const int64_t rows = x.size(0);
   auto o = at::linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
   auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm.to(dtype), c.rms_norm_eps);
-  auto act =
-      kernels::swiglu(at::linear(h2, w.gate_proj.to(dtype)), at::linear(h2, w.up_proj.to(dtype)));
+  auto gate_up = linear_group({h2}, {w.gate_proj.to(dtype), w.up_proj.to(dtype)}, {{0, 0}, {0, 1}});
+  auto act = kernels::swiglu(gate_up[0], gate_up[1]);
   return {x1, at::linear(act, w.down_proj.to(dtype))};
 }
 
@@ -312,10 +319,11 @@ DrafterAttention parse_drafter_attention(const std::string& name, const std::str
   if (name == "dense") return DrafterAttention::kDense;
   if (name == "gathered") return DrafterAttention::kGathered;
   if (name == "gathered-cudnn-shared") return DrafterAttention::kGatheredCudnnShared;
+  if (name == "gathered-cudnn-shared-fwd") return DrafterAttention::kGatheredCudnnSharedForward;
   if (name == "gathered-cudnn") return DrafterAttention::kGatheredCudnn;
   fail(
-      "{}: the drafter's attention must be auto, dense, gathered, gathered-cudnn-shared or "
-      "gathered-cudnn, got '{}'",
+      "{}: the drafter's attention must be auto, dense, gathered, gathered-cudnn-shared, "
+      "gathered-cudnn-shared-fwd or gathered-cudnn, got '{}'",
       what, name);
 }
 
@@ -522,15 +530,13 @@ namespace {
 
 // named_ order: fc, hidden_norm, each layer's weights in DrafterLayerWeights' field order, norm.
 constexpr size_t kPerLayer = 11;
-// The layer fields the context's K/V read too (k_proj, v_proj, k_norm): forward() reads them
-// twice, once for the block and once for the context.
-constexpr size_t kContextFields[] = {3, 4, 7};
+// The layer field the context's keys read too (k_norm): forward() reads it twice, once for the
+// block's keys and once for the context's. (k_proj and v_proj serve both as well, but inside
+// one linear_group, which sums their two gradients in its GEMMs.)
+constexpr size_t kContextKNorm = 7;
 
 bool read_twice_in_forward(size_t i, size_t num_layers) {
-  if (i < 2 || i >= 2 + num_layers * kPerLayer) return false;
-  const size_t field = (i - 2) % kPerLayer;
-  return std::find(std::begin(kContextFields), std::end(kContextFields), field) !=
-         std::end(kContextFields);
+  return i >= 2 && i < 2 + num_layers * kPerLayer && (i - 2) % kPerLayer == kContextKNorm;
 }
 
 // A compute copy read in the forward: its gradient reaches the fp32 master as Tensor::to's does.
@@ -629,8 +635,8 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
                 : kernels::cudnn_attention_available() ? DrafterAttention::kGatheredCudnnShared
                                                        : DrafterAttention::kGathered;
   }
-  // A weight used twice (kContextFields serve the block and the context) is read twice, so that
-  // its two gradients reach the fp32 master separately, as two casts did.
+  // A weight used twice (k_norm serves the block and the context) is read twice, so that its
+  // two gradients reach the fp32 master separately, as two casts did.
   auto weight = [&](size_t i) { return compute_weight(i, dtype); };
   auto ctx = fused_context(config_, features, weight(0), weight(1), dtype);
   // The embedding is frozen: at::embedding of a tensor without requires_grad records nothing.
@@ -646,6 +652,7 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
   std::optional<kernels::PrefixGatherPlan> gathered;
   std::optional<PrefixAttentionPlan> in_place;
   const bool cudnn = attention == DrafterAttention::kGatheredCudnnShared ||
+                     attention == DrafterAttention::kGatheredCudnnSharedForward ||
                      attention == DrafterAttention::kGatheredCudnn;
   if (attention == DrafterAttention::kGathered || cudnn) {
     const bool flash = device.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
@@ -653,12 +660,15 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
       in_place = PrefixAttentionPlan::build(batch.lengths, layout.sequence, layout.anchor,
                                             layout.block_size, device);
       if (cudnn) {
-        const bool tails = attention == DrafterAttention::kGatheredCudnn;
-        in_place->set_backward(
-            {BackwardKernel::kCudnn, tails ? BackwardKernel::kCudnn : BackwardKernel::kFlash});
+        auto use = [](bool cudnn) {
+          return cudnn ? AttentionKernel::kCudnn : AttentionKernel::kFlash;
+        };
+        in_place->set_kernels({AttentionKernel::kCudnn,
+                               use(attention == DrafterAttention::kGatheredCudnn),
+                               use(attention == DrafterAttention::kGatheredCudnnSharedForward)});
       }
     } else if (cudnn) {
-      fail("drafter: the cuDNN attention backward needs CUDA bf16/fp16, got {} {}", device.str(),
+      fail("drafter: the cuDNN attention needs CUDA bf16/fp16, got {} {}", device.str(),
            c10::toString(dtype));
     } else {
       gathered = kernels::PrefixGatherPlan::build(batch.lengths, layout.sequence, layout.anchor,
@@ -675,21 +685,16 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
                             &layer.gate_proj,  &layer.up_proj,
                             &layer.down_proj};
     for (size_t f = 0; f < kPerLayer; ++f) *fields[f] = weight(first + f);
-    DrafterLayerWeights context_layer;
-    at::Tensor* context_fields[] = {&context_layer.k_proj, &context_layer.v_proj,
-                                    &context_layer.k_norm};
-    for (size_t f = 0; f < std::size(kContextFields); ++f) {
-      *context_fields[f] = weight(first + kContextFields[f]);
-    }
+    const at::Tensor context_k_norm = weight(first + kContextKNorm);
     const bool predictions = rows == BlockRows::kPredictions && l + 1 == layers_.size();
-    stream = layer_forward(layer, context_layer, stream, l == 0 ? distinct : at::Tensor(),
+    stream = layer_forward(layer, context_k_norm, stream, l == 0 ? distinct : at::Tensor(),
                            predictions, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch, layout,
                            dtype, gathered ? &*gathered : nullptr, in_place ? &*in_place : nullptr);
   }
   return add_and_norm(stream, weight(named_.size() - 1), config_.layers.rms_norm_eps).second;
 }
 
-Residual Drafter::layer_forward(const DrafterLayerWeights& w, const DrafterLayerWeights& context_w,
+Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& context_k_norm,
                                 const Residual& input, const at::Tensor& distinct, bool predictions,
                                 const at::Tensor& ctx, const at::Tensor& ctx_cos,
                                 const at::Tensor& ctx_sin, const at::Tensor& blk_cos,
@@ -704,20 +709,13 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const DrafterLayer
   // predicting rows needs neither its query nor anything after attention.
   const int64_t qb = predictions ? bs - 1 : bs;
   at::Tensor x, h;
-  Projection project;
   if (distinct.defined()) {
     // First layer: its norm and projections over the distinct rows (1/B of the rows), the
     // products spread to the blocks. Exact: equal rows have equal products.
     x = input.x;
     h = rms_norm(distinct, w.input_norm.to(dtype), c.rms_norm_eps);
-    project = [&](const at::Tensor& weight, bool queries) {
-      return spread_to_blocks(at::linear(h, weight), n, bs, queries && predictions);
-    };
   } else {
     std::tie(x, h) = add_and_norm(input, w.input_norm.to(dtype), c.rms_norm_eps);
-    project = [&](const at::Tensor& weight, bool queries) {
-      return at::linear(queries && predictions ? prediction_rows(h, n, bs) : h, weight);
-    };
   }
   if (predictions) x = prediction_rows(x, n, bs);
   const int64_t rows = x.size(0);
@@ -735,8 +733,27 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const DrafterLayer
   }
   const at::Tensor q_cos = predictions ? prediction_rows(blk_cos, n, bs) : blk_cos;
   const at::Tensor q_sin = predictions ? prediction_rows(blk_sin, n, bs) : blk_sin;
-  auto [q, k_blk, v_blk] = block_qkv(wp, c, project, q_cos, q_sin, blk_cos, blk_sin, dtype);
-  auto [k_ctx, v_ctx] = context_kv(context_w, c, ctx, ctx_cos, ctx_sin, dtype);
+  // The five products of the attention inputs (q, the block's k/v, the context's k/v) as one
+  // node: h's three gradients and each of k_proj/v_proj's two are summed in the GEMMs.
+  std::vector<at::Tensor> inputs = {h, ctx};
+  int64_t q_input = 0;
+  if (predictions && !distinct.defined()) {
+    inputs.push_back(prediction_rows(h, n, bs));
+    q_input = 2;
+  }
+  auto p = linear_group(inputs, {wp.q_proj.to(dtype), w.k_proj.to(dtype), w.v_proj.to(dtype)},
+                        {{q_input, 0}, {0, 1}, {0, 2}, {1, 1}, {1, 2}});
+  if (distinct.defined()) {
+    p[0] = spread_to_blocks(p[0], n, bs, predictions);
+    for (int i : {1, 2}) p[i] = spread_to_blocks(p[i], n, bs, /*predictions=*/false);
+  }
+  auto [q, k_blk, v_blk] =
+      norm_and_rotate(wp, c, p[0], p[1], p[2], q_cos, q_sin, blk_cos, blk_sin, dtype);
+  DrafterLayerWeights context_w;
+  context_w.k_norm = context_k_norm;
+  const auto context =
+      norm_and_rotate(context_w, c, at::Tensor(), p[3], p[4], {}, {}, ctx_cos, ctx_sin, dtype);
+  const at::Tensor &k_ctx = context.k, &v_ctx = context.v;
 
   at::Tensor attn;  // [rows, Hq, D], heads in wp's order
   if (!sparse) {
@@ -890,9 +907,7 @@ at::Tensor DraftModel::hidden(KVCache& cache, const std::vector<int64_t>& slots,
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& w = layers_[l];
     auto [x, h] = add_and_norm(stream, w.input_norm.to(dtype_), c.rms_norm_eps);
-    auto [q, k, v] = block_qkv(
-        w, c, [&](const at::Tensor& weight, bool) { return at::linear(h, weight); }, cos, sin, cos,
-        sin, dtype_);
+    auto [q, k, v] = block_qkv(w, c, h, cos, sin, dtype_);
     cache.update(static_cast<int64_t>(l), batch.rows, k, v);
     auto attn = cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
     stream = layer_output(w, c, x, attn, dtype_);

@@ -118,9 +118,11 @@ enum class DrafterAttention {
   // only, or over it and the blocks' tails
   kGatheredCudnnShared,
   kGatheredCudnn,
+  // kGatheredCudnnShared with the shared segments' forward through cuDNN too
+  kGatheredCudnnSharedForward,
 };
-// "auto", "dense", "gathered", "gathered-cudnn-shared" or "gathered-cudnn"; anything else fails
-// naming `what`.
+// "auto", "dense", "gathered", "gathered-cudnn-shared", "gathered-cudnn" or
+// "gathered-cudnn-shared-fwd"; anything else fails naming `what`.
 DrafterAttention parse_drafter_attention(const std::string& name, const std::string& what);
 
 // The block rows Drafter::forward returns.
@@ -197,9 +199,9 @@ class Drafter {
   // master in fp32 (a cast pass per parameter, so several backwards sum in fp32) or, with
   // `gradients_on_copies`, on the copy itself in `dtype`: the exact values of one backward
   // (the weight gradients are computed in `dtype`) with no cast pass and half the memory, for an
-  // optimizer step after a single backward (AdamW reads them there). The weights forward() reads
-  // twice (k_proj, v_proj, k_norm) keep their gradients on the masters either way, so the two
-  // parts are summed in fp32.
+  // optimizer step after a single backward (AdamW reads them there). The weight forward() reads
+  // twice (k_norm, for the block's and the context's keys) keeps its gradient on the master
+  // either way, so the two parts are summed in fp32.
   const std::vector<at::Tensor>& compute_copies(at::ScalarType dtype,
                                                 bool gradients_on_copies = false);
 
@@ -210,13 +212,14 @@ class Drafter {
   // load() to overwrite. Norms at one either way.
   void allocate(at::Device device, const std::optional<at::Generator>& gen);
   void register_parameters();
-  // `context_w`: the k_proj, v_proj and k_norm that the context's K/V use. Block-sparse attention
+  // `context_k_norm`: the k_norm the context's keys use (read apart from w.k_norm, so that its
+  // two gradients reach the master separately). Block-sparse attention
   // takes one of the two plans: `in_place` for flash, `gathered` for other dtypes and devices;
   // neither is dense attention. `distinct`, in the first layer only: the blocks + 1 distinct
   // rows of its input (each anchor's embedding, then the MASK's; input.x is them spread to the
   // blocks), which its norm and Q/K/V projections read instead of input.x. `predictions`:
   // return the rows of block positions 1..B-1 only (BlockRows::kPredictions).
-  Residual layer_forward(const DrafterLayerWeights& w, const DrafterLayerWeights& context_w,
+  Residual layer_forward(const DrafterLayerWeights& w, const at::Tensor& context_k_norm,
                          const Residual& input, const at::Tensor& distinct, bool predictions,
                          const at::Tensor& ctx, const at::Tensor& ctx_cos,
                          const at::Tensor& ctx_sin, const at::Tensor& blk_cos,

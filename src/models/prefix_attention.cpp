@@ -93,10 +93,10 @@ PrefixAttentionPlan PrefixAttentionPlan::build(const std::vector<int64_t>& lengt
   return plan;
 }
 
-void PrefixAttentionPlan::set_backward(BackwardKernels kernels) {
-  backward = kernels;
-  if (!every_group_shares) backward.shared = BackwardKernel::kFlash;
-  for (auto& chunk : chunks) chunk.set_backward(kernels);
+void PrefixAttentionPlan::set_kernels(AttentionKernels use) {
+  kernels = use;
+  if (!every_group_shares) kernels.shared = kernels.shared_forward = AttentionKernel::kFlash;
+  for (auto& chunk : chunks) chunk.set_kernels(use);
 }
 
 void PrefixAttentionPlan::save(torch::autograd::AutogradContext* ctx,
@@ -108,8 +108,10 @@ void PrefixAttentionPlan::save(torch::autograd::AutogradContext* ctx,
   ctx->saved_data[prefix + "blocks"] = blocks;
   ctx->saved_data[prefix + "max_group_blocks"] = max_group_blocks;
   ctx->saved_data[prefix + "first_block"] = first_block;
-  ctx->saved_data[prefix + "cudnn_shared"] = backward.shared == BackwardKernel::kCudnn;
-  ctx->saved_data[prefix + "cudnn_tail"] = backward.tail == BackwardKernel::kCudnn;
+  ctx->saved_data[prefix + "cudnn_shared"] = kernels.shared == AttentionKernel::kCudnn;
+  ctx->saved_data[prefix + "cudnn_tail"] = kernels.tail == AttentionKernel::kCudnn;
+  ctx->saved_data[prefix + "cudnn_shared_forward"] =
+      kernels.shared_forward == AttentionKernel::kCudnn;
   ctx->saved_data[prefix + "chunks"] = static_cast<int64_t>(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i)
     chunks[i].save(ctx, fmt::format("{}chunk{}.", prefix, i));
@@ -126,10 +128,10 @@ PrefixAttentionPlan PrefixAttentionPlan::saved(torch::autograd::AutogradContext*
   plan.max_group_blocks = ctx->saved_data[prefix + "max_group_blocks"].toInt();
   plan.first_block = ctx->saved_data[prefix + "first_block"].toInt();
   auto kernel = [&](const char* name) {
-    return ctx->saved_data[prefix + name].toBool() ? BackwardKernel::kCudnn
-                                                   : BackwardKernel::kFlash;
+    return ctx->saved_data[prefix + name].toBool() ? AttentionKernel::kCudnn
+                                                   : AttentionKernel::kFlash;
   };
-  plan.backward = {kernel("cudnn_shared"), kernel("cudnn_tail")};
+  plan.kernels = {kernel("cudnn_shared"), kernel("cudnn_tail"), kernel("cudnn_shared_forward")};
   const int64_t chunks = ctx->saved_data[prefix + "chunks"].toInt();
   for (int64_t i = 0; i < chunks; ++i) {
     plan.chunks.push_back(saved(ctx, fmt::format("{}chunk{}.", prefix, i)));
@@ -154,15 +156,26 @@ at::Tensor gather(const at::Tensor& rows, const kernels::PrefixGatherPlan& plan)
 // [context_start[g], context_start[g] + s_g) of k_ctx. FA2's varlen kernel reads a segment's
 // keys from cu_seqlens_k[g] for seqused_k[g] rows and never looks at cu_seqlens_k[g + 1], so the
 // segments may overlap.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shared_forward(
-    const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx,
-    const PrefixAttentionPlan& plan) {
+// cuDNN's forward reads the same in-place segments (its ragged key offsets may overlap too) and
+// returns flash's layouts. Returns {out, lse} either way.
+std::pair<at::Tensor, at::Tensor> shared_forward(const at::Tensor& q, const at::Tensor& k_ctx,
+                                                 const at::Tensor& v_ctx,
+                                                 const PrefixAttentionPlan& plan) {
   const int64_t q_rows = q.size(0) / plan.blocks;
-  return at::_flash_attention_forward(
-      q, k_ctx, v_ctx, plan.cu_group_blocks * q_rows, plan.shared.context_start,
-      plan.max_group_blocks * q_rows, plan.shared.max_context, 0.0, /*is_causal=*/false,
-      /*return_debug_mask=*/false, std::optional<double>(), std::optional<int64_t>(),
-      std::optional<int64_t>(), std::optional<at::Tensor>(plan.shared.context_length));
+  const auto cu_q = plan.cu_group_blocks * q_rows;
+  const int64_t max_q = plan.max_group_blocks * q_rows;
+  if (plan.kernels.shared_forward == AttentionKernel::kCudnn) {
+    auto r = kernels::cudnn_varlen_attention_forward(
+        q, k_ctx, v_ctx, cu_q, plan.shared.context_start, plan.shared.context_length, max_q,
+        plan.shared.max_context, 1.0 / std::sqrt(static_cast<double>(q.size(2))));
+    return {std::move(r.out), std::move(r.lse)};
+  }
+  auto r = at::_flash_attention_forward(
+      q, k_ctx, v_ctx, cu_q, plan.shared.context_start, max_q, plan.shared.max_context, 0.0,
+      /*is_causal=*/false, /*return_debug_mask=*/false, std::optional<double>(),
+      std::optional<int64_t>(), std::optional<int64_t>(),
+      std::optional<at::Tensor>(plan.shared.context_length));
+  return {std::move(std::get<0>(r)), std::move(std::get<1>(r))};
 }
 
 kernels::TailAttentionBlocks tail_blocks(const kernels::PrefixGatherPlan& tail) {
@@ -179,8 +192,7 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
     if (kernels::tail_attention_fits(q, q_rows, tail.max_keys)) {
       at::Tensor out_shared, lse_shared;
       if (plan.shared.max_context > 0) {
-        std::tie(out_shared, lse_shared, rng_state, unused, std::ignore) =
-            shared_forward(q, k_ctx, v_ctx, plan);
+        std::tie(out_shared, lse_shared) = shared_forward(q, k_ctx, v_ctx, plan);
       }
       std::tie(out, lse) =
           kernels::tail_attention_forward(q, k_ctx, v_ctx, k_blk, v_blk, tail_blocks(tail),
@@ -192,9 +204,9 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
           tail.cu_keys, q_rows, tail.max_keys, 0.0, /*is_causal=*/false,
           /*return_debug_mask=*/false);
       if (plan.shared.max_context > 0) {
-        auto part = shared_forward(q, k_ctx, v_ctx, plan);
-        std::tie(out, lse) = kernels::attention_merge(std::get<0>(part), std::get<1>(part),
-                                                      plan.shared_length, out, lse);
+        auto [out_shared, lse_shared] = shared_forward(q, k_ctx, v_ctx, plan);
+        std::tie(out, lse) =
+            kernels::attention_merge(out_shared, lse_shared, plan.shared_length, out, lse);
       }
     }
     ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, out, lse, rng_state, unused});
@@ -229,11 +241,11 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
       // softmax scale flash defaults to); the gathered keys live only in here.
       auto backward_over = [&](const at::Tensor& block_k, const at::Tensor& block_v,
                                const kernels::PrefixGatherPlan& split, const at::Tensor& cu_q,
-                               int64_t max_q, BackwardKernel kernel) {
+                               int64_t max_q, AttentionKernel kernel) {
         auto keys = [&](const at::Tensor& c, const at::Tensor& b) {
           return gather(b.defined() ? at::cat({c, b}) : c, split);
         };
-        if (kernel == BackwardKernel::kCudnn) {
+        if (kernel == AttentionKernel::kCudnn) {
           auto g = kernels::cudnn_varlen_attention_backward(
               rows(grads[0]), rows(q), keys(k_ctx, block_k), keys(v_ctx, block_v), rows(out),
               lse_part, cu_q, split.cu_keys, max_q, split.max_keys,
@@ -260,14 +272,14 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
       if (part->shared.max_context > 0) {
         auto [dq_s, dk_shared, dv_shared] =
             backward_over(at::Tensor(), at::Tensor(), part->shared, part->cu_group_blocks * q_rows,
-                          part->max_group_blocks * q_rows, part->backward.shared);
+                          part->max_group_blocks * q_rows, part->kernels.shared);
         dq_shared = std::move(dq_s);
         add_rows(std::move(dk_shared), part->shared, dk_ctx, nullptr);
         add_rows(std::move(dv_shared), part->shared, dv_ctx, nullptr);
       }
       auto [dq_tail, dk, dv] = backward_over(
           block_k, block_v, part->tail, at::arange(n + 1, part->tail.cu_keys.options()) * q_rows,
-          q_rows, part->backward.tail);
+          q_rows, part->kernels.tail);
       add_rows(std::move(dk), part->tail, dk_ctx, &dk_blk);
       add_rows(std::move(dv), part->tail, dv_ctx, &dv_blk);
       dq_part = dq_shared.defined() ? dq_tail.add_(dq_shared) : dq_tail;

@@ -26,12 +26,15 @@
 
 namespace dflash::models {
 
-// What runs each part of the backward: ATen's FlashAttention-2, or cuDNN's fused attention
+// What runs a part of the attention: ATen's FlashAttention-2, or cuDNN's fused attention
 // (kernels/cudnn_attention), which takes the same inputs.
-enum class BackwardKernel { kFlash, kCudnn };
-struct BackwardKernels {
-  BackwardKernel shared = BackwardKernel::kFlash;
-  BackwardKernel tail = BackwardKernel::kFlash;
+enum class AttentionKernel { kFlash, kCudnn };
+struct AttentionKernels {
+  AttentionKernel shared = AttentionKernel::kFlash;  // the shared segments' backward
+  AttentionKernel tail = AttentionKernel::kFlash;    // the tails' backward
+  // The shared segments' forward (the tails' forward is kernels::tail_attention's where it
+  // fits, else flash's).
+  AttentionKernel shared_forward = AttentionKernel::kFlash;
 };
 
 struct PrefixAttentionPlan {
@@ -50,10 +53,10 @@ struct PrefixAttentionPlan {
   int64_t blocks = 0;
   int64_t max_group_blocks = 0;
   int64_t first_block = 0;  // a chunk's first block among the whole plan's blocks
-  BackwardKernels backward;
+  AttentionKernels kernels;
   // Every group has shared keys (s > 0): a segment of zero keys is flash's documented case,
-  // not cuDNN's, so only such a plan runs its shared backward through cuDNN. (A tail always
-  // holds its block's B keys.)
+  // not cuDNN's, so only such a plan runs its shared part through cuDNN. (A tail always holds
+  // its block's B keys.)
   bool every_group_shares = false;
   // Plans of consecutive runs of groups of at most chunk_keys gathered rows each (a bigger
   // group is a run of its own); empty when one run holds them all.
@@ -67,9 +70,10 @@ struct PrefixAttentionPlan {
                                    at::Device device, int64_t max_tail_context = kMaxTailContext,
                                    int64_t chunk_keys = kChunkKeys);
 
-  // This plan's and its chunks' backward kernels; a plan (or chunk) where not every group
-  // shares keeps flash for its shared part.
-  void set_backward(BackwardKernels kernels);
+  // This plan's and its chunks' kernels; a plan (or chunk) where not every group shares keeps
+  // flash for its shared part (the forward runs over the whole plan, the backward a chunk at a
+  // time).
+  void set_kernels(AttentionKernels use);
 
   // Into and out of an autograd context, as kernels::PrefixGatherPlan (chunks included).
   void save(torch::autograd::AutogradContext* ctx, const std::string& prefix = "plan.") const;

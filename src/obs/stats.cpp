@@ -50,23 +50,48 @@ std::vector<double> time_steps(at::Device device, int warmup, int iters,
   return times;
 }
 
+std::vector<std::vector<double>> time_queued_phases(
+    at::Device device, int warmup, int iters, const std::vector<std::function<void()>>& phases) {
+  auto all = [&] {
+    for (const auto& phase : phases) phase();
+  };
+  for (int i = 0; i < warmup; ++i) all();
+  synchronize(device);
+  std::vector<std::vector<double>> times(phases.size());
+  if (!device.is_cuda()) {
+    for (int i = 0; i < iters; ++i) {
+      for (size_t p = 0; p < phases.size(); ++p) {
+        times[p].push_back(time_steps(device, 0, 1, phases[p]).front());
+      }
+    }
+    return times;
+  }
+  // events[i * n + p + 1] closes phase p of step i; events[0] opens the first.
+  const size_t n = phases.size();
+  std::vector<at::cuda::CUDAEvent> events;
+  events.reserve(iters * n + 1);
+  for (size_t i = 0; i <= iters * n; ++i) events.emplace_back(cudaEventDefault);  // timed
+  events[0].record();
+  for (int i = 0; i < iters; ++i) {
+    for (size_t p = 0; p < n; ++p) {
+      phases[p]();
+      events[i * n + p + 1].record();
+    }
+  }
+  synchronize(device);
+  for (int i = 0; i < iters; ++i) {
+    for (size_t p = 0; p < n; ++p) {
+      const size_t e = i * n + p;
+      times[p].push_back(events[e].elapsed_time(events[e + 1]) / 1e3);
+    }
+  }
+  return times;
+}
+
 std::vector<double> time_queued_steps(at::Device device, int warmup, int iters,
                                       const std::function<void()>& step) {
   if (!device.is_cuda()) return time_steps(device, warmup, iters, step);
-  for (int i = 0; i < warmup; ++i) step();
-  synchronize(device);
-  std::vector<at::cuda::CUDAEvent> events;
-  events.reserve(iters + 1);
-  for (int i = 0; i <= iters; ++i) events.emplace_back(cudaEventDefault);  // timing enabled
-  events[0].record();
-  for (int i = 0; i < iters; ++i) {
-    step();
-    events[i + 1].record();
-  }
-  synchronize(device);
-  std::vector<double> times;
-  for (int i = 0; i < iters; ++i) times.push_back(events[i].elapsed_time(events[i + 1]) / 1e3);
-  return times;
+  return time_queued_phases(device, warmup, iters, {step}).front();
 }
 
 }  // namespace dflash::obs

@@ -31,4 +31,11 @@ std::vector<double> time_steps(at::Device device, int warmup, int iters,
 std::vector<double> time_queued_steps(at::Device device, int warmup, int iters,
                                       const std::function<void()>& step);
 
+// As time_queued_steps for a step made of phases run in order (a prefill, then the drafter step
+// on its features): times[p][i] is phase p of step i, events recorded between the phases, so
+// the phases' times add up to the steps' and show which phase a queued step spends its time in.
+// Elsewhere each phase is synchronized and timed on the host.
+std::vector<std::vector<double>> time_queued_phases(
+    at::Device device, int warmup, int iters, const std::vector<std::function<void()>>& phases);
+
 }  // namespace dflash::obs

@@ -48,7 +48,8 @@ const std::vector<ConfigKey>& config_keys() {
        "the drafter's block attention: auto (gathered-cudnn-shared on CUDA bf16/fp16 where "
        "cuDNN opens, dense otherwise), dense, gathered (flash's backward throughout), "
        "gathered-cudnn-shared (the shared context's attention backward through "
-       "cuDNN) or gathered-cudnn (the tails' too)"},
+       "cuDNN), gathered-cudnn-shared-fwd (its forward too) or gathered-cudnn (the tails' "
+       "backward too)"},
       {"mask_token_id", &RunConfig::mask_token_id,
        "MASK token (default: 151669 if inside the vocabulary, else the last id)"},
       {"init_from", &RunConfig::init_from,

@@ -1,7 +1,9 @@
 // kernels/cudnn_attention: cuDNN's varlen attention backward against autograd through the
 // definition in fp64 (the oracle) and against flash's backward on the same inputs, for ragged
 // sequence lengths (queries and keys of different counts, keys past the last segment that
-// must not be read), GQA and head dims 64 and 128. GPU only.
+// must not be read), GQA and head dims 64 and 128; its forward against the definition and
+// flash's forward over key segments read in place that overlap (the drafter's shared segments:
+// every group of a sequence reads a prefix of its rows). GPU only.
 #include "kernels/cudnn_attention.h"
 
 #include <ATen/ATen.h>
@@ -101,6 +103,90 @@ INSTANTIATE_TEST_SUITE_P(
         VarlenCase{"ragged_d64", {192, 64, 320}, {300, 17, 129}, 2, 2, 64},
         VarlenCase{"gqa_d128", {100, 37}, {250, 64}, 4, 2, 128},
         VarlenCase{"one_sequence_d128", {1024}, {2048}, 2, 2, 128}),
+    [](const auto& info) { return info.param.name; });
+
+struct InPlaceCase {
+  std::string name;
+  std::vector<int64_t> q_lengths, k_starts, k_lengths;
+  int64_t heads, kv_heads, head_dim, key_rows;
+};
+
+void PrintTo(const InPlaceCase& c, std::ostream* os) { *os << c.name; }
+
+class CudnnAttentionForwardGpu : public ::testing::TestWithParam<InPlaceCase> {};
+
+TEST_P(CudnnAttentionForwardGpu, OverlappingSegmentsMatchTheDefinitionAndFlash) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(kernels::cudnn_attention_available()) << "a GPU without a loadable cuDNN 9";
+  const InPlaceCase c = GetParam();
+  const int64_t h = c.heads, hk = c.kv_heads, d = c.head_dim, b = c.q_lengths.size();
+  int64_t tq = 0, max_q = 0, max_k = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    tq += c.q_lengths[i];
+    max_q = std::max(max_q, c.q_lengths[i]);
+    max_k = std::max(max_k, c.k_lengths[i]);
+  }
+  at::manual_seed(8);
+  auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  auto q = at::randn({tq, h, d}, bf16);
+  auto k = at::randn({c.key_rows, hk, d}, bf16), v = at::randn({c.key_rows, hk, d}, bf16);
+  auto cu_q = cumulative(c.q_lengths);
+  std::vector<int32_t> starts(c.k_starts.begin(), c.k_starts.end());
+  starts.push_back(static_cast<int32_t>(c.key_rows));
+  std::vector<int32_t> lengths(c.k_lengths.begin(), c.k_lengths.end());
+  auto k_start = at::tensor(starts, at::kInt).cuda(), k_len = at::tensor(lengths, at::kInt).cuda();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  auto got =
+      kernels::cudnn_varlen_attention_forward(q, k, v, cu_q, k_start, k_len, max_q, max_k, scale);
+  // Flash reads segment i from k_start[i] for seqused_k[i] rows, as the drafter calls it.
+  auto flash = at::_flash_attention_forward(
+      q, k, v, cu_q, k_start, max_q, max_k, 0.0, /*is_causal=*/false,
+      /*return_debug_mask=*/false, std::optional<double>(), std::optional<int64_t>(),
+      std::optional<int64_t>(), std::optional<at::Tensor>(k_len));
+  // The definition in fp64 from the same bf16 values: out and the natural log-sum-exp.
+  auto q64 = q.to(at::kCPU, at::kDouble), k64 = k.to(at::kCPU, at::kDouble),
+       v64 = v.to(at::kCPU, at::kDouble);
+  std::vector<at::Tensor> outs, lses;
+  int64_t q0 = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t nq = c.q_lengths[i], k0 = c.k_starts[i], nk = c.k_lengths[i];
+    auto qi = q64.narrow(0, q0, nq).transpose(0, 1);                               // [h, nq, d]
+    auto ki = k64.narrow(0, k0, nk).transpose(0, 1).repeat_interleave(h / hk, 0);  // [h, nk, d]
+    auto vi = v64.narrow(0, k0, nk).transpose(0, 1).repeat_interleave(h / hk, 0);
+    auto s = at::matmul(qi, ki.transpose(1, 2)) * scale;
+    outs.push_back(at::matmul(at::softmax(s, -1), vi).transpose(0, 1));
+    lses.push_back(at::logsumexp(s, -1));  // [h, nq]
+    q0 += nq;
+  }
+  const auto want_out = at::cat(outs), want_lse = at::cat(lses, 1);
+  ASSERT_EQ(got.out.sizes(), q.sizes());
+  ASSERT_EQ(got.lse.sizes(), (at::IntArrayRef{h, tq}));
+  const double err = relative_error(got.out, want_out);
+  const double err_flash = relative_error(std::get<0>(flash), want_out);
+  EXPECT_LE(err, 1.5 * err_flash + 2e-3) << "flash: " << err_flash;
+  EXPECT_LE(err, 1e-2);
+  // fp32 statistics: close to the definition's and to flash's.
+  EXPECT_LE((got.lse.cpu().to(at::kDouble) - want_lse).abs().max().item<double>(), 1e-3);
+  EXPECT_LE((got.lse - std::get<1>(flash)).abs().max().item<float>(), 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudnnAttentionForwardGpu,
+    ::testing::Values(
+        // Three groups of one 700-row sequence, each over a prefix; then a second sequence.
+        InPlaceCase{"prefixes_d128",
+                    {192, 64, 320, 128},
+                    {0, 0, 0, 700},
+                    {300, 17, 650, 90},
+                    2,
+                    2,
+                    128,
+                    800},
+        InPlaceCase{
+            "prefixes_d64", {192, 64, 320, 128}, {0, 0, 0, 700}, {300, 17, 650, 90}, 2, 2, 64, 800},
+        // Segments out of order and overlapping anywhere, GQA.
+        InPlaceCase{
+            "overlapping_gqa_d128", {100, 37, 64}, {40, 0, 10}, {250, 64, 500}, 4, 2, 128, 520}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -72,7 +72,16 @@ INSTANTIATE_TEST_SUITE_P(
 // The default bf16 step (auto: cuDNN's backward over the shared segments, flash's over the
 // tails) on anchors where every group has shared keys, against the fp32 gathered step on the
 // same anchors (itself within 1e-4 of the reference above), within the bf16 tolerances.
-TEST(DrafterGpuCudnn, SharedBackwardStepMatchesFp32) {
+struct CudnnCase {
+  std::string name;
+  DrafterAttention attention;
+};
+
+void PrintTo(const CudnnCase& c, std::ostream* os) { *os << c.name; }
+
+class DrafterGpuCudnn : public ::testing::TestWithParam<CudnnCase> {};
+
+TEST_P(DrafterGpuCudnn, SharedSegmentsStepMatchesFp32) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(kernels::cudnn_attention_available());
   DflashCase c("untied", at::kCUDA);
@@ -102,7 +111,7 @@ TEST(DrafterGpuCudnn, SharedBackwardStepMatchesFp32) {
     return std::pair{r.weighted_ce.item<double>() / r.weight_sum, grads};
   };
   auto [want_loss, want] = step(at::kFloat, DrafterAttention::kGathered);
-  auto [loss, got] = step(at::kBFloat16, DrafterAttention::kAuto);
+  auto [loss, got] = step(at::kBFloat16, GetParam().attention);
   EXPECT_NEAR(loss, want_loss, 2e-2 * std::abs(want_loss));
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i) {
@@ -110,6 +119,14 @@ TEST(DrafterGpuCudnn, SharedBackwardStepMatchesFp32) {
     EXPECT_CLOSE(got[i], want[i], 5e-2);
   }
 }
+
+// The default (cuDNN's shared backward), and the shared forward through cuDNN too.
+INSTANTIATE_TEST_SUITE_P(
+    Attention, DrafterGpuCudnn,
+    ::testing::Values(CudnnCase{"auto", DrafterAttention::kAuto},
+                      CudnnCase{"cudnn_shared_forward",
+                                DrafterAttention::kGatheredCudnnSharedForward}),
+    [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace dflash

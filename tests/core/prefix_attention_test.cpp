@@ -127,26 +127,27 @@ TEST(PrefixAttentionPlan, ChunksAreRunsOfGroupsWithTheWholePlansSegments) {
   EXPECT_EQ(group + 1, cu.size());
 }
 
-// cuDNN takes a plan's (or chunk's) shared backward only where every group has shared keys;
-// the tails may always go to it.
+// cuDNN takes a plan's (or chunk's) shared backward, and a plan's shared forward, only where
+// every group has shared keys; the tails may always go to it.
 TEST(PrefixAttentionPlan, CudnnSharedBackwardOnlyWhereEveryGroupShares) {
-  using models::BackwardKernel;
+  using models::AttentionKernel;
   const int64_t bs = 4;
   // kAnchors has anchors at a sequence's first row (groups of no shared keys).
   auto plan = models::PrefixAttentionPlan::build(kLengths, kSequence, kAnchors, bs, at::kCPU, 10,
                                                  /*chunk_keys=*/300);
   ASSERT_GE(plan.chunks.size(), 3u);
   EXPECT_FALSE(plan.every_group_shares);
-  plan.set_backward({BackwardKernel::kCudnn, BackwardKernel::kCudnn});
-  EXPECT_EQ(plan.backward.shared, BackwardKernel::kFlash);
-  EXPECT_EQ(plan.backward.tail, BackwardKernel::kCudnn);
+  plan.set_kernels({AttentionKernel::kCudnn, AttentionKernel::kCudnn, AttentionKernel::kCudnn});
+  EXPECT_EQ(plan.kernels.shared, AttentionKernel::kFlash);
+  EXPECT_EQ(plan.kernels.shared_forward, AttentionKernel::kFlash);  // the whole plan's groups
+  EXPECT_EQ(plan.kernels.tail, AttentionKernel::kCudnn);
   int cudnn_chunks = 0;
   for (const auto& chunk : plan.chunks) {
     // A chunk decides by its own groups.
-    EXPECT_EQ(chunk.backward.shared,
-              chunk.every_group_shares ? BackwardKernel::kCudnn : BackwardKernel::kFlash);
-    EXPECT_EQ(chunk.backward.tail, BackwardKernel::kCudnn);
-    cudnn_chunks += chunk.backward.shared == BackwardKernel::kCudnn;
+    EXPECT_EQ(chunk.kernels.shared,
+              chunk.every_group_shares ? AttentionKernel::kCudnn : AttentionKernel::kFlash);
+    EXPECT_EQ(chunk.kernels.tail, AttentionKernel::kCudnn);
+    cudnn_chunks += chunk.kernels.shared == AttentionKernel::kCudnn;
   }
   EXPECT_GT(cudnn_chunks, 0);
   EXPECT_LT(cudnn_chunks, static_cast<int>(plan.chunks.size()));
@@ -155,9 +156,10 @@ TEST(PrefixAttentionPlan, CudnnSharedBackwardOnlyWhereEveryGroupShares) {
   for (auto& a : shifted) a = std::max<int64_t>(a, 1);
   auto all = models::PrefixAttentionPlan::build(kLengths, kSequence, shifted, bs, at::kCPU, 10);
   EXPECT_TRUE(all.every_group_shares);
-  all.set_backward({BackwardKernel::kCudnn, BackwardKernel::kFlash});
-  EXPECT_EQ(all.backward.shared, BackwardKernel::kCudnn);
-  EXPECT_EQ(all.backward.tail, BackwardKernel::kFlash);
+  all.set_kernels({AttentionKernel::kCudnn, AttentionKernel::kFlash, AttentionKernel::kCudnn});
+  EXPECT_EQ(all.kernels.shared, AttentionKernel::kCudnn);
+  EXPECT_EQ(all.kernels.shared_forward, AttentionKernel::kCudnn);
+  EXPECT_EQ(all.kernels.tail, AttentionKernel::kFlash);
 }
 
 // Parts of a merge: per block, q against its context keys (none for block 1: what flash writes
@@ -302,7 +304,7 @@ double worst_block_error(const at::Tensor& actual, const at::Tensor& expected, i
 
 // The plans (default groups, small groups, chunked) with `kernels` in their backward, against
 // the per-block gathered flash path and the fp64 definition.
-void check_layout(const GpuCase& c, models::BackwardKernels kernels) {
+void check_layout(const GpuCase& c, models::AttentionKernels kernels) {
   const int64_t kv_heads = 2, groups = 4, bs = 16, d = c.head_dim;
   const int64_t n = static_cast<int64_t>(c.anchors.size()), q_rows = groups * c.query_positions;
   at::Device cuda(at::kCUDA);
@@ -314,7 +316,7 @@ void check_layout(const GpuCase& c, models::BackwardKernels kernels) {
   auto dout = at::randn({n * q_rows, kv_heads, d});
 
   auto with = [&](models::PrefixAttentionPlan p) {
-    p.set_backward(kernels);
+    p.set_kernels(kernels);
     return run(in, dout, at::kBFloat16, cuda, [&](const Inputs& x) {
       return models::prefix_attention(x.q, x.k_ctx, x.v_ctx, x.k_blk, x.v_blk, p);
     });
@@ -391,10 +393,10 @@ void check_layout(const GpuCase& c, models::BackwardKernels kernels) {
   }
 }
 
-using models::BackwardKernel;
+using models::AttentionKernel;
 
 TEST_P(PrefixAttentionGpu, MatchesGatheredFlashAndReference) {
-  check_layout(GetParam(), {BackwardKernel::kFlash, BackwardKernel::kFlash});
+  check_layout(GetParam(), {AttentionKernel::kFlash, AttentionKernel::kFlash});
 }
 
 // The backward through cuDNN (kernels/cudnn_attention): the shared segments' (a plan with a
@@ -404,15 +406,29 @@ TEST_P(PrefixAttentionGpu, CudnnSharedBackwardMatchesGatheredFlashAndReference) 
   const GpuCase c = GetParam();
   if (c.name == "dense_d128_every_group_shares") {
     auto plan = models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, 16, at::kCUDA);
-    plan.set_backward({BackwardKernel::kCudnn, BackwardKernel::kFlash});
-    ASSERT_EQ(plan.backward.shared, BackwardKernel::kCudnn);
+    plan.set_kernels({AttentionKernel::kCudnn, AttentionKernel::kFlash});
+    ASSERT_EQ(plan.kernels.shared, AttentionKernel::kCudnn);
   }
-  check_layout(c, {BackwardKernel::kCudnn, BackwardKernel::kFlash});
+  check_layout(c, {AttentionKernel::kCudnn, AttentionKernel::kFlash});
+}
+
+// The shared segments through cuDNN both ways: its forward reads them in place, overlapping.
+TEST_P(PrefixAttentionGpu, CudnnSharedForwardMatchesGatheredFlashAndReference) {
+  ASSERT_TRUE(kernels::cudnn_attention_available());
+  const GpuCase c = GetParam();
+  const models::AttentionKernels kernels{AttentionKernel::kCudnn, AttentionKernel::kFlash,
+                                         AttentionKernel::kCudnn};
+  if (c.name == "dense_d128_every_group_shares") {
+    auto plan = models::PrefixAttentionPlan::build(c.lengths, c.sequence, c.anchors, 16, at::kCUDA);
+    plan.set_kernels(kernels);
+    ASSERT_EQ(plan.kernels.shared_forward, AttentionKernel::kCudnn);
+  }
+  check_layout(c, kernels);
 }
 
 TEST_P(PrefixAttentionGpu, CudnnBackwardMatchesGatheredFlashAndReference) {
   ASSERT_TRUE(kernels::cudnn_attention_available());
-  check_layout(GetParam(), {BackwardKernel::kCudnn, BackwardKernel::kCudnn});
+  check_layout(GetParam(), {AttentionKernel::kCudnn, AttentionKernel::kCudnn});
 }
 
 GpuCase dense_case() {
