@@ -243,7 +243,10 @@ if has levers; then
   smi=$!
   for attention in ${ATTENTIONS:-gathered-cudnn-shared gathered-cudnn-shared-fwd}; do
     "$dflash" bench-drafter --device cuda --attention $attention \
-      --json "$out/bench_drafter_$attention.json" 2>&1 | tail -7 | tee -a "$out/bench_drafter_levers.txt"
+      --json "$out/bench_drafter_$attention.json" --profile "$out/drafter_trace_$attention.json" \
+      2>&1 | tee "$out/bench_drafter_$attention.txt" | grep -A7 "^bench-drafter" \
+      | tee -a "$out/bench_drafter_levers.txt"
+    gzip -f "$out/drafter_trace_$attention.json"
   done
   kill "$smi" 2>/dev/null
   "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 3 \
