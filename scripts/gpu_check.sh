@@ -3,7 +3,7 @@
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
-# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A B")
+# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B")
 # pretrain gsm8k tokenizer moe
 # (default: the first five).
 set -uo pipefail
@@ -241,17 +241,17 @@ if has levers; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
     > "$out/clocks_levers.csv" 2>&1 &
   smi=$!
-  for attention in ${ATTENTIONS:-gathered-cudnn-shared gathered-cudnn-shared-fwd}; do
-    "$dflash" bench-drafter --device cuda --attention $attention \
-      --json "$out/bench_drafter_$attention.json" --profile "$out/drafter_trace_$attention.json" \
-      2>&1 | tee "$out/bench_drafter_$attention.txt" | grep -A7 "^bench-drafter" \
-      | tee -a "$out/bench_drafter_levers.txt"
-    gzip -f "$out/drafter_trace_$attention.json"
-  done
+  # The settings alternate in one process (3 rounds), then the first runs the rest: synced,
+  # online split into prefill and drafter, and the profiles of the drafter and online steps.
+  "$dflash" bench-drafter --device cuda --attention "${ATTENTIONS:-auto,gathered-cudnn-shared}" \
+    --json "$out/bench_drafter_levers.json" --profile "$out/drafter_trace_levers.json" 2>&1 \
+    | tee "$out/bench_drafter_levers.txt" | grep -v "^ .*\] " | head -60
+  gzip -f "$out/drafter_trace_levers.json" "$out/drafter_trace_levers.online.json"
   kill "$smi" 2>/dev/null
   "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 3 \
     --iters 10 --attention cudnn --json "$out/bench_target_levers.json" 2>&1 \
     | tee "$out/bench_target_levers.txt"
+  AB="${AB:---drafter-attention=auto|--drafter-attention=gathered-cudnn-shared}" ab_bench levers
 fi
 if has pretrain; then
   # Training the target itself on CUDA: bf16 compute over fp32 masters against transformers'

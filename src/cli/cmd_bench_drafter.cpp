@@ -111,7 +111,20 @@ void run_bench(const BenchDrafterOptions& o) {
   topt.total_steps = 1000;
   topt.step.dtype = dtype;
   topt.step.head_chunk_rows = o.head_chunk;
-  topt.step.attention = models::parse_drafter_attention(o.attention, "bench-drafter --attention");
+  // Several settings: the first runs everything below; before that all of them alternate, a
+  // block of steps each per round, so that the GPU's drift over the run (it is power-capped,
+  // its clock follows its temperature) falls on every setting alike.
+  std::vector<std::string> settings;
+  for (size_t at = 0; at <= o.attention.size();) {
+    const size_t comma = std::min(o.attention.find(',', at), o.attention.size());
+    settings.push_back(o.attention.substr(at, comma - at));
+    at = comma + 1;
+  }
+  std::vector<models::DrafterAttention> attentions;
+  for (const auto& name : settings) {
+    attentions.push_back(models::parse_drafter_attention(name, "bench-drafter --attention"));
+  }
+  topt.step.attention = attentions.front();
   train::Trainer trainer(drafter, head, topt, data);
 
   const auto& sampled = micro.blocks.layout.anchor;
@@ -136,6 +149,27 @@ void run_bench(const BenchDrafterOptions& o) {
     trainer.train_step();
     for (auto& l : trainer.take_logs(false)) last = l;
   };
+  nlohmann::json alternating = nlohmann::json::array();
+  if (attentions.size() > 1) {
+    constexpr int kRounds = 3;
+    std::vector<std::vector<double>> per(attentions.size());
+    for (int round = 0; round < kRounds; ++round) {
+      for (size_t a = 0; a < attentions.size(); ++a) {
+        trainer.set_attention(attentions[a]);
+        auto t = obs::time_queued_steps(device, o.warmup, o.iters, step);
+        per[a].insert(per[a].end(), t.begin(), t.end());
+      }
+    }
+    trainer.set_attention(attentions.front());
+    fmt::print("alternating, {} rounds of {} steps each (after {} warm-up):\n", kRounds, o.iters,
+               o.warmup);
+    for (size_t a = 0; a < attentions.size(); ++a) {
+      fmt::print("{:>28} {:>10.2f} ms median\n", settings[a], obs::median(per[a]) * 1e3);
+      alternating.push_back({{"attention", settings[a]},
+                             {"median_ms", obs::median(per[a]) * 1e3},
+                             {"times_s", per[a]}});
+    }
+  }
   // Queued back to back as `dflash train` runs its steps (no drain between them).
   auto times = obs::time_queued_steps(device, o.warmup, o.iters, step);
   const double ms = obs::median(times) * 1e3;
@@ -186,7 +220,8 @@ void run_bench(const BenchDrafterOptions& o) {
                         {"online_times_s", online_times},
                         {"online_prefill_median_ms", online_prefill_ms},
                         {"online_drafter_median_ms", online_drafter_ms},
-                        {"loss", last.loss}};
+                        {"loss", last.loss},
+                        {"alternating", alternating}};
   if (!o.profile.empty()) {
     constexpr int kProfiledSteps = 2;
     auto p = obs::profile_device(
@@ -198,6 +233,22 @@ void run_bench(const BenchDrafterOptions& o) {
     fmt::print("profile of the drafter step (trace: {}):\n{}", o.profile,
                obs::format_profile(p, 30));
     doc["profile"] = obs::profile_json(p);
+    // The online step (prefill, then the drafter step) under the profiler: its kernels against
+    // the drafter step's alone show whether a slower online step is idle time or slower kernels.
+    const std::string online_trace =
+        std::filesystem::path(o.profile).replace_extension(".online.json").string();
+    auto po = obs::profile_device(
+        [&] {
+          for (int i = 0; i < kProfiledSteps; ++i) {
+            data.set_features(prefill());
+            step();
+          }
+          obs::synchronize(device);
+        },
+        kProfiledSteps, online_trace);
+    fmt::print("profile of the online step (trace: {}):\n{}", online_trace,
+               obs::format_profile(po, 12));
+    doc["online_profile"] = obs::profile_json(po);
   }
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
@@ -221,7 +272,9 @@ void add_bench_drafter_command(CLI::App& app) {
   cmd->add_option("--attention", o->attention,
                   "auto, dense, gathered, gathered-cudnn-shared (the shared context's "
                   "attention backward through cuDNN), gathered-cudnn-shared-fwd (its forward "
-                  "too) or gathered-cudnn (the tails' backward too)")
+                  "too) or gathered-cudnn (the tails' backward too); a comma-separated list "
+                  "alternates them first (3 rounds of --iters steps each), then runs the rest "
+                  "with the first")
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup)->capture_default_str();
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")

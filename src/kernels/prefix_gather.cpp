@@ -9,8 +9,11 @@
 
 namespace dflash::kernels {
 
+// prefix_gather.cu
 void prefix_gather_backward_cuda(const at::Tensor& grad, const PrefixGatherPlan& plan,
-                                 at::Tensor& out);  // prefix_gather.cu
+                                 at::Tensor& out);
+void prefix_gather_backward_accumulate_cuda(const at::Tensor& grad, const PrefixGatherPlan& plan,
+                                            at::Tensor& context, const at::Tensor& block);
 
 int64_t gathered_capacity(int64_t keys) {
   if (keys < 16) return keys;
@@ -116,6 +119,36 @@ at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan
   auto out = at::empty({rows, grad.size(1)}, grad.options());
   if (rows > 0 && g.size(1) > 0) prefix_gather_backward_cuda(g, plan, out);
   return out;
+}
+
+void prefix_gather_backward_accumulate(const at::Tensor& grad, const PrefixGatherPlan& plan,
+                                       at::Tensor& context, const at::Tensor& block) {
+  const int64_t width = grad.size(1), block_rows = plan.blocks * plan.block_size;
+  if (grad.dim() != 2 || grad.size(0) != plan.index.size(0) ||
+      context.sizes() != at::IntArrayRef{plan.context_rows, width} ||
+      context.scalar_type() != at::kFloat || !context.is_contiguous() ||
+      (block_rows > 0 && (!block.defined() || block.sizes() != at::IntArrayRef{block_rows, width} ||
+                          block.scalar_type() != grad.scalar_type() || !block.is_contiguous()))) {
+    fail(
+        "prefix gather backward: gradient {}, context {}, block {} do not fit the plan ({} keys, "
+        "{} context rows, {} block rows; fp32 context, contiguous)",
+        grad.sizes(), context.sizes(), block.defined() ? block.sizes() : at::IntArrayRef{},
+        plan.index.size(0), plan.context_rows, block_rows);
+  }
+  auto g = grad.contiguous();
+  auto aligned = [](const at::Tensor& t) {
+    return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  if (g.is_cuda() && aligned(g) && aligned(context) && aligned(block) &&
+      (width * g.element_size()) % 16 == 0 && plan.index.device() == g.device()) {
+    if (context.numel() + block_rows > 0) {
+      prefix_gather_backward_accumulate_cuda(g, plan, context, block);
+    }
+    return;
+  }
+  auto r = prefix_gather_backward(g, plan);
+  context.add_(r.narrow(0, 0, plan.context_rows));
+  if (block_rows > 0) block.copy_(r.narrow(0, plan.context_rows, block_rows));
 }
 
 namespace {

@@ -1,6 +1,7 @@
 // One thread block (at least one warp) per output row, 16 bytes of the row per thread. A
 // context row sums the gradient of every segment of its sequence that holds it (in block
-// order, fp32); a block row copies its block's last B gathered rows back.
+// order, fp32), into its own output row or added to an fp32 accumulator; a block row copies
+// its block's last B gathered rows back.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -16,17 +17,20 @@ namespace {
 
 constexpr int64_t kMaxHits = 1024;
 
+// out: [T + blocks*B, W] in T; or, with `context` set, the context rows' sums added to
+// context ([T, W] fp32) and the block rows written to block ([blocks*B, W] in T) instead.
 template <typename T>
 __global__ void prefix_gather_backward_kernel(
-    const T* __restrict__ grad, T* __restrict__ out, int64_t width, int64_t context_rows,
-    int64_t block_size, int64_t num_seqs, const int32_t* __restrict__ cu_keys,
+    const T* __restrict__ grad, T* __restrict__ out, float* __restrict__ context,
+    T* __restrict__ block, int64_t width, int64_t context_rows, int64_t block_size,
+    int64_t num_seqs, const int32_t* __restrict__ cu_keys,
     const int32_t* __restrict__ context_start, const int32_t* __restrict__ context_length,
     const int64_t* __restrict__ seq_row_start, const int64_t* __restrict__ seq_block_start) {
   constexpr int kVec = 16 / sizeof(T);
   const int64_t row = blockIdx.x;
   const int64_t nvec = width / kVec;
-  T* dst = out + row * width;
   if (row >= context_rows) {
+    T* dst = context != nullptr ? block + (row - context_rows) * width : out + row * width;
     const int64_t b = (row - context_rows) / block_size, t = (row - context_rows) % block_size;
     const T* src = grad + (int64_t{cu_keys[b]} + context_length[b] + t) * width;
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
@@ -75,28 +79,41 @@ __global__ void prefix_gather_backward_kernel(
 #pragma unroll
       for (int k = 0; k < kVec; ++k) acc[k] += to_float(e[k]);
     }
+    if (context != nullptr) {
+      float4* sum = reinterpret_cast<float4*>(context + row * width + v * kVec);
+#pragma unroll
+      for (int k = 0; k < kVec / 4; ++k) {
+        float4 c = sum[k];
+        c.x += acc[4 * k];
+        c.y += acc[4 * k + 1];
+        c.z += acc[4 * k + 2];
+        c.w += acc[4 * k + 3];
+        sum[k] = c;
+      }
+      continue;
+    }
     uint4 packed;
     T* o = reinterpret_cast<T*>(&packed);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) o[k] = from_float<T>(acc[k]);
-    reinterpret_cast<uint4*>(dst)[v] = packed;
+    reinterpret_cast<uint4*>(out + row * width)[v] = packed;
   }
 }
 
 template <typename T>
-void launch(const at::Tensor& grad, const PrefixGatherPlan& plan, at::Tensor& out) {
+void launch(const at::Tensor& grad, const PrefixGatherPlan& plan, T* out, float* context, T* block,
+            int64_t rows) {
   constexpr int kVec = 16 / sizeof(T);
   const int64_t width = grad.size(1);
   TORCH_CHECK(width % kVec == 0, "prefix gather backward: row width ", width,
               " is not a multiple of ", kVec);
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, width / kVec)));
   const auto stream = c10::cuda::getCurrentCUDAStream(grad.device().index());
-  prefix_gather_backward_kernel<T><<<static_cast<unsigned>(out.size(0)), threads, 0, stream>>>(
-      reinterpret_cast<const T*>(grad.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), width,
-      plan.context_rows, plan.block_size, plan.seq_row_start.size(0) - 1,
-      plan.cu_keys.data_ptr<int32_t>(), plan.context_start.data_ptr<int32_t>(),
-      plan.context_length.data_ptr<int32_t>(), plan.seq_row_start.data_ptr<int64_t>(),
-      plan.seq_block_start.data_ptr<int64_t>());
+  prefix_gather_backward_kernel<T><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+      reinterpret_cast<const T*>(grad.data_ptr()), out, context, block, width, plan.context_rows,
+      plan.block_size, plan.seq_row_start.size(0) - 1, plan.cu_keys.data_ptr<int32_t>(),
+      plan.context_start.data_ptr<int32_t>(), plan.context_length.data_ptr<int32_t>(),
+      plan.seq_row_start.data_ptr<int64_t>(), plan.seq_block_start.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -106,8 +123,21 @@ void prefix_gather_backward_cuda(const at::Tensor& grad, const PrefixGatherPlan&
                                  at::Tensor& out) {
   // <<<>>> launches on the current device, which need not be the one grad lives on.
   const c10::cuda::CUDAGuard guard(grad.device());
-  dispatch_float(grad.scalar_type(), "prefix gather backward",
-                 [&](auto tag) { launch<decltype(tag)>(grad, plan, out); });
+  dispatch_float(grad.scalar_type(), "prefix gather backward", [&](auto tag) {
+    using T = decltype(tag);
+    launch<T>(grad, plan, reinterpret_cast<T*>(out.data_ptr()), nullptr, nullptr, out.size(0));
+  });
+}
+
+void prefix_gather_backward_accumulate_cuda(const at::Tensor& grad, const PrefixGatherPlan& plan,
+                                            at::Tensor& context, const at::Tensor& block) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  dispatch_float(grad.scalar_type(), "prefix gather backward", [&](auto tag) {
+    using T = decltype(tag);
+    launch<T>(grad, plan, nullptr, context.data_ptr<float>(),
+              block.defined() ? reinterpret_cast<T*>(block.data_ptr()) : nullptr,
+              plan.context_rows + plan.blocks * plan.block_size);
+  });
 }
 
 }  // namespace dflash::kernels

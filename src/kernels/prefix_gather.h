@@ -70,4 +70,11 @@ at::Tensor prefix_gather(const at::Tensor& rows, const PrefixGatherPlan& plan);
 at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan& plan);
 at::Tensor prefix_gather_backward_reference(const at::Tensor& grad, const PrefixGatherPlan& plan);
 
+// The backward into buffers the caller holds, as attention's backward sums several splits of
+// the keys: the context rows' sums added to `context` (fp32 [T, W], contiguous; the sums go in
+// without a rounding to grad's dtype) and the block rows written to `block` ([blocks*B, W] in
+// grad's dtype, contiguous; undefined when B = 0). CUDA: the kernel; elsewhere the reference.
+void prefix_gather_backward_accumulate(const at::Tensor& grad, const PrefixGatherPlan& plan,
+                                       at::Tensor& context, const at::Tensor& block);
+
 }  // namespace dflash::kernels

@@ -628,12 +628,13 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
          config_.layers.hidden_size);
   }
   if (attention == DrafterAttention::kAuto) {
-    // cuDNN's backward of the shared segments measured 1.6x flash's (bench-kernels) and the
-    // drafter step 2.1 ms faster; its tails' backward was slower than flash's, so they keep it.
+    // Over the shared segments cuDNN's backward measured 1.6x flash's and its forward 1.6x
+    // (bench-kernels, H200); its tails' backward was slower than flash's, so they keep it.
     const bool flash = features.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
-    attention = !flash                                 ? DrafterAttention::kDense
-                : kernels::cudnn_attention_available() ? DrafterAttention::kGatheredCudnnShared
-                                                       : DrafterAttention::kGathered;
+    attention = !flash ? DrafterAttention::kDense
+                : kernels::cudnn_attention_available()
+                    ? DrafterAttention::kGatheredCudnnSharedForward
+                    : DrafterAttention::kGathered;
   }
   // A weight used twice (k_norm serves the block and the context) is read twice, so that its
   // two gradients reach the fp32 master separately, as two casts did.

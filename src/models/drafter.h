@@ -110,7 +110,7 @@ at::Tensor dense_block_mask(int64_t context_len, const std::vector<int64_t>& anc
                             int64_t block_size, at::Device device);
 
 enum class DrafterAttention {
-  kAuto,      // on CUDA in bf16/fp16 gathered-cudnn-shared (gathered without cuDNN), else dense
+  kAuto,      // on CUDA in bf16/fp16 gathered-cudnn-shared-fwd (gathered without cuDNN), else dense
   kDense,     // per sequence, SDPA with dense_block_mask (small shapes, reference path)
   kGathered,  // per block, keys gathered from the context prefix + own block (block-sparse)
   // kGathered with the attention backward through cuDNN's fused attention instead of flash's

@@ -225,7 +225,9 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
     for (const auto& chunk : whole.chunks) parts.push_back(&chunk);
     if (parts.empty()) parts.push_back(&whole);
     at::Tensor dq = parts.size() == 1 ? at::Tensor() : at::empty_like(q);
-    auto dk_blk = at::empty_like(k_blk), dv_blk = at::empty_like(v_blk);
+    // Contiguous: the backward writes a chunk's block rows as one run.
+    auto dk_blk = at::empty(k_blk.sizes(), k_blk.options()),
+         dv_blk = at::empty(v_blk.sizes(), v_blk.options());
     auto dk_ctx = at::zeros({t, width}, k_ctx.options().dtype(at::kFloat));
     auto dv_ctx = at::zeros_like(dk_ctx);
     // One chunk of groups at a time (the whole plan when it has no chunks): only that chunk's
@@ -257,14 +259,13 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
                                              split.cu_keys, max_q, split.max_keys, 0.0,
                                              /*is_causal=*/false, saved[7], saved[8]);
       };
-      // Back to rows: each context row sums the gradients of every segment that held it.
-      auto add_rows = [&](at::Tensor gathered, const kernels::PrefixGatherPlan& split,
-                          at::Tensor& context, at::Tensor* block) {
-        auto r = kernels::prefix_gather_backward(gathered.view({-1, width}), split);
-        context.add_(r.narrow(0, 0, t));
-        if (block != nullptr) {
-          block->narrow(0, first_k, n * bs).copy_(r.narrow(0, t, n * bs).view({-1, heads, d}));
-        }
+      // Back to rows: each context row adds the gradients of every segment that held it to its
+      // fp32 sum; a block's own rows go to its rows of `block`.
+      auto add_rows = [&](const at::Tensor& gathered, const kernels::PrefixGatherPlan& split,
+                          at::Tensor& context, const at::Tensor& block) {
+        kernels::prefix_gather_backward_accumulate(
+            gathered.view({-1, width}), split, context,
+            block.defined() ? block.narrow(0, first_k, n * bs).view({-1, width}) : at::Tensor());
       };
       const auto block_k = k_blk.narrow(0, first_k, n * bs),
                  block_v = v_blk.narrow(0, first_k, n * bs);
@@ -274,14 +275,14 @@ struct PrefixAttentionFunction : public torch::autograd::Function<PrefixAttentio
             backward_over(at::Tensor(), at::Tensor(), part->shared, part->cu_group_blocks * q_rows,
                           part->max_group_blocks * q_rows, part->kernels.shared);
         dq_shared = std::move(dq_s);
-        add_rows(std::move(dk_shared), part->shared, dk_ctx, nullptr);
-        add_rows(std::move(dv_shared), part->shared, dv_ctx, nullptr);
+        add_rows(dk_shared, part->shared, dk_ctx, at::Tensor());
+        add_rows(dv_shared, part->shared, dv_ctx, at::Tensor());
       }
       auto [dq_tail, dk, dv] = backward_over(
           block_k, block_v, part->tail, at::arange(n + 1, part->tail.cu_keys.options()) * q_rows,
           q_rows, part->kernels.tail);
-      add_rows(std::move(dk), part->tail, dk_ctx, &dk_blk);
-      add_rows(std::move(dv), part->tail, dv_ctx, &dv_blk);
+      add_rows(dk, part->tail, dk_ctx, dk_blk);
+      add_rows(dv, part->tail, dv_ctx, dv_blk);
       dq_part = dq_shared.defined() ? dq_tail.add_(dq_shared) : dq_tail;
       if (parts.size() == 1) {
         dq = std::move(dq_part);

@@ -45,7 +45,7 @@ const std::vector<ConfigKey>& config_keys() {
        "tapped target layers (default: DFlash's spread, one per drafter layer)"},
       {"block_size", &RunConfig::block_size, "DFlash block size"},
       {"drafter_attention", &RunConfig::drafter_attention,
-       "the drafter's block attention: auto (gathered-cudnn-shared on CUDA bf16/fp16 where "
+       "the drafter's block attention: auto (gathered-cudnn-shared-fwd on CUDA bf16/fp16 where "
        "cuDNN opens, dense otherwise), dense, gathered (flash's backward throughout), "
        "gathered-cudnn-shared (the shared context's attention backward through "
        "cuDNN), gathered-cudnn-shared-fwd (its forward too) or gathered-cudnn (the tails' "

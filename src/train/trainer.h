@@ -76,6 +76,9 @@ class Trainer {
 
   // One optimizer step, queued; its StepLog arrives through the next take_logs().
   void train_step();
+  // The drafter attention of the steps queued from now on: what a benchmark alternates to
+  // compare settings on one trainer, one machine state.
+  void set_attention(models::DrafterAttention attention) { options_.step.attention = attention; }
   // Figures of finished steps, oldest first; `wait`: also those still in flight.
   std::vector<StepLog> take_logs(bool wait);
 

@@ -213,6 +213,57 @@ TEST(PrefixGather, CudaBackwardMatchesReference) {
   }
 }
 
+TEST(PrefixGather, AccumulateNamesBuffersThatDoNotFit) {
+  auto plan = kernels::PrefixGatherPlan::build({5}, {0}, {2}, 1, at::kCPU);
+  auto grad = at::zeros({plan.index.size(0), 8});
+  auto half_context = at::zeros({5, 8}, at::kBFloat16), context = at::zeros({5, 8});
+  try {
+    kernels::prefix_gather_backward_accumulate(grad, plan, half_context, at::zeros({1, 8}));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp32 context"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(kernels::prefix_gather_backward_accumulate(grad, plan, context, at::Tensor()),
+               Error);  // the plan's block row needs a block tensor
+}
+
+// The backward into the caller's buffers, as the block attention's backward sums its splits:
+// context rows added to an fp32 accumulator, block rows copied into their rows of a tensor.
+TEST(PrefixGather, CudaBackwardAccumulatesIntoBuffers) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<int64_t> lengths = {100, 37, 64}, sequence = {0, 0, 0, 2, 2},
+                             anchors = {50, 0, 99, 63, 10};
+  for (int64_t block_size : {4, 0}) {
+    SCOPED_TRACE(block_size);
+    auto cpu_plan =
+        kernels::PrefixGatherPlan::build(lengths, sequence, anchors, block_size, at::kCPU);
+    auto plan = kernels::PrefixGatherPlan::build(lengths, sequence, anchors, block_size, at::kCUDA);
+    const int64_t width = 64, t = cpu_plan.context_rows, b = cpu_plan.blocks * block_size;
+    auto grad = at::randn({cpu_plan.index.size(0), width}).to(at::kBFloat16);
+    auto start = at::randn({t, width});
+    auto context = start.cuda();
+    auto block = b > 0 ? at::full({b, width}, 7.0).to(at::kBFloat16).cuda() : at::Tensor();
+    kernels::prefix_gather_backward_accumulate(grad.cuda(), plan, context, block);
+    // The sums in fp64, then added: the kernel adds its fp32 sums without a bf16 rounding.
+    auto sums = at::zeros({t + b, width}, at::kDouble)
+                    .index_add_(0, cpu_plan.index.narrow(0, 0, cpu_plan.keys),
+                                grad.narrow(0, 0, cpu_plan.keys).to(at::kDouble));
+    EXPECT_TRUE(at::allclose(context.cpu().to(at::kDouble),
+                             start.to(at::kDouble) + sums.narrow(0, 0, t), 1e-5, 1e-5));
+    if (b > 0) {
+      EXPECT_TRUE(at::equal(block.cpu(), sums.narrow(0, t, b).to(at::kBFloat16)));
+    }
+    // The CPU path (the reference's sums, rounded to bf16, then added) agrees to bf16.
+    auto context_cpu = start.clone();
+    auto block_cpu = b > 0 ? at::zeros({b, width}, at::kBFloat16) : at::Tensor();
+    kernels::prefix_gather_backward_accumulate(grad, cpu_plan, context_cpu, block_cpu);
+    EXPECT_TRUE(at::allclose(context_cpu, context.cpu(), 1e-2, 1e-2));
+    if (b > 0) {
+      EXPECT_TRUE(at::equal(block_cpu, block.cpu()));
+    }
+  }
+}
+
 TEST(Rotary, CudaMatchesReferenceValuesAndGradients) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(0);
