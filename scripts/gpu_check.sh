@@ -3,7 +3,7 @@
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
-# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B")
+# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final
 # pretrain gsm8k tokenizer moe
 # (default: the first five).
 set -uo pipefail
@@ -252,6 +252,20 @@ if has levers; then
     --iters 10 --attention cudnn --json "$out/bench_target_levers.json" 2>&1 \
     | tee "$out/bench_target_levers.txt"
   AB="${AB:---drafter-attention=auto|--drafter-attention=gathered-cudnn-shared}" ab_bench levers
+fi
+if has final; then
+  # Issue 11's closing figures: new anchors every step (new group counts build cuDNN graphs)
+  # with the default against cuDNN's shared backward alone, alternating, and the prefill's
+  # profile; `train` (TRAIN_STEPS=250) gives the end-to-end run and what the process holds.
+  step final
+  "$dflash" bench-drafter --device cuda --fresh-anchors --iters 30 \
+    --attention auto,gathered-cudnn-shared --json "$out/bench_drafter_final_fresh.json" 2>&1 \
+    | tee "$out/bench_drafter_final_fresh.txt"
+  "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 3 \
+    --iters 20 --attention cudnn --json "$out/bench_target_final.json" \
+    --profile "$out/target_trace_final.json" 2>&1 | tee "$out/bench_target_final.txt" \
+    | grep -v "^ .*\] "
+  gzip -f "$out/target_trace_final.json"
 fi
 if has pretrain; then
   # Training the target itself on CUDA: bf16 compute over fp32 masters against transformers'
