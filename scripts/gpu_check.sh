@@ -3,7 +3,7 @@
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
-# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final
+# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify
 # pretrain gsm8k tokenizer moe
 # (default: the first five).
 set -uo pipefail
@@ -266,6 +266,15 @@ if has final; then
     --profile "$out/target_trace_final.json" 2>&1 | tee "$out/bench_target_final.txt" \
     | grep -v "^ .*\] "
   gzip -f "$out/target_trace_final.json"
+fi
+if has verify; then
+  # The drafter's GPU tests with the inference paths that share its layer code (draft model,
+  # speculative decoding, generator graphs) and the cuDNN probe, then `dflash bench` with the
+  # default attention against cuDNN's shared backward alone, alternating.
+  step verify
+  fixtures verify dflash models
+  gtests verify '*LinearGroup*:*Cudnn*:*PrefixAttention*:*PrefixGather*:*TailAttention*:*DrafterGpu*:*DrafterParity*:*AdamW*:*GradNorm*:*HeadLoss*:*DraftModel*:*Speculative*:*Generator*:*TrainLoop*'
+  AB="${AB:---drafter-attention=auto|--drafter-attention=gathered-cudnn-shared}" ab_bench verify
 fi
 if has pretrain; then
   # Training the target itself on CUDA: bf16 compute over fp32 masters against transformers'

@@ -1,16 +1,23 @@
 #include "kernels/cudnn_attention.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <dlfcn.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <compare>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 // cuDNN calls through dlsym (no link-time libcudnn: LibTorch loads it), and none of the
 // frontend's JSON serialisation.
@@ -271,6 +278,55 @@ GraphKey graph_key(bool forward, const at::Tensor& q, const at::Tensor& k, int64
 }  // namespace
 
 bool cudnn_attention_available() { return at::hasCUDA() && open_cudnn(); }
+
+bool cudnn_attention_supported(at::Device device) {
+  if (!device.is_cuda() || !cudnn_attention_available()) return false;
+  static std::mutex mutex;
+  static std::map<int, bool> known;
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = known.find(index); it != known.end()) return it->second;
+  std::string reason;
+  const auto* props = at::cuda::getDeviceProperties(index);
+  if (props->major < 9) {
+    reason = fmt::format("compute capability {}.{}, ragged offsets need 9.0", props->major,
+                         props->minor);
+  } else {
+    try {
+      // Two query segments over overlapping key rows [0, 48) and [0, 80), GQA 2/1, D 128, then
+      // the backward over the keys laid out apart; deterministic values (no RNG draw).
+      const c10::cuda::CUDAGuard guard(index);
+      const auto bf16 =
+          at::TensorOptions().device(at::Device(at::kCUDA, index)).dtype(at::kBFloat16);
+      auto ramp = [&](int64_t rows, int64_t heads) {
+        return at::sin(at::arange(rows * heads * 128, bf16.dtype(at::kFloat)))
+            .to(at::kBFloat16)
+            .view({rows, heads, 128});
+      };
+      auto i32 = [&](std::vector<int32_t> v) { return at::tensor(v, at::kInt).to(bf16.device()); };
+      const auto q = ramp(96, 2), k = ramp(80, 1), v = ramp(80, 1).neg();
+      const double scale = 1.0 / std::sqrt(128.0);
+      auto f = cudnn_varlen_attention_forward(q, k, v, i32({0, 64, 96}), i32({0, 0, 80}),
+                                              i32({48, 80}), 64, 80, scale);
+      auto kk = at::cat({k.narrow(0, 0, 48), k}), vv = at::cat({v.narrow(0, 0, 48), v});
+      auto g = cudnn_varlen_attention_backward(f.out, q, kk, vv, f.out, f.lse, i32({0, 64, 96}),
+                                               i32({0, 48, 128}), 64, 80, scale);
+      const bool finite =
+          at::isfinite(f.out).all().item<bool>() && at::isfinite(f.lse).all().item<bool>() &&
+          at::isfinite(g.dq).all().item<bool>() && at::isfinite(g.dk).all().item<bool>();
+      if (!finite) reason = "a probe returned non-finite values";
+    } catch (const std::exception& e) {
+      reason = e.what();
+    }
+  }
+  if (!reason.empty()) {
+    fmt::print(stderr,
+               "cudnn attention: not used on cuda:{} ({}); `auto` attention takes flash's "
+               "kernels there\n",
+               index, reason);
+  }
+  return known[index] = reason.empty();
+}
 
 AttentionOutput cudnn_varlen_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, const at::Tensor& cu_q,

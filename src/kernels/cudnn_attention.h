@@ -28,6 +28,13 @@ struct AttentionGrads {
 // Whether cuDNN's library can be opened and is at least 9.0 (CUDA builds; false without a GPU).
 bool cudnn_attention_available();
 
+// Whether the calls below run on `device`: the library opens, the GPU is Hopper or newer (the
+// frontend serves ragged offsets there only), and a tiny forward and backward with overlapping
+// key segments build and return finite values. Probed once per device, then cached; a failed
+// probe is reported once on stderr, naming the reason. What `auto` settings ask before taking
+// cuDNN, so that other GPUs and libraries fall back to flash's kernels instead of failing.
+bool cudnn_attention_supported(at::Device device);
+
 // q: [Tq, H, D]; k, v: [Tk, Hk, D] with H a multiple of Hk, D a multiple of 8 and at most 256,
 // bf16 or fp16 on one CUDA device; cu_q: int32 [b + 1], sequence i's query rows at
 // [cu_q[i], cu_q[i+1]); k_start: int32 [b + 1], its keys the k_len[i] (int32 [b], each at least

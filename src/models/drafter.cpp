@@ -632,7 +632,7 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
     // (bench-kernels, H200); its tails' backward was slower than flash's, so they keep it.
     const bool flash = features.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
     attention = !flash ? DrafterAttention::kDense
-                : kernels::cudnn_attention_available()
+                : kernels::cudnn_attention_supported(features.device())
                     ? DrafterAttention::kGatheredCudnnSharedForward
                     : DrafterAttention::kGathered;
   }

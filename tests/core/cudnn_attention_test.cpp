@@ -7,6 +7,7 @@
 #include "kernels/cudnn_attention.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -104,6 +105,16 @@ INSTANTIATE_TEST_SUITE_P(
         VarlenCase{"gqa_d128", {100, 37}, {250, 64}, 4, 2, 128},
         VarlenCase{"one_sequence_d128", {1024}, {2048}, 2, 2, 128}),
     [](const auto& info) { return info.param.name; });
+
+// `auto` settings take cuDNN where it runs: on this kind (Hopper) its probe passes; without a
+// CUDA device nothing is probed.
+TEST(CudnnAttentionSupport, ProbePassesOnHopperAndIsFalseOnTheCpu) {
+  EXPECT_FALSE(kernels::cudnn_attention_supported(at::kCPU));
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const bool hopper = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  EXPECT_EQ(kernels::cudnn_attention_supported(at::Device(at::kCUDA, 0)), hopper);
+  EXPECT_EQ(kernels::cudnn_attention_supported(at::kCUDA), hopper);  // cached, same answer
+}
 
 struct InPlaceCase {
   std::string name;
