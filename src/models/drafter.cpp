@@ -4,10 +4,7 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <algorithm>
 #include <cmath>
-#include <functional>
-#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>

@@ -6,12 +6,13 @@
 //   shared: context rows [0, s), one segment per group, seen by all the group's query rows;
 //   tail:   context rows [s, a_i), then the block's own B rows, one short segment per block.
 // The forward runs flash over the shared segments in place (varlen with seqused_k: the groups
-// of a sequence share its rows), then kernels::tail_attention over the tails, which reads their
-// keys in place and merges the two parts by their log-sum-exps in the same pass (shapes it does
-// not serve run the tails as a gathered flash call and kernels::attention_merge). Autograd keeps
-// only the ungathered K/V; the backward gathers both parts again (kernels::prefix_gather) and
-// runs flash's backward on each with the merged output and log-sum-exp, which is exactly the
-// gradient of attention over the union.
+// of a sequence share its rows), or cuDNN's forward over the same overlapping segments
+// (AttentionKernels::shared_forward), then kernels::tail_attention over the tails, which reads
+// their keys in place and merges the two parts by their log-sum-exps in the same pass (shapes it
+// does not serve run the tails as a gathered flash call and kernels::attention_merge). Autograd
+// keeps only the ungathered K/V; the backward gathers both parts again (kernels::prefix_gather) and
+// runs flash's (or cuDNN's) backward on each with the merged output and log-sum-exp, which is
+// exactly the gradient of attention over the union.
 // Grouping is what makes the backward fast: flash's backward keeps a tile of keys on chip and
 // walks the query rows that see it, so a segment seen by a group's G*B*heads rows costs one
 // pass where a per-block segment cost G, and the gathered copies are G times smaller.
