@@ -46,7 +46,8 @@ const std::vector<ConfigKey>& config_keys() {
       {"block_size", &RunConfig::block_size, "DFlash block size"},
       {"drafter_attention", &RunConfig::drafter_attention,
        "the drafter's block attention: auto (gathered-cudnn-shared-fwd on CUDA bf16/fp16 where "
-       "cuDNN opens, dense otherwise), dense, gathered (flash's backward throughout), "
+       "cuDNN runs: Hopper or newer, its probe passing; gathered on other GPUs; dense on the "
+       "CPU), dense, gathered (flash's backward throughout), "
        "gathered-cudnn-shared (the shared context's attention backward through "
        "cuDNN), gathered-cudnn-shared-fwd (its forward too) or gathered-cudnn (the tails' "
        "backward too)"},
