@@ -3,7 +3,7 @@
 # included), then the benchmarks. Logs and JSON results go to $OUT (the device tool brings
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
-# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify
+# profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe
 # (default: the first five).
 set -uo pipefail
@@ -275,6 +275,17 @@ if has verify; then
   fixtures verify dflash models
   gtests verify '*LinearGroup*:*Cudnn*:*PrefixAttention*:*PrefixGather*:*TailAttention*:*DrafterGpu*:*DrafterParity*:*AdamW*:*GradNorm*:*HeadLoss*:*DraftModel*:*Speculative*:*Generator*:*TrainLoop*'
   AB="${AB:---drafter-attention=auto|--drafter-attention=gathered-cudnn-shared}" ab_bench verify
+fi
+if has rows; then
+  # The labelled rows picked for the loss with a scatter back (train::select_unique_rows, no
+  # index_add): its test and the step's, then the drafter step with a profile.
+  step rows
+  fixtures rows dflash
+  gtests rows '*SelectUniqueRows*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*TrainLoop*'
+  "$dflash" bench-drafter --device cuda --json "$out/bench_drafter_rows.json" \
+    --profile "$out/drafter_trace_rows.json" 2>&1 | tee "$out/bench_drafter_rows.txt" \
+    | grep -v "^ .*\] " | head -40
+  gzip -f "$out/drafter_trace_rows.json" "$out/drafter_trace_rows.online.json"
 fi
 if has pretrain; then
   # Training the target itself on CUDA: bf16 compute over fp32 masters against transformers'

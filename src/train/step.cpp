@@ -1,6 +1,7 @@
 #include "train/step.h"
 
 #include <fmt/ranges.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 
@@ -27,7 +28,26 @@ MicroResult empty_result(const models::DrafterConfig& config, at::Device device)
   return r;
 }
 
+struct SelectUniqueRows : public torch::autograd::Function<SelectUniqueRows> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& rows) {
+    ctx->save_for_backward({rows});
+    ctx->saved_data["sizes"] = x.sizes().vec();
+    return x.index_select(0, rows);
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto rows = ctx->get_saved_variables()[0];
+    auto grad = at::zeros(ctx->saved_data["sizes"].toIntVector(), grads[0].options());
+    return {grad.index_copy_(0, rows, grads[0]), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor select_unique_rows(const at::Tensor& x, const at::Tensor& rows) {
+  return SelectUniqueRows::apply(x, rows);
+}
 
 MicroBatch MicroBatch::to(at::Device device) const {
   MicroBatch out = *this;
@@ -129,8 +149,10 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
     auto hidden = drafter.forward(mb.features, mb.packed, blocks.layout, head, options.dtype,
                                   options.attention, models::BlockRows::kPredictions);
     // label_rows ascend without repeats: as many labels as predicting rows is every row in
-    // order, read as it is (no copy, and no index_add back in the backward).
-    rows = blocks.num_labels == hidden.size(0) ? hidden : hidden.index_select(0, blocks.label_rows);
+    // order, read as it is (no copy); otherwise the rows are selected and their gradients go
+    // back to their places (no index_add).
+    rows = blocks.num_labels == hidden.size(0) ? hidden
+                                               : select_unique_rows(hidden, blocks.label_rows);
   }
   HeadLoss loss;
   {

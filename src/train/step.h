@@ -83,6 +83,11 @@ struct MicroResult {
   int64_t labels = 0;
 };
 
+// x.index_select(0, rows) for rows without repeats (the labelled predicting rows): its backward
+// writes each row's gradient to its place (zeros, then index_copy_) where index_select's adds
+// it (index_add_, atomic adds: 0.3 ms a step for bf16 rows on an H200). Same values.
+at::Tensor select_unique_rows(const at::Tensor& x, const at::Tensor& rows);
+
 // Forward and backward of a micro-batch whose tensors and features are on the compute device.
 // Gradients of grad_scale * weighted_ce accumulate into the drafter parameters' .grad.
 // `before_backward` (if set) runs once the forward and the loss are queued, before the backward.

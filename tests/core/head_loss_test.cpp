@@ -1,12 +1,34 @@
 // The chunked LM-head loss against full logits and autograd: loss, predictions, per-position
 // counts and d(loss)/d(hidden), with a row count that leaves the last chunk short (the rows of a
 // step vary; the chunks reuse one buffer).
+// Also train::select_unique_rows, which picks the labelled rows the loss reads.
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "train/loss.h"
+#include "train/step.h"
 
 namespace dflash {
 namespace {
+
+// The labelled rows' selection: index_select's values and gradient (the rows do not repeat, so
+// writing each gradient to its row is adding it to zero), in fp32 and bf16.
+TEST(SelectUniqueRows, MatchesIndexSelectValuesAndGradients) {
+  at::manual_seed(5);
+  const auto rows = at::tensor(std::vector<int64_t>{0, 2, 3, 7, 8}, at::kLong);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto x = at::randn({10, 6}).to(dtype).requires_grad_(true);
+    auto ref = x.detach().clone().requires_grad_(true);
+    auto dy = at::randn({5, 6}).to(dtype);
+    auto got = train::select_unique_rows(x, rows);
+    auto want = ref.index_select(0, rows);
+    EXPECT_TRUE(at::equal(got, want));
+    got.backward(dy);
+    want.backward(dy);
+    EXPECT_TRUE(at::equal(x.grad(), ref.grad()));
+  }
+}
 
 TEST(HeadLoss, ChunksMatchFullLogitsAndAutograd) {
   at::manual_seed(3);
