@@ -33,7 +33,7 @@ struct BenchDrafterOptions {
   int64_t block_size = 16;
   int64_t layers = 5;
   int64_t head_chunk = 2048;
-  std::string attention = "auto";
+  std::vector<std::string> attention = {"auto"};  // several: alternated (run_bench)
   int warmup = 3;
   int iters = 10;
   std::string json_out;
@@ -114,12 +114,8 @@ void run_bench(const BenchDrafterOptions& o) {
   // Several settings: the first runs everything below; before that all of them alternate, a
   // block of steps each per round, so that the GPU's drift over the run (it is power-capped,
   // its clock follows its temperature) falls on every setting alike.
-  std::vector<std::string> settings;
-  for (size_t at = 0; at <= o.attention.size();) {
-    const size_t comma = std::min(o.attention.find(',', at), o.attention.size());
-    settings.push_back(o.attention.substr(at, comma - at));
-    at = comma + 1;
-  }
+  const std::vector<std::string>& settings = o.attention;
+  if (settings.empty()) fail("bench-drafter: --attention needs at least one setting");
   std::vector<models::DrafterAttention> attentions;
   for (const auto& name : settings) {
     attentions.push_back(models::parse_drafter_attention(name, "bench-drafter --attention"));
@@ -275,6 +271,7 @@ void add_bench_drafter_command(CLI::App& app) {
                   "too) or gathered-cudnn (the tails' backward too); a comma-separated list "
                   "alternates them first (3 rounds of --iters steps each), then runs the rest "
                   "with the first")
+      ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup)->capture_default_str();
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
