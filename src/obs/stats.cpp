@@ -90,7 +90,6 @@ std::vector<std::vector<double>> time_queued_phases(
 
 std::vector<double> time_queued_steps(at::Device device, int warmup, int iters,
                                       const std::function<void()>& step) {
-  if (!device.is_cuda()) return time_steps(device, warmup, iters, step);
   return time_queued_phases(device, warmup, iters, {step}).front();
 }
 
