@@ -101,6 +101,16 @@ at::Tensor prefix_gather_backward_reference(const at::Tensor& grad, const Prefix
   return out.to(grad.scalar_type());
 }
 
+namespace {
+
+// The kernel moves 16-byte vectors: a tensor's base and its rows must be 16-byte aligned.
+bool vector_aligned(const at::Tensor& t) {
+  return !t.defined() || (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+                          (t.size(-1) * t.element_size()) % 16 == 0);
+}
+
+}  // namespace
+
 at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan& plan) {
   if (grad.dim() != 2 || grad.size(0) != plan.index.size(0)) {
     fail("prefix gather backward: gradient {} does not fit the plan's {} keys", grad.sizes(),
@@ -111,10 +121,7 @@ at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan
          plan.index.device().str());
   }
   auto g = grad.contiguous();
-  // The kernel moves 16-byte vectors: rows must be 16-byte aligned.
-  const bool aligned = reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0 &&
-                       (g.size(1) * g.element_size()) % 16 == 0;
-  if (!g.is_cuda() || !aligned) return prefix_gather_backward_reference(g, plan);
+  if (!g.is_cuda() || !vector_aligned(g)) return prefix_gather_backward_reference(g, plan);
   const int64_t rows = plan.context_rows + plan.blocks * plan.block_size;
   auto out = at::empty({rows, grad.size(1)}, grad.options());
   if (rows > 0 && g.size(1) > 0) prefix_gather_backward_cuda(g, plan, out);
@@ -123,7 +130,8 @@ at::Tensor prefix_gather_backward(const at::Tensor& grad, const PrefixGatherPlan
 
 void prefix_gather_backward_accumulate(const at::Tensor& grad, const PrefixGatherPlan& plan,
                                        at::Tensor& context, const at::Tensor& block) {
-  const int64_t width = grad.size(1), block_rows = plan.blocks * plan.block_size;
+  const int64_t width = grad.dim() == 2 ? grad.size(1) : -1;
+  const int64_t block_rows = plan.blocks * plan.block_size;
   if (grad.dim() != 2 || grad.size(0) != plan.index.size(0) ||
       context.sizes() != at::IntArrayRef{plan.context_rows, width} ||
       context.scalar_type() != at::kFloat || !context.is_contiguous() ||
@@ -136,11 +144,8 @@ void prefix_gather_backward_accumulate(const at::Tensor& grad, const PrefixGathe
         plan.index.size(0), plan.context_rows, block_rows);
   }
   auto g = grad.contiguous();
-  auto aligned = [](const at::Tensor& t) {
-    return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  };
-  if (g.is_cuda() && aligned(g) && aligned(context) && aligned(block) &&
-      (width * g.element_size()) % 16 == 0 && plan.index.device() == g.device()) {
+  if (g.is_cuda() && vector_aligned(g) && vector_aligned(context) && vector_aligned(block) &&
+      plan.index.device() == g.device()) {
     if (context.numel() + block_rows > 0) {
       prefix_gather_backward_accumulate_cuda(g, plan, context, block);
     }
