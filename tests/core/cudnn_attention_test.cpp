@@ -37,18 +37,23 @@ at::Tensor cumulative(const std::vector<int64_t>& lengths) {
   return at::tensor(cu, at::kInt).cuda();
 }
 
+// Total and longest of some segment lengths.
+std::pair<int64_t, int64_t> total_and_max(const std::vector<int64_t>& lengths) {
+  int64_t total = 0, longest = 0;
+  for (int64_t n : lengths) {
+    total += n;
+    longest = std::max(longest, n);
+  }
+  return {total, longest};
+}
+
 TEST_P(CudnnAttentionBackwardGpu, MatchesTheDefinitionAndFlash) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(kernels::cudnn_attention_available()) << "a GPU without a loadable cuDNN 9";
   const VarlenCase c = GetParam();
   const int64_t h = c.heads, hk = c.kv_heads, d = c.head_dim, b = c.q_lengths.size();
-  int64_t tq = 0, tk = 0, max_q = 0, max_k = 0;
-  for (int64_t i = 0; i < b; ++i) {
-    tq += c.q_lengths[i];
-    tk += c.k_lengths[i];
-    max_q = std::max(max_q, c.q_lengths[i]);
-    max_k = std::max(max_k, c.k_lengths[i]);
-  }
+  const auto [tq, max_q] = total_and_max(c.q_lengths);
+  const auto [tk, max_k] = total_and_max(c.k_lengths);
   at::manual_seed(7);
   auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
   auto q = at::randn({tq, h, d}, bf16);
@@ -131,12 +136,8 @@ TEST_P(CudnnAttentionForwardGpu, OverlappingSegmentsMatchTheDefinitionAndFlash) 
   ASSERT_TRUE(kernels::cudnn_attention_available()) << "a GPU without a loadable cuDNN 9";
   const InPlaceCase c = GetParam();
   const int64_t h = c.heads, hk = c.kv_heads, d = c.head_dim, b = c.q_lengths.size();
-  int64_t tq = 0, max_q = 0, max_k = 0;
-  for (int64_t i = 0; i < b; ++i) {
-    tq += c.q_lengths[i];
-    max_q = std::max(max_q, c.q_lengths[i]);
-    max_k = std::max(max_k, c.k_lengths[i]);
-  }
+  const auto [tq, max_q] = total_and_max(c.q_lengths);
+  const int64_t max_k = total_and_max(c.k_lengths).second;
   at::manual_seed(8);
   auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
   auto q = at::randn({tq, h, d}, bf16);
