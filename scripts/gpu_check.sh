@@ -4,7 +4,7 @@
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
-# pretrain gsm8k tokenizer moe
+# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -144,7 +144,8 @@ if has spec; then
 fi
 if has train; then
   step train
-  (cd "$root" && bash bench/train_e2e.sh "$dflash" "$out" "${TRAIN_STEPS:-40}")
+  # shellcheck disable=SC2086  # TRAIN_ARGS: more `dflash train` options, split into arguments
+  (cd "$root" && bash bench/train_e2e.sh "$dflash" "$out" "${TRAIN_STEPS:-40}" ${TRAIN_ARGS:-})
 fi
 if has train2 && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   step train on 2 GPUs
@@ -252,6 +253,54 @@ if has levers; then
     --iters 10 --attention cudnn --json "$out/bench_target_levers.json" 2>&1 \
     | tee "$out/bench_target_levers.txt"
   AB="${AB:---drafter-attention=auto|--drafter-attention=gathered-cudnn-shared}" ab_bench levers
+fi
+if has fp8; then
+  # Issue 11, 2026-12-02: the LM head's input gradient as an FP8 GEMM (--head-grad fp8): its
+  # tests and the step's, its bench-kernels lines (the loss kernel's fp8 variant, the bf16
+  # and FP8 GEMMs of one chunk), bench-drafter alternating compute and fp8 in one process with
+  # profiles and nvidia-smi's clock and power, then `dflash bench` alternating.
+  step fp8
+  fixtures fp8 dflash
+  gtests fp8 '*Fp8*:*CrossEntropy*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*TrainLoop*'
+  grep -h "relative error" "$out/fp8_tests.log"
+  "$dflash" bench-kernels --json "$out/bench_kernels_fp8.json" 2>&1 \
+    | grep -E "^(kernel|cross_entropy|LM-head)" | tee "$out/bench_kernels_fp8.txt"
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
+    > "$out/clocks_fp8.csv" 2>&1 &
+  smi=$!
+  "$dflash" bench-drafter --device cuda --head-grad "${HEAD_GRADS:-fp8,compute}" \
+    --json "$out/bench_drafter_fp8.json" --profile "$out/drafter_trace_fp8.json" 2>&1 \
+    | tee "$out/bench_drafter_fp8.txt" | grep -v "^ .*\] " | head -60
+  gzip -f "$out/drafter_trace_fp8.json" "$out/drafter_trace_fp8.online.json"
+  kill "$smi" 2>/dev/null
+  AB="${AB:---head-grad=fp8|--head-grad=compute}" ab_bench fp8
+fi
+if has gsm8k_fp8; then
+  # The FP8 head gradient's effect on what a drafter learns: the GSM8K run (examples/gsm8k,
+  # --full) up to its training data, then the drafter trained twice on it, compute and fp8,
+  # with tau on the 100 validation questions every 500 steps (GSM8K_DRAFTER_EPOCHS, 2 here).
+  step gsm8k_fp8
+  run=/tmp/gsm8k-fp8
+  export GSM8K_DRAFTER_EPOCHS=${GSM8K_DRAFTER_EPOCHS:-2}
+  bash "$root/examples/gsm8k/run.sh" --full --data "$root/.deps/gsm8k" --out "$run" \
+    --dflash "$dflash" --stages pretrain,generate,prepare > "$out/gsm8k_fp8_prepare.log" 2>&1 \
+    || tail -20 "$out/gsm8k_fp8_prepare.log"
+  for grad in compute fp8; do
+    step "gsm8k drafter, head grad $grad"
+    GSM8K_TRAIN_ARGS="--head-grad $grad" bash "$root/examples/gsm8k/run.sh" --full \
+      --data "$root/.deps/gsm8k" --out "$run" --dflash "$dflash" --stages train \
+      > "$out/gsm8k_fp8_train_$grad.log" 2>&1 || tail -20 "$out/gsm8k_fp8_train_$grad.log"
+    cp "$run/drafter/metrics.jsonl" "$out/gsm8k_metrics_$grad.jsonl"
+    python3 - "$run/drafter/metrics.jsonl" "$grad" <<'PY' | tee -a "$out/gsm8k_fp8.txt"
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+tau = {l["step"]: round(l["eval_tau"], 3) for l in lines if "eval_tau" in l}
+loss = [l["loss"] for l in lines if "loss" in l]
+tail = loss[-200:]
+print(f"head grad {sys.argv[2]}: validation tau {tau}; mean loss of the last {len(tail)} steps "
+      f"{sum(tail) / max(len(tail), 1):.4f}")
+PY
+  done
 fi
 if has final; then
   # Issue 11's closing figures: new anchors every step (new group counts build cuDNN graphs)

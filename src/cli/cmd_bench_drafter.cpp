@@ -34,6 +34,7 @@ struct BenchDrafterOptions {
   int64_t layers = 5;
   int64_t head_chunk = 2048;
   std::vector<std::string> attention = {"auto"};  // several: alternated (run_bench)
+  std::vector<std::string> head_grad = {"compute"};  // likewise, crossed with attention
   int warmup = 3;
   int iters = 10;
   std::string json_out;
@@ -111,17 +112,33 @@ void run_bench(const BenchDrafterOptions& o) {
   topt.total_steps = 1000;
   topt.step.dtype = dtype;
   topt.step.head_chunk_rows = o.head_chunk;
-  // Several settings: the first runs everything below; before that all of them alternate, a
-  // block of steps each per round, so that the GPU's drift over the run (it is power-capped,
-  // its clock follows its temperature) falls on every setting alike.
-  const std::vector<std::string>& settings = o.attention;
-  if (settings.empty()) fail("bench-drafter: --attention needs at least one setting");
-  std::vector<models::DrafterAttention> attentions;
-  for (const auto& name : settings) {
-    attentions.push_back(models::parse_drafter_attention(name, "bench-drafter --attention"));
+  // Several settings (every attention with every head gradient): the first runs everything
+  // below; before that all of them alternate, a block of steps each per round, so that the
+  // GPU's drift over the run (it is power-capped, its clock follows its temperature) falls on
+  // every setting alike.
+  if (o.attention.empty() || o.head_grad.empty()) {
+    fail("bench-drafter: --attention and --head-grad need at least one setting each");
   }
-  topt.step.attention = attentions.front();
+  struct Setting {
+    std::string name;
+    models::DrafterAttention attention;
+    train::HeadGrad head_grad;
+  };
+  std::vector<Setting> settings;
+  for (const auto& a : o.attention) {
+    for (const auto& g : o.head_grad) {
+      settings.push_back({o.head_grad.size() > 1 ? a + ", head grad " + g : a,
+                          models::parse_drafter_attention(a, "bench-drafter --attention"),
+                          train::parse_head_grad(g, "bench-drafter --head-grad")});
+    }
+  }
+  topt.step.attention = settings.front().attention;
+  topt.step.head_grad = settings.front().head_grad;
   train::Trainer trainer(drafter, head, topt, data);
+  auto use = [&](const Setting& s) {
+    trainer.set_attention(s.attention);
+    trainer.set_head_grad(s.head_grad);
+  };
 
   const auto& sampled = micro.blocks.layout.anchor;
   const double flops = models::drafter_step_flops(config, {seq}, sampled, micro.blocks.num_labels);
@@ -146,22 +163,23 @@ void run_bench(const BenchDrafterOptions& o) {
     for (auto& l : trainer.take_logs(false)) last = l;
   };
   nlohmann::json alternating = nlohmann::json::array();
-  if (attentions.size() > 1) {
+  if (settings.size() > 1) {
     constexpr int kRounds = 3;
-    std::vector<std::vector<double>> per(attentions.size());
+    std::vector<std::vector<double>> per(settings.size());
     for (int round = 0; round < kRounds; ++round) {
-      for (size_t a = 0; a < attentions.size(); ++a) {
-        trainer.set_attention(attentions[a]);
+      for (size_t a = 0; a < settings.size(); ++a) {
+        use(settings[a]);
         auto t = obs::time_queued_steps(device, o.warmup, o.iters, step);
         per[a].insert(per[a].end(), t.begin(), t.end());
       }
     }
-    trainer.set_attention(attentions.front());
+    use(settings.front());
     fmt::print("alternating, {} rounds of {} steps each (after {} warm-up):\n", kRounds, o.iters,
                o.warmup);
-    for (size_t a = 0; a < attentions.size(); ++a) {
-      fmt::print("{:>28} {:>10.2f} ms median\n", settings[a], obs::median(per[a]) * 1e3);
-      alternating.push_back({{"attention", settings[a]},
+    for (size_t a = 0; a < settings.size(); ++a) {
+      fmt::print("{:>44} {:>10.2f} ms median\n", settings[a].name, obs::median(per[a]) * 1e3);
+      alternating.push_back({{"attention", o.attention[a / o.head_grad.size()]},
+                             {"head_grad", o.head_grad[a % o.head_grad.size()]},
                              {"median_ms", obs::median(per[a]) * 1e3},
                              {"times_s", per[a]}});
     }
@@ -217,6 +235,8 @@ void run_bench(const BenchDrafterOptions& o) {
                         {"online_prefill_median_ms", online_prefill_ms},
                         {"online_drafter_median_ms", online_drafter_ms},
                         {"loss", last.loss},
+                        {"attention", o.attention.front()},
+                        {"head_grad", o.head_grad.front()},
                         {"alternating", alternating}};
   if (!o.profile.empty()) {
     constexpr int kProfiledSteps = 2;
@@ -271,6 +291,11 @@ void add_bench_drafter_command(CLI::App& app) {
                   "too) or gathered-cudnn (the tails' backward too); a comma-separated list "
                   "alternates them first (3 rounds of --iters steps each), then runs the rest "
                   "with the first")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--head-grad", o->head_grad,
+                  "the LM head's input-gradient GEMM: compute or fp8 (e4m3, Hopper or newer); a "
+                  "comma-separated list alternates as --attention does (every pair of the two)")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup)->capture_default_str();

@@ -25,6 +25,7 @@
 #include "kernels/cross_entropy.h"
 #include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
+#include "kernels/fp8_rows.h"
 #include "kernels/grad_norm.h"
 #include "kernels/moe_combine.h"
 #include "kernels/prefix_gather.h"
@@ -37,6 +38,7 @@
 #include "models/layers.h"
 #include "models/linear_group.h"
 #include "models/prefix_attention.h"
+#include "train/loss.h"
 
 namespace dflash::cli {
 namespace {
@@ -361,6 +363,31 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     report("cross_entropy_rows_ (LM head chunk)", rows, vocab, 0,
            us_per_call(device, o, [&](int) { kernels::cross_entropy_rows_(logits, labels, coef); }),
            2.0 * 2.0 * rows * vocab);
+    // The fp8 variant (--head-grad fp8): the same reads, the gradient written as e4m3.
+    kernels::Fp8Rows grad8{at::empty({rows, vocab}, opts.dtype(at::kFloat8_e4m3fn)),
+                           at::empty({rows}, opts.dtype(at::kFloat))};
+    report("cross_entropy_rows_fp8 (same chunk)", rows, vocab, 0,
+           us_per_call(device, o,
+                       [&](int) { kernels::cross_entropy_rows_fp8(logits, labels, coef, grad8); }),
+           3.0 * rows * vocab);
+    // The head's input gradient over that chunk, d(hidden) = d(logits) x head: the bf16 GEMM
+    // against the FP8 one of e4m3 rows (the loss kernel's output and the head transposed).
+    if (kernels::fp8_gemm_supported(device)) {
+      const int64_t h = c.hidden_size;
+      auto head = at::randn({vocab, h}, opts) * 0.02;
+      auto head_t8 = train::head_grad_fp8(head);
+      auto dh = at::empty({rows, h}, opts);
+      const double flops = 2.0 * rows * vocab * h;
+      const double us_bf16 = us_per_call(device, o, [&](int) { at::mm_out(dh, logits, head); });
+      const double us_fp8 =
+          us_per_call(device, o, [&](int) { kernels::mm_fp8_rows_out(dh, grad8, head_t8); });
+      report("LM-head input grad, bf16 GEMM", rows, h, vocab, us_bf16,
+             2.0 * (rows * vocab + vocab * h + rows * h));
+      report("LM-head input grad, fp8 GEMM", rows, h, vocab, us_fp8,
+             1.0 * (rows * vocab + vocab * h) + 2.0 * rows * h);
+      fmt::print("LM-head input grad: {:.1f} TFLOP/s bf16, {:.1f} TFLOP/s fp8\n",
+                 flops / us_bf16 / 1e6, flops / us_fp8 / 1e6);
+    }
   }
   // The drafter's SwiGLU over a training step's block rows (512 anchors x 16): the fused forward
   // and backward against ATen's silu and mul and the three passes of their backward.

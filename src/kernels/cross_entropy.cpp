@@ -6,6 +6,9 @@ namespace dflash::kernels {
 
 void cross_entropy_rows_cuda(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef,
                              at::Tensor& loss, at::Tensor& argmax);  // cross_entropy.cu
+void cross_entropy_rows_fp8_cuda(const at::Tensor& logits, const at::Tensor& labels,
+                                 const at::Tensor& coef, at::Tensor& loss, at::Tensor& argmax,
+                                 at::Tensor& grad, at::Tensor& grad_scale);  // cross_entropy.cu
 
 namespace {
 
@@ -27,6 +30,23 @@ void check(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor&
   }
   if (labels.device() != logits.device() || coef.device() != logits.device()) {
     fail("cross entropy: logits, labels and coef must be on one device");
+  }
+}
+
+void check_fp8_out(const at::Tensor& logits, const Fp8Rows& grad) {
+  const int64_t n = logits.size(0), vocab = logits.size(1);
+  if (grad.data.sizes() != at::IntArrayRef{n, vocab} ||
+      grad.data.scalar_type() != at::kFloat8_e4m3fn || !grad.data.is_contiguous() ||
+      grad.data.device() != logits.device()) {
+    fail("cross entropy: the fp8 gradient must be contiguous float8_e4m3fn [{}, {}] on {}, got {} "
+         "{}",
+         n, vocab, logits.device().str(), grad.data.sizes(),
+         c10::toString(grad.data.scalar_type()));
+  }
+  if (grad.scale.sizes() != at::IntArrayRef{n} || grad.scale.scalar_type() != at::kFloat ||
+      grad.scale.device() != logits.device()) {
+    fail("cross entropy: the fp8 gradient's scale must be fp32 [{}], got {}", n,
+         grad.scale.sizes());
   }
 }
 
@@ -55,6 +75,33 @@ CrossEntropyRows cross_entropy_rows_(at::Tensor& logits, const at::Tensor& label
   out.loss = at::empty({logits.size(0)}, coef.options());
   out.argmax = at::empty({logits.size(0)}, labels.options());
   if (logits.numel() > 0) cross_entropy_rows_cuda(logits, labels, coef, out.loss, out.argmax);
+  return out;
+}
+
+CrossEntropyRows cross_entropy_rows_fp8_reference(const at::Tensor& logits,
+                                                  const at::Tensor& labels, const at::Tensor& coef,
+                                                  Fp8Rows& grad) {
+  check(logits, labels, coef);
+  check_fp8_out(logits, grad);
+  auto g = logits.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);  // the caller's stay
+  auto r = cross_entropy_rows_reference_(g, labels, coef);
+  auto q = quantize_rows_e4m3(g);
+  grad.data.copy_(q.data);
+  grad.scale.copy_(q.scale);
+  return r;
+}
+
+CrossEntropyRows cross_entropy_rows_fp8(const at::Tensor& logits, const at::Tensor& labels,
+                                        const at::Tensor& coef, Fp8Rows& grad) {
+  if (!logits.is_cuda()) return cross_entropy_rows_fp8_reference(logits, labels, coef, grad);
+  check(logits, labels, coef);
+  check_fp8_out(logits, grad);
+  CrossEntropyRows out;
+  out.loss = at::empty({logits.size(0)}, coef.options());
+  out.argmax = at::empty({logits.size(0)}, labels.options());
+  if (logits.numel() > 0) {
+    cross_entropy_rows_fp8_cuda(logits, labels, coef, out.loss, out.argmax, grad.data, grad.scale);
+  }
   return out;
 }
 

@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -65,15 +66,27 @@ __device__ __forceinline__ void load_strided(const uint4* row4, int32_t v, int32
 
 // vec: rows read as 16-byte vectors (the host checked the alignment); nstaged: how many vectors
 // of each row pass 1 keeps in shared memory, the launch's dynamic size, so the two agree.
-template <typename T>
+// grad8, grad_scale: the fp8 variant's outputs (null otherwise).
+template <typename T, bool kFp8>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_rows_kernel(T* __restrict__ logits, const int64_t* __restrict__ labels,
                               const float* __restrict__ coef, float* __restrict__ loss,
                               int64_t* __restrict__ argmax, int32_t vocab, bool vec,
-                              int32_t nstaged) {
+                              int32_t nstaged, __nv_fp8_storage_t* __restrict__ grad8,
+                              float* __restrict__ grad_scale) {
   constexpr int kVec = 16 / sizeof(T);
   T* row = logits + int64_t(blockIdx.x) * vocab;
+  // Outside the vocabulary (the loss is NaN then) no element takes the one-hot.
+  const int64_t label64 = labels[blockIdx.x];
+  const int32_t label = label64 >= 0 && label64 < vocab ? static_cast<int32_t>(label64) : -1;
   Partial p{-FLT_MAX, 0.f, INT32_MAX};
+  float other = -FLT_MAX;  // kFp8: the largest logit other than the label's
+  auto visit = [&](float x, int32_t i) {
+    add(p, x, i);
+    if constexpr (kFp8) {
+      if (i != label) other = fmaxf(other, x);
+    }
+  };
   extern __shared__ uint4 staged[];  // nstaged vectors, the launch's dynamic shared memory
   const int32_t nvec = vec ? vocab / kVec : 0;
   if (vec) {
@@ -88,11 +101,11 @@ __global__ void __launch_bounds__(kThreads)
         if (v < nstaged) staged[v] = raw[u];
         const T* e = reinterpret_cast<const T*>(&raw[u]);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) add(p, to_float(e[j]), v * kVec + j);
+        for (int j = 0; j < kVec; ++j) visit(to_float(e[j]), v * kVec + j);
       }
     }
   } else {
-    for (int32_t i = threadIdx.x; i < vocab; i += kThreads) add(p, to_float(row[i]), i);
+    for (int32_t i = threadIdx.x; i < vocab; i += kThreads) visit(to_float(row[i]), i);
   }
   // Block reduction: warps by shuffle, then the warp results in shared memory.
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -100,35 +113,81 @@ __global__ void __launch_bounds__(kThreads)
               __shfl_down_sync(0xffffffffu, p.s, offset),
               __shfl_down_sync(0xffffffffu, p.arg, offset)};
     p = combine(p, o);
+    if constexpr (kFp8) other = fmaxf(other, __shfl_down_sync(0xffffffffu, other, offset));
   }
   __shared__ Partial warp_partial[kThreads / 32];
-  __shared__ float row_lse;
+  __shared__ float warp_other[kThreads / 32];
+  __shared__ float row_lse, row_factor;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_partial[warp] = p;
+  if (lane == 0) {
+    warp_partial[warp] = p;
+    if constexpr (kFp8) warp_other[warp] = other;
+  }
   __syncthreads();
+  const float c = coef[blockIdx.x];
   if (warp == 0) {
     p = lane < kThreads / 32 ? warp_partial[lane] : Partial{-FLT_MAX, 0.f, INT32_MAX};
+    if constexpr (kFp8) other = lane < kThreads / 32 ? warp_other[lane] : -FLT_MAX;
     for (int offset = 16; offset > 0; offset >>= 1) {
       Partial o{__shfl_down_sync(0xffffffffu, p.m, offset),
                 __shfl_down_sync(0xffffffffu, p.s, offset),
                 __shfl_down_sync(0xffffffffu, p.arg, offset)};
       p = combine(p, o);
+      if constexpr (kFp8) other = fmaxf(other, __shfl_down_sync(0xffffffffu, other, offset));
     }
     if (lane == 0) {
       const float lse = p.m + __logf(p.s);
       row_lse = lse;
-      const int64_t label = labels[blockIdx.x];
       // A label outside the vocabulary poisons the loss (caught as non-finite) instead of
       // reading out of bounds.
-      loss[blockIdx.x] = label >= 0 && label < vocab ? lse - to_float(row[label]) : NAN;
+      const float label_logit = label >= 0 ? to_float(row[label]) : -INFINITY;
+      loss[blockIdx.x] = label >= 0 ? lse - label_logit : NAN;
       argmax[blockIdx.x] = p.arg;
+      if constexpr (kFp8) {
+        // The row's largest |gradient|: the largest probability of another token, or
+        // 1 - p(label) at the label.
+        const float p_other = other == -FLT_MAX ? 0.f : __expf(other - lse);
+        const float amax = fabsf(c) * fmaxf(p_other, 1.f - __expf(label_logit - lse));
+        const float scale = amax > 0.f ? amax / 448.f : 1.f;
+        grad_scale[blockIdx.x] = scale;
+        row_factor = c / scale;
+      }
     }
   }
   __syncthreads();
-  const float lse = row_lse, c = coef[blockIdx.x];
-  // Outside the vocabulary (the loss is NaN then) no element takes the one-hot.
-  const int64_t label64 = labels[blockIdx.x];
-  const int32_t label = label64 >= 0 && label64 < vocab ? static_cast<int32_t>(label64) : -1;
+  const float lse = row_lse;
+  if constexpr (kFp8) {
+    // Each element once, e4m3 of coef * (softmax - onehot) / scale, rounded to nearest.
+    const float f = row_factor;
+    __nv_fp8_storage_t* out = grad8 + int64_t(blockIdx.x) * vocab;
+    auto q = [&](float x, int32_t i) {
+      const float g = __expf(x - lse) - (i == label ? 1.f : 0.f);
+      return __nv_cvt_float_to_fp8(f * g, __NV_SATFINITE, __NV_E4M3);
+    };
+    if (vec) {
+      auto write = [&](int32_t v, uint4 raw) {
+        const T* e = reinterpret_cast<const T*>(&raw);
+        Vec<__nv_fp8_storage_t, kVec> o;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) o.v[j] = q(to_float(e[j]), v * kVec + j);
+        reinterpret_cast<Vec<__nv_fp8_storage_t, kVec>*>(out)[v] = o;
+      };
+      const uint4* row4 = reinterpret_cast<const uint4*>(row);
+      int32_t v = threadIdx.x;
+      for (; v < nstaged; v += kThreads) write(v, staged[v]);
+      for (; v < nvec; v += kUnroll * kThreads) {
+        uint4 raw[kUnroll];
+        load_strided(row4, v, nvec, raw);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (v + u * kThreads < nvec) write(v + u * kThreads, raw[u]);
+        }
+      }
+    } else {
+      for (int32_t i = threadIdx.x; i < vocab; i += kThreads) out[i] = q(to_float(row[i]), i);
+    }
+    return;
+  }
   if (vec) {
     uint4* row4 = reinterpret_cast<uint4*>(row);
     auto write = [&](int32_t v, uint4 raw) {
@@ -158,26 +217,33 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T>
-void launch(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef, at::Tensor& loss,
-            at::Tensor& argmax) {
+// grad8 / grad_scale: the fp8 variant's outputs (undefined tensors otherwise).
+template <typename T, bool kFp8>
+void launch(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& coef,
+            at::Tensor& loss, at::Tensor& argmax, at::Tensor* grad8, at::Tensor* grad_scale) {
   const auto stream = c10::cuda::getCurrentCUDAStream(logits.device().index());
   // Above 48 KB a kernel has to opt in, on each device it runs on (a few us on the host, on a
   // handful of launches a step).
-  C10_CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_rows_kernel<T>,
+  C10_CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_rows_kernel<T, kFp8>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kStagedBytes));
   // 16-byte vectors need an aligned row start; a vocab that is not a multiple of the vector
   // width (or an odd base pointer) falls back to scalar accesses, and stages nothing.
   constexpr int64_t kVec = 16 / sizeof(T);
   const int64_t vocab = logits.size(1);
-  const bool vec = vocab % kVec == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+  auto aligned = [](const void* ptr, size_t bytes) {
+    return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+  };
+  const bool vec = vocab % kVec == 0 && aligned(logits.data_ptr(), 16) &&
+                   (!kFp8 || aligned(grad8->data_ptr(), kVec));
   const int32_t nstaged =
       vec ? static_cast<int32_t>(std::min<int64_t>(vocab / kVec, kStagedBytes / sizeof(uint4))) : 0;
-  cross_entropy_rows_kernel<T>
+  cross_entropy_rows_kernel<T, kFp8>
       <<<static_cast<unsigned>(logits.size(0)), kThreads, nstaged * sizeof(uint4), stream>>>(
           reinterpret_cast<T*>(logits.data_ptr()), labels.data_ptr<int64_t>(),
           coef.data_ptr<float>(), loss.data_ptr<float>(), argmax.data_ptr<int64_t>(),
-          static_cast<int32_t>(vocab), vec, nstaged);
+          static_cast<int32_t>(vocab), vec, nstaged,
+          kFp8 ? reinterpret_cast<__nv_fp8_storage_t*>(grad8->data_ptr()) : nullptr,
+          kFp8 ? grad_scale->data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -187,8 +253,18 @@ void cross_entropy_rows_cuda(at::Tensor& logits, const at::Tensor& labels, const
                              at::Tensor& loss, at::Tensor& argmax) {
   // <<<>>> launches on the current device, which need not be the one the logits live on.
   const c10::cuda::CUDAGuard guard(logits.device());
-  dispatch_float(logits.scalar_type(), "cross entropy",
-                 [&](auto tag) { launch<decltype(tag)>(logits, labels, coef, loss, argmax); });
+  dispatch_float(logits.scalar_type(), "cross entropy", [&](auto tag) {
+    launch<decltype(tag), false>(logits, labels, coef, loss, argmax, nullptr, nullptr);
+  });
+}
+
+void cross_entropy_rows_fp8_cuda(const at::Tensor& logits, const at::Tensor& labels,
+                                 const at::Tensor& coef, at::Tensor& loss, at::Tensor& argmax,
+                                 at::Tensor& grad, at::Tensor& grad_scale) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  dispatch_float(logits.scalar_type(), "cross entropy", [&](auto tag) {
+    launch<decltype(tag), true>(logits, labels, coef, loss, argmax, &grad, &grad_scale);
+  });
 }
 
 }  // namespace dflash::kernels

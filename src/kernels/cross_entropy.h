@@ -3,8 +3,11 @@
 // path on CPU.
 //
 // cross_entropy_rows_: one pass of softmax cross entropy over rows of logits, in place.
+// cross_entropy_rows_fp8: the same loss, its gradient written as e4m3 rows for an FP8 GEMM.
 #pragma once
 #include <ATen/ATen.h>
+
+#include "kernels/fp8_rows.h"
 
 namespace dflash::kernels {
 
@@ -24,5 +27,17 @@ CrossEntropyRows cross_entropy_rows_(at::Tensor& logits, const at::Tensor& label
 // The same with ATen operations (any device): the reference for the CUDA kernel.
 CrossEntropyRows cross_entropy_rows_reference_(at::Tensor& logits, const at::Tensor& labels,
                                                const at::Tensor& coef);
+
+// The same loss and argmax; logits are left as they are and the gradient
+// coef * (softmax(row) - onehot(label)) goes to `grad` (e4m3 [n, V], contiguous; V a multiple
+// of 16) with one fp32 scale a row (grad.scale [n]), the row's largest |gradient| stored as
+// kE4m3Max: max(exp(m' - lse), 1 - p(label)) * |coef|, with m' the largest logit other than
+// the label's, so the CUDA kernel knows it after its first pass and writes each element once.
+CrossEntropyRows cross_entropy_rows_fp8(const at::Tensor& logits, const at::Tensor& labels,
+                                        const at::Tensor& coef, Fp8Rows& grad);
+// The same with ATen operations: the fp32 gradient, then quantize_rows_e4m3.
+CrossEntropyRows cross_entropy_rows_fp8_reference(const at::Tensor& logits,
+                                                  const at::Tensor& labels, const at::Tensor& coef,
+                                                  Fp8Rows& grad);
 
 }  // namespace dflash::kernels

@@ -299,7 +299,10 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> drafter_parameter_shap
 
 TargetHead TargetHead::of(const TargetModel& target) {
   // lm_head_weight() is the embedding tensor itself for tied targets: no fresh head, no copy.
-  return {target.embedding(), target.lm_head_weight()};
+  TargetHead head;
+  head.embedding = target.embedding();
+  head.lm_head = target.lm_head_weight();
+  return head;
 }
 
 at::Tensor block_positions(const std::vector<int64_t>& anchors, int64_t block_size) {

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/fp8_rows.h"
 #include "kernels/prefix_gather.h"
 #include "models/config.h"
 #include "models/kv_cache.h"
@@ -83,6 +84,9 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> drafter_parameter_shap
 struct TargetHead {
   at::Tensor embedding;  // [V, H]
   at::Tensor lm_head;    // [V, H]
+  // The head transposed to [H, V] in e4m3 (train::head_grad_fp8), for the training loss's FP8
+  // input-gradient GEMM; empty unless a trainer asked for it.
+  kernels::Fp8Rows lm_head_t_fp8;
   static TargetHead of(const TargetModel& target);
 };
 

@@ -485,6 +485,7 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
   to.seed = static_cast<uint64_t>(c.seed);
   to.step.dtype = r.dtype;
   to.step.attention = models::parse_drafter_attention(c.drafter_attention, "drafter_attention");
+  to.step.head_grad = train::parse_head_grad(c.head_grad, "head_grad");
   to.checkpoint_dir = run_dir;
   to.write_checkpoints = r.leads();
   to.checkpoint_every = c.checkpoint_every;

@@ -157,8 +157,13 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
   HeadLoss loss;
   {
     obs::Scope scope(obs::Stage::kLoss, device);
+    const bool fp8 = options.head_grad == HeadGrad::kFp8;
+    if (fp8 && !head.lm_head_t_fp8.data.defined()) {
+      fail("training step: the fp8 head gradient needs the head's e4m3 copy (head_grad_fp8)");
+    }
     loss = chunked_head_loss(rows, head.lm_head, blocks.labels, blocks.weights, blocks.label_k,
-                             config.block_size, grad_scale, options.head_chunk_rows);
+                             config.block_size, grad_scale, options.head_chunk_rows,
+                             fp8 ? &head.lm_head_t_fp8 : nullptr);
   }
   if (before_backward) before_backward();
   if (rows.requires_grad() && blocks.num_labels > 0) {

@@ -13,6 +13,7 @@
 
 #include "models/drafter.h"
 #include "train/blocks.h"
+#include "train/loss.h"
 
 namespace dflash::train {
 
@@ -71,6 +72,7 @@ struct StepOptions {
   at::ScalarType dtype = at::kFloat;  // compute dtype (bf16 on GPU)
   int64_t head_chunk_rows = 1024;
   models::DrafterAttention attention = models::DrafterAttention::kAuto;
+  HeadGrad head_grad = HeadGrad::kCompute;  // kFp8 reads the head's lm_head_t_fp8
 };
 
 struct MicroResult {

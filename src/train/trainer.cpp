@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "dist/comm.h"
+#include "kernels/fp8_rows.h"
 #include "obs/stages.h"
 
 namespace dflash::train {
@@ -47,6 +48,7 @@ Trainer::Trainer(models::Drafter& drafter, models::TargetHead head, TrainerOptio
     fail("trainer: the target LM head has {} rows, the drafter config a vocabulary of {}",
          head_.lm_head.size(0), drafter.config().layers.vocab_size);
   }
+  set_head_grad(options_.step.head_grad);
   state_.seed = options_.seed;
   // The optimizer writes the compute-dtype weights with each update; the forward reads them
   // instead of casting the fp32 masters every micro-batch. A step of one backward on one rank
@@ -179,6 +181,22 @@ StepLog Trainer::finish(Pending& p) {
     state_.nonfinite_in_a_row = 0;
   }
   return log;
+}
+
+void Trainer::set_head_grad(HeadGrad head_grad) {
+  options_.step.head_grad = head_grad;
+  if (head_grad != HeadGrad::kFp8 || head_.lm_head_t_fp8.data.defined()) return;
+  const at::Device device = head_.lm_head.device();
+  if (device.is_cuda() && !kernels::fp8_gemm_supported(device)) {
+    fail("trainer: the fp8 LM-head gradient needs a GPU of compute capability 9.0 or newer "
+         "(Hopper), {} is older; use --head-grad compute",
+         device.str());
+  }
+  if (device.is_cuda() && options_.step.dtype != at::kBFloat16) {
+    fail("trainer: the fp8 LM-head gradient writes bf16 rows; the compute dtype is {}",
+         c10::toString(options_.step.dtype));
+  }
+  head_.lm_head_t_fp8 = head_grad_fp8(head_.lm_head);
 }
 
 std::vector<StepLog> Trainer::take_logs(bool wait) {

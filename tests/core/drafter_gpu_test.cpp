@@ -2,10 +2,11 @@
 // machine; skipped where there is no GPU). fp32 checks the CUDA index construction and
 // gather backward as tightly as on the CPU; bf16 runs the production path (gathered keys
 // through variable-length flash attention) and must agree within bf16 rounding, as must bf16
-// with the tails' attention backward through cuDNN. The fixture has a block anchored at a
-// sequence's first row (a group of no shared keys), so its shared segments keep flash's
-// backward there; the default, cuDNN's over the shared segments, is checked on the same
-// step with that anchor moved one row on, against the fp32 step.
+// with the tails' attention backward through cuDNN, and bf16 with the LM head's input gradient
+// in FP8. The fixture has a block anchored at a sequence's first row (a group of no shared
+// keys), so its shared segments keep flash's backward there; the default, cuDNN's over the
+// shared segments, is checked on the same step with that anchor moved one row on, against the
+// fp32 step.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,6 +26,7 @@ struct GpuCase {
   at::ScalarType dtype;
   models::DrafterAttention attention;
   double loss_tol, grad_tol;
+  train::HeadGrad head_grad;
 };
 
 // CTest names each case by this (GoogleTest would print the struct's bytes).
@@ -43,8 +45,11 @@ TEST_P(DrafterGpu, GatheredStepMatchesReference) {
   train::StepOptions options;
   options.dtype = g.dtype;
   options.attention = g.attention;
-  auto r = train::forward_backward(*c.drafter, models::TargetHead::of(*c.target), c.input,
-                                   c.anchors, /*grad_scale=*/1.0, options);
+  options.head_grad = g.head_grad;
+  auto head = models::TargetHead::of(*c.target);
+  if (g.head_grad == train::HeadGrad::kFp8) head.lm_head_t_fp8 = train::head_grad_fp8(head.lm_head);
+  auto r = train::forward_backward(*c.drafter, head, c.input, c.anchors, /*grad_scale=*/1.0,
+                                   options);
   ASSERT_GT(r.weight_sum, 0);
   const double loss = r.weighted_ce.item<double>() / r.weight_sum;
   const double ref_loss = c.tensor("loss").item<double>();
@@ -63,10 +68,16 @@ TEST_P(DrafterGpu, GatheredStepMatchesReference) {
 using models::DrafterAttention;
 INSTANTIATE_TEST_SUITE_P(
     Dtypes, DrafterGpu,
-    ::testing::Values(GpuCase{"fp32", at::kFloat, DrafterAttention::kGathered, 1e-4, 1e-4},
-                      GpuCase{"bf16", at::kBFloat16, DrafterAttention::kGathered, 2e-2, 5e-2},
+    ::testing::Values(GpuCase{"fp32", at::kFloat, DrafterAttention::kGathered, 1e-4, 1e-4,
+                              train::HeadGrad::kCompute},
+                      GpuCase{"bf16", at::kBFloat16, DrafterAttention::kGathered, 2e-2, 5e-2,
+                              train::HeadGrad::kCompute},
                       GpuCase{"bf16_cudnn", at::kBFloat16, DrafterAttention::kGatheredCudnn, 2e-2,
-                              5e-2}),
+                              5e-2, train::HeadGrad::kCompute},
+                      // The LM head's input gradient as an FP8 GEMM (--head-grad fp8) within the
+                      // bf16 step's tolerances.
+                      GpuCase{"bf16_fp8_head_grad", at::kBFloat16, DrafterAttention::kGathered, 2e-2,
+                              5e-2, train::HeadGrad::kFp8}),
     [](const auto& info) { return info.param.name; });
 
 // The default bf16 step (auto: cuDNN's backward over the shared segments, flash's over the

@@ -1,0 +1,74 @@
+#include "kernels/fp8_rows.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <fmt/ranges.h>
+
+#include "common/error.h"
+
+namespace dflash::kernels {
+namespace {
+
+void check_rows(const Fp8Rows& x, const char* name) {
+  if (x.data.dim() != 2 || x.data.scalar_type() != at::kFloat8_e4m3fn || !x.data.is_contiguous()) {
+    fail("fp8 GEMM: {} must be contiguous float8_e4m3fn [rows, cols], got {} {}", name,
+         x.data.sizes(), c10::toString(x.data.scalar_type()));
+  }
+  if (x.scale.sizes() != at::IntArrayRef{x.data.size(0)} || x.scale.scalar_type() != at::kFloat) {
+    fail("fp8 GEMM: {}'s scale must be fp32 [{}], got {} {}", name, x.data.size(0),
+         x.scale.sizes(), c10::toString(x.scale.scalar_type()));
+  }
+}
+
+void check_mm(const at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
+  check_rows(a, "a");
+  check_rows(b, "b");
+  const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
+  if (b.data.size(1) != k) fail("fp8 GEMM: a {} and b {} differ in k", a.data.sizes(), b.data.sizes());
+  if (k % 16 != 0) fail("fp8 GEMM: k = {} must be a multiple of 16", k);
+  if (out.sizes() != at::IntArrayRef{m, n} || !out.is_contiguous()) {
+    fail("fp8 GEMM: out must be contiguous [{}, {}], got {}", m, n, out.sizes());
+  }
+}
+
+}  // namespace
+
+Fp8Rows quantize_rows_e4m3(const at::Tensor& x) {
+  if (x.dim() != 2) fail("fp8 quantize: expected a matrix, got {}", x.sizes());
+  auto xf = x.to(at::kFloat);
+  auto amax = xf.abs().amax(1);
+  auto scale = at::where(amax > 0, amax / kE4m3Max, at::ones_like(amax));
+  // Clamped before the cast: values past the largest finite e4m3 would become NaN.
+  auto data = (xf / scale.unsqueeze(1)).clamp_(-kE4m3Max, kE4m3Max).to(at::kFloat8_e4m3fn);
+  return {data.contiguous(), scale.contiguous()};
+}
+
+at::Tensor dequantize_rows(const Fp8Rows& x) {
+  return x.data.to(at::kFloat) * x.scale.unsqueeze(1);
+}
+
+bool fp8_gemm_supported(at::Device device) {
+  if (!device.is_cuda()) return false;
+  const auto* props = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index());
+  return props->major >= 9;
+}
+
+void mm_fp8_rows_reference_out(at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
+  check_mm(out, a, b);
+  out.copy_(at::mm(dequantize_rows(a), dequantize_rows(b).t()));
+}
+
+void mm_fp8_rows_out(at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
+  if (!fp8_gemm_supported(out.device())) return mm_fp8_rows_reference_out(out, a, b);
+  check_mm(out, a, b);
+  if (out.scalar_type() != at::kBFloat16) {
+    fail("fp8 GEMM: row-wise scales write bf16, out is {}", c10::toString(out.scalar_type()));
+  }
+  if (a.data.size(0) == 0) return;
+  // b^T is column-major as cuBLASLt wants the second operand; row-wise scales are [m, 1] and
+  // [1, n]. Accumulation keeps its periodic promotion to fp32 (no fast accumulation): k runs
+  // to the vocabulary size.
+  at::_scaled_mm_out(out, a.data, b.data.t(), a.scale.unsqueeze(1), b.scale.unsqueeze(0),
+                     std::nullopt, std::nullopt, at::kBFloat16, /*use_fast_accum=*/false);
+}
+
+}  // namespace dflash::kernels

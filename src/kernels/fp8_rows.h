@@ -1,0 +1,36 @@
+// kernels: FP8 (e4m3) matrices with one fp32 scale per row, and the GEMM of two of them. The
+// frozen LM head's input gradient is the largest GEMM of a drafter step (7,680 x 151,936 x
+// 4,096 at the paper's shape); in e4m3 with per-row scales Hopper runs it at about twice the
+// bf16 rate. On CUDA the GEMM is cuBLASLt/CUTLASS through at::_scaled_mm (row-wise scales need
+// compute capability 9.0 or newer); elsewhere a dequantizing fp32 reference, which is the
+// oracle in tests.
+#pragma once
+#include <ATen/ATen.h>
+
+namespace dflash::kernels {
+
+// Row i of the real matrix is data[i] * scale[i].
+struct Fp8Rows {
+  at::Tensor data;   // float8_e4m3fn [rows, cols], contiguous
+  at::Tensor scale;  // fp32 [rows]
+};
+
+// The largest finite e4m3 value: a row's largest magnitude is stored as this.
+constexpr float kE4m3Max = 448.f;
+
+// Each row scaled so that its largest magnitude becomes kE4m3Max, rounded to nearest (an
+// all-zero row gets scale 1).
+Fp8Rows quantize_rows_e4m3(const at::Tensor& x);
+// data * scale in fp32.
+at::Tensor dequantize_rows(const Fp8Rows& x);
+
+// Whether mm_fp8_rows_out runs a real FP8 GEMM on `device` (CUDA, capability 9.0 or newer).
+bool fp8_gemm_supported(at::Device device);
+
+// out [m, n] = a [m, k] x b [n, k]^T with each row's scale, written in out's dtype (bf16 on
+// CUDA). k must be a multiple of 16. On a device without fp8_gemm_supported: the reference.
+void mm_fp8_rows_out(at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b);
+// The same through dequantize_rows and an fp32 GEMM on any device.
+void mm_fp8_rows_reference_out(at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b);
+
+}  // namespace dflash::kernels

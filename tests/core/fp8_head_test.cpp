@@ -1,0 +1,222 @@
+// The FP8 input gradient of the LM head (train::HeadGrad::kFp8): e4m3 rows with per-row
+// scales, the loss kernel's fp8 variant and the FP8 GEMM, each against its reference.
+// On the CPU: the quantizer against e4m3's rounding bounds, the loss's fp8 reference against
+// the fp32 gradient (and the scale against the closed form the CUDA kernel computes), and the
+// chunked loss with an fp8 head against float64 autograd. On a GPU: the CUDA kernel against
+// the reference, the FP8 GEMM against the dequantized fp32 product, and the chunked loss
+// against its compute-dtype run.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "common/error.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/fp8_rows.h"
+#include "test_util.h"
+#include "train/loss.h"
+
+namespace dflash {
+namespace {
+
+// How far an e4m3 value (scaled by `scale`) may lie from x when rounded to nearest: half a step
+// of 3 mantissa bits for normal values, half the subnormal step (2^-9) below 2^-6.
+at::Tensor e4m3_bound(const at::Tensor& x, const at::Tensor& scale, double steps = 0.5) {
+  auto rel = x.abs() * (steps * std::ldexp(1.0, -3));
+  auto sub = scale.unsqueeze(1) * (steps * std::ldexp(1.0, -9)) * at::ones_like(x);
+  return at::maximum(rel, sub) * (1 + 1e-6) + 1e-30;
+}
+
+TEST(Fp8Rows, QuantizeKeepsEachRowWithinE4m3Rounding) {
+  at::manual_seed(1);
+  auto x = at::randn({6, 64}) * at::tensor({1e-3, 1.0, 30.0, 1e4, 0.0, 5.0}).unsqueeze(1);
+  x[5][7] = -80.0;  // the largest magnitude negative
+  auto q = kernels::quantize_rows_e4m3(x);
+  EXPECT_EQ(q.data.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_EQ(q.data.sizes(), x.sizes());
+  auto amax = x.abs().amax(1);
+  for (int64_t r = 0; r < 6; ++r) {
+    const double expected = r == 4 ? 1.0 : amax[r].item<double>() / kernels::kE4m3Max;
+    EXPECT_NEAR(q.scale[r].item<double>(), expected, 1e-6 * expected) << "row " << r;
+  }
+  auto back = kernels::dequantize_rows(q);
+  EXPECT_TRUE(((back - x).abs() <= e4m3_bound(x, q.scale)).all().item<bool>());
+  // The row's largest magnitude is e4m3's largest finite value exactly, its sign kept.
+  EXPECT_FLOAT_EQ(q.data[5][7].to(at::kFloat).item<float>(), -kernels::kE4m3Max);
+  EXPECT_TRUE(at::equal(back[4], at::zeros({64})));
+}
+
+TEST(Fp8Rows, GemmArgumentsAreChecked) {
+  auto a = kernels::quantize_rows_e4m3(at::randn({4, 32}));
+  auto b = kernels::quantize_rows_e4m3(at::randn({3, 24}));
+  auto out = at::empty({4, 3});
+  try {
+    kernels::mm_fp8_rows_out(out, a, b);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("differ in k"), std::string::npos) << e.what();
+  }
+  auto odd = kernels::quantize_rows_e4m3(at::randn({3, 24}));
+  auto a24 = kernels::quantize_rows_e4m3(at::randn({4, 24}));
+  EXPECT_THROW(kernels::mm_fp8_rows_out(out, a24, odd), Error);  // k = 24: not a multiple of 16
+  kernels::mm_fp8_rows_out(out, a, kernels::quantize_rows_e4m3(at::randn({3, 32})));
+}
+
+// Logits with a confident row, a flat row, a row whose label is its argmax and a zero-weight
+// row; labels in range.
+struct CeInput {
+  at::Tensor logits, labels, coef;
+};
+CeInput ce_input(int64_t rows, int64_t vocab, at::ScalarType dtype) {
+  at::manual_seed(2);
+  auto logits = at::randn({rows, vocab}) * 3.0;
+  logits[1].mul_(0.01);
+  auto labels = at::randint(vocab, {rows}, at::TensorOptions().dtype(at::kLong));
+  logits[0][labels[0].item<int64_t>()] = 12.0;
+  logits[2][labels[2].item<int64_t>()] = 4.0;
+  auto coef = at::rand({rows}) + 0.1;
+  coef[3] = 0;
+  return {logits.to(dtype), labels, coef};
+}
+
+TEST(CrossEntropyFp8, ReferenceQuantizesTheFp32Gradient) {
+  auto in = ce_input(7, 160, at::kFloat);
+  auto grad = in.logits.clone();
+  auto want = kernels::cross_entropy_rows_reference_(grad, in.labels, in.coef);
+  kernels::Fp8Rows g8{at::empty({7, 160}, at::kFloat8_e4m3fn), at::empty({7})};
+  auto logits = in.logits.clone();
+  auto got = kernels::cross_entropy_rows_fp8_reference(logits, in.labels, in.coef, g8);
+  EXPECT_TRUE(at::equal(logits, in.logits)) << "the logits must be left as they are";
+  EXPECT_TRUE(at::equal(got.loss, want.loss));
+  EXPECT_TRUE(at::equal(got.argmax, want.argmax));
+  auto back = kernels::dequantize_rows(g8);
+  EXPECT_TRUE(((back - grad).abs() <= e4m3_bound(grad, g8.scale)).all().item<bool>());
+  // The closed form of the row's largest |gradient| that the CUDA kernel uses instead of a
+  // pass over the row: |coef| * max(largest other probability, 1 - p(label)).
+  auto x = in.logits.to(at::kDouble);
+  auto lse = at::logsumexp(x, {1});
+  for (int64_t r = 0; r < 7; ++r) {
+    const int64_t y = in.labels[r].item<int64_t>();
+    auto others = x[r].clone();
+    others[y] = -INFINITY;
+    const double p_other = std::exp(others.max().item<double>() - lse[r].item<double>());
+    const double p_y = std::exp(x[r][y].item<double>() - lse[r].item<double>());
+    const double amax = std::abs(in.coef[r].item<double>()) * std::max(p_other, 1 - p_y);
+    const double scale = amax > 0 ? amax / kernels::kE4m3Max : 1.0;
+    EXPECT_NEAR(g8.scale[r].item<double>(), scale, 1e-5 * scale) << "row " << r;
+  }
+}
+
+TEST(HeadLoss, Fp8InputGradientStaysNearExact) {
+  at::manual_seed(4);
+  const int64_t m = 40, h = 32, vocab = 96, block_size = 5;
+  auto hidden = at::randn({m, h});
+  auto lm_head = at::randn({vocab, h}) * 0.5;
+  auto labels = at::randint(vocab, {m}, at::TensorOptions().dtype(at::kLong));
+  auto label_k = at::randint(1, block_size, {m}, at::TensorOptions().dtype(at::kLong));
+  auto weights = at::rand({m}) + 0.1;
+  auto ref_hidden = hidden.to(at::kDouble).requires_grad_(true);
+  auto logits = ref_hidden.mm(lm_head.to(at::kDouble).t());
+  auto ce = at::logsumexp(logits, {1}) - logits.gather(1, labels.unsqueeze(1)).squeeze(1);
+  (weights.to(at::kDouble) * ce).sum().backward();
+
+  const auto head_t8 = train::head_grad_fp8(lm_head);
+  EXPECT_EQ(head_t8.data.sizes(), (at::IntArrayRef{h, vocab}));
+  auto exact = train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size,
+                                        1.0, 16);
+  auto r = train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0,
+                                    16, &head_t8);
+  // Only the input gradient's GEMM changes: loss, predictions and counts are those of the
+  // compute dtype, bitwise.
+  EXPECT_TRUE(at::equal(r.weighted_ce, exact.weighted_ce));
+  EXPECT_TRUE(at::equal(r.predictions, exact.predictions));
+  EXPECT_TRUE(at::equal(r.correct, exact.correct));
+  // Both operands rounded to 3 mantissa bits: a few percent of the gradient's norm.
+  const double err = testing::relative_error(r.grad_hidden, ref_hidden.grad());
+  EXPECT_LT(err, 0.05);
+  EXPECT_GT(err, 1e-4) << "the fp8 path should not be the fp32 one";
+  // A head of another shape is named, not read out of bounds.
+  const auto other = train::head_grad_fp8(lm_head.narrow(0, 0, 48));
+  EXPECT_THROW(train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0,
+                                        16, &other),
+               Error);
+}
+
+class CrossEntropyFp8Kernel : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(CrossEntropyFp8Kernel, MatchesReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const int64_t vocab = GetParam();
+  auto in = ce_input(37, vocab, at::kBFloat16);
+  kernels::Fp8Rows want{at::empty({37, vocab}, at::kFloat8_e4m3fn), at::empty({37})};
+  auto expected = kernels::cross_entropy_rows_fp8_reference(in.logits, in.labels, in.coef, want);
+  auto logits = in.logits.cuda();
+  kernels::Fp8Rows got{at::empty({37, vocab}, logits.options().dtype(at::kFloat8_e4m3fn)),
+                       at::empty({37}, logits.options().dtype(at::kFloat))};
+  auto r = kernels::cross_entropy_rows_fp8(logits, in.labels.cuda(), in.coef.cuda(), got);
+  EXPECT_TRUE(at::equal(logits.cpu(), in.logits)) << "the logits must be left as they are";
+  EXPECT_TRUE(at::equal(r.argmax.cpu(), expected.argmax));
+  EXPECT_TRUE(at::allclose(r.loss.cpu(), expected.loss, 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(got.scale.cpu(), want.scale, 1e-5, 0));
+  // The kernel multiplies by 1/scale where the reference divides: a value on a rounding
+  // boundary may land one e4m3 step away.
+  auto a = kernels::dequantize_rows({got.data.cpu(), got.scale.cpu()});
+  auto e = kernels::dequantize_rows(want);
+  EXPECT_TRUE(((a - e).abs() <= e4m3_bound(e, want.scale, 1.0)).all().item<bool>())
+      << (a - e).abs().max();
+}
+
+INSTANTIATE_TEST_SUITE_P(Vocab, CrossEntropyFp8Kernel,
+                         ::testing::Values(151936, 4096, 1008),  // vector paths; 1008: 8 x 126
+                         [](const auto& info) { return "vocab_" + std::to_string(info.param); });
+
+TEST(Fp8Gemm, MatchesTheDequantizedProduct) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (!kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) GTEST_SKIP() << "needs sm_90+";
+  at::manual_seed(6);
+  for (int64_t m : {1, 37, 1024}) {
+    SCOPED_TRACE(m);
+    const int64_t n = 256, k = 4096;
+    auto a = kernels::quantize_rows_e4m3(at::randn({m, k}).cuda());
+    auto b = kernels::quantize_rows_e4m3((at::randn({n, k}) * 0.02).cuda());
+    auto out = at::empty({m, n}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA));
+    kernels::mm_fp8_rows_out(out, a, b);
+    auto want = at::empty({m, n}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+    kernels::mm_fp8_rows_reference_out(want, a, b);
+    // The same products of e4m3 values, accumulated in fp32, then rounded to bf16.
+    EXPECT_LT(testing::relative_error(out, want), 5e-3);
+  }
+}
+
+TEST(HeadLossGpu, Fp8GradientNearTheBf16One) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (!kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) GTEST_SKIP() << "needs sm_90+";
+  at::manual_seed(8);
+  const int64_t m = 1500, h = 256, vocab = 4096, block_size = 16;
+  auto opts = at::TensorOptions().device(at::kCUDA);
+  auto hidden = at::randn({m, h}, opts).to(at::kBFloat16);
+  auto lm_head = (at::randn({vocab, h}, opts) * 0.1).to(at::kBFloat16);
+  auto labels = at::randint(vocab, {m}, opts.dtype(at::kLong));
+  auto label_k = at::randint(1, block_size, {m}, opts.dtype(at::kLong));
+  auto weights = at::rand({m}, opts) + 0.1;
+  auto exact = train::chunked_head_loss(hidden.to(at::kFloat), lm_head.to(at::kFloat), labels,
+                                        weights, label_k, block_size, 1.0, 512);
+  auto bf16 = train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0,
+                                       512);
+  const auto head_t8 = train::head_grad_fp8(lm_head);
+  auto fp8 = train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0,
+                                      512, &head_t8);
+  // The loss kernel's fp8 variant reduces the same values in the same order.
+  EXPECT_NEAR(fp8.weighted_ce.item<double>(), bf16.weighted_ce.item<double>(),
+              1e-6 * std::abs(bf16.weighted_ce.item<double>()));
+  EXPECT_TRUE(at::equal(fp8.predictions, bf16.predictions));
+  const double err_bf16 = testing::relative_error(bf16.grad_hidden, exact.grad_hidden);
+  const double err_fp8 = testing::relative_error(fp8.grad_hidden, exact.grad_hidden);
+  RecordProperty("bf16_relative_error", std::to_string(err_bf16));
+  RecordProperty("fp8_relative_error", std::to_string(err_fp8));
+  std::printf("input gradient vs fp32: bf16 %.4f, fp8 %.4f relative error\n", err_bf16, err_fp8);
+  EXPECT_LT(err_fp8, 0.05);
+}
+
+}  // namespace
+}  // namespace dflash
