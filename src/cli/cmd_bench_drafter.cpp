@@ -34,7 +34,7 @@ struct BenchDrafterOptions {
   int64_t layers = 5;
   int64_t head_chunk = 2048;
   std::vector<std::string> attention = {"auto"};  // several: alternated (run_bench)
-  std::vector<std::string> head_grad = {"compute"};  // likewise, crossed with attention
+  std::vector<std::string> head_grad = {"auto"};  // likewise, crossed with attention
   int warmup = 3;
   int iters = 10;
   std::string json_out;
@@ -144,10 +144,11 @@ void run_bench(const BenchDrafterOptions& o) {
   const double flops = models::drafter_step_flops(config, {seq}, sampled, micro.blocks.num_labels);
   fmt::print(
       "bench-drafter: target {} ({} layers, H {}), drafter {} layers ({:.3f} B params), taps [{}],"
-      " seq {}, anchors {}, B {}, {} on {}, warmup {}, iters {}\n",
+      " seq {}, anchors {}, B {}, {} on {}, LM-head input gradient {}, warmup {}, iters {}\n",
       o.preset, target.num_layers, target.hidden_size, config.layers.num_layers,
       drafter.num_parameters() / 1e9, fmt::join(config.target_layer_ids, ","), seq, sampled.size(),
-      config.block_size, c10::toString(dtype), o.device, o.warmup, o.iters);
+      config.block_size, c10::toString(dtype), o.device, train::head_grad_name(trainer.head_grad()),
+      o.warmup, o.iters);
   const int dev = device.index() < 0 ? 0 : device.index();
   // Peaks of live tensors (allocated) and of what the caching allocator holds (reserved, what
   // the process takes from the device); a gap between them is fragmentation.
@@ -236,7 +237,7 @@ void run_bench(const BenchDrafterOptions& o) {
                         {"online_drafter_median_ms", online_drafter_ms},
                         {"loss", last.loss},
                         {"attention", o.attention.front()},
-                        {"head_grad", o.head_grad.front()},
+                        {"head_grad", train::head_grad_name(trainer.head_grad())},
                         {"alternating", alternating}};
   if (!o.profile.empty()) {
     constexpr int kProfiledSteps = 2;
@@ -293,9 +294,10 @@ void add_bench_drafter_command(CLI::App& app) {
                   "with the first")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--head-grad", o->head_grad,
-                  "the LM head's input-gradient GEMM: compute or fp8 (e4m3, Hopper or newer); a "
-                  "comma-separated list alternates as --attention does (every pair of the two)")
+  cmd->add_option(
+         "--head-grad", o->head_grad,
+         "the LM head's input-gradient GEMM: auto, compute or fp8 (e4m3, Hopper or newer); a "
+         "comma-separated list alternates as --attention does (every pair of the two)")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup)->capture_default_str();

@@ -38,10 +38,10 @@ void check_fp8_out(const at::Tensor& logits, const Fp8Rows& grad) {
   if (grad.data.sizes() != at::IntArrayRef{n, vocab} ||
       grad.data.scalar_type() != at::kFloat8_e4m3fn || !grad.data.is_contiguous() ||
       grad.data.device() != logits.device()) {
-    fail("cross entropy: the fp8 gradient must be contiguous float8_e4m3fn [{}, {}] on {}, got {} "
-         "{}",
-         n, vocab, logits.device().str(), grad.data.sizes(),
-         c10::toString(grad.data.scalar_type()));
+    fail(
+        "cross entropy: the fp8 gradient must be contiguous float8_e4m3fn [{}, {}] on {}, got {} "
+        "{}",
+        n, vocab, logits.device().str(), grad.data.sizes(), c10::toString(grad.data.scalar_type()));
   }
   if (grad.scale.sizes() != at::IntArrayRef{n} || grad.scale.scalar_type() != at::kFloat ||
       grad.scale.device() != logits.device()) {

@@ -80,13 +80,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t label64 = labels[blockIdx.x];
   const int32_t label = label64 >= 0 && label64 < vocab ? static_cast<int32_t>(label64) : -1;
   Partial p{-FLT_MAX, 0.f, INT32_MAX};
-  float other = -FLT_MAX;  // kFp8: the largest logit other than the label's
-  auto visit = [&](float x, int32_t i) {
-    add(p, x, i);
-    if constexpr (kFp8) {
-      if (i != label) other = fmaxf(other, x);
-    }
-  };
   extern __shared__ uint4 staged[];  // nstaged vectors, the launch's dynamic shared memory
   const int32_t nvec = vec ? vocab / kVec : 0;
   if (vec) {
@@ -101,11 +94,11 @@ __global__ void __launch_bounds__(kThreads)
         if (v < nstaged) staged[v] = raw[u];
         const T* e = reinterpret_cast<const T*>(&raw[u]);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) visit(to_float(e[j]), v * kVec + j);
+        for (int j = 0; j < kVec; ++j) add(p, to_float(e[j]), v * kVec + j);
       }
     }
   } else {
-    for (int32_t i = threadIdx.x; i < vocab; i += kThreads) visit(to_float(row[i]), i);
+    for (int32_t i = threadIdx.x; i < vocab; i += kThreads) add(p, to_float(row[i]), i);
   }
   // Block reduction: warps by shuffle, then the warp results in shared memory.
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -113,27 +106,20 @@ __global__ void __launch_bounds__(kThreads)
               __shfl_down_sync(0xffffffffu, p.s, offset),
               __shfl_down_sync(0xffffffffu, p.arg, offset)};
     p = combine(p, o);
-    if constexpr (kFp8) other = fmaxf(other, __shfl_down_sync(0xffffffffu, other, offset));
   }
   __shared__ Partial warp_partial[kThreads / 32];
-  __shared__ float warp_other[kThreads / 32];
   __shared__ float row_lse, row_factor;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    warp_partial[warp] = p;
-    if constexpr (kFp8) warp_other[warp] = other;
-  }
+  if (lane == 0) warp_partial[warp] = p;
   __syncthreads();
   const float c = coef[blockIdx.x];
   if (warp == 0) {
     p = lane < kThreads / 32 ? warp_partial[lane] : Partial{-FLT_MAX, 0.f, INT32_MAX};
-    if constexpr (kFp8) other = lane < kThreads / 32 ? warp_other[lane] : -FLT_MAX;
     for (int offset = 16; offset > 0; offset >>= 1) {
       Partial o{__shfl_down_sync(0xffffffffu, p.m, offset),
                 __shfl_down_sync(0xffffffffu, p.s, offset),
                 __shfl_down_sync(0xffffffffu, p.arg, offset)};
       p = combine(p, o);
-      if constexpr (kFp8) other = fmaxf(other, __shfl_down_sync(0xffffffffu, other, offset));
     }
     if (lane == 0) {
       const float lse = p.m + __logf(p.s);
@@ -144,10 +130,12 @@ __global__ void __launch_bounds__(kThreads)
       loss[blockIdx.x] = label >= 0 ? lse - label_logit : NAN;
       argmax[blockIdx.x] = p.arg;
       if constexpr (kFp8) {
-        // The row's largest |gradient|: the largest probability of another token, or
-        // 1 - p(label) at the label.
-        const float p_other = other == -FLT_MAX ? 0.f : __expf(other - lse);
-        const float amax = fabsf(c) * fmaxf(p_other, 1.f - __expf(label_logit - lse));
+        // The row's largest |gradient| / |coef|: 1 - p(label) where the label is the argmax,
+        // else the larger of the argmax's probability and 1 - p(label) (no one-hot: the
+        // argmax's alone).
+        const float p_max = __expf(p.m - lse);
+        const float rest = label >= 0 ? 1.f - __expf(label_logit - lse) : 0.f;
+        const float amax = fabsf(c) * (p.arg == label ? rest : fmaxf(p_max, rest));
         const float scale = amax > 0.f ? amax / 448.f : 1.f;
         grad_scale[blockIdx.x] = scale;
         row_factor = c / scale;
@@ -160,17 +148,18 @@ __global__ void __launch_bounds__(kThreads)
     // Each element once, e4m3 of coef * (softmax - onehot) / scale, rounded to nearest.
     const float f = row_factor;
     __nv_fp8_storage_t* out = grad8 + int64_t(blockIdx.x) * vocab;
-    auto q = [&](float x, int32_t i) {
-      const float g = __expf(x - lse) - (i == label ? 1.f : 0.f);
-      return __nv_cvt_float_to_fp8(f * g, __NV_SATFINITE, __NV_E4M3);
-    };
+    auto g = [&](float x, int32_t i) { return f * (__expf(x - lse) - (i == label ? 1.f : 0.f)); };
     if (vec) {
       auto write = [&](int32_t v, uint4 raw) {
         const T* e = reinterpret_cast<const T*>(&raw);
-        Vec<__nv_fp8_storage_t, kVec> o;
+        Vec<__nv_fp8x2_storage_t, kVec / 2> o;
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) o.v[j] = q(to_float(e[j]), v * kVec + j);
-        reinterpret_cast<Vec<__nv_fp8_storage_t, kVec>*>(out)[v] = o;
+        for (int j = 0; j < kVec; j += 2) {
+          const float2 pair{g(to_float(e[j]), v * kVec + j),
+                            g(to_float(e[j + 1]), v * kVec + j + 1)};
+          o.v[j / 2] = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
+        }
+        reinterpret_cast<Vec<__nv_fp8x2_storage_t, kVec / 2>*>(out)[v] = o;
       };
       const uint4* row4 = reinterpret_cast<const uint4*>(row);
       int32_t v = threadIdx.x;
@@ -184,7 +173,9 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     } else {
-      for (int32_t i = threadIdx.x; i < vocab; i += kThreads) out[i] = q(to_float(row[i]), i);
+      for (int32_t i = threadIdx.x; i < vocab; i += kThreads) {
+        out[i] = __nv_cvt_float_to_fp8(g(to_float(row[i]), i), __NV_SATFINITE, __NV_E4M3);
+      }
     }
     return;
   }

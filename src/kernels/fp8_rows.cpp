@@ -14,8 +14,8 @@ void check_rows(const Fp8Rows& x, const char* name) {
          x.data.sizes(), c10::toString(x.data.scalar_type()));
   }
   if (x.scale.sizes() != at::IntArrayRef{x.data.size(0)} || x.scale.scalar_type() != at::kFloat) {
-    fail("fp8 GEMM: {}'s scale must be fp32 [{}], got {} {}", name, x.data.size(0),
-         x.scale.sizes(), c10::toString(x.scale.scalar_type()));
+    fail("fp8 GEMM: {}'s scale must be fp32 [{}], got {} {}", name, x.data.size(0), x.scale.sizes(),
+         c10::toString(x.scale.scalar_type()));
   }
 }
 
@@ -23,7 +23,8 @@ void check_mm(const at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
   check_rows(a, "a");
   check_rows(b, "b");
   const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
-  if (b.data.size(1) != k) fail("fp8 GEMM: a {} and b {} differ in k", a.data.sizes(), b.data.sizes());
+  if (b.data.size(1) != k)
+    fail("fp8 GEMM: a {} and b {} differ in k", a.data.sizes(), b.data.sizes());
   if (k % 16 != 0) fail("fp8 GEMM: k = {} must be a multiple of 16", k);
   if (out.sizes() != at::IntArrayRef{m, n} || !out.is_contiguous()) {
     fail("fp8 GEMM: out must be contiguous [{}, {}], got {}", m, n, out.sizes());

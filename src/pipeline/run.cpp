@@ -492,6 +492,10 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
   to.keep_last = c.keep_last;
   to.allreduce_bucket_bytes = static_cast<int64_t>(c.allreduce_bucket_mb * (1 << 20));
   train::Trainer loop(*job.drafter, job.head, to, *source, &r.data_parallel());
+  if (r.leads() && loop.head_grad() != to.step.head_grad) {
+    fmt::print("train: LM-head input gradient: {} (--head-grad {})\n",
+               train::head_grad_name(loop.head_grad()), c.head_grad);
+  }
   if (resume) {
     const auto from = train::resolve_checkpoint(run_dir);
     loop.load_checkpoint(from);

@@ -52,9 +52,9 @@ const std::vector<ConfigKey>& config_keys() {
        "cuDNN), gathered-cudnn-shared-fwd (its forward too) or gathered-cudnn (the tails' "
        "backward too)"},
       {"head_grad", &RunConfig::head_grad,
-       "the LM head's input-gradient GEMM: compute (the compute dtype) or fp8 (e4m3 with a "
-       "scale per row, about twice the bf16 rate; GPUs of compute capability 9.0 or newer, "
-       "bf16; the logits and the loss stay in bf16 and fp32)"},
+       "the LM head's input-gradient GEMM: auto (fp8 where it runs: a GPU of compute "
+       "capability 9.0 or newer, bf16), compute (the compute dtype) or fp8 (e4m3 with a scale "
+       "per row, twice the bf16 GEMM rate; the logits and the loss stay in bf16 and fp32)"},
       {"mask_token_id", &RunConfig::mask_token_id,
        "MASK token (default: 151669 if inside the vocabulary, else the last id)"},
       {"init_from", &RunConfig::init_from,

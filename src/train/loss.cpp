@@ -9,13 +9,39 @@
 namespace dflash::train {
 
 HeadGrad parse_head_grad(const std::string& name, const std::string& what) {
+  if (name == "auto") return HeadGrad::kAuto;
   if (name == "compute") return HeadGrad::kCompute;
   if (name == "fp8") return HeadGrad::kFp8;
-  fail("{}: unknown LM-head gradient precision '{}' (expected compute or fp8)", what, name);
+  fail("{}: unknown LM-head gradient precision '{}' (expected auto, compute or fp8)", what, name);
 }
 
 const char* head_grad_name(HeadGrad head_grad) {
-  return head_grad == HeadGrad::kFp8 ? "fp8" : "compute";
+  switch (head_grad) {
+    case HeadGrad::kAuto:
+      return "auto";
+    case HeadGrad::kCompute:
+      return "compute";
+    case HeadGrad::kFp8:
+      return "fp8";
+  }
+  return "?";
+}
+
+HeadGrad resolve_head_grad(HeadGrad requested, const at::Tensor& head, at::ScalarType dtype) {
+  if (requested == HeadGrad::kCompute) return requested;
+  const at::Device device = head.device();
+  if (!device.is_cuda()) return requested == HeadGrad::kAuto ? HeadGrad::kCompute : requested;
+  std::string why;
+  if (!kernels::fp8_gemm_supported(device)) {
+    why = fmt::format("{} is older than compute capability 9.0 (Hopper)", device.str());
+  } else if (dtype != at::kBFloat16) {
+    why = fmt::format("it writes bf16 rows and the compute dtype is {}", c10::toString(dtype));
+  } else if (head.size(0) % 16 != 0 || head.size(1) % 16 != 0) {
+    why = fmt::format("the head {} is not a multiple of 16 in both dimensions", head.sizes());
+  }
+  if (why.empty()) return HeadGrad::kFp8;
+  if (requested == HeadGrad::kAuto) return HeadGrad::kCompute;
+  fail("the fp8 LM-head gradient cannot run: {}; use --head-grad compute", why);
 }
 
 kernels::Fp8Rows head_grad_fp8(const at::Tensor& lm_head) {
@@ -79,9 +105,8 @@ HeadLoss chunked_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head,
     // or as e4m3 rows into grad8.
     kernels::Fp8Rows g;
     if (head_t_fp8 != nullptr) g = {grad8.data.narrow(0, 0, n), grad8.scale.narrow(0, 0, n)};
-    auto r = head_t_fp8 != nullptr
-                 ? kernels::cross_entropy_rows_fp8(logits, y, w * grad_scale, g)
-                 : kernels::cross_entropy_rows_(logits, y, w * grad_scale);
+    auto r = head_t_fp8 != nullptr ? kernels::cross_entropy_rows_fp8(logits, y, w * grad_scale, g)
+                                   : kernels::cross_entropy_rows_(logits, y, w * grad_scale);
     out.weighted_ce.add_((r.loss * w).sum());
     out.predictions.narrow(0, start, n).copy_(r.argmax);
     out.correct.index_add_(0, k, r.argmax.eq(y).to(at::kFloat));

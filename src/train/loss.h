@@ -26,9 +26,14 @@ struct HeadLoss {
 // FP8 GEMM of e4m3 rows with per-row scales (CUDA: compute capability 9.0 or newer, bf16
 // compute; elsewhere its dequantizing reference). The logits, the loss and the softmax stay in
 // the compute dtype and fp32 either way: e4m3 logits would perturb the softmax itself.
-enum class HeadGrad { kCompute, kFp8 };
+// kAuto is fp8 where the FP8 GEMM runs (resolve_head_grad), else the compute dtype.
+enum class HeadGrad { kAuto, kCompute, kFp8 };
 HeadGrad parse_head_grad(const std::string& name, const std::string& what);
 const char* head_grad_name(HeadGrad head_grad);
+// kAuto made concrete for a head on `head.device()` and a compute dtype: fp8 on a GPU of
+// compute capability 9.0 or newer in bf16 with both head dimensions multiples of 16, else
+// kCompute. An explicit kFp8 where the GEMM cannot run on that GPU is an error naming why.
+HeadGrad resolve_head_grad(HeadGrad requested, const at::Tensor& head, at::ScalarType dtype);
 
 // The frozen head [V, H] transposed to [H, V] and quantized to e4m3, one scale per hidden unit
 // (the rows of the GEMM's second operand), a slice of hidden units at a time so that no fp32
@@ -44,7 +49,6 @@ kernels::Fp8Rows head_grad_fp8(const at::Tensor& lm_head);
 HeadLoss chunked_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head,
                            const at::Tensor& labels, const at::Tensor& weights,
                            const at::Tensor& label_k, int64_t block_size, double grad_scale,
-                           int64_t chunk_rows = 1024,
-                           const kernels::Fp8Rows* head_t_fp8 = nullptr);
+                           int64_t chunk_rows = 1024, const kernels::Fp8Rows* head_t_fp8 = nullptr);
 
 }  // namespace dflash::train

@@ -72,7 +72,8 @@ struct StepOptions {
   at::ScalarType dtype = at::kFloat;  // compute dtype (bf16 on GPU)
   int64_t head_chunk_rows = 1024;
   models::DrafterAttention attention = models::DrafterAttention::kAuto;
-  HeadGrad head_grad = HeadGrad::kCompute;  // kFp8 reads the head's lm_head_t_fp8
+  // kFp8 reads the head's lm_head_t_fp8; kAuto is the Trainer's to resolve (here: kCompute).
+  HeadGrad head_grad = HeadGrad::kCompute;
 };
 
 struct MicroResult {

@@ -11,7 +11,6 @@
 
 #include "common/error.h"
 #include "dist/comm.h"
-#include "kernels/fp8_rows.h"
 #include "obs/stages.h"
 
 namespace dflash::train {
@@ -184,19 +183,10 @@ StepLog Trainer::finish(Pending& p) {
 }
 
 void Trainer::set_head_grad(HeadGrad head_grad) {
-  options_.step.head_grad = head_grad;
-  if (head_grad != HeadGrad::kFp8 || head_.lm_head_t_fp8.data.defined()) return;
-  const at::Device device = head_.lm_head.device();
-  if (device.is_cuda() && !kernels::fp8_gemm_supported(device)) {
-    fail("trainer: the fp8 LM-head gradient needs a GPU of compute capability 9.0 or newer "
-         "(Hopper), {} is older; use --head-grad compute",
-         device.str());
+  options_.step.head_grad = resolve_head_grad(head_grad, head_.lm_head, options_.step.dtype);
+  if (options_.step.head_grad == HeadGrad::kFp8 && !head_.lm_head_t_fp8.data.defined()) {
+    head_.lm_head_t_fp8 = head_grad_fp8(head_.lm_head);
   }
-  if (device.is_cuda() && options_.step.dtype != at::kBFloat16) {
-    fail("trainer: the fp8 LM-head gradient writes bf16 rows; the compute dtype is {}",
-         c10::toString(options_.step.dtype));
-  }
-  head_.lm_head_t_fp8 = head_grad_fp8(head_.lm_head);
 }
 
 std::vector<StepLog> Trainer::take_logs(bool wait) {

@@ -79,8 +79,10 @@ class Trainer {
   // The drafter attention of the steps queued from now on: what a benchmark alternates to
   // compare settings on one trainer, one machine state.
   void set_attention(models::DrafterAttention attention) { options_.step.attention = attention; }
-  // The same for the LM head's input-gradient precision (kFp8 makes the head's e4m3 copy once).
+  // The same for the LM head's input-gradient precision, kAuto resolved for this trainer's
+  // device and dtype (kFp8 makes the head's e4m3 copy once); head_grad() is what it became.
   void set_head_grad(HeadGrad head_grad);
+  HeadGrad head_grad() const { return options_.step.head_grad; }
   // Figures of finished steps, oldest first; `wait`: also those still in flight.
   std::vector<StepLog> take_logs(bool wait);
 

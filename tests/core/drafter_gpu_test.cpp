@@ -48,8 +48,8 @@ TEST_P(DrafterGpu, GatheredStepMatchesReference) {
   options.head_grad = g.head_grad;
   auto head = models::TargetHead::of(*c.target);
   if (g.head_grad == train::HeadGrad::kFp8) head.lm_head_t_fp8 = train::head_grad_fp8(head.lm_head);
-  auto r = train::forward_backward(*c.drafter, head, c.input, c.anchors, /*grad_scale=*/1.0,
-                                   options);
+  auto r =
+      train::forward_backward(*c.drafter, head, c.input, c.anchors, /*grad_scale=*/1.0, options);
   ASSERT_GT(r.weight_sum, 0);
   const double loss = r.weighted_ce.item<double>() / r.weight_sum;
   const double ref_loss = c.tensor("loss").item<double>();
@@ -76,8 +76,8 @@ INSTANTIATE_TEST_SUITE_P(
                               5e-2, train::HeadGrad::kCompute},
                       // The LM head's input gradient as an FP8 GEMM (--head-grad fp8) within the
                       // bf16 step's tolerances.
-                      GpuCase{"bf16_fp8_head_grad", at::kBFloat16, DrafterAttention::kGathered, 2e-2,
-                              5e-2, train::HeadGrad::kFp8}),
+                      GpuCase{"bf16_fp8_head_grad", at::kBFloat16, DrafterAttention::kGathered,
+                              2e-2, 5e-2, train::HeadGrad::kFp8}),
     [](const auto& info) { return info.param.name; });
 
 // The default bf16 step (auto: cuDNN's backward over the shared segments, flash's over the

@@ -92,19 +92,21 @@ TEST(CrossEntropyFp8, ReferenceQuantizesTheFp32Gradient) {
   auto back = kernels::dequantize_rows(g8);
   EXPECT_TRUE(((back - grad).abs() <= e4m3_bound(grad, g8.scale)).all().item<bool>());
   // The closed form of the row's largest |gradient| that the CUDA kernel uses instead of a
-  // pass over the row: |coef| * max(largest other probability, 1 - p(label)).
+  // pass over the row: |coef| * (1 - p(label)) where the label is the argmax (the other
+  // probabilities sum to that), else |coef| * max(p(argmax), 1 - p(label)).
   auto x = in.logits.to(at::kDouble);
   auto lse = at::logsumexp(x, {1});
   for (int64_t r = 0; r < 7; ++r) {
-    const int64_t y = in.labels[r].item<int64_t>();
-    auto others = x[r].clone();
-    others[y] = -INFINITY;
-    const double p_other = std::exp(others.max().item<double>() - lse[r].item<double>());
-    const double p_y = std::exp(x[r][y].item<double>() - lse[r].item<double>());
-    const double amax = std::abs(in.coef[r].item<double>()) * std::max(p_other, 1 - p_y);
+    const int64_t y = in.labels[r].item<int64_t>(), arg = x[r].argmax().item<int64_t>();
+    const double p_max = std::exp(x[r][arg].item<double>() - lse[r].item<double>());
+    const double rest = 1 - std::exp(x[r][y].item<double>() - lse[r].item<double>());
+    const double amax =
+        std::abs(in.coef[r].item<double>()) * (arg == y ? rest : std::max(p_max, rest));
     const double scale = amax > 0 ? amax / kernels::kE4m3Max : 1.0;
     EXPECT_NEAR(g8.scale[r].item<double>(), scale, 1e-5 * scale) << "row " << r;
   }
+  EXPECT_EQ(in.logits[0].argmax().item<int64_t>(), in.labels[0].item<int64_t>())
+      << "the fixture's first row has its label as argmax";
 }
 
 TEST(HeadLoss, Fp8InputGradientStaysNearExact) {
@@ -122,10 +124,10 @@ TEST(HeadLoss, Fp8InputGradientStaysNearExact) {
 
   const auto head_t8 = train::head_grad_fp8(lm_head);
   EXPECT_EQ(head_t8.data.sizes(), (at::IntArrayRef{h, vocab}));
-  auto exact = train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size,
-                                        1.0, 16);
-  auto r = train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0,
-                                    16, &head_t8);
+  auto exact =
+      train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0, 16);
+  auto r = train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0, 16,
+                                    &head_t8);
   // Only the input gradient's GEMM changes: loss, predictions and counts are those of the
   // compute dtype, bitwise.
   EXPECT_TRUE(at::equal(r.weighted_ce, exact.weighted_ce));
@@ -140,6 +142,27 @@ TEST(HeadLoss, Fp8InputGradientStaysNearExact) {
   EXPECT_THROW(train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0,
                                         16, &other),
                Error);
+}
+
+// auto is fp8 only where the FP8 GEMM runs; an explicit fp8 that cannot run says why.
+TEST(HeadGrad, AutoResolvesToWhereTheFp8GemmRuns) {
+  using train::HeadGrad;
+  EXPECT_EQ(train::parse_head_grad("auto", "t"), HeadGrad::kAuto);
+  EXPECT_THROW(train::parse_head_grad("fp16", "t"), Error);
+  auto cpu_head = at::zeros({96, 32});
+  EXPECT_EQ(train::resolve_head_grad(HeadGrad::kAuto, cpu_head, at::kFloat), HeadGrad::kCompute);
+  // On the CPU an explicit fp8 runs the dequantizing reference (what the tests above drive).
+  EXPECT_EQ(train::resolve_head_grad(HeadGrad::kFp8, cpu_head, at::kFloat), HeadGrad::kFp8);
+  EXPECT_EQ(train::resolve_head_grad(HeadGrad::kCompute, cpu_head, at::kFloat), HeadGrad::kCompute);
+  if (!at::hasCUDA()) return;
+  auto head = at::zeros({96, 32}, at::TensorOptions().device(at::kCUDA));
+  const bool sm90 = kernels::fp8_gemm_supported(head.device());
+  EXPECT_EQ(train::resolve_head_grad(HeadGrad::kAuto, head, at::kBFloat16),
+            sm90 ? HeadGrad::kFp8 : HeadGrad::kCompute);
+  EXPECT_EQ(train::resolve_head_grad(HeadGrad::kAuto, head, at::kFloat), HeadGrad::kCompute);
+  EXPECT_THROW(train::resolve_head_grad(HeadGrad::kFp8, head, at::kFloat), Error);
+  auto odd = at::zeros({100, 32}, at::TensorOptions().device(at::kCUDA));
+  EXPECT_EQ(train::resolve_head_grad(HeadGrad::kAuto, odd, at::kBFloat16), HeadGrad::kCompute);
 }
 
 class CrossEntropyFp8Kernel : public ::testing::TestWithParam<int64_t> {};
@@ -201,8 +224,8 @@ TEST(HeadLossGpu, Fp8GradientNearTheBf16One) {
   auto weights = at::rand({m}, opts) + 0.1;
   auto exact = train::chunked_head_loss(hidden.to(at::kFloat), lm_head.to(at::kFloat), labels,
                                         weights, label_k, block_size, 1.0, 512);
-  auto bf16 = train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0,
-                                       512);
+  auto bf16 =
+      train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0, 512);
   const auto head_t8 = train::head_grad_fp8(lm_head);
   auto fp8 = train::chunked_head_loss(hidden, lm_head, labels, weights, label_k, block_size, 1.0,
                                       512, &head_t8);
