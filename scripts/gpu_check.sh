@@ -4,7 +4,7 @@
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
-# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 fp8_verify (TRAIN_ARGS: more `dflash train` options for `train`)
+# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -258,10 +258,11 @@ if has fp8; then
   # Issue 11, 2026-12-02: the LM head's input gradient as an FP8 GEMM (--head-grad fp8): its
   # tests and the step's, its bench-kernels lines (the loss kernel's fp8 variant, the bf16
   # and FP8 GEMMs of one chunk), bench-drafter alternating compute and fp8 in one process with
-  # profiles and nvidia-smi's clock and power, then `dflash bench` alternating.
+  # profiles and nvidia-smi's clock and power, then `dflash bench` alternating (the default,
+  # auto, is fp8 on an H200).
   step fp8
   fixtures fp8 dflash
-  gtests fp8 '*Fp8*:*CrossEntropy*:*HeadLoss*:*DrafterGpu*:*DrafterParity*:*TrainLoop*'
+  gtests fp8 '*Fp8*:*CrossEntropy*:*HeadLoss*:*HeadGrad*:*DrafterGpu*:*DrafterParity*:*TrainLoop*:*RunConfig*'
   grep -h "relative error" "$out/fp8_tests.log"
   "$dflash" bench-kernels --json "$out/bench_kernels_fp8.json" 2>&1 \
     | grep -E "^(kernel|cross_entropy|LM-head)" | tee "$out/bench_kernels_fp8.txt"
@@ -274,14 +275,6 @@ if has fp8; then
   gzip -f "$out/drafter_trace_fp8.json" "$out/drafter_trace_fp8.online.json"
   kill "$smi" 2>/dev/null
   AB="${AB:---head-grad=fp8|--head-grad=compute}" ab_bench fp8
-fi
-if has fp8_verify; then
-  # The FP8 head gradient as the default (--head-grad auto): the tests again, then `dflash
-  # bench` with the default against the compute dtype, alternating.
-  step fp8_verify
-  fixtures fp8_verify dflash
-  gtests fp8_verify '*Fp8*:*CrossEntropy*:*HeadLoss*:*HeadGrad*:*DrafterGpu*:*DrafterParity*:*TrainLoop*:*RunConfig*'
-  AB="${AB:---head-grad=auto|--head-grad=compute}" ab_bench fp8_verify
 fi
 if has gsm8k_fp8; then
   # The FP8 head gradient's effect on what a drafter learns: the GSM8K run (examples/gsm8k,
