@@ -64,6 +64,24 @@ __device__ __forceinline__ void load_strided(const uint4* row4, int32_t v, int32
   }
 }
 
+// Pass 2's walk over a row's vectors: the first nstaged from shared memory, the rest reread
+// kUnroll at a time; write(v, raw) turns vector v into its gradient.
+template <typename T, typename Write>
+__device__ __forceinline__ void for_each_vector(const T* row, const uint4* staged, int32_t nstaged,
+                                                int32_t nvec, Write&& write) {
+  const uint4* row4 = reinterpret_cast<const uint4*>(row);
+  int32_t v = threadIdx.x;
+  for (; v < nstaged; v += kThreads) write(v, staged[v]);
+  for (; v < nvec; v += kUnroll * kThreads) {
+    uint4 raw[kUnroll];
+    load_strided(row4, v, nvec, raw);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (v + u * kThreads < nvec) write(v + u * kThreads, raw[u]);
+    }
+  }
+}
+
 // vec: rows read as 16-byte vectors (the host checked the alignment); nstaged: how many vectors
 // of each row pass 1 keeps in shared memory, the launch's dynamic size, so the two agree.
 // grad8, grad_scale: the fp8 variant's outputs (null otherwise).
@@ -144,66 +162,39 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const float lse = row_lse;
+  auto grad = [&](float x, int32_t i) { return __expf(x - lse) - (i == label ? 1.f : 0.f); };
   if constexpr (kFp8) {
     // Each element once, e4m3 of coef * (softmax - onehot) / scale, rounded to nearest.
     const float f = row_factor;
     __nv_fp8_storage_t* out = grad8 + int64_t(blockIdx.x) * vocab;
-    auto g = [&](float x, int32_t i) { return f * (__expf(x - lse) - (i == label ? 1.f : 0.f)); };
     if (vec) {
-      auto write = [&](int32_t v, uint4 raw) {
+      for_each_vector(row, staged, nstaged, nvec, [&](int32_t v, uint4 raw) {
         const T* e = reinterpret_cast<const T*>(&raw);
         Vec<__nv_fp8x2_storage_t, kVec / 2> o;
 #pragma unroll
         for (int j = 0; j < kVec; j += 2) {
-          const float2 pair{g(to_float(e[j]), v * kVec + j),
-                            g(to_float(e[j + 1]), v * kVec + j + 1)};
+          const float2 pair{f * grad(to_float(e[j]), v * kVec + j),
+                            f * grad(to_float(e[j + 1]), v * kVec + j + 1)};
           o.v[j / 2] = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
         }
         reinterpret_cast<Vec<__nv_fp8x2_storage_t, kVec / 2>*>(out)[v] = o;
-      };
-      const uint4* row4 = reinterpret_cast<const uint4*>(row);
-      int32_t v = threadIdx.x;
-      for (; v < nstaged; v += kThreads) write(v, staged[v]);
-      for (; v < nvec; v += kUnroll * kThreads) {
-        uint4 raw[kUnroll];
-        load_strided(row4, v, nvec, raw);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (v + u * kThreads < nvec) write(v + u * kThreads, raw[u]);
-        }
-      }
+      });
     } else {
       for (int32_t i = threadIdx.x; i < vocab; i += kThreads) {
-        out[i] = __nv_cvt_float_to_fp8(g(to_float(row[i]), i), __NV_SATFINITE, __NV_E4M3);
+        out[i] = __nv_cvt_float_to_fp8(f * grad(to_float(row[i]), i), __NV_SATFINITE, __NV_E4M3);
       }
     }
-    return;
-  }
-  if (vec) {
+  } else if (vec) {
     uint4* row4 = reinterpret_cast<uint4*>(row);
-    auto write = [&](int32_t v, uint4 raw) {
+    for_each_vector(row, staged, nstaged, nvec, [&](int32_t v, uint4 raw) {
       T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const float g = __expf(to_float(e[j]) - lse) - (v * kVec + j == label ? 1.f : 0.f);
-        e[j] = from_float<T>(c * g);
-      }
+      for (int j = 0; j < kVec; ++j) e[j] = from_float<T>(c * grad(to_float(e[j]), v * kVec + j));
       row4[v] = raw;
-    };
-    int32_t v = threadIdx.x;
-    for (; v < nstaged; v += kThreads) write(v, staged[v]);
-    for (; v < nvec; v += kUnroll * kThreads) {
-      uint4 raw[kUnroll];
-      load_strided(row4, v, nvec, raw);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (v + u * kThreads < nvec) write(v + u * kThreads, raw[u]);
-      }
-    }
+    });
   } else {
     for (int32_t i = threadIdx.x; i < vocab; i += kThreads) {
-      const float g = __expf(to_float(row[i]) - lse) - (i == label ? 1.f : 0.f);
-      row[i] = from_float<T>(c * g);
+      row[i] = from_float<T>(c * grad(to_float(row[i]), i));
     }
   }
 }
