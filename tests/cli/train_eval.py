@@ -16,8 +16,9 @@ on the first 4 prompts of a 5-prompt file:
     final checkpoint to the byte (evaluation perturbs neither the weights nor any RNG stream).
 Two ranks (Gloo), evaluated every 4 of 6 steps (so at 4 and at the end), prompts split over
 the ranks: the summed counts equal `dflash eval` of those checkpoints.
---eval-every without --eval-prompts, and --eval-prompts on a disaggregated topology, fail
-with a message saying why.
+A run with the LM head's input gradient in FP8 (`--head-grad fp8`) has the first step's loss of
+the compute dtype and trains on. --eval-every without --eval-prompts, and --eval-prompts on a
+disaggregated topology, fail with a message saying why.
 """
 import json
 import pathlib
@@ -123,7 +124,8 @@ def main():
         if device != "cpu":
             print("train_eval: OK")
             return
-        run([dflash, *train, "--out", without, "--checkpoint-every", 2])
+        r = run([dflash, *train, "--out", without, "--checkpoint-every", 2])
+        assert "LM-head input gradient: compute (--head-grad auto)" in r.stdout, r.stdout
         b = metrics(without)
         for x, y in zip(a, b):
             for key in ("loss", "accuracy", "grad_norm", "acceptance", "lr", "tokens"):
@@ -132,6 +134,19 @@ def main():
         final = f"step-{STEPS:08d}/state.safetensors"
         assert (with_eval / final).read_bytes() == (without / final).read_bytes(), \
             "the final checkpoint differs with evaluation"
+
+        # The LM head's input gradient through FP8 (on the CPU its dequantizing reference): the
+        # first step's loss and accuracies are those of the compute dtype exactly (only the
+        # gradient changes), its gradient norm near them, and the run trains on.
+        fp8 = work / "fp8"
+        run([dflash, *train, "--out", fp8, "--checkpoint-every", 2, "--head-grad", "fp8"])
+        f = metrics(fp8)
+        assert f[0]["loss"] == b[0]["loss"] and f[0]["accuracy"] == b[0]["accuracy"], (f[0], b[0])
+        assert f[0]["grad_norm"] != b[0]["grad_norm"], "the fp8 run computed the same gradient"
+        assert abs(f[0]["grad_norm"] / b[0]["grad_norm"] - 1) < 0.2, (f[0], b[0])
+        assert abs(f[-1]["loss"] / b[-1]["loss"] - 1) < 0.05, (f[-1], b[-1])
+        print(f"train_eval: fp8 head gradient: step 1 grad norm {f[0]['grad_norm']:.6g} against "
+              f"{b[0]['grad_norm']:.6g}, last loss {f[-1]['loss']:.6g} against {b[-1]['loss']:.6g}")
 
         # Two ranks, every 4 steps (so at 4 and at the end): the prompts are split over ranks.
         two = work / "two_ranks"
