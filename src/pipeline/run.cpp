@@ -751,6 +751,9 @@ void write_run_config(const Job& job, const fs::path& run_dir, bool resuming) {
                      {"trainer_ranks", job.rank.topology.trainers},
                      {"device", job.rank.device.str()},
                      {"dtype", c10::toString(job.rank.dtype)},
+                     {"head_grad", train::head_grad_name(train::resolve_head_grad(
+                                       train::parse_head_grad(c.head_grad, "head_grad"),
+                                       job.head.lm_head, job.rank.dtype))},
                      {"dflash_version", DFLASH_VERSION}};
   if (resuming && fs::exists(config_path)) {
     const json saved = read_json_file(config_path);

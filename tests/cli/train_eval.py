@@ -141,6 +141,8 @@ def main():
         fp8 = work / "fp8"
         run([dflash, *train, "--out", fp8, "--checkpoint-every", 2, "--head-grad", "fp8"])
         f = metrics(fp8)
+        assert json.loads((fp8 / "run_config.json").read_text())["head_grad"] == "fp8"
+        assert json.loads((without / "run_config.json").read_text())["head_grad"] == "compute"
         assert f[0]["loss"] == b[0]["loss"] and f[0]["accuracy"] == b[0]["accuracy"], (f[0], b[0])
         assert f[0]["grad_norm"] != b[0]["grad_norm"], "the fp8 run computed the same gradient"
         assert abs(f[0]["grad_norm"] / b[0]["grad_norm"] - 1) < 0.2, (f[0], b[0])
