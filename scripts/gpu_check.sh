@@ -4,7 +4,8 @@
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
-# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 (TRAIN_ARGS: more `dflash train` options for `train`)
+# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8
+# (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

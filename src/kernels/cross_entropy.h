@@ -29,10 +29,11 @@ CrossEntropyRows cross_entropy_rows_reference_(at::Tensor& logits, const at::Ten
                                                const at::Tensor& coef);
 
 // The same loss and argmax; logits are left as they are and the gradient
-// coef * (softmax(row) - onehot(label)) goes to `grad` (e4m3 [n, V], contiguous; V a multiple
-// of 16) with one fp32 scale a row (grad.scale [n]), the row's largest |gradient| stored as
-// kE4m3Max: max(exp(m' - lse), 1 - p(label)) * |coef|, with m' the largest logit other than
-// the label's, so the CUDA kernel knows it after its first pass and writes each element once.
+// coef * (softmax(row) - onehot(label)) goes to `grad` (e4m3 [n, V], contiguous) with one fp32
+// scale a row (grad.scale [n]), the row's largest |gradient| stored as kE4m3Max. That largest
+// value is |coef| * (1 - p(label)) where the label is the argmax (the other probabilities sum
+// to 1 - p(label)), else |coef| * max(p(argmax), 1 - p(label)): the CUDA kernel knows it after
+// its first pass and writes each element once.
 CrossEntropyRows cross_entropy_rows_fp8(const at::Tensor& logits, const at::Tensor& labels,
                                         const at::Tensor& coef, Fp8Rows& grad);
 // The same with ATen operations: the fp32 gradient, then quantize_rows_e4m3.

@@ -23,8 +23,9 @@ void check_mm(const at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
   check_rows(a, "a");
   check_rows(b, "b");
   const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
-  if (b.data.size(1) != k)
+  if (b.data.size(1) != k) {
     fail("fp8 GEMM: a {} and b {} differ in k", a.data.sizes(), b.data.sizes());
+  }
   if (k % 16 != 0) fail("fp8 GEMM: k = {} must be a multiple of 16", k);
   if (out.sizes() != at::IntArrayRef{m, n} || !out.is_contiguous()) {
     fail("fp8 GEMM: out must be contiguous [{}, {}], got {}", m, n, out.sizes());
