@@ -181,19 +181,19 @@ bool one_length(const PackedBatch& batch) {
 at::Tensor cudnn_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const PackedBatch& batch) {
   const int64_t n = batch.size(), len = batch.max_length;
-  // Packed [T, H, D] rows (v arrives as a strided slice of the fused QKV output): the layout
-  // the ragged call's offsets assume, and the batched call's [B, L, H, D].
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   if (one_length(batch)) {
-    // [B*L, H, D] -> [B, H, L, D] views: no copy, and the output comes back in that layout.
+    // [B*L, H, D] -> [B, H, L, D] views: no copy (v, a strided slice of the fused QKV output,
+    // included: cuDNN reads any row stride), and the output comes back in that layout.
     auto bhld = [&](const at::Tensor& t) {
-      return t.view({n, len, t.size(1), t.size(2)}).transpose(1, 2);
+      return t.reshape({n, len, t.size(1), t.size(2)}).transpose(1, 2);
     };
     auto out = std::get<0>(at::_scaled_dot_product_cudnn_attention(
-        bhld(qc), bhld(kc), bhld(vc), std::nullopt, /*compute_log_sumexp=*/false, 0.0,
+        bhld(q), bhld(k), bhld(v), std::nullopt, /*compute_log_sumexp=*/false, 0.0,
         /*is_causal=*/true, /*return_debug_mask=*/false));
     return out.transpose(1, 2).reshape({batch.total, q.size(1), v.size(2)});
   }
+  // Packed [T, H, D] rows: the layout the ragged call's offsets assume.
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   return std::get<0>(at::_cudnn_attention_forward(
       qc, kc, vc, std::nullopt, batch.cu_seqlens, batch.cu_seqlens, len, len,
       /*compute_log_sumexp=*/false, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false));
