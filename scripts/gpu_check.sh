@@ -4,7 +4,7 @@
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
-# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 graph
+# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -276,28 +276,6 @@ if has fp8; then
   gzip -f "$out/drafter_trace_fp8.json" "$out/drafter_trace_fp8.online.json"
   kill "$smi" 2>/dev/null
   AB="${AB:---head-grad=fp8|--head-grad=compute}" ab_bench fp8
-fi
-if has graph; then
-  # Issue 11, 2026-12-02 afternoon: the prefill replayed from a CUDA graph (models/prefill_graph)
-  # and v passed to cuDNN's attention without a copy. Tests, then bench-target with and without
-  # the graph alternating in one process, a profile of each, bench-drafter's online split (its
-  # prefill takes the graph, as training's does), and `dflash bench` alternating.
-  step graph
-  fixtures graph models dflash
-  gtests graph '*PrefillGraph*:*FusedPrefill*:*CudnnAttention*:*AttentionBackend*:*TargetGpu*:*TargetParity*:*Pipeline*:*TrainLoop*'
-  for g in off on; do
-    "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 3 \
-      --iters 3 --attention cudnn --graph $g --profile "$out/target_trace_graph_$g.json" 2>&1 \
-      | grep -v "^ .*\] " > "$out/bench_target_profile_graph_$g.txt"
-    gzip -f "$out/target_trace_graph_$g.json"
-    grep -E "GPU time|busy|kernels" "$out/bench_target_profile_graph_$g.txt" | head -5
-  done
-  "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1,4 --warmup 3 \
-    --iters 20 --attention cudnn --graph off,on --json "$out/bench_target_graph.json" 2>&1 \
-    | tee "$out/bench_target_graph.txt"
-  "$dflash" bench-drafter --device cuda --json "$out/bench_drafter_graph.json" 2>&1 \
-    | tee "$out/bench_drafter_graph.txt" | grep -v "^ .*\] " | head -40
-  AB="${AB:---prefill-graph=true|--prefill-graph=false}" ab_bench graph
 fi
 if has gsm8k_fp8; then
   # The FP8 head gradient's effect on what a drafter learns: the GSM8K run (examples/gsm8k,

@@ -19,7 +19,6 @@
 #include "models/target.h"
 #include "obs/profile.h"
 #include "obs/stats.h"
-#include "pipeline/features.h"
 #include "train/blocks.h"
 #include "train/trainer.h"
 
@@ -85,9 +84,13 @@ void run_bench(const BenchDrafterOptions& o) {
   auto tokens = at::randint(target.vocab_size, {seq}, at::TensorOptions().dtype(at::kLong));
   auto batch = models::PackedBatch::from_lengths({seq}, device);
   auto tokens_dev = tokens.to(device);
-  pipeline::TargetFeatures target_features(target_model, config.target_layer_ids,
-                                           /*graphs=*/true);  // as training's feature stage
-  auto prefill = [&] { return target_features(tokens_dev, batch); };
+  auto prefill = [&] {
+    auto r =
+        target_model.forward(tokens_dev, batch,
+                             {config.target_layer_ids, models::Logits::kNone, /*grad=*/false,
+                              models::AttentionBackend::kAuto});  // as training's feature stage
+    return at::cat(r.taps, 1);
+  };
   const std::vector<int32_t> ids(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + seq);
   std::vector<uint8_t> mask(seq, 1);
   for (int64_t i = 0; i < std::min<int64_t>(64, seq / 4); ++i) mask[i] = 0;

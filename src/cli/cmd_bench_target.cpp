@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -12,7 +11,6 @@
 #include "common/file.h"
 #include "io/safetensors.h"
 #include "models/drafter.h"
-#include "models/prefill_graph.h"
 #include "models/target.h"
 #include "obs/profile.h"
 #include "obs/stats.h"
@@ -31,7 +29,6 @@ struct BenchOptions {
   std::string json_out;
   std::string profile;  // Chrome trace path; empty: no profile
   std::string attention = "flash";
-  std::vector<std::string> graph = {"off"};  // each setting: the prefill from a CUDA graph?
 };
 
 void run_bench(const BenchOptions& o) {
@@ -52,12 +49,9 @@ void run_bench(const BenchOptions& o) {
       o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
       c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
       o.warmup, o.iters);
-  fmt::print("{:>6} {:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "graph", "median ms",
-             "tokens/s", "TFLOP/s", "peak GPU GiB", "synced ms");
+  fmt::print("{:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "median ms", "tokens/s",
+             "TFLOP/s", "peak GPU GiB", "synced ms");
   const models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
-  // Several graph settings alternate, a block of steps each per round, so that the GPU's drift
-  // (power-capped, its clock follows its temperature) falls on each alike.
-  const int rounds = o.graph.size() > 1 ? 3 : 1;
   nlohmann::json rows = nlohmann::json::array();
   for (int64_t b : o.batches) {
     std::vector<int64_t> lengths(b, o.seq_len);
@@ -66,51 +60,31 @@ void run_bench(const BenchOptions& o) {
                               at::TensorOptions().dtype(at::kLong).device(device));
     if (device.is_cuda())
       c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
-    std::vector<std::unique_ptr<models::PrefillGraphs>> prefills;
-    std::vector<std::function<void()>> steps;
-    for (const auto& graph : o.graph) {
-      prefills.push_back(
-          std::make_unique<models::PrefillGraphs>(model, request, graph == "on" ? 1 : 0));
-      steps.push_back([&, p = prefills.back().get()] { p->forward(tokens, batch); });
-    }
+    auto prefill = [&] { model.forward(tokens, batch, request); };
     // Queued back to back, as training queues its prefills; then each one waited for (the GPU
     // idles at each start while the host launches the first kernels).
-    std::vector<std::vector<double>> times(steps.size());
-    for (int r = 0; r < rounds; ++r) {
-      for (size_t k = 0; k < steps.size(); ++k) {
-        auto t = obs::time_queued_steps(device, o.warmup, o.iters, steps[k]);
-        times[k].insert(times[k].end(), t.begin(), t.end());
-      }
+    auto times = obs::time_queued_steps(device, o.warmup, o.iters, prefill);
+    auto synced_times = obs::time_steps(device, 0, o.iters, prefill);
+    const double ms = obs::median(times) * 1e3, synced_ms = obs::median(synced_times) * 1e3;
+    const double tps = batch.total / (ms / 1e3);
+    const double tflops = models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12;
+    double peak_gib = 0;
+    if (device.is_cuda()) {
+      auto stats =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+      peak_gib = stats.allocated_bytes[0].peak / double(1 << 30);
     }
-    for (size_t k = 0; k < steps.size(); ++k) {
-      auto synced_times = obs::time_steps(device, 0, o.iters, steps[k]);
-      const double ms = obs::median(times[k]) * 1e3, synced_ms = obs::median(synced_times) * 1e3;
-      const double tps = batch.total / (ms / 1e3);
-      const double tflops = models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12;
-      double peak_gib = 0;
-      if (device.is_cuda()) {
-        auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
-            device.index() < 0 ? 0 : device.index());
-        peak_gib = stats.allocated_bytes[0].peak / double(1 << 30);
-      }
-      // "none": asked for, but no graph applies here (the CPU, a sparse target).
-      const bool graphed = prefills[k]->replays() > 0;
-      fmt::print("{:>6} {:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b,
-                 graphed              ? "on"
-                 : o.graph[k] == "on" ? "none"
-                                      : "off",
-                 ms, tps, tflops, peak_gib, synced_ms);
-      rows.push_back({{"batch", b},
-                      {"seq_len", o.seq_len},
-                      {"graph", graphed},
-                      {"median_ms", ms},
-                      {"tokens_per_s", tps},
-                      {"tflops", tflops},
-                      {"peak_gpu_gib", peak_gib},
-                      {"times_s", times[k]},
-                      {"synced_median_ms", synced_ms},
-                      {"synced_times_s", synced_times}});
-    }
+    fmt::print("{:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b, ms, tps, tflops,
+               peak_gib, synced_ms);
+    rows.push_back({{"batch", b},
+                    {"seq_len", o.seq_len},
+                    {"median_ms", ms},
+                    {"tokens_per_s", tps},
+                    {"tflops", tflops},
+                    {"peak_gpu_gib", peak_gib},
+                    {"times_s", times},
+                    {"synced_median_ms", synced_ms},
+                    {"synced_times_s", synced_times}});
   }
   nlohmann::json doc = {
       {"preset", o.preset}, {"device", o.device}, {"attention", o.attention}, {"rows", rows}};
@@ -120,13 +94,10 @@ void run_bench(const BenchOptions& o) {
     auto batch = models::PackedBatch::from_lengths(lengths, device);
     auto tokens = at::randint(config.vocab_size, {batch.total},
                               at::TensorOptions().dtype(at::kLong).device(device));
-    // The last graph setting's prefill (a graph is captured in the warm-up call below).
-    models::PrefillGraphs prefill(model, request, o.graph.back() == "on" ? 1 : 0);
-    for (int i = 0; i < 2; ++i) prefill.forward(tokens, batch);
     auto p = obs::profile_device(
         [&] {
           for (int i = 0; i < kProfiled; ++i) {
-            prefill.forward(tokens, batch);
+            model.forward(tokens, batch, request);
           }
           obs::synchronize(device);
         },
@@ -183,12 +154,6 @@ void add_bench_target_command(CLI::App& app) {
          "--attention", o->attention,
          "attention kernel: flash (FlashAttention-2), cudnn (cuDNN's fused attention) or auto "
          "(cudnn where the sequences share one length, as training's prefill runs)")
-      ->capture_default_str();
-  cmd->add_option("--graph", o->graph,
-                  "replay the prefill from a CUDA graph: off, on, or both (off,on: alternating, "
-                  "3 rounds)")
-      ->delimiter(',')
-      ->check(CLI::IsMember({"off", "on"}))
       ->capture_default_str();
   cmd->add_option("--profile", o->profile,
                   "profile the first batch size: GPU time per kernel, Chrome trace written here");

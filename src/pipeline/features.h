@@ -12,7 +12,6 @@
 #include <optional>
 #include <vector>
 
-#include "models/prefill_graph.h"
 #include "models/target.h"
 #include "pipeline/prefetch.h"
 #include "pipeline/stream.h"
@@ -42,19 +41,9 @@ struct Topology {
   Work target_work(int rank, int64_t start, int64_t item) const;
 };
 
-// The frozen target's features: its taps concatenated, [tokens, K*H], a fresh tensor. With
-// `graphs` (a CUDA, dense target) a batch shape that repeats replays a CUDA graph of the
-// prefill (models::PrefillGraphs); the features are the same either way.
-class TargetFeatures {
- public:
-  TargetFeatures(const models::TargetModel& target, const std::vector<int64_t>& taps, bool graphs);
-  // tokens on the target's device, packed as `packed` says.
-  at::Tensor operator()(const at::Tensor& tokens, const models::PackedBatch& packed);
-  const models::PrefillGraphs& prefill() const { return prefill_; }
-
- private:
-  models::PrefillGraphs prefill_;
-};
+// Concatenated taps [tokens, K*H] of a micro-batch whose tokens are on the target's device.
+at::Tensor target_features(const models::TargetModel& target, const std::vector<int64_t>& taps,
+                           const train::MicroBatch& batch);
 
 // Colocated: this rank's share formed by `batches` (item = position), features from the local
 // target. On a GPU with `overlap`, the copies and the target forward run on a stream of their
@@ -63,18 +52,18 @@ class TargetFeatures {
 // and fill the SMs those leave idle. On one H200 that gained 0.4% (both sides are matmul-bound
 // there), so it is off by default. The compute stream waits for the features with an event;
 // every tensor of the micro-batch is marked as used by it, so the caching allocator does not
-// hand its memory back to the feature stream early. `graphs`: as TargetFeatures.
+// hand its memory back to the feature stream early.
 class ColocatedSource : public train::BatchSource {
  public:
-  ColocatedSource(const models::TargetModel& target, const std::vector<int64_t>& taps,
-                  Prefetcher& batches, bool overlap = false, bool graphs = true);
+  ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps, Prefetcher& batches,
+                  bool overlap = false);
   train::MicroBatch get(int64_t position) override;
   // Whether the target runs on a stream of its own (overlap asked for, on a GPU).
   bool overlapping() const { return feature_stream_.has_value(); }
 
  private:
   const models::TargetModel& target_;
-  TargetFeatures features_;
+  std::vector<int64_t> taps_;
   Prefetcher& batches_;
   std::optional<c10::Stream> feature_stream_;  // GPU with overlap
 };
@@ -101,11 +90,10 @@ class ReceivedSource : public train::BatchSource {
 // target forward and a send to the trainer rank; at most `in_flight` sends outstanding.
 // `batches` forms item i as Topology::target_work says; `accumulation` micro-batches make an
 // optimizer step (for the step numbers the timings carry). Returns early when `stop()` is true.
-// `graphs`: as TargetFeatures.
 void serve_features(dist::Comm& world, Topology topology, const models::TargetModel& target,
                     const std::vector<int64_t>& taps, Prefetcher& batches, int64_t start,
                     int64_t end, int64_t accumulation, size_t in_flight,
-                    const std::function<bool()>& stop, bool graphs = true);
+                    const std::function<bool()>& stop);
 
 // Tag of the transfer of micro-batch `position` (Gloo matches sends and receives by tag).
 int feature_tag(int64_t position);

@@ -455,10 +455,9 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
           return stream.form(w.position, w.trainer, topo.trainers, pin);
         },
         static_cast<size_t>(c.prefetch), timeout);
-    serve_features(
-        *r.comm, topo, *job.target, dc.target_layer_ids, batches, start_position,
-        job.steps * c.accumulation, c.accumulation, static_cast<size_t>(c.prefetch),
-        [] { return train::stop_requested(); }, c.prefill_graph);
+    serve_features(*r.comm, topo, *job.target, dc.target_layer_ids, batches, start_position,
+                   job.steps * c.accumulation, c.accumulation, static_cast<size_t>(c.prefetch),
+                   [] { return train::stop_requested(); });
     final_snapshot(r.device, job.steps);
     return job.steps;
   }
@@ -473,7 +472,7 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
         *r.comm, topo, trainer, dc.num_taps() * dc.layers.hidden_size, r.dtype, r.device, batches);
   } else {
     source = std::make_unique<ColocatedSource>(*job.target, dc.target_layer_ids, batches,
-                                               c.overlap_target, c.prefill_graph);
+                                               c.overlap_target);
   }
   train::TrainerOptions to;
   to.lr = c.lr;

@@ -104,10 +104,6 @@ const std::vector<ConfigKey>& config_keys() {
        "colocated on a GPU: the next micro-batch's target forward runs on a stream of its own, "
        "beside the drafter's backward, all-reduce and optimizer (the GPU stage times then "
        "overlap; on one H200 it measured 0.4% faster, within run-to-run variance)"},
-      {"prefill_graph", &RunConfig::prefill_graph,
-       "on a GPU, a micro-batch shape (its sequence lengths) seen twice has its target prefill "
-       "captured as a CUDA graph and replayed from then on, at most 4 shapes (dense targets; "
-       "--prefill-graph=false: always eager)"},
       {"allreduce_bucket_mb", &RunConfig::allreduce_bucket_mb,
        "MiB of gradients per all-reduce, started during the backward as each bucket is ready"},
       {"timeout_s", &RunConfig::timeout_s,

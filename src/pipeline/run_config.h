@@ -61,7 +61,6 @@ struct RunConfig {
   int64_t target_ranks = 1;            // disaggregated: ranks that only run the target
   int64_t prefetch = 2;                // micro-batches formed / features in flight ahead
   bool overlap_target = false;         // colocated GPU: target forward on its own stream
-  bool prefill_graph = true;           // GPU: repeating prefill shapes replay a CUDA graph
   double timeout_s = 600;              // any wait between stages or ranks
   double allreduce_bucket_mb = 64;     // gradient buckets reduced while the backward runs
   // Observability (obs/): stage timing on every rank, snapshots, traces.

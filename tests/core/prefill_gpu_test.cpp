@@ -1,8 +1,7 @@
 // The target's prefill on CUDA in bf16 (skipped where there is no GPU): the fused kernels of
 // kernels/decode_ops.h over thousands of rows against the ATen path and the fp32 model, and
-// packed_causal_attention's cuDNN backend against flash attention and fp32 attention, and the
-// prefill replayed from CUDA graphs against the eager one. The backend choice, its CPU
-// fallback and where graphs do not apply run everywhere.
+// packed_causal_attention's cuDNN backend against flash attention and fp32 attention. The
+// backend choice and its CPU fallback run everywhere.
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -14,7 +13,6 @@
 #include "decode_test_util.h"
 #include "models/kv_cache.h"
 #include "models/layers.h"
-#include "models/prefill_graph.h"
 #include "models/target.h"
 #include "test_util.h"
 
@@ -180,75 +178,6 @@ TEST(AttentionBackend, ParsesNamesAndCpuTakesSdpaForAny) {
     EXPECT_TRUE(at::equal(models::packed_causal_attention(q, k, v, batch, backend),
                           models::packed_causal_attention(q, k, v, batch)));
   }
-}
-
-// Prefills replayed from CUDA graphs return what the eager forward returns, bit for bit (the
-// same kernels on the same inputs): two shapes (one length: cuDNN's attention under kAuto;
-// ragged: flash's) interleaved, new tokens every call, so each replay reads the tokens copied
-// in and no shape's replay leaves another's results behind. Taps and last-position logits.
-TEST(PrefillGraphsGpu, ReplaysMatchTheEagerForward) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  auto config = testing::tiny_target_config(models::Architecture::kQwen3);
-  config.hidden_size = 256;
-  config.intermediate_size = 512;
-  config.head_dim = 64;
-  auto model = testing::peaked_target(config, at::kCUDA, at::kBFloat16, 16);
-  auto gen = models::seeded_generator(at::kCUDA, 17);
-  const models::ForwardRequest request{
-      {0, 2}, Logits::kLast, /*grad=*/false, AttentionBackend::kAuto};
-  models::PrefillGraphs prefill(model, request);
-  const std::vector<std::vector<int64_t>> shapes = {{128, 128}, {90, 1, 37}};
-  for (int round = 0; round < 4; ++round) {
-    for (const auto& lengths : shapes) {
-      SCOPED_TRACE(fmt::format("round {}, {} sequences", round, lengths.size()));
-      auto batch = PackedBatch::from_lengths(lengths, at::kCUDA);
-      auto tokens = at::randint(config.vocab_size, {batch.total}, gen,
-                                at::TensorOptions().dtype(at::kLong).device(at::kCUDA));
-      const c10::NoGradGuard no_grad;
-      auto want = model.forward(tokens, batch, request);
-      auto got = prefill.forward(tokens, batch);
-      EXPECT_TRUE(at::equal(got.logits, want.logits));
-      ASSERT_EQ(got.taps.size(), 2u);
-      for (size_t j = 0; j < got.taps.size(); ++j)
-        EXPECT_TRUE(at::equal(got.taps[j], want.taps[j]));
-    }
-  }
-  // Each shape: eager the first time, captured the second, replayed three times in all.
-  EXPECT_EQ(prefill.captured(), 2);
-  EXPECT_EQ(prefill.replays(), 6);
-}
-
-// No graph where none can run: on the CPU, with max_graphs 0, or a sparse (MoE) target, whose
-// routing reads counts on the host. Those run the eager forward every time.
-TEST(PrefillGraphs, RunsEagerlyWhereNoGraphApplies) {
-  at::manual_seed(18);
-  const at::Device device = at::hasCUDA() ? at::Device(at::kCUDA) : at::Device(at::kCPU);
-  const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
-  auto dense = models::TargetModel::random(
-      testing::tiny_target_config(models::Architecture::kQwen3), device, dtype, 19);
-  auto sparse = models::TargetModel::random(
-      testing::tiny_target_config(models::Architecture::kQwen3Moe), device, dtype, 20);
-  const models::ForwardRequest request{{1}, Logits::kNone};
-  auto batch = PackedBatch::from_lengths({16, 16}, device);
-  auto tokens = at::randint(64, {batch.total}, at::TensorOptions().dtype(at::kLong).device(device));
-  struct Case {
-    const char* name;
-    const models::TargetModel& model;
-    int max_graphs;
-  };
-  for (const Case& c :
-       {Case{"dense, no graphs", dense, 0}, Case{"sparse", sparse, 4}, Case{"dense", dense, 4}}) {
-    SCOPED_TRACE(c.name);
-    if (device.is_cuda() && std::string(c.name) == "dense") continue;  // the GPU test's case
-    models::PrefillGraphs prefill(c.model, request, c.max_graphs);
-    for (int i = 0; i < 3; ++i) {
-      auto got = prefill.forward(tokens, batch);
-      EXPECT_TRUE(at::equal(got.taps[0], c.model.forward(tokens, batch, request).taps[0]));
-    }
-    EXPECT_EQ(prefill.captured(), 0);
-    EXPECT_EQ(prefill.replays(), 0);
-  }
-  EXPECT_THROW(models::PrefillGraphs(dense, {{1}, Logits::kNone, /*grad=*/true}), Error);
 }
 
 }  // namespace
