@@ -4,7 +4,7 @@
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
-# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8
+# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -276,6 +276,21 @@ if has fp8; then
   gzip -f "$out/drafter_trace_fp8.json" "$out/drafter_trace_fp8.online.json"
   kill "$smi" 2>/dev/null
   AB="${AB:---head-grad=fp8|--head-grad=compute}" ab_bench fp8
+fi
+if has sustained; then
+  # Issue 11, 2026-12-02: what the power-capped GPU sustains against the short benches'
+  # figures. nvidia-smi's clock, power and temperature every half second; `dflash bench` short
+  # (30 steps) and long (600 steps, ~100 s; its drift line compares the first and last quarter);
+  # bench-target queued for 300 prefills (~14 s; per-prefill times in the JSON).
+  step sustained
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
+    > "$out/clocks_sustained.csv" 2>&1 &
+  smi=$!
+  "$dflash" bench --steps 30 --warmup 8 --json "$out/bench_short.json" 2>&1 | grep "^bench: step"
+  "$dflash" bench --steps 600 --warmup 8 --json "$out/bench_long.json" 2>&1 | grep "^bench: \(step\|drift\|rank\)"
+  "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 3 \
+    --iters 300 --attention cudnn --json "$out/bench_target_sustained.json" 2>&1 | tail -2
+  kill "$smi" 2>/dev/null
 fi
 if has gsm8k_fp8; then
   # The FP8 head gradient's effect on what a drafter learns: the GSM8K run (examples/gsm8k,

@@ -1033,6 +1033,22 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
       step_s * 1e3, step_seconds.size(), tokens_per_s, tokens_per_s / gpus,
       step_flops / step_s / gpus / 1e12, 100 * step_flops / step_s / gpus / kH200BF16,
       kH200BF16 / 1e12);
+  report["step_seconds"] = step_seconds;
+  // A power-capped GPU slows as it heats: on an H200 a run's first tens of seconds are a few
+  // percent faster than what it sustains. Long runs show how far the figure drifted.
+  constexpr size_t kDriftSteps = 40;
+  if (step_seconds.size() >= kDriftSteps) {
+    const size_t quarter = step_seconds.size() / 4;
+    const double first = obs::median({step_seconds.begin(), step_seconds.begin() + quarter});
+    const double final = obs::median({step_seconds.end() - quarter, step_seconds.end()});
+    report["step_ms_first_quarter"] = first * 1e3;
+    report["step_ms_last_quarter"] = final * 1e3;
+    fmt::print(
+        "bench: drift: the first quarter of the timed steps {:.1f} ms, the last {:.1f} ms "
+        "({:+.1f}%); the last quarter is {:.0f} tokens/s\n",
+        first * 1e3, final * 1e3, 100 * (final / first - 1),
+        static_cast<double>(tokens_per_step) / final);
+  }
   for (size_t i = 0; i < all.size(); ++i) {
     const auto& v = all[i];
     report["per_rank"].push_back({{"rank", i},
