@@ -4,7 +4,8 @@
 # them back). Usage (device tool, carry [".deps"]): bash scripts/gpu_check.sh [stages...]
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
-# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained
+# pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
+# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS")
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -277,6 +278,26 @@ if has fp8; then
   kill "$smi" 2>/dev/null
   AB="${AB:---head-grad=fp8|--head-grad=compute}" ab_bench fp8
 fi
+if has gemms; then
+  # Issue 11, 2026-12-02: the drafter layers' projections as FP8 GEMMs (--drafter-gemms fp8:
+  # forward and input gradients in e4m3 with row scales, weight gradients bf16). The quantizer
+  # kernel and linear_group against their references, the step against the fp32 reference,
+  # bench-drafter alternating compute and fp8 (with the online split and a profile), then
+  # `dflash bench` alternating.
+  step gemms
+  fixtures gemms dflash
+  gtests gemms '*Fp8*:*QuantizeRows*:*LinearGroup*:*DrafterGpu*:*DrafterParity*:*HeadLoss*:*TrainLoop*:*RunConfig*'
+  grep -h "fp8 GEMMs:" "$out/gemms_tests.log" | head -40
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
+    > "$out/clocks_gemms.csv" 2>&1 &
+  smi=$!
+  "$dflash" bench-drafter --device cuda --drafter-gemms fp8,compute \
+    --json "$out/bench_drafter_gemms.json" --profile "$out/drafter_trace_gemms.json" 2>&1 \
+    | tee "$out/bench_drafter_gemms.txt" | grep -v "^ .*\] " | head -60
+  gzip -f "$out/drafter_trace_gemms.json" "$out/drafter_trace_gemms.online.json"
+  kill "$smi" 2>/dev/null
+  AB="${AB:---drafter-gemms=fp8|--drafter-gemms=compute}" ab_bench gemms
+fi
 if has sustained; then
   # Issue 11, 2026-12-02: what the power-capped GPU sustains against the short benches'
   # figures. nvidia-smi's clock, power and temperature every half second; `dflash bench` short
@@ -292,29 +313,32 @@ if has sustained; then
     --iters 300 --attention cudnn --json "$out/bench_target_sustained.json" 2>&1 | tail -2
   kill "$smi" 2>/dev/null
 fi
-if has gsm8k_fp8; then
-  # The FP8 head gradient's effect on what a drafter learns: the GSM8K run (examples/gsm8k,
-  # --full) up to its training data, then the drafter trained twice on it, compute and fp8,
+if has gsm8k_fp8 || has gsm8k_ab; then
+  # A training setting's effect on what a drafter learns: the GSM8K run (examples/gsm8k,
+  # --full) up to its training data, then the drafter trained once per setting of GSM8K_AB
+  # ("FLAGS|FLAGS", default the FP8 head gradient against compute; gsm8k_fp8 is that default),
   # with tau on the 100 validation questions every 500 steps (GSM8K_DRAFTER_EPOCHS, 2 here).
-  step gsm8k_fp8
-  run=/tmp/gsm8k-fp8
+  step gsm8k_ab
+  run=/tmp/gsm8k-ab
   export GSM8K_DRAFTER_EPOCHS=${GSM8K_DRAFTER_EPOCHS:-2}
   bash "$root/examples/gsm8k/run.sh" --full --data "$root/.deps/gsm8k" --out "$run" \
-    --dflash "$dflash" --stages pretrain,generate,prepare > "$out/gsm8k_fp8_prepare.log" 2>&1 \
-    || tail -20 "$out/gsm8k_fp8_prepare.log"
-  for grad in compute fp8; do
-    step "gsm8k drafter, head grad $grad"
-    GSM8K_TRAIN_ARGS="--head-grad $grad" bash "$root/examples/gsm8k/run.sh" --full \
+    --dflash "$dflash" --stages pretrain,generate,prepare > "$out/gsm8k_ab_prepare.log" 2>&1 \
+    || tail -20 "$out/gsm8k_ab_prepare.log"
+  IFS='|' read -ra settings <<< "${GSM8K_AB:---head-grad compute|--head-grad fp8}"
+  for i in "${!settings[@]}"; do
+    flags=${settings[$i]}
+    step "gsm8k drafter: $flags"
+    GSM8K_TRAIN_ARGS="$flags" bash "$root/examples/gsm8k/run.sh" --full \
       --data "$root/.deps/gsm8k" --out "$run" --dflash "$dflash" --stages train \
-      > "$out/gsm8k_fp8_train_$grad.log" 2>&1 || tail -20 "$out/gsm8k_fp8_train_$grad.log"
-    cp "$run/drafter/metrics.jsonl" "$out/gsm8k_metrics_$grad.jsonl"
-    python3 - "$run/drafter/metrics.jsonl" "$grad" <<'PY' | tee -a "$out/gsm8k_fp8.txt"
+      > "$out/gsm8k_ab_train_$i.log" 2>&1 || tail -20 "$out/gsm8k_ab_train_$i.log"
+    cp "$run/drafter/metrics.jsonl" "$out/gsm8k_metrics_$i.jsonl"
+    python3 - "$run/drafter/metrics.jsonl" "$flags" <<'PY' | tee -a "$out/gsm8k_ab.txt"
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1])]
 tau = {l["step"]: round(l["eval_tau"], 3) for l in lines if "eval_tau" in l}
 loss = [l["loss"] for l in lines if "loss" in l]
 tail = loss[-200:]
-print(f"head grad {sys.argv[2]}: validation tau {tau}; mean loss of the last {len(tail)} steps "
+print(f"{sys.argv[2]}: validation tau {tau}; mean loss of the last {len(tail)} steps "
       f"{sum(tail) / max(len(tail), 1):.4f}")
 PY
   done

@@ -35,6 +35,7 @@ struct BenchDrafterOptions {
   int64_t head_chunk = 2048;
   std::vector<std::string> attention = {"auto"};  // several: alternated (run_bench)
   std::vector<std::string> head_grad = {"auto"};  // likewise, crossed with attention
+  std::vector<std::string> gemms = {"compute"};   // likewise, crossed with both
   int warmup = 3;
   int iters = 10;
   std::string json_out;
@@ -116,39 +117,49 @@ void run_bench(const BenchDrafterOptions& o) {
   // below; before that all of them alternate, a block of steps each per round, so that the
   // GPU's drift over the run (it is power-capped, its clock follows its temperature) falls on
   // every setting alike.
-  if (o.attention.empty() || o.head_grad.empty()) {
-    fail("bench-drafter: --attention and --head-grad need at least one setting each");
+  if (o.attention.empty() || o.head_grad.empty() || o.gemms.empty()) {
+    fail("bench-drafter: --attention, --head-grad and --drafter-gemms need a setting each");
   }
   struct Setting {
-    std::string name;
+    std::string name, attention_name, head_grad_name, gemms_name;
     models::DrafterAttention attention;
     train::HeadGrad head_grad;
+    bool fp8_gemms;
   };
   std::vector<Setting> settings;
   for (const auto& a : o.attention) {
     for (const auto& g : o.head_grad) {
-      settings.push_back({o.head_grad.size() > 1 ? a + ", head grad " + g : a,
-                          models::parse_drafter_attention(a, "bench-drafter --attention"),
-                          train::parse_head_grad(g, "bench-drafter --head-grad")});
+      for (const auto& m : o.gemms) {
+        std::string name = a;
+        if (o.head_grad.size() > 1) name += ", head grad " + g;
+        if (o.gemms.size() > 1) name += ", gemms " + m;
+        settings.push_back({name, a, g, m,
+                            models::parse_drafter_attention(a, "bench-drafter --attention"),
+                            train::parse_head_grad(g, "bench-drafter --head-grad"),
+                            train::parse_drafter_gemms(m, "bench-drafter --drafter-gemms")});
+      }
     }
   }
   topt.step.attention = settings.front().attention;
   topt.step.head_grad = settings.front().head_grad;
+  topt.step.fp8_gemms = settings.front().fp8_gemms;
   train::Trainer trainer(drafter, head, topt, data);
   auto use = [&](const Setting& s) {
     trainer.set_attention(s.attention);
     trainer.set_head_grad(s.head_grad);
+    trainer.set_fp8_gemms(s.fp8_gemms);
   };
 
   const auto& sampled = micro.blocks.layout.anchor;
   const double flops = models::drafter_step_flops(config, {seq}, sampled, micro.blocks.num_labels);
   fmt::print(
       "bench-drafter: target {} ({} layers, H {}), drafter {} layers ({:.3f} B params), taps [{}],"
-      " seq {}, anchors {}, B {}, {} on {}, LM-head input gradient {}, warmup {}, iters {}\n",
+      " seq {}, anchors {}, B {}, {} on {}, LM-head input gradient {}, layer GEMMs {}, warmup {}, "
+      "iters {}\n",
       o.preset, target.num_layers, target.hidden_size, config.layers.num_layers,
       drafter.num_parameters() / 1e9, fmt::join(config.target_layer_ids, ","), seq, sampled.size(),
       config.block_size, c10::toString(dtype), o.device, train::head_grad_name(trainer.head_grad()),
-      o.warmup, o.iters);
+      settings.front().gemms_name, o.warmup, o.iters);
   const int dev = device.index() < 0 ? 0 : device.index();
   // Peaks of live tensors (allocated) and of what the caching allocator holds (reserved, what
   // the process takes from the device); a gap between them is fragmentation.
@@ -179,8 +190,9 @@ void run_bench(const BenchDrafterOptions& o) {
                o.warmup);
     for (size_t a = 0; a < settings.size(); ++a) {
       fmt::print("{:>44} {:>10.2f} ms median\n", settings[a].name, obs::median(per[a]) * 1e3);
-      alternating.push_back({{"attention", o.attention[a / o.head_grad.size()]},
-                             {"head_grad", o.head_grad[a % o.head_grad.size()]},
+      alternating.push_back({{"attention", settings[a].attention_name},
+                             {"head_grad", settings[a].head_grad_name},
+                             {"drafter_gemms", settings[a].gemms_name},
                              {"median_ms", obs::median(per[a]) * 1e3},
                              {"times_s", per[a]}});
     }
@@ -238,6 +250,7 @@ void run_bench(const BenchDrafterOptions& o) {
                         {"loss", last.loss},
                         {"attention", o.attention.front()},
                         {"head_grad", train::head_grad_name(trainer.head_grad())},
+                        {"drafter_gemms", settings.front().gemms_name},
                         {"alternating", alternating}};
   if (!o.profile.empty()) {
     constexpr int kProfiledSteps = 2;
@@ -298,6 +311,11 @@ void add_bench_drafter_command(CLI::App& app) {
          "--head-grad", o->head_grad,
          "the LM head's input-gradient GEMM: auto, compute or fp8 (e4m3, Hopper or newer); a "
          "comma-separated list alternates as --attention does (every pair of the two)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--drafter-gemms", o->gemms,
+                  "the drafter layers' projections: compute or fp8 (forward and input-gradient "
+                  "GEMMs in e4m3); a comma-separated list alternates as --attention does")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup)->capture_default_str();

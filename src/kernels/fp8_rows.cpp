@@ -6,6 +6,10 @@
 #include "common/error.h"
 
 namespace dflash::kernels {
+
+void quantize_rows_e4m3_cuda(at::TensorList parts, at::Tensor& data,
+                             at::Tensor& scale);  // fp8_rows.cu
+
 namespace {
 
 void check_rows(const Fp8Rows& x, const char* name) {
@@ -34,7 +38,7 @@ void check_mm(const at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
 
 }  // namespace
 
-Fp8Rows quantize_rows_e4m3(const at::Tensor& x) {
+Fp8Rows quantize_rows_e4m3_reference(const at::Tensor& x) {
   if (x.dim() != 2) fail("fp8 quantize: expected a matrix, got {}", x.sizes());
   auto xf = x.to(at::kFloat);
   auto amax = xf.abs().amax(1);
@@ -43,6 +47,32 @@ Fp8Rows quantize_rows_e4m3(const at::Tensor& x) {
   auto data = (xf / scale.unsqueeze(1)).clamp_(-kE4m3Max, kE4m3Max).to(at::kFloat8_e4m3fn);
   return {data.contiguous(), scale.contiguous()};
 }
+
+Fp8Rows quantize_rows_e4m3(at::TensorList parts) {
+  if (parts.empty()) fail("fp8 quantize: no matrix given");
+  int64_t cols = 0;
+  bool kernel = parts.size() <= 4;
+  for (const at::Tensor& t : parts) {
+    if (t.dim() != 2 || t.size(0) != parts[0].size(0)) {
+      fail("fp8 quantize: parts must be matrices of {} rows, got {}", parts[0].sizes(), t.sizes());
+    }
+    cols += t.size(1);
+    kernel = kernel && t.is_cuda() && t.device() == parts[0].device() &&
+             t.scalar_type() == parts[0].scalar_type() &&
+             (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
+  }
+  if (!kernel)
+    return quantize_rows_e4m3_reference(parts.size() == 1 ? parts[0] : at::cat(parts, 1));
+  // The kernel reads rows of unit column stride (a transposed view is copied first).
+  std::vector<at::Tensor> dense;
+  for (const at::Tensor& t : parts) dense.push_back(t.stride(1) == 1 ? t : t.contiguous());
+  Fp8Rows out{at::empty({parts[0].size(0), cols}, parts[0].options().dtype(at::kFloat8_e4m3fn)),
+              at::empty({parts[0].size(0)}, parts[0].options().dtype(at::kFloat))};
+  quantize_rows_e4m3_cuda(dense, out.data, out.scale);
+  return out;
+}
+
+Fp8Rows quantize_rows_e4m3(const at::Tensor& x) { return quantize_rows_e4m3(at::TensorList(x)); }
 
 at::Tensor dequantize_rows(const Fp8Rows& x) {
   return x.data.to(at::kFloat) * x.scale.unsqueeze(1);

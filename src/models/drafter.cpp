@@ -117,14 +117,19 @@ at::Tensor fused_context(const DrafterConfig& config, const at::Tensor& features
 
 // The rest of a drafter layer after attention: o_proj and residual, then the SwiGLU MLP, whose
 // output is left pending for the next norm to add.
+// With `fp8`, every projection is an FP8 linear_group (see Drafter::forward).
 Residual layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& x,
-                      const at::Tensor& attn, at::ScalarType dtype) {
+                      const at::Tensor& attn, at::ScalarType dtype, bool fp8 = false) {
   const int64_t rows = x.size(0);
-  auto o = at::linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
+  auto linear = [&](const at::Tensor& in, const at::Tensor& weight) {
+    return fp8 ? linear_group({in}, {weight}, {{0, 0}}, true)[0] : at::linear(in, weight);
+  };
+  auto o = linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
   auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm.to(dtype), c.rms_norm_eps);
-  auto gate_up = linear_group({h2}, {w.gate_proj.to(dtype), w.up_proj.to(dtype)}, {{0, 0}, {0, 1}});
+  auto gate_up =
+      linear_group({h2}, {w.gate_proj.to(dtype), w.up_proj.to(dtype)}, {{0, 0}, {0, 1}}, fp8);
   auto act = kernels::swiglu(gate_up[0], gate_up[1]);
-  return {x1, at::linear(act, w.down_proj.to(dtype))};
+  return {x1, linear(act, w.down_proj.to(dtype))};
 }
 
 }  // namespace
@@ -597,7 +602,7 @@ at::Tensor Drafter::context(const at::Tensor& features, at::ScalarType dtype) co
 
 at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch,
                             const BlockLayout& layout, const TargetHead& head, at::ScalarType dtype,
-                            DrafterAttention attention, BlockRows rows) const {
+                            DrafterAttention attention, BlockRows rows, bool fp8_gemms) const {
   const int64_t n = layout.num_blocks(), bs = layout.block_size;
   if (features.size(0) != batch.total) {
     fail("drafter: features have {} rows, the packed batch has {} tokens", features.size(0),
@@ -688,9 +693,10 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
     for (size_t f = 0; f < kPerLayer; ++f) *fields[f] = weight(first + f);
     const at::Tensor context_k_norm = weight(first + kContextKNorm);
     const bool predictions = rows == BlockRows::kPredictions && l + 1 == layers_.size();
-    stream = layer_forward(layer, context_k_norm, stream, l == 0 ? distinct : at::Tensor(),
-                           predictions, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch, layout,
-                           dtype, gathered ? &*gathered : nullptr, in_place ? &*in_place : nullptr);
+    stream =
+        layer_forward(layer, context_k_norm, stream, l == 0 ? distinct : at::Tensor(), predictions,
+                      ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch, layout, dtype,
+                      gathered ? &*gathered : nullptr, in_place ? &*in_place : nullptr, fp8_gemms);
   }
   return add_and_norm(stream, weight(named_.size() - 1), config_.layers.rms_norm_eps).second;
 }
@@ -702,7 +708,7 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& 
                                 const at::Tensor& blk_sin, const PackedBatch& batch,
                                 const BlockLayout& layout, at::ScalarType dtype,
                                 const kernels::PrefixGatherPlan* gathered,
-                                const PrefixAttentionPlan* in_place) const {
+                                const PrefixAttentionPlan* in_place, bool fp8_gemms) const {
   const ModelConfig& c = config_.layers;
   const int64_t n = layout.num_blocks(), bs = layout.block_size, d = c.head_dim;
   const int64_t hkv = c.num_kv_heads, groups = c.num_heads / hkv;
@@ -743,7 +749,7 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& 
     q_input = 2;
   }
   auto p = linear_group(inputs, {wp.q_proj.to(dtype), w.k_proj.to(dtype), w.v_proj.to(dtype)},
-                        {{q_input, 0}, {0, 1}, {0, 2}, {1, 1}, {1, 2}});
+                        {{q_input, 0}, {0, 1}, {0, 2}, {1, 1}, {1, 2}}, fp8_gemms);
   if (distinct.defined()) {
     p[0] = spread_to_blocks(p[0], n, bs, predictions);
     for (int i : {1, 2}) p[i] = spread_to_blocks(p[i], n, bs, /*predictions=*/false);
@@ -822,7 +828,7 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& 
     }
     attn = packed.view({rows, c.num_heads, d});
   }
-  return layer_output(wp, c, x, attn, dtype);
+  return layer_output(wp, c, x, attn, dtype, fp8_gemms);
 }
 
 DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType dtype,
@@ -848,7 +854,7 @@ DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType d
          head.embedding.sizes(), head.lm_head.sizes(), config_.layers.hidden_size,
          config_.layers.vocab_size);
   }
-  head_ = {head.embedding, head.lm_head.to(dtype)};
+  head_ = {head.embedding, head.lm_head.to(dtype), {}};
 }
 
 KVCache DraftModel::make_cache(int64_t slots, int64_t max_context) const {

@@ -180,11 +180,12 @@ class Drafter {
   // Drafter hidden states after the final norm, [blocks*B, H] (or the predicting rows only,
   // BlockRows), in `dtype` (params are cast from their fp32 masters, so gradients reach them in
   // fp32). `features` are the concatenated taps [batch.total, K*H] of the packed sequences in
-  // `batch`.
+  // `batch`. `fp8_gemms`: the decoder layers' projections as linear_group's FP8 GEMMs (forward
+  // and input gradients; needs autograd, and widths that are multiples of 16).
   at::Tensor forward(const at::Tensor& features, const PackedBatch& batch,
                      const BlockLayout& layout, const TargetHead& head, at::ScalarType dtype,
                      DrafterAttention attention = DrafterAttention::kAuto,
-                     BlockRows rows = BlockRows::kAll) const;
+                     BlockRows rows = BlockRows::kAll, bool fp8_gemms = false) const;
 
   const DrafterConfig& config() const { return config_; }
   // Every trainable parameter, named as in the export, in a fixed order.
@@ -230,7 +231,7 @@ class Drafter {
                          const at::Tensor& blk_sin, const PackedBatch& batch,
                          const BlockLayout& layout, at::ScalarType dtype,
                          const kernels::PrefixGatherPlan* gathered,
-                         const PrefixAttentionPlan* in_place) const;
+                         const PrefixAttentionPlan* in_place, bool fp8_gemms) const;
 
   // Parameter i (named_parameters order) as forward() in `dtype` reads it: its compute copy when
   // there is one, else a cast of the master.

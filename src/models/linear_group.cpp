@@ -3,7 +3,10 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <optional>
+
 #include "common/error.h"
+#include "kernels/fp8_rows.h"
 
 namespace dflash::models {
 namespace {
@@ -21,19 +24,38 @@ void accumulate(at::Tensor& sum, const at::Tensor& a, const at::Tensor& b) {
   }
 }
 
+// a [m, k] x b [n, k]^T as an FP8 GEMM of the two quantized operands, in a's dtype.
+at::Tensor mm_fp8(const kernels::Fp8Rows& a, const kernels::Fp8Rows& b, const at::Tensor& like) {
+  auto out = at::empty({a.data.size(0), b.data.size(0)}, like.options());
+  kernels::mm_fp8_rows_out(out, a, b);
+  return out;
+}
+
 struct LinearGroupFunction : public torch::autograd::Function<LinearGroupFunction> {
   // products: (input, weight) index pairs, flattened.
   static tensor_list forward(AutogradContext* ctx, at::TensorList inputs, at::TensorList weights,
-                             std::vector<int64_t> products) {
+                             std::vector<int64_t> products, bool fp8) {
     tensor_list out;
-    for (size_t j = 0; j < products.size(); j += 2) {
-      out.push_back(at::linear(inputs[products[j]], weights[products[j + 1]]));
+    if (fp8) {
+      // Each operand quantized once, however many products read it.
+      std::vector<std::optional<kernels::Fp8Rows>> x8(inputs.size()), w8(weights.size());
+      for (size_t j = 0; j < products.size(); j += 2) {
+        const auto i = static_cast<size_t>(products[j]), w = static_cast<size_t>(products[j + 1]);
+        if (!x8[i]) x8[i] = kernels::quantize_rows_e4m3(inputs[i]);
+        if (!w8[w]) w8[w] = kernels::quantize_rows_e4m3(weights[w]);
+        out.push_back(mm_fp8(*x8[i], *w8[w], inputs[i]));
+      }
+    } else {
+      for (size_t j = 0; j < products.size(); j += 2) {
+        out.push_back(at::linear(inputs[products[j]], weights[products[j + 1]]));
+      }
     }
     tensor_list saved(inputs.begin(), inputs.end());
     saved.insert(saved.end(), weights.begin(), weights.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["inputs"] = static_cast<int64_t>(inputs.size());
     ctx->saved_data["products"] = products;
+    ctx->saved_data["fp8"] = fp8;
     // An output nobody read has no gradient; zeros for it would be a wasted [rows, out] pass.
     ctx->set_materialize_grads(false);
     return out;
@@ -43,14 +65,31 @@ struct LinearGroupFunction : public torch::autograd::Function<LinearGroupFunctio
     const auto saved = ctx->get_saved_variables();
     const auto n_inputs = static_cast<size_t>(ctx->saved_data["inputs"].toInt());
     const auto products = ctx->saved_data["products"].toIntVector();
-    tensor_list out(saved.size() + 1);  // one per input and weight, then the products
+    const bool fp8 = ctx->saved_data["fp8"].toBool();
+    tensor_list out(saved.size() + 2);  // one per input and weight, then products and fp8
+    // fp8: per input, the gradients of the products reading it and their weights, side by side.
+    std::vector<std::vector<at::Tensor>> input_grads(n_inputs), input_weights(n_inputs);
     for (size_t j = 0; j < products.size(); j += 2) {
       const at::Tensor& g = grads[j / 2];
       if (!g.defined()) continue;
       const auto i = static_cast<size_t>(products[j]);
       const auto w = n_inputs + static_cast<size_t>(products[j + 1]);
-      if (ctx->needs_input_grad(i)) accumulate(out[i], g, saved[w]);
+      if (ctx->needs_input_grad(i)) {
+        if (fp8) {
+          input_grads[i].push_back(g);
+          input_weights[i].push_back(saved[w]);
+        } else {
+          accumulate(out[i], g, saved[w]);
+        }
+      }
       if (ctx->needs_input_grad(w)) accumulate(out[w], g.t(), saved[i]);
+    }
+    for (size_t i = 0; i < input_grads.size(); ++i) {
+      if (input_grads[i].empty()) continue;
+      // [W_1; ..; W_n]^T as rows: the summed output dimension is what the GEMM reduces over.
+      auto w_t = at::cat(input_weights[i], 0).t().contiguous();
+      out[i] = mm_fp8(kernels::quantize_rows_e4m3(input_grads[i]), kernels::quantize_rows_e4m3(w_t),
+                      input_grads[i][0]);
     }
     return out;
   }
@@ -60,7 +99,7 @@ struct LinearGroupFunction : public torch::autograd::Function<LinearGroupFunctio
 
 std::vector<at::Tensor> linear_group(const std::vector<at::Tensor>& inputs,
                                      const std::vector<at::Tensor>& weights,
-                                     const std::vector<LinearProduct>& products) {
+                                     const std::vector<LinearProduct>& products, bool fp8) {
   std::vector<int64_t> flat;
   for (const auto& p : products) {
     if (p.input < 0 || p.input >= static_cast<int64_t>(inputs.size()) || p.weight < 0 ||
@@ -84,7 +123,7 @@ std::vector<at::Tensor> linear_group(const std::vector<at::Tensor>& inputs,
     return out;
   }
   // As TensorLists: autograd takes an ArrayRef of tensors as inputs, a std::vector as a constant.
-  return LinearGroupFunction::apply(at::TensorList(inputs), at::TensorList(weights), flat);
+  return LinearGroupFunction::apply(at::TensorList(inputs), at::TensorList(weights), flat, fp8);
 }
 
 }  // namespace dflash::models

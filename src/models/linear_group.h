@@ -21,8 +21,16 @@ struct LinearProduct {
 // y_j = at::linear(inputs[p.input], weights[p.weight]) for each p in products, in order; the
 // forward values are exactly at::linear's. Inputs are 2-d; an undefined input is allowed only
 // if no product reads it. Differentiable in every input and weight.
+//
+// With `fp8` and autograd recording, the forward products and the input gradients are FP8
+// GEMMs (kernels/fp8_rows: e4m3 with one scale per row of each operand, about twice the bf16
+// rate on Hopper): y_j = q(x) q(W)^T, and an input's gradient sum over the products reading it
+// is one GEMM, q([g_1 .. g_n]) q([W_1; ..; W_n]^T)^T. The weight gradients stay in the
+// compute dtype (their reduction runs over every row of the batch). Every dimension a GEMM
+// reduces over (inputs' widths, the summed outputs) must be a multiple of 16. Without
+// autograd (inference) the products are at::linear's whatever `fp8` says.
 std::vector<at::Tensor> linear_group(const std::vector<at::Tensor>& inputs,
                                      const std::vector<at::Tensor>& weights,
-                                     const std::vector<LinearProduct>& products);
+                                     const std::vector<LinearProduct>& products, bool fp8 = false);
 
 }  // namespace dflash::models

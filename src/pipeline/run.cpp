@@ -486,6 +486,7 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
   to.step.dtype = r.dtype;
   to.step.attention = models::parse_drafter_attention(c.drafter_attention, "drafter_attention");
   to.step.head_grad = train::parse_head_grad(c.head_grad, "head_grad");
+  to.step.fp8_gemms = train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms");
   to.checkpoint_dir = run_dir;
   to.write_checkpoints = r.leads();
   to.checkpoint_every = c.checkpoint_every;
@@ -754,6 +755,7 @@ void write_run_config(const Job& job, const fs::path& run_dir, bool resuming) {
                      {"head_grad", train::head_grad_name(train::resolve_head_grad(
                                        train::parse_head_grad(c.head_grad, "head_grad"),
                                        job.head.lm_head, job.rank.dtype))},
+                     {"drafter_gemms", c.drafter_gemms},
                      {"dflash_version", DFLASH_VERSION}};
   if (resuming && fs::exists(config_path)) {
     const json saved = read_json_file(config_path);

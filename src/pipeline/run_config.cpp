@@ -55,6 +55,10 @@ const std::vector<ConfigKey>& config_keys() {
        "the LM head's input-gradient GEMM: auto (fp8 where it runs: a GPU of compute "
        "capability 9.0 or newer, bf16), compute (the compute dtype) or fp8 (e4m3 with a scale "
        "per row, twice the bf16 GEMM rate; the logits and the loss stay in bf16 and fp32)"},
+      {"drafter_gemms", &RunConfig::drafter_gemms,
+       "the drafter layers' projections: compute (the compute dtype) or fp8 (their forward and "
+       "input-gradient GEMMs in e4m3 with a scale per row, the weight gradients in the compute "
+       "dtype; widths must be multiples of 16)"},
       {"mask_token_id", &RunConfig::mask_token_id,
        "MASK token (default: 151669 if inside the vocabulary, else the last id)"},
       {"init_from", &RunConfig::init_from,

@@ -126,6 +126,12 @@ double label_weight_sum(std::span<const SampleView> samples, int64_t epoch, int6
   return sum;
 }
 
+bool parse_drafter_gemms(const std::string& name, const std::string& what) {
+  if (name == "compute") return false;
+  if (name == "fp8") return true;
+  fail("{} must be compute or fp8, got \"{}\"", what, name);
+}
+
 MicroResult forward_backward(const models::Drafter& drafter, const models::TargetHead& head,
                              const MicroBatch& mb, double grad_scale, const StepOptions& options,
                              const std::function<void()>& before_backward) {
@@ -146,8 +152,9 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
   at::Tensor rows;
   {
     obs::Scope scope(obs::Stage::kDrafterForward, device);
-    auto hidden = drafter.forward(mb.features, mb.packed, blocks.layout, head, options.dtype,
-                                  options.attention, models::BlockRows::kPredictions);
+    auto hidden =
+        drafter.forward(mb.features, mb.packed, blocks.layout, head, options.dtype,
+                        options.attention, models::BlockRows::kPredictions, options.fp8_gemms);
     // label_rows ascend without repeats: as many labels as predicting rows is every row in
     // order, read as it is (no copy); otherwise the rows are selected and their gradients go
     // back to their places (no index_add).

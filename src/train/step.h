@@ -74,7 +74,14 @@ struct StepOptions {
   models::DrafterAttention attention = models::DrafterAttention::kAuto;
   // kFp8 reads the head's lm_head_t_fp8; kAuto is the Trainer's to resolve (here: kCompute).
   HeadGrad head_grad = HeadGrad::kCompute;
+  // The drafter layers' projections as FP8 GEMMs (forward and input gradients; the weight
+  // gradients in `dtype`): Drafter::forward's fp8_gemms.
+  bool fp8_gemms = false;
 };
+
+// --drafter-gemms: "compute" (false) or "fp8" (true, StepOptions::fp8_gemms); `what` names
+// the option in the error.
+bool parse_drafter_gemms(const std::string& name, const std::string& what);
 
 struct MicroResult {
   at::Tensor weighted_ce;  // fp32 scalar, unnormalised

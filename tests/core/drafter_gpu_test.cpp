@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 
 #include "drafter_test_util.h"
 #include "kernels/cudnn_attention.h"
@@ -27,6 +28,7 @@ struct GpuCase {
   models::DrafterAttention attention;
   double loss_tol, grad_tol;
   train::HeadGrad head_grad;
+  bool fp8_gemms = false;
 };
 
 // CTest names each case by this (GoogleTest would print the struct's bytes).
@@ -46,6 +48,7 @@ TEST_P(DrafterGpu, GatheredStepMatchesReference) {
   options.dtype = g.dtype;
   options.attention = g.attention;
   options.head_grad = g.head_grad;
+  options.fp8_gemms = g.fp8_gemms;
   auto head = models::TargetHead::of(*c.target);
   if (g.head_grad == train::HeadGrad::kFp8) head.lm_head_t_fp8 = train::head_grad_fp8(head.lm_head);
   auto r =
@@ -60,6 +63,10 @@ TEST_P(DrafterGpu, GatheredStepMatchesReference) {
     ASSERT_TRUE(p.grad().defined());
     EXPECT_EQ(p.grad().device().type(), at::kCUDA);
     EXPECT_CLOSE(p.grad() / r.weight_sum, c.tensor("grad/" + name), g.grad_tol);
+    if (g.fp8_gemms) {
+      std::printf("fp8 GEMMs: %s relative error %.4f\n", name.c_str(),
+                  testing::relative_error(p.grad() / r.weight_sum, c.tensor("grad/" + name)));
+    }
     ++checked;
   }
   EXPECT_GT(checked, 10);
@@ -77,7 +84,12 @@ INSTANTIATE_TEST_SUITE_P(
                       // The LM head's input gradient as an FP8 GEMM (--head-grad fp8) within the
                       // bf16 step's tolerances.
                       GpuCase{"bf16_fp8_head_grad", at::kBFloat16, DrafterAttention::kGathered,
-                              2e-2, 5e-2, train::HeadGrad::kFp8}),
+                              2e-2, 5e-2, train::HeadGrad::kFp8},
+                      // The layers' projections as FP8 GEMMs too (--drafter-gemms fp8): e4m3's
+                      // 3 mantissa bits in every forward product and input gradient, so wider
+                      // bounds than bf16's (the weight gradients' own GEMMs stay bf16).
+                      GpuCase{"bf16_fp8_gemms", at::kBFloat16, DrafterAttention::kGathered, 3e-2,
+                              1.2e-1, train::HeadGrad::kFp8, true}),
     [](const auto& info) { return info.param.name; });
 
 // The default bf16 step (auto: cuDNN's backward over the shared segments, flash's over the

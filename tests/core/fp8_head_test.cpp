@@ -9,6 +9,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "common/error.h"
 #include "kernels/cross_entropy.h"
@@ -45,6 +47,73 @@ TEST(Fp8Rows, QuantizeKeepsEachRowWithinE4m3Rounding) {
   EXPECT_FLOAT_EQ(q.data[5][7].to(at::kFloat).item<float>(), -kernels::kE4m3Max);
   EXPECT_TRUE(at::equal(back[4], at::zeros({64})));
 }
+
+// Several matrices' rows side by side quantize as their concatenation does (one scale a row).
+TEST(Fp8Rows, PartsQuantizeAsTheirConcatenation) {
+  at::manual_seed(2);
+  std::vector<at::Tensor> parts = {at::randn({5, 32}), at::randn({5, 16}) * 10, at::randn({5, 8})};
+  auto got = kernels::quantize_rows_e4m3(parts);
+  auto want = kernels::quantize_rows_e4m3_reference(at::cat(parts, 1));
+  EXPECT_TRUE(at::equal(got.data.to(at::kFloat), want.data.to(at::kFloat)));
+  EXPECT_TRUE(at::equal(got.scale, want.scale));
+  EXPECT_THROW(kernels::quantize_rows_e4m3({at::randn({5, 8}), at::randn({4, 8})}), Error);
+}
+
+struct QuantizeCase {
+  std::string name;
+  std::vector<std::vector<int64_t>> widths;  // per part: {rows, width}, or {rows, width, parent}
+  at::ScalarType dtype;                      // (a column slice of a [rows, parent] matrix)
+  bool transposed = false;                   // the first part a transposed view
+};
+void PrintTo(const QuantizeCase& c, std::ostream* os) { *os << c.name; }
+
+class QuantizeRowsKernel : public ::testing::TestWithParam<QuantizeCase> {};
+
+// The CUDA kernel against the ATen reference, bit for bit: data and scales. Rows of several
+// magnitudes, an all-zero row, values past e4m3's range after scaling cannot occur (the row's
+// largest maps to 448), ties in rounding come from the random inputs' many values.
+TEST_P(QuantizeRowsKernel, MatchesTheReferenceBitwise) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const QuantizeCase c = GetParam();
+  at::manual_seed(3);
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(c.dtype);
+  std::vector<at::Tensor> parts;
+  for (size_t p = 0; p < c.widths.size(); ++p) {
+    const auto& s = c.widths[p];
+    const int64_t rows = s[0], width = s[1];
+    at::Tensor t;
+    if (p == 0 && c.transposed) {
+      t = at::randn({width, rows}, opts).t();
+    } else if (s.size() == 3) {
+      t = at::randn({rows, s[2]}, opts).narrow(1, s[2] - width, width);
+    } else {
+      t = at::randn({rows, width}, opts);
+    }
+    if (rows > 2) {
+      t.select(0, 0).mul_(1e-3);
+      t.select(0, 1).zero_();
+      t.select(0, 2).mul_(300);
+    }
+    parts.push_back(t);
+  }
+  auto got = kernels::quantize_rows_e4m3(parts);
+  auto want = kernels::quantize_rows_e4m3_reference(at::cat(parts, 1));
+  ASSERT_EQ(got.data.sizes(), want.data.sizes());
+  EXPECT_TRUE(at::equal(got.data.view(at::kByte), want.data.view(at::kByte)));
+  EXPECT_TRUE(at::equal(got.scale, want.scale));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, QuantizeRowsKernel,
+    ::testing::Values(QuantizeCase{"bf16_513x4096", {{513, 4096}}, at::kBFloat16},
+                      QuantizeCase{
+                          "bf16_qkv_grads", {{300, 4096}, {300, 1024}, {300, 1024}}, at::kBFloat16},
+                      QuantizeCase{"bf16_wide_24576", {{64, 24576}}, at::kBFloat16},
+                      QuantizeCase{"fp16_odd_width_20", {{33, 20}, {33, 12}}, at::kHalf},
+                      QuantizeCase{"bf16_column_slice", {{40, 1024, 6144}}, at::kBFloat16},
+                      QuantizeCase{"bf16_transposed", {{256, 512}}, at::kBFloat16, true},
+                      QuantizeCase{"bf16_no_rows", {{0, 64}}, at::kBFloat16}),
+    [](const auto& info) { return info.param.name; });
 
 TEST(Fp8Rows, GemmArgumentsAreChecked) {
   auto a = kernels::quantize_rows_e4m3(at::randn({4, 32}));
