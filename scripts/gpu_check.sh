@@ -283,11 +283,14 @@ if has gemms; then
   # forward and input gradients in e4m3 with row scales, weight gradients bf16). The quantizer
   # kernel and linear_group against their references, the step against the fp32 reference,
   # bench-drafter alternating compute and fp8 (with the online split and a profile), then
-  # `dflash bench` alternating.
+  # `dflash bench` alternating (NO_BENCH=1: the tests alone).
   step gemms
   fixtures gemms dflash
   gtests gemms '*Fp8*:*QuantizeRows*:*LinearGroup*:*DrafterGpu*:*DrafterParity*:*HeadLoss*:*TrainLoop*:*RunConfig*'
   grep -h "fp8 GEMMs:" "$out/gemms_tests.log" | head -40
+  if [ "${NO_BENCH:-0}" = 1 ]; then stages=${stages/gemms/}; fi
+fi
+if has gemms; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
     > "$out/clocks_gemms.csv" 2>&1 &
   smi=$!

@@ -42,7 +42,8 @@ Fp8Rows quantize_rows_e4m3_reference(const at::Tensor& x) {
   if (x.dim() != 2) fail("fp8 quantize: expected a matrix, got {}", x.sizes());
   auto xf = x.to(at::kFloat);
   auto amax = xf.abs().amax(1);
-  auto scale = at::where(amax > 0, amax / kE4m3Max, at::ones_like(amax));
+  // Times the reciprocal, as ATen's CUDA division by a scalar computes it and the kernel does.
+  auto scale = at::where(amax > 0, amax * (1.f / kE4m3Max), at::ones_like(amax));
   // Clamped before the cast: values past the largest finite e4m3 would become NaN.
   auto data = (xf / scale.unsqueeze(1)).clamp_(-kE4m3Max, kE4m3Max).to(at::kFloat8_e4m3fn);
   return {data.contiguous(), scale.contiguous()};

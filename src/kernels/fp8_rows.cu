@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   amax = block_max(amax);
-  const float scale = amax > 0.f ? amax / kMax : 1.f;
+  const float scale = amax > 0.f ? amax * (1.f / kMax) : 1.f;
   if (threadIdx.x == 0) scales[row] = scale;
   for (int p = 0; p < parts.count; ++p) {
     const T* x = parts.data[p] + row * parts.row_stride[p];
