@@ -17,7 +17,8 @@ on the first 4 prompts of a 5-prompt file:
 Two ranks (Gloo), evaluated every 4 of 6 steps (so at 4 and at the end), prompts split over
 the ranks: the summed counts equal `dflash eval` of those checkpoints.
 A run with the LM head's input gradient in FP8 (`--head-grad fp8`) has the first step's loss of
-the compute dtype and trains on. --eval-every without --eval-prompts, and --eval-prompts on a
+the compute dtype and trains on; one with the layers' GEMMs in FP8 (`--drafter-gemms fp8`) a
+first loss within 5% of it, and trains on. --eval-every without --eval-prompts, and --eval-prompts on a
 disaggregated topology, fail with a message saying why.
 """
 import json
@@ -149,6 +150,21 @@ def main():
         assert abs(f[-1]["loss"] / b[-1]["loss"] - 1) < 0.05, (f[-1], b[-1])
         print(f"train_eval: fp8 head gradient: step 1 grad norm {f[0]['grad_norm']:.6g} against "
               f"{b[0]['grad_norm']:.6g}, last loss {f[-1]['loss']:.6g} against {b[-1]['loss']:.6g}")
+
+        # The drafter layers' projections as FP8 GEMMs too (the dequantizing reference on the
+        # CPU): the forward itself is quantized, so the first loss moves, a little; it trains on.
+        gemms = work / "fp8_gemms"
+        run([dflash, *train, "--out", gemms, "--checkpoint-every", 2, "--drafter-gemms", "fp8"])
+        g = metrics(gemms)
+        assert json.loads((gemms / "run_config.json").read_text())["drafter_gemms"] == "fp8"
+        assert g[0]["loss"] != b[0]["loss"], "the fp8 GEMMs computed the same forward"
+        assert abs(g[0]["loss"] / b[0]["loss"] - 1) < 0.05, (g[0], b[0])
+        assert abs(g[0]["grad_norm"] / b[0]["grad_norm"] - 1) < 0.2, (g[0], b[0])
+        assert abs(g[-1]["loss"] / b[-1]["loss"] - 1) < 0.05, (g[-1], b[-1])
+        print(f"train_eval: fp8 GEMMs: step 1 loss {g[0]['loss']:.6g} against {b[0]['loss']:.6g}, "
+              f"last loss {g[-1]['loss']:.6g} against {b[-1]['loss']:.6g}")
+        r = run([dflash, *train, "--out", work / "bad0", "--drafter-gemms", "fp16"], expect=None)
+        assert r.returncode != 0 and "drafter_gemms must be compute or fp8" in r.stderr, r.stderr
 
         # Two ranks, every 4 steps (so at 4 and at the end): the prompts are split over ranks.
         two = work / "two_ranks"
