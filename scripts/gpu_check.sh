@@ -46,6 +46,21 @@ ab_bench() {
     done
   done
 }
+# ab_drafter NAME OPTION "A,B": bench-drafter with OPTION's two settings alternating in one
+# process (profiles of the first; nvidia-smi's clock, power and temperature alongside), then
+# `dflash bench` alternating them (AB overrides).
+ab_drafter() {
+  local name=$1 option=$2 settings=$3 smi
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
+    > "$out/clocks_$name.csv" 2>&1 &
+  smi=$!
+  "$dflash" bench-drafter --device cuda "$option" "$settings" \
+    --json "$out/bench_drafter_$name.json" --profile "$out/drafter_trace_$name.json" 2>&1 \
+    | tee "$out/bench_drafter_$name.txt" | grep -v "^ .*\] " | head -60
+  gzip -f "$out/drafter_trace_$name.json" "$out/drafter_trace_$name.online.json"
+  kill "$smi" 2>/dev/null
+  AB="${AB:-$option=${settings%%,*}|$option=${settings#*,}}" ab_bench "$name"
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$out/gpu.txt"
 if has build; then
@@ -268,15 +283,7 @@ if has fp8; then
   grep -h "relative error" "$out/fp8_tests.log"
   "$dflash" bench-kernels --json "$out/bench_kernels_fp8.json" 2>&1 \
     | grep -E "^(kernel|cross_entropy|LM-head)" | tee "$out/bench_kernels_fp8.txt"
-  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
-    > "$out/clocks_fp8.csv" 2>&1 &
-  smi=$!
-  "$dflash" bench-drafter --device cuda --head-grad "${HEAD_GRADS:-fp8,compute}" \
-    --json "$out/bench_drafter_fp8.json" --profile "$out/drafter_trace_fp8.json" 2>&1 \
-    | tee "$out/bench_drafter_fp8.txt" | grep -v "^ .*\] " | head -60
-  gzip -f "$out/drafter_trace_fp8.json" "$out/drafter_trace_fp8.online.json"
-  kill "$smi" 2>/dev/null
-  AB="${AB:---head-grad=fp8|--head-grad=compute}" ab_bench fp8
+  ab_drafter fp8 --head-grad "${HEAD_GRADS:-fp8,compute}"
 fi
 if has gemms; then
   # Issue 11, 2026-12-02: the drafter layers' projections as FP8 GEMMs (--drafter-gemms fp8:
@@ -288,18 +295,7 @@ if has gemms; then
   fixtures gemms dflash
   gtests gemms '*Fp8*:*QuantizeRows*:*LinearGroup*:*DrafterGpu*:*DrafterParity*:*HeadLoss*:*TrainLoop*:*RunConfig*'
   grep -h "fp8 GEMMs:" "$out/gemms_tests.log" | head -40
-  if [ "${NO_BENCH:-0}" = 1 ]; then stages=${stages/gemms/}; fi
-fi
-if has gemms; then
-  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
-    > "$out/clocks_gemms.csv" 2>&1 &
-  smi=$!
-  "$dflash" bench-drafter --device cuda --drafter-gemms fp8,compute \
-    --json "$out/bench_drafter_gemms.json" --profile "$out/drafter_trace_gemms.json" 2>&1 \
-    | tee "$out/bench_drafter_gemms.txt" | grep -v "^ .*\] " | head -60
-  gzip -f "$out/drafter_trace_gemms.json" "$out/drafter_trace_gemms.online.json"
-  kill "$smi" 2>/dev/null
-  AB="${AB:---drafter-gemms=fp8|--drafter-gemms=compute}" ab_bench gemms
+  [ "${NO_BENCH:-0}" = 1 ] || ab_drafter gemms --drafter-gemms fp8,compute
 fi
 if has sustained; then
   # Issue 11, 2026-12-02: what the power-capped GPU sustains against the short benches'
