@@ -19,8 +19,9 @@ struct Fp8Rows {
 constexpr float kE4m3Max = 448.f;
 
 // Each row scaled so that its largest magnitude becomes kE4m3Max (scale = amax * (1 /
-// kE4m3Max) in fp32), rounded to nearest (an all-zero row gets scale 1). On CUDA (bf16, fp16) one kernel, two reads of each row and one
-// write; elsewhere the reference, whose results the kernel's equal bit for bit.
+// kE4m3Max) in fp32), rounded to nearest (an all-zero row gets scale 1). On CUDA (bf16,
+// fp16) one kernel, two reads of each row and one write; elsewhere the reference, whose
+// results the kernel's equal bit for bit.
 Fp8Rows quantize_rows_e4m3(const at::Tensor& x);
 // The rows of several matrices side by side, as quantize_rows_e4m3(at::cat(parts, 1)) without
 // the concatenated copy: one scale per row of the whole (a gradient summed over products of

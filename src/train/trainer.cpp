@@ -3,10 +3,12 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <iterator>
 #include <thread>
 
 #include "common/error.h"
@@ -48,6 +50,7 @@ Trainer::Trainer(models::Drafter& drafter, models::TargetHead head, TrainerOptio
          head_.lm_head.size(0), drafter.config().layers.vocab_size);
   }
   set_head_grad(options_.step.head_grad);
+  set_fp8_gemms(options_.step.fp8_gemms);
   state_.seed = options_.seed;
   // The optimizer writes the compute-dtype weights with each update; the forward reads them
   // instead of casting the fp32 masters every micro-batch. A step of one backward on one rank
@@ -187,6 +190,19 @@ void Trainer::set_head_grad(HeadGrad head_grad) {
   if (options_.step.head_grad == HeadGrad::kFp8 && !head_.lm_head_t_fp8.data.defined()) {
     head_.lm_head_t_fp8 = head_grad_fp8(head_.lm_head);
   }
+}
+
+void Trainer::set_fp8_gemms(bool on) {
+  const auto& c = drafter_.config().layers;
+  const int64_t widths[] = {c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                            c.intermediate_size};
+  if (on && std::any_of(std::begin(widths), std::end(widths), [](int64_t w) { return w % 16; })) {
+    fail(
+        "trainer: fp8 drafter GEMMs need the drafter's widths to be multiples of 16 (the FP8 "
+        "GEMM reduces over them): hidden {}, q {}, k/v {}, intermediate {}",
+        c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+  }
+  options_.step.fp8_gemms = on;
 }
 
 std::vector<StepLog> Trainer::take_logs(bool wait) {

@@ -5,6 +5,7 @@
 
 #include <csignal>
 
+#include "decode_test_util.h"
 #include "drafter_test_util.h"
 #include "pipeline/features.h"
 #include "pipeline/prefetch.h"
@@ -208,6 +209,37 @@ TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("another drafter config"), std::string::npos) << e.what();
   }
+  remove_tree(dir);
+}
+
+// --drafter-gemms fp8 with drafter widths the FP8 GEMM cannot reduce over (an intermediate size
+// of 40) fails when the trainer is made, naming them, not in the middle of a step.
+TEST(TrainLoop, Fp8GemmsNeedWidthsThatAreMultiplesOf16) {
+  models::ModelConfig config = testing::tiny_target_config(models::Architecture::kQwen3);
+  config.intermediate_size = 40;
+  auto target = models::TargetModel::random(config, at::kCPU, at::kFloat, 1);
+  models::DrafterOptions dopt;
+  dopt.num_layers = 1;
+  dopt.target_layer_ids = {1};
+  dopt.mask_token_id = config.vocab_size - 1;
+  auto drafter = models::Drafter::random(models::make_drafter_config(config, dopt), at::kCPU, 2);
+  struct NoData : train::BatchSource {
+    train::MicroBatch get(int64_t) override { return {}; }
+  } data;
+  const auto dir = temp_dir("fp8_widths");
+  auto o = options(dir);
+  train::Trainer t(drafter, models::TargetHead::of(target), o, data);  // compute: fine
+  try {
+    t.set_fp8_gemms(true);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multiples of 16 (the FP8 GEMM reduces over them): "
+                                         "hidden 32, q 32, k/v 16, intermediate 40"),
+              std::string::npos)
+        << e.what();
+  }
+  o.step.fp8_gemms = true;
+  EXPECT_THROW(train::Trainer(drafter, models::TargetHead::of(target), o, data), Error);
   remove_tree(dir);
 }
 
