@@ -289,13 +289,19 @@ if has gemms; then
   # Issue 11, 2026-12-02: the drafter layers' projections as FP8 GEMMs (--drafter-gemms fp8:
   # forward and input gradients in e4m3 with row scales, weight gradients bf16). The quantizer
   # kernel and linear_group against their references, the step against the fp32 reference,
-  # bench-drafter alternating compute and fp8 (with the online split and a profile), then
-  # `dflash bench` alternating (NO_BENCH=1: the tests alone).
+  # its bench-kernels lines (the quantizer, linear_group with and without fp8), bench-drafter
+  # alternating compute and fp8 (with the online split and a profile), then `dflash bench`
+  # alternating (NO_BENCH=1: the tests alone).
   step gemms
   fixtures gemms dflash
   gtests gemms '*Fp8*:*QuantizeRows*:*LinearGroup*:*DrafterGpu*:*DrafterParity*:*HeadLoss*:*TrainLoop*:*RunConfig*'
   grep -h "fp8 GEMMs:" "$out/gemms_tests.log" | head -40
-  [ "${NO_BENCH:-0}" = 1 ] || ab_drafter gemms --drafter-gemms fp8,compute
+  if [ "${NO_BENCH:-0}" != 1 ]; then
+    "$dflash" bench-kernels --json "$out/bench_kernels_gemms.json" 2>&1 \
+      | grep -E "^(kernel|linear_group|5 x at::linear|q/k/v|quantize_rows)" \
+      | tee "$out/bench_kernels_gemms.txt"
+    ab_drafter gemms --drafter-gemms fp8,compute
+  fi
 fi
 if has sustained; then
   # Issue 11, 2026-12-02: what the power-capped GPU sustains against the short benches'

@@ -545,6 +545,28 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     fmt::print(
         "q/k/v projections fwd + bwd: {:.1f} TFLOP/s linear_group, {:.1f} TFLOP/s at::linear\n",
         flops / us_group / 1e6, flops / us_linears / 1e6);
+    // The same node with --drafter-gemms fp8: forward and input gradients as FP8 GEMMs, the
+    // quantizer and the stacked weights' transposes included.
+    if (kernels::fp8_gemm_supported(device)) {
+      const double us_fp8 =
+          time_group([&](const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& ws) {
+            return models::linear_group(xs, ws, products, /*fp8=*/true);
+          });
+      report("linear_group q/k/v fwd + bwd, fp8", rows, q + 2 * kv, h, us_fp8, gemm_bytes);
+      fmt::print("q/k/v projections fwd + bwd: {:.1f} TFLOP/s (bf16-equivalent) with fp8 GEMMs\n",
+                 flops / us_fp8 / 1e6);
+    }
+    // The row quantizer alone on the q/k/v output gradients side by side (one scale a row of
+    // the three) and on the SwiGLU activations: bytes read once (the second read is meant to
+    // hit L2) and written once in e4m3.
+    const std::vector<at::Tensor> grads = {dys[0], dys[1], dys[2]};
+    report("quantize_rows_e4m3 (q/k/v grads)", rows, q + 2 * kv, 0,
+           us_per_call(device, o, [&](int) { kernels::quantize_rows_e4m3(grads); }),
+           3.0 * rows * (q + 2 * kv));
+    auto act = at::randn({rows, c.intermediate_size}, opts);
+    report("quantize_rows_e4m3 (SwiGLU act)", rows, c.intermediate_size, 0,
+           us_per_call(device, o, [&](int) { kernels::quantize_rows_e4m3(act); }),
+           3.0 * rows * c.intermediate_size);
   }
   // The drafter's block-attention tails at the step's shape (one 2048-token sequence, 512 sorted
   // anchors, B = 16, a KV head's query heads folded into rows), merged with a shared part:
