@@ -12,7 +12,8 @@ must name it:
                                                                        stage post_process
 A run without injection must name neither data nor the targets (the control: the rules can say
 something else), and the trace of steps 3..4 must parse as Chrome trace JSON with each rank's stages on its
-threads. Every worker thread and GPU must have >= 95% of its wall time in named stages.
+threads; its 40 timed steps are in bench's JSON with the drift figures. Every worker thread and
+GPU must have >= 95% of its wall time in named stages.
 """
 import json
 import pathlib
@@ -74,10 +75,18 @@ def main():
             print(f"{name}: {got['line']}")
         # Control: nothing injected, nothing of the above named.
         out = tmp / "control"
-        # 40 steps: on a loaded 2-core machine a few ms outside any stage (the scheduler, Gloo's
-        # threads) in a 0.2 s window read as 95%; the attribution is a steady-state figure.
-        text = bench(dflash, device, out, extra=["--trace-steps", "3:4"], steps=40)
+        # 42 steps: on a loaded 2-core machine a few ms outside any stage (the scheduler, Gloo's
+        # threads) in a 0.2 s window read as 95%; the attribution is a steady-state figure. The
+        # 40 timed steps also make bench print its drift line (first against last quarter).
+        figures = tmp / "control.json"
+        text = bench(dflash, device, out, extra=["--trace-steps", "3:4", "--json", figures],
+                     steps=42)
         a = report(dflash, out)
+        b = json.loads(figures.read_text())
+        if len(b["step_seconds"]) != 40 or "bench: drift:" not in text:
+            sys.exit(f"control: expected 40 step times and a drift line\n{text}")
+        if not b["step_ms_first_quarter"] > 0 < b["step_ms_last_quarter"]:
+            sys.exit(f"control: drift figures {b}")
         # Which rank is slower is up to the machine's load here, so slow_rank may be named.
         if a["bottleneck"]["kind"] in ("data", "targets"):
             sys.exit(f"control: the report names {a['bottleneck']} with nothing injected")
