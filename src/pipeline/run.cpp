@@ -497,6 +497,12 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
     fmt::print("train: LM-head input gradient: {} (--head-grad {})\n",
                train::head_grad_name(loop.head_grad()), c.head_grad);
   }
+  if (r.leads() && to.step.fp8_gemms) {
+    fmt::print(
+        "train: drafter layer GEMMs: fp8 (forward and input gradients in e4m3, weight "
+        "gradients in {}; --drafter-gemms)\n",
+        c10::toString(r.dtype));
+  }
   if (resume) {
     const auto from = train::resolve_checkpoint(run_dir);
     loop.load_checkpoint(from);

@@ -154,7 +154,9 @@ def main():
         # The drafter layers' projections as FP8 GEMMs too (the dequantizing reference on the
         # CPU): the forward itself is quantized, so the first loss moves, a little; it trains on.
         gemms = work / "fp8_gemms"
-        run([dflash, *train, "--out", gemms, "--checkpoint-every", 2, "--drafter-gemms", "fp8"])
+        r = run([dflash, *train, "--out", gemms, "--checkpoint-every", 2, "--drafter-gemms",
+                 "fp8"])
+        assert "drafter layer GEMMs: fp8" in r.stdout, r.stdout
         g = metrics(gemms)
         assert json.loads((gemms / "run_config.json").read_text())["drafter_gemms"] == "fp8"
         assert g[0]["loss"] != b[0]["loss"], "the fp8 GEMMs computed the same forward"
