@@ -85,6 +85,17 @@ bool fp8_gemm_supported(at::Device device) {
   return props->major >= 9;
 }
 
+std::string fp8_gemm_unsupported(at::Device device, at::ScalarType dtype) {
+  if (!device.is_cuda()) return {};
+  if (!fp8_gemm_supported(device)) {
+    return fmt::format("{} is older than compute capability 9.0 (Hopper)", device.str());
+  }
+  if (dtype != at::kBFloat16) {
+    return fmt::format("it writes bf16 rows and the compute dtype is {}", c10::toString(dtype));
+  }
+  return {};
+}
+
 void mm_fp8_rows_reference_out(at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
   check_mm(out, a, b);
   out.copy_(at::mm(dequantize_rows(a), dequantize_rows(b).t()));

@@ -7,6 +7,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace dflash::kernels {
 
 // Row i of the real matrix is data[i] * scale[i].
@@ -34,6 +36,11 @@ at::Tensor dequantize_rows(const Fp8Rows& x);
 
 // Whether mm_fp8_rows_out runs a real FP8 GEMM on `device` (CUDA, capability 9.0 or newer).
 bool fp8_gemm_supported(at::Device device);
+// Why a training path cannot take the FP8 GEMM for results in `dtype` on `device`, or empty
+// where it can: a GPU older than compute capability 9.0 (it would fall back to the slow
+// dequantizing reference), or a dtype other than bf16 (row-wise scales write bf16). The CPU is
+// never refused: the reference is its path.
+std::string fp8_gemm_unsupported(at::Device device, at::ScalarType dtype);
 
 // out [m, n] = a [m, k] x b [n, k]^T with each row's scale, written in out's dtype (bf16 on
 // CUDA). k must be a multiple of 16. On a device without fp8_gemm_supported: the reference.

@@ -31,12 +31,8 @@ HeadGrad resolve_head_grad(HeadGrad requested, const at::Tensor& head, at::Scala
   if (requested == HeadGrad::kCompute) return requested;
   const at::Device device = head.device();
   if (!device.is_cuda()) return requested == HeadGrad::kAuto ? HeadGrad::kCompute : requested;
-  std::string why;
-  if (!kernels::fp8_gemm_supported(device)) {
-    why = fmt::format("{} is older than compute capability 9.0 (Hopper)", device.str());
-  } else if (dtype != at::kBFloat16) {
-    why = fmt::format("it writes bf16 rows and the compute dtype is {}", c10::toString(dtype));
-  } else if (head.size(0) % 16 != 0 || head.size(1) % 16 != 0) {
+  std::string why = kernels::fp8_gemm_unsupported(device, dtype);
+  if (why.empty() && (head.size(0) % 16 != 0 || head.size(1) % 16 != 0)) {
     why = fmt::format("the head {} is not a multiple of 16 in both dimensions", head.sizes());
   }
   if (why.empty()) return HeadGrad::kFp8;

@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "dist/comm.h"
+#include "kernels/fp8_rows.h"
 #include "obs/stages.h"
 
 namespace dflash::train {
@@ -196,12 +197,16 @@ void Trainer::set_fp8_gemms(bool on) {
   const auto& c = drafter_.config().layers;
   const int64_t widths[] = {c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                             c.intermediate_size};
+  std::string why =
+      on ? kernels::fp8_gemm_unsupported(drafter_.device(), options_.step.dtype) : std::string();
   if (on && std::any_of(std::begin(widths), std::end(widths), [](int64_t w) { return w % 16; })) {
-    fail(
-        "trainer: fp8 drafter GEMMs need the drafter's widths to be multiples of 16 (the FP8 "
-        "GEMM reduces over them): hidden {}, q {}, k/v {}, intermediate {}",
+    why = fmt::format(
+        "the drafter's widths must be multiples of 16 (the FP8 GEMM reduces over them): hidden "
+        "{}, q {}, k/v {}, intermediate {}",
         c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
   }
+  if (!why.empty())
+    fail("trainer: the fp8 drafter GEMMs cannot run: {}; use --drafter-gemms compute", why);
   options_.step.fp8_gemms = on;
 }
 

@@ -83,8 +83,9 @@ class Trainer {
   // device and dtype (kFp8 makes the head's e4m3 copy once); head_grad() is what it became.
   void set_head_grad(HeadGrad head_grad);
   HeadGrad head_grad() const { return options_.step.head_grad; }
-  // The same for the drafter layers' FP8 GEMMs (StepOptions::fp8_gemms); fails, naming them,
-  // where the drafter's widths are not multiples of 16.
+  // The same for the drafter layers' FP8 GEMMs (StepOptions::fp8_gemms); fails, saying why,
+  // where they cannot run (kernels::fp8_gemm_unsupported, or the drafter's widths not
+  // multiples of 16).
   void set_fp8_gemms(bool on);
   // Figures of finished steps, oldest first; `wait`: also those still in flight.
   std::vector<StepLog> take_logs(bool wait);

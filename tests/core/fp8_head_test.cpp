@@ -223,7 +223,9 @@ TEST(HeadGrad, AutoResolvesToWhereTheFp8GemmRuns) {
   // On the CPU an explicit fp8 runs the dequantizing reference (what the tests above drive).
   EXPECT_EQ(train::resolve_head_grad(HeadGrad::kFp8, cpu_head, at::kFloat), HeadGrad::kFp8);
   EXPECT_EQ(train::resolve_head_grad(HeadGrad::kCompute, cpu_head, at::kFloat), HeadGrad::kCompute);
+  EXPECT_EQ(kernels::fp8_gemm_unsupported(at::kCPU, at::kFloat), "");
   if (!at::hasCUDA()) return;
+  EXPECT_NE(kernels::fp8_gemm_unsupported(at::kCUDA, at::kFloat), "");
   auto head = at::zeros({96, 32}, at::TensorOptions().device(at::kCUDA));
   const bool sm90 = kernels::fp8_gemm_supported(head.device());
   EXPECT_EQ(train::resolve_head_grad(HeadGrad::kAuto, head, at::kBFloat16),

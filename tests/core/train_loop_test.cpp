@@ -213,7 +213,9 @@ TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
 }
 
 // --drafter-gemms fp8 with drafter widths the FP8 GEMM cannot reduce over (an intermediate size
-// of 40) fails when the trainer is made, naming them, not in the middle of a step.
+// of 40) fails when the trainer is made, naming them, not in the middle of a step. (A GPU
+// older than Hopper or a compute dtype other than bf16 is refused the same way:
+// HeadGrad.AutoResolvesToWhereTheFp8GemmRuns checks that shared rule.)
 TEST(TrainLoop, Fp8GemmsNeedWidthsThatAreMultiplesOf16) {
   models::ModelConfig config = testing::tiny_target_config(models::Architecture::kQwen3);
   config.intermediate_size = 40;
@@ -233,7 +235,8 @@ TEST(TrainLoop, Fp8GemmsNeedWidthsThatAreMultiplesOf16) {
     t.set_fp8_gemms(true);
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("multiples of 16 (the FP8 GEMM reduces over them): "
+    EXPECT_NE(std::string(e.what()).find("fp8 drafter GEMMs cannot run: the drafter's widths must "
+                                         "be multiples of 16 (the FP8 GEMM reduces over them): "
                                          "hidden 32, q 32, k/v 16, intermediate 40"),
               std::string::npos)
         << e.what();
