@@ -48,7 +48,9 @@ TEST(Fp8Rows, QuantizeKeepsEachRowWithinE4m3Rounding) {
   EXPECT_TRUE(at::equal(back[4], at::zeros({64})));
 }
 
-// Several matrices' rows side by side quantize as their concatenation does (one scale a row).
+// Several matrices' rows side by side quantize as their concatenation does (one scale a row):
+// on the CPU this pins the dispatch (parts in order, along the columns, rows checked); the
+// CUDA kernel's own handling of parts is QuantizeRowsKernel's bitwise cases.
 TEST(Fp8Rows, PartsQuantizeAsTheirConcatenation) {
   at::manual_seed(2);
   std::vector<at::Tensor> parts = {at::randn({5, 32}), at::randn({5, 16}) * 10, at::randn({5, 8})};
