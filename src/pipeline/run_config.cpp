@@ -58,7 +58,8 @@ const std::vector<ConfigKey>& config_keys() {
       {"drafter_gemms", &RunConfig::drafter_gemms,
        "the drafter layers' projections: compute (the compute dtype) or fp8 (their forward and "
        "input-gradient GEMMs in e4m3 with a scale per row, the weight gradients in the compute "
-       "dtype; widths must be multiples of 16)"},
+       "dtype; on a GPU, one of compute capability 9.0 or newer in bf16; widths that are "
+       "multiples of 16)"},
       {"mask_token_id", &RunConfig::mask_token_id,
        "MASK token (default: 151669 if inside the vocabulary, else the last id)"},
       {"init_from", &RunConfig::init_from,
