@@ -294,11 +294,11 @@ if has gemms; then
   # alternating (NO_BENCH=1: the tests alone).
   step gemms
   fixtures gemms dflash
-  gtests gemms '*Fp8*:*QuantizeRows*:*LinearGroup*:*DrafterGpu*:*DrafterParity*:*HeadLoss*:*TrainLoop*:*RunConfig*'
+  gtests gemms '*Fp8*:*QuantizeRows*:*QuantizeColumns*:*LinearGroup*:*DrafterGpu*:*DrafterParity*:*HeadLoss*:*TrainLoop*:*RunConfig*'
   grep -h "fp8 GEMMs:" "$out/gemms_tests.log" | head -40
   if [ "${NO_BENCH:-0}" != 1 ]; then
     "$dflash" bench-kernels --json "$out/bench_kernels_gemms.json" 2>&1 \
-      | grep -E "^(kernel|linear_group|5 x at::linear|q/k/v|quantize_rows)" \
+      | grep -E "^(kernel|linear_group|5 x at::linear|q/k/v|quantize_|cat \+)" \
       | tee "$out/bench_kernels_gemms.txt"
     ab_drafter gemms --drafter-gemms fp8,compute
   fi

@@ -567,6 +567,19 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     report("quantize_rows_e4m3 (SwiGLU act)", rows, c.intermediate_size, 0,
            us_per_call(device, o, [&](int) { kernels::quantize_rows_e4m3(act); }),
            3.0 * rows * c.intermediate_size);
+    // The stacked q/k/v weights' columns as rows (the block rows' input gradient's second
+    // operand): the column quantizer against what it replaced, the stack transposed by ATen
+    // and then quantized by rows. Bytes: the weights read twice, written once in e4m3.
+    const std::vector<at::Tensor> qkv_weights = {wq, wk, wv};
+    const double weight_bytes = 5.0 * (q + 2 * kv) * h;
+    report("quantize_columns_e4m3 (q/k/v weights)", h, q + 2 * kv, 0,
+           us_per_call(device, o, [&](int) { kernels::quantize_columns_e4m3(qkv_weights); }),
+           weight_bytes);
+    report("cat + t().contiguous() + quantize_rows_e4m3", h, q + 2 * kv, 0,
+           us_per_call(
+               device, o,
+               [&](int) { kernels::quantize_rows_e4m3(at::cat(qkv_weights, 0).t().contiguous()); }),
+           weight_bytes);
   }
   // The drafter's block-attention tails at the step's shape (one 2048-token sequence, 512 sorted
   // anchors, B = 16, a KV head's query heads folded into rows), merged with a shared part:

@@ -9,8 +9,22 @@ namespace dflash::kernels {
 
 void quantize_rows_e4m3_cuda(at::TensorList parts, at::Tensor& data,
                              at::Tensor& scale);  // fp8_rows.cu
+void quantize_columns_e4m3_cuda(at::TensorList parts, at::Tensor& amax, at::Tensor& data,
+                                at::Tensor& scale);  // fp8_columns.cu
 
 namespace {
+
+// Whether the CUDA kernels take these parts: one CUDA device, bf16 or fp16.
+bool half_precision_on_cuda(at::TensorList parts) {
+  for (const at::Tensor& t : parts) {
+    if (!t.is_cuda() || t.device() != parts[0].device() ||
+        t.scalar_type() != parts[0].scalar_type() ||
+        (t.scalar_type() != at::kBFloat16 && t.scalar_type() != at::kHalf)) {
+      return false;
+    }
+  }
+  return true;
+}
 
 void check_rows(const Fp8Rows& x, const char* name) {
   if (x.data.dim() != 2 || x.data.scalar_type() != at::kFloat8_e4m3fn || !x.data.is_contiguous()) {
@@ -52,17 +66,13 @@ Fp8Rows quantize_rows_e4m3_reference(const at::Tensor& x) {
 Fp8Rows quantize_rows_e4m3(at::TensorList parts) {
   if (parts.empty()) fail("fp8 quantize: no matrix given");
   int64_t cols = 0;
-  bool kernel = parts.size() <= 4;
   for (const at::Tensor& t : parts) {
     if (t.dim() != 2 || t.size(0) != parts[0].size(0)) {
       fail("fp8 quantize: parts must be matrices of {} rows, got {}", parts[0].sizes(), t.sizes());
     }
     cols += t.size(1);
-    kernel = kernel && t.is_cuda() && t.device() == parts[0].device() &&
-             t.scalar_type() == parts[0].scalar_type() &&
-             (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
   }
-  if (!kernel)
+  if (parts.size() > 4 || !half_precision_on_cuda(parts))
     return quantize_rows_e4m3_reference(parts.size() == 1 ? parts[0] : at::cat(parts, 1));
   // The kernel reads rows of unit column stride (a transposed view is copied first).
   std::vector<at::Tensor> dense;
@@ -70,6 +80,35 @@ Fp8Rows quantize_rows_e4m3(at::TensorList parts) {
   Fp8Rows out{at::empty({parts[0].size(0), cols}, parts[0].options().dtype(at::kFloat8_e4m3fn)),
               at::empty({parts[0].size(0)}, parts[0].options().dtype(at::kFloat))};
   quantize_rows_e4m3_cuda(dense, out.data, out.scale);
+  return out;
+}
+
+Fp8Rows quantize_columns_e4m3(at::TensorList parts) {
+  if (parts.empty()) fail("fp8 quantize: no matrix given");
+  int64_t rows = 0;
+  for (const at::Tensor& t : parts) {
+    if (t.dim() != 2 || t.size(1) != parts[0].size(1)) {
+      fail("fp8 quantize: stacked parts must be matrices of {} columns, got {}", parts[0].sizes(),
+           t.sizes());
+    }
+    rows += t.size(0);
+  }
+  const int64_t cols = parts[0].size(1);
+  if (rows == 0) {  // all-zero columns: scale 1, as the reference gives an all-zero row
+    return {at::empty({cols, 0}, parts[0].options().dtype(at::kFloat8_e4m3fn)),
+            at::ones({cols}, parts[0].options().dtype(at::kFloat))};
+  }
+  if (!half_precision_on_cuda(parts)) {
+    return quantize_rows_e4m3_reference(parts.size() == 1 ? parts[0].t() : at::cat(parts, 0).t());
+  }
+  // The kernel takes four parts and rows of unit column stride.
+  if (parts.size() > 4) return quantize_columns_e4m3(at::cat(parts, 0));
+  std::vector<at::Tensor> dense;
+  for (const at::Tensor& t : parts) dense.push_back(t.stride(1) == 1 ? t : t.contiguous());
+  auto amax = at::zeros({cols}, parts[0].options().dtype(at::kInt));
+  Fp8Rows out{at::empty({cols, rows}, parts[0].options().dtype(at::kFloat8_e4m3fn)),
+              at::empty({cols}, parts[0].options().dtype(at::kFloat))};
+  quantize_columns_e4m3_cuda(dense, amax, out.data, out.scale);
   return out;
 }
 

@@ -29,6 +29,11 @@ Fp8Rows quantize_rows_e4m3(const at::Tensor& x);
 // the concatenated copy: one scale per row of the whole (a gradient summed over products of
 // several weights is one GEMM over their concatenation).
 Fp8Rows quantize_rows_e4m3(at::TensorList parts);
+// The columns of matrices stacked one above another, as rows: quantize_rows_e4m3(at::cat(parts,
+// 0).t()) without the stacked and transposed copies, equal to it bit for bit. An input's
+// gradient through several weights, g [W_1; ..; W_n], wants the FP8 GEMM's second operand
+// [W_1; ..; W_n]^T as rows, one scale per column of the stack.
+Fp8Rows quantize_columns_e4m3(at::TensorList parts);
 // ATen ops in fp32: the test oracle.
 Fp8Rows quantize_rows_e4m3_reference(const at::Tensor& x);
 // data * scale in fp32.

@@ -87,9 +87,8 @@ struct LinearGroupFunction : public torch::autograd::Function<LinearGroupFunctio
     for (size_t i = 0; i < input_grads.size(); ++i) {
       if (input_grads[i].empty()) continue;
       // [W_1; ..; W_n]^T as rows: the summed output dimension is what the GEMM reduces over.
-      auto w_t = at::cat(input_weights[i], 0).t().contiguous();
-      out[i] = mm_fp8(kernels::quantize_rows_e4m3(input_grads[i]), kernels::quantize_rows_e4m3(w_t),
-                      input_grads[i][0]);
+      out[i] = mm_fp8(kernels::quantize_rows_e4m3(input_grads[i]),
+                      kernels::quantize_columns_e4m3(input_weights[i]), input_grads[i][0]);
     }
     return out;
   }

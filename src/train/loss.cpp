@@ -43,17 +43,7 @@ HeadGrad resolve_head_grad(HeadGrad requested, const at::Tensor& head, at::Scala
 kernels::Fp8Rows head_grad_fp8(const at::Tensor& lm_head) {
   c10::NoGradGuard no_grad;
   if (lm_head.dim() != 2) fail("LM head: expected [vocab, hidden], got {}", lm_head.sizes());
-  const int64_t vocab = lm_head.size(0), hidden = lm_head.size(1);
-  kernels::Fp8Rows out{at::empty({hidden, vocab}, lm_head.options().dtype(at::kFloat8_e4m3fn)),
-                       at::empty({hidden}, lm_head.options().dtype(at::kFloat))};
-  constexpr int64_t kSlice = 256;  // hidden units a pass: 156 MB of fp32 at a 151,936 vocabulary
-  for (int64_t start = 0; start < hidden; start += kSlice) {
-    const int64_t n = std::min(kSlice, hidden - start);
-    auto q = kernels::quantize_rows_e4m3(lm_head.narrow(1, start, n).t());
-    out.data.narrow(0, start, n).copy_(q.data);
-    out.scale.narrow(0, start, n).copy_(q.scale);
-  }
-  return out;
+  return kernels::quantize_columns_e4m3(lm_head);
 }
 
 HeadLoss chunked_head_loss(const at::Tensor& hidden, const at::Tensor& lm_head,

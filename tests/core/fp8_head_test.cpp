@@ -117,6 +117,69 @@ INSTANTIATE_TEST_SUITE_P(
                       QuantizeCase{"bf16_no_rows", {{0, 64}}, at::kBFloat16}),
     [](const auto& info) { return info.param.name; });
 
+// Stacked matrices' columns quantize as the transpose of their stack (one scale a column): on
+// the CPU this pins the dispatch (parts stacked in order, columns checked); the CUDA kernels are
+// QuantizeColumnsKernel's bitwise cases.
+TEST(Fp8Rows, StackedColumnsQuantizeAsTheTransposedStack) {
+  at::manual_seed(4);
+  std::vector<at::Tensor> parts = {at::randn({6, 16}), at::randn({3, 16}) * 10, at::randn({5, 16})};
+  auto got = kernels::quantize_columns_e4m3(parts);
+  auto want = kernels::quantize_rows_e4m3_reference(at::cat(parts, 0).t());
+  EXPECT_EQ(got.data.sizes(), (at::IntArrayRef{16, 14}));
+  EXPECT_TRUE(at::equal(got.data.to(at::kFloat), want.data.to(at::kFloat)));
+  EXPECT_TRUE(at::equal(got.scale, want.scale));
+  EXPECT_THROW(kernels::quantize_columns_e4m3({at::randn({5, 8}), at::randn({5, 4})}), Error);
+}
+
+class QuantizeColumnsKernel : public ::testing::TestWithParam<QuantizeCase> {};
+
+// The CUDA kernels against the reference on the transposed stack, bit for bit: columns of
+// several magnitudes and an all-zero one; widths on and off the 16-byte path, rows that fill
+// no whole tile, a part that is a column slice or a transposed view.
+TEST_P(QuantizeColumnsKernel, MatchesTheReferenceBitwise) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const QuantizeCase c = GetParam();
+  at::manual_seed(5);
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(c.dtype);
+  std::vector<at::Tensor> parts;
+  for (size_t p = 0; p < c.widths.size(); ++p) {
+    const auto& s = c.widths[p];  // here {rows, cols} or {rows, cols, parent cols}
+    const int64_t rows = s[0], cols = s[1];
+    at::Tensor t;
+    if (p == 0 && c.transposed) {
+      t = at::randn({cols, rows}, opts).t();
+    } else if (s.size() == 3) {
+      t = at::randn({rows, s[2]}, opts).narrow(1, s[2] - cols, cols);
+    } else {
+      t = at::randn({rows, cols}, opts);
+    }
+    if (cols > 2) {
+      t.select(1, 0).mul_(1e-3);
+      t.select(1, 1).zero_();
+      t.select(1, 2).mul_(300);
+    }
+    parts.push_back(t);
+  }
+  auto got = kernels::quantize_columns_e4m3(parts);
+  auto want = kernels::quantize_rows_e4m3_reference(at::cat(parts, 0).t());
+  ASSERT_EQ(got.data.sizes(), want.data.sizes());
+  EXPECT_TRUE(at::equal(got.data.view(at::kByte), want.data.view(at::kByte)));
+  EXPECT_TRUE(at::equal(got.scale, want.scale));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, QuantizeColumnsKernel,
+    ::testing::Values(
+        QuantizeCase{"bf16_qkv_weights", {{512, 384}, {128, 384}, {128, 384}}, at::kBFloat16},
+        QuantizeCase{"bf16_gate_up_odd_rows", {{333, 256}, {333, 256}}, at::kBFloat16},
+        QuantizeCase{"bf16_down_1000x4096", {{1000, 4096}}, at::kBFloat16},
+        QuantizeCase{"fp16_odd_width_20", {{33, 20}, {7, 20}}, at::kHalf},
+        QuantizeCase{"bf16_column_slice", {{70, 96, 160}, {40, 96}}, at::kBFloat16},
+        QuantizeCase{"bf16_transposed", {{96, 128}, {64, 128}}, at::kBFloat16, true},
+        QuantizeCase{
+            "bf16_five_parts", {{9, 64}, {9, 64}, {9, 64}, {9, 64}, {9, 64}}, at::kBFloat16}),
+    [](const auto& info) { return info.param.name; });
+
 TEST(Fp8Rows, GemmArgumentsAreChecked) {
   auto a = kernels::quantize_rows_e4m3(at::randn({4, 32}));
   auto b = kernels::quantize_rows_e4m3(at::randn({3, 24}));
