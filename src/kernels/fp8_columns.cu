@@ -2,9 +2,10 @@
 // or transposed copies. Two kernels: the first takes each column's largest magnitude (blocks of
 // 128 rows by 32 column groups, reduced in shared memory, then an atomic max per column: the
 // magnitudes are non-negative floats, whose bit patterns order as unsigned integers); the
-// second moves 64 x 64 tiles through shared memory, reading rows of the parts and writing rows
-// of the transpose, each element divided by its column's scale and rounded as the row
-// quantizer rounds. 16-byte loads where every part's width and addresses allow.
+// second moves 128-row x 64-column tiles through shared memory, reading rows of the parts and
+// writing rows of the transpose 4 bytes a lane, each element divided by its column's scale and
+// rounded as the row quantizer rounds. 16-byte loads where every part's width and addresses
+// allow.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -22,7 +23,8 @@ constexpr int kThreads = 256;
 constexpr int kMaxParts = 4;
 constexpr float kMax = 448.f;
 constexpr int kAmaxRows = 128;  // rows a block of the first kernel reduces
-constexpr int kTile = 64;       // rows and columns of the second kernel's tile
+constexpr int kTileRows = 128;  // the second kernel's tile: a warp writes 128-byte rows
+constexpr int kTileCols = 64;
 
 template <typename T>
 struct Stack {
@@ -52,21 +54,25 @@ __device__ __forceinline__ void load(const T* x, float (&v)[V]) {
 }
 
 // Block (32, 8): threadIdx.x a group of V columns, threadIdx.y every eighth row of the block's
-// kAmaxRows.
+// kAmaxRows (a fixed count a thread, unrolled: its loads are all in flight at once).
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     column_amax_kernel(Stack<T> s, int64_t cols, unsigned* __restrict__ amax_bits) {
   __shared__ float partial[8][32 * V];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * V;
   const int64_t rows = s.first_row[s.count];
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kAmaxRows;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kAmaxRows + threadIdx.y;
   float amax[V] = {};
   if (col < cols) {
-    for (int64_t r = row0 + threadIdx.y; r < min(row0 + kAmaxRows, rows); r += 8) {
-      float v[V];
-      load<T, V>(stack_row(s, r) + col, v);
 #pragma unroll
-      for (int j = 0; j < V; ++j) amax[j] = fmaxf(amax[j], fabsf(v[j]));
+    for (int k = 0; k < kAmaxRows / 8; ++k) {
+      const int64_t r = row0 + 8 * k;
+      if (r < rows) {
+        float v[V];
+        load<T, V>(stack_row(s, r) + col, v);
+#pragma unroll
+        for (int j = 0; j < V; ++j) amax[j] = fmaxf(amax[j], fabsf(v[j]));
+      }
     }
   }
 #pragma unroll
@@ -82,17 +88,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One kTile x kTile tile: rows [row0, row0 + 64) of the stack, columns [col0, col0 + 64).
+// Where the tile keeps row r's column c: rotated by r / 4, so that the write-out's reads (a
+// lane's four consecutive rows of one column, lanes 4 rows apart) fall in 32 distinct banks.
+__device__ __forceinline__ int tile_slot(int r, int c) { return (c + (r >> 2)) & (kTileCols - 1); }
+
+// One tile: rows [row0, row0 + kTileRows) of the stack, columns [col0, col0 + kTileCols).
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     quantize_columns_kernel(Stack<T> s, int64_t cols, const unsigned* __restrict__ amax_bits,
                             __nv_fp8_storage_t* __restrict__ out, float* __restrict__ scales) {
-  __shared__ float tile[kTile][kTile + 1];  // +1: a column's reads fall in distinct banks
-  __shared__ float scale[kTile];
+  __shared__ float tile[kTileRows][kTileCols];
+  __shared__ float scale[kTileCols];
   const int64_t rows = s.first_row[s.count];
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  if (threadIdx.x < kTile) {
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  if (threadIdx.x < kTileCols) {
     const int64_t c = col0 + threadIdx.x;
     if (c < cols) {
       const float amax = __uint_as_float(amax_bits[c]);
@@ -100,25 +110,49 @@ __global__ void __launch_bounds__(kThreads)
       if (blockIdx.y == 0) scales[c] = scale[threadIdx.x];
     }
   }
-  for (int i = threadIdx.x; i < kTile * kTile / V; i += kThreads) {
-    const int r = i / (kTile / V), c = (i % (kTile / V)) * V;
+  constexpr int kPerRow = kTileCols / V;  // loads a row
+#pragma unroll
+  for (int k = 0; k < kTileRows * kPerRow / kThreads; ++k) {
+    const int i = k * kThreads + threadIdx.x;
+    // A warp's 32 loads: whole row segments, of rows 4 apart when vectors are wide (so the
+    // rotated slots spread over the banks), else of consecutive rows.
+    int r = i / kPerRow;
+    if constexpr (kPerRow < 32) {
+      constexpr int kWarpRows = 32 / kPerRow;
+      const int group = i / 32, lane_row = (i % 32) / kPerRow;
+      r = (group / 4) * (4 * kWarpRows) + group % 4 + lane_row * 4;
+    }
+    const int c = (i % kPerRow) * V;
     if (row0 + r < rows && col0 + c < cols) {
       float v[V];
       load<T, V>(stack_row(s, row0 + r) + col0 + c, v);
 #pragma unroll
-      for (int j = 0; j < V; ++j) tile[r][c + j] = v[j];
+      for (int j = 0; j < V; ++j) tile[r][tile_slot(r, c + j)] = v[j];
     }
   }
   __syncthreads();
-  // A warp writes one output row (a column of the stack): 32 consecutive bytes at a time.
+  // A warp writes one output row (a column of the stack) at a time, 4 bytes a lane: 128
+  // consecutive bytes.
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int c = warp; c < kTile && col0 + c < cols; c += kThreads / 32) {
-    __nv_fp8_storage_t* y = out + (col0 + c) * rows + row0;
+  const bool whole = row0 + kTileRows <= rows && rows % 4 == 0;
+  for (int c = warp; c < kTileCols && col0 + c < cols; c += kThreads / 32) {
+    __nv_fp8_storage_t* y = out + (col0 + c) * rows + row0 + 4 * lane;
+    float x[4];
 #pragma unroll
-    for (int r = lane; r < kTile; r += 32) {
+    for (int k = 0; k < 4; ++k) {
       // Divided, not multiplied by a reciprocal: the reference's rounding.
-      if (row0 + r < rows)
-        y[r] = __nv_cvt_float_to_fp8(tile[r][c] / scale[c], __NV_SATFINITE, __NV_E4M3);
+      x[k] = tile[4 * lane + k][tile_slot(4 * lane + k, c)] / scale[c];
+    }
+    if (whole) {
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2({x[0], x[1]}, __NV_SATFINITE, __NV_E4M3);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2({x[2], x[3]}, __NV_SATFINITE, __NV_E4M3);
+      *reinterpret_cast<uint32_t*>(y) = lo | (hi << 16);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (row0 + 4 * lane + k < rows)
+          y[k] = __nv_cvt_float_to_fp8(x[k], __NV_SATFINITE, __NV_E4M3);
+      }
     }
   }
 }
@@ -133,8 +167,8 @@ void launch(const Stack<T>& s, int64_t cols, unsigned* amax, at::Tensor& data, a
                        static_cast<unsigned>((rows + kAmaxRows - 1) / kAmaxRows));
   column_amax_kernel<T, V><<<amax_grid, dim3(32, 8), 0, stream>>>(s, cols, amax);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const dim3 tiles(static_cast<unsigned>((cols + kTile - 1) / kTile),
-                   static_cast<unsigned>((rows + kTile - 1) / kTile));
+  const dim3 tiles(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols),
+                   static_cast<unsigned>((rows + kTileRows - 1) / kTileRows));
   quantize_columns_kernel<T, V><<<tiles, kThreads, 0, stream>>>(
       s, cols, amax, reinterpret_cast<__nv_fp8_storage_t*>(data.data_ptr()),
       scale.data_ptr<float>());
@@ -153,8 +187,8 @@ void quantize_columns_e4m3_cuda(at::TensorList parts, at::Tensor& amax, at::Tens
   const c10::cuda::CUDAGuard guard(data.device());
   const int64_t cols = data.size(0), rows = data.size(1);
   if (cols == 0 || rows == 0) return;
-  TORCH_CHECK(rows <= int64_t(65535) * kTile, "fp8 quantize: ", rows, " stacked rows exceed ",
-              int64_t(65535) * kTile, " (the grid's second dimension)");
+  TORCH_CHECK(rows <= int64_t(65535) * kTileRows, "fp8 quantize: ", rows, " stacked rows exceed ",
+              int64_t(65535) * kTileRows, " (the grid's second dimension)");
   auto* amax_bits = reinterpret_cast<unsigned*>(amax.data_ptr<int32_t>());
   dispatch_float(parts[0].scalar_type(), "fp8 quantize", [&](auto tag) {
     using T = decltype(tag);
