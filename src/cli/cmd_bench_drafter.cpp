@@ -35,7 +35,7 @@ struct BenchDrafterOptions {
   int64_t head_chunk = 2048;
   std::vector<std::string> attention = {"auto"};  // several: alternated (run_bench)
   std::vector<std::string> head_grad = {"auto"};  // likewise, crossed with attention
-  std::vector<std::string> gemms = {"compute"};   // likewise, crossed with both
+  std::vector<std::string> gemms = {"auto"};      // likewise, crossed with both
   int warmup = 3;
   int iters = 10;
   std::string json_out;
@@ -124,7 +124,7 @@ void run_bench(const BenchDrafterOptions& o) {
     std::string name, attention_name, head_grad_name, gemms_name;
     models::DrafterAttention attention;
     train::HeadGrad head_grad;
-    bool fp8_gemms;
+    train::DrafterGemms gemms;
   };
   std::vector<Setting> settings;
   for (const auto& a : o.attention) {
@@ -142,12 +142,12 @@ void run_bench(const BenchDrafterOptions& o) {
   }
   topt.step.attention = settings.front().attention;
   topt.step.head_grad = settings.front().head_grad;
-  topt.step.fp8_gemms = settings.front().fp8_gemms;
+  topt.step.drafter_gemms = settings.front().gemms;
   train::Trainer trainer(drafter, head, topt, data);
   auto use = [&](const Setting& s) {
     trainer.set_attention(s.attention);
     trainer.set_head_grad(s.head_grad);
-    trainer.set_fp8_gemms(s.fp8_gemms);
+    trainer.set_drafter_gemms(s.gemms);
   };
 
   const auto& sampled = micro.blocks.layout.anchor;
@@ -159,7 +159,7 @@ void run_bench(const BenchDrafterOptions& o) {
       o.preset, target.num_layers, target.hidden_size, config.layers.num_layers,
       drafter.num_parameters() / 1e9, fmt::join(config.target_layer_ids, ","), seq, sampled.size(),
       config.block_size, c10::toString(dtype), o.device, train::head_grad_name(trainer.head_grad()),
-      settings.front().gemms_name, o.warmup, o.iters);
+      train::drafter_gemms_name(trainer.drafter_gemms()), o.warmup, o.iters);
   const int dev = device.index() < 0 ? 0 : device.index();
   // Peaks of live tensors (allocated) and of what the caching allocator holds (reserved, what
   // the process takes from the device); a gap between them is fragmentation.
@@ -314,8 +314,9 @@ void add_bench_drafter_command(CLI::App& app) {
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--drafter-gemms", o->gemms,
-                  "the drafter layers' projections: compute or fp8 (forward and input-gradient "
-                  "GEMMs in e4m3); a comma-separated list alternates as --attention does")
+                  "the drafter layers' projections: auto, compute or fp8 (forward and "
+                  "input-gradient GEMMs in e4m3, Hopper or newer); a comma-separated list "
+                  "alternates as --attention does")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup)->capture_default_str();

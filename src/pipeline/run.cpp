@@ -486,7 +486,7 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
   to.step.dtype = r.dtype;
   to.step.attention = models::parse_drafter_attention(c.drafter_attention, "drafter_attention");
   to.step.head_grad = train::parse_head_grad(c.head_grad, "head_grad");
-  to.step.fp8_gemms = train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms");
+  to.step.drafter_gemms = train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms");
   to.checkpoint_dir = run_dir;
   to.write_checkpoints = r.leads();
   to.checkpoint_every = c.checkpoint_every;
@@ -497,11 +497,11 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
     fmt::print("train: LM-head input gradient: {} (--head-grad {})\n",
                train::head_grad_name(loop.head_grad()), c.head_grad);
   }
-  if (r.leads() && to.step.fp8_gemms) {
+  if (r.leads() && loop.drafter_gemms() == train::DrafterGemms::kFp8) {
     fmt::print(
         "train: drafter layer GEMMs: fp8 (forward and input gradients in e4m3, weight "
-        "gradients in {}; --drafter-gemms)\n",
-        c10::toString(r.dtype));
+        "gradients in {}; --drafter-gemms {})\n",
+        c10::toString(r.dtype), c.drafter_gemms);
   }
   if (resume) {
     const auto from = train::resolve_checkpoint(run_dir);
@@ -744,25 +744,28 @@ void write_run_config(const Job& job, const fs::path& run_dir, bool resuming) {
   const RunConfig& c = job.config;
   const auto& dc = job.drafter->config();
   const fs::path config_path = run_dir / "run_config.json";
-  json run_config = {{"drafter", models::drafter_config_json(dc)},
-                     {"gamma", dc.gamma},
-                     {"target", fs::absolute(c.target).lexically_normal().string()},
-                     {"data", fs::absolute(c.data).lexically_normal().string()},
-                     {"options", stream_options(c, job.steps)},
-                     {"init",
-                      {{"from", c.init_from},
-                       {"from_target_layers", c.init_from_target_layers},
-                       {"seed", c.seed}}},
-                     {"world_size", job.rank.world.world_size},
-                     {"topology", c.topology},
-                     {"trainer_ranks", job.rank.topology.trainers},
-                     {"device", job.rank.device.str()},
-                     {"dtype", c10::toString(job.rank.dtype)},
-                     {"head_grad", train::head_grad_name(train::resolve_head_grad(
-                                       train::parse_head_grad(c.head_grad, "head_grad"),
-                                       job.head.lm_head, job.rank.dtype))},
-                     {"drafter_gemms", c.drafter_gemms},
-                     {"dflash_version", DFLASH_VERSION}};
+  json run_config = {
+      {"drafter", models::drafter_config_json(dc)},
+      {"gamma", dc.gamma},
+      {"target", fs::absolute(c.target).lexically_normal().string()},
+      {"data", fs::absolute(c.data).lexically_normal().string()},
+      {"options", stream_options(c, job.steps)},
+      {"init",
+       {{"from", c.init_from},
+        {"from_target_layers", c.init_from_target_layers},
+        {"seed", c.seed}}},
+      {"world_size", job.rank.world.world_size},
+      {"topology", c.topology},
+      {"trainer_ranks", job.rank.topology.trainers},
+      {"device", job.rank.device.str()},
+      {"dtype", c10::toString(job.rank.dtype)},
+      {"head_grad",
+       train::head_grad_name(train::resolve_head_grad(
+           train::parse_head_grad(c.head_grad, "head_grad"), job.head.lm_head, job.rank.dtype))},
+      {"drafter_gemms", train::drafter_gemms_name(train::resolve_drafter_gemms(
+                            train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms"),
+                            job.drafter->config(), job.rank.device, job.rank.dtype))},
+      {"dflash_version", DFLASH_VERSION}};
   if (resuming && fs::exists(config_path)) {
     const json saved = read_json_file(config_path);
     std::vector<std::string> differ;

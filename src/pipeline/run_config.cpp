@@ -56,10 +56,10 @@ const std::vector<ConfigKey>& config_keys() {
        "capability 9.0 or newer, bf16), compute (the compute dtype) or fp8 (e4m3 with a scale "
        "per row, twice the bf16 GEMM rate; the logits and the loss stay in bf16 and fp32)"},
       {"drafter_gemms", &RunConfig::drafter_gemms,
-       "the drafter layers' projections: compute (the compute dtype) or fp8 (their forward and "
-       "input-gradient GEMMs in e4m3 with a scale per row, the weight gradients in the compute "
-       "dtype; on a GPU, one of compute capability 9.0 or newer in bf16; widths that are "
-       "multiples of 16)"},
+       "the drafter layers' projections: auto (fp8 where it runs: a GPU of compute capability "
+       "9.0 or newer, bf16, widths that are multiples of 16), compute (the compute dtype) or "
+       "fp8 (their forward and input-gradient GEMMs in e4m3 with a scale per row, the weight "
+       "gradients in the compute dtype)"},
       {"mask_token_id", &RunConfig::mask_token_id,
        "MASK token (default: 151669 if inside the vocabulary, else the last id)"},
       {"init_from", &RunConfig::init_from,

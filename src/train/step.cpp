@@ -126,10 +126,44 @@ double label_weight_sum(std::span<const SampleView> samples, int64_t epoch, int6
   return sum;
 }
 
-bool parse_drafter_gemms(const std::string& name, const std::string& what) {
-  if (name == "compute") return false;
-  if (name == "fp8") return true;
-  fail("{} must be compute or fp8, got \"{}\"", what, name);
+DrafterGemms parse_drafter_gemms(const std::string& name, const std::string& what) {
+  if (name == "auto") return DrafterGemms::kAuto;
+  if (name == "compute") return DrafterGemms::kCompute;
+  if (name == "fp8") return DrafterGemms::kFp8;
+  fail("{} must be auto, compute or fp8, got \"{}\"", what, name);
+}
+
+const char* drafter_gemms_name(DrafterGemms gemms) {
+  switch (gemms) {
+    case DrafterGemms::kAuto:
+      return "auto";
+    case DrafterGemms::kCompute:
+      return "compute";
+    case DrafterGemms::kFp8:
+      return "fp8";
+  }
+  return "?";
+}
+
+DrafterGemms resolve_drafter_gemms(DrafterGemms requested, const models::DrafterConfig& config,
+                                   at::Device device, at::ScalarType dtype) {
+  if (requested == DrafterGemms::kCompute) return requested;
+  // Off the GPU the FP8 GEMM is the dequantizing reference: slower, so only when asked for.
+  if (!device.is_cuda() && requested == DrafterGemms::kAuto) return DrafterGemms::kCompute;
+  const auto& c = config.layers;
+  const int64_t widths[] = {c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                            c.intermediate_size};
+  std::string why = kernels::fp8_gemm_unsupported(device, dtype);
+  if (why.empty() &&
+      std::any_of(std::begin(widths), std::end(widths), [](int64_t w) { return w % 16; })) {
+    why = fmt::format(
+        "the drafter's widths must be multiples of 16 (the FP8 GEMM reduces over them): hidden "
+        "{}, q {}, k/v {}, intermediate {}",
+        c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+  }
+  if (why.empty()) return DrafterGemms::kFp8;
+  if (requested == DrafterGemms::kAuto) return DrafterGemms::kCompute;
+  fail("the fp8 drafter GEMMs cannot run: {}; use --drafter-gemms compute", why);
 }
 
 MicroResult forward_backward(const models::Drafter& drafter, const models::TargetHead& head,
@@ -152,9 +186,9 @@ MicroResult forward_backward(const models::Drafter& drafter, const models::Targe
   at::Tensor rows;
   {
     obs::Scope scope(obs::Stage::kDrafterForward, device);
-    auto hidden =
-        drafter.forward(mb.features, mb.packed, blocks.layout, head, options.dtype,
-                        options.attention, models::BlockRows::kPredictions, options.fp8_gemms);
+    auto hidden = drafter.forward(mb.features, mb.packed, blocks.layout, head, options.dtype,
+                                  options.attention, models::BlockRows::kPredictions,
+                                  options.drafter_gemms == DrafterGemms::kFp8);
     // label_rows ascend without repeats: as many labels as predicting rows is every row in
     // order, read as it is (no copy); otherwise the rows are selected and their gradients go
     // back to their places (no index_add).

@@ -68,20 +68,30 @@ MicroBatch form_micro_batch(int64_t position, int64_t epoch, std::span<const Sam
 double label_weight_sum(std::span<const SampleView> samples, int64_t epoch, int64_t max_seq_len,
                         const AnchorOptions& anchors, const models::DrafterConfig& config);
 
+// The drafter layers' projections (--drafter-gemms): kCompute in the compute dtype; kFp8 as FP8
+// GEMMs, forward and input gradients in e4m3 with a scale per row, weight gradients in the
+// compute dtype (7% off the step at the paper's shape on an H200; tau level with compute on
+// GSM8K over two seeds); kAuto is fp8 where it runs on a GPU, compute on the CPU.
+enum class DrafterGemms { kAuto, kCompute, kFp8 };
+
 struct StepOptions {
   at::ScalarType dtype = at::kFloat;  // compute dtype (bf16 on GPU)
   int64_t head_chunk_rows = 1024;
   models::DrafterAttention attention = models::DrafterAttention::kAuto;
   // kFp8 reads the head's lm_head_t_fp8; kAuto is the Trainer's to resolve (here: kCompute).
   HeadGrad head_grad = HeadGrad::kCompute;
-  // The drafter layers' projections as FP8 GEMMs (forward and input gradients; the weight
-  // gradients in `dtype`): Drafter::forward's fp8_gemms.
-  bool fp8_gemms = false;
+  // kFp8: Drafter::forward's fp8_gemms; kAuto is the Trainer's to resolve (here: kCompute).
+  DrafterGemms drafter_gemms = DrafterGemms::kCompute;
 };
 
-// --drafter-gemms: "compute" (false) or "fp8" (true, StepOptions::fp8_gemms); `what` names
-// the option in the error.
-bool parse_drafter_gemms(const std::string& name, const std::string& what);
+DrafterGemms parse_drafter_gemms(const std::string& name, const std::string& what);
+const char* drafter_gemms_name(DrafterGemms gemms);
+// kAuto resolved, kFp8 checked, for `config`'s layers on `device` in `dtype`: the FP8 GEMMs need
+// kernels::fp8_gemm_unsupported's GPU and dtype, and widths that are multiples of 16 (the GEMM
+// reduces over them). kAuto becomes kFp8 where they run, else kCompute; kFp8 where they cannot
+// run fails, saying why.
+DrafterGemms resolve_drafter_gemms(DrafterGemms requested, const models::DrafterConfig& config,
+                                   at::Device device, at::ScalarType dtype);
 
 struct MicroResult {
   at::Tensor weighted_ce;  // fp32 scalar, unnormalised

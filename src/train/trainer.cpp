@@ -51,7 +51,7 @@ Trainer::Trainer(models::Drafter& drafter, models::TargetHead head, TrainerOptio
          head_.lm_head.size(0), drafter.config().layers.vocab_size);
   }
   set_head_grad(options_.step.head_grad);
-  set_fp8_gemms(options_.step.fp8_gemms);
+  set_drafter_gemms(options_.step.drafter_gemms);
   state_.seed = options_.seed;
   // The optimizer writes the compute-dtype weights with each update; the forward reads them
   // instead of casting the fp32 masters every micro-batch. A step of one backward on one rank
@@ -193,21 +193,9 @@ void Trainer::set_head_grad(HeadGrad head_grad) {
   }
 }
 
-void Trainer::set_fp8_gemms(bool on) {
-  const auto& c = drafter_.config().layers;
-  const int64_t widths[] = {c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                            c.intermediate_size};
-  std::string why =
-      on ? kernels::fp8_gemm_unsupported(drafter_.device(), options_.step.dtype) : std::string();
-  if (on && std::any_of(std::begin(widths), std::end(widths), [](int64_t w) { return w % 16; })) {
-    why = fmt::format(
-        "the drafter's widths must be multiples of 16 (the FP8 GEMM reduces over them): hidden "
-        "{}, q {}, k/v {}, intermediate {}",
-        c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
-  }
-  if (!why.empty())
-    fail("trainer: the fp8 drafter GEMMs cannot run: {}; use --drafter-gemms compute", why);
-  options_.step.fp8_gemms = on;
+void Trainer::set_drafter_gemms(DrafterGemms gemms) {
+  options_.step.drafter_gemms =
+      resolve_drafter_gemms(gemms, drafter_.config(), drafter_.device(), options_.step.dtype);
 }
 
 std::vector<StepLog> Trainer::take_logs(bool wait) {

@@ -83,10 +83,10 @@ class Trainer {
   // device and dtype (kFp8 makes the head's e4m3 copy once); head_grad() is what it became.
   void set_head_grad(HeadGrad head_grad);
   HeadGrad head_grad() const { return options_.step.head_grad; }
-  // The same for the drafter layers' FP8 GEMMs (StepOptions::fp8_gemms); fails, saying why,
-  // where they cannot run (kernels::fp8_gemm_unsupported, or the drafter's widths not
-  // multiples of 16).
-  void set_fp8_gemms(bool on);
+  // The same for the drafter layers' GEMMs (resolve_drafter_gemms: kFp8 where they cannot run
+  // fails, saying why); drafter_gemms() is what it became.
+  void set_drafter_gemms(DrafterGemms gemms);
+  DrafterGemms drafter_gemms() const { return options_.step.drafter_gemms; }
   // Figures of finished steps, oldest first; `wait`: also those still in flight.
   std::vector<StepLog> take_logs(bool wait);
 

@@ -127,6 +127,7 @@ def main():
             return
         r = run([dflash, *train, "--out", without, "--checkpoint-every", 2])
         assert "LM-head input gradient: compute (--head-grad auto)" in r.stdout, r.stdout
+        b_out = r.stdout
         b = metrics(without)
         for x, y in zip(a, b):
             for key in ("loss", "accuracy", "grad_norm", "acceptance", "lr", "tokens"):
@@ -159,6 +160,9 @@ def main():
         assert "drafter layer GEMMs: fp8" in r.stdout, r.stdout
         g = metrics(gemms)
         assert json.loads((gemms / "run_config.json").read_text())["drafter_gemms"] == "fp8"
+        # The default, auto, is compute on the CPU (fp8 only where the FP8 GEMM runs).
+        assert json.loads((without / "run_config.json").read_text())["drafter_gemms"] == "compute"
+        assert "drafter layer GEMMs" not in b_out, b_out
         assert g[0]["loss"] != b[0]["loss"], "the fp8 GEMMs computed the same forward"
         assert abs(g[0]["loss"] / b[0]["loss"] - 1) < 0.05, (g[0], b[0])
         assert abs(g[0]["grad_norm"] / b[0]["grad_norm"] - 1) < 0.2, (g[0], b[0])
@@ -166,7 +170,7 @@ def main():
         print(f"train_eval: fp8 GEMMs: step 1 loss {g[0]['loss']:.6g} against {b[0]['loss']:.6g}, "
               f"last loss {g[-1]['loss']:.6g} against {b[-1]['loss']:.6g}")
         r = run([dflash, *train, "--out", work / "bad0", "--drafter-gemms", "fp16"], expect=None)
-        assert r.returncode != 0 and "drafter_gemms must be compute or fp8" in r.stderr, r.stderr
+        assert r.returncode != 0 and "drafter_gemms must be auto, compute or fp8" in r.stderr, r.stderr
 
         # Two ranks, every 4 steps (so at 4 and at the end): the prompts are split over ranks.
         two = work / "two_ranks"

@@ -48,7 +48,7 @@ TEST_P(DrafterGpu, GatheredStepMatchesReference) {
   options.dtype = g.dtype;
   options.attention = g.attention;
   options.head_grad = g.head_grad;
-  options.fp8_gemms = g.fp8_gemms;
+  options.drafter_gemms = g.fp8_gemms ? train::DrafterGemms::kFp8 : train::DrafterGemms::kCompute;
   auto head = models::TargetHead::of(*c.target);
   if (g.head_grad == train::HeadGrad::kFp8) head.lm_head_t_fp8 = train::head_grad_fp8(head.lm_head);
   auto r =

@@ -231,8 +231,10 @@ TEST(TrainLoop, Fp8GemmsNeedWidthsThatAreMultiplesOf16) {
   const auto dir = temp_dir("fp8_widths");
   auto o = options(dir);
   train::Trainer t(drafter, models::TargetHead::of(target), o, data);  // compute: fine
+  t.set_drafter_gemms(train::DrafterGemms::kAuto);  // auto: compute where fp8 cannot run
+  EXPECT_EQ(t.drafter_gemms(), train::DrafterGemms::kCompute);
   try {
-    t.set_fp8_gemms(true);
+    t.set_drafter_gemms(train::DrafterGemms::kFp8);
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("fp8 drafter GEMMs cannot run: the drafter's widths must "
@@ -241,9 +243,37 @@ TEST(TrainLoop, Fp8GemmsNeedWidthsThatAreMultiplesOf16) {
               std::string::npos)
         << e.what();
   }
-  o.step.fp8_gemms = true;
+  o.step.drafter_gemms = train::DrafterGemms::kFp8;
   EXPECT_THROW(train::Trainer(drafter, models::TargetHead::of(target), o, data), Error);
   remove_tree(dir);
+}
+
+// --drafter-gemms auto is fp8 only where the FP8 GEMM runs (a Hopper GPU, bf16, widths that are
+// multiples of 16) and compute elsewhere, the CPU included (its fp8 path is the dequantizing
+// reference: asked for, it runs; never chosen for you).
+TEST(DrafterGemms, AutoResolvesToWhereTheFp8GemmsRun) {
+  using train::DrafterGemms;
+  models::ModelConfig config = testing::tiny_target_config(models::Architecture::kQwen3);
+  config.intermediate_size = 64;
+  models::DrafterOptions dopt;
+  dopt.num_layers = 1;
+  dopt.target_layer_ids = {1};
+  dopt.mask_token_id = config.vocab_size - 1;
+  const auto dc = models::make_drafter_config(config, dopt);
+  auto resolve = [&](DrafterGemms g, at::Device d, at::ScalarType t) {
+    return train::resolve_drafter_gemms(g, dc, d, t);
+  };
+  EXPECT_EQ(resolve(DrafterGemms::kAuto, at::kCPU, at::kBFloat16), DrafterGemms::kCompute);
+  EXPECT_EQ(resolve(DrafterGemms::kFp8, at::kCPU, at::kFloat), DrafterGemms::kFp8);
+  EXPECT_EQ(resolve(DrafterGemms::kCompute, at::kCPU, at::kFloat), DrafterGemms::kCompute);
+  EXPECT_EQ(train::parse_drafter_gemms("auto", "x"), DrafterGemms::kAuto);
+  EXPECT_STREQ(train::drafter_gemms_name(DrafterGemms::kFp8), "fp8");
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the GPU's resolution not checked";
+  const at::Device gpu(at::kCUDA, 0);
+  EXPECT_EQ(resolve(DrafterGemms::kAuto, gpu, at::kFloat), DrafterGemms::kCompute);
+  EXPECT_THROW(resolve(DrafterGemms::kFp8, gpu, at::kFloat), Error);
+  EXPECT_EQ(resolve(DrafterGemms::kAuto, gpu, at::kBFloat16),
+            kernels::fp8_gemm_supported(gpu) ? DrafterGemms::kFp8 : DrafterGemms::kCompute);
 }
 
 TEST(TrainLoop, StopSignalCheckpointsAndReturns) {
