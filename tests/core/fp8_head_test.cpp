@@ -69,15 +69,10 @@ struct QuantizeCase {
 };
 void PrintTo(const QuantizeCase& c, std::ostream* os) { *os << c.name; }
 
-class QuantizeRowsKernel : public ::testing::TestWithParam<QuantizeCase> {};
-
-// The CUDA kernel against the ATen reference, bit for bit: data and scales. Rows of several
-// magnitudes, an all-zero row, values past e4m3's range after scaling cannot occur (the row's
-// largest maps to 448), ties in rounding come from the random inputs' many values.
-TEST_P(QuantizeRowsKernel, MatchesTheReferenceBitwise) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  const QuantizeCase c = GetParam();
-  at::manual_seed(3);
+// The case's parts on the GPU: random, the first one a transposed view if asked, a part of three
+// sizes a column slice; along `scaled_dim` (0: rows, 1: columns) the first three indices small,
+// zero and large, so that the scales span magnitudes and one is the all-zero case.
+std::vector<at::Tensor> random_parts(const QuantizeCase& c, int64_t scaled_dim) {
   const auto opts = at::TensorOptions().device(at::kCUDA).dtype(c.dtype);
   std::vector<at::Tensor> parts;
   for (size_t p = 0; p < c.widths.size(); ++p) {
@@ -91,13 +86,26 @@ TEST_P(QuantizeRowsKernel, MatchesTheReferenceBitwise) {
     } else {
       t = at::randn({rows, width}, opts);
     }
-    if (rows > 2) {
-      t.select(0, 0).mul_(1e-3);
-      t.select(0, 1).zero_();
-      t.select(0, 2).mul_(300);
+    if (t.size(scaled_dim) > 2) {
+      t.select(scaled_dim, 0).mul_(1e-3);
+      t.select(scaled_dim, 1).zero_();
+      t.select(scaled_dim, 2).mul_(300);
     }
     parts.push_back(t);
   }
+  return parts;
+}
+
+class QuantizeRowsKernel : public ::testing::TestWithParam<QuantizeCase> {};
+
+// The CUDA kernel against the ATen reference, bit for bit: data and scales. Rows of several
+// magnitudes, an all-zero row, values past e4m3's range after scaling cannot occur (the row's
+// largest maps to 448), ties in rounding come from the random inputs' many values.
+TEST_P(QuantizeRowsKernel, MatchesTheReferenceBitwise) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const QuantizeCase c = GetParam();
+  at::manual_seed(3);
+  const auto parts = random_parts(c, /*scaled_dim=*/0);
   auto got = kernels::quantize_rows_e4m3(parts);
   auto want = kernels::quantize_rows_e4m3_reference(at::cat(parts, 1));
   ASSERT_EQ(got.data.sizes(), want.data.sizes());
@@ -140,26 +148,7 @@ TEST_P(QuantizeColumnsKernel, MatchesTheReferenceBitwise) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const QuantizeCase c = GetParam();
   at::manual_seed(5);
-  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(c.dtype);
-  std::vector<at::Tensor> parts;
-  for (size_t p = 0; p < c.widths.size(); ++p) {
-    const auto& s = c.widths[p];  // here {rows, cols} or {rows, cols, parent cols}
-    const int64_t rows = s[0], cols = s[1];
-    at::Tensor t;
-    if (p == 0 && c.transposed) {
-      t = at::randn({cols, rows}, opts).t();
-    } else if (s.size() == 3) {
-      t = at::randn({rows, s[2]}, opts).narrow(1, s[2] - cols, cols);
-    } else {
-      t = at::randn({rows, cols}, opts);
-    }
-    if (cols > 2) {
-      t.select(1, 0).mul_(1e-3);
-      t.select(1, 1).zero_();
-      t.select(1, 2).mul_(300);
-    }
-    parts.push_back(t);
-  }
+  const auto parts = random_parts(c, /*scaled_dim=*/1);
   auto got = kernels::quantize_columns_e4m3(parts);
   auto want = kernels::quantize_rows_e4m3_reference(at::cat(parts, 0).t());
   ASSERT_EQ(got.data.sizes(), want.data.sizes());
