@@ -788,7 +788,10 @@ void write_run_config(const Job& job, const fs::path& run_dir, bool resuming) {
       fmt::print("train: note: --steps {} (the run had {}): the lr schedule changes from here\n",
                  job.steps, old_steps.dump());
     }
-    for (const char* key : {"target", "data", "world_size", "topology"}) {
+    // The arithmetic too: an `auto` resolved otherwise (another GPU, another version's default)
+    // changes the numerics from here on.
+    for (const char* key :
+         {"target", "data", "world_size", "topology", "dtype", "head_grad", "drafter_gemms"}) {
       if (saved.contains(key) && saved[key] != run_config[key]) {
         fmt::print("train: note: {} is {} (the run had {})\n", key, run_config[key].dump(),
                    saved[key].dump());

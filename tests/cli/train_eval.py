@@ -169,6 +169,9 @@ def main():
         assert abs(g[-1]["loss"] / b[-1]["loss"] - 1) < 0.05, (g[-1], b[-1])
         print(f"train_eval: fp8 GEMMs: step 1 loss {g[0]['loss']:.6g} against {b[0]['loss']:.6g}, "
               f"last loss {g[-1]['loss']:.6g} against {b[-1]['loss']:.6g}")
+        # Resumed with other layer GEMMs: allowed (not part of the data stream), and said.
+        r = run([dflash, *train, "--out", gemms, "--resume", "--drafter-gemms", "compute"])
+        assert 'note: drafter_gemms is "compute" (the run had "fp8")' in r.stdout, r.stdout
         r = run([dflash, *train, "--out", work / "bad0", "--drafter-gemms", "fp16"], expect=None)
         assert r.returncode != 0 and "drafter_gemms must be auto, compute or fp8" in r.stderr, r.stderr
 
