@@ -212,9 +212,6 @@ void launch(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor
   // width (or an odd base pointer) falls back to scalar accesses, and stages nothing.
   constexpr int64_t kVec = 16 / sizeof(T);
   const int64_t vocab = logits.size(1);
-  auto aligned = [](const void* ptr, size_t bytes) {
-    return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
-  };
   const bool vec = vocab % kVec == 0 && aligned(logits.data_ptr(), 16) &&
                    (!kFp8 || aligned(grad8->data_ptr(), kVec));
   const int32_t nstaged =

@@ -37,6 +37,11 @@ struct alignas(sizeof(T) * kVec) Vec {
   T v[kVec];
 };
 
+// Whether a pointer allows accesses of `bytes` (a vector load's width).
+inline bool aligned(const void* p, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 // Thread blocks for a grid-stride loop over `threads_needed` threads: enough for one pass,
 // capped at 8 x 65535 (the loop covers the rest).
 inline unsigned grid_stride_blocks(int64_t threads_needed, int threads_per_block) {

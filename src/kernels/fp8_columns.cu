@@ -157,8 +157,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 template <typename T, int V>
 void launch(const Stack<T>& s, int64_t cols, unsigned* amax, at::Tensor& data, at::Tensor& scale) {
   const auto stream = c10::cuda::getCurrentCUDAStream();

@@ -72,9 +72,10 @@ Fp8Rows quantize_rows_e4m3(at::TensorList parts) {
     }
     cols += t.size(1);
   }
-  if (parts.size() > 4 || !half_precision_on_cuda(parts))
+  if (!half_precision_on_cuda(parts))
     return quantize_rows_e4m3_reference(parts.size() == 1 ? parts[0] : at::cat(parts, 1));
-  // The kernel reads rows of unit column stride (a transposed view is copied first).
+  // The kernel takes four parts and rows of unit column stride (a transposed view is copied).
+  if (parts.size() > 4) return quantize_rows_e4m3(at::cat(parts, 1));
   std::vector<at::Tensor> dense;
   for (const at::Tensor& t : parts) dense.push_back(t.stride(1) == 1 ? t : t.contiguous());
   Fp8Rows out{at::empty({parts[0].size(0), cols}, parts[0].options().dtype(at::kFloat8_e4m3fn)),
@@ -101,7 +102,7 @@ Fp8Rows quantize_columns_e4m3(at::TensorList parts) {
   if (!half_precision_on_cuda(parts)) {
     return quantize_rows_e4m3_reference(parts.size() == 1 ? parts[0].t() : at::cat(parts, 0).t());
   }
-  // The kernel takes four parts and rows of unit column stride.
+  // The kernel takes four parts and rows of unit column stride (a transposed view is copied).
   if (parts.size() > 4) return quantize_columns_e4m3(at::cat(parts, 0));
   std::vector<at::Tensor> dense;
   for (const at::Tensor& t : parts) dense.push_back(t.stride(1) == 1 ? t : t.contiguous());

@@ -92,8 +92,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 }  // namespace
 
 // parts: up to 4 CUDA tensors [rows, w_j] of one half-precision dtype, unit column stride;

@@ -70,8 +70,8 @@ double label_weight_sum(std::span<const SampleView> samples, int64_t epoch, int6
 
 // The drafter layers' projections (--drafter-gemms): kCompute in the compute dtype; kFp8 as FP8
 // GEMMs, forward and input gradients in e4m3 with a scale per row, weight gradients in the
-// compute dtype (7% off the step at the paper's shape on an H200; tau level with compute on
-// GSM8K over two seeds); kAuto is fp8 where it runs on a GPU, compute on the CPU.
+// compute dtype (11% off the drafter step at the paper's shape on an H200; tau level with compute
+// on GSM8K over two seeds); kAuto is fp8 where it runs on a GPU, compute on the CPU.
 enum class DrafterGemms { kAuto, kCompute, kFp8 };
 
 struct StepOptions {

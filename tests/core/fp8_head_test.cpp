@@ -115,14 +115,16 @@ TEST_P(QuantizeRowsKernel, MatchesTheReferenceBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, QuantizeRowsKernel,
-    ::testing::Values(QuantizeCase{"bf16_513x4096", {{513, 4096}}, at::kBFloat16},
-                      QuantizeCase{
-                          "bf16_qkv_grads", {{300, 4096}, {300, 1024}, {300, 1024}}, at::kBFloat16},
-                      QuantizeCase{"bf16_wide_24576", {{64, 24576}}, at::kBFloat16},
-                      QuantizeCase{"fp16_odd_width_20", {{33, 20}, {33, 12}}, at::kHalf},
-                      QuantizeCase{"bf16_column_slice", {{40, 1024, 6144}}, at::kBFloat16},
-                      QuantizeCase{"bf16_transposed", {{256, 512}}, at::kBFloat16, true},
-                      QuantizeCase{"bf16_no_rows", {{0, 64}}, at::kBFloat16}),
+    ::testing::Values(
+        QuantizeCase{"bf16_513x4096", {{513, 4096}}, at::kBFloat16},
+        QuantizeCase{"bf16_qkv_grads", {{300, 4096}, {300, 1024}, {300, 1024}}, at::kBFloat16},
+        QuantizeCase{"bf16_wide_24576", {{64, 24576}}, at::kBFloat16},
+        QuantizeCase{"fp16_odd_width_20", {{33, 20}, {33, 12}}, at::kHalf},
+        QuantizeCase{"bf16_column_slice", {{40, 1024, 6144}}, at::kBFloat16},
+        QuantizeCase{"bf16_transposed", {{256, 512}}, at::kBFloat16, true},
+        QuantizeCase{"bf16_no_rows", {{0, 64}}, at::kBFloat16},
+        QuantizeCase{
+            "bf16_five_parts", {{9, 64}, {9, 32}, {9, 64}, {9, 16}, {9, 64}}, at::kBFloat16}),
     [](const auto& info) { return info.param.name; });
 
 // Stacked matrices' columns quantize as the transpose of their stack (one scale a column): on
