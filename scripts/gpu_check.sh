@@ -5,7 +5,7 @@
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
-# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS")
+# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -127,6 +127,28 @@ if has kernels; then
     --json "$out/bench_decode_kernels.json" --profile "$out/decode_trace.json" 2>&1 \
     | tee "$out/bench_decode_kernels.txt"
   gzip -f "$out/decode_trace.json"
+fi
+if has tuned; then
+  # Issue 11, 2026-12-02 (fourth session): the target's projections through cuBLASLt with the
+  # algorithm timed once per shape among the candidates equal to at::linear's bits. The tests
+  # (bitwise against at::linear, the prefill's taps unchanged), then bench-target alternating
+  # tuned and at::linear in one process (4 rounds of 20 queued prefills), nvidia-smi alongside,
+  # a profile of the tuned prefill, and `dflash bench` twice.
+  step tuned
+  fixtures tuned models
+  gtests tuned '*TunedGemm*:*FusedPrefill*:*CudnnAttention*:*TargetGpu*:*QuantizeRows*:*QuantizeColumns*:*Fp8Rows*'
+  grep -h "cuBLASLt candidates" "$out/tuned_tests.log" | head -20
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
+    > "$out/clocks_tuned.csv" 2>&1 &
+  smi=$!
+  "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 5 \
+    --iters 20 --attention cudnn --gemm tuned,aten --rounds 4 --json "$out/bench_target_tuned.json" \
+    --profile "$out/target_trace_tuned.json" 2>&1 | tee "$out/bench_target_tuned.txt"
+  gzip -f "$out/target_trace_tuned.json"
+  kill "$smi" 2>/dev/null
+  if [ "${NO_BENCH:-0}" != 1 ]; then
+    AB="${AB:-|}" ab_bench tuned
+  fi
 fi
 if has prefill; then
   # Issue 11: the target's prefill with the fused kernels at thousands of rows (against the ATen

@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "io/safetensors.h"
+#include "kernels/tuned_gemm.h"
 #include "models/drafter.h"
 #include "models/target.h"
 #include "obs/profile.h"
@@ -29,6 +30,8 @@ struct BenchOptions {
   std::string json_out;
   std::string profile;  // Chrome trace path; empty: no profile
   std::string attention = "flash";
+  std::vector<std::string> gemms = {"tuned"};  // alternated in each round
+  int rounds = 1;
 };
 
 void run_bench(const BenchOptions& o) {
@@ -49,45 +52,70 @@ void run_bench(const BenchOptions& o) {
       o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
       c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
       o.warmup, o.iters);
-  fmt::print("{:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "median ms", "tokens/s",
-             "TFLOP/s", "peak GPU GiB", "synced ms");
+  for (const auto& g : o.gemms) {
+    if (g != "tuned" && g != "aten") fail("bench-target: --gemm takes tuned or aten, got '{}'", g);
+  }
+  fmt::print("{:>6} {:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "gemm", "median ms",
+             "tokens/s", "TFLOP/s", "peak GPU GiB", "synced ms");
   const models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
   nlohmann::json rows = nlohmann::json::array();
   for (int64_t b : o.batches) {
-    std::vector<int64_t> lengths(b, o.seq_len);
-    auto batch = models::PackedBatch::from_lengths(lengths, device);
-    auto tokens = at::randint(config.vocab_size, {batch.total},
-                              at::TensorOptions().dtype(at::kLong).device(device));
-    if (device.is_cuda())
-      c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
-    auto prefill = [&] { model.forward(tokens, batch, request); };
-    // Queued back to back, as training queues its prefills; then each one waited for (the GPU
-    // idles at each start while the host launches the first kernels).
-    auto times = obs::time_queued_steps(device, o.warmup, o.iters, prefill);
-    auto synced_times = obs::time_steps(device, 0, o.iters, prefill);
-    const double ms = obs::median(times) * 1e3, synced_ms = obs::median(synced_times) * 1e3;
-    const double tps = batch.total / (ms / 1e3);
-    const double tflops = models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12;
-    double peak_gib = 0;
-    if (device.is_cuda()) {
-      auto stats =
-          c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
-      peak_gib = stats.allocated_bytes[0].peak / double(1 << 30);
+    for (int round = 0; round < o.rounds; ++round) {
+      for (const auto& gemm : o.gemms) {
+        kernels::set_gemm_tuning(gemm == "tuned");
+        std::vector<int64_t> lengths(b, o.seq_len);
+        auto batch = models::PackedBatch::from_lengths(lengths, device);
+        auto tokens = at::randint(config.vocab_size, {batch.total},
+                                  at::TensorOptions().dtype(at::kLong).device(device));
+        if (device.is_cuda())
+          c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+        auto prefill = [&] { model.forward(tokens, batch, request); };
+        // Queued back to back, as training queues its prefills; then each one waited for (the GPU
+        // idles at each start while the host launches the first kernels).
+        auto times = obs::time_queued_steps(device, o.warmup, o.iters, prefill);
+        auto synced_times = obs::time_steps(device, 0, o.iters, prefill);
+        const double ms = obs::median(times) * 1e3, synced_ms = obs::median(synced_times) * 1e3;
+        const double tps = batch.total / (ms / 1e3);
+        const double tflops = models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12;
+        double peak_gib = 0;
+        if (device.is_cuda()) {
+          auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
+              device.index() < 0 ? 0 : device.index());
+          peak_gib = stats.allocated_bytes[0].peak / double(1 << 30);
+        }
+        fmt::print("{:>6} {:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b, gemm, ms,
+                   tps, tflops, peak_gib, synced_ms);
+        rows.push_back({{"batch", b},
+                        {"gemm", gemm},
+                        {"round", round},
+                        {"seq_len", o.seq_len},
+                        {"median_ms", ms},
+                        {"tokens_per_s", tps},
+                        {"tflops", tflops},
+                        {"peak_gpu_gib", peak_gib},
+                        {"times_s", times},
+                        {"synced_median_ms", synced_ms},
+                        {"synced_times_s", synced_times}});
+      }
     }
-    fmt::print("{:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b, ms, tps, tflops,
-               peak_gib, synced_ms);
-    rows.push_back({{"batch", b},
-                    {"seq_len", o.seq_len},
-                    {"median_ms", ms},
-                    {"tokens_per_s", tps},
-                    {"tflops", tflops},
-                    {"peak_gpu_gib", peak_gib},
-                    {"times_s", times},
-                    {"synced_median_ms", synced_ms},
-                    {"synced_times_s", synced_times}});
   }
-  nlohmann::json doc = {
-      {"preset", o.preset}, {"device", o.device}, {"attention", o.attention}, {"rows", rows}};
+  kernels::set_gemm_tuning(o.gemms.front() == "tuned");  // the profile runs the first
+  nlohmann::json tunings = nlohmann::json::array();
+  for (const auto& t : kernels::gemm_tunings()) {
+    fmt::print("gemm tuning: {}\n", kernels::describe(t));
+    tunings.push_back({{"shape", t.shape},
+                       {"candidates", t.candidates},
+                       {"equal", t.equal},
+                       {"aten_us", t.aten_us},
+                       {"best_equal_us", t.best_equal_us},
+                       {"best_any_us", t.best_any_us},
+                       {"uses_lt", t.uses_lt}});
+  }
+  nlohmann::json doc = {{"preset", o.preset},
+                        {"device", o.device},
+                        {"attention", o.attention},
+                        {"rows", rows},
+                        {"gemm_tunings", tunings}};
   if (!o.profile.empty() && !o.batches.empty()) {
     constexpr int kProfiled = 3;
     std::vector<int64_t> lengths(o.batches.front(), o.seq_len);
@@ -154,6 +182,15 @@ void add_bench_target_command(CLI::App& app) {
          "--attention", o->attention,
          "attention kernel: flash (FlashAttention-2), cudnn (cuDNN's fused attention) or auto "
          "(cudnn where the sequences share one length, as training's prefill runs)")
+      ->capture_default_str();
+  cmd->add_option("--gemm", o->gemms,
+                  "the projections' GEMMs: tuned (cuBLASLt, the algorithm timed once per shape "
+                  "among those equal to ATen's bit for bit) or aten (at::linear); a list "
+                  "alternates them in each round")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--rounds", o->rounds, "rounds over the --gemm list per batch size")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   cmd->add_option("--profile", o->profile,
                   "profile the first batch size: GPU time per kernel, Chrome trace written here");

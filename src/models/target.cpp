@@ -13,6 +13,7 @@
 #include "kernels/decode_ops.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
+#include "kernels/tuned_gemm.h"
 
 namespace dflash::models {
 namespace {
@@ -246,6 +247,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     if (fused && t <= kernels::kSmallLinearFasterRows) {
       return kernels::small_linear(in, weight, bias);
     }
+    if (fused && !bias.defined()) return kernels::linear_tuned(in, weight);
     return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);
   };
   at::Tensor h;

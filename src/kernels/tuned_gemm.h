@@ -1,0 +1,38 @@
+// tuned_gemm: the frozen target's large no-grad products x @ W^T (bf16/fp16 on a GPU) through
+// cuBLASLt, with the algorithm picked by timing once per shape among the candidates cuBLASLt's
+// heuristic offers whose output equals ATen's bit for bit. ATen takes the heuristic's first
+// choice, which at the prefill's 2048 rows is not always the fastest; keeping only candidates
+// that reproduce ATen's bits makes the choice a matter of speed alone: the target's features
+// do not depend on which machine or run did the timing.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+namespace dflash::kernels {
+
+// x: [M, K] with unit column stride; weight: [N, K] contiguous; one dtype and device. Returns
+// x @ weight^T, [M, N] contiguous, equal bit for bit to at::linear(x, weight). CUDA bf16/fp16
+// without autograd takes the tuned cuBLASLt algorithm (tuned at the shape's first call, which
+// synchronises the device once); anything else, or tuning switched off, is at::linear.
+at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight);
+
+// Process-wide switch (on by default) for A/B runs: off makes linear_tuned at::linear.
+void set_gemm_tuning(bool on);
+bool gemm_tuning();
+
+// What the tuning of one shape found, for benches and logs.
+struct GemmTuning {
+  std::string shape;         // "MxNxK dtype"
+  int candidates = 0;        // algorithms the heuristic offered that ran
+  int equal = 0;             // of those, how many reproduced at::linear's bits
+  double aten_us = 0;        // at::linear, median
+  double best_equal_us = 0;  // fastest candidate equal to at::linear (0: none)
+  double best_any_us = 0;    // fastest candidate of all
+  bool uses_lt = false;      // whether calls take the cuBLASLt algorithm (else at::linear)
+};
+std::vector<GemmTuning> gemm_tunings();
+std::string describe(const GemmTuning& t);
+
+}  // namespace dflash::kernels
