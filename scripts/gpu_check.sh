@@ -132,7 +132,7 @@ if has tuned; then
   # Issue 11, 2026-12-02 (fourth session): the target's projections through cuBLASLt with the
   # algorithm timed once per shape among the candidates equal to at::linear's bits. The tests
   # (bitwise against at::linear, the prefill's taps unchanged), then bench-target alternating
-  # tuned and at::linear in one process (4 rounds of 20 queued prefills), nvidia-smi alongside,
+  # tuned and at::linear in one process and with the residual adds in the GEMMs (3 rounds of 20 queued prefills), nvidia-smi alongside,
   # a profile of the tuned prefill, and `dflash bench` twice.
   step tuned
   fixtures tuned models
@@ -142,7 +142,7 @@ if has tuned; then
     > "$out/clocks_tuned.csv" 2>&1 &
   smi=$!
   "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 5 \
-    --iters 20 --attention cudnn --gemm tuned,aten --rounds 4 --json "$out/bench_target_tuned.json" \
+    --iters 20 --attention cudnn --gemm tuned-residual,tuned,aten --rounds 3 --json "$out/bench_target_tuned.json" \
     --profile "$out/target_trace_tuned.json" 2>&1 | tee "$out/bench_target_tuned.txt"
   gzip -f "$out/target_trace_tuned.json"
   kill "$smi" 2>/dev/null

@@ -52,17 +52,15 @@ void run_bench(const BenchOptions& o) {
       o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
       c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
       o.warmup, o.iters);
-  for (const auto& g : o.gemms) {
-    if (g != "tuned" && g != "aten") fail("bench-target: --gemm takes tuned or aten, got '{}'", g);
-  }
+  for (const auto& g : o.gemms) models::parse_prefill_gemms(g);
   fmt::print("{:>6} {:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "gemm", "median ms",
              "tokens/s", "TFLOP/s", "peak GPU GiB", "synced ms");
-  const models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
+  models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
   nlohmann::json rows = nlohmann::json::array();
   for (int64_t b : o.batches) {
     for (int round = 0; round < o.rounds; ++round) {
       for (const auto& gemm : o.gemms) {
-        kernels::set_gemm_tuning(gemm == "tuned");
+        request.gemms = models::parse_prefill_gemms(gemm);
         std::vector<int64_t> lengths(b, o.seq_len);
         auto batch = models::PackedBatch::from_lengths(lengths, device);
         auto tokens = at::randint(config.vocab_size, {batch.total},
@@ -99,7 +97,7 @@ void run_bench(const BenchOptions& o) {
       }
     }
   }
-  kernels::set_gemm_tuning(o.gemms.front() == "tuned");  // the profile runs the first
+  request.gemms = models::parse_prefill_gemms(o.gemms.front());  // the profile runs the first
   nlohmann::json tunings = nlohmann::json::array();
   for (const auto& t : kernels::gemm_tunings()) {
     fmt::print("gemm tuning: {}\n", kernels::describe(t));
@@ -184,9 +182,10 @@ void add_bench_target_command(CLI::App& app) {
          "(cudnn where the sequences share one length, as training's prefill runs)")
       ->capture_default_str();
   cmd->add_option("--gemm", o->gemms,
-                  "the projections' GEMMs: tuned (cuBLASLt, the algorithm timed once per shape "
-                  "among those equal to ATen's bit for bit) or aten (at::linear); a list "
-                  "alternates them in each round")
+                  "the projections' GEMMs: aten (at::linear), tuned (cuBLASLt, the algorithm "
+                  "timed once per shape among those equal to ATen's bit for bit) or "
+                  "tuned-residual (also the residual adds inside the GEMMs); a list alternates "
+                  "them in each round")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--rounds", o->rounds, "rounds over the --gemm list per batch size")

@@ -14,13 +14,15 @@ namespace dflash::kernels {
 
 // x: [M, K] with unit column stride; weight: [N, K] contiguous; one dtype and device. Returns
 // x @ weight^T, [M, N] contiguous, equal bit for bit to at::linear(x, weight). CUDA bf16/fp16
-// without autograd takes the tuned cuBLASLt algorithm (tuned at the shape's first call, which
-// synchronises the device once); anything else, or tuning switched off, is at::linear.
+// without autograd, at least 512 rows, takes the tuned cuBLASLt algorithm (tuned at the
+// shape's first call, which synchronises the device once; at most 32 shapes a process, later
+// ones stay on ATen); anything else is at::linear.
 at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight);
 
-// Process-wide switch (on by default) for A/B runs: off makes linear_tuned at::linear.
-void set_gemm_tuning(bool on);
-bool gemm_tuning();
+// out [M, N] (contiguous) += x @ weight^T with one rounding of the sum, equal bit for bit to
+// out.addmm_(x, weight.t()); tuned as linear_tuned. Lets a residual add ride in the GEMM's
+// epilogue instead of a pass of its own.
+void linear_accumulate_(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
 
 // What the tuning of one shape found, for benches and logs.
 struct GemmTuning {

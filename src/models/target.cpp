@@ -222,6 +222,13 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
   return m;
 }
 
+PrefillGemms parse_prefill_gemms(const std::string& name) {
+  if (name == "aten") return PrefillGemms::kAten;
+  if (name == "tuned") return PrefillGemms::kTuned;
+  if (name == "tuned-residual") return PrefillGemms::kTunedResidual;
+  fail("prefill GEMMs must be aten, tuned or tuned-residual, got '{}'", name);
+}
+
 at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
   return at::embedding(embed_, tokens);
 }
@@ -237,17 +244,17 @@ at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const {
 template <class Attend>
 at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
                                       at::Tensor& pending, const at::Tensor& cos,
-                                      const at::Tensor& sin, bool fused, const CacheRows& cache,
-                                      Attend&& attend) const {
+                                      const at::Tensor& sin, bool fused, PrefillGemms gemms,
+                                      const CacheRows& cache, Attend&& attend) const {
   const ModelConfig& c = config_;
   const double eps = c.rms_norm_eps;
   const int64_t t = x.size(0), d = c.head_dim;
   const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
+  const bool small = fused && t <= kernels::kSmallLinearFasterRows;
+  const bool tuned = fused && !small && gemms != PrefillGemms::kAten;
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias) {
-    if (fused && t <= kernels::kSmallLinearFasterRows) {
-      return kernels::small_linear(in, weight, bias);
-    }
-    if (fused && !bias.defined()) return kernels::linear_tuned(in, weight);
+    if (small) return kernels::small_linear(in, weight, bias);
+    if (tuned && !bias.defined()) return kernels::linear_tuned(in, weight);
     return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);
   };
   at::Tensor h;
@@ -285,6 +292,12 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     auto h1 = rms_norm(x1, w.post_attention_norm, eps);
     return x1 + (w.router.defined() ? sparse_mlp(c, w, h1) : swiglu_mlp(h1, w.w_gate_up, w.w_down));
   }
+  if (tuned && gemms == PrefillGemms::kTunedResidual && !w.router.defined()) {
+    kernels::linear_accumulate_(x, attn, w.w_o);
+    const auto h1 = rms_norm(x, w.post_attention_norm, eps);
+    kernels::linear_accumulate_(x, kernels::silu_mul(linear(h1, w.w_gate_up, {})), w.w_down);
+    return x;
+  }
   auto r = kernels::add_rms_norm(x, linear(attn, w.w_o, {}), w.post_attention_norm, eps);
   pending = w.router.defined()
                 ? sparse_mlp(c, w, r.normed)
@@ -319,13 +332,17 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
   for (int64_t i = 0; i < layers; ++i) {
     const CacheRows rows =
         cache != nullptr ? CacheRows{cache->keys(i), cache->values(i), cache_rows} : CacheRows{};
-    x = decoder_layer(layers_[i], x, pending, cos, sin, fused, rows,
+    x = decoder_layer(layers_[i], x, pending, cos, sin, fused, request.gemms, rows,
                       [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                         return attend(i, q, k, v);
                       });
-    // Holding x only where tapped lets every other layer's output be freed.
+    // Holding x only where tapped lets every other layer's output be freed. A layer that
+    // adds into x in place (PrefillGemms::kTunedResidual) would change a tap held as x.
     for (size_t j = 0; j < request.tap_layers.size(); ++j) {
-      if (request.tap_layers[j] == i) result.taps[j] = pending.defined() ? x + pending : x;
+      if (request.tap_layers[j] != i) continue;
+      result.taps[j] = pending.defined()                               ? x + pending
+                       : request.gemms == PrefillGemms::kTunedResidual ? x.clone()
+                                                                       : x;
     }
   }
   if (request.logits == Logits::kNone) return result;
