@@ -69,7 +69,6 @@ void check(cublasStatus_t status, const char* what) {
 // for the few large fixed shapes of training's prefill; rarer shapes (prompts of every length
 // in evaluation) stay on at::linear, which computes the same bits.
 constexpr int64_t kMinTunedRows = 512;
-constexpr size_t kMaxTunedShapes = 32;
 constexpr int kCandidates = 16;
 constexpr int kRounds = 3;
 constexpr int kRunsPerRound = 5;
@@ -237,7 +236,7 @@ const Plan* plan_for(const Key& key, const at::Tensor& x, const at::Tensor& w,
   auto it = plans.find(key);
   if (it == plans.end()) {
     // Tuning synchronises: never inside a CUDA graph's capture.
-    if (plans.size() >= kMaxTunedShapes ||
+    if (plans.size() >= static_cast<size_t>(kMaxTunedShapes) ||
         c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
       return nullptr;
     }

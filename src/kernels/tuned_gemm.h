@@ -15,8 +15,9 @@ namespace dflash::kernels {
 // x: [M, K] with unit column stride; weight: [N, K] contiguous; one dtype and device. Returns
 // x @ weight^T, [M, N] contiguous, equal bit for bit to at::linear(x, weight). CUDA bf16/fp16
 // without autograd, at least 512 rows, takes the tuned cuBLASLt algorithm (tuned at the
-// shape's first call, which synchronises the device once; at most 32 shapes a process, later
-// ones stay on ATen); anything else is at::linear.
+// shape's first call, which synchronises the device once; at most kMaxTunedShapes a process,
+// later ones stay on ATen); anything else is at::linear.
+constexpr int kMaxTunedShapes = 64;
 at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight);
 
 // out [M, N] (contiguous) += x @ weight^T with one rounding of the sum, equal bit for bit to
