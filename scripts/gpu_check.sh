@@ -133,7 +133,7 @@ if has tuned; then
   # algorithm timed once per shape among the candidates equal to at::linear's bits. The tests
   # (bitwise against at::linear, the prefill's taps unchanged), then bench-target alternating
   # tuned and at::linear in one process and with the residual adds in the GEMMs (3 rounds of 20 queued prefills), nvidia-smi alongside,
-  # a profile of the tuned prefill, and `dflash bench` twice.
+  # a profile of the first, and `dflash bench` alternating --prefill-gemms (AB overrides).
   step tuned
   fixtures tuned models
   gtests tuned '*TunedGemm*:*FusedPrefill*:*CudnnAttention*:*TargetGpu*:*QuantizeRows*:*QuantizeColumns*:*Fp8Rows*'
@@ -147,7 +147,7 @@ if has tuned; then
   gzip -f "$out/target_trace_tuned.json"
   kill "$smi" 2>/dev/null
   if [ "${NO_BENCH:-0}" != 1 ]; then
-    AB="${AB:-|}" ab_bench tuned
+    AB="${AB:---prefill-gemms tuned-residual|--prefill-gemms aten}" ab_bench tuned
   fi
 fi
 if has prefill; then

@@ -226,7 +226,7 @@ PrefillGemms parse_prefill_gemms(const std::string& name) {
   if (name == "aten") return PrefillGemms::kAten;
   if (name == "tuned") return PrefillGemms::kTuned;
   if (name == "tuned-residual") return PrefillGemms::kTunedResidual;
-  fail("prefill GEMMs must be aten, tuned or tuned-residual, got '{}'", name);
+  fail("prefill_gemms must be aten, tuned or tuned-residual, got '{}'", name);
 }
 
 at::Tensor TargetModel::embed(const at::Tensor& tokens) const {

@@ -33,7 +33,7 @@ Topology::Work Topology::target_work(int rank, int64_t start, int64_t item) cons
 int feature_tag(int64_t position) { return static_cast<int>(position % (int64_t{1} << 30)); }
 
 at::Tensor target_features(const models::TargetModel& target, const std::vector<int64_t>& taps,
-                           const train::MicroBatch& batch) {
+                           models::PrefillGemms gemms, const train::MicroBatch& batch) {
   c10::NoGradGuard no_grad;
   models::ForwardResult out;
   {
@@ -42,15 +42,15 @@ at::Tensor target_features(const models::TargetModel& target, const std::vector<
     // 2048-token Qwen3-8B prefill on an H200), flash for ragged ones.
     out = target.forward(
         batch.tokens, batch.packed,
-        {taps, models::Logits::kNone, /*grad=*/false, models::AttentionBackend::kAuto});
+        {taps, models::Logits::kNone, /*grad=*/false, models::AttentionBackend::kAuto, gemms});
   }
   obs::Scope scope(obs::Stage::kPostProcess, target.device());
   return out.taps.size() == 1 ? out.taps[0] : at::cat(out.taps, 1);
 }
 
 ColocatedSource::ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps,
-                                 Prefetcher& batches, bool overlap)
-    : target_(target), taps_(std::move(taps)), batches_(batches) {
+                                 Prefetcher& batches, bool overlap, models::PrefillGemms gemms)
+    : target_(target), taps_(std::move(taps)), gemms_(gemms), batches_(batches) {
   const at::Device device = target.device();
   if (overlap && device.is_cuda()) {
     feature_stream_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
@@ -82,7 +82,7 @@ train::MicroBatch ColocatedSource::get(int64_t position) {
   const at::Device device = target_.device();
   if (!feature_stream_) {
     auto mb = to_device(batches_.get(position), device);
-    if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, mb);
+    if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, gemms_, mb);
     return mb;
   }
   auto host = batches_.get(position);
@@ -92,7 +92,7 @@ train::MicroBatch ColocatedSource::get(int64_t position) {
   {
     c10::StreamGuard on_features(*feature_stream_);
     mb = to_device(std::move(host), device);
-    if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, mb);
+    if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, gemms_, mb);
     ready.record(*feature_stream_);
   }
   ready.block(compute);
@@ -123,9 +123,9 @@ train::MicroBatch ReceivedSource::get(int64_t position) {
 }
 
 void serve_features(dist::Comm& world, Topology topology, const models::TargetModel& target,
-                    const std::vector<int64_t>& taps, Prefetcher& batches, int64_t start,
-                    int64_t end, int64_t accumulation, size_t in_flight,
-                    const std::function<bool()>& stop) {
+                    const std::vector<int64_t>& taps, models::PrefillGemms gemms,
+                    Prefetcher& batches, int64_t start, int64_t end, int64_t accumulation,
+                    size_t in_flight, const std::function<bool()>& stop) {
   const int rank = world.rank();
   const at::Device device = target.device();
   std::deque<dist::Comm::Pending> sends;
@@ -148,7 +148,7 @@ void serve_features(dist::Comm& world, Topology topology, const models::TargetMo
     obs::begin_step(step, device);
     auto mb = to_device(batches.get(item), device);
     if (mb.lengths.empty()) continue;
-    auto features = target_features(target, taps, mb);
+    auto features = target_features(target, taps, gemms, mb);
     obs::Scope scope(obs::Stage::kSendWait, target.device());
     if (device.is_cuda()) {
       forwarded.emplace(device.type());

@@ -43,7 +43,7 @@ struct Topology {
 
 // Concatenated taps [tokens, K*H] of a micro-batch whose tokens are on the target's device.
 at::Tensor target_features(const models::TargetModel& target, const std::vector<int64_t>& taps,
-                           const train::MicroBatch& batch);
+                           models::PrefillGemms gemms, const train::MicroBatch& batch);
 
 // Colocated: this rank's share formed by `batches` (item = position), features from the local
 // target. On a GPU with `overlap`, the copies and the target forward run on a stream of their
@@ -56,7 +56,8 @@ at::Tensor target_features(const models::TargetModel& target, const std::vector<
 class ColocatedSource : public train::BatchSource {
  public:
   ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps, Prefetcher& batches,
-                  bool overlap = false);
+                  bool overlap = false,
+                  models::PrefillGemms gemms = models::ForwardRequest{}.gemms);
   train::MicroBatch get(int64_t position) override;
   // Whether the target runs on a stream of its own (overlap asked for, on a GPU).
   bool overlapping() const { return feature_stream_.has_value(); }
@@ -64,6 +65,7 @@ class ColocatedSource : public train::BatchSource {
  private:
   const models::TargetModel& target_;
   std::vector<int64_t> taps_;
+  models::PrefillGemms gemms_;
   Prefetcher& batches_;
   std::optional<c10::Stream> feature_stream_;  // GPU with overlap
 };
@@ -91,9 +93,9 @@ class ReceivedSource : public train::BatchSource {
 // `batches` forms item i as Topology::target_work says; `accumulation` micro-batches make an
 // optimizer step (for the step numbers the timings carry). Returns early when `stop()` is true.
 void serve_features(dist::Comm& world, Topology topology, const models::TargetModel& target,
-                    const std::vector<int64_t>& taps, Prefetcher& batches, int64_t start,
-                    int64_t end, int64_t accumulation, size_t in_flight,
-                    const std::function<bool()>& stop);
+                    const std::vector<int64_t>& taps, models::PrefillGemms gemms,
+                    Prefetcher& batches, int64_t start, int64_t end, int64_t accumulation,
+                    size_t in_flight, const std::function<bool()>& stop);
 
 // Tag of the transfer of micro-batch `position` (Gloo matches sends and receives by tag).
 int feature_tag(int64_t position);

@@ -455,7 +455,8 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
           return stream.form(w.position, w.trainer, topo.trainers, pin);
         },
         static_cast<size_t>(c.prefetch), timeout);
-    serve_features(*r.comm, topo, *job.target, dc.target_layer_ids, batches, start_position,
+    serve_features(*r.comm, topo, *job.target, dc.target_layer_ids,
+                   models::parse_prefill_gemms(c.prefill_gemms), batches, start_position,
                    job.steps * c.accumulation, c.accumulation, static_cast<size_t>(c.prefetch),
                    [] { return train::stop_requested(); });
     final_snapshot(r.device, job.steps);
@@ -472,7 +473,8 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
         *r.comm, topo, trainer, dc.num_taps() * dc.layers.hidden_size, r.dtype, r.device, batches);
   } else {
     source = std::make_unique<ColocatedSource>(*job.target, dc.target_layer_ids, batches,
-                                               c.overlap_target);
+                                               c.overlap_target,
+                                               models::parse_prefill_gemms(c.prefill_gemms));
   }
   train::TrainerOptions to;
   to.lr = c.lr;
@@ -765,6 +767,7 @@ void write_run_config(const Job& job, const fs::path& run_dir, bool resuming) {
       {"drafter_gemms", train::drafter_gemms_name(train::resolve_drafter_gemms(
                             train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms"),
                             job.drafter->config(), job.rank.device, job.rank.dtype))},
+      {"prefill_gemms", c.prefill_gemms},
       {"dflash_version", DFLASH_VERSION}};
   if (resuming && fs::exists(config_path)) {
     const json saved = read_json_file(config_path);
@@ -790,8 +793,8 @@ void write_run_config(const Job& job, const fs::path& run_dir, bool resuming) {
     }
     // The arithmetic too: an `auto` resolved otherwise (another GPU, another version's default)
     // changes the numerics from here on.
-    for (const char* key :
-         {"target", "data", "world_size", "topology", "dtype", "head_grad", "drafter_gemms"}) {
+    for (const char* key : {"target", "data", "world_size", "topology", "dtype", "head_grad",
+                            "drafter_gemms", "prefill_gemms"}) {
       if (saved.contains(key) && saved[key] != run_config[key]) {
         fmt::print("train: note: {} is {} (the run had {})\n", key, run_config[key].dump(),
                    saved[key].dump());
@@ -829,6 +832,7 @@ void run_training(const RunConfig& c) {
   if (c.target.empty() || c.data.empty() || c.out.empty()) {
     fail("train: --target, --data and --out are required (on the command line or in --config)");
   }
+  models::parse_prefill_gemms(c.prefill_gemms);  // a bad name fails before anything loads
   Job job;
   job.config = c;
   job.rank = join(c);

@@ -27,6 +27,7 @@ struct RunConfig {
   std::string drafter_attention = "auto";  // models::parse_drafter_attention's names
   std::string head_grad = "auto";          // train::parse_head_grad's names
   std::string drafter_gemms = "auto";      // train::parse_drafter_gemms's names
+  std::string prefill_gemms = "tuned";     // models::parse_prefill_gemms's names
   int64_t mask_token_id = -1;              // -1: 151669 if inside the vocabulary, else the last id
   std::string init_from;                   // a drafter export directory
   std::vector<int64_t> init_from_target_layers;

@@ -174,6 +174,11 @@ def main():
         assert 'note: drafter_gemms is "compute" (the run had "fp8")' in r.stdout, r.stdout
         r = run([dflash, *train, "--out", work / "bad0", "--drafter-gemms", "fp16"], expect=None)
         assert r.returncode != 0 and "drafter_gemms must be auto, compute or fp8" in r.stderr, r.stderr
+        # The prefill's GEMM setting is recorded; a bad name fails before anything loads.
+        assert json.loads((without / "run_config.json").read_text())["prefill_gemms"] == "tuned"
+        r = run([dflash, *train, "--out", work / "bad1", "--prefill-gemms", "cublas"], expect=None)
+        assert r.returncode != 0 and "prefill_gemms must be aten, tuned or tuned-residual" \
+            in r.stderr, r.stderr
 
         # Two ranks, every 4 steps (so at 4 and at the end): the prompts are split over ranks.
         two = work / "two_ranks"
