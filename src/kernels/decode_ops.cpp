@@ -9,9 +9,8 @@
 namespace dflash::kernels {
 
 // decode_ops.cu
-// y and sum null: the norm of x alone.
-void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor* y, const at::Tensor& weight,
-                       double eps, at::Tensor* sum, at::Tensor& normed);
+void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                       double eps, at::Tensor& sum, at::Tensor& normed);
 void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                          const at::Tensor& cos, const at::Tensor& sin, double eps, at::Tensor& q,
                          at::Tensor& k, at::Tensor* v, const at::Tensor* rows);
@@ -35,14 +34,6 @@ void check_add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tens
          y.sizes(), weight.sizes());
   }
   check_same("add_rms_norm", x, {y, weight});
-}
-
-void check_rms_norm_rows(const at::Tensor& x, const at::Tensor& weight) {
-  if (x.dim() != 2 || weight.dim() != 1 || weight.size(0) != x.size(1)) {
-    fail("rms_norm_rows: x must be [T, H] and weight [H], got {} and {}", x.sizes(),
-         weight.sizes());
-  }
-  check_same("rms_norm_rows", x, {weight});
 }
 
 void check_qk_norm_rotary(const at::Tensor& qkv, int64_t q_heads, int64_t kv_heads,
@@ -116,26 +107,10 @@ AddRmsNorm add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tens
   AddRmsNorm out{at::empty_like(x, at::MemoryFormat::Contiguous),
                  at::empty_like(x, at::MemoryFormat::Contiguous)};
   if (x.numel() > 0) {
-    const at::Tensor y_rows = y.contiguous();
-    add_rms_norm_cuda(x.contiguous(), &y_rows, weight.contiguous(), eps, &out.sum, out.normed);
+    add_rms_norm_cuda(x.contiguous(), y.contiguous(), weight.contiguous(), eps, out.sum,
+                      out.normed);
   }
   return out;
-}
-
-at::Tensor rms_norm_rows_reference(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rms_norm_rows(x, weight);
-  return at::rms_norm(x.to(at::kFloat), {x.size(1)}, weight.to(at::kFloat), eps)
-      .to(x.scalar_type());
-}
-
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (!on_cuda_half(x)) return rms_norm_rows_reference(x, weight, eps);
-  check_rms_norm_rows(x, weight);
-  at::Tensor normed = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (x.numel() > 0) {
-    add_rms_norm_cuda(x.contiguous(), nullptr, weight.contiguous(), eps, nullptr, normed);
-  }
-  return normed;
 }
 
 std::pair<at::Tensor, at::Tensor> qk_norm_rotary_reference(

@@ -3,8 +3,7 @@
 // 16-byte vectors of x, y and the weight once, keeps the rounded sum in registers while the
 // block sums the squares, then writes sum and normed: one read of each input, no reread of the
 // output. Otherwise (unaligned rows, odd H, very wide rows) a scalar kernel in two passes whose
-// second rereads the sum it wrote. Without y (rms_norm_rows) the same kernels read x alone and
-// write normed alone.
+// second rereads the sum it wrote.
 // qk_norm_rotary: a warp per (token, head); each lane holds D/32 contiguous elements (one
 // access each way; other D: lanes strided over the pairs (i, i + D/2)), the warp sums the
 // squares, then each lane normalizes and rotates in fp32. With cache rows, k
@@ -62,16 +61,14 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t base = int64_t(blockIdx.x) * h;
   float squares = 0.f;
   for (int64_t i = threadIdx.x; i < h; i += kThreads) {
-    const T s =
-        y != nullptr ? from_float<T>(to_float(x[base + i]) + to_float(y[base + i])) : x[base + i];
-    if (sum != nullptr) sum[base + i] = s;
+    const T s = from_float<T>(to_float(x[base + i]) + to_float(y[base + i]));
+    sum[base + i] = s;
     const float f = to_float(s);
     squares = fmaf(f, f, squares);
   }
   const float rstd = rsqrtf(block_sum(squares) / static_cast<float>(h) + eps);
-  const T* rows = sum != nullptr ? sum : x;
   for (int64_t i = threadIdx.x; i < h; i += kThreads) {
-    normed[base + i] = from_float<T>(to_float(rows[base + i]) * rstd * to_float(weight[i]));
+    normed[base + i] = from_float<T>(to_float(sum[base + i]) * rstd * to_float(weight[i]));
   }
 }
 
@@ -94,7 +91,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t v = threadIdx.x + int64_t(j) * kThreads;
     if (v < vecs) {
       s[j] = xr[v];
-      if (y != nullptr) b[j] = yr[v];
+      b[j] = yr[v];
       w[j] = wr[v];
     }
   }
@@ -105,11 +102,11 @@ __global__ void __launch_bounds__(kThreads)
     if (v < vecs) {
 #pragma unroll
       for (int e = 0; e < P::kSize; ++e) {
-        if (y != nullptr) s[j].v[e] = from_float<T>(to_float(s[j].v[e]) + to_float(b[j].v[e]));
+        s[j].v[e] = from_float<T>(to_float(s[j].v[e]) + to_float(b[j].v[e]));
         const float f = to_float(s[j].v[e]);
         squares = fmaf(f, f, squares);
       }
-      if (sum != nullptr) reinterpret_cast<P*>(sum)[base + v] = s[j];
+      reinterpret_cast<P*>(sum)[base + v] = s[j];
     }
   }
   const float rstd = rsqrtf(block_sum(squares) / static_cast<float>(h) + eps);
@@ -243,8 +240,8 @@ void dispatch_half(c10::ScalarType dtype, const char* what, F&& f) {
 
 }  // namespace
 
-void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor* y, const at::Tensor& weight,
-                       double eps, at::Tensor* sum, at::Tensor& normed) {
+void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                       double eps, at::Tensor& sum, at::Tensor& normed) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const int64_t h = x.size(1);
@@ -252,14 +249,12 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor* y, const at::Tenso
   dispatch_half(x.scalar_type(), "add_rms_norm", [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](auto kernel) {
-      kernel<<<grid, kThreads, 0, stream>>>(ptr<T>(x), y != nullptr ? ptr<T>(*y) : nullptr,
-                                            ptr<T>(weight), sum != nullptr ? mut<T>(*sum) : nullptr,
+      kernel<<<grid, kThreads, 0, stream>>>(ptr<T>(x), ptr<T>(y), ptr<T>(weight), mut<T>(sum),
                                             mut<T>(normed), h, static_cast<float>(eps));
     };
     const int64_t per_thread = (h / Pack<T>::kSize + kThreads - 1) / kThreads;
-    const bool vector = h % Pack<T>::kSize == 0 && aligned16(x) &&
-                        (y == nullptr || aligned16(*y)) && aligned16(weight) &&
-                        (sum == nullptr || aligned16(*sum)) && aligned16(normed);
+    const bool vector = h % Pack<T>::kSize == 0 && aligned16(x) && aligned16(y) &&
+                        aligned16(weight) && aligned16(sum) && aligned16(normed);
     if (vector && per_thread <= 1) {
       launch(add_rms_norm_vec_kernel<T, 1>);
     } else if (vector && per_thread <= 2) {

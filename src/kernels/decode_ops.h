@@ -3,8 +3,7 @@
 // each is a pass over thousands of rows and the passes do. Inference only (no autograd); each
 // has an fp32 ATen reference, the CPU path and the test oracle.
 //
-// add_rms_norm: the residual add and the next RMSNorm in one pass (two launches in ATen);
-//   rms_norm_rows: the norm alone, by the same kernel.
+// add_rms_norm: the residual add and the next RMSNorm in one pass (two launches in ATen).
 // qk_norm_rotary: Qwen3's per-head q/k RMSNorm and rotary, read from the fused QKV output
 //   (four launches in ATen and kernels::rotary); qk_norm_rotary_into_cache also writes k and v
 //   into the KV cache (two index_copy_ launches more); write_kv_rows writes k and v alone.
@@ -28,12 +27,6 @@ AddRmsNorm add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tens
                         double eps);
 AddRmsNorm add_rms_norm_reference(const at::Tensor& x, const at::Tensor& y,
                                   const at::Tensor& weight, double eps);
-
-// add_rms_norm's normed without the add: rms_norm(x) * weight in fp32, rounded once (the same
-// kernel reading no y and writing no sum), for a stream whose residual add happened elsewhere
-// (kernels::linear_accumulate_).
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor rms_norm_rows_reference(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // qkv: [T, (Hq + 2 Hkv) D] with the last dimension contiguous (q heads, then k, then v);
 // q_norm, k_norm: [D]; cos, sin: [T, D] (kernels::rotary's tables); all one dtype. Returns q

@@ -263,7 +263,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     x = r.sum;
     h = r.normed;
   } else {
-    h = fused ? kernels::rms_norm_rows(x, w.input_norm, eps) : rms_norm(x, w.input_norm, eps);
+    h = rms_norm(x, w.input_norm, eps);
   }
   auto qkv = linear(h, w.w_qkv, w.b_qkv);
   at::Tensor q, k, v;
@@ -294,7 +294,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   }
   if (tuned && gemms == PrefillGemms::kTunedResidual && !w.router.defined()) {
     kernels::linear_accumulate_(x, attn, w.w_o);
-    const auto h1 = kernels::rms_norm_rows(x, w.post_attention_norm, eps);
+    const auto h1 = rms_norm(x, w.post_attention_norm, eps);
     kernels::linear_accumulate_(x, kernels::silu_mul(linear(h1, w.w_gate_up, {})), w.w_down);
     return x;
   }
