@@ -132,22 +132,24 @@ if has tuned; then
   # Issue 11, 2026-12-02 (fourth session): the target's projections through cuBLASLt with the
   # algorithm timed once per shape among the candidates equal to at::linear's bits. The tests
   # (bitwise against at::linear, the prefill's taps unchanged), then bench-target alternating
-  # tuned and at::linear in one process and with the residual adds in the GEMMs (3 rounds of 20 queued prefills), nvidia-smi alongside,
+  # tuned and at::linear in one process (3 rounds of 20 queued prefills), nvidia-smi alongside,
   # a profile of the first, and `dflash bench` alternating --prefill-gemms (AB overrides).
   step tuned
   fixtures tuned models
+  fixtures tuned_rope rope
   gtests tuned '*TunedGemm*:*FusedPrefill*:*CudnnAttention*:*TargetGpu*:*QuantizeRows*:*QuantizeColumns*:*Fp8Rows*'
   grep -h "cuBLASLt candidates" "$out/tuned_tests.log" | head -20
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
     > "$out/clocks_tuned.csv" 2>&1 &
   smi=$!
   "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 5 \
-    --iters 20 --attention cudnn --gemm tuned-residual,tuned,aten --rounds 3 --json "$out/bench_target_tuned.json" \
-    --profile "$out/target_trace_tuned.json" 2>&1 | tee "$out/bench_target_tuned.txt"
+    --iters 20 --attention cudnn --gemm tuned,aten --rounds 3 \
+    --json "$out/bench_target_tuned.json" --profile "$out/target_trace_tuned.json" 2>&1 \
+    | tee "$out/bench_target_tuned.txt"
   gzip -f "$out/target_trace_tuned.json"
   kill "$smi" 2>/dev/null
   if [ "${NO_BENCH:-0}" != 1 ]; then
-    AB="${AB:---prefill-gemms tuned-residual|--prefill-gemms aten}" ab_bench tuned
+    AB="${AB:---prefill-gemms tuned|--prefill-gemms aten}" ab_bench tuned
   fi
 fi
 if has prefill; then

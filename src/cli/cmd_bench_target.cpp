@@ -182,10 +182,9 @@ void add_bench_target_command(CLI::App& app) {
          "(cudnn where the sequences share one length, as training's prefill runs)")
       ->capture_default_str();
   cmd->add_option("--gemm", o->gemms,
-                  "the projections' GEMMs: aten (at::linear), tuned (cuBLASLt, the algorithm "
-                  "timed once per shape among those equal to ATen's bit for bit) or "
-                  "tuned-residual (also the residual adds inside the GEMMs); a list alternates "
-                  "them in each round")
+                  "the projections' GEMMs: aten (at::linear) or tuned (cuBLASLt, the algorithm "
+                  "timed once per shape among those equal to at::linear's bit for bit); a list "
+                  "alternates them in each round")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--rounds", o->rounds, "rounds over the --gemm list per batch size")

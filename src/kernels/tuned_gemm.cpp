@@ -72,6 +72,10 @@ constexpr int64_t kMinTunedRows = 512;
 constexpr int kCandidates = 16;
 constexpr int kRounds = 3;
 constexpr int kRunsPerRound = 5;
+// Between timed runs a buffer larger than the H200's 50 MB L2 is written, so every candidate
+// reads its weights from memory as in the prefill, where each layer's are new (timed back to
+// back, a 32 MB weight stays in L2 and the ranking favours what will not happen).
+constexpr int64_t kL2FlushBytes = 128 << 20;
 
 uint32_t alignment(const void* p) {
   const auto address = reinterpret_cast<uintptr_t>(p);
@@ -84,8 +88,7 @@ struct Key {
   int device;
   int64_t m, n, k, ldx;
   at::ScalarType dtype;
-  uint32_t align_x, align_w, align_out;
-  bool accumulate;  // out += x @ w^T (beta 1) rather than out = x @ w^T
+  uint32_t align_x, align_w;
   auto operator<=>(const Key&) const = default;
 };
 
@@ -115,22 +118,14 @@ void build(Plan& p, const Key& key) {
   check(api.layout_create(&p.out, type, key.n, key.m, key.n), "cublasLtMatrixLayoutCreate");
 }
 
-cublasStatus_t run(const Plan& p, const Key& key, const cublasLtMatmulAlgo_t& algo,
-                   const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
-  const float alpha = 1.0f, beta = key.accumulate ? 1.0f : 0.0f;
+// out: fresh from the caching allocator (its alignment is the allocator's, >= 256 bytes).
+cublasStatus_t run(const Plan& p, const cublasLtMatmulAlgo_t& algo, const at::Tensor& x,
+                   const at::Tensor& w, at::Tensor& out) {
+  const float alpha = 1.0f, beta = 0.0f;
   return lt_api().matmul(at::cuda::getCurrentCUDABlasLtHandle(), p.op, &alpha, w.data_ptr(), p.w,
                          x.data_ptr(), p.x, &beta, out.data_ptr(), p.out, out.data_ptr(), p.out,
                          &algo, at::cuda::getCUDABlasLtWorkspace(),
                          at::cuda::getCUDABlasLtWorkspaceSize(), at::cuda::getCurrentCUDAStream());
-}
-
-// What ATen computes for the key: the reference bits and the baseline time.
-void aten_gemm(const Key& key, const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
-  if (key.accumulate) {
-    out.addmm_(x, w.t());
-  } else {
-    at::mm_out(out, x, w.t());
-  }
 }
 
 double median(std::vector<double> v) {
@@ -138,20 +133,19 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Offers the heuristic's candidates, keeps those reproducing ATen's output, and times them
-// against ATen in interleaved rounds (so a clock change hits every one alike). `out` is only
-// read (accumulate: the addend).
-void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w,
-          const at::Tensor& out) {
+// Offers the heuristic's candidates, keeps those reproducing at::linear's output, and times
+// them against at::linear in interleaved rounds (so a clock change hits every one alike).
+void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w) {
   const LtApi& api = lt_api();
   cublasLtMatmulPreference_t pref = nullptr;
   check(api.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
   const uint64_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
+  const uint32_t align_out = 256;
   api.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
   api.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_w, sizeof(uint32_t));
   api.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_x, sizeof(uint32_t));
-  api.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_out, sizeof(uint32_t));
-  api.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_out, sizeof(uint32_t));
+  api.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_out, sizeof(uint32_t));
+  api.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_out, sizeof(uint32_t));
   std::vector<cublasLtMatmulHeuristicResult_t> offered(kCandidates);
   int returned = 0;
   const cublasStatus_t status =
@@ -160,9 +154,8 @@ void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w,
   api.pref_destroy(pref);
   if (status != CUBLAS_STATUS_SUCCESS) returned = 0;
 
-  at::Tensor reference = out.clone();
-  aten_gemm(key, x, w, reference);
-  at::Tensor scratch = out.clone();
+  const at::Tensor reference = at::linear(x, w);
+  at::Tensor out = at::empty_like(reference);
   struct Candidate {
     cublasLtMatmulAlgo_t algo;
     bool equal;
@@ -171,31 +164,40 @@ void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w,
   std::vector<Candidate> candidates;
   for (int i = 0; i < returned; ++i) {
     if (offered[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    scratch.copy_(out);
-    if (run(p, key, offered[i].algo, x, w, scratch) != CUBLAS_STATUS_SUCCESS) continue;
-    candidates.push_back({offered[i].algo, at::equal(scratch, reference), {}});
+    out.zero_();
+    if (run(p, offered[i].algo, x, w, out) != CUBLAS_STATUS_SUCCESS) continue;
+    candidates.push_back({offered[i].algo, at::equal(out, reference), {}});
   }
 
-  auto time_us = [](auto&& fn) {
+  at::Tensor flush = at::empty({kL2FlushBytes}, x.options().dtype(at::kByte));
+  auto time_us = [&](auto&& fn) {
     fn();
-    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-    start.record();
-    for (int r = 0; r < kRunsPerRound; ++r) fn();
-    stop.record();
-    stop.synchronize();
-    return static_cast<double>(start.elapsed_time(stop)) * 1e3 / kRunsPerRound;
+    std::vector<at::cuda::CUDAEvent> starts, stops;
+    for (int r = 0; r < kRunsPerRound; ++r) {
+      starts.emplace_back(cudaEventDefault);
+      stops.emplace_back(cudaEventDefault);
+    }
+    for (int r = 0; r < kRunsPerRound; ++r) {
+      flush.zero_();
+      starts[r].record();
+      fn();
+      stops[r].record();
+    }
+    stops.back().synchronize();
+    double total = 0;
+    for (int r = 0; r < kRunsPerRound; ++r) total += starts[r].elapsed_time(stops[r]);
+    return total * 1e3 / kRunsPerRound;
   };
   std::vector<double> aten_us;
   for (int round = 0; round < kRounds; ++round) {
-    aten_us.push_back(time_us([&] { aten_gemm(key, x, w, scratch); }));
+    aten_us.push_back(time_us([&] { at::mm_out(out, x, w.t()); }));
     for (auto& c : candidates) {
-      c.us.push_back(time_us([&] { check(run(p, key, c.algo, x, w, scratch), "cublasLtMatmul"); }));
+      c.us.push_back(time_us([&] { check(run(p, c.algo, x, w, out), "cublasLtMatmul"); }));
     }
   }
 
   GemmTuning& t = p.tuning;
-  t.shape = fmt::format("{}x{}x{} {}{}", key.m, key.n, key.k, c10::toString(key.dtype),
-                        key.accumulate ? " accumulate" : "");
+  t.shape = fmt::format("{}x{}x{} {}", key.m, key.n, key.k, c10::toString(key.dtype));
   t.candidates = static_cast<int>(candidates.size());
   t.aten_us = median(aten_us);
   for (const auto& c : candidates) {
@@ -211,81 +213,44 @@ void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w,
   t.uses_lt = t.equal > 0 && t.best_equal_us < t.aten_us;
 }
 
-}  // namespace
-
-namespace {
-
-bool eligible(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+bool eligible(const at::Tensor& x, const at::Tensor& weight) {
   const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
   return x.is_cuda() && half && x.dim() == 2 && weight.dim() == 2 &&
          x.scalar_type() == weight.scalar_type() && x.size(0) >= kMinTunedRows &&
          x.size(1) == weight.size(1) && x.stride(1) == 1 && x.stride(0) >= x.size(1) &&
          weight.is_contiguous() && weight.device() == x.device() &&
          !(c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) &&
-         (!out.defined() || (out.is_contiguous() && out.scalar_type() == x.scalar_type() &&
-                             out.device() == x.device() && out.size(0) == x.size(0) &&
-                             out.size(1) == weight.size(0) && !out.requires_grad())) &&
          lt_api().ok;
-}
-
-// The shape's plan, tuned on first sight (nullptr: leave it to ATen). `out` is the addend when
-// accumulating, else any tensor of the output's shape.
-const Plan* plan_for(const Key& key, const at::Tensor& x, const at::Tensor& w,
-                     const at::Tensor& out) {
-  std::lock_guard lock(plans_mutex);
-  auto it = plans.find(key);
-  if (it == plans.end()) {
-    // Tuning synchronises: never inside a CUDA graph's capture.
-    if (plans.size() >= static_cast<size_t>(kMaxTunedShapes) ||
-        c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-      return nullptr;
-    }
-    it = plans.emplace(key, Plan{}).first;
-    build(it->second, key);
-    tune(it->second, key, x, w, out);
-  }
-  return it->second.tuning.uses_lt ? &it->second : nullptr;
-}
-
-Key key_for(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, bool accumulate) {
-  return Key{x.get_device(),
-             x.size(0),
-             weight.size(0),
-             x.size(1),
-             x.stride(0),
-             x.scalar_type(),
-             alignment(x.data_ptr()),
-             alignment(weight.data_ptr()),
-             alignment(out.data_ptr()),
-             accumulate};
 }
 
 }  // namespace
 
 at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight) {
-  if (!eligible({}, x, weight)) return at::linear(x, weight);
+  if (!eligible(x, weight)) return at::linear(x, weight);
   const c10::cuda::CUDAGuard guard(x.device());
+  const Key key{
+      x.get_device(), x.size(0),       weight.size(0),          x.size(1),
+      x.stride(0),    x.scalar_type(), alignment(x.data_ptr()), alignment(weight.data_ptr())};
+  const Plan* plan = nullptr;
+  {
+    std::lock_guard lock(plans_mutex);
+    auto it = plans.find(key);
+    if (it == plans.end()) {
+      // Tuning synchronises: never inside a CUDA graph's capture.
+      if (plans.size() >= static_cast<size_t>(kMaxTunedShapes) ||
+          c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+        return at::linear(x, weight);
+      }
+      it = plans.emplace(key, Plan{}).first;
+      build(it->second, key);
+      tune(it->second, key, x, weight);
+    }
+    plan = &it->second;
+  }
+  if (!plan->tuning.uses_lt) return at::linear(x, weight);
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  const Key key = key_for(x, weight, out, false);
-  const Plan* plan = plan_for(key, x, weight, out);
-  if (plan == nullptr) return at::linear(x, weight);
-  check(run(*plan, key, plan->algo, x, weight, out), "cublasLtMatmul");
+  check(run(*plan, plan->algo, x, weight, out), "cublasLtMatmul");
   return out;
-}
-
-void linear_accumulate_(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
-  if (!eligible(out, x, weight)) {
-    out.addmm_(x, weight.t());
-    return;
-  }
-  const c10::cuda::CUDAGuard guard(x.device());
-  const Key key = key_for(x, weight, out, true);
-  const Plan* plan = plan_for(key, x, weight, out);
-  if (plan == nullptr) {
-    out.addmm_(x, weight.t());
-    return;
-  }
-  check(run(*plan, key, plan->algo, x, weight, out), "cublasLtMatmul");
 }
 
 std::vector<GemmTuning> gemm_tunings() {

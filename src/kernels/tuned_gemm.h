@@ -20,11 +20,6 @@ namespace dflash::kernels {
 constexpr int kMaxTunedShapes = 64;
 at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight);
 
-// out [M, N] (contiguous) += x @ weight^T with one rounding of the sum, equal bit for bit to
-// out.addmm_(x, weight.t()); tuned as linear_tuned. Lets a residual add ride in the GEMM's
-// epilogue instead of a pass of its own.
-void linear_accumulate_(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
-
 // What the tuning of one shape found, for benches and logs.
 struct GemmTuning {
   std::string shape;         // "MxNxK dtype"

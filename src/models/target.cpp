@@ -225,8 +225,7 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
 PrefillGemms parse_prefill_gemms(const std::string& name) {
   if (name == "aten") return PrefillGemms::kAten;
   if (name == "tuned") return PrefillGemms::kTuned;
-  if (name == "tuned-residual") return PrefillGemms::kTunedResidual;
-  fail("prefill_gemms must be aten, tuned or tuned-residual, got '{}'", name);
+  fail("prefill_gemms must be aten or tuned, got '{}'", name);
 }
 
 at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
@@ -251,7 +250,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   const int64_t t = x.size(0), d = c.head_dim;
   const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
   const bool small = fused && t <= kernels::kSmallLinearFasterRows;
-  const bool tuned = fused && !small && gemms != PrefillGemms::kAten;
+  const bool tuned = fused && !small && gemms == PrefillGemms::kTuned;
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias) {
     if (small) return kernels::small_linear(in, weight, bias);
     if (tuned && !bias.defined()) return kernels::linear_tuned(in, weight);
@@ -292,12 +291,6 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     auto h1 = rms_norm(x1, w.post_attention_norm, eps);
     return x1 + (w.router.defined() ? sparse_mlp(c, w, h1) : swiglu_mlp(h1, w.w_gate_up, w.w_down));
   }
-  if (tuned && gemms == PrefillGemms::kTunedResidual && !w.router.defined()) {
-    kernels::linear_accumulate_(x, attn, w.w_o);
-    const auto h1 = rms_norm(x, w.post_attention_norm, eps);
-    kernels::linear_accumulate_(x, kernels::silu_mul(linear(h1, w.w_gate_up, {})), w.w_down);
-    return x;
-  }
   auto r = kernels::add_rms_norm(x, linear(attn, w.w_o, {}), w.post_attention_norm, eps);
   pending = w.router.defined()
                 ? sparse_mlp(c, w, r.normed)
@@ -336,13 +329,9 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
                       [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                         return attend(i, q, k, v);
                       });
-    // Holding x only where tapped lets every other layer's output be freed. A layer that
-    // adds into x in place (PrefillGemms::kTunedResidual) would change a tap held as x.
+    // Holding x only where tapped lets every other layer's output be freed.
     for (size_t j = 0; j < request.tap_layers.size(); ++j) {
-      if (request.tap_layers[j] != i) continue;
-      result.taps[j] = pending.defined()                               ? x + pending
-                       : request.gemms == PrefillGemms::kTunedResidual ? x.clone()
-                                                                       : x;
+      if (request.tap_layers[j] == i) result.taps[j] = pending.defined() ? x + pending : x;
     }
   }
   if (request.logits == Logits::kNone) return result;

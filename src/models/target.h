@@ -36,14 +36,12 @@ struct TargetLayerWeights {
 
 enum class Logits { kNone, kLast, kAll };
 
-// How a no-grad half-precision pass of many rows on a GPU (the prefill) runs its projections:
-// kAten through at::linear, the residual adds inside the norm kernels; kTuned through
-// kernels::linear_tuned (cuBLASLt's algorithm timed per shape: the same bits as kAten);
-// kTunedResidual that too, with the residual adds after attention and after a dense MLP done
-// in the output and down projections' GEMMs (x + W a rounded once, where kAten rounds W a
-// first, as transformers does). Other passes always take ATen.
-enum class PrefillGemms { kAten, kTuned, kTunedResidual };
-PrefillGemms parse_prefill_gemms(const std::string& name);  // aten, tuned, tuned-residual
+// How a no-grad half-precision pass of many rows on a GPU (the prefill) runs its projections
+// without bias: kAten through at::linear, kTuned through kernels::linear_tuned (cuBLASLt's
+// algorithm timed per shape among those giving at::linear's bits: the same features, faster).
+// Other passes always take ATen.
+enum class PrefillGemms { kAten, kTuned };
+PrefillGemms parse_prefill_gemms(const std::string& name);  // aten, tuned
 
 struct ForwardRequest {
   std::vector<int64_t> tap_layers;  // decoder layer ids whose output to return
@@ -128,8 +126,7 @@ class TargetModel {
   // added to x (undefined before the first layer), which this layer adds while normalizing,
   // and on return holds this layer's. Without `fused`, pending stays undefined. With `fused`,
   // q/k norms and `cache` defined, K and V go into the cache and attend gets undefined k and v.
-  // `gemms` applies to fused passes of more rows than kernels::kSmallLinearFasterRows; with
-  // kTunedResidual a dense layer adds into x in place (pending stays undefined).
+  // `gemms` applies to fused passes of more rows than kernels::kSmallLinearFasterRows.
   template <class Attend>
   at::Tensor decoder_layer(const TargetLayerWeights& w, at::Tensor x, at::Tensor& pending,
                            const at::Tensor& cos, const at::Tensor& sin, bool fused,

@@ -62,8 +62,7 @@ const std::vector<ConfigKey>& config_keys() {
        "gradients in the compute dtype)"},
       {"prefill_gemms", &RunConfig::prefill_gemms,
        "the target prefill's projections on a GPU: tuned (cuBLASLt, the algorithm timed once "
-       "per shape among those giving ATen's bits), tuned-residual (also the residual adds "
-       "inside the GEMMs, rounded once) or aten (at::linear)"},
+       "per shape among those giving at::linear's bits) or aten (at::linear)"},
       {"mask_token_id", &RunConfig::mask_token_id,
        "MASK token (default: 151669 if inside the vocabulary, else the last id)"},
       {"init_from", &RunConfig::init_from,
