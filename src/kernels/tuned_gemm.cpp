@@ -3,6 +3,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/GradMode.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
@@ -244,6 +245,9 @@ at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight) {
       it = plans.emplace(key, Plan{}).first;
       build(it->second, key);
       tune(it->second, key, x, weight);
+      // The tuning's buffers (the L2 flush, a reference output) would otherwise stay reserved
+      // in the caching allocator for the whole run: 0.4-0.5 GiB more held on the H200.
+      c10::cuda::CUDACachingAllocator::emptyCache();
     }
     plan = &it->second;
   }
