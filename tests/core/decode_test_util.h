@@ -47,6 +47,17 @@ inline models::ModelConfig tiny_target_config(models::Architecture arch) {
   return c;
 }
 
+// tiny_target_config widened to the prefill GPU tests' shapes: rows of 256 (the fused kernels'
+// 16-byte paths), head_dim 64, positions for a few thousand tokens.
+inline models::ModelConfig prefill_target_config(models::Architecture arch) {
+  auto c = tiny_target_config(arch);
+  c.hidden_size = 256;
+  c.intermediate_size = 512;
+  c.head_dim = 64;
+  c.max_position_embeddings = 4096;
+  return c;
+}
+
 // A random target whose next-token choices are clear: random weights at std 0.02 give nearly
 // flat logits, where a rounding difference could flip a greedy choice; a larger final norm
 // scales the logits (and not the embedding a tied LM head shares), making the argmax margins

@@ -35,11 +35,7 @@ class FusedPrefillGpu : public ::testing::TestWithParam<models::Architecture> {}
 // forward_cached filling a cache in one prefill (k and v written by the q/k-norm kernel).
 TEST_P(FusedPrefillGpu, MatchesTheAtenPathAndFp32) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  auto config = testing::tiny_target_config(GetParam());
-  config.hidden_size = 256;
-  config.intermediate_size = 512;
-  config.head_dim = 64;
-  config.max_position_embeddings = 4096;
+  const auto config = testing::prefill_target_config(GetParam());
   auto model = testing::peaked_target(config, at::kCUDA, at::kBFloat16, 11);
   auto gen = models::seeded_generator(at::kCUDA, 12);
   testing::scale_norms(model, gen);

@@ -80,11 +80,7 @@ class TunedGemmGpuPrefill : public ::testing::TestWithParam<models::Architecture
 
 TEST_P(TunedGemmGpuPrefill, TunedIsAtenBitwise) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  auto config = testing::tiny_target_config(GetParam());
-  config.hidden_size = 256;
-  config.intermediate_size = 512;
-  config.head_dim = 64;
-  config.max_position_embeddings = 4096;
+  const auto config = testing::prefill_target_config(GetParam());
   auto model = models::TargetModel::random(config, at::kCUDA, at::kBFloat16, 21);
   auto batch = models::PackedBatch::from_lengths({1000, 600}, at::kCUDA);
   auto tokens = at::randint(config.vocab_size, {batch.total},
