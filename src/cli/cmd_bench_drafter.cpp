@@ -86,10 +86,10 @@ void run_bench(const BenchDrafterOptions& o) {
   auto batch = models::PackedBatch::from_lengths({seq}, device);
   auto tokens_dev = tokens.to(device);
   auto prefill = [&] {
-    auto r =
-        target_model.forward(tokens_dev, batch,
-                             {config.target_layer_ids, models::Logits::kNone, /*grad=*/false,
-                              models::AttentionBackend::kAuto});  // as training's feature stage
+    auto r = target_model.forward(tokens_dev, batch,
+                                  {config.target_layer_ids, models::Logits::kNone, /*grad=*/false,
+                                   models::AttentionBackend::kAuto,
+                                   models::PrefillGemms::kTuned});  // as training's feature stage
     return at::cat(r.taps, 1);
   };
   const std::vector<int32_t> ids(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + seq);

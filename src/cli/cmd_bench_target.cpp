@@ -30,7 +30,7 @@ struct BenchOptions {
   std::string json_out;
   std::string profile;  // Chrome trace path; empty: no profile
   std::string attention = "flash";
-  std::vector<std::string> gemms = {"tuned"};  // alternated in each round
+  std::vector<std::string> gemms = {"tuned"};  // alternated in each round; tuned as training
   int rounds = 1;
 };
 

@@ -38,8 +38,9 @@ enum class Logits { kNone, kLast, kAll };
 
 // How a no-grad half-precision pass of many rows on a GPU (the prefill) runs its projections
 // without bias: kAten through at::linear, kTuned through kernels::linear_tuned (cuBLASLt's
-// algorithm timed per shape among those giving at::linear's bits: the same features, faster).
-// Other passes always take ATen.
+// algorithm timed per shape among those giving at::linear's bits: the same features, faster),
+// which training's feature stage takes (`--prefill-gemms`); generation and evaluation, whose
+// prompt batches change shape at every call, keep at::linear. Other passes always take ATen.
 enum class PrefillGemms { kAten, kTuned };
 PrefillGemms parse_prefill_gemms(const std::string& name);  // aten, tuned
 
@@ -49,7 +50,7 @@ struct ForwardRequest {
   bool grad = false;  // record autograd history (training the target itself: dflash pretrain)
   // forward's attention kernel (forward_cached has its own, over the cache).
   AttentionBackend attention = AttentionBackend::kFlash;
-  PrefillGemms gemms = PrefillGemms::kTuned;
+  PrefillGemms gemms = PrefillGemms::kAten;
 };
 
 struct ForwardResult {
