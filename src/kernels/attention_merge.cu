@@ -52,8 +52,6 @@ __global__ void __launch_bounds__(kThreads)
   *reinterpret_cast<Vec<T, kVec>*>(out + offset) = o;
 }
 
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
 }  // namespace
 
 void attention_merge_cuda(const at::Tensor& out_ctx, const at::Tensor& lse_ctx,
@@ -79,7 +77,8 @@ void attention_merge_cuda(const at::Tensor& out_ctx, const at::Tensor& lse_ctx,
       kernel<<<grid, kThreads, 0, stream>>>(oc, lc, cl, ob, lb, op, lp, rows, heads, d,
                                             rows_per_block);
     };
-    if (d % kVec == 0 && aligned16(out_ctx) && aligned16(out_blk) && aligned16(out)) {
+    if (d % kVec == 0 && aligned(out_ctx.data_ptr(), 16) && aligned(out_blk.data_ptr(), 16) &&
+        aligned(out.data_ptr(), 16)) {
       launch(attention_merge_kernel<T, kVec>, kVec);
     } else {
       launch(attention_merge_kernel<T, 1>, 1);

@@ -228,8 +228,6 @@ T* mut(at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
 template <typename F>
 void dispatch_half(c10::ScalarType dtype, const char* what, F&& f) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, what, ": bf16 or fp16 only");
@@ -253,8 +251,9 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tenso
                                             mut<T>(normed), h, static_cast<float>(eps));
     };
     const int64_t per_thread = (h / Pack<T>::kSize + kThreads - 1) / kThreads;
-    const bool vector = h % Pack<T>::kSize == 0 && aligned16(x) && aligned16(y) &&
-                        aligned16(weight) && aligned16(sum) && aligned16(normed);
+    const bool vector = h % Pack<T>::kSize == 0 && aligned(x.data_ptr(), 16) &&
+                        aligned(y.data_ptr(), 16) && aligned(weight.data_ptr(), 16) &&
+                        aligned(sum.data_ptr(), 16) && aligned(normed.data_ptr(), 16);
     if (vector && per_thread <= 1) {
       launch(add_rms_norm_vec_kernel<T, 1>);
     } else if (vector && per_thread <= 2) {

@@ -40,8 +40,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
 }  // namespace
 
 void moe_combine_cuda(const at::Tensor& y, const at::Tensor& inverse, const at::Tensor& weights,
@@ -58,7 +56,7 @@ void moe_combine_cuda(const at::Tensor& y, const at::Tensor& inverse, const at::
     const auto* ip = inverse.data_ptr<int64_t>();
     const auto* wp = weights.data_ptr<float>();
     const unsigned grid = static_cast<unsigned>(tokens);
-    if (h % kVec == 0 && aligned16(y) && aligned16(out)) {
+    if (h % kVec == 0 && aligned(y.data_ptr(), 16) && aligned(out.data_ptr(), 16)) {
       moe_combine_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(yp, ip, wp, op, h, k);
     } else {
       moe_combine_kernel<T, 1><<<grid, kThreads, 0, stream>>>(yp, ip, wp, op, h, k);

@@ -103,8 +103,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 template <typename T, int kM>
 void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& y) {
   const int64_t n = w.size(0), k = w.size(1);
@@ -112,7 +110,7 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::T
   const int64_t ldx = kM == 1 ? 0 : x.stride(0);
   constexpr int kVec = 16 / sizeof(T);
   const bool vector =
-      k % kVec == 0 && ldx % kVec == 0 && aligned16(x.data_ptr()) && aligned16(w.data_ptr());
+      k % kVec == 0 && ldx % kVec == 0 && aligned(x.data_ptr(), 16) && aligned(w.data_ptr(), 16);
   const unsigned blocks = static_cast<unsigned>((n + kFeatures - 1) / kFeatures);
   const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
