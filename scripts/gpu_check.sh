@@ -5,7 +5,7 @@
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
-# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned
+# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -151,6 +151,15 @@ if has tuned; then
   if [ "${NO_BENCH:-0}" != 1 ]; then
     AB="${AB:---prefill-gemms tuned|--prefill-gemms aten}" ab_bench tuned
   fi
+fi
+if has attn; then
+  # Issue 11, fifth session: the prefill's causal attention through every execution plan cuDNN's
+  # frontend builds (composite and unified) against ATen's cuDNN call and flash's (bench-kernels'
+  # "prefill attention" lines: us, TFLOP/s, difference from ATen's output).
+  step attn
+  "$dflash" bench-kernels --json "$out/bench_kernels_attn.json" > "$out/bench_kernels_attn.txt" 2>&1
+  echo "bench-kernels exit $?"
+  grep -A1000 "prefill attention" "$out/bench_kernels_attn.txt" | head -80
 fi
 if has prefill; then
   # Issue 11: the target's prefill with the fused kernels at thousands of rows (against the ATen

@@ -703,6 +703,66 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     }
     time_backward("tail", plan.tail, gathered(k_ctx, k_blk), gathered(v_ctx, v_blk), cu_q, rows);
   }
+  {
+    // The prefill's causal attention at one 2048-token sequence (q and k contiguous, as the
+    // q/k norm + rotary kernel writes them; v a strided slice of the fused QKV output): ATen's
+    // cuDNN call (what the prefill runs) and flash's, against every plan cuDNN's frontend
+    // builds for the same graph (kernels::cudnn_causal_attention_forward), composite and
+    // unified. TFLOP/s counts the causal half of QK^T and PV.
+    const int64_t len = 2048, hq = c.num_heads, hkv = c.num_kv_heads;
+    auto qkv = at::randn({len, (hq + 2 * hkv) * d}, opts);
+    auto qx = at::randn({len, hq, d}, opts), kx = at::randn({len, hkv, d}, opts);
+    auto vx = qkv.narrow(1, (hq + hkv) * d, hkv * d).view({len, hkv, d});
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const double flops = 2.0 * 2.0 * hq * d * len * (len + 1) / 2.0;
+    const double bytes = 2.0 * (2 * qx.numel() + 2 * kx.numel());
+    auto bhld = [&](const at::Tensor& t) { return t.view({1, len, t.size(1), d}).transpose(1, 2); };
+    at::Tensor reference;
+    auto aten_cudnn = [&] {
+      reference = std::get<0>(at::_scaled_dot_product_cudnn_attention(
+          bhld(qx), bhld(kx), vx.unsqueeze(0).transpose(1, 2), std::nullopt, false, 0.0,
+          /*is_causal=*/true, false));
+    };
+    auto line = [&](const std::string& name, double us) {
+      report(name, len, len, d, us, bytes);
+      fmt::print("{}: {:.1f} TFLOP/s\n", name, flops / us / 1e6);
+    };
+    line("prefill attention, aten cudnn", us_eager(o, aten_cudnn));
+    const auto cu = at::tensor(std::vector<int32_t>{0, static_cast<int32_t>(len)}, at::kInt)
+                        .to(device);
+    line("prefill attention, flash", us_eager(o, [&] {
+           at::_flash_attention_forward(qx, kx, vx, cu, cu, len, len, 0.0, /*is_causal=*/true,
+                                        /*return_debug_mask=*/false);
+         }));
+    aten_cudnn();
+    const auto expected = reference.transpose(1, 2).reshape({len, hq, d});
+    for (const bool unified : {false, true}) {
+      std::vector<std::string> plans;
+      try {
+        plans = kernels::cudnn_causal_attention_plans(qx, kx, vx, 1, unified);
+      } catch (const std::exception& e) {
+        fmt::print("prefill attention, {}: {}\n", unified ? "unified" : "composite", e.what());
+        continue;
+      }
+      for (int64_t p = -1; p < static_cast<int64_t>(plans.size()); ++p) {
+        const kernels::CausalAttentionChoice choice{unified, p};
+        const std::string name = fmt::format("prefill attention, {} plan {}",
+                                             unified ? "unified" : "composite", p);
+        try {
+          auto out = kernels::cudnn_causal_attention_forward(qx, kx, vx, 1, scale, choice);
+          const double diff = (out.to(at::kFloat) - expected.to(at::kFloat)).abs().max().item<double>();
+          const bool same = at::equal(out, expected);
+          line(name, us_eager(o, [&] {
+                 kernels::cudnn_causal_attention_forward(qx, kx, vx, 1, scale, choice);
+               }));
+          fmt::print("  {} ({}): max |diff| against aten {:.3g}, bitwise {}\n", name,
+                     p < 0 ? "heuristic" : plans[p], diff, same ? "equal" : "different");
+        } catch (const std::exception& e) {
+          fmt::print("{}: {}\n", name, e.what());
+        }
+      }
+    }
+  }
   if (!o.json_out.empty()) {
     write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));
   }

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <compare>
@@ -201,10 +202,9 @@ int64_t nominal(int64_t length) {
   return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(length, 64))));
 }
 
-// The checks both directions share: CUDA bf16/fp16, [rows, heads, D] q/k/v with H a multiple
-// of Hk, int32 [b + 1] query offsets on q's device, element counts within int32 offsets.
-void check_inputs(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& cu_q) {
+// The checks every call shares: CUDA bf16/fp16, [rows, heads, D] q/k/v on one device with H a
+// multiple of Hk, D a multiple of 8 and at most 256.
+void check_qkv(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   if (!q.is_cuda() || (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)) {
     fail("cudnn attention {}: needs CUDA bf16/fp16, got {} {}", who, q.device().str(),
          c10::toString(q.scalar_type()));
@@ -213,13 +213,23 @@ void check_inputs(const char* who, const at::Tensor& q, const at::Tensor& k, con
     fail("cudnn attention {}: libcudnn (9.0 or newer) could not be opened", who);
   }
   if (q.dim() != 3 || k.dim() != 3 || k.sizes() != v.sizes() || k.size(2) != q.size(2) ||
-      q.size(1) % k.size(1) != 0 || q.size(2) % 8 != 0 || q.size(2) > 256 || cu_q.numel() < 2 ||
-      cu_q.scalar_type() != at::kInt || cu_q.device() != q.device() ||
-      k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) {
+      q.size(1) % k.size(1) != 0 || q.size(2) % 8 != 0 || q.size(2) > 256 ||
+      k.device() != q.device() || v.device() != q.device() || k.scalar_type() != q.scalar_type() ||
+      v.scalar_type() != q.scalar_type()) {
     fail(
-        "cudnn attention {}: q {}, k {}, v {}, cu_q {} do not fit [Tq, H, D] / [Tk, Hk, D] "
-        "(D a multiple of 8, at most 256) / int32 [b + 1] on q's device",
-        who, q.sizes(), k.sizes(), v.sizes(), cu_q.sizes());
+        "cudnn attention {}: q {}, k {}, v {} do not fit [Tq, H, D] / [Tk, Hk, D] of one dtype "
+        "on one device (D a multiple of 8, at most 256)",
+        who, q.sizes(), k.sizes(), v.sizes());
+  }
+}
+
+// The varlen calls' checks: those above, int32 [b + 1] query offsets on q's device, element
+// counts within int32 offsets.
+void check_inputs(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& cu_q) {
+  check_qkv(who, q, k, v);
+  if (cu_q.numel() < 2 || cu_q.scalar_type() != at::kInt || cu_q.device() != q.device()) {
+    fail("cudnn attention {}: cu_q {} must be int32 [b + 1] on q's device", who, cu_q.sizes());
   }
   // The ragged offsets are int32 element counts.
   if (q.numel() >= (int64_t{1} << 31) || k.numel() >= (int64_t{1} << 31)) {
@@ -275,6 +285,142 @@ GraphKey graph_key(bool forward, const at::Tensor& q, const at::Tensor& k, int64
           nominal(max_k)};
 }
 
+// The prefill's causal graph: dense equal-length sequences, q/k/v at their own strides.
+struct CausalKey {
+  int device;
+  fe::DataType_t dtype;
+  int64_t batches, length, heads, kv_heads, head_dim;
+  std::array<int64_t, 6> strides;  // row and head strides of q, k, v
+  bool unified;
+  auto operator<=>(const CausalKey&) const = default;
+};
+
+void check(fe::error_t status, const char* what, const CausalKey& key) {
+  if (status.is_good()) return;
+  fail("cudnn causal attention ({}): {} failed for {} x {} rows, {} / {} heads of {}: {}",
+       key.unified ? "unified" : "composite", what, key.batches, key.length, key.heads,
+       key.kv_heads, key.head_dim, status.get_message());
+}
+
+std::shared_ptr<fe::graph::Graph> build_causal_graph(const CausalKey& key) {
+  const int64_t b = key.batches, l = key.length, h = key.heads, d = key.head_dim;
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(key.dtype)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  // Rows [T, heads, D] at (row, head) strides seen as [b, heads, l, D].
+  auto rows = [&](Uid uid, const char* name, int64_t heads, int64_t row, int64_t head) {
+    return graph->tensor(fe::graph::Tensor_attributes()
+                             .set_uid(uid)
+                             .set_name(name)
+                             .set_dim({b, heads, l, d})
+                             .set_stride({l * row, head, row, 1}));
+  };
+  const auto& s = key.strides;
+  auto q = rows(kQ, "q", h, s[0], s[1]);
+  auto k = rows(kK, "k", key.kv_heads, s[2], s[3]);
+  auto v = rows(kV, "v", key.kv_heads, s[4], s[5]);
+  auto scale = graph->tensor(fe::graph::Tensor_attributes()
+                                 .set_uid(kScale)
+                                 .set_name("scale")
+                                 .set_dim({1, 1, 1, 1})
+                                 .set_stride({1, 1, 1, 1})
+                                 .set_is_pass_by_value(true)
+                                 .set_data_type(fe::DataType_t::FLOAT));
+  auto options = fe::graph::SDPA_attributes()
+                     .set_name("dflash_causal_forward")
+                     .set_generate_stats(false)
+                     .set_attn_scale(scale)
+                     .set_causal_mask(true)
+                     .set_implementation(key.unified ? fe::AttentionImplementation_t::UNIFIED
+                                                     : fe::AttentionImplementation_t::COMPOSITE);
+  auto [o, stats] = graph->sdpa(q, k, v, options);
+  o->set_output(true).set_uid(kO).set_dim({b, h, l, d}).set_stride({l * h * d, d, h * d, 1});
+  check(graph->validate(), "validate", key);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.device).stream();
+  check(graph->build_operation_graph(handle_for(key.device, stream)), "build_operation_graph",
+        key);
+  check(graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+        "create_execution_plans", key);
+  check(graph->check_support(), "check_support", key);
+  check(graph->build_plans(fe::BuildPlanPolicy_t::ALL), "build_plans", key);
+  return graph;
+}
+
+CausalKey causal_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     int64_t batches, bool unified) {
+  check_qkv("causal forward", q, k, v);
+  if (batches < 1 || q.size(0) % batches != 0 || k.size(0) != q.size(0) ||
+      q.stride(2) != 1 || k.stride(2) != 1 || v.stride(2) != 1) {
+    fail("cudnn causal attention: q {} / k {} must hold {} sequences of one length, D contiguous",
+         q.sizes(), k.sizes(), batches);
+  }
+  return {q.get_device(),
+          q.scalar_type() == at::kBFloat16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF,
+          batches,
+          q.size(0) / batches,
+          q.size(1),
+          k.size(1),
+          q.size(2),
+          {q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)},
+          unified};
+}
+
+fe::graph::Graph& causal_graph(const CausalKey& key) {
+  thread_local std::map<CausalKey, std::shared_ptr<fe::graph::Graph>> graphs;
+  auto& graph = graphs[key];
+  if (!graph) graph = build_causal_graph(key);
+  return *graph;
+}
+
+}  // namespace
+
+at::Tensor cudnn_causal_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, int64_t batches, double scale,
+                                          CausalAttentionChoice choice) {
+  const c10::cuda::CUDAGuard on_device(q.device());
+  const auto key = causal_key(q, k, v, batches, choice.unified);
+  auto& graph = causal_graph(key);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.device).stream();
+  cudnnHandle_t handle = handle_for(key.device, stream);
+  int64_t workspace_bytes = 0;
+  if (choice.plan < 0) {
+    check(graph.get_workspace_size(workspace_bytes), "get_workspace_size", key);
+  } else {
+    check(graph.get_workspace_size_plan_at_index(choice.plan, workspace_bytes),
+          "get_workspace_size_plan_at_index", key);
+  }
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto workspace = at::empty({std::max<int64_t>(workspace_bytes, 1)}, q.options().dtype(at::kByte));
+  float scale_value = static_cast<float>(scale);
+  std::unordered_map<int64_t, void*> pack = {{kQ, q.data_ptr()},
+                                             {kK, k.data_ptr()},
+                                             {kV, v.data_ptr()},
+                                             {kO, out.data_ptr()},
+                                             {kScale, &scale_value}};
+  check(choice.plan < 0 ? graph.execute(handle, pack, workspace.data_ptr())
+                        : graph.execute_plan_at_index(handle, pack, workspace.data_ptr(),
+                                                      choice.plan),
+        "execute", key);
+  return out;
+}
+
+std::vector<std::string> cudnn_causal_attention_plans(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, int64_t batches,
+                                                      bool unified) {
+  const c10::cuda::CUDAGuard on_device(q.device());
+  const auto key = causal_key(q, k, v, batches, unified);
+  auto& graph = causal_graph(key);
+  std::vector<std::string> names(graph.get_execution_plan_count());
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (!graph.get_plan_name_at_index(static_cast<int64_t>(i), names[i]).is_good()) {
+      names[i] = "(unnamed)";
+    }
+  }
+  return names;
+}
+
+namespace {
 }  // namespace
 
 bool cudnn_attention_available() { return at::hasCUDA() && open_cudnn(); }

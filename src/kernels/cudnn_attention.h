@@ -13,6 +13,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace dflash::kernels {
 
@@ -55,5 +57,29 @@ AttentionGrads cudnn_varlen_attention_backward(const at::Tensor& dout, const at:
                                                const at::Tensor& out, const at::Tensor& lse,
                                                const at::Tensor& cu_q, const at::Tensor& cu_k,
                                                int64_t max_q, int64_t max_k, double scale);
+
+// Which of cuDNN's SDPA implementations and execution plans runs the causal prefill attention
+// below: cuDNN's frontend offers the composite graph (what ATen builds) and, from cuDNN 9.13.1,
+// a unified engine; each has one or more plans (engine and knob settings), listed in
+// cudnn_causal_attention_plans. plan -1 is the heuristic's first choice.
+struct CausalAttentionChoice {
+  bool unified = false;
+  int64_t plan = -1;
+};
+
+// Causal attention of `batches` sequences of one length packed as rows: q [T, H, D], k, v
+// [T, Hk, D] with T = batches x length, any row and head strides (views of a fused projection's
+// output), H a multiple of Hk, D a multiple of 8 and at most 256, bf16 or fp16 on one CUDA
+// device. Returns the output, [T, H, D] contiguous; no log-sum-exp (inference only). Graphs are
+// built once per shape, strides and choice, then cached.
+at::Tensor cudnn_causal_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, int64_t batches, double scale,
+                                          CausalAttentionChoice choice = {});
+
+// The names of the execution plans cuDNN builds for that call's graph (index = plan); fails,
+// naming cuDNN's reason, when the implementation does not support the graph.
+std::vector<std::string> cudnn_causal_attention_plans(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, int64_t batches,
+                                                      bool unified);
 
 }  // namespace dflash::kernels
