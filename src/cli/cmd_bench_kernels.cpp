@@ -736,29 +736,59 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
          }));
     aten_cudnn();
     const auto expected = reference.transpose(1, 2).reshape({len, hq, d});
+    auto try_choice = [&](const std::string& name, const std::string& what,
+                          const kernels::CausalAttentionChoice& choice) {
+      try {
+        auto out = kernels::cudnn_causal_attention_forward(qx, kx, vx, 1, scale, choice);
+        const double diff =
+            (out.to(at::kFloat) - expected.to(at::kFloat)).abs().max().item<double>();
+        const bool same = at::equal(out, expected);
+        line(name, us_eager(o, [&] {
+               kernels::cudnn_causal_attention_forward(qx, kx, vx, 1, scale, choice);
+             }));
+        fmt::print("  {} ({}): max |diff| against aten {:.3g}, bitwise {}\n", name, what, diff,
+                   same ? "equal" : "different");
+      } catch (const std::exception& e) {
+        fmt::print("{} ({}): {}\n", name, what, e.what());
+      }
+    };
     for (const bool unified : {false, true}) {
-      std::vector<std::string> plans;
+      const std::string impl = unified ? "unified" : "composite";
+      std::vector<kernels::CausalAttentionPlan> plans;
       try {
         plans = kernels::cudnn_causal_attention_plans(qx, kx, vx, 1, unified);
       } catch (const std::exception& e) {
-        fmt::print("prefill attention, {}: {}\n", unified ? "unified" : "composite", e.what());
+        fmt::print("prefill attention, {}: {}\n", impl, e.what());
         continue;
       }
       for (int64_t p = -1; p < static_cast<int64_t>(plans.size()); ++p) {
-        const kernels::CausalAttentionChoice choice{unified, p};
-        const std::string name = fmt::format("prefill attention, {} plan {}",
-                                             unified ? "unified" : "composite", p);
-        try {
-          auto out = kernels::cudnn_causal_attention_forward(qx, kx, vx, 1, scale, choice);
-          const double diff = (out.to(at::kFloat) - expected.to(at::kFloat)).abs().max().item<double>();
-          const bool same = at::equal(out, expected);
-          line(name, us_eager(o, [&] {
-                 kernels::cudnn_causal_attention_forward(qx, kx, vx, 1, scale, choice);
-               }));
-          fmt::print("  {} ({}): max |diff| against aten {:.3g}, bitwise {}\n", name,
-                     p < 0 ? "heuristic" : plans[p], diff, same ? "equal" : "different");
-        } catch (const std::exception& e) {
-          fmt::print("{}: {}\n", name, e.what());
+        kernels::CausalAttentionChoice choice;
+        choice.unified = unified;
+        choice.plan = p;
+        try_choice(fmt::format("prefill attention, {} plan {}", impl, p),
+                   p < 0 ? "heuristic" : plans[p].name, choice);
+      }
+      if (unified || plans.empty()) continue;
+      // Each knob of the heuristic's first engine swept alone, the others at its settings.
+      const auto& first = plans.front();
+      for (const auto& knob : kernels::cudnn_causal_attention_knobs(qx, kx, vx, 1, first.engine)) {
+        fmt::print("engine {} knob {}: {}..{} step {}\n", first.engine, knob.type, knob.min,
+                   knob.max, knob.stride);
+        for (int64_t value = knob.min, n = 0; value <= knob.max && n < 24;
+             value += std::max<int64_t>(knob.stride, 1), ++n) {
+          auto knobs = first.knobs;
+          bool found = false;
+          for (auto& [type, v] : knobs) {
+            if (type == knob.type) v = value, found = true;
+          }
+          if (!found) knobs.emplace_back(knob.type, value);
+          std::string what;
+          for (const auto& [type, v] : knobs) what += fmt::format(" k{}={}", type, v);
+          kernels::CausalAttentionChoice choice;
+          choice.engine = first.engine;
+          choice.knobs = knobs;
+          try_choice(fmt::format("prefill attention, eng{} k{}={}", first.engine, knob.type, value),
+                     what, choice);
         }
       }
     }

@@ -292,6 +292,8 @@ struct CausalKey {
   int64_t batches, length, heads, kv_heads, head_dim;
   std::array<int64_t, 6> strides;  // row and head strides of q, k, v
   bool unified;
+  int64_t engine;  // -1: the heuristic's plans
+  std::vector<std::pair<int64_t, int64_t>> knobs;
   auto operator<=>(const CausalKey&) const = default;
 };
 
@@ -340,15 +342,21 @@ std::shared_ptr<fe::graph::Graph> build_causal_graph(const CausalKey& key) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.device).stream();
   check(graph->build_operation_graph(handle_for(key.device, stream)), "build_operation_graph",
         key);
-  check(graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
-        "create_execution_plans", key);
+  if (key.engine < 0) {
+    check(graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+          "create_execution_plans", key);
+  } else {
+    std::unordered_map<fe::KnobType_t, int64_t> knobs;
+    for (const auto& [type, value] : key.knobs) knobs[static_cast<fe::KnobType_t>(type)] = value;
+    check(graph->create_execution_plan(key.engine, knobs), "create_execution_plan", key);
+  }
   check(graph->check_support(), "check_support", key);
   check(graph->build_plans(fe::BuildPlanPolicy_t::ALL), "build_plans", key);
   return graph;
 }
 
 CausalKey causal_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     int64_t batches, bool unified) {
+                     int64_t batches, const CausalAttentionChoice& choice) {
   check_qkv("causal forward", q, k, v);
   if (batches < 1 || q.size(0) % batches != 0 || k.size(0) != q.size(0) ||
       q.stride(2) != 1 || k.stride(2) != 1 || v.stride(2) != 1) {
@@ -363,7 +371,9 @@ CausalKey causal_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           k.size(1),
           q.size(2),
           {q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)},
-          unified};
+          choice.unified,
+          choice.engine,
+          choice.knobs};
 }
 
 fe::graph::Graph& causal_graph(const CausalKey& key) {
@@ -377,9 +387,9 @@ fe::graph::Graph& causal_graph(const CausalKey& key) {
 
 at::Tensor cudnn_causal_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, int64_t batches, double scale,
-                                          CausalAttentionChoice choice) {
+                                          const CausalAttentionChoice& choice) {
   const c10::cuda::CUDAGuard on_device(q.device());
-  const auto key = causal_key(q, k, v, batches, choice.unified);
+  const auto key = causal_key(q, k, v, batches, choice);
   auto& graph = causal_graph(key);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.device).stream();
   cudnnHandle_t handle = handle_for(key.device, stream);
@@ -405,23 +415,45 @@ at::Tensor cudnn_causal_attention_forward(const at::Tensor& q, const at::Tensor&
   return out;
 }
 
-std::vector<std::string> cudnn_causal_attention_plans(const at::Tensor& q, const at::Tensor& k,
-                                                      const at::Tensor& v, int64_t batches,
-                                                      bool unified) {
+std::vector<CausalAttentionPlan> cudnn_causal_attention_plans(const at::Tensor& q,
+                                                             const at::Tensor& k,
+                                                             const at::Tensor& v, int64_t batches,
+                                                             bool unified) {
   const c10::cuda::CUDAGuard on_device(q.device());
-  const auto key = causal_key(q, k, v, batches, unified);
+  CausalAttentionChoice choice;
+  choice.unified = unified;
+  const auto key = causal_key(q, k, v, batches, choice);
   auto& graph = causal_graph(key);
-  std::vector<std::string> names(graph.get_execution_plan_count());
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (!graph.get_plan_name_at_index(static_cast<int64_t>(i), names[i]).is_good()) {
-      names[i] = "(unnamed)";
+  std::vector<CausalAttentionPlan> plans(graph.get_execution_plan_count());
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const auto index = static_cast<int64_t>(i);
+    if (!graph.get_plan_name_at_index(index, plans[i].name).is_good()) plans[i].name = "?";
+    std::unordered_map<fe::KnobType_t, int64_t> knobs;
+    if (graph.get_engine_and_knobs_at_index(index, plans[i].engine, knobs).is_good()) {
+      for (const auto& [type, value] : knobs) {
+        plans[i].knobs.emplace_back(static_cast<int64_t>(type), value);
+      }
+      std::sort(plans[i].knobs.begin(), plans[i].knobs.end());
     }
   }
-  return names;
+  return plans;
 }
 
-namespace {
-}  // namespace
+std::vector<CausalAttentionKnob> cudnn_causal_attention_knobs(const at::Tensor& q,
+                                                              const at::Tensor& k,
+                                                              const at::Tensor& v, int64_t batches,
+                                                              int64_t engine) {
+  const c10::cuda::CUDAGuard on_device(q.device());
+  const auto key = causal_key(q, k, v, batches, {});
+  std::vector<fe::Knob> knobs;
+  check(causal_graph(key).get_knobs_for_engine(engine, knobs), "get_knobs_for_engine", key);
+  std::vector<CausalAttentionKnob> out;
+  for (const auto& knob : knobs) {
+    out.push_back(
+        {static_cast<int64_t>(knob.type), knob.minValue, knob.maxValue, knob.stride});
+  }
+  return out;
+}
 
 bool cudnn_attention_available() { return at::hasCUDA() && open_cudnn(); }
 
