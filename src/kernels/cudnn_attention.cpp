@@ -377,7 +377,11 @@ CausalKey causal_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 fe::graph::Graph& causal_graph(const CausalKey& key) {
+  // Samples of many lengths each build a graph; past this many the cache starts over rather
+  // than growing for the whole run.
+  constexpr size_t kMaxCausalGraphs = 256;
   thread_local std::map<CausalKey, std::shared_ptr<fe::graph::Graph>> graphs;
+  if (graphs.size() >= kMaxCausalGraphs && !graphs.contains(key)) graphs.clear();
   auto& graph = graphs[key];
   if (!graph) graph = build_causal_graph(key);
   return *graph;

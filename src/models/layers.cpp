@@ -10,6 +10,7 @@
 #include <numbers>
 
 #include "common/error.h"
+#include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
 #include "kernels/moe_combine.h"
 
@@ -181,16 +182,12 @@ bool one_length(const PackedBatch& batch) {
 at::Tensor cudnn_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const PackedBatch& batch) {
   const int64_t n = batch.size(), len = batch.max_length;
-  if (one_length(batch)) {
-    // [B*L, H, D] -> [B, H, L, D] views: no copy (v, a strided slice of the fused QKV output,
-    // included: cuDNN reads any row stride), and the output comes back in that layout.
-    auto bhld = [&](const at::Tensor& t) {
-      return t.reshape({n, len, t.size(1), t.size(2)}).transpose(1, 2);
-    };
-    auto out = std::get<0>(at::_scaled_dot_product_cudnn_attention(
-        bhld(q), bhld(k), bhld(v), std::nullopt, /*compute_log_sumexp=*/false, 0.0,
-        /*is_causal=*/true, /*return_debug_mask=*/false));
-    return out.transpose(1, 2).reshape({batch.total, q.size(1), v.size(2)});
+  if (one_length(batch) && kernels::cudnn_attention_available()) {
+    // The graph ATen's cuDNN call builds, run through our own frontend graph (the same bits):
+    // q, k and v at their strides (v a slice of the fused QKV output), without ATen's wrapper
+    // around it (its output memset and per-call graph lookup).
+    return kernels::cudnn_causal_attention_forward(
+        q, k, v, n, 1.0 / std::sqrt(static_cast<double>(q.size(2))));
   }
   // Packed [T, H, D] rows: the layout the ragged call's offsets assume.
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
