@@ -153,9 +153,9 @@ if has tuned; then
   fi
 fi
 if has attn; then
-  # Issue 11, fifth session: the prefill's causal attention through every execution plan cuDNN's
-  # frontend builds (composite and unified) against ATen's cuDNN call and flash's (bench-kernels'
-  # "prefill attention" lines: us, TFLOP/s, difference from ATen's output).
+  # Issue 11, fifth session: the prefill's causal attention, ATen's cuDNN call against ours
+  # through the same graph and flash's (bench-kernels' "prefill attention" lines: us, TFLOP/s,
+  # host us per call, bits against ATen's).
   step attn
   "$dflash" bench-kernels --json "$out/bench_kernels_attn.json" > "$out/bench_kernels_attn.txt" 2>&1
   echo "bench-kernels exit $?"

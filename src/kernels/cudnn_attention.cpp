@@ -291,17 +291,13 @@ struct CausalKey {
   fe::DataType_t dtype;
   int64_t batches, length, heads, kv_heads, head_dim;
   std::array<int64_t, 6> strides;  // row and head strides of q, k, v
-  bool unified;
-  int64_t engine;  // -1: the heuristic's plans
-  std::vector<std::pair<int64_t, int64_t>> knobs;
   auto operator<=>(const CausalKey&) const = default;
 };
 
 void check(fe::error_t status, const char* what, const CausalKey& key) {
   if (status.is_good()) return;
-  fail("cudnn causal attention ({}): {} failed for {} x {} rows, {} / {} heads of {}: {}",
-       key.unified ? "unified" : "composite", what, key.batches, key.length, key.heads,
-       key.kv_heads, key.head_dim, status.get_message());
+  fail("cudnn causal attention: {} failed for {} x {} rows, {} / {} heads of {}: {}", what,
+       key.batches, key.length, key.heads, key.kv_heads, key.head_dim, status.get_message());
 }
 
 std::shared_ptr<fe::graph::Graph> build_causal_graph(const CausalKey& key) {
@@ -333,33 +329,23 @@ std::shared_ptr<fe::graph::Graph> build_causal_graph(const CausalKey& key) {
                      .set_name("dflash_causal_forward")
                      .set_generate_stats(false)
                      .set_attn_scale(scale)
-                     .set_causal_mask(true)
-                     .set_implementation(key.unified ? fe::AttentionImplementation_t::UNIFIED
-                                                     : fe::AttentionImplementation_t::COMPOSITE);
+                     .set_causal_mask(true);
   auto [o, stats] = graph->sdpa(q, k, v, options);
   o->set_output(true).set_uid(kO).set_dim({b, h, l, d}).set_stride({l * h * d, d, h * d, 1});
   check(graph->validate(), "validate", key);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.device).stream();
-  check(graph->build_operation_graph(handle_for(key.device, stream)), "build_operation_graph",
-        key);
-  if (key.engine < 0) {
-    check(graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
-          "create_execution_plans", key);
-  } else {
-    std::unordered_map<fe::KnobType_t, int64_t> knobs;
-    for (const auto& [type, value] : key.knobs) knobs[static_cast<fe::KnobType_t>(type)] = value;
-    check(graph->create_execution_plan(key.engine, knobs), "create_execution_plan", key);
-  }
+  check(graph->build_operation_graph(handle_for(key.device, stream)), "build_operation_graph", key);
+  check(graph->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans", key);
   check(graph->check_support(), "check_support", key);
-  check(graph->build_plans(fe::BuildPlanPolicy_t::ALL), "build_plans", key);
+  check(graph->build_plans(), "build_plans", key);
   return graph;
 }
 
 CausalKey causal_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     int64_t batches, const CausalAttentionChoice& choice) {
+                     int64_t batches) {
   check_qkv("causal forward", q, k, v);
-  if (batches < 1 || q.size(0) % batches != 0 || k.size(0) != q.size(0) ||
-      q.stride(2) != 1 || k.stride(2) != 1 || v.stride(2) != 1) {
+  if (batches < 1 || q.size(0) % batches != 0 || k.size(0) != q.size(0) || q.stride(2) != 1 ||
+      k.stride(2) != 1 || v.stride(2) != 1) {
     fail("cudnn causal attention: q {} / k {} must hold {} sequences of one length, D contiguous",
          q.sizes(), k.sizes(), batches);
   }
@@ -370,10 +356,7 @@ CausalKey causal_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           q.size(1),
           k.size(1),
           q.size(2),
-          {q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)},
-          choice.unified,
-          choice.engine,
-          choice.knobs};
+          {q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)}};
 }
 
 fe::graph::Graph& causal_graph(const CausalKey& key) {
@@ -390,20 +373,14 @@ fe::graph::Graph& causal_graph(const CausalKey& key) {
 }  // namespace
 
 at::Tensor cudnn_causal_attention_forward(const at::Tensor& q, const at::Tensor& k,
-                                          const at::Tensor& v, int64_t batches, double scale,
-                                          const CausalAttentionChoice& choice) {
+                                          const at::Tensor& v, int64_t batches, double scale) {
   const c10::cuda::CUDAGuard on_device(q.device());
-  const auto key = causal_key(q, k, v, batches, choice);
+  const auto key = causal_key(q, k, v, batches);
   auto& graph = causal_graph(key);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.device).stream();
   cudnnHandle_t handle = handle_for(key.device, stream);
   int64_t workspace_bytes = 0;
-  if (choice.plan < 0) {
-    check(graph.get_workspace_size(workspace_bytes), "get_workspace_size", key);
-  } else {
-    check(graph.get_workspace_size_plan_at_index(choice.plan, workspace_bytes),
-          "get_workspace_size_plan_at_index", key);
-  }
+  check(graph.get_workspace_size(workspace_bytes), "get_workspace_size", key);
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   auto workspace = at::empty({std::max<int64_t>(workspace_bytes, 1)}, q.options().dtype(at::kByte));
   float scale_value = static_cast<float>(scale);
@@ -412,50 +389,7 @@ at::Tensor cudnn_causal_attention_forward(const at::Tensor& q, const at::Tensor&
                                              {kV, v.data_ptr()},
                                              {kO, out.data_ptr()},
                                              {kScale, &scale_value}};
-  check(choice.plan < 0 ? graph.execute(handle, pack, workspace.data_ptr())
-                        : graph.execute_plan_at_index(handle, pack, workspace.data_ptr(),
-                                                      choice.plan),
-        "execute", key);
-  return out;
-}
-
-std::vector<CausalAttentionPlan> cudnn_causal_attention_plans(const at::Tensor& q,
-                                                             const at::Tensor& k,
-                                                             const at::Tensor& v, int64_t batches,
-                                                             bool unified) {
-  const c10::cuda::CUDAGuard on_device(q.device());
-  CausalAttentionChoice choice;
-  choice.unified = unified;
-  const auto key = causal_key(q, k, v, batches, choice);
-  auto& graph = causal_graph(key);
-  std::vector<CausalAttentionPlan> plans(graph.get_execution_plan_count());
-  for (size_t i = 0; i < plans.size(); ++i) {
-    const auto index = static_cast<int64_t>(i);
-    if (!graph.get_plan_name_at_index(index, plans[i].name).is_good()) plans[i].name = "?";
-    std::unordered_map<fe::KnobType_t, int64_t> knobs;
-    if (graph.get_engine_and_knobs_at_index(index, plans[i].engine, knobs).is_good()) {
-      for (const auto& [type, value] : knobs) {
-        plans[i].knobs.emplace_back(static_cast<int64_t>(type), value);
-      }
-      std::sort(plans[i].knobs.begin(), plans[i].knobs.end());
-    }
-  }
-  return plans;
-}
-
-std::vector<CausalAttentionKnob> cudnn_causal_attention_knobs(const at::Tensor& q,
-                                                              const at::Tensor& k,
-                                                              const at::Tensor& v, int64_t batches,
-                                                              int64_t engine) {
-  const c10::cuda::CUDAGuard on_device(q.device());
-  const auto key = causal_key(q, k, v, batches, {});
-  std::vector<fe::Knob> knobs;
-  check(causal_graph(key).get_knobs_for_engine(engine, knobs), "get_knobs_for_engine", key);
-  std::vector<CausalAttentionKnob> out;
-  for (const auto& knob : knobs) {
-    out.push_back(
-        {static_cast<int64_t>(knob.type), knob.minValue, knob.maxValue, knob.stride});
-  }
+  check(graph.execute(handle, pack, workspace.data_ptr()), "execute", key);
   return out;
 }
 

@@ -13,9 +13,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <string>
-#include <utility>
-#include <vector>
 
 namespace dflash::kernels {
 
@@ -59,48 +56,13 @@ AttentionGrads cudnn_varlen_attention_backward(const at::Tensor& dout, const at:
                                                const at::Tensor& cu_q, const at::Tensor& cu_k,
                                                int64_t max_q, int64_t max_k, double scale);
 
-// Which of cuDNN's SDPA implementations and execution plans runs the causal prefill attention
-// below: cuDNN's frontend offers the composite graph (what ATen builds) and, from cuDNN 9.13.1,
-// a unified engine; each has one or more heuristic plans (an engine and its knob settings),
-// listed by cudnn_causal_attention_plans. plan -1 is the heuristic's first choice; engine >= 0
-// builds that engine with `knobs` (knob type, value) instead of asking the heuristic.
-struct CausalAttentionChoice {
-  bool unified = false;
-  int64_t plan = -1;
-  int64_t engine = -1;
-  std::vector<std::pair<int64_t, int64_t>> knobs;
-};
-
 // Causal attention of `batches` sequences of one length packed as rows: q [T, H, D], k, v
 // [T, Hk, D] with T = batches x length, any row and head strides (views of a fused projection's
 // output), H a multiple of Hk, D a multiple of 8 and at most 256, bf16 or fp16 on one CUDA
-// device. Returns the output, [T, H, D] contiguous; no log-sum-exp (inference only). Graphs are
-// built once per shape, strides and choice, then cached.
+// device. Returns the output, [T, H, D] contiguous; no log-sum-exp (inference only). The graph
+// and plan are those ATen's cuDNN call builds (the same bits), without its per-call host work;
+// built once per shape and strides, then cached.
 at::Tensor cudnn_causal_attention_forward(const at::Tensor& q, const at::Tensor& k,
-                                          const at::Tensor& v, int64_t batches, double scale,
-                                          const CausalAttentionChoice& choice = {});
-
-struct CausalAttentionPlan {
-  std::string name;
-  int64_t engine = -1;
-  std::vector<std::pair<int64_t, int64_t>> knobs;  // (knob type, value)
-};
-
-// The plans cuDNN's heuristic builds for that call's graph (index = plan); fails, naming
-// cuDNN's reason, when the implementation does not support the graph.
-std::vector<CausalAttentionPlan> cudnn_causal_attention_plans(const at::Tensor& q,
-                                                             const at::Tensor& k,
-                                                             const at::Tensor& v, int64_t batches,
-                                                             bool unified);
-
-struct CausalAttentionKnob {
-  int64_t type, min, max, stride;
-};
-
-// The knobs `engine` of the composite graph declares for that call's graph, with their ranges.
-std::vector<CausalAttentionKnob> cudnn_causal_attention_knobs(const at::Tensor& q,
-                                                              const at::Tensor& k,
-                                                              const at::Tensor& v, int64_t batches,
-                                                              int64_t engine);
+                                          const at::Tensor& v, int64_t batches, double scale);
 
 }  // namespace dflash::kernels

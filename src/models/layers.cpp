@@ -186,8 +186,8 @@ at::Tensor cudnn_causal_attention(const at::Tensor& q, const at::Tensor& k, cons
     // The graph ATen's cuDNN call builds, run through our own frontend graph (the same bits):
     // q, k and v at their strides (v a slice of the fused QKV output), without ATen's wrapper
     // around it (its output memset and per-call graph lookup).
-    return kernels::cudnn_causal_attention_forward(
-        q, k, v, n, 1.0 / std::sqrt(static_cast<double>(q.size(2))));
+    return kernels::cudnn_causal_attention_forward(q, k, v, n,
+                                                   1.0 / std::sqrt(static_cast<double>(q.size(2))));
   }
   // Packed [T, H, D] rows: the layout the ragged call's offsets assume.
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
