@@ -157,6 +157,7 @@ if has attn; then
   # through the same graph and flash's (bench-kernels' "prefill attention" lines: us, TFLOP/s,
   # host us per call, bits against ATen's).
   step attn
+  gtests attn '*CudnnAttention*:*FusedPrefill*:*AttentionBackend*'
   "$dflash" bench-kernels --json "$out/bench_kernels_attn.json" > "$out/bench_kernels_attn.txt" 2>&1
   echo "bench-kernels exit $?"
   grep -A1000 "prefill attention" "$out/bench_kernels_attn.txt" | head -80
