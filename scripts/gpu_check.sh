@@ -5,7 +5,7 @@
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
-# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn
+# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -161,6 +161,27 @@ if has attn; then
   "$dflash" bench-kernels --json "$out/bench_kernels_attn.json" > "$out/bench_kernels_attn.txt" 2>&1
   echo "bench-kernels exit $?"
   grep -A1000 "prefill attention" "$out/bench_kernels_attn.txt" | head -80
+fi
+if has fifth; then
+  # Issue 11, fifth session's closing figures: the GPU tests of every path the prefill's
+  # attention serves (generation and speculative decoding included), then the online step's
+  # split (`bench-drafter`, with profiles), the prefill alone over 3 rounds, and `dflash bench`
+  # twice, nvidia-smi alongside.
+  step fifth
+  fixtures fifth dflash models
+  gtests fifth '*Cudnn*:*FusedPrefill*:*TargetGpu*:*FusedDecode*:*KVCache*:*DraftModel*:*Speculative*:*Generator*:*TrainLoop*:*TunedGemm*'
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
+    > "$out/clocks_fifth.csv" 2>&1 &
+  smi=$!
+  "$dflash" bench-drafter --device cuda --json "$out/bench_drafter_fifth.json" \
+    --profile "$out/drafter_trace_fifth.json" 2>&1 | tee "$out/bench_drafter_fifth.txt" \
+    | grep -v "^ .*\] " | head -40
+  gzip -f "$out/drafter_trace_fifth.json" "$out/drafter_trace_fifth.online.json"
+  "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 5 \
+    --iters 20 --attention cudnn --gemm tuned --rounds 3 --json "$out/bench_target_fifth.json" 2>&1 \
+    | tee "$out/bench_target_fifth.txt" | grep -v "^ .*\] "
+  AB="${AB:---prefill-gemms tuned}" ab_bench fifth
+  kill "$smi" 2>/dev/null
 fi
 if has prefill; then
   # Issue 11: the target's prefill with the fused kernels at thousands of rows (against the ATen
