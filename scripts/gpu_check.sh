@@ -169,6 +169,7 @@ if has fifth; then
   # twice, nvidia-smi alongside.
   step fifth
   fixtures fifth dflash models
+  fixtures fifth_rope rope
   gtests fifth '*Cudnn*:*FusedPrefill*:*TargetGpu*:*FusedDecode*:*KVCache*:*DraftModel*:*Speculative*:*Generator*:*TrainLoop*:*TunedGemm*'
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
     > "$out/clocks_fifth.csv" 2>&1 &
