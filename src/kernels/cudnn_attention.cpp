@@ -89,13 +89,30 @@ void check(fe::error_t status, const char* what, const GraphKey& key) {
        key.head_dim, status.get_message());
 }
 
+// A graph with `dtype` inputs and outputs and fp32 intermediates and compute.
+std::shared_ptr<fe::graph::Graph> new_graph(fe::DataType_t dtype) {
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(dtype)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return graph;
+}
+
+// The softmax scale, an fp32 scalar passed by value.
+GraphTensor attention_scale(fe::graph::Graph& graph) {
+  return graph.tensor(fe::graph::Tensor_attributes()
+                          .set_uid(kScale)
+                          .set_name("scale")
+                          .set_dim({1, 1, 1, 1})
+                          .set_stride({1, 1, 1, 1})
+                          .set_is_pass_by_value(true)
+                          .set_data_type(fe::DataType_t::FLOAT));
+}
+
 std::shared_ptr<fe::graph::Graph> build_graph(const GraphKey& key, cudnnHandle_t handle) {
   const int64_t b = key.batches, h = key.heads, hk = key.kv_heads, d = key.head_dim;
   const int64_t sq = key.nominal_q, skv = key.nominal_kv;
-  auto graph = std::make_shared<fe::graph::Graph>();
-  graph->set_io_data_type(key.dtype)
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
+  auto graph = new_graph(key.dtype);
   auto scalar_per_batch = [&](Uid uid, const char* name, int64_t n) {
     return graph->tensor(fe::graph::Tensor_attributes()
                              .set_uid(uid)
@@ -121,13 +138,7 @@ std::shared_ptr<fe::graph::Graph> build_graph(const GraphKey& key, cudnnHandle_t
   auto q = packed(kQ, "q", h, sq, ragged_q);
   auto k = packed(kK, "k", hk, skv, ragged_kv);
   auto v = packed(kV, "v", hk, skv, ragged_kv);
-  auto scale = graph->tensor(fe::graph::Tensor_attributes()
-                                 .set_uid(kScale)
-                                 .set_name("scale")
-                                 .set_dim({1, 1, 1, 1})
-                                 .set_stride({1, 1, 1, 1})
-                                 .set_is_pass_by_value(true)
-                                 .set_data_type(fe::DataType_t::FLOAT));
+  auto scale = attention_scale(*graph);
   auto seq_len_q = scalar_per_batch(kSeqLenQ, "seq_len_q", b);
   auto seq_len_kv = scalar_per_batch(kSeqLenKv, "seq_len_kv", b);
   // The log-sum-exp, row-major [rows, heads] (flash's [heads, rows] transposed).
@@ -302,10 +313,7 @@ void check(fe::error_t status, const char* what, const CausalKey& key) {
 
 std::shared_ptr<fe::graph::Graph> build_causal_graph(const CausalKey& key) {
   const int64_t b = key.batches, l = key.length, h = key.heads, d = key.head_dim;
-  auto graph = std::make_shared<fe::graph::Graph>();
-  graph->set_io_data_type(key.dtype)
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
+  auto graph = new_graph(key.dtype);
   // Rows [T, heads, D] at (row, head) strides seen as [b, heads, l, D].
   auto rows = [&](Uid uid, const char* name, int64_t heads, int64_t row, int64_t head) {
     return graph->tensor(fe::graph::Tensor_attributes()
@@ -318,13 +326,7 @@ std::shared_ptr<fe::graph::Graph> build_causal_graph(const CausalKey& key) {
   auto q = rows(kQ, "q", h, s[0], s[1]);
   auto k = rows(kK, "k", key.kv_heads, s[2], s[3]);
   auto v = rows(kV, "v", key.kv_heads, s[4], s[5]);
-  auto scale = graph->tensor(fe::graph::Tensor_attributes()
-                                 .set_uid(kScale)
-                                 .set_name("scale")
-                                 .set_dim({1, 1, 1, 1})
-                                 .set_stride({1, 1, 1, 1})
-                                 .set_is_pass_by_value(true)
-                                 .set_data_type(fe::DataType_t::FLOAT));
+  auto scale = attention_scale(*graph);
   auto options = fe::graph::SDPA_attributes()
                      .set_name("dflash_causal_forward")
                      .set_generate_stats(false)
