@@ -19,6 +19,8 @@ using nlohmann::json;
 
 // Shares below this are noise for the bottleneck rules.
 constexpr double kWaitThreshold = 0.10;
+// Checkpoints and evaluations above this share of the window are named beside the GPU's busy %.
+constexpr double kPauseNote = 0.05;
 
 std::vector<json> read_snapshots(const fs::path& path) {
   std::vector<json> out;
@@ -259,22 +261,33 @@ json find_bottleneck(const json& job, const json& ranks) {
     const double busy = r0["gpu"].value("busy", -1.0);
     const json* main = thread_named(r0, "main");
     const double gpu_wait = main ? share(main->at("stages"), "gpu_wait") : 0.0;
-    if (busy >= 0 && busy < 0.9 && gpu_wait < kWaitThreshold) {
+    // NVML's busy covers the whole window, checkpoint writes and evaluations included, in
+    // which the training GPU idles (the final checkpoint alone is a large share of a short
+    // run): the steps' own busy share decides between host and GPU.
+    const double pauses =
+        main ? share(main->at("stages"), "checkpoint") + share(main->at("stages"), "eval") : 0.0;
+    const double steps_busy = busy >= 0 && pauses < 1 ? std::min(1.0, busy / (1 - pauses)) : busy;
+    std::string busy_text = busy >= 0 ? fmt::format("{:.0f}%", 100 * busy) : "(no NVML)";
+    if (busy >= 0 && pauses >= kPauseNote) {
+      busy_text += fmt::format(
+          " ({:.0f}% outside checkpoints and evaluation, which take {:.0f}% of the window)",
+          100 * steps_busy, 100 * pauses);
+    }
+    if (steps_busy >= 0 && steps_busy < 0.9 && gpu_wait < kWaitThreshold) {
       return {{"kind", "host"},
               {"rank", 0},
               {"stage", stage},
-              {"line", fmt::format("host: rank 0's GPU is busy only {:.0f}% and its main thread "
+              {"line", fmt::format("host: rank 0's GPU is busy only {} and its main thread "
                                    "waits for it {:.0f}% of the time: launching work on the host "
                                    "is the bottleneck",
-                                   100 * busy, 100 * gpu_wait)}};
+                                   busy_text, 100 * gpu_wait)}};
     }
     return {{"kind", "gpu"},
             {"rank", 0},
             {"stage", stage},
             {"line", fmt::format("GPU-bound: rank 0's GPU is busy {} and the host keeps ahead; its "
                                  "largest stage is {} ({:.0f}% of GPU time)",
-                                 busy >= 0 ? fmt::format("{:.0f}%", 100 * busy) : "(no NVML)",
-                                 stage, 100 * frac)}};
+                                 busy_text, stage, 100 * frac)}};
   }
   return {{"kind", "compute"},
           {"rank", 0},

@@ -71,7 +71,7 @@ TEST(ObsStages, HostTimeIsExclusiveAndAddsUp) {
 
 // Two snapshots of one rank: a warm one and the last; stages in seconds of a 10 s window.
 void write_rank(const fs::path& dir, int rank, const json& main_stages, const json& gpu_stages,
-                int64_t items) {
+                int64_t items, double busy_percent = 99.0) {
   auto snap = [&](double t, double scale, int64_t n, bool warm) {
     json threads = json::array();
     json st = json::object();
@@ -98,7 +98,7 @@ void write_rank(const fs::path& dir, int rank, const json& main_stages, const js
                   {"wall_s", gw},
                   {"steps", n},
                   {"stages", g},
-                  {"nvml_busy_sum", 99.0 * 10 * scale},
+                  {"nvml_busy_sum", busy_percent * 10 * scale},
                   {"nvml_samples", 10 * scale}};
     }
     if (warm) s["warm"] = true;
@@ -150,6 +150,24 @@ TEST(ObsReport, NamesTheSlowestTrainerOfAColocatedRun) {
   EXPECT_EQ(a["bottleneck"]["kind"], "slow_rank") << a["bottleneck"].dump();
   EXPECT_EQ(a["bottleneck"]["rank"], 1);
   EXPECT_EQ(a["bottleneck"]["stage"], "drafter_forward");
+  remove_tree(run);
+}
+
+// A short run whose final checkpoint is a third of the window: NVML's busy over the window is
+// low, but the steps keep the GPU busy; the line says both, and it is not the host.
+TEST(ObsReport, CheckpointsDoNotMakeAGpuBoundRunHostBound) {
+  const fs::path run = testing::fresh_temp_dir("obs_report_checkpoint");
+  fs::create_directories(run / "obs");
+  write_file_atomic(run / "obs" / "job.json",
+                    json{{"topology", "colocated"}, {"ranks", 1}, {"trainer_ranks", 1}}.dump());
+  write_rank(run / "obs", 0, json{{"drafter_forward", 6.5}, {"gpu_wait", 0.3}, {"checkpoint", 3.2}},
+             json{{"drafter_forward", 6.5}}, 10, /*busy_percent=*/66.0);
+  const json a = analyze_run(run);
+  EXPECT_EQ(a["bottleneck"]["kind"], "gpu") << a["bottleneck"].dump();
+  EXPECT_NE(a["bottleneck"]["line"].get<std::string>().find(
+                "busy 66% (97% outside checkpoints and evaluation, which take 32% of the window)"),
+            std::string::npos)
+      << a["bottleneck"].dump();
   remove_tree(run);
 }
 
