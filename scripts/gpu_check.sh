@@ -5,7 +5,7 @@
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
-# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth
+# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER)
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -151,6 +151,13 @@ if has tuned; then
   if [ "${NO_BENCH:-0}" != 1 ]; then
     AB="${AB:---prefill-gemms tuned|--prefill-gemms aten}" ab_bench tuned
   fi
+fi
+if has gtest; then
+  # The GPU tests matching GTEST_FILTER, with every fixture set they may read.
+  step gtest
+  fixtures gtest dflash models
+  fixtures gtest_rope rope
+  gtests gtest "${GTEST_FILTER:-*Gpu*}"
 fi
 if has attn; then
   # Issue 11, fifth session: the prefill's causal attention, ATen's cuDNN call against ours
