@@ -955,7 +955,12 @@ void run_training(const RunConfig& c) {
 
 void run_bench(const RunConfig& config, const BenchConfig& bench) {
   RunConfig c = config;
-  if (c.steps <= bench.warmup) fail("bench: --steps must exceed --warmup ({})", bench.warmup);
+  if (c.steps < bench.warmup + 2) {
+    fail(
+        "bench: --steps must be at least --warmup + 2 ({}): one step timed and the last, whose "
+        "figures arrive with the final flush",
+        bench.warmup + 2);
+  }
   if (!c.eval_prompts.empty()) fail("bench: --eval-prompts is an option of `dflash train`");
   Job job;
   job.config = c;
@@ -1000,12 +1005,16 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   int64_t tokens_per_step = 0;
   if (r.device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(r.device.index());
   start_obs(c, r, c.out, bench.warmup, c.steps);
+  // A step's figures arrive one step late, once the next step is queued, and the last step's
+  // with the final flush. On a GPU that is when each step finishes; where the device runs
+  // eagerly (the CPU) step k's arrive after step k + 1 has run, and the last step's right after
+  // them: every interval but the last is one step, so the last is not counted.
   run_rank(job, false, {}, [&](const train::StepLog& l) {
     const auto now = Clock::now();
     if (l.step == bench.warmup) {
       cpu_at_warmup = cpu_seconds();
       wall_at_warmup = now;
-    } else if (l.step > bench.warmup) {
+    } else if (l.step > bench.warmup && l.step < c.steps) {
       step_seconds.push_back(std::chrono::duration<double>(now - last).count());
     }
     tokens_per_step = l.tokens;

@@ -75,18 +75,22 @@ def main():
             print(f"{name}: {got['line']}")
         # Control: nothing injected, nothing of the above named.
         out = tmp / "control"
-        # 42 steps: on a loaded 2-core machine a few ms outside any stage (the scheduler, Gloo's
+        # 43 steps: on a loaded 2-core machine a few ms outside any stage (the scheduler, Gloo's
         # threads) in a 0.2 s window read as 95%; the attribution is a steady-state figure. The
-        # 40 timed steps also make bench print its drift line (first against last quarter).
+        # 40 timed steps (after 2 of warm-up, the last one's figures arriving with the final
+        # flush) also make bench print its drift line (first against last quarter).
         figures = tmp / "control.json"
         text = bench(dflash, device, out, extra=["--trace-steps", "3:4", "--json", figures],
-                     steps=42)
+                     steps=43)
         a = report(dflash, out)
         b = json.loads(figures.read_text())
         if len(b["step_seconds"]) != 40 or "bench: drift:" not in text:
             sys.exit(f"control: expected 40 step times and a drift line\n{text}")
         if not b["step_ms_first_quarter"] > 0 < b["step_ms_last_quarter"]:
             sys.exit(f"control: drift figures {b}")
+        # Every timed interval is a step (the final flush's was once counted: ~0 ms on the CPU).
+        if min(b["step_seconds"]) < 0.2 * b["step_ms_median"] / 1e3:
+            sys.exit(f"control: a step time far below the median: {b['step_seconds']}")
         # Which rank is slower is up to the machine's load here, so slow_rank may be named.
         if a["bottleneck"]["kind"] in ("data", "targets"):
             sys.exit(f"control: the report names {a['bottleneck']} with nothing injected")
