@@ -43,8 +43,8 @@ def metrics(run_dir):
     return lines
 
 
-def final_state(run_dir):
-    return load_file(str(run_dir / f"step-{STEPS:08d}" / "state.safetensors"))
+def final_state(run_dir, steps=STEPS):
+    return load_file(str(run_dir / f"step-{steps:08d}" / "state.safetensors"))
 
 
 def same_figures(a, b, what):
