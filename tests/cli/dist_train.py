@@ -71,6 +71,15 @@ def same_state(a, b, what):
     return worst
 
 
+def random_inputs(dflash, tmp, length, jitter):
+    """A tiny random target and 40 random samples of length +- jitter tokens, under tmp."""
+    target, data = tmp / "target", tmp / "data"
+    run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "1"])
+    run([dflash, "random-data", "--out", data, "--samples", "40", "--length", length,
+         "--length-jitter", jitter, "--prompt", "6", "--vocab", "512"])
+    return target, data
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,10 +91,7 @@ def main():
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        target, data = tmp / "target", tmp / "data"
-        run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "1"])
-        run([dflash, "random-data", "--out", data, "--samples", "40", "--length", "48",
-             "--length-jitter", "16", "--prompt", "6", "--vocab", "512"])
+        target, data = random_inputs(dflash, tmp, length=48, jitter=16)
 
         def train(out, *extra, seed=5):
             return [dflash, "train", "--target", target, "--data", data, "--out", tmp / out,

@@ -27,10 +27,7 @@ def main():
     dflash = pathlib.Path(sys.argv[1]).resolve()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        target, data = tmp / "target", tmp / "data"
-        run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "1"])
-        run([dflash, "random-data", "--out", data, "--samples", "40", "--length", "40",
-             "--length-jitter", "8", "--prompt", "6", "--vocab", "512"])
+        target, data = dist_train.random_inputs(dflash, tmp, length=40, jitter=8)
 
         def train(out, *extra, seed=5):
             return [dflash, "train", "--target", target, "--data", data, "--out", tmp / out,
