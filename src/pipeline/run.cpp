@@ -1054,12 +1054,16 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
       "{} anchors, block {}\n",
       bench.preset, dc.layers.num_layers, c.topology, gpus, r.topology.trainers, c.accumulation,
       c.batch_size, bench.seq_len, c.max_anchors, dc.block_size);
+  // The MFU is against an H200's rate: a figure for GPU runs only.
+  const bool gpu = r.device.is_cuda();
   fmt::print(
-      "bench: step {:.1f} ms (median of {}) = {:.0f} tokens/s, {:.0f} per GPU, {:.0f} TFLOP/s per "
-      "GPU (target prefill + drafter step), MFU {:.0f}% of an H200's measured {:.0f} TFLOP/s\n",
-      step_s * 1e3, step_seconds.size(), tokens_per_s, tokens_per_s / gpus,
-      step_flops / step_s / gpus / 1e12, 100 * step_flops / step_s / gpus / kH200BF16,
-      kH200BF16 / 1e12);
+      "bench: step {:.1f} ms (median of {}) = {:.0f} tokens/s, {:.0f} per {}, {:.{}f} TFLOP/s per "
+      "{} (target prefill + drafter step){}\n",
+      step_s * 1e3, step_seconds.size(), tokens_per_s, tokens_per_s / gpus, gpu ? "GPU" : "rank",
+      step_flops / step_s / gpus / 1e12, gpu ? 0 : 3, gpu ? "GPU" : "rank",
+      gpu ? fmt::format(", MFU {:.0f}% of an H200's measured {:.0f} TFLOP/s",
+                        100 * step_flops / step_s / gpus / kH200BF16, kH200BF16 / 1e12)
+          : std::string());
   report["step_seconds"] = step_seconds;
   // A power-capped GPU slows as it heats: on an H200 a run's first tens of seconds are a few
   // percent faster than what it sustains. Long runs show how far the figure drifted.
