@@ -1088,10 +1088,13 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
                                   {"gpu_reserved_peak_gib", gib(v[2])},
                                   {"host_rss_peak_gib", gib(v[3])},
                                   {"gpu_device_used_gib", gib(v[4])}});
-    fmt::print(
-        "bench: rank {}: host CPU {:.2f} cores, GPU peak {:.1f} GiB allocated / {:.1f} GiB "
-        "reserved, {:.1f} GiB in use on the device at the end, host RSS peak {:.1f} GiB\n",
-        i, static_cast<double>(v[0]) / 1000, gib(v[1]), gib(v[2]), gib(v[4]), gib(v[3]));
+    fmt::print("bench: rank {}: host CPU {:.2f} cores, {}host RSS peak {:.1f} GiB\n", i,
+               static_cast<double>(v[0]) / 1000,
+               gpu ? fmt::format("GPU peak {:.1f} GiB allocated / {:.1f} GiB reserved, {:.1f} GiB "
+                                 "in use on the device at the end, ",
+                                 gib(v[1]), gib(v[2]), gib(v[4]))
+                   : std::string(),
+               gib(v[3]));
   }
   report["obs"] = c.obs;
   if (!bench.json_out.empty()) write_file_atomic(bench.json_out, report.dump(2) + "\n");
