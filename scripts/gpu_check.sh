@@ -138,7 +138,7 @@ if has tuned; then
   fixtures tuned models
   fixtures tuned_rope rope
   gtests tuned '*TunedGemm*:*FusedPrefill*:*CudnnAttention*:*TargetGpu*:*QuantizeRows*:*QuantizeColumns*:*Fp8Rows*'
-  grep -h "cuBLASLt configurations" "$out/tuned_tests.log" | head -20
+  grep -h "cuBLASLt candidates" "$out/tuned_tests.log" | head -20
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
     > "$out/clocks_tuned.csv" 2>&1 &
   smi=$!

@@ -102,15 +102,11 @@ void run_bench(const BenchOptions& o) {
   for (const auto& t : kernels::gemm_tunings()) {
     fmt::print("gemm tuning: {}\n", kernels::describe(t));
     tunings.push_back({{"shape", t.shape},
-                       {"searched", t.searched},
                        {"candidates", t.candidates},
                        {"equal", t.equal},
                        {"aten_us", t.aten_us},
                        {"best_equal_us", t.best_equal_us},
                        {"best_any_us", t.best_any_us},
-                       {"chosen_config", t.chosen_config},
-                       {"fastest_config", t.fastest_config},
-                       {"tuning_ms", t.tuning_ms},
                        {"uses_lt", t.uses_lt}});
   }
   nlohmann::json doc = {{"preset", o.preset},

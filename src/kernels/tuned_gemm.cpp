@@ -11,11 +11,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <compare>
 #include <map>
 #include <mutex>
-#include <set>
 #include <type_traits>
 
 #include "common/error.h"
@@ -34,12 +32,6 @@ struct LtApi {
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
-  decltype(&cublasLtMatmulAlgoGetIds) algo_ids = nullptr;
-  decltype(&cublasLtMatmulAlgoInit) algo_init = nullptr;
-  decltype(&cublasLtMatmulAlgoCapGetAttribute) cap_get = nullptr;
-  decltype(&cublasLtMatmulAlgoConfigGetAttribute) config_get = nullptr;
-  decltype(&cublasLtMatmulAlgoConfigSetAttribute) config_set = nullptr;
-  decltype(&cublasLtMatmulAlgoCheck) algo_check = nullptr;
   bool ok = false;
 };
 
@@ -62,13 +54,7 @@ const LtApi& lt_api() {
            load(a.pref_create, "cublasLtMatmulPreferenceCreate") &&
            load(a.pref_destroy, "cublasLtMatmulPreferenceDestroy") &&
            load(a.pref_set, "cublasLtMatmulPreferenceSetAttribute") &&
-           load(a.heuristic, "cublasLtMatmulAlgoGetHeuristic") &&
-           load(a.matmul, "cublasLtMatmul") && load(a.algo_ids, "cublasLtMatmulAlgoGetIds") &&
-           load(a.algo_init, "cublasLtMatmulAlgoInit") &&
-           load(a.cap_get, "cublasLtMatmulAlgoCapGetAttribute") &&
-           load(a.config_get, "cublasLtMatmulAlgoConfigGetAttribute") &&
-           load(a.config_set, "cublasLtMatmulAlgoConfigSetAttribute") &&
-           load(a.algo_check, "cublasLtMatmulAlgoCheck");
+           load(a.heuristic, "cublasLtMatmulAlgoGetHeuristic") && load(a.matmul, "cublasLtMatmul");
     return a;
   }();
   return api;
@@ -148,65 +134,13 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// An algorithm's configuration, the fields an exhaustive search varies.
-struct AlgoConfig {
-  int32_t id = 0;
-  uint32_t tile = 0, stages = 0, swizzle = 0, option = 0;
-  uint16_t cluster = 0;
-  auto operator<=>(const AlgoConfig&) const = default;
-};
-
-AlgoConfig config_of(const cublasLtMatmulAlgo_t& algo) {
+// Offers the heuristic's candidates, keeps those reproducing at::linear's output, and times
+// them against at::linear in interleaved rounds (so a clock change hits every one alike).
+void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w) {
   const LtApi& api = lt_api();
-  AlgoConfig c;
-  size_t written = 0;
-  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_ID, &c.id, sizeof(c.id), &written);
-  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &c.tile, sizeof(c.tile), &written);
-  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &c.stages, sizeof(c.stages), &written);
-  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &c.swizzle, sizeof(c.swizzle),
-                 &written);
-  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &c.option, sizeof(c.option), &written);
-  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &c.cluster, sizeof(c.cluster),
-                 &written);
-  return c;
-}
-
-std::string describe(const AlgoConfig& c) {
-  return fmt::format("algo {} tile {} stages {} cluster {} swizzle {} option {}", c.id, c.tile,
-                     c.stages, c.cluster, c.swizzle, c.option);
-}
-
-// A capability that is an array of ids (tiles, stages); {0} (let the library pick) if none.
-std::vector<uint32_t> cap_ids(const cublasLtMatmulAlgo_t& algo,
-                              cublasLtMatmulAlgoCapAttributes_t cap) {
-  const LtApi& api = lt_api();
-  size_t bytes = 0;
-  if (api.cap_get(&algo, cap, nullptr, 0, &bytes) != CUBLAS_STATUS_SUCCESS || bytes == 0) {
-    return {0};
-  }
-  std::vector<uint32_t> ids(bytes / sizeof(uint32_t));
-  if (api.cap_get(&algo, cap, ids.data(), bytes, &bytes) != CUBLAS_STATUS_SUCCESS) return {0};
-  return ids;
-}
-
-// The heuristic offers a handful of algorithms (8 at the prefill's shapes, all one kernel
-// family); every configuration cuBLASLt accepts for the shape is a larger space: each
-// algorithm id with each tile, stage count, CTA swizzle, custom option and cluster shape it
-// supports, without split-K (the prefill's GEMMs fill the GPU, and split-K sums in another
-// order). The heuristic's offers come first.
-constexpr size_t kMaxConfigs = 4096;
-std::vector<cublasLtMatmulAlgo_t> offered_algos(const Plan& p, const Key& key) {
-  const LtApi& api = lt_api();
-  const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  const uint64_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
-  std::vector<cublasLtMatmulAlgo_t> algos;
-  std::set<AlgoConfig> seen;
-  auto offer = [&](const cublasLtMatmulAlgo_t& algo) {
-    if (seen.insert(config_of(algo)).second) algos.push_back(algo);
-  };
-
   cublasLtMatmulPreference_t pref = nullptr;
   check(api.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
+  const uint64_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
   const uint32_t align_out = 256;
   api.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
   api.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_w, sizeof(uint32_t));
@@ -215,76 +149,12 @@ std::vector<cublasLtMatmulAlgo_t> offered_algos(const Plan& p, const Key& key) {
   api.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_out, sizeof(uint32_t));
   std::vector<cublasLtMatmulHeuristicResult_t> offered(kCandidates);
   int returned = 0;
-  if (api.heuristic(handle, p.op, p.w, p.x, p.out, p.out, pref, kCandidates, offered.data(),
-                    &returned) != CUBLAS_STATUS_SUCCESS) {
-    returned = 0;
-  }
+  const cublasStatus_t status =
+      api.heuristic(at::cuda::getCurrentCUDABlasLtHandle(), p.op, p.w, p.x, p.out, p.out, pref,
+                    kCandidates, offered.data(), &returned);
   api.pref_destroy(pref);
-  for (int i = 0; i < returned; ++i) {
-    if (offered[i].state == CUBLAS_STATUS_SUCCESS) offer(offered[i].algo);
-  }
+  if (status != CUBLAS_STATUS_SUCCESS) returned = 0;
 
-  const cudaDataType_t type = key.dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
-  std::vector<int> ids(256);
-  int id_count = 0;
-  if (api.algo_ids(handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, type, type, type, type,
-                   static_cast<int>(ids.size()), ids.data(), &id_count) != CUBLAS_STATUS_SUCCESS) {
-    id_count = 0;
-  }
-  const uint16_t clusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO, CUBLASLT_CLUSTER_SHAPE_1x1x1,
-                               CUBLASLT_CLUSTER_SHAPE_2x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1};
-  for (int i = 0; i < id_count && algos.size() < kMaxConfigs; ++i) {
-    cublasLtMatmulAlgo_t algo{};
-    if (api.algo_init(handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, type, type, type, type, ids[i],
-                      &algo) != CUBLAS_STATUS_SUCCESS) {
-      continue;
-    }
-    int32_t swizzle_support = 0;
-    uint32_t option_max = 0;
-    size_t written = 0;
-    api.cap_get(&algo, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swizzle_support,
-                sizeof(swizzle_support), &written);
-    api.cap_get(&algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &option_max, sizeof(option_max),
-                &written);
-    const std::vector<uint32_t> tiles = cap_ids(algo, CUBLASLT_ALGO_CAP_TILE_IDS);
-    const std::vector<uint32_t> stages = cap_ids(algo, CUBLASLT_ALGO_CAP_STAGES_IDS);
-    for (uint32_t tile : tiles) {
-      for (uint32_t stage : stages) {
-        for (uint32_t swizzle = 0; swizzle <= (swizzle_support != 0 ? 1u : 0u); ++swizzle) {
-          for (uint32_t option = 0; option <= std::min<uint32_t>(option_max, 7); ++option) {
-            for (uint16_t cluster : clusters) {
-              if (algos.size() >= kMaxConfigs) break;
-              const int32_t splits = 1;
-              api.config_set(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile));
-              api.config_set(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stage, sizeof(stage));
-              api.config_set(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits));
-              api.config_set(&algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof(swizzle));
-              api.config_set(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &option, sizeof(option));
-              api.config_set(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster,
-                             sizeof(cluster));
-              cublasLtMatmulHeuristicResult_t result{};
-              if (api.algo_check(handle, p.op, p.w, p.x, p.out, p.out, &algo, &result) ==
-                      CUBLAS_STATUS_SUCCESS &&
-                  result.workspaceSize <= workspace) {
-                offer(algo);
-              }
-            }
-          }
-        }
-      }
-    }
-  }
-  return algos;
-}
-
-// Runs every configuration once, keeps those reproducing at::linear's output, screens all by
-// one timed round and times the fastest against at::linear in interleaved rounds (so a clock
-// change hits every one alike).
-constexpr size_t kFinalists = 12;
-constexpr int kScreeningRuns = 2;
-void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w) {
-  const auto started = std::chrono::steady_clock::now();
-  const std::vector<cublasLtMatmulAlgo_t> offered = offered_algos(p, key);
   const at::Tensor reference = at::linear(x, w);
   at::Tensor out = at::empty_like(reference);
   struct Candidate {
@@ -293,21 +163,22 @@ void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w) {
     std::vector<double> us;
   };
   std::vector<Candidate> candidates;
-  for (const auto& algo : offered) {
+  for (int i = 0; i < returned; ++i) {
+    if (offered[i].state != CUBLAS_STATUS_SUCCESS) continue;
     out.zero_();
-    if (run(p, algo, x, w, out) != CUBLAS_STATUS_SUCCESS) continue;
-    candidates.push_back({algo, at::equal(out, reference), {}});
+    if (run(p, offered[i].algo, x, w, out) != CUBLAS_STATUS_SUCCESS) continue;
+    candidates.push_back({offered[i].algo, at::equal(out, reference), {}});
   }
 
   at::Tensor flush = at::empty({kL2FlushBytes}, x.options().dtype(at::kByte));
-  auto time_us = [&](auto&& fn, int runs) {
+  auto time_us = [&](auto&& fn) {
     fn();
     std::vector<at::cuda::CUDAEvent> starts, stops;
-    for (int r = 0; r < runs; ++r) {
+    for (int r = 0; r < kRunsPerRound; ++r) {
       starts.emplace_back(cudaEventDefault);
       stops.emplace_back(cudaEventDefault);
     }
-    for (int r = 0; r < runs; ++r) {
+    for (int r = 0; r < kRunsPerRound; ++r) {
       flush.zero_();
       starts[r].record();
       fn();
@@ -315,56 +186,32 @@ void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w) {
     }
     stops.back().synchronize();
     double total = 0;
-    for (int r = 0; r < runs; ++r) total += starts[r].elapsed_time(stops[r]);
-    return total * 1e3 / runs;
+    for (int r = 0; r < kRunsPerRound; ++r) total += starts[r].elapsed_time(stops[r]);
+    return total * 1e3 / kRunsPerRound;
   };
-  auto time_candidate = [&](Candidate& c, int runs) {
-    c.us.push_back(time_us([&] { check(run(p, c.algo, x, w, out), "cublasLtMatmul"); }, runs));
-  };
-  // Screening: the fastest kFinalists of all, and of those equal to at::linear.
-  for (auto& c : candidates) time_candidate(c, kScreeningRuns);
-  std::vector<size_t> order(candidates.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return candidates[a].us[0] < candidates[b].us[0]; });
-  std::vector<Candidate> finalists;
-  size_t any = 0, equal = 0;
-  for (size_t i : order) {
-    const bool keep = any < kFinalists || (candidates[i].equal && equal < kFinalists);
-    if (!keep) continue;
-    ++any;
-    if (candidates[i].equal) ++equal;
-    finalists.push_back(candidates[i]);
-    finalists.back().us.clear();
-  }
-
   std::vector<double> aten_us;
   for (int round = 0; round < kRounds; ++round) {
-    aten_us.push_back(time_us([&] { at::mm_out(out, x, w.t()); }, kRunsPerRound));
-    for (auto& c : finalists) time_candidate(c, kRunsPerRound);
+    aten_us.push_back(time_us([&] { at::mm_out(out, x, w.t()); }));
+    for (auto& c : candidates) {
+      c.us.push_back(time_us([&] { check(run(p, c.algo, x, w, out), "cublasLtMatmul"); }));
+    }
   }
 
   GemmTuning& t = p.tuning;
   t.shape = fmt::format("{}x{}x{} {}", key.m, key.n, key.k, c10::toString(key.dtype));
-  t.searched = static_cast<int>(offered.size());
   t.candidates = static_cast<int>(candidates.size());
   t.aten_us = median(aten_us);
-  for (const auto& c : candidates) t.equal += c.equal ? 1 : 0;
-  for (const auto& c : finalists) {
+  for (const auto& c : candidates) {
     const double us = median(c.us);
-    if (t.best_any_us == 0 || us < t.best_any_us) {
-      t.best_any_us = us;
-      t.fastest_config = describe(config_of(c.algo));
-    }
-    if (c.equal && (t.best_equal_us == 0 || us < t.best_equal_us)) {
+    if (t.best_any_us == 0 || us < t.best_any_us) t.best_any_us = us;
+    if (!c.equal) continue;
+    ++t.equal;
+    if (t.best_equal_us == 0 || us < t.best_equal_us) {
       t.best_equal_us = us;
-      t.chosen_config = describe(config_of(c.algo));
       p.algo = c.algo;
     }
   }
-  t.uses_lt = t.best_equal_us > 0 && t.best_equal_us < t.aten_us;
-  t.tuning_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
+  t.uses_lt = t.equal > 0 && t.best_equal_us < t.aten_us;
 }
 
 bool eligible(const at::Tensor& x, const at::Tensor& weight) {
@@ -419,10 +266,10 @@ std::vector<GemmTuning> gemm_tunings() {
 
 std::string describe(const GemmTuning& t) {
   return fmt::format(
-      "{}: at::linear {:.1f} us, {} cuBLASLt configurations offered, {} ran, {} equal to it, "
-      "fastest of those {:.1f} us ({}), fastest of all {:.1f} us ({}) -> {}; tuned in {:.0f} ms",
-      t.shape, t.aten_us, t.searched, t.candidates, t.equal, t.best_equal_us, t.chosen_config,
-      t.best_any_us, t.fastest_config, t.uses_lt ? "cuBLASLt" : "at::linear", t.tuning_ms);
+      "{}: at::linear {:.1f} us, {} of {} cuBLASLt candidates equal to it, fastest of those "
+      "{:.1f} us, fastest of all {:.1f} us -> {}",
+      t.shape, t.aten_us, t.equal, t.candidates, t.best_equal_us, t.best_any_us,
+      t.uses_lt ? "cuBLASLt" : "at::linear");
 }
 
 }  // namespace dflash::kernels

@@ -1,7 +1,6 @@
 // tuned_gemm: the frozen target's large no-grad products x @ W^T (bf16/fp16 on a GPU) through
-// cuBLASLt, with the algorithm picked by timing once per shape among the configurations
-// cuBLASLt accepts (the heuristic's offers and every algorithm id's tiles, stages, swizzles and
-// cluster shapes) whose output equals ATen's bit for bit. ATen takes the heuristic's first
+// cuBLASLt, with the algorithm picked by timing once per shape among the candidates cuBLASLt's
+// heuristic offers whose output equals ATen's bit for bit. ATen takes the heuristic's first
 // choice, which at the prefill's 2048 rows is not always the fastest; keeping only candidates
 // that reproduce ATen's bits makes the choice a matter of speed alone: the target's features
 // do not depend on which machine or run did the timing.
@@ -24,15 +23,12 @@ at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight);
 // What the tuning of one shape found, for benches and logs.
 struct GemmTuning {
   std::string shape;         // "MxNxK dtype"
-  int searched = 0;          // configurations offered: the heuristic's and every valid one
-  int candidates = 0;        // of those, how many ran
+  int candidates = 0;        // algorithms the heuristic offered that ran
   int equal = 0;             // of those, how many reproduced at::linear's bits
   double aten_us = 0;        // at::linear, median
   double best_equal_us = 0;  // fastest candidate equal to at::linear (0: none)
   double best_any_us = 0;    // fastest candidate of all
-  std::string chosen_config, fastest_config;  // "algo 66 tile 24 stages 12 ..." of each
-  bool uses_lt = false;  // whether calls take the cuBLASLt algorithm (else at::linear)
-  double tuning_ms = 0;  // host time the search and the timing took
+  bool uses_lt = false;      // whether calls take the cuBLASLt algorithm (else at::linear)
 };
 std::vector<GemmTuning> gemm_tunings();
 std::string describe(const GemmTuning& t);

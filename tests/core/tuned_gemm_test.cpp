@@ -61,7 +61,6 @@ TEST_P(TunedGemmGpu, EqualsAtLinearBitwise) {
                          [&](const kernels::GemmTuning& t) { return t.shape == shape; });
   ASSERT_NE(it, tunings.end()) << shape << " was not tuned";
   EXPECT_GT(it->candidates, 0);
-  EXPECT_GE(it->searched, it->candidates);
   EXPECT_GT(it->aten_us, 0);
   std::printf("%s\n", kernels::describe(*it).c_str());
 }
