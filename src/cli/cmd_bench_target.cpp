@@ -107,6 +107,8 @@ void run_bench(const BenchOptions& o) {
                        {"aten_us", t.aten_us},
                        {"best_equal_us", t.best_equal_us},
                        {"best_any_us", t.best_any_us},
+                       {"chosen_config", t.chosen_config},
+                       {"tuning_ms", t.tuning_ms},
                        {"uses_lt", t.uses_lt}});
   }
   nlohmann::json doc = {{"preset", o.preset},

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <compare>
 #include <map>
 #include <mutex>
@@ -32,6 +33,7 @@ struct LtApi {
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigGetAttribute) config_get = nullptr;
   bool ok = false;
 };
 
@@ -54,7 +56,9 @@ const LtApi& lt_api() {
            load(a.pref_create, "cublasLtMatmulPreferenceCreate") &&
            load(a.pref_destroy, "cublasLtMatmulPreferenceDestroy") &&
            load(a.pref_set, "cublasLtMatmulPreferenceSetAttribute") &&
-           load(a.heuristic, "cublasLtMatmulAlgoGetHeuristic") && load(a.matmul, "cublasLtMatmul");
+           load(a.heuristic, "cublasLtMatmulAlgoGetHeuristic") &&
+           load(a.matmul, "cublasLtMatmul") &&
+           load(a.config_get, "cublasLtMatmulAlgoConfigGetAttribute");
     return a;
   }();
   return api;
@@ -134,9 +138,24 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// "algo 66 tile 24 stages 35 cluster 3": what a configuration is, for logs.
+std::string describe(const cublasLtMatmulAlgo_t& algo) {
+  const LtApi& api = lt_api();
+  int32_t id = 0;
+  uint32_t tile = 0, stages = 0;
+  uint16_t cluster = 0;
+  size_t written = 0;
+  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &written);
+  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &written);
+  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &written);
+  api.config_get(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &written);
+  return fmt::format("algo {} tile {} stages {} cluster {}", id, tile, stages, cluster);
+}
+
 // Offers the heuristic's candidates, keeps those reproducing at::linear's output, and times
 // them against at::linear in interleaved rounds (so a clock change hits every one alike).
 void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w) {
+  const auto started = std::chrono::steady_clock::now();
   const LtApi& api = lt_api();
   cublasLtMatmulPreference_t pref = nullptr;
   check(api.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
@@ -208,10 +227,13 @@ void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w) {
     ++t.equal;
     if (t.best_equal_us == 0 || us < t.best_equal_us) {
       t.best_equal_us = us;
+      t.chosen_config = describe(c.algo);
       p.algo = c.algo;
     }
   }
   t.uses_lt = t.equal > 0 && t.best_equal_us < t.aten_us;
+  t.tuning_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
 }
 
 bool eligible(const at::Tensor& x, const at::Tensor& weight) {
@@ -267,9 +289,9 @@ std::vector<GemmTuning> gemm_tunings() {
 std::string describe(const GemmTuning& t) {
   return fmt::format(
       "{}: at::linear {:.1f} us, {} of {} cuBLASLt candidates equal to it, fastest of those "
-      "{:.1f} us, fastest of all {:.1f} us -> {}",
-      t.shape, t.aten_us, t.equal, t.candidates, t.best_equal_us, t.best_any_us,
-      t.uses_lt ? "cuBLASLt" : "at::linear");
+      "{:.1f} us ({}), fastest of all {:.1f} us -> {}; tuned in {:.0f} ms",
+      t.shape, t.aten_us, t.equal, t.candidates, t.best_equal_us, t.chosen_config, t.best_any_us,
+      t.uses_lt ? "cuBLASLt" : "at::linear", t.tuning_ms);
 }
 
 }  // namespace dflash::kernels

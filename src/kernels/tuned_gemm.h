@@ -3,7 +3,9 @@
 // heuristic offers whose output equals ATen's bit for bit. ATen takes the heuristic's first
 // choice, which at the prefill's 2048 rows is not always the fastest; keeping only candidates
 // that reproduce ATen's bits makes the choice a matter of speed alone: the target's features
-// do not depend on which machine or run did the timing.
+// do not depend on which machine or run did the timing. (Every configuration cuBLASLt accepts,
+// 4,096+ at each prefill shape, was searched once: no faster prefill, 60 s of tuning;
+// docs/BENCHMARKS.md.)
 #pragma once
 #include <ATen/ATen.h>
 
@@ -22,13 +24,15 @@ at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight);
 
 // What the tuning of one shape found, for benches and logs.
 struct GemmTuning {
-  std::string shape;         // "MxNxK dtype"
-  int candidates = 0;        // algorithms the heuristic offered that ran
-  int equal = 0;             // of those, how many reproduced at::linear's bits
-  double aten_us = 0;        // at::linear, median
-  double best_equal_us = 0;  // fastest candidate equal to at::linear (0: none)
-  double best_any_us = 0;    // fastest candidate of all
-  bool uses_lt = false;      // whether calls take the cuBLASLt algorithm (else at::linear)
+  std::string shape;          // "MxNxK dtype"
+  int candidates = 0;         // algorithms the heuristic offered that ran
+  int equal = 0;              // of those, how many reproduced at::linear's bits
+  double aten_us = 0;         // at::linear, median
+  double best_equal_us = 0;   // fastest candidate equal to at::linear (0: none)
+  double best_any_us = 0;     // fastest candidate of all
+  std::string chosen_config;  // "algo 66 tile 24 stages 35 cluster 3" of the fastest equal
+  bool uses_lt = false;       // whether calls take the cuBLASLt algorithm (else at::linear)
+  double tuning_ms = 0;       // host time the timing took
 };
 std::vector<GemmTuning> gemm_tunings();
 std::string describe(const GemmTuning& t);
