@@ -5,7 +5,7 @@
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
-# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER)
+# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER) fp8target
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -150,6 +150,27 @@ if has tuned; then
   kill "$smi" 2>/dev/null
   if [ "${NO_BENCH:-0}" != 1 ]; then
     AB="${AB:---prefill-gemms tuned|--prefill-gemms aten}" ab_bench tuned
+  fi
+fi
+if has fp8target; then
+  # Issue 11, sixth session: the target's prefill projections in FP8 (--prefill-gemms fp8). The
+  # GPU tests, bench-target alternating tuned and fp8 (3 rounds of 20 queued prefills; profile
+  # of fp8), nvidia-smi alongside, then `dflash bench` alternating them (AB overrides).
+  step fp8target
+  fixtures fp8target models
+  fixtures fp8target_rope rope
+  gtests fp8target "${GTEST_FILTER:-*Fp8*:*TargetGpu*:*FusedPrefill*:*TunedGemm*:*PrefillGemm*}"
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
+    > "$out/clocks_fp8target.csv" 2>&1 &
+  smi=$!
+  "$dflash" bench-target --preset qwen3-8b --device cuda --seq-len 2048 --batches 1 --warmup 5 \
+    --iters 20 --attention cudnn --gemm fp8,tuned --rounds 3 \
+    --json "$out/bench_target_fp8.json" --profile "$out/target_trace_fp8.json" 2>&1 \
+    | tee "$out/bench_target_fp8.txt"
+  gzip -f "$out/target_trace_fp8.json"
+  kill "$smi" 2>/dev/null
+  if [ "${NO_BENCH:-0}" != 1 ]; then
+    AB="${AB:---prefill-gemms fp8|--prefill-gemms tuned}" ab_bench fp8target
   fi
 fi
 if has gtest; then
