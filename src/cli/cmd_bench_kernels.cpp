@@ -28,6 +28,7 @@
 #include "kernels/cross_entropy.h"
 #include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
+#include "kernels/fp8_prefill.h"
 #include "kernels/fp8_rows.h"
 #include "kernels/grad_norm.h"
 #include "kernels/moe_combine.h"
@@ -234,6 +235,29 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
          us_per_call(device, o,
                      [&](int) { at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f); }),
          act_bytes);
+  // The FP8 prefill's inputs at 2048 tokens (--prefill-gemms fp8): the fused norm and
+  // activation writing e4m3 rows against the bf16 op and quantize_rows_e4m3 after it.
+  {
+    constexpr int64_t m = 2048;
+    auto x = at::randn({m, h}, opts), y = at::randn({m, h}, opts);
+    auto gu = at::randn({m, 2 * f}, opts);
+    const double norm_bytes = 2.0 * (3 * m + 1) * h + 1.0 * m * h;  // x, y, weight, sum; e4m3
+    report("add_rms_norm_e4m3", m, h, 0,
+           us_per_call(device, o, [&](int) { kernels::add_rms_norm_e4m3(x, y, norm, eps); }),
+           norm_bytes);
+    report("add_rms_norm + quantize_rows_e4m3", m, h, 0,
+           us_per_call(device, o,
+                       [&](int) {
+                         kernels::quantize_rows_e4m3(kernels::add_rms_norm(x, y, norm, eps).normed);
+                       }),
+           norm_bytes);
+    const double silu_bytes = 2.0 * 2 * m * f + 1.0 * m * f;
+    report("silu_mul_e4m3", m, f, 0,
+           us_per_call(device, o, [&](int) { kernels::silu_mul_e4m3(gu); }), silu_bytes);
+    report("silu_mul + quantize_rows_e4m3", m, f, 0,
+           us_per_call(device, o, [&](int) { kernels::quantize_rows_e4m3(kernels::silu_mul(gu)); }),
+           silu_bytes);
+  }
   // The last step of a Qwen3-30B-A3B MoE layer's prefill at 2048 tokens: the router-weighted
   // sum of each token's 8 expert outputs, against the gather, multiply and sum it replaces.
   {
