@@ -36,6 +36,7 @@ struct BenchDrafterOptions {
   std::vector<std::string> attention = {"auto"};  // several: alternated (run_bench)
   std::vector<std::string> head_grad = {"auto"};  // likewise, crossed with attention
   std::vector<std::string> gemms = {"auto"};      // likewise, crossed with both
+  std::string prefill_gemms = "tuned";            // the online step's prefill, as training's
   int warmup = 3;
   int iters = 10;
   std::string json_out;
@@ -85,11 +86,14 @@ void run_bench(const BenchDrafterOptions& o) {
   auto tokens = at::randint(target.vocab_size, {seq}, at::TensorOptions().dtype(at::kLong));
   auto batch = models::PackedBatch::from_lengths({seq}, device);
   auto tokens_dev = tokens.to(device);
+  const auto prefill_gemms = models::parse_prefill_gemms(o.prefill_gemms);
+  if (prefill_gemms == models::PrefillGemms::kFp8) {
+    target_model.quantize_weights_fp8(models::layers_for_taps(config.target_layer_ids));
+  }
   auto prefill = [&] {
     auto r = target_model.forward(tokens_dev, batch,
                                   {config.target_layer_ids, models::Logits::kNone, /*grad=*/false,
-                                   models::AttentionBackend::kAuto,
-                                   models::PrefillGemms::kTuned});  // as training's feature stage
+                                   models::AttentionBackend::kAuto, prefill_gemms});
     return at::cat(r.taps, 1);
   };
   const std::vector<int32_t> ids(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + seq);
@@ -251,6 +255,7 @@ void run_bench(const BenchDrafterOptions& o) {
                         {"attention", o.attention.front()},
                         {"head_grad", train::head_grad_name(trainer.head_grad())},
                         {"drafter_gemms", settings.front().gemms_name},
+                        {"prefill_gemms", o.prefill_gemms},
                         {"alternating", alternating}};
   if (!o.profile.empty()) {
     constexpr int kProfiledSteps = 2;
@@ -318,6 +323,10 @@ void add_bench_drafter_command(CLI::App& app) {
                   "input-gradient GEMMs in e4m3, Hopper or newer); a comma-separated list "
                   "alternates as --attention does")
       ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--prefill-gemms", o->prefill_gemms,
+                  "the online step's target prefill projections: tuned, aten or fp8 (e4m3, "
+                  "Hopper or newer), as `dflash train --prefill-gemms`")
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup)->capture_default_str();
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <chrono>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -52,7 +53,16 @@ void run_bench(const BenchOptions& o) {
       o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
       c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
       o.warmup, o.iters);
-  for (const auto& g : o.gemms) models::parse_prefill_gemms(g);
+  double fp8_weights_gib = 0;
+  for (const auto& g : o.gemms) {
+    if (models::parse_prefill_gemms(g) != models::PrefillGemms::kFp8 || fp8_weights_gib > 0) {
+      continue;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    fp8_weights_gib = model.quantize_weights_fp8(layers) / double(1 << 30);
+    fmt::print("fp8: layers 0-{} in e4m3 ({:.2f} GiB) in {:.1f} s\n", layers - 1, fp8_weights_gib,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
   fmt::print("{:>6} {:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "gemm", "median ms",
              "tokens/s", "TFLOP/s", "peak GPU GiB", "synced ms");
   models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
@@ -114,6 +124,7 @@ void run_bench(const BenchOptions& o) {
   nlohmann::json doc = {{"preset", o.preset},
                         {"device", o.device},
                         {"attention", o.attention},
+                        {"fp8_weights_gib", fp8_weights_gib},
                         {"rows", rows},
                         {"gemm_tunings", tunings}};
   if (!o.profile.empty() && !o.batches.empty()) {
@@ -185,8 +196,9 @@ void add_bench_target_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--gemm", o->gemms,
                   "the projections' GEMMs: aten (at::linear) or tuned (cuBLASLt, the algorithm "
-                  "timed once per shape among those equal to at::linear's bit for bit); a list "
-                  "alternates them in each round")
+                  "timed once per shape among those equal to at::linear's bit for bit) or fp8 "
+                  "(e4m3 with a scale per row, Hopper or newer); a list alternates them in each "
+                  "round")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--rounds", o->rounds, "rounds over the --gemm list per batch size")

@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "io/safetensors.h"
 #include "kernels/decode_ops.h"
+#include "kernels/fp8_prefill.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
 #include "kernels/tuned_gemm.h"
@@ -225,7 +226,54 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
 PrefillGemms parse_prefill_gemms(const std::string& name) {
   if (name == "aten") return PrefillGemms::kAten;
   if (name == "tuned") return PrefillGemms::kTuned;
-  fail("prefill_gemms must be aten or tuned, got '{}'", name);
+  if (name == "fp8") return PrefillGemms::kFp8;
+  fail("prefill_gemms must be aten, tuned or fp8, got '{}'", name);
+}
+
+int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
+  if (layers < 0 || layers > config_.num_layers) {
+    fail("quantize_weights_fp8: {} layers asked of a target with {}", layers, config_.num_layers);
+  }
+  if (auto why = kernels::fp8_gemm_unsupported(device(), dtype()); !why.empty()) {
+    fail("--prefill-gemms fp8 cannot run here: {}", why);
+  }
+  int64_t bytes = 0;
+  auto quantize = [&](const at::Tensor& w, int64_t i, const char* name) {
+    if (w.size(1) % 16 != 0) {
+      fail(
+          "--prefill-gemms fp8: layer {}'s {} has inner width {}, the FP8 GEMM needs a multiple "
+          "of 16",
+          i, name, w.size(1));
+    }
+    auto q = kernels::quantize_rows_e4m3(w);
+    bytes += q.data.nbytes() + q.scale.nbytes();
+    return q;
+  };
+  for (int64_t i = 0; i < layers; ++i) {
+    auto& l = layers_[i];
+    if (l.qkv_fp8.data.defined()) continue;
+    l.qkv_fp8 = quantize(l.w_qkv, i, "q/k/v projection");
+    l.o_fp8 = quantize(l.w_o, i, "o projection");
+    if (l.router.defined()) continue;
+    l.gate_up_fp8 = quantize(l.w_gate_up, i, "gate/up projection");
+    l.down_fp8 = quantize(l.w_down, i, "down projection");
+  }
+  return bytes;
+}
+
+int64_t TargetModel::release_compute_projections() {
+  int64_t bytes = 0;
+  for (auto& l : layers_) {
+    if (!l.qkv_fp8.data.defined()) continue;
+    std::vector<at::Tensor*> held = {&l.w_qkv, &l.w_o};
+    if (l.gate_up_fp8.data.defined()) held.insert(held.end(), {&l.w_gate_up, &l.w_down});
+    for (at::Tensor* t : held) {
+      if (!t->defined()) continue;
+      bytes += t->nbytes();
+      t->reset();
+    }
+  }
+  return bytes;
 }
 
 at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
@@ -251,20 +299,50 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
   const bool small = fused && t <= kernels::kSmallLinearFasterRows;
   const bool tuned = fused && !small && gemms == PrefillGemms::kTuned;
+  const bool fp8 = gemms == PrefillGemms::kFp8 && !c10::GradMode::is_enabled();
+  if (!fp8 && !w.w_qkv.defined()) {
+    fail(
+        "target forward: this target holds its projections in e4m3 alone "
+        "(release_compute_projections); only --prefill-gemms fp8 can run it");
+  }
+  if (fp8 && !w.qkv_fp8.data.defined()) {
+    fail(
+        "target forward: --prefill-gemms fp8 needs the layers' e4m3 weights "
+        "(TargetModel::quantize_weights_fp8)");
+  }
+  auto linear8 = [&](const kernels::Fp8Rows& in, const kernels::Fp8Rows& weight) {
+    auto out = at::empty({in.data.size(0), weight.data.size(0)}, x.options());
+    kernels::mm_fp8_rows_out(out, in, weight);
+    return out;
+  };
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias) {
     if (small) return kernels::small_linear(in, weight, bias);
     if (tuned && !bias.defined()) return kernels::linear_tuned(in, weight);
     return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);
   };
-  at::Tensor h;
-  if (pending.defined()) {
-    auto r = kernels::add_rms_norm(x, pending, w.input_norm, eps);
-    x = r.sum;
-    h = r.normed;
+  at::Tensor qkv;
+  if (fp8) {
+    kernels::Fp8Rows h;
+    if (pending.defined()) {
+      auto r = kernels::add_rms_norm_e4m3(x, pending, w.input_norm, eps);
+      x = r.sum;
+      h = r.normed;
+    } else {
+      h = kernels::quantize_rows_e4m3(rms_norm(x, w.input_norm, eps));
+    }
+    qkv = linear8(h, w.qkv_fp8);
+    if (w.b_qkv.defined()) qkv.add_(w.b_qkv);
   } else {
-    h = rms_norm(x, w.input_norm, eps);
+    at::Tensor h;
+    if (pending.defined()) {
+      auto r = kernels::add_rms_norm(x, pending, w.input_norm, eps);
+      x = r.sum;
+      h = r.normed;
+    } else {
+      h = rms_norm(x, w.input_norm, eps);
+    }
+    qkv = linear(h, w.w_qkv, w.b_qkv);
   }
-  auto qkv = linear(h, w.w_qkv, w.b_qkv);
   at::Tensor q, k, v;
   if (fused && c.qk_norm && cache.keys.defined()) {
     // One launch instead of the two index_copy_ of KVCache::update (72 a step in Qwen3-8B).
@@ -286,12 +364,24 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     k = kernels::rotary(k, cos, sin);
   }
   auto attn = attend(q, k, v).reshape({t, nq});
+  const bool dense_fp8 = fp8 && !w.router.defined();
+  auto o = fp8 ? linear8(kernels::quantize_rows_e4m3(attn), w.o_fp8) : linear(attn, w.w_o, {});
   if (!fused) {
-    auto x1 = x + at::linear(attn, w.w_o);
+    auto x1 = x + o;
     auto h1 = rms_norm(x1, w.post_attention_norm, eps);
+    if (dense_fp8) {
+      auto act = kernels::silu_mul(linear8(kernels::quantize_rows_e4m3(h1), w.gate_up_fp8));
+      return x1 + linear8(kernels::quantize_rows_e4m3(act), w.down_fp8);
+    }
     return x1 + (w.router.defined() ? sparse_mlp(c, w, h1) : swiglu_mlp(h1, w.w_gate_up, w.w_down));
   }
-  auto r = kernels::add_rms_norm(x, linear(attn, w.w_o, {}), w.post_attention_norm, eps);
+  if (dense_fp8) {
+    // The norm and the activation write the e4m3 rows the next GEMMs read, in one pass each.
+    auto r = kernels::add_rms_norm_e4m3(x, o, w.post_attention_norm, eps);
+    pending = linear8(kernels::silu_mul_e4m3(linear8(r.normed, w.gate_up_fp8)), w.down_fp8);
+    return r.sum;
+  }
+  auto r = kernels::add_rms_norm(x, o, w.post_attention_norm, eps);
   pending = w.router.defined()
                 ? sparse_mlp(c, w, r.normed)
                 : linear(kernels::silu_mul(linear(r.normed, w.w_gate_up, {})), w.w_down, {});

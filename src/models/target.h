@@ -7,6 +7,7 @@
 #include <optional>
 #include <vector>
 
+#include "kernels/fp8_rows.h"
 #include "models/config.h"
 #include "models/kv_cache.h"
 #include "models/layers.h"
@@ -32,6 +33,9 @@ struct TargetLayerWeights {
   // A sparse layer's router [E, H] and experts, laid out as transformers' Qwen3MoeExperts:
   // [E, 2F, H] (each expert's gate rows first) and [E, H, F]. Undefined in a dense layer.
   at::Tensor router, experts_gate_up, experts_down;
+  // PrefillGemms::kFp8's projections in e4m3, one scale per output row, written by
+  // TargetModel::quantize_weights_fp8 (undefined before; a sparse layer's MLP stays bf16).
+  kernels::Fp8Rows qkv_fp8, o_fp8, gate_up_fp8, down_fp8;
 };
 
 enum class Logits { kNone, kLast, kAll };
@@ -40,9 +44,14 @@ enum class Logits { kNone, kLast, kAll };
 // without bias: kAten through at::linear, kTuned through kernels::linear_tuned (cuBLASLt's
 // algorithm timed per shape among those giving at::linear's bits: the same features, faster),
 // which training's feature stage takes (`--prefill-gemms`); generation and evaluation, whose
-// prompt batches change shape at every call, keep at::linear. Other passes always take ATen.
-enum class PrefillGemms { kAten, kTuned };
-PrefillGemms parse_prefill_gemms(const std::string& name);  // aten, tuned
+// prompt batches change shape at every call, keep at::linear. kFp8 runs the bias-free
+// projections as e4m3 GEMMs with per-row scales (kernels/fp8_rows.h; the inputs quantized by
+// the fused kernels of kernels/fp8_prefill.h): about twice the bf16 rate on Hopper, but the
+// features carry e4m3's rounding (~1-3% relative to bf16's), so it is opt-in; it needs
+// quantize_weights_fp8 first. On the CPU (and in fp32) kFp8 takes the dequantizing reference,
+// the same arithmetic. Other passes always take ATen.
+enum class PrefillGemms { kAten, kTuned, kFp8 };
+PrefillGemms parse_prefill_gemms(const std::string& name);  // aten, tuned, fp8
 
 struct ForwardRequest {
   std::vector<int64_t> tap_layers;  // decoder layer ids whose output to return
@@ -94,6 +103,17 @@ class TargetModel {
   const std::vector<TargetLayerWeights>& layers() const { return layers_; }
   at::Device device() const { return embed_.device(); }
   at::ScalarType dtype() const { return embed_.scalar_type(); }
+
+  // The projections of the first `layers` decoder layers in e4m3 for PrefillGemms::kFp8 (the
+  // bf16 weights stay: generation and evaluation use them). Returns the bytes added. Fails on a
+  // GPU that cannot run the FP8 GEMM (older than compute capability 9.0), in a dtype other
+  // than bf16 on a GPU, or where a GEMM's inner width is not a multiple of 16.
+  int64_t quantize_weights_fp8(int64_t layers);
+  // Frees the compute-dtype projections of the layers quantize_weights_fp8 quantized, for a
+  // process whose target runs only fp8 prefills (training's features without evaluation):
+  // Qwen3-8B's 34 tapped layers hold 12.4 GiB of them in bf16 against 6.1 GiB in e4m3. Later
+  // forwards must ask for PrefillGemms::kFp8 and stop at those layers. Returns the bytes freed.
+  int64_t release_compute_projections();
 
   // Tensor names and weights as Hugging Face lays them out (for writing checkpoints).
   std::vector<std::pair<std::string, at::Tensor>> hf_state_dict() const;

@@ -427,6 +427,25 @@ void keep_if_best(const Job& job, const fs::path& run_dir, const TrainEval& e) {
   remove_tree(old);
 }
 
+// --prefill-gemms fp8: the projections of the layers the features need, in e4m3, once before
+// the first prefill.
+void quantize_target_for_features(Job& job, const std::vector<int64_t>& taps) {
+  if (models::parse_prefill_gemms(job.config.prefill_gemms) != models::PrefillGemms::kFp8) return;
+  const auto t0 = Clock::now();
+  const int64_t layers = models::layers_for_taps(taps);
+  const int64_t bytes = job.target->quantize_weights_fp8(layers);
+  // Without evaluation nothing else runs the target: its bf16 projections can go.
+  const int64_t freed = job.evaluator ? 0 : job.target->release_compute_projections();
+  if (job.rank.device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+  const std::string dtype = c10::toString(job.target->dtype());
+  fmt::print(
+      "rank {}: --prefill-gemms fp8: target layers 0-{} in e4m3 in {:.1f} s (+{:.2f} GiB); {}\n",
+      job.rank.world.rank, layers - 1, seconds_since(t0), bytes / double(1 << 30),
+      job.evaluator ? fmt::format("their {} projections kept for evaluation", dtype)
+                    : fmt::format("their {} projections freed (-{:.2f} GiB)", dtype,
+                                  freed / double(1 << 30)));
+}
+
 // The loop of this rank; `resume`: trainer ranks continue from the newest checkpoint in
 // `run_dir`, target ranks from the data position rank 0 broadcasts. Returns the steps done.
 int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallback& on_step,
@@ -446,6 +465,7 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
     r.comm->broadcast(where, 0, "resume_position");
     start_position = where[0].cpu().item<int64_t>();
   };
+  if (job.target) quantize_target_for_features(job, dc.target_layer_ids);
   if (!r.trains()) {
     agree_on_start(0);
     Prefetcher batches(

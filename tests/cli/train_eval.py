@@ -177,7 +177,19 @@ def main():
         # The prefill's GEMM setting is recorded; a bad name fails before anything loads.
         assert json.loads((without / "run_config.json").read_text())["prefill_gemms"] == "tuned"
         r = run([dflash, *train, "--out", work / "bad1", "--prefill-gemms", "cublas"], expect=None)
-        assert r.returncode != 0 and "prefill_gemms must be aten or tuned" in r.stderr, r.stderr
+        assert r.returncode != 0 and "prefill_gemms must be aten, tuned or fp8" in r.stderr, r.stderr
+        # The target's projections in FP8 (the dequantizing reference on the CPU): the features
+        # move by e4m3's rounding, so the first loss moves a little; it trains on.
+        prefill8 = work / "fp8_prefill"
+        r = run([dflash, *train, "--out", prefill8, "--prefill-gemms", "fp8"])
+        assert "--prefill-gemms fp8: target layers 0-" in r.stdout, r.stdout
+        assert "projections freed" in r.stdout, r.stdout  # no evaluation in this run
+        p8 = metrics(prefill8)
+        assert p8[0]["loss"] != b[0]["loss"], "the fp8 prefill computed the same features"
+        assert abs(p8[0]["loss"] / b[0]["loss"] - 1) < 0.05, (p8[0], b[0])
+        assert abs(p8[-1]["loss"] / b[-1]["loss"] - 1) < 0.05, (p8[-1], b[-1])
+        print(f"train_eval: fp8 prefill: step 1 loss {p8[0]['loss']:.6g} against "
+              f"{b[0]['loss']:.6g}, last loss {p8[-1]['loss']:.6g} against {b[-1]['loss']:.6g}")
 
         # Two ranks, every 4 steps (so at 4 and at the end): the prompts are split over ranks.
         two = work / "two_ranks"
