@@ -1,5 +1,9 @@
 // A thread block per row, the row in registers: thread i holds 16-byte vectors i, i + 256, ...
-// (at most kMaxVecs of them, so rows up to 16,384 halves). The norm or activation is computed
+// (at most kMaxVecs of them, so rows up to 16,384 halves). SiLU-multiply's rows (12,288 wide in
+// Qwen3-8B) take blocks of 1,024 threads with two vectors each: at 256 threads a thread held six
+// or eight of both halves, 178 registers, one block (8 warps) an SM, and the kernel ran at a
+// sixth of the memory bandwidth (its maximum does not depend on the block's shape; the norm's
+// sum does, and stays at add_rms_norm's 256 threads). The norm or activation is computed
 // as add_rms_norm's and silu_mul's kernels compute it and rounded to the dtype, the block takes
 // the row's largest magnitude, and each thread writes its elements divided by the row's scale as
 // e4m3 (quantize_rows_e4m3's arithmetic): one read of the inputs, one e4m3 write.
@@ -18,6 +22,7 @@ namespace dflash::kernels {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWideBlock = 1024;  // SiLU-multiply's rows of more than 2 * kThreads vectors
 constexpr int kMaxVecs = 8;
 constexpr float kMax = 448.f;
 
@@ -26,9 +31,9 @@ constexpr int kPack = 16 / static_cast<int>(sizeof(T));
 
 // The sum (kMaxOp false) or maximum over the block, returned to every thread; each op has its
 // own shared partials, and each is called once per kernel.
-template <bool kMaxOp>
+template <bool kMaxOp, int kBlock = kThreads>
 __device__ __forceinline__ float block_reduce(float v) {
-  __shared__ float warps[kThreads / 32];
+  __shared__ float warps[kBlock / 32];
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     const float other = __shfl_xor_sync(0xffffffffu, v, offset);
@@ -38,13 +43,13 @@ __device__ __forceinline__ float block_reduce(float v) {
   __syncthreads();
   float r = 0.f;
 #pragma unroll
-  for (int j = 0; j < kThreads / 32; ++j) r = kMaxOp ? fmaxf(r, warps[j]) : r + warps[j];
+  for (int j = 0; j < kBlock / 32; ++j) r = kMaxOp ? fmaxf(r, warps[j]) : r + warps[j];
   return r;
 }
 
-// Writes the thread's vectors o[j] (vector index threadIdx.x + j * kThreads of a row of `vecs`)
+// Writes the thread's vectors o[j] (vector index threadIdx.x + j * kBlock of a row of `vecs`)
 // to `q` as e4m3 after the block agrees on the row's scale.
-template <typename T, int kVecs>
+template <typename T, int kVecs, int kBlock = kThreads>
 __device__ __forceinline__ void write_e4m3(const Vec<T, kPack<T>> (&o)[kVecs], int64_t vecs,
                                            __nv_fp8_storage_t* __restrict__ q,
                                            float* __restrict__ scale) {
@@ -52,17 +57,17 @@ __device__ __forceinline__ void write_e4m3(const Vec<T, kPack<T>> (&o)[kVecs], i
   float amax = 0.f;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
-    if (threadIdx.x + int64_t(j) * kThreads < vecs) {
+    if (threadIdx.x + int64_t(j) * kBlock < vecs) {
 #pragma unroll
       for (int e = 0; e < N; ++e) amax = fmaxf(amax, fabsf(to_float(o[j].v[e])));
     }
   }
-  amax = block_reduce<true>(amax);
+  amax = block_reduce<true, kBlock>(amax);
   const float s = amax > 0.f ? amax * (1.f / kMax) : 1.f;
   if (threadIdx.x == 0) *scale = s;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
-    const int64_t v = threadIdx.x + int64_t(j) * kThreads;
+    const int64_t v = threadIdx.x + int64_t(j) * kBlock;
     if (v < vecs) {
       Vec<__nv_fp8x2_storage_t, N / 2> out;
 #pragma unroll
@@ -121,8 +126,8 @@ __global__ void __launch_bounds__(kThreads)
   write_e4m3<T, kVecs>(s, vecs, q + int64_t(blockIdx.x) * h, scales + blockIdx.x);
 }
 
-template <typename T, int kVecs>
-__global__ void __launch_bounds__(kThreads)
+template <typename T, int kVecs, int kBlock>
+__global__ void __launch_bounds__(kBlock)
     silu_mul_e4m3_kernel(const T* __restrict__ gate_up, int64_t row_stride, int64_t f,
                          __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales) {
   using P = Vec<T, kPack<T>>;
@@ -132,7 +137,7 @@ __global__ void __launch_bounds__(kThreads)
   P o[kVecs], b[kVecs];
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
-    const int64_t v = threadIdx.x + int64_t(j) * kThreads;
+    const int64_t v = threadIdx.x + int64_t(j) * kBlock;
     if (v < vecs) {
       o[j] = g[v];
       b[j] = u[v];
@@ -146,7 +151,7 @@ __global__ void __launch_bounds__(kThreads)
       o[j].v[e] = from_float<T>(gf / (1.f + expf(-gf)) * to_float(b[j].v[e]));
     }
   }
-  write_e4m3<T, kVecs>(o, vecs, q + int64_t(blockIdx.x) * f, scales + blockIdx.x);
+  write_e4m3<T, kVecs, kBlock>(o, vecs, q + int64_t(blockIdx.x) * f, scales + blockIdx.x);
 }
 
 // Calls launch(kernel) with the variant holding `vecs` vectors a row in the fewest registers;
@@ -167,7 +172,7 @@ struct NormKernel {
 };
 template <typename T, int V>
 struct SiluKernel {
-  static constexpr auto kernel = silu_mul_e4m3_kernel<T, V>;
+  static constexpr auto kernel = silu_mul_e4m3_kernel<T, V, kThreads>;
 };
 
 template <typename F>
@@ -217,12 +222,19 @@ bool silu_mul_e4m3_cuda(const at::Tensor& gate_up, Fp8Rows& out) {
   bool ran = false;
   dispatch_half(gate_up.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    ran = with_vecs<SiluKernel, T>(f / kPack<T>, [&](auto kernel) {
-      kernel<<<static_cast<unsigned>(gate_up.size(0)), kThreads, 0, stream>>>(
+    auto launch = [&](auto kernel, int block) {
+      kernel<<<static_cast<unsigned>(gate_up.size(0)), block, 0, stream>>>(
           reinterpret_cast<const T*>(gate_up.data_ptr()), gate_up.stride(0), f,
           reinterpret_cast<__nv_fp8_storage_t*>(out.data.data_ptr()), out.scale.data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    };
+    const int64_t vecs = f / kPack<T>;
+    if (vecs > 2 * kThreads && vecs <= 2 * kWideBlock) {
+      launch(silu_mul_e4m3_kernel<T, 2, kWideBlock>, kWideBlock);
+      ran = true;
+    } else {
+      ran = with_vecs<SiluKernel, T>(vecs, [&](auto kernel) { launch(kernel, kThreads); });
+    }
   });
   return ran;
 }
