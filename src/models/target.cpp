@@ -320,28 +320,24 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     if (tuned && !bias.defined()) return kernels::linear_tuned(in, weight);
     return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);
   };
+  // The input norm, adding the previous layer's deferred MLP output where there is one; its
+  // rows as `add_norm` writes them (bf16, or e4m3 for the FP8 GEMM), a plain norm's through
+  // `finish`.
+  auto input_norm = [&](auto&& add_norm, auto&& finish) {
+    if (!pending.defined()) return finish(rms_norm(x, w.input_norm, eps));
+    auto r = add_norm(x, pending, w.input_norm, eps);
+    x = r.sum;
+    return r.normed;
+  };
   at::Tensor qkv;
   if (fp8) {
-    kernels::Fp8Rows h;
-    if (pending.defined()) {
-      auto r = kernels::add_rms_norm_e4m3(x, pending, w.input_norm, eps);
-      x = r.sum;
-      h = r.normed;
-    } else {
-      h = kernels::quantize_rows_e4m3(rms_norm(x, w.input_norm, eps));
-    }
-    qkv = linear8(h, w.qkv_fp8);
+    qkv = linear8(input_norm(kernels::add_rms_norm_e4m3,
+                             [](const at::Tensor& h) { return kernels::quantize_rows_e4m3(h); }),
+                  w.qkv_fp8);
     if (w.b_qkv.defined()) qkv.add_(w.b_qkv);
   } else {
-    at::Tensor h;
-    if (pending.defined()) {
-      auto r = kernels::add_rms_norm(x, pending, w.input_norm, eps);
-      x = r.sum;
-      h = r.normed;
-    } else {
-      h = rms_norm(x, w.input_norm, eps);
-    }
-    qkv = linear(h, w.w_qkv, w.b_qkv);
+    qkv =
+        linear(input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }), w.w_qkv, w.b_qkv);
   }
   at::Tensor q, k, v;
   if (fused && c.qk_norm && cache.keys.defined()) {
