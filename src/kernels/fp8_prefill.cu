@@ -1,9 +1,9 @@
 // A thread block per row, the row in registers: thread i holds 16-byte vectors i, i + 256, ...
 // (at most kMaxVecs of them, so rows up to 16,384 halves). SiLU-multiply's rows (12,288 wide in
-// Qwen3-8B) take blocks of 512 threads with three vectors each, two blocks an SM, so that one
-// block's loads overlap the other's reduction and writes (up to 1,536 vectors; 1,024 threads
-// with two above): at 256 threads holding eight, 148 registers allowed one 8-warp block an SM
-// and the kernel took 174 us at the prefill's shape, 104 us at 1,024 threads (one block an SM).
+// Qwen3-8B) take blocks of 1,024 threads with two vectors each: at 256 threads a thread held six
+// or eight of both halves, 178 registers, one block (8 warps) an SM, and the kernel ran at a
+// sixth of the memory bandwidth; at 1,024 threads it takes 104 us at the prefill's shape, still
+// ~4x its memory bound (one block an SM: its loads do not overlap its reduction and writes).
 // Its maximum does not depend on the block's shape; the norm's sum does, and stays at
 // add_rms_norm's 256 threads. The norm or activation is computed
 // as add_rms_norm's and silu_mul's kernels compute it and rounded to the dtype, the block takes
@@ -24,7 +24,7 @@ namespace dflash::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWideBlock = 1024;  // SiLU-multiply's widest rows
+constexpr int kWideBlock = 1024;  // SiLU-multiply's rows of more than 2 * kThreads vectors
 constexpr int kMaxVecs = 8;
 constexpr float kMax = 448.f;
 
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, int kVecs, int kBlock>
-__global__ void __launch_bounds__(kBlock, kBlock <= 512 ? 2 : 1)
+__global__ void __launch_bounds__(kBlock)
     silu_mul_e4m3_kernel(const T* __restrict__ gate_up, int64_t row_stride, int64_t f,
                          __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales) {
   using P = Vec<T, kPack<T>>;
@@ -232,8 +232,6 @@ bool silu_mul_e4m3_cuda(const at::Tensor& gate_up, Fp8Rows& out) {
       launch(silu_mul_e4m3_kernel<T, 1, kThreads>, kThreads);
     } else if (vecs <= 2 * kThreads) {
       launch(silu_mul_e4m3_kernel<T, 2, kThreads>, kThreads);
-    } else if (vecs <= 3 * 512) {
-      launch(silu_mul_e4m3_kernel<T, 3, 512>, 512);
     } else if (vecs <= 2 * kWideBlock) {
       launch(silu_mul_e4m3_kernel<T, 2, kWideBlock>, kWideBlock);
     } else {
