@@ -10,7 +10,10 @@ dflash=$1
 out=$2
 steps=${3:-40}
 shift $(($# < 3 ? $# : 3))
-name=train_e2e${1:+_$(echo "$*" | grep -o 'nproc-per-node [0-9]*' | awk '{print $2 "gpu"}')}
+# Named after the GPU count where --nproc-per-node is among the options (grep finding nothing
+# must not end the script under pipefail).
+gpus=$(echo "$*" | grep -o 'nproc-per-node [0-9]*' | awk '{print $2 "gpu"}' || true)
+name=train_e2e${gpus:+_$gpus}
 work=${WORK:-/tmp/dflash-train-e2e}
 rm -rf "$work" && mkdir -p "$work"
 "$dflash" random-model --preset qwen3-8b --out "$work/target" > /dev/null
