@@ -12,6 +12,8 @@ With the global batch fixed (4 sequences per micro-batch, 2 micro-batches per st
   A rank killed with SIGKILL (DFLASH_KILL_AT) stops the whole job (non-zero exit, the message
   names the rank), and `--resume` continues: 2 ranks -> 1 rank and 1 rank -> 2 ranks, each
   ending where the straight 1-rank run ends, with every step logged once.
+With the FP8 prefill (`--prefill-gemms fp8`, CPU only), 1 target + 1 trainer rank gives what
+1 rank gives, and not what the fp32 prefill gives.
 Control that the comparison can fail: a run with another seed must differ.
 """
 import json
@@ -126,6 +128,21 @@ def main():
             same_figures(one, metrics(tmp / f"case{i}"), what)
             diff = same_state(ref_state, final_state(tmp / f"case{i}"), what)
             print(f"ok: {what} == 1 rank ({STEPS} steps; weights within {diff:.2g})")
+
+        # The FP8 prefill (--prefill-gemms fp8; on the CPU its dequantizing reference, fp32 on a
+        # GPU is refused): a target rank quantizes its own layers and frees their fp32
+        # projections, so the trainer of a 1 + 1 split sees the features one rank computes.
+        if device == "cpu":
+            run(train("fp8_one", "--prefill-gemms", "fp8"))
+            fp8_one = metrics(tmp / "fp8_one")
+            if all(x["loss"] == y["loss"] for x, y in zip(one, fp8_one)):
+                sys.exit("fp8 prefill: the same losses as the fp32 prefill")
+            r = run(train("fp8_split", "--prefill-gemms", "fp8", "--nproc-per-node", "2",
+                          "--topology", "disaggregated", "--target-ranks", "1"))
+            if "projections freed" not in r.stdout:
+                sys.exit(f"fp8 prefill, 1 + 1: the target rank kept its projections:\n{r.stdout}")
+            same_figures(fp8_one, metrics(tmp / "fp8_split"), "fp8 prefill, 1 target + 1 trainer")
+            print("ok: fp8 prefill, 1 target + 1 trainer rank == 1 rank")
 
         # The same job started by torchrun, and by Slurm's variables as srun sets them (one
         # node, set by hand here), instead of dflash's own launcher.
