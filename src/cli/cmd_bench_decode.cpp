@@ -10,6 +10,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
+#include "common/option_range.h"
 #include "eval/generator.h"
 #include "models/drafter.h"
 #include "models/target.h"
@@ -205,16 +206,23 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_option("--preset", o->preset, "model shape: qwen3-8b or tiny")->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
   cmd->add_option("--prompt-len", o->prompt_len, "prompt tokens per sequence")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--new-tokens", o->new_tokens, "generated tokens per sequence")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--batches", o->batches, "sequences decoded together, one run each")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--verify-tokens", o->verify_tokens, "block size of the verify pass")
-      ->capture_default_str();
-  cmd->add_option("--warmup", o->warmup)->capture_default_str();
-  cmd->add_option("--iters", o->iters, "timed runs; the median is reported")->capture_default_str();
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--warmup", o->warmup, "untimed runs first")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd->add_option("--iters", o->iters, "timed runs; the median is reported")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--json", o->json_out, "also write the results here");
   cmd->add_option("--profile", o->profile,
                   "profile the batch-1 decode step (CUDA) and write its Chrome trace here");

@@ -15,6 +15,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
+#include "common/option_range.h"
 #include "models/drafter.h"
 #include "models/target.h"
 #include "obs/profile.h"
@@ -298,12 +299,19 @@ void add_bench_drafter_command(CLI::App& app) {
   cmd->add_option("--preset", o->preset, "target shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
       ->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
-  cmd->add_option("--seq-len", o->seq_len, "tokens in the sequence (default 2048; tiny 256)");
-  cmd->add_option("--anchors", o->anchors, "blocks per sequence (default 512; tiny 32)");
-  cmd->add_option("--block-size", o->block_size)->capture_default_str();
-  cmd->add_option("--layers", o->layers, "drafter layers (= tapped layers)")->capture_default_str();
+  cmd->add_option("--seq-len", o->seq_len, "tokens in the sequence (default 2048; tiny 256)")
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--anchors", o->anchors, "blocks per sequence (default 512; tiny 32)")
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--block-size", o->block_size, "DFlash block size")
+      ->capture_default_str()
+      ->check(at_least(2).validator());
+  cmd->add_option("--layers", o->layers, "drafter layers (= tapped layers)")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--head-chunk", o->head_chunk, "LM-head rows per loss chunk")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--attention", o->attention,
                   "auto, dense, gathered, gathered-cudnn-shared (the shared context's "
                   "attention backward through cuDNN), gathered-cudnn-shared-fwd (its forward "
@@ -328,9 +336,12 @@ void add_bench_drafter_command(CLI::App& app) {
                   "the online step's target prefill projections: tuned, aten or fp8 (e4m3, "
                   "Hopper or newer), as `dflash train --prefill-gemms`")
       ->capture_default_str();
-  cmd->add_option("--warmup", o->warmup)->capture_default_str();
+  cmd->add_option("--warmup", o->warmup, "untimed steps first")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_flag("--fresh-anchors", o->fresh_anchors,
                 "draw new anchors every step, as training does (the gathered keys change size)");
   cmd->add_option("--json", o->json_out, "also write the results here");

@@ -22,6 +22,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
+#include "common/option_range.h"
 #include "eval/generator.h"
 #include "kernels/adamw_cast.h"
 #include "kernels/attention_merge.h"
@@ -797,8 +798,12 @@ void add_bench_kernels_command(CLI::App& app) {
   cmd->add_option("--rows", o->rows, "rows of x for the linear kernels and add_rms_norm")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--calls", o->calls, "calls per captured CUDA graph")->capture_default_str();
-  cmd->add_option("--iters", o->iters, "timed replays of the graph")->capture_default_str();
+  cmd->add_option("--calls", o->calls, "calls per captured CUDA graph")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--iters", o->iters, "timed replays of the graph")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--json", o->json_out, "also write the results here");
   cmd->callback([o] { run_bench_kernels(*o); });
 }

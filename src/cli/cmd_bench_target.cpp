@@ -10,6 +10,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
+#include "common/option_range.h"
 #include "io/safetensors.h"
 #include "kernels/tuned_gemm.h"
 #include "models/drafter.h"
@@ -181,13 +182,18 @@ void add_bench_target_command(CLI::App& app) {
   cmd->add_option("--preset", o->preset, "model shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
       ->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
-  cmd->add_option("--seq-len", o->seq_len, "tokens per sequence")->capture_default_str();
+  cmd->add_option("--seq-len", o->seq_len, "tokens per sequence")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--batches", o->batches, "sequences per prefill, one run each")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--warmup", o->warmup)->capture_default_str();
+  cmd->add_option("--warmup", o->warmup, "untimed steps first")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--json", o->json_out, "also write the results here");
   cmd->add_option(
          "--attention", o->attention,
@@ -214,8 +220,11 @@ void add_bench_target_command(CLI::App& app) {
   rm->add_option("--preset", r->preset, "model shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
       ->capture_default_str();
   rm->add_option("--out", r->out, "output directory")->required();
-  rm->add_option("--seed", r->seed)->capture_default_str();
-  rm->add_option("--shard-gib", r->shard_gib, "maximum shard size")->capture_default_str();
+  rm->add_option("--seed", r->seed, "weights' seed (the same seed writes the same model)")
+      ->capture_default_str();
+  rm->add_option("--shard-gib", r->shard_gib, "maximum shard size")
+      ->capture_default_str()
+      ->check(kPositive.validator());
   rm->callback([r] { run_random_model(*r); });
 }
 

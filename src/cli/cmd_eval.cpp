@@ -1,11 +1,13 @@
 // `dflash eval`: a drafter's real acceptance and speed-up by speculative decoding over prompt
 // files, checked token for token against the target's own greedy output (eval/evaluate.h).
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "common/error.h"
+#include "common/option_range.h"
 #include "dist/world.h"
 #include "eval/evaluate.h"
 #include "eval/regenerate.h"
@@ -22,7 +24,12 @@ struct EvalCliOptions {
   std::string device = "auto";
   std::string dtype = "auto";
   bool json = false;
-  eval::EvalOptions eval;
+  eval::EvalOptions eval = [] {
+    eval::EvalOptions e;
+    e.enable_thinking = true;  // as `prepare` and `generate`: the data path's default
+    e.progress_seconds = 5;
+    return e;
+  }();
 };
 
 void run_eval(const EvalCliOptions& o) {
@@ -35,6 +42,8 @@ void run_eval(const EvalCliOptions& o) {
   auto target = models::TargetModel::load(o.target, device, dtype);
   auto drafter = train::load_drafter(o.drafter, target.config(), device);
   eval::EvalOptions options = o.eval;
+  // With --json, progress only where it cannot end up inside the report (a terminal).
+  if (o.json && ::isatty(STDERR_FILENO) == 0) options.progress_seconds = 0;
   options.stop_tokens = eval::stop_tokens(o.target, tokenizer, chat.format);
   // Progress goes to stderr so that --json leaves stdout to the report.
   fmt::print(stderr, "eval: target {} ({} on {}), drafter {} (block {}), {} prompt file(s)\n",
@@ -47,6 +56,9 @@ void run_eval(const EvalCliOptions& o) {
     fmt::print("{}\n", report.to_json().dump(2));
   } else {
     fmt::print("{}", eval::format_report(report));
+  }
+  for (const auto& f : report.files) {
+    if (f.turns == 0) fail("eval: {}: every prompt was skipped; nothing was verified", f.name);
   }
   if (report.mismatches() > 0) {
     fail("eval: speculative output differs from the target's greedy output in {} turn(s)",
@@ -72,22 +84,35 @@ void add_eval_command(CLI::App& app) {
                   "(their user turns)")
       ->required();
   cmd->add_option("--max-new-tokens", o->eval.max_new_tokens, "tokens per answer at most")
-      ->capture_default_str();
-  cmd->add_option("--block-size", o->eval.block_size, "drafted block (default: the drafter's)");
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--block-size", o->eval.block_size, "drafted block (default: the drafter's)")
+      ->check(at_least(2).validator());
   cmd->add_option("--limit", o->limit, "first N prompts of each file (0: all)")
-      ->capture_default_str();
-  cmd->add_option("--batch-size", o->eval.slots, "prompts decoded together")->capture_default_str();
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd->add_option("--batch-size", o->eval.slots, "prompts decoded together")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--max-context", o->eval.context,
-                  "prompt + answer tokens at most (0: the longest prompt + --max-new-tokens)")
-      ->capture_default_str();
+                  "prompt + answer tokens at most (0: the longest prompt + --max-new-tokens, "
+                  "within the target's max_position_embeddings)")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd->add_flag("--skip-overlong", o->eval.skip_overlong,
+                "skip (and count as skipped) prompts with no room for an answer in the context, "
+                "instead of stopping with an error naming the first");
   cmd->add_option("--enable-thinking", o->eval.enable_thinking,
-                  "Qwen3: false prompts the empty think block (no reasoning)")
+                  "Qwen3: true prompts as served with thinking on, as `prepare` and `generate` "
+                  "render by default; false prompts the empty think block (no reasoning), for a "
+                  "drafter trained on thinking-off data")
       ->capture_default_str();
   cmd->add_option("--chat-format", o->chat_format,
                   "qwen3 or llama3 (default: detected from tokenizer_config.json)");
   cmd->add_option("--tie-tolerance", o->eval.tie_tolerance,
                   "logit gap under which a divergence is a numerical tie, not a mismatch "
-                  "(default: 1e-4 in fp32, 0.25 in bf16)");
+                  "(default: 1e-4 in fp32, 0.25 in bf16)")
+      ->check(kNonNegative.validator());
   cmd->add_option("--device", o->device, "auto (cuda:LOCAL_RANK or cpu), cuda:N or cpu")
       ->capture_default_str();
   cmd->add_option("--dtype", o->dtype,
@@ -97,6 +122,11 @@ void add_eval_command(CLI::App& app) {
   cmd->add_flag("!--no-cuda-graph", o->eval.cuda_graph,
                 "run the decode step and the verify pass without CUDA graphs");
   cmd->add_flag("--json", o->json, "print the report as JSON");
+  cmd->add_option("--progress-s", o->eval.progress_seconds,
+                  "seconds between progress lines on stderr in a log (0: none; on a terminal "
+                  "the line rewrites itself)")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->callback([o] { run_eval(*o); });
 }
 

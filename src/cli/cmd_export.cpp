@@ -12,16 +12,22 @@ void add_export_command(CLI::App& app) {
   auto source = std::make_shared<std::string>();
   auto out = std::make_shared<std::string>();
   auto target = std::make_shared<std::string>();
+  auto overwrite = std::make_shared<bool>(false);
   auto* cmd = app.add_subcommand(
       "export", "Write a drafter as config.json + model.safetensors for SGLang/vLLM/transformers");
   cmd->add_option("SOURCE", *source, "training run or step directory, or an export directory")
       ->required();
-  cmd->add_option("OUT_DIR", *out, "output directory")->required();
+  cmd->add_option("OUT_DIR", *out,
+                  "output directory: new, empty, or an earlier export (replaced); never a "
+                  "target model's directory")
+      ->required();
+  cmd->add_flag("--overwrite", *overwrite,
+                "write into a directory that holds other files (never a target model's)");
   cmd->add_option("--target", *target,
                   "the target model directory, for the mask token's text (default: the target "
                   "in the run's run_config.json)");
-  cmd->callback([source, out, target] {
-    const auto config = train::export_drafter(*source, *out, *target);
+  cmd->callback([source, out, target, overwrite] {
+    const auto config = train::export_drafter(*source, *out, *target, *overwrite);
     fmt::print("export: wrote {}/config.json and {}/model.safetensors\n", *out, *out);
     if (config.mask_token.empty()) {
       fmt::print(

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "common/option_range.h"
 #include "eval/regenerate.h"
 
 namespace dflash::cli {
@@ -18,19 +19,36 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--out", o->out, "output chat JSONL, in input order (what `prepare` reads)")
       ->required();
   cmd->add_option("--max-new-tokens", o->max_new_tokens, "tokens per assistant turn at most")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--max-context", o->max_context,
-                  "prompt + response tokens at most (the KV cache holds this per sequence)")
-      ->capture_default_str();
+                  "prompt + response tokens at most (the KV cache holds this per sequence; at most "
+                  "the target's max_position_embeddings)")
+      ->capture_default_str()
+      ->check(at_least(2).validator());
+  cmd->add_flag("--skip-overlong", o->skip_overlong,
+                "skip (and count) conversations with a turn whose prompt leaves no room for an "
+                "answer, instead of stopping with an error naming the first");
   cmd->add_option("--batch-size", o->batch_size, "sequences decoded together per GPU")
-      ->capture_default_str();
-  cmd->add_option("--temperature", o->sampling.temperature, "0: greedy")->capture_default_str();
-  cmd->add_option("--top-p", o->sampling.top_p)->capture_default_str();
-  cmd->add_option("--top-k", o->sampling.top_k, "0: no limit")->capture_default_str();
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--temperature", o->sampling.temperature, "0: greedy")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd->add_option("--top-p", o->sampling.top_p,
+                  "nucleus sampling: draw from the most likely tokens whose probabilities add up "
+                  "to this (1: all)")
+      ->capture_default_str()
+      ->check(OptionRange{0, 1, true}.validator());
+  cmd->add_option("--top-k", o->sampling.top_k, "draw from the K most likely tokens (0: all)")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--seed", o->sampling.seed, "sampling seed (draws depend on line and turn)")
       ->capture_default_str();
   cmd->add_option("--enable-thinking", o->enable_thinking,
-                  "Qwen3: false prompts the empty think block (no reasoning)")
+                  "Qwen3: true prompts as served with thinking on (what `prepare` renders by "
+                  "default); false prompts the empty think block (no reasoning), for "
+                  "thinking-off data")
       ->capture_default_str();
   cmd->add_option("--chat-format", o->chat_format,
                   "qwen3 or llama3 (default: detected from tokenizer_config.json)");
@@ -39,9 +57,16 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--dtype", o->dtype, "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
       ->capture_default_str();
   cmd->add_flag("!--no-cuda-graph", o->cuda_graph, "run the decode step without a CUDA graph");
-  cmd->add_option("--progress-s", o->progress_seconds, "seconds between progress lines (0: none)")
-      ->capture_default_str();
-  cmd->callback([o] { eval::regenerate(*o); });
+  cmd->add_option("--progress-s", o->progress_seconds,
+                  "seconds between progress lines on stderr in a log (0: none; on a terminal the "
+                  "line rewrites itself)")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  add_nproc_option(*cmd);
+  cmd->callback([o] {
+    eval::regenerate(*o);
+    exit_if_stopped();
+  });
 }
 
 }  // namespace dflash::cli

@@ -3,8 +3,11 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 
 #include "cli/commands.h"
+#include "common/error.h"
+#include "dist/world.h"
 #include "io/safetensors.h"
 #include "models/config.h"
 #include "models/target.h"
@@ -37,6 +40,15 @@ struct InfoOptions {
 void run_info(const InfoOptions& o) {
   auto config = models::load_model_config(std::filesystem::path(o.dir) / "config.json");
   auto ckpt = io::Checkpoint::open(o.dir);
+  models::TargetModel::check(o.dir);
+  std::optional<at::Device> load_device;
+  if (!o.load_device.empty()) {
+    // Refused before anything is printed, in one line (not LibTorch's stack trace).
+    load_device = dist::device_for(dist::World{}, o.load_device);
+    if (load_device->is_cuda() && load_device->index() >= static_cast<int>(at::getNumGPUs())) {
+      fail("--load {}: this process sees {} CUDA device(s)", o.load_device, at::getNumGPUs());
+    }
+  }
   int64_t params = 0;
   std::map<std::string, int64_t> dtypes;
   for (const auto& name : ckpt.names()) {
@@ -68,8 +80,8 @@ void run_info(const InfoOptions& o) {
   for (const auto& [dtype, n] : dtypes) fmt::print("dtype:        {} ({} parameters)\n", dtype, n);
   fmt::print("weights:      {} on disk; {} in bf16\n", human_bytes(ckpt.total_bytes()),
              human_bytes(params * 2.0));
-  if (o.load_device.empty()) return;
-  at::Device device(o.load_device);
+  if (!load_device) return;
+  const at::Device device = *load_device;
   auto t0 = std::chrono::steady_clock::now();
   auto model = models::TargetModel::load(o.dir, device, at::kBFloat16);
   obs::synchronize(device);

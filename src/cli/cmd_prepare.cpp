@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "cli/commands.h"
+#include "common/option_range.h"
 #include "common/progress_text.h"
 #include "data/prepare.h"
 
@@ -96,33 +97,54 @@ void run_prepare(const PrepareArgs& a) {
 void add_prepare_command(CLI::App& app) {
   auto args = std::make_shared<PrepareArgs>();
   auto* cmd = app.add_subcommand(
-      "prepare", "Tokenize chat JSONL (ShareGPT or OpenAI messages) into a prepared dataset");
+      "prepare",
+      "Tokenize chat JSONL (OpenAI messages, ShareGPT conversations, or GSM8K's "
+      "{\"question\", \"answer\"} lines as one user and one assistant turn) into a prepared "
+      "dataset");
   cmd->add_option("--tokenizer", args->tokenizer,
                   "model directory with tokenizer.json and tokenizer_config.json")
       ->required();
-  cmd->add_option("--data", args->data, "input JSONL files")->required()->expected(1, -1);
-  cmd->add_option("--out", args->out, "output directory")->required();
+  cmd->add_option("--data", args->data,
+                  "input JSONL files: {\"messages\": [...]} (OpenAI), {\"conversations\": "
+                  "[...]} (ShareGPT) or {\"question\", \"answer\"} (GSM8K)")
+      ->required()
+      ->expected(1, -1);
+  cmd->add_option("--out", args->out,
+                  "output directory: new, empty, or a prepared dataset (replaced with "
+                  "--overwrite)")
+      ->required();
   cmd->add_option("--chat-format", args->chat_format,
                   "auto (from tokenizer_config.json), qwen3, llama3 or llama3.1")
-      ->check(CLI::IsMember({"auto", "qwen3", "llama3", "llama3.1"}));
+      ->check(CLI::IsMember({"auto", "qwen3", "llama3", "llama3.1"}))
+      ->capture_default_str();
   cmd->add_option("--enable-thinking", args->enable_thinking,
                   "qwen3: false renders samples as served with enable_thinking=False (reasoning "
-                  "dropped; the final turn's empty think block is prompt, not learned)");
+                  "dropped; the final turn's empty think block is prompt, not learned)")
+      ->capture_default_str();
   cmd->add_flag("--keep-history-reasoning", args->keep_history_reasoning,
                 "qwen3: assistant turns before the last user query keep their reasoning (the "
                 "template drops it)");
   cmd->add_option("--max-length", args->max_length, "maximum tokens per sample")
-      ->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--overlong", args->overlong,
                   "over-long samples: truncate (keep the first --max-length tokens) or skip")
-      ->check(CLI::IsMember({"truncate", "skip"}));
+      ->check(CLI::IsMember({"truncate", "skip"}))
+      ->capture_default_str();
   cmd->add_option("--min-loss-tokens", args->min_loss_tokens,
-                  "skip samples with fewer supervised tokens");
-  cmd->add_option("--threads", args->threads, "worker threads (0: all cores)");
+                  "skip samples with fewer supervised tokens")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd->add_option("--threads", args->threads, "worker threads (0: all cores)")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--shard-tokens", args->shard_tokens, "tokens per shard file")
-      ->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_flag("--strict", args->strict, "stop at the first bad line");
-  cmd->add_flag("--overwrite", args->overwrite, "replace a prepared dataset in --out");
+  cmd->add_flag("--overwrite", args->overwrite,
+                "replace a prepared dataset in --out, or write into a directory holding other "
+                "files");
   cmd->add_flag("--quiet", args->quiet, "no progress line");
   cmd->callback([args] { run_prepare(*args); });
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "cli/commands.h"
+#include "common/option_range.h"
 #include "train/pretrain.h"
 
 namespace dflash::cli {
@@ -23,44 +24,74 @@ void add_pretrain_command(CLI::App& app) {
   cmd->add_option("--tokenizer", o->tokenizer,
                   "directory with tokenizer.json and tokenizer_config.json (default: the "
                   "built-in GSM8K tokenizer, examples/gsm8k)");
-  cmd->add_option("--layers", o->layers)->capture_default_str();
-  cmd->add_option("--hidden", o->hidden)->capture_default_str();
-  cmd->add_option("--heads", o->heads, "query heads")->capture_default_str();
-  cmd->add_option("--kv-heads", o->kv_heads)->capture_default_str();
-  cmd->add_option("--head-dim", o->head_dim, "0: hidden / heads")->capture_default_str();
-  cmd->add_option("--ffn", o->ffn, "MLP width")->capture_default_str();
-  cmd->add_option("--rope-theta", o->rope_theta)->capture_default_str();
+  cmd->add_option("--layers", o->layers, "decoder layers")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--hidden", o->hidden, "hidden size")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--heads", o->heads, "query heads")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--kv-heads", o->kv_heads, "key/value heads (a divisor of --heads)")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--head-dim", o->head_dim, "0: hidden / heads")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd->add_option("--ffn", o->ffn, "MLP width")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--rope-theta", o->rope_theta, "RoPE base")
+      ->capture_default_str()
+      ->check(kPositive.validator());
   cmd->add_option("--epochs", o->epochs, "passes over --data (unless --steps)")
-      ->capture_default_str();
-  cmd->add_option("--steps", o->steps, "optimizer steps; 0: from --epochs")->capture_default_str();
-  cmd->add_option("--batch-size", o->batch_size, "sequences per step")->capture_default_str();
+      ->capture_default_str()
+      ->check(kPositive.validator());
+  cmd->add_option("--steps", o->steps, "optimizer steps; 0: from --epochs")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd->add_option("--batch-size", o->batch_size, "sequences per step")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--lr", o->lr, "peak learning rate (AdamW, warmup then cosine)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kPositive.validator());
   cmd->add_option("--min-lr-ratio", o->min_lr_ratio, "final learning rate / peak")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kUnitInterval.validator());
   cmd->add_option("--warmup-ratio", o->warmup_ratio, "share of steps warming up")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kUnitInterval.validator());
   cmd->add_option("--weight-decay", o->weight_decay, "on matrices (not norms)")
-      ->capture_default_str();
-  cmd->add_option("--clip-norm", o->clip_norm, "global gradient norm limit")->capture_default_str();
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd->add_option("--clip-norm", o->clip_norm, "global gradient norm limit")
+      ->capture_default_str()
+      ->check(kPositive.validator());
   cmd->add_option("--loss-on", *loss_on,
                   "all: every next token (questions too); assistant: answer tokens only")
       ->check(CLI::IsMember({"all", "assistant"}))
       ->capture_default_str();
   cmd->add_option("--max-length", o->max_length, "tokens per sequence (longer ones are cut)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(2).validator());
   cmd->add_option("--max-samples", o->max_samples, "use the first N lines of --data; 0: all")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--max-eval-samples", o->max_eval_samples,
                   "use the first N lines of --eval-data; 0: all")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--eval-every", o->eval_every, "validation every N steps; 0: at the end")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--seed", o->seed, "weights and data order")->capture_default_str();
   cmd->add_option("--device", o->device, "auto (CUDA when present), cpu, cuda, cuda:N")
       ->capture_default_str();
   cmd->add_option("--log-seconds", o->log_seconds, "seconds between progress lines")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->callback([o, loss_on] {
     o->loss_on = *loss_on == "all" ? train::LossOn::kAll : train::LossOn::kAssistant;
     const auto s = train::pretrain(*o);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "common/option_range.h"
 #include "data/random_dataset.h"
 
 namespace dflash::cli {
@@ -19,19 +20,25 @@ void add_random_data_command(CLI::App& app) {
   cmd->add_option("--out", *out, "output directory")->required();
   cmd->add_option("--samples", o->samples, "number of samples")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--length", o->length, "tokens per sample")->capture_default_str();
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--length", o->length, "tokens per sample")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--length-jitter", o->length_jitter,
                   "each sample's length is uniform in [length - J, length + J]")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--prompt", o->prompt, "leading tokens of each sample that are unsupervised")
-      ->capture_default_str();
-  cmd->add_option("--vocab", o->vocab, "token ids are uniform below this")->required();
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd->add_option("--vocab", o->vocab, "token ids are uniform below this")
+      ->required()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--seed", o->seed, "seed (the same seed writes the same bytes)")
       ->capture_default_str();
   cmd->add_option("--shard-tokens", o->shard_tokens, "tokens per shard file")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(kAtLeastOne.validator());
   cmd->add_flag("--overwrite", o->overwrite, "replace a prepared dataset in --out");
   cmd->callback([o, out] {
     o->out_dir = *out;

@@ -3,7 +3,11 @@
 // keys as options or from a YAML file (--config); under torchrun, srun or --nproc-per-node
 // each process is one rank.
 #include "cli/commands.h"
+#include "common/error.h"
+#include "common/option_range.h"
+#include "dist/world.h"
 #include "pipeline/run.h"
+#include "train/checkpoint.h"
 
 namespace dflash::cli {
 
@@ -16,8 +20,22 @@ void add_train_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "train", "Train a DFlash drafter on a target model's hidden states over prepared data");
   pipeline::add_config_options(*cmd, a->config, a->config_file);
+  add_nproc_option(*cmd);
   cmd->callback([a, cmd] {
-    pipeline::run_training(pipeline::resolve_config(*cmd, a->config, a->config_file));
+    const auto config = pipeline::resolve_config(*cmd, a->config, a->config_file);
+    try {
+      pipeline::run_training(config);
+    } catch (const Error& e) {
+      // A rank that stops because another died: the newest checkpoint is where to go on from.
+      if (dist::world_from_env().world_size > 1 && !train::list_checkpoints(config.out).empty()) {
+        fail(
+            "{}\n  the job stopped; rerun the same command with --resume to continue from the "
+            "newest checkpoint in {}",
+            e.what(), config.out);
+      }
+      throw;
+    }
+    exit_if_stopped();
   });
 }
 
@@ -36,12 +54,18 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--preset", a->bench.preset,
                   "target shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
       ->capture_default_str();
-  cmd->add_option("--seq-len", a->bench.seq_len, "tokens per sequence")->capture_default_str();
+  cmd->add_option("--seq-len", a->bench.seq_len, "tokens per sequence")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--samples", a->bench.samples, "distinct synthetic sequences")
-      ->capture_default_str();
-  cmd->add_option("--warmup", a->bench.warmup, "steps not timed")->capture_default_str();
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--warmup", a->bench.warmup, "steps not timed")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--json", a->bench.json_out, "write the figures as JSON here");
   pipeline::add_config_options(*cmd, a->config, a->config_file);
+  add_nproc_option(*cmd);
   cmd->callback([a, cmd] {
     auto config = pipeline::resolve_config(*cmd, a->config, a->config_file);
     if (cmd->count("--steps") == 0 && a->config_file.empty()) config.steps = 20;

@@ -3,6 +3,8 @@
 #pragma once
 #include <CLI/CLI.hpp>
 
+#include "common/stop_signal.h"
+
 namespace dflash::cli {
 
 // Each adds one subcommand to `app`; the subcommand's callback does the work.
@@ -20,5 +22,15 @@ void add_bench_kernels_command(CLI::App& app);
 void add_eval_command(CLI::App& app);
 void add_pretrain_command(CLI::App& app);
 void add_report_command(CLI::App& app);
+
+// `--nproc-per-node N` in the command's --help. main() takes the option out before parsing
+// and starts N ranks of the command (dist/launch.h); a command without it refuses the option.
+void add_nproc_option(CLI::App& cmd);
+
+// After a command stopped by SIGINT/SIGTERM has kept its work and said how to continue: ends
+// the program with 128 + the signal's number.
+inline void exit_if_stopped() {
+  if (stop_signal() != 0) throw CLI::RuntimeError(stop_exit_code());
+}
 
 }  // namespace dflash::cli

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "common/bounded_queue.h"
@@ -169,6 +170,34 @@ Status tokenize_chunks(BoundedQueue<Chunk>& work, BoundedQueue<ChunkResult>& don
   }
 }
 
+// `dir` may receive a dataset: it is new, empty, or a dataset already (DatasetWriter replaces
+// that with `overwrite` only); a directory holding anything else takes one only with
+// `overwrite`. Checked before any input is read, so a refusal leaves every file as it was.
+void check_out_dir(const std::filesystem::path& dir, bool overwrite) {
+  namespace fs = std::filesystem;
+  if (!fs::exists(dir)) return;
+  if (!fs::is_directory(dir)) fail("--out {}: not a directory", dir.string());
+  bool dataset = false;
+  std::string other;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name == "manifest.json" || (name.starts_with("shard-") && name.ends_with(".bin"))) {
+      dataset = true;
+    } else if (other.empty()) {
+      other = name;
+    }
+  }
+  if (dataset && !overwrite) {
+    fail("--out {} already holds a prepared dataset; pass --overwrite to replace it", dir.string());
+  }
+  if (!dataset && !other.empty() && !overwrite) {
+    fail(
+        "--out {} is not empty and holds no prepared dataset (it has {}, ...); choose a new "
+        "directory, or pass --overwrite to write the dataset beside those files",
+        dir.string(), other);
+  }
+}
+
 }  // namespace
 
 PrepareSummary prepare_dataset(const PrepareOptions& opt,
@@ -192,7 +221,9 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
     summary.sources.push_back(std::move(src));
     summary.input_bytes += summary.sources.back().bytes;
   }
-  DatasetWriter writer(opt.out_dir, opt.shard_tokens, opt.overwrite);
+  check_out_dir(opt.out_dir, opt.overwrite);
+  // Made at the first sample: an input with none leaves --out as it was.
+  std::optional<DatasetWriter> writer;
 
   int threads = opt.threads > 0
                     ? opt.threads
@@ -270,7 +301,8 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
           continue;
         }
         const auto& s = lr.sample;
-        writer.add(s.ids, s.mask);
+        if (!writer) writer.emplace(opt.out_dir, opt.shard_tokens, opt.overwrite);
+        writer->add(s.ids, s.mask);
         ++src.samples;
         ++summary.samples;
         src.truncated += lr.truncated;
@@ -300,6 +332,15 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
     throw;
   }
   join_stages();
+  if (!writer) {
+    std::string why;
+    for (const auto& src : summary.sources) {
+      why += fmt::format("\n  {}: {} lines", src.path, src.lines);
+      for (const auto& [reason, n] : src.skipped) why += fmt::format(", {} skipped: {}", n, reason);
+    }
+    fail("prepare: no sample to write ({} lines skipped; nothing written to {}):{}",
+         summary.skipped, opt.out_dir.string(), why);
+  }
 
   auto tok_path = std::filesystem::is_directory(opt.tokenizer_dir)
                       ? opt.tokenizer_dir / "tokenizer.json"
@@ -335,7 +376,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
         {"truncated", summary.truncated},
         {"skipped", summary.skipped}}},
       {"length_histogram", histogram}};
-  summary.shards = writer.finish(std::move(fields));
+  summary.shards = writer->finish(std::move(fields));
   summary.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (progress) {
     progress(

@@ -154,7 +154,8 @@ std::optional<int> take_nproc_option(std::vector<std::string>& argv) {
   return std::nullopt;
 }
 
-int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program) {
+int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program,
+                 const std::string& continue_hint) {
   if (nproc < 1) fail("--nproc-per-node needs a positive integer, got {}", nproc);
   if (argv.empty()) fail("launcher: empty argv (argv[0] is the program name)");
   const double grace = kill_grace_seconds();
@@ -198,11 +199,13 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
   posix_spawnattr_destroy(&attr);
 
   int first_failure = 0;
+  int forwarded = 0;  // the signal passed on to the ranks, if any
   int running = nproc;
   auto kill_at = Clock::time_point::max();  // after a failure: when SIGTERM turns into SIGKILL
   while (running > 0) {
     if (const int signal = g_forward_signal; signal != 0) {
       g_forward_signal = 0;
+      forwarded = signal;
       signal_all(children, signal);
     }
     for (int rank = 0; rank < nproc; ++rank) {
@@ -228,8 +231,10 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
       }
       if (code == 0 || first_failure != 0) continue;
       first_failure = code;
+      if (forwarded != 0 && code == 128 + forwarded) continue;  // stopped as asked
       fmt::print(stderr, "dflash: rank {} {}{}\n", rank, how,
                  running > 0 ? "; stopping the other ranks" : "");
+      if (!continue_hint.empty()) fmt::print(stderr, "dflash: {}\n", continue_hint);
       std::fflush(stderr);
       signal_all(children, SIGTERM);
       kill_at = Clock::now() +

@@ -16,9 +16,12 @@ std::optional<int> take_nproc_option(std::vector<std::string>& argv);
 // the environment if set, else a free port) and DFLASH_LAUNCHED=1 added to this environment.
 // Children share this process's stdout and stderr. SIGINT and SIGTERM are forwarded to them.
 // When one exits non-zero or by a signal, the others get SIGTERM and, after DFLASH_KILL_GRACE_S
-// seconds (default 30), SIGKILL. Returns 0 when all exited 0, else the first failure's exit code
-// (128 + signal number for a signal).
+// seconds (default 30), SIGKILL; `continue_hint` (if any), how to go on from there, follows the
+// line naming the failed rank. Ranks that exit with 128 + a signal this launcher forwarded
+// stopped as asked: no failure is reported. Returns 0 when all exited 0, else the first
+// non-zero exit code (128 + signal number for a signal).
 int launch_local(int nproc, const std::vector<std::string>& argv,
-                 const std::string& program = "/proc/self/exe");
+                 const std::string& program = "/proc/self/exe",
+                 const std::string& continue_hint = "");
 
 }  // namespace dflash::dist

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "eval/progress.h"
 
 namespace dflash::eval {
 namespace {
@@ -108,6 +109,7 @@ PromptFile read_prompt_file(const fs::path& path, int64_t limit) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     try {
       f.prompts.push_back(parse_prompt(line));
+      f.prompts.back().line = number;
     } catch (const Error& e) {
       fail("{}:{}: {}", path.string(), number, e.what());
     }
@@ -144,8 +146,17 @@ json FileReport::to_json() const {
                     {"logit_gap", std::isfinite(d.logit_gap) ? json(d.logit_gap) : json(nullptr)},
                     {"tie", d.tie}});
   }
+  json skips = json::array();
+  for (const auto& s : skipped) {
+    skips.push_back({{"prompt", s.prompt},
+                     {"line", s.line},
+                     {"turn", s.turn},
+                     {"tokens", s.tokens},
+                     {"context", s.context}});
+  }
   return {{"file", name},
           {"prompts", prompts},
+          {"skipped", skips},
           {"turns", turns},
           {"block_size", block_size},
           {"tau", speculative.tau()},
@@ -182,23 +193,48 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
   if (options_.tie_tolerance < 0) {
     options_.tie_tolerance = target.dtype() == at::kFloat ? 1e-4 : 0.25;
   }
+  const int64_t max_position = target.config().max_position_embeddings;
+  // The most tokens a sequence may hold (0: unknown): a prompt must leave room in it.
+  const int64_t limit = options_.context > 0 ? options_.context : max_position;
+  const int64_t budget = options_.max_new_tokens;  // progress counts each turn as this much
+  ProgressLine progress("eval", options_.progress_seconds, options_.progress_seconds > 0);
   for (auto& pf : files) {
     File f;
     f.name = pf.name;
     f.prompts = static_cast<int64_t>(pf.prompts.size());
     const auto t0 = std::chrono::steady_clock::now();
+    progress.restart("eval");
+    int64_t total_turns = 0, turns_done = 0, tokens_done = 0;
+    for (const auto& p : pf.prompts) total_turns += static_cast<int64_t>(p.turns.size());
     std::vector<data::Conversation> histories(pf.prompts.size());
+    std::vector<bool> dropped(pf.prompts.size(), false);
     for (size_t i = 0; i < pf.prompts.size(); ++i) histories[i].messages = pf.prompts[i].system;
     for (size_t k = 0;; ++k) {
       std::vector<Turn> round;
       std::vector<std::vector<int64_t>> prompts;
       int64_t longest = 0;
       for (size_t i = 0; i < pf.prompts.size(); ++i) {
-        if (pf.prompts[i].turns.size() <= k) continue;
+        const EvalPrompt& p = pf.prompts[i];
+        if (p.turns.size() <= k || dropped[i]) continue;
         auto& h = histories[i];
-        h.messages.push_back({data::Role::kUser, pf.prompts[i].turns[k], std::nullopt});
+        h.messages.push_back({data::Role::kUser, p.turns[k], std::nullopt});
         const auto ids = tokenizer.encode(
             data::render_generation_prompt(h, chat, options_.enable_thinking), false);
+        const auto n = static_cast<int64_t>(ids.size());
+        if (limit > 0 && n >= limit) {
+          if (!options_.skip_overlong) {
+            fail(
+                "{}:{}: turn {}: the prompt has {} tokens and the context holds {} "
+                "(--max-context, else the target's max_position_embeddings): no room for an "
+                "answer; shorten the prompt, raise --max-context, or pass --skip-overlong to "
+                "skip such prompts",
+                pf.name, p.line, k + 1, n, limit);
+          }
+          f.skipped.push_back({static_cast<int64_t>(i), p.line, static_cast<int64_t>(k), n, limit});
+          dropped[i] = true;
+          total_turns -= static_cast<int64_t>(p.turns.size() - k);
+          continue;
+        }
         Turn t;
         t.prompt = static_cast<int64_t>(i);
         t.turn = static_cast<int64_t>(k);
@@ -221,6 +257,13 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
       g.slots = options_.slots;
       g.context = context;
       g.cuda_graph = options_.cuda_graph;
+      g.progress = [&](const DecodeProgress& d) {
+        const int64_t turns = turns_done + d.finished;
+        progress.update(
+            static_cast<double>(turns * budget + d.generated_tokens - d.finished_tokens),
+            static_cast<double>(total_turns * budget), tokens_done + d.generated_tokens,
+            fmt::format("{}: target-only {}/{} turns", f.name, turns, total_turns));
+      };
       Generator generator(target, g);
       std::vector<Completion> answers;
       add_stats(f.target,
@@ -228,6 +271,8 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
                             [&](const Generator::NextFn& next, const Generator::DoneFn& done) {
                               return generator.run(next, done);
                             }));
+      turns_done += static_cast<int64_t>(round.size());
+      tokens_done = f.target.generated_tokens;
       for (size_t j = 0; j < round.size(); ++j) {
         round[j].answer = std::move(answers[j]);
         std::vector<int32_t> ids(round[j].answer.tokens.begin(), round[j].answer.tokens.end());
@@ -239,6 +284,7 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
       f.contexts.push_back(context);
     }
     f.seconds = seconds_since(t0);
+    progress.close();
     files_.push_back(std::move(f));
   }
 }
@@ -250,13 +296,19 @@ EvalReport Evaluator::evaluate(const models::Drafter& drafter) const {
 
 EvalReport Evaluator::evaluate(DraftSource& drafter) const {
   EvalReport report;
+  const int64_t budget = options_.max_new_tokens;
+  ProgressLine progress("eval", options_.progress_seconds, options_.progress_seconds > 0);
   for (const File& f : files_) {
     FileReport r;
     r.name = f.name;
     r.prompts = f.prompts;
     r.block_size = drafter.block_size();
     r.target = f.target;
+    r.skipped = f.skipped;
     const auto t0 = std::chrono::steady_clock::now();
+    progress.restart("eval");
+    int64_t total_turns = 0;
+    for (const auto& round : f.rounds) total_turns += static_cast<int64_t>(round.size());
     for (size_t k = 0; k < f.rounds.size(); ++k) {
       const auto& round = f.rounds[k];
       SpeculativeOptions o;
@@ -265,6 +317,14 @@ EvalReport Evaluator::evaluate(DraftSource& drafter) const {
       o.slots = options_.slots;
       o.context = f.contexts[k];
       o.cuda_graph = options_.cuda_graph;
+      o.progress = [&](const DecodeProgress& d) {
+        const int64_t turns = r.turns + d.finished;
+        progress.update(
+            static_cast<double>(turns * budget + d.generated_tokens - d.finished_tokens),
+            static_cast<double>(total_turns * budget),
+            r.speculative.generated_tokens + d.generated_tokens,
+            fmt::format("{}: speculative {}/{} turns", f.name, turns, total_turns));
+      };
       SpeculativeDecoder decoder(target_, drafter, o);
       std::vector<std::vector<int64_t>> prompts;
       for (const Turn& t : round) prompts.push_back(t.tokens);
@@ -279,6 +339,7 @@ EvalReport Evaluator::evaluate(DraftSource& drafter) const {
       }
     }
     r.wall_seconds = f.seconds + seconds_since(t0);
+    progress.close();
     report.files.push_back(std::move(r));
   }
   return report;
@@ -345,8 +406,17 @@ std::string format_report(const EvalReport& report) {
         f.target_tokens_per_s(), f.speculative_tokens_per_s(), f.speedup());
     out += fmt::format("  wall {:.2f} s (target-only {:.2f} s, speculative {:.2f} s)\n",
                        f.wall_seconds, f.target.seconds, s.seconds);
+    if (!f.skipped.empty()) {
+      out += fmt::format("  {} prompt(s) SKIPPED, longer than the context (--skip-overlong):",
+                         f.skipped.size());
+      for (const auto& s : f.skipped) {
+        out += fmt::format(" line {} turn {} ({} tokens)", s.line, s.turn + 1, s.tokens);
+      }
+      out += "\n";
+    }
     if (f.divergences.empty()) {
-      out += fmt::format("  speculative output == target greedy output on all {} turns\n", f.turns);
+      out += fmt::format("  speculative output == target greedy output on all {} turns{}\n",
+                         f.turns, f.skipped.empty() ? "" : " decoded");
     } else {
       out += fmt::format("  {} MISMATCHES and {} numerical ties against target greedy output:\n",
                          f.mismatches(), f.ties());

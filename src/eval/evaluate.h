@@ -25,6 +25,7 @@ namespace dflash::eval {
 struct EvalPrompt {
   std::vector<data::Message> system;
   std::vector<std::string> turns;
+  int64_t line = 0;  // in its file, 1-based
 };
 
 struct PromptFile {
@@ -51,6 +52,18 @@ struct EvalOptions {
   // a numerical tie, not a mismatch: verifying 16 tokens at once and decoding one at a time
   // round differently in bf16. Negative: by dtype (fp32 1e-4, bf16/fp16 0.25).
   double tie_tolerance = -1;
+  // A turn whose prompt leaves no room in the context for one generated token is an error
+  // naming its file and line; with this, the prompt is skipped (from that turn on) and counted
+  // as skipped, never as verified.
+  bool skip_overlong = false;
+  // Progress lines on stderr (eval/progress.h) every this many seconds in a log; 0: none.
+  double progress_seconds = 0;
+};
+
+// A prompt left out because a turn of it does not fit the context (--skip-overlong).
+struct SkippedPrompt {
+  int64_t prompt = 0, line = 0, turn = 0;
+  int64_t tokens = 0, context = 0;  // the turn's prompt tokens, the context limit
 };
 
 // One divergence between speculative and target-only greedy output.
@@ -69,7 +82,8 @@ struct FileReport {
   GenerationStats target;  // target-only greedy
   SpeculativeStats speculative;
   std::vector<Divergence> divergences;
-  double wall_seconds = 0;  // both runs
+  std::vector<SkippedPrompt> skipped;  // --skip-overlong: not decoded, not compared
+  double wall_seconds = 0;             // both runs
 
   double target_tokens_per_s() const;
   double speculative_tokens_per_s() const;
@@ -111,6 +125,7 @@ class Evaluator {
     int64_t prompts = 0;
     std::vector<std::vector<Turn>> rounds;  // rounds[k]: every prompt's turn k
     std::vector<int64_t> contexts;          // the context limit each round ran with
+    std::vector<SkippedPrompt> skipped;
     GenerationStats target;
     double seconds = 0;
   };

@@ -142,6 +142,7 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
   std::vector<Slot> slots(n_slots);
   uint64_t serial = 0;
   GenerationStats stats;
+  DecodeProgress progress;
 
   // Small host vectors go to the device through pinned memory, so the copy does not block.
   auto upload = [&](at::Tensor t) {
@@ -163,6 +164,9 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
            options_.stop_tokens.end();
   };
   auto finish = [&](Slot& s, Finish why) {
+    ++progress.finished;
+    progress.finished_tokens +=
+        static_cast<int64_t>(s.completion.tokens.size()) + (why == Finish::kStop ? 1 : 0);
     s.completion.finish = why;
     s.occupied = false;
     done(s.request, std::move(s.completion));
@@ -314,7 +318,13 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
     }
     // The previous iteration's tokens, read while the device works on this one.
     const bool processed = has_pending;
-    if (has_pending) process(pending);
+    if (has_pending) {
+      process(pending);
+      if (options_.progress) {
+        progress.generated_tokens = stats.generated_tokens;
+        options_.progress(progress);
+      }
+    }
     has_pending = launched;
     if (launched) {
       pending = std::move(report);

@@ -23,6 +23,16 @@ struct CUDAGraph;
 
 namespace dflash::eval {
 
+// What a running decode has done so far, for progress lines: requests finished, generated
+// tokens kept (as GenerationStats counts them: a stop token counts) and how many of those
+// belong to the finished requests.
+struct DecodeProgress {
+  int64_t finished = 0;
+  int64_t generated_tokens = 0;
+  int64_t finished_tokens = 0;
+};
+using ProgressFn = std::function<void(const DecodeProgress&)>;
+
 struct GenerationOptions {
   SamplingParams sampling;
   int64_t max_new_tokens = 512;      // generated tokens per request, stop token included
@@ -31,6 +41,7 @@ struct GenerationOptions {
   int64_t context = 0;             // prompt + generated tokens at most; 0: max_position_embeddings
   bool cuda_graph = true;          // capture the decode step where the device and dtype allow
   int64_t prefill_tokens = 16384;  // prompt tokens per prefill forward (one prompt at least)
+  ProgressFn progress;             // if set, called each time a step's tokens have been read
 };
 
 struct Request {

@@ -14,9 +14,11 @@
 
 #include "common/error.h"
 #include "common/file.h"
+#include "common/stop_signal.h"
 #include "data/chat.h"
 #include "dist/comm.h"
 #include "dist/world.h"
+#include "eval/progress.h"
 #include "models/target.h"
 #include "tokenizer/tokenizer.h"
 
@@ -145,11 +147,16 @@ struct Job {
   size_t next = 0;             // input position of the next assistant turn
   int turn = 0;
   json finish = json::array();
+  bool overlong = false;  // skipped: a turn's prompt does not fit the context
 };
+
+// Thrown out of the generation loop when a stop signal arrives.
+struct Stopped {};
 
 }  // namespace
 
 void regenerate(const RegenerateOptions& o) {
+  install_stop_signals();
   const dist::World world = dist::world_from_env();
   const at::Device device = dist::device_for(world, o.device);
   std::unique_ptr<dist::Comm> comm;
@@ -198,15 +205,14 @@ void regenerate(const RegenerateOptions& o) {
     g.max_new_tokens = o.max_new_tokens;
     g.stop_tokens = stop_tokens(o.target, tokenizer, chat.format);
     g.slots = o.batch_size;
-    g.context = std::min(o.max_context, model.config().max_position_embeddings);
+    const int64_t max_position = model.config().max_position_embeddings;
+    g.context = max_position > 0 ? std::min(o.max_context, max_position) : o.max_context;
     g.cuda_graph = o.cuda_graph;
-    Generator generator(model, g);
 
     std::unordered_map<int64_t, Job> jobs;
     std::deque<Request> ready;  // next turns of conversations in flight, served first
-    int64_t lines_done = 0, skipped = 0, tokens = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    auto last_print = t0;
+    int64_t lines_done = 0, skipped = 0, overlong = 0;
+    ProgressLine progress(who, o.progress_seconds, world.rank == 0);
 
     // Copies input turns up to the next assistant turn and renders its prompt; false when the
     // conversation has no assistant turn left.
@@ -219,6 +225,20 @@ void regenerate(const RegenerateOptions& o) {
       const std::string prompt =
           data::render_generation_prompt(job.history, chat, o.enable_thinking);
       auto ids = tokenizer.encode(prompt, /*add_special_tokens=*/false);
+      const auto n = static_cast<int64_t>(ids.size());
+      if (n >= g.context) {
+        const std::string why = fmt::format(
+            "{}:{}: turn {}: the prompt has {} tokens and the context holds {} (--max-context, "
+            "at most the target's max_position_embeddings): no room for an answer",
+            o.data.string(), job.index + 1, job.turn + 1, n, g.context);
+        if (!o.skip_overlong) {
+          fail("{}; raise --max-context, or pass --skip-overlong to skip such conversations", why);
+        }
+        write_line({{"index", job.index}, {"skipped", why}});
+        ++overlong;
+        job.overlong = true;
+        return std::nullopt;
+      }
       Request r;
       r.id = (static_cast<uint64_t>(job.index) << kTurnBits) | static_cast<uint64_t>(job.turn);
       r.prompt.assign(ids.begin(), ids.end());
@@ -233,22 +253,15 @@ void regenerate(const RegenerateOptions& o) {
       ++lines_done;
       jobs.erase(job.index);
     };
-    auto progress = [&](bool final) {
-      const auto now = std::chrono::steady_clock::now();
-      if (!final &&
-          (o.progress_seconds <= 0 || world.rank != 0 ||
-           std::chrono::duration<double>(now - last_print).count() < o.progress_seconds)) {
-        return;
-      }
-      last_print = now;
-      const double s = std::chrono::duration<double>(now - t0).count();
-      const int64_t handled = lines_done + skipped;
-      const double eta = handled > 0 ? s * static_cast<double>(todo_lines - handled) / handled : -1;
-      fmt::print("{}: {}/{} lines, {} tokens, {:.0f} tokens/s, {:.0f} s elapsed, ETA {}\n", who,
-                 handled, todo_lines, tokens, tokens / std::max(s, 1e-9), s,
-                 eta < 0 ? std::string("?") : fmt::format("{:.0f} s", eta));
-      std::fflush(stdout);
+    // Token by token: the ETA scales the time so far by the lines handled.
+    g.progress = [&](const DecodeProgress& d) {
+      if (stop_signal() != 0) throw Stopped{};
+      const int64_t handled = lines_done + skipped + overlong;
+      progress.update(static_cast<double>(handled), static_cast<double>(todo_lines),
+                      d.generated_tokens,
+                      fmt::format("{}/{} lines, {} in flight", handled, todo_lines, jobs.size()));
     };
+    Generator generator(model, g);
 
     auto next = [&]() -> std::optional<Request> {
       if (!ready.empty()) {
@@ -268,8 +281,9 @@ void regenerate(const RegenerateOptions& o) {
           ++skipped;
           continue;
         }
+        // parse_conversation guarantees an assistant turn: no request means skipped.
         auto request = prepare_turn(job);
-        if (!request) continue;  // parse_conversation guarantees an assistant turn
+        if (!request) continue;
         jobs.emplace(index, std::move(job));
         return request;
       }
@@ -277,7 +291,6 @@ void regenerate(const RegenerateOptions& o) {
     };
     auto done = [&](const Request& r, Completion c) {
       Job& job = jobs.at(static_cast<int64_t>(r.id >> kTurnBits));
-      tokens += static_cast<int64_t>(c.tokens.size());
       std::vector<int32_t> ids(c.tokens.begin(), c.tokens.end());
       job.history.messages.push_back(
           {data::Role::kAssistant, tokenizer.decode(ids, /*skip_special_tokens=*/true), {}});
@@ -286,18 +299,35 @@ void regenerate(const RegenerateOptions& o) {
       ++job.turn;
       if (auto request = prepare_turn(job)) {
         ready.push_front(std::move(*request));
+      } else if (job.overlong) {
+        jobs.erase(job.index);
       } else {
         finish_job(job);
       }
-      progress(false);
     };
-    auto stats = generator.run(next, done);
-    progress(true);
+    GenerationStats stats;
+    try {
+      if (stop_signal() != 0) throw Stopped{};
+      stats = generator.run(next, done);
+    } catch (const Stopped&) {
+      progress.close();
+      ::close(fd);
+      fmt::print(
+          "{}: stopped by {}: {} lines finished in this run are kept in {} ({} of {} input "
+          "lines done in all; the {} in flight start over); rerun the same command to "
+          "continue\n",
+          who, stop_signal_name(), lines_done + skipped + overlong, part.string(),
+          static_cast<int64_t>(finished.size()) + lines_done + skipped + overlong, inputs.size(),
+          jobs.size());
+      return;
+    }
+    progress.close();
     fmt::print(
-        "{}: {} lines ({} skipped as invalid), {} requests, {} prompt + {} generated "
-        "tokens in {:.1f} s ({:.0f} generated tokens/s, {} decode steps, cuda graph {})\n",
-        who, lines_done + skipped, skipped, stats.requests, stats.prompt_tokens,
-        stats.generated_tokens, stats.seconds,
+        "{}: {} lines ({} skipped as invalid, {} as longer than the context), {} requests, {} "
+        "prompt + {} generated tokens in {:.1f} s ({:.0f} generated tokens/s, {} decode steps, "
+        "cuda graph {})\n",
+        who, lines_done + skipped + overlong, skipped, overlong, stats.requests,
+        stats.prompt_tokens, stats.generated_tokens, stats.seconds,
         stats.generated_tokens / std::max(stats.seconds, 1e-9), stats.decode_steps,
         generator.uses_cuda_graph() ? "on" : "off");
   }

@@ -31,7 +31,10 @@ struct RegenerateOptions {
   std::string device = "auto";
   std::string dtype = "auto";  // models::parse_dtype
   bool cuda_graph = true;
-  double progress_seconds = 5.0;  // between progress lines; 0: none
+  double progress_seconds = 5.0;  // between progress lines in a log; 0: none
+  // A turn whose prompt leaves no room for one generated token in the context is an error
+  // naming its line; with this, its conversation is skipped (and counted) instead.
+  bool skip_overlong = false;
 };
 
 // End-of-turn and end-of-text tokens of the chat format, and the model's own EOS ids
@@ -44,7 +47,8 @@ std::vector<int64_t> stop_tokens(const std::filesystem::path& model_dir,
 data::ChatConfig chat_config(const std::filesystem::path& model_dir,
                              const std::optional<std::string>& format, const char* who);
 
-// Runs on this process's rank (dist::world_from_env) and returns when `out` is complete.
+// Runs on this process's rank (dist::world_from_env) and returns when `out` is complete, or
+// early on SIGINT/SIGTERM (common/stop_signal.h) with the finished lines kept, having said so.
 void regenerate(const RegenerateOptions& options);
 
 }  // namespace dflash::eval

@@ -159,6 +159,7 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
   std::vector<Slot> slots(n_slots);
   SpeculativeStats stats;
   stats.committed.assign(bs + 1, 0);
+  DecodeProgress progress;
 
   auto upload = [&](const at::Tensor& t) {
     return device.is_cpu() ? t : t.pin_memory().to(device, /*non_blocking=*/true);
@@ -176,6 +177,9 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
   };
   const auto& stops = options_.stop_tokens;
   auto finish = [&](Slot& s, Finish why) {
+    ++progress.finished;
+    progress.finished_tokens +=
+        static_cast<int64_t>(s.completion.tokens.size()) + (why == Finish::kStop ? 1 : 0);
     s.completion.finish = why;
     s.occupied = false;
     done(s.request, std::move(s.completion));
@@ -377,6 +381,10 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     // Requests that finish in their prefill leave their slots free for more at once.
     const bool took = admit();
     if (!step() && !took) break;
+    if (options_.progress) {
+      progress.generated_tokens = stats.generated_tokens;
+      options_.progress(progress);
+    }
   }
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return stats;

@@ -73,6 +73,7 @@ struct SpeculativeOptions {
   int64_t context = 0;             // prompt + generated tokens at most; 0: max_position_embeddings
   int64_t prefill_tokens = 16384;  // prompt tokens per prefill forward (one prompt at least)
   bool cuda_graph = true;          // capture the verify pass where the device and dtype allow
+  ProgressFn progress;             // if set, called after each verify step's commits
 };
 
 struct SpeculativeStats {

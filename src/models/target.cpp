@@ -100,16 +100,9 @@ Shapes expected_tensors(const ModelConfig& c, FusedExperts&& fused_experts) {
   return out;
 }
 
-}  // namespace
-
-TargetModel::TargetModel(ModelConfig config, at::Device device)
-    : config_(std::move(config)), rotary_(config_, device) {}
-
-TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device device,
-                              at::ScalarType dtype) {
-  TargetModel m(load_model_config(dir / "config.json"), device);
-  const ModelConfig& c = m.config_;
-  auto ckpt = io::Checkpoint::open(dir);
+// The names of the tensors `c` implies, each checked in `ckpt`.
+std::vector<std::string> checked_tensors(const io::Checkpoint& ckpt, const ModelConfig& c,
+                                         const std::filesystem::path& dir) {
   std::vector<std::string> names;
   auto fused = [&](int64_t i) { return has_fused_experts(ckpt, i); };
   for (const auto& [name, shape] : expected_tensors(c, fused)) {
@@ -123,7 +116,25 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
     }
     names.push_back(name);
   }
-  auto w = ckpt.load(names, device, dtype);
+  return names;
+}
+
+}  // namespace
+
+TargetModel::TargetModel(ModelConfig config, at::Device device)
+    : config_(std::move(config)), rotary_(config_, device) {}
+
+void TargetModel::check(const std::filesystem::path& dir) {
+  checked_tensors(io::Checkpoint::open(dir), load_model_config(dir / "config.json"), dir);
+}
+
+TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device device,
+                              at::ScalarType dtype) {
+  TargetModel m(load_model_config(dir / "config.json"), device);
+  const ModelConfig& c = m.config_;
+  auto ckpt = io::Checkpoint::open(dir);
+  auto w = ckpt.load(checked_tensors(ckpt, c, dir), device, dtype);
+  auto fused = [&](int64_t i) { return has_fused_experts(ckpt, i); };
   auto take = [&](const std::string& name) {
     auto node = w.extract(name);
     return node.mapped();

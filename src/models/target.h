@@ -76,6 +76,9 @@ class TargetModel {
   // mlp.experts.down_proj [E, H, F]: transformers 5's state_dict).
   static TargetModel load(const std::filesystem::path& dir, at::Device device,
                           at::ScalarType dtype);
+  // What load() checks before it reads a byte of weights: every tensor config.json implies is
+  // in the safetensors, of the implied shape (errors name the tensor and both shapes).
+  static void check(const std::filesystem::path& dir);
   // Random weights (normal, std 0.02; norms at 1) for benchmarks that need no files.
   static TargetModel random(const ModelConfig& config, at::Device device, at::ScalarType dtype,
                             uint64_t seed);

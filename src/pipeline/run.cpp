@@ -23,6 +23,7 @@
 #include "common/file.h"
 #include "common/json_file.h"
 #include "common/progress_text.h"
+#include "common/stop_signal.h"
 #include "dist/comm.h"
 #include "dist/world.h"
 #include "eval/evaluate.h"
@@ -478,7 +479,7 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
     serve_features(*r.comm, topo, *job.target, dc.target_layer_ids,
                    models::parse_prefill_gemms(c.prefill_gemms), batches, start_position,
                    job.steps * c.accumulation, c.accumulation, static_cast<size_t>(c.prefetch),
-                   [] { return train::stop_requested(); });
+                   [] { return stop_signal() != 0; });
     final_snapshot(r.device, job.steps);
     return job.steps;
   }
@@ -934,7 +935,7 @@ void run_training(const RunConfig& c) {
       fail("DFLASH_KILL_AT must be RANK:STEP, got \"{}\"", k);
     }
   }
-  train::install_stop_signals();
+  install_stop_signals();
   start_obs(c, r, run_dir, /*warmup_steps=*/1, job.steps);
   prepare_eval(job);
   const int64_t done = run_rank(
@@ -955,9 +956,9 @@ void run_training(const RunConfig& c) {
     fmt::print("  the full report: dflash report {}\n", run_dir.string());
   }
   const fs::path newest = train::resolve_checkpoint(run_dir);
-  if (train::stop_requested()) {
-    fmt::print("train: stopped by a signal at step {} of {}; checkpoint {}\n", done, job.steps,
-               newest.string());
+  if (stop_signal() != 0) {
+    fmt::print("train: stopped by {} at step {} of {}; checkpoint {} (exit status {})\n",
+               stop_signal_name(), done, job.steps, newest.string(), stop_exit_code());
     fmt::print("  continue with the same command plus --resume\n");
     return;
   }

@@ -40,10 +40,10 @@ const std::vector<ConfigKey>& config_keys() {
       {"target", &RunConfig::target, "target model directory (Hugging Face layout)"},
       {"data", &RunConfig::data, "prepared dataset directory (from `dflash prepare`)"},
       {"out", &RunConfig::out, "run directory: checkpoints, metrics, run config"},
-      {"drafter_layers", &RunConfig::drafter_layers, "drafter decoder layers"},
+      {"drafter_layers", &RunConfig::drafter_layers, "drafter decoder layers", kAtLeastOne},
       {"target_layer_ids", &RunConfig::target_layer_ids,
        "tapped target layers (default: DFlash's spread, one per drafter layer)"},
-      {"block_size", &RunConfig::block_size, "DFlash block size"},
+      {"block_size", &RunConfig::block_size, "DFlash block size", at_least(2)},
       {"drafter_attention", &RunConfig::drafter_attention,
        "the drafter's block attention: auto (gathered-cudnn-shared-fwd on CUDA bf16/fp16 where "
        "cuDNN runs: Hopper or newer, its probe passing; gathered on other GPUs; dense on the "
@@ -67,39 +67,45 @@ const std::vector<ConfigKey>& config_keys() {
        "rounding, and the tapped layers' weights are held in e4m3 too, ~0.19 GB a layer of "
        "Qwen3-8B; evaluation keeps the bf16 target)"},
       {"mask_token_id", &RunConfig::mask_token_id,
-       "MASK token (default: 151669 if inside the vocabulary, else the last id)"},
+       "MASK token (default: 151669 if inside the vocabulary, else the last id)", at_least(-1)},
       {"init_from", &RunConfig::init_from,
        "initialise from a drafter export directory (its config defines the drafter)"},
       {"init_from_target_layers", &RunConfig::init_from_target_layers,
        "initialise drafter layer i as a copy of target layer ids[i]"},
-      {"steps", &RunConfig::steps, "optimizer steps in total (default: --epochs worth)"},
-      {"epochs", &RunConfig::epochs, "epochs over the data when --steps is not given"},
+      {"steps", &RunConfig::steps, "optimizer steps in total (default: --epochs worth)",
+       kNonNegative},
+      {"epochs", &RunConfig::epochs, "epochs over the data when --steps is not given", kPositive},
       {"batch_size", &RunConfig::batch_size,
-       "sequences per micro-batch, all ranks together (the global batch is this x accumulation)"},
-      {"accumulation", &RunConfig::accumulation, "micro-batches per optimizer step"},
-      {"lr", &RunConfig::lr, "peak learning rate"},
-      {"min_lr", &RunConfig::min_lr, "learning rate at the end of the cosine"},
-      {"warmup_ratio", &RunConfig::warmup_ratio, "share of steps with linear warmup"},
-      {"weight_decay", &RunConfig::weight_decay, "AdamW weight decay"},
-      {"clip_norm", &RunConfig::clip_norm, "global gradient-norm clip"},
-      {"max_anchors", &RunConfig::max_anchors, "blocks per sequence (anchors sampled per epoch)"},
-      {"max_seq_len", &RunConfig::max_seq_len, "longer samples are cut to this many tokens"},
-      {"seed", &RunConfig::seed, "drafter init, data order and anchors"},
+       "sequences per micro-batch, all ranks together (the global batch is this x accumulation)",
+       kAtLeastOne},
+      {"accumulation", &RunConfig::accumulation, "micro-batches per optimizer step", kAtLeastOne},
+      {"lr", &RunConfig::lr, "peak learning rate", kPositive},
+      {"min_lr", &RunConfig::min_lr, "learning rate at the end of the cosine", kNonNegative},
+      {"warmup_ratio", &RunConfig::warmup_ratio, "share of steps with linear warmup",
+       kUnitInterval},
+      {"weight_decay", &RunConfig::weight_decay, "AdamW weight decay", kNonNegative},
+      {"clip_norm", &RunConfig::clip_norm, "global gradient-norm clip", kPositive},
+      {"max_anchors", &RunConfig::max_anchors, "blocks per sequence (anchors sampled per epoch)",
+       kAtLeastOne},
+      {"max_seq_len", &RunConfig::max_seq_len, "longer samples are cut to this many tokens",
+       at_least(2)},
+      {"seed", &RunConfig::seed, "drafter init, data order and anchors", kNonNegative},
       {"checkpoint_every", &RunConfig::checkpoint_every,
-       "checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)"},
-      {"keep_last", &RunConfig::keep_last, "checkpoints kept"},
+       "checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)", kNonNegative},
+      {"keep_last", &RunConfig::keep_last, "checkpoints kept", kAtLeastOne},
       {"resume", &RunConfig::resume, "continue from the newest checkpoint in --out"},
-      {"log_seconds", &RunConfig::log_seconds, "seconds between progress lines"},
+      {"log_seconds", &RunConfig::log_seconds, "seconds between progress lines", kNonNegative},
       {"eval_prompts", &RunConfig::eval_prompts,
        "held-out prompt file (any that `dflash eval` reads): tau by real speculative decoding "
        "every --eval-every steps and at the end, logged beside the loss"},
       {"eval_every", &RunConfig::eval_every,
-       "steps between evaluations on --eval-prompts (0: only at the end)"},
-      {"eval_limit", &RunConfig::eval_limit, "first N prompts of --eval-prompts (0: all)"},
+       "steps between evaluations on --eval-prompts (0: only at the end)", kNonNegative},
+      {"eval_limit", &RunConfig::eval_limit, "first N prompts of --eval-prompts (0: all)",
+       kNonNegative},
       {"eval_max_new_tokens", &RunConfig::eval_max_new_tokens,
-       "tokens per evaluation answer at most"},
+       "tokens per evaluation answer at most", kAtLeastOne},
       {"eval_batch_size", &RunConfig::eval_batch_size,
-       "evaluation prompts decoded together on each rank"},
+       "evaluation prompts decoded together on each rank", kAtLeastOne},
       {"eval_enable_thinking", &RunConfig::eval_enable_thinking,
        "Qwen3: evaluation prompts open a think block (default: the empty think block)"},
       {"device", &RunConfig::device,
@@ -109,20 +115,25 @@ const std::vector<ConfigKey>& config_keys() {
        "colocated (every rank runs target and drafter) or disaggregated (target ranks feed "
        "trainer ranks)"},
       {"target_ranks", &RunConfig::target_ranks,
-       "disaggregated: how many ranks only run the target (the first world-T ranks train)"},
-      {"prefetch", &RunConfig::prefetch, "micro-batches formed ahead / feature sends in flight"},
+       "disaggregated: how many ranks only run the target (the first world-T ranks train)",
+       kAtLeastOne},
+      {"prefetch", &RunConfig::prefetch, "micro-batches formed ahead / feature sends in flight",
+       kAtLeastOne},
       {"overlap_target", &RunConfig::overlap_target,
        "colocated on a GPU: the next micro-batch's target forward runs on a stream of its own, "
        "beside the drafter's backward, all-reduce and optimizer (the GPU stage times then "
        "overlap; on one H200 it measured 0.4% faster, within run-to-run variance)"},
       {"allreduce_bucket_mb", &RunConfig::allreduce_bucket_mb,
-       "MiB of gradients per all-reduce, started during the backward as each bucket is ready"},
+       "MiB of gradients per all-reduce, started during the backward as each bucket is ready",
+       kPositive},
       {"timeout_s", &RunConfig::timeout_s,
-       "seconds any stage or rank may wait on another before the run stops with an error"},
+       "seconds any stage or rank may wait on another before the run stops with an error",
+       kPositive},
       {"obs", &RunConfig::obs,
        "time every stage and thread on every rank (--obs=false: off, to measure its cost)"},
       {"obs_seconds", &RunConfig::obs_seconds,
-       "seconds between the figures each rank writes to RUN_DIR/obs (read by `dflash report`)"},
+       "seconds between the figures each rank writes to RUN_DIR/obs (read by `dflash report`)",
+       kPositive},
       {"trace_steps", &RunConfig::trace_steps,
        "A:B: a Chrome/Perfetto trace of every rank's stages and threads for steps A..B, in "
        "RUN_DIR/trace.json"},
@@ -143,7 +154,9 @@ void add_config_options(CLI::App& cmd, RunConfig& cli, std::string& config_file)
           } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
             cmd.add_option(option_name(key.name), cli.*member, key.help)->delimiter(',');
           } else {
-            cmd.add_option(option_name(key.name), cli.*member, key.help)->capture_default_str();
+            auto* option =
+                cmd.add_option(option_name(key.name), cli.*member, key.help)->capture_default_str();
+            if (!key.range.unbounded()) option->check(key.range.validator());
           }
         },
         key.field);
@@ -173,8 +186,14 @@ RunConfig resolve_config(const CLI::App& cmd, const RunConfig& cli,
       }
       std::visit(
           [&](auto member) {
-            read_value(entry.second, resolved.*member,
-                       fmt::format("{}: key '{}'", config_file, name));
+            const std::string where = fmt::format("{}: key '{}'", config_file, name);
+            read_value(entry.second, resolved.*member, where);
+            using T = std::remove_reference_t<decltype(resolved.*member)>;
+            if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, double>) {
+              if (auto why = key->range.check(static_cast<double>(resolved.*member))) {
+                fail("{} {}", where, *why);
+              }
+            }
           },
           key->field);
     }

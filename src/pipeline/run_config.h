@@ -9,6 +9,8 @@
 #include <variant>
 #include <vector>
 
+#include "common/option_range.h"
+
 namespace CLI {
 class App;
 }
@@ -71,7 +73,8 @@ struct RunConfig {
   std::string trace_steps;  // "A:B": Chrome trace of steps A..B in RUN_DIR/trace.json
 };
 
-// The keys: name (YAML key; the option is --name with '-' for '_'), field, help.
+// The keys: name (YAML key; the option is --name with '-' for '_'), field, help, and for a
+// number its allowed values (checked on the command line and in the YAML file alike).
 using ConfigField =
     std::variant<std::string RunConfig::*, int64_t RunConfig::*, double RunConfig::*,
                  bool RunConfig::*, std::vector<int64_t> RunConfig::*>;
@@ -79,6 +82,7 @@ struct ConfigKey {
   const char* name;
   ConfigField field;
   const char* help;
+  OptionRange range = {};
 };
 const std::vector<ConfigKey>& config_keys();
 

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/file.h"
 #include "common/json_file.h"
 #include "io/safetensors.h"
 #include "models/drafter.h"
@@ -21,10 +22,55 @@ std::string mask_token_text(const tok::Tokenizer& tokenizer, int64_t mask_token_
   return text;
 }
 
+namespace {
+
+namespace fs = std::filesystem;
+
+void check_out_dir(const fs::path& dir, bool overwrite) {
+  if (!fs::exists(dir)) return;
+  if (!fs::is_directory(dir)) fail("export: {} is not a directory", dir.string());
+  const fs::path config = dir / "config.json";
+  if (fs::exists(config)) {
+    json j = json::parse(read_file(config), nullptr, /*allow_exceptions=*/false);
+    const json* arch = j.is_object() && j.contains("architectures") ? &j["architectures"] : nullptr;
+    const bool drafter = arch && arch->is_array() && arch->size() == 1 && (*arch)[0].is_string() &&
+                         (*arch)[0] == "DFlashDraftModel";
+    if (drafter) return;  // an earlier export: replaced
+    fail(
+        "export: {} holds a model that is not a DFlash drafter (config.json architectures: {}); "
+        "export never writes into a target model's directory: choose another OUT_DIR",
+        dir.string(), arch ? arch->dump() : std::string("none"));
+  }
+  std::string other;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (other.empty()) other = name;
+    if (!name.ends_with(".safetensors")) continue;
+    const auto file = io::SafetensorsFile::open(e.path());  // alive while its tensors are read
+    for (const auto& t : file->tensors()) {
+      if (t.name.find("embed_tokens") != std::string::npos ||
+          t.name.find("lm_head") != std::string::npos) {
+        fail(
+            "export: {} holds a target model's weights ({} has {}); export never writes into "
+            "a target model's directory: choose another OUT_DIR",
+            dir.string(), name, t.name);
+      }
+    }
+  }
+  if (!other.empty() && !overwrite) {
+    fail(
+        "export: {} is not empty and holds no drafter export (it has {}, ...); choose a new "
+        "directory, or pass --overwrite to write config.json and model.safetensors there",
+        dir.string(), other);
+  }
+}
+
+}  // namespace
+
 models::DrafterConfig export_drafter(const std::filesystem::path& source,
                                      const std::filesystem::path& out_dir,
-                                     const std::filesystem::path& target_dir) {
-  namespace fs = std::filesystem;
+                                     const std::filesystem::path& target_dir, bool overwrite) {
+  check_out_dir(out_dir, overwrite);
   const bool is_export = fs::exists(source / "model.safetensors") ||
                          fs::exists(source / "model.safetensors.index.json");
   const fs::path dir = is_export ? source : resolve_checkpoint(source);

@@ -16,9 +16,13 @@ namespace dflash::train {
 std::string mask_token_text(const tok::Tokenizer& tokenizer, int64_t mask_token_id);
 
 // Writes the export of `source` into `out_dir` and returns its config. `target_dir` (or, when
-// empty, the target in a run's run_config.json) gives the mask token's text.
+// empty, the target in a run's run_config.json) gives the mask token's text. `out_dir` must be
+// new, empty or another drafter export; one holding other files takes the export only with
+// `overwrite`, and one holding a target model (a config.json that is not a DFlash drafter's,
+// or safetensors with an embedding or LM head) never does. Checked before anything is read.
 models::DrafterConfig export_drafter(const std::filesystem::path& source,
                                      const std::filesystem::path& out_dir,
-                                     const std::filesystem::path& target_dir = {});
+                                     const std::filesystem::path& target_dir = {},
+                                     bool overwrite = false);
 
 }  // namespace dflash::train

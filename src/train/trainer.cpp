@@ -4,36 +4,18 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <iterator>
 #include <thread>
 
 #include "common/error.h"
+#include "common/stop_signal.h"
 #include "dist/comm.h"
 #include "kernels/fp8_rows.h"
 #include "obs/stages.h"
 
 namespace dflash::train {
-namespace {
-
-std::atomic<bool> g_stop{false};
-
-extern "C" void on_stop_signal(int) { g_stop.store(true); }
-
-}  // namespace
-
-void install_stop_signals() {
-  struct sigaction sa = {};
-  sa.sa_handler = on_stop_signal;
-  sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGTERM, &sa, nullptr);
-}
-bool stop_requested() { return g_stop.load(); }
-void clear_stop_request() { g_stop.store(false); }
 
 Trainer::Trainer(models::Drafter& drafter, models::TargetHead head, TrainerOptions options,
                  BatchSource& data, dist::Comm* data_parallel)
@@ -117,7 +99,7 @@ void Trainer::train_step() {
   state_.data_position += options_.accumulation;
   state_.skipped_sequences_total += p.log.skipped_sequences;
   ++state_.step;
-  if (stop_requested()) figures.narrow(0, 2 * bs + 1, 1).fill_(1.0);
+  if (stop_signal() != 0) figures.narrow(0, 2 * bs + 1, 1).fill_(1.0);
   at::Tensor norm;
   c10::NoGradGuard no_grad;
   if (sync_) {

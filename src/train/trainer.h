@@ -63,11 +63,6 @@ struct StepLog {
   bool skipped_nonfinite = false;
 };
 
-// SIGINT/SIGTERM set a flag that Trainer::run checks between steps (checkpoint, then return).
-void install_stop_signals();
-bool stop_requested();
-void clear_stop_request();
-
 class Trainer {
  public:
   // `data_parallel`: the group of trainer ranks (null or size 1: one rank); must outlive this.

@@ -186,8 +186,9 @@ def main():
             out = f"kill{first}{second}"
             r = run(train(out, "--nproc-per-node", first), expect="fail",
                     env={"DFLASH_KILL_AT": f"{rank}:{EVERY + 1}"})
-            if first == "2" and f"rank {rank}" not in r.stderr:
-                sys.exit(f"{what}: the launcher did not name the killed rank:\n{r.stderr}")
+            if first == "2" and (f"rank {rank}" not in r.stderr or "--resume" not in r.stderr):
+                sys.exit(f"{what}: the launcher did not name the killed rank and say --resume:"
+                         f"\n{r.stderr}")
             if not (tmp / out / f"step-{EVERY:08d}").exists():
                 sys.exit(f"{what}: no checkpoint at step {EVERY} before the kill")
             run(train(out, "--nproc-per-node", second, "--resume"))

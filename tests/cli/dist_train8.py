@@ -67,8 +67,9 @@ def main():
         out = "kill8"
         r = run(train(out, "--nproc-per-node", "8"), expect="fail", timeout=900,
                 env={"DFLASH_KILL_AT": f"5:{EVERY + 1}"})
-        if "rank 5" not in r.stderr:
-            sys.exit(f"8 ranks: the launcher did not name the killed rank:\n{r.stderr}")
+        if "rank 5" not in r.stderr or "--resume" not in r.stderr:
+            sys.exit(f"8 ranks: the launcher did not name the killed rank and say --resume:\n"
+                     f"{r.stderr}")
         if not (tmp / out / f"step-{EVERY:08d}").exists():
             sys.exit(f"8 ranks: no checkpoint at step {EVERY} before the kill")
         run(train(out, "--nproc-per-node", "4", "--resume"), timeout=900)

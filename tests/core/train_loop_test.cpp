@@ -5,6 +5,7 @@
 
 #include <csignal>
 
+#include "common/stop_signal.h"
 #include "decode_test_util.h"
 #include "drafter_test_util.h"
 #include "pipeline/features.h"
@@ -284,12 +285,12 @@ TEST(TrainLoop, StopSignalCheckpointsAndReturns) {
   auto o = options(dir);
   o.checkpoint_every = 0;
   train::Trainer t(*c.drafter, models::TargetHead::of(*c.target), o, data);
-  train::install_stop_signals();
-  train::clear_stop_request();
+  install_stop_signals();
+  clear_stop_request();
   const int64_t done = t.run(8, [](const train::StepLog& l) {
     if (l.step == 1) std::raise(SIGTERM);
   });
-  train::clear_stop_request();
+  clear_stop_request();
   // Step 1's figures are read once step 2 is queued, so the signal votes in step 3; the loop
   // reads that vote after queueing step 4 and stops there, as every trainer rank does (they
   // all read the same reduced vote at the same step).
