@@ -72,9 +72,11 @@ def main():
                       "--eval-max-new-tokens", NEW_TOKENS]
 
         def same_as_dflash_eval(run_dir, step, line):
+            # train's --eval-enable-thinking is off by default; dflash eval's is on.
             r = run([dflash, "eval", "--json", "--target", target, "--drafter",
                      run_dir / f"step-{step:08d}", "--prompts", prompts, "--limit", LIMIT,
-                     "--max-new-tokens", NEW_TOKENS, "--device", device, *DTYPE])
+                     "--max-new-tokens", NEW_TOKENS, "--enable-thinking", "false",
+                     "--device", device, *DTYPE])
             f = json.loads(r.stdout)["files"][0]
             got = {k: line[f"eval_{k}"] for k in
                    ("tau", "committed_histogram", "verify_steps", "generated_tokens",
