@@ -257,13 +257,16 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
       g.slots = options_.slots;
       g.context = context;
       g.cuda_graph = options_.cuda_graph;
-      g.progress = [&](const DecodeProgress& d) {
-        const int64_t turns = turns_done + d.finished;
-        progress.update(
-            static_cast<double>(turns * budget + d.generated_tokens - d.finished_tokens),
-            static_cast<double>(total_turns * budget), tokens_done + d.generated_tokens,
-            fmt::format("{}: target-only {}/{} turns", f.name, turns, total_turns));
-      };
+      if (options_.progress_seconds > 0) {
+        g.progress = [&](const DecodeProgress& d) {
+          if (!progress.due()) return;
+          const int64_t turns = turns_done + d.finished;
+          progress.update(
+              static_cast<double>(turns * budget + d.generated_tokens - d.finished_tokens),
+              static_cast<double>(total_turns * budget), tokens_done + d.generated_tokens,
+              fmt::format("{}: target-only {}/{} turns", f.name, turns, total_turns));
+        };
+      }
       Generator generator(target, g);
       std::vector<Completion> answers;
       add_stats(f.target,
@@ -317,14 +320,17 @@ EvalReport Evaluator::evaluate(DraftSource& drafter) const {
       o.slots = options_.slots;
       o.context = f.contexts[k];
       o.cuda_graph = options_.cuda_graph;
-      o.progress = [&](const DecodeProgress& d) {
-        const int64_t turns = r.turns + d.finished;
-        progress.update(
-            static_cast<double>(turns * budget + d.generated_tokens - d.finished_tokens),
-            static_cast<double>(total_turns * budget),
-            r.speculative.generated_tokens + d.generated_tokens,
-            fmt::format("{}: speculative {}/{} turns", f.name, turns, total_turns));
-      };
+      if (options_.progress_seconds > 0) {
+        o.progress = [&](const DecodeProgress& d) {
+          if (!progress.due()) return;
+          const int64_t turns = r.turns + d.finished;
+          progress.update(
+              static_cast<double>(turns * budget + d.generated_tokens - d.finished_tokens),
+              static_cast<double>(total_turns * budget),
+              r.speculative.generated_tokens + d.generated_tokens,
+              fmt::format("{}: speculative {}/{} turns", f.name, turns, total_turns));
+        };
+      }
       SpeculativeDecoder decoder(target_, drafter, o);
       std::vector<std::vector<int64_t>> prompts;
       for (const Turn& t : round) prompts.push_back(t.tokens);

@@ -26,6 +26,10 @@ void ProgressLine::restart(std::string who) {
   start_ = last_ = Clock::now();
 }
 
+bool ProgressLine::due() const {
+  return enabled_ && std::chrono::duration<double>(Clock::now() - last_).count() >= interval_;
+}
+
 void ProgressLine::update(double done, double total, int64_t tokens, const std::string& counts,
                           bool force) {
   if (!enabled_) return;

@@ -15,6 +15,9 @@ class ProgressLine {
   ProgressLine(const ProgressLine&) = delete;
   ProgressLine& operator=(const ProgressLine&) = delete;
 
+  // Whether update() would print now: callers skip building the text otherwise (they are
+  // called once per decode step).
+  bool due() const;
   // `done` of `total` units of work (any unit; the ETA is the elapsed time scaled by their
   // ratio, "?" while done is 0 or total unknown, <= 0); `tokens` generated since the start;
   // `counts` says what was done in words. Prints when due, or always with `force`.

@@ -256,6 +256,7 @@ void regenerate(const RegenerateOptions& o) {
     // Token by token: the ETA scales the time so far by the lines handled.
     g.progress = [&](const DecodeProgress& d) {
       if (stop_signal() != 0) throw Stopped{};
+      if (!progress.due()) return;
       const int64_t handled = lines_done + skipped + overlong;
       progress.update(static_cast<double>(handled), static_cast<double>(todo_lines),
                       d.generated_tokens,
