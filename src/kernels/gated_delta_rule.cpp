@@ -1,10 +1,26 @@
 #include "kernels/gated_delta_rule.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <vector>
 
 #include "common/error.h"
 
 namespace dflash::kernels {
+
+// gated_delta_rule.cu
+int64_t chunk_gated_delta_scratch_floats(int64_t chunk_heads);
+void chunk_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& g, const at::Tensor& beta,
+                                 const at::Tensor& table, int64_t chunks, int64_t sequences,
+                                 at::Tensor& scratch, const at::Tensor& initial_state,
+                                 at::Tensor& out, at::Tensor& final_state);
+void recurrent_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& g, const at::Tensor& beta,
+                                     const at::Tensor& state, at::Tensor& out,
+                                     const at::Tensor& states_out);
+
 namespace {
 
 constexpr int64_t kChunk = 64;
@@ -100,14 +116,9 @@ at::Tensor chunk_one_sequence(at::Tensor q, at::Tensor k, at::Tensor v, at::Tens
   return out.view({h, chunks * kChunk, dv}).narrow(1, 0, len);
 }
 
-}  // namespace
-
-GatedDeltaResult chunk_gated_delta_rule_reference(const at::Tensor& q, const at::Tensor& k,
-                                                  const at::Tensor& v, const at::Tensor& g,
-                                                  const at::Tensor& beta,
-                                                  const at::Tensor& cu_seqlens,
-                                                  c10::ArrayRef<int64_t> lengths,
-                                                  const at::Tensor& initial_state) {
+Dims check_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                 const at::Tensor& beta, const at::Tensor& cu_seqlens,
+                 c10::ArrayRef<int64_t> lengths, const at::Tensor& initial_state) {
   constexpr const char* what = "chunk_gated_delta_rule";
   const auto d = check_qkv(what, q, k, v, g, beta, 1);
   const int64_t n = static_cast<int64_t>(lengths.size());
@@ -119,13 +130,52 @@ GatedDeltaResult chunk_gated_delta_rule_reference(const at::Tensor& q, const at:
   if (total != q.size(0))
     fail("{}: lengths {} sum to {}, q has {} tokens", what, lengths, total, q.size(0));
   if (cu_seqlens.dim() != 1 || cu_seqlens.size(0) != n + 1 ||
-      cu_seqlens.scalar_type() != at::kInt) {
-    fail("{}: cu_seqlens must be int32 [{}], got {} {}", what, n + 1,
-         c10::toString(cu_seqlens.scalar_type()), cu_seqlens.sizes());
+      cu_seqlens.scalar_type() != at::kInt || cu_seqlens.device() != q.device()) {
+    fail("{}: cu_seqlens must be int32 [{}] on q's device, got {} {} on {}", what, n + 1,
+         c10::toString(cu_seqlens.scalar_type()), cu_seqlens.sizes(), cu_seqlens.device().str());
   }
   if (initial_state.defined()) {
     check_state(what, "initial_state", initial_state, {n, d.hv, d.dk, d.dv}, q.device());
   }
+  return d;
+}
+
+Dims check_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                     const at::Tensor& states_out) {
+  constexpr const char* what = "recurrent_gated_delta_rule";
+  const auto d = check_qkv(what, q, k, v, g, beta, 2);
+  const int64_t n = q.size(0), steps = q.size(1);
+  check_state(what, "state", state, {n, d.hv, d.dk, d.dv}, q.device());
+  if (states_out.defined()) {
+    check_state(what, "states_out", states_out, {n, steps, d.hv, d.dk, d.dv}, q.device());
+  }
+  return d;
+}
+
+// The kernels' case: heads of 128 on CUDA, q, k and v of one dtype (bf16, fp16 or fp32).
+bool on_cuda_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto dtype = q.scalar_type();
+  return q.is_cuda() && q.size(-1) == 128 && v.size(-1) == 128 && k.scalar_type() == dtype &&
+         v.scalar_type() == dtype &&
+         (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat);
+}
+
+// [T, H, 128] with unit stride inside each token (a column slice of a wider row qualifies).
+at::Tensor token_rows(const at::Tensor& t) {
+  return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+}
+
+}  // namespace
+
+GatedDeltaResult chunk_gated_delta_rule_reference(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, const at::Tensor& g,
+                                                  const at::Tensor& beta,
+                                                  const at::Tensor& cu_seqlens,
+                                                  c10::ArrayRef<int64_t> lengths,
+                                                  const at::Tensor& initial_state) {
+  const auto d = check_chunk(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
+  const int64_t n = static_cast<int64_t>(lengths.size());
   const int64_t repeat = d.hv / d.hk;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
   auto out = at::empty({q.size(0), d.hv, d.dv}, v.options());
@@ -154,13 +204,8 @@ at::Tensor recurrent_gated_delta_rule_reference(const at::Tensor& q, const at::T
                                                 const at::Tensor& v, const at::Tensor& g,
                                                 const at::Tensor& beta, const at::Tensor& state,
                                                 const at::Tensor& states_out) {
-  constexpr const char* what = "recurrent_gated_delta_rule";
-  const auto d = check_qkv(what, q, k, v, g, beta, 2);
+  const auto d = check_recurrent(q, k, v, g, beta, state, states_out);
   const int64_t n = q.size(0), steps = q.size(1);
-  check_state(what, "state", state, {n, d.hv, d.dk, d.dv}, q.device());
-  if (states_out.defined()) {
-    check_state(what, "states_out", states_out, {n, steps, d.hv, d.dk, d.dv}, q.device());
-  }
   const int64_t repeat = d.hv / d.hk;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
   // [N, S, H, D] -> [N, Hv, S, D] fp32, as heads_first per sequence.
@@ -190,13 +235,56 @@ GatedDeltaResult chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& beta, const at::Tensor& cu_seqlens,
                                         c10::ArrayRef<int64_t> lengths,
                                         const at::Tensor& initial_state) {
-  return chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
+  if (!on_cuda_kernel(q, k, v)) {
+    return chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
+  }
+  const auto d = check_chunk(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
+  const int64_t n = static_cast<int64_t>(lengths.size());
+  auto out = at::empty({q.size(0), d.hv, d.dv}, v.options());
+  auto final_state = at::empty({n, d.hv, d.dk, d.dv}, q.options().dtype(at::kFloat));
+  if (n == 0) return {out, final_state};
+  // Per chunk (first token, rows), then per sequence (first token, length, first chunk): the
+  // kernels' work list, from the host lengths (no read of cu_seqlens back from the device).
+  std::vector<int32_t> chunk_part, seq_part;
+  int64_t start = 0, chunks = 0;
+  for (int64_t len : lengths) {
+    seq_part.insert(seq_part.end(), {int32_t(start), int32_t(len), int32_t(chunks)});
+    for (int64_t c = 0; c < len; c += kChunk, ++chunks) {
+      chunk_part.insert(chunk_part.end(), {int32_t(start + c), int32_t(std::min(kChunk, len - c))});
+    }
+    start += len;
+  }
+  if (start > std::numeric_limits<int32_t>::max())
+    fail("chunk_gated_delta_rule: {} tokens exceed int32", start);
+  chunk_part.insert(chunk_part.end(), seq_part.begin(), seq_part.end());
+  auto table = at::tensor(chunk_part, at::kInt).to(q.device());
+  auto scratch =
+      at::empty({chunk_gated_delta_scratch_floats(chunks * d.hv)}, q.options().dtype(at::kFloat));
+  chunk_gated_delta_rule_cuda(
+      token_rows(q), token_rows(k), token_rows(v), g.to(at::kFloat).contiguous(),
+      beta.to(at::kFloat).contiguous(), table, chunks, n, scratch,
+      initial_state.defined() ? initial_state.contiguous() : at::Tensor(), out, final_state);
+  return {out, final_state};
 }
 
 at::Tensor recurrent_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& g, const at::Tensor& beta,
                                       const at::Tensor& state, const at::Tensor& states_out) {
-  return recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, states_out);
+  if (!on_cuda_kernel(q, k, v)) {
+    return recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, states_out);
+  }
+  const auto d = check_recurrent(q, k, v, g, beta, state, states_out);
+  auto out = at::empty({q.size(0), q.size(1), d.hv, d.dv}, v.options());
+  if (out.numel() == 0) return out;
+  // The kernel writes states_out in place: a non-contiguous one gets a contiguous copy back.
+  auto states = !states_out.defined() || states_out.is_contiguous()
+                    ? states_out
+                    : at::empty_like(states_out, at::MemoryFormat::Contiguous);
+  recurrent_gated_delta_rule_cuda(q.contiguous(), k.contiguous(), v.contiguous(),
+                                  g.to(at::kFloat).contiguous(), beta.to(at::kFloat).contiguous(),
+                                  state.contiguous(), out, states);
+  if (states.defined() && !states.is_same(states_out)) states_out.copy_(states);
+  return out;
 }
 
 }  // namespace dflash::kernels

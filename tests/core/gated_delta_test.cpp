@@ -191,5 +191,149 @@ TEST(CausalConv, BadInputIsNamed) {
       "x must be floating [N, S, C]");
 }
 
+// ---- CUDA kernels against the references (same inputs, reference in fp32) ----
+
+struct GdnGpuCase {
+  std::string name;
+  int64_t hk, hv;
+  std::vector<int64_t> lengths;
+  bool initial;
+  at::ScalarType dtype;
+};
+
+void PrintTo(const GdnGpuCase& c, std::ostream* os) { *os << c.name; }
+
+// q, k, v as column slices of one [T, 2 Hk 128 + Hv 128] tensor, as the model splits the conv
+// output (rows of a stride wider than the heads); g, beta as Qwen3.5 computes them.
+struct GdnInputs {
+  at::Tensor q, k, v, g, beta;
+};
+
+GdnInputs gdn_inputs(int64_t tokens, int64_t hk, int64_t hv, at::ScalarType dtype,
+                     at::Device device) {
+  auto opts = at::TensorOptions().device(device);
+  auto mixed = at::randn({tokens, (2 * hk + hv) * 128}, opts.dtype(dtype));
+  auto rate = at::linspace(0.02, 3.0, hv, opts.dtype(at::kFloat));
+  return {mixed.narrow(1, 0, hk * 128).view({tokens, hk, 128}),
+          mixed.narrow(1, hk * 128, hk * 128).view({tokens, hk, 128}),
+          mixed.narrow(1, 2 * hk * 128, hv * 128).view({tokens, hv, 128}),
+          -rate * at::softplus(at::randn({tokens, hv}, opts.dtype(at::kFloat))),
+          at::sigmoid(at::randn({tokens, hv}, opts.dtype(at::kFloat)))};
+}
+
+int64_t total_of(const std::vector<int64_t>& lengths) {
+  int64_t t = 0;
+  for (int64_t len : lengths) t += len;
+  return t;
+}
+
+class GatedDeltaGpu : public ::testing::TestWithParam<GdnGpuCase> {};
+
+TEST_P(GatedDeltaGpu, ChunkMatchesReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const auto c = GetParam();
+  at::manual_seed(35);
+  const int64_t n = static_cast<int64_t>(c.lengths.size());
+  auto in = gdn_inputs(total_of(c.lengths), c.hk, c.hv, c.dtype, at::kCUDA);
+  at::Tensor init;
+  if (c.initial) init = at::randn({n, c.hv, 128, 128}, at::device(at::kCUDA)) * 0.3;
+  auto got = kernels::chunk_gated_delta_rule(in.q, in.k, in.v, in.g, in.beta,
+                                             cu_seqlens_of(c.lengths, at::kCUDA), c.lengths, init);
+  // The reference on the GPU too (fp32 ATen; cuBLAS without TF32 by default).
+  auto want = kernels::chunk_gated_delta_rule_reference(
+      in.q, in.k, in.v, in.g, in.beta, cu_seqlens_of(c.lengths, at::kCUDA), c.lengths, init);
+  ASSERT_EQ(got.out.scalar_type(), c.dtype);
+  // Outputs: one rounding to the dtype apart; states: fp32 sums in another order.
+  EXPECT_CLOSE(got.out.to(at::kFloat), want.out.to(at::kFloat),
+               c.dtype == at::kFloat ? 1e-4 : 8e-3);
+  EXPECT_CLOSE(got.final_state, want.final_state, 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GatedDeltaGpu,
+    ::testing::Values(
+        GdnGpuCase{"ragged_bf16", 2, 6, {1, 63, 64, 65, 0, 200, 130}, false, at::kBFloat16},
+        GdnGpuCase{"ragged_initial_bf16", 2, 6, {1, 63, 64, 65, 0, 200, 130}, true, at::kBFloat16},
+        GdnGpuCase{"ragged_initial_fp32", 2, 4, {3, 129, 64}, true, at::kFloat},
+        GdnGpuCase{"ragged_fp16", 1, 2, {100, 7}, true, at::kHalf},
+        GdnGpuCase{"qwen35_27b_2x1024", 16, 48, {1024, 1024}, false, at::kBFloat16}),
+    [](const ::testing::TestParamInfo<GdnGpuCase>& info) { return info.param.name; });
+
+TEST(GatedDeltaGpu, StepMatchesReferenceWithStatesOut) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(36);
+  const int64_t n = 3, steps = 5, hk = 2, hv = 6;
+  for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto in = gdn_inputs(n * steps, hk, hv, dtype, at::kCUDA);
+    auto shaped = [&](const at::Tensor& t) {
+      auto sizes = t.sizes().vec();
+      sizes[0] = steps;
+      sizes.insert(sizes.begin(), n);
+      return t.reshape(sizes);
+    };
+    auto q = shaped(in.q), k = shaped(in.k), v = shaped(in.v), g = shaped(in.g),
+         beta = shaped(in.beta);
+    auto state = at::randn({n, hv, 128, 128}, at::device(at::kCUDA)) * 0.3;
+    auto before = state.clone();
+    auto states = at::empty({n, steps, hv, 128, 128}, state.options());
+    auto want_states = at::empty_like(states);
+    auto out = kernels::recurrent_gated_delta_rule(q, k, v, g, beta, state, states);
+    auto want = kernels::recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, want_states);
+    EXPECT_CLOSE(out.to(at::kFloat), want.to(at::kFloat), dtype == at::kFloat ? 1e-5 : 8e-3);
+    EXPECT_CLOSE(states, want_states, 1e-5);
+    EXPECT_TRUE(at::equal(state, before)) << "the state argument must not change";
+    // The chunked kernel from the same state reaches the same final state.
+    std::vector<int64_t> lengths(n, steps);
+    auto chunk = kernels::chunk_gated_delta_rule(in.q, in.k, in.v, in.g, in.beta,
+                                                 cu_seqlens_of(lengths, at::kCUDA), lengths, state);
+    EXPECT_CLOSE(chunk.final_state, states.select(1, steps - 1), 1e-4);
+    EXPECT_CLOSE(chunk.out.to(at::kFloat).view(out.sizes()), out.to(at::kFloat),
+                 dtype == at::kFloat ? 1e-4 : 8e-3);
+  }
+}
+
+TEST(CausalConvGpu, PrefillMatchesReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(37);
+  const std::vector<int64_t> lengths{1, 2, 3, 70, 0, 130, 5};
+  const int64_t tokens = total_of(lengths), n = static_cast<int64_t>(lengths.size()), c = 640;
+  for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    for (bool initial : {false, true}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (initial ? " initial" : " zero"));
+      auto opts = at::device(at::kCUDA).dtype(dtype);
+      // x as a column slice of a wider row, as the model might hand it over.
+      auto x = at::randn({tokens, c + 64}, opts).narrow(1, 32, c);
+      auto weight = at::randn({c, 4}, opts) * 0.5;
+      at::Tensor init;
+      if (initial) init = at::randn({n, c, 3}, opts);
+      auto cu = cu_seqlens_of(lengths, at::kCUDA);
+      auto got = kernels::causal_conv1d_silu(x, weight, cu, lengths, init);
+      auto want = kernels::causal_conv1d_silu_reference(x, weight, cu, lengths, init);
+      EXPECT_CLOSE(got.out.to(at::kFloat), want.out.to(at::kFloat),
+                   dtype == at::kFloat ? 1e-6 : 8e-3);
+      EXPECT_CLOSE(got.final_state.to(at::kFloat), want.final_state.to(at::kFloat), 0.0);
+    }
+  }
+}
+
+TEST(CausalConvGpu, StepMatchesReferenceWithStatesOut) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(38);
+  const int64_t n = 3, steps = 4, c = 640;
+  for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto opts = at::device(at::kCUDA).dtype(dtype);
+    auto x = at::randn({n, steps, c}, opts), weight = at::randn({c, 4}, opts) * 0.5;
+    auto state = at::randn({n, c, 3}, opts), before = state.clone();
+    auto states = at::empty({n, steps, c, 3}, opts), want_states = at::empty_like(states);
+    auto got = kernels::causal_conv1d_silu_step(x, weight, state, states);
+    auto want = kernels::causal_conv1d_silu_step_reference(x, weight, state, want_states);
+    EXPECT_CLOSE(got.to(at::kFloat), want.to(at::kFloat), dtype == at::kFloat ? 1e-6 : 8e-3);
+    EXPECT_CLOSE(states.to(at::kFloat), want_states.to(at::kFloat), 0.0);
+    EXPECT_TRUE(at::equal(state, before)) << "the state argument must not change";
+  }
+}
+
 }  // namespace
 }  // namespace dflash
