@@ -222,8 +222,23 @@ __device__ __forceinline__ void load_scaled(float* buf, Heads<T> raw, int64_t t0
   }
 }
 
+// acc[r] += buf[wr + 8 r][:] . s[:][j] for the 8 rows of warp wr: buf [64][128] and the state
+// slice s [128][32] in shared memory, 16-byte reads of buf's rows (one broadcast per warp).
+__device__ __forceinline__ void add_rows_times_state(const float* buf, const float* s, int wr,
+                                                     int j, float (&acc)[kChunk / kWarps]) {
+  for (int d = 0; d < kDim; d += 4) {
+    const float s0 = s[d * kCols + j], s1 = s[(d + 1) * kCols + j];
+    const float s2 = s[(d + 2) * kCols + j], s3 = s[(d + 3) * kCols + j];
+#pragma unroll
+    for (int r = 0; r < kChunk / kWarps; ++r) {
+      const float4 w4 = *reinterpret_cast<const float4*>(buf + (wr + kWarps * r) * kDim + d);
+      acc[r] += w4.x * s0 + w4.y * s1 + w4.z * s2 + w4.w * s3;
+    }
+  }
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     scan_kernel(Heads<T> q, Heads<T> k, const SeqInfo* __restrict__ seqs, int hv, int group,
                 Scratch scratch, const float* __restrict__ initial_state, T* __restrict__ out,
                 float* __restrict__ final_state) {
@@ -261,11 +276,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     {
       float acc[kChunk / kWarps] = {};
-      for (int d = 0; d < kDim; ++d) {
-        const float sv = s[d * kCols + j];
-#pragma unroll
-        for (int r = 0; r < kChunk / kWarps; ++r) acc[r] += buf[(wr + kWarps * r) * kDim + d] * sv;
-      }
+      add_rows_times_state(buf, s, wr, j, acc);
 #pragma unroll
       for (int r = 0; r < kChunk / kWarps; ++r) vn[(wr + kWarps * r) * kCols + j] -= acc[r];
     }
@@ -279,15 +290,15 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     {
       float acc[kChunk / kWarps] = {};
-      for (int d = 0; d < kDim; ++d) {
-        const float sv = s[d * kCols + j];
+      add_rows_times_state(buf, s, wr, j, acc);
+      for (int m = 0; m < kChunk; m += 4) {
+        const float v0 = vn[m * kCols + j], v1 = vn[(m + 1) * kCols + j];
+        const float v2 = vn[(m + 2) * kCols + j], v3 = vn[(m + 3) * kCols + j];
 #pragma unroll
-        for (int r = 0; r < kChunk / kWarps; ++r) acc[r] += buf[(wr + kWarps * r) * kDim + d] * sv;
-      }
-      for (int m = 0; m < kChunk; ++m) {
-        const float vv = vn[m * kCols + j];
-#pragma unroll
-        for (int r = 0; r < kChunk / kWarps; ++r) acc[r] += as[(wr + kWarps * r) * kChunk + m] * vv;
+        for (int r = 0; r < kChunk / kWarps; ++r) {
+          const float4 a4 = *reinterpret_cast<const float4*>(as + (wr + kWarps * r) * kChunk + m);
+          acc[r] += a4.x * v0 + a4.y * v1 + a4.z * v2 + a4.w * v3;
+        }
       }
 #pragma unroll
       for (int r = 0; r < kChunk / kWarps; ++r) {
@@ -303,17 +314,26 @@ __global__ void __launch_bounds__(kThreads)
     load_scaled(buf, k, t0, hk, rows, fac);
     __syncthreads();
     {
+      // Warp wr updates state rows 16 wr .. 16 wr + 15 (16-byte reads of each row of buf).
+      constexpr int kRows = kDim / kWarps;
+      const int d0 = wr * kRows;
       const float decay = scratch.decay[head_chunk];
-      float acc[kDim / kWarps];
+      float acc[kRows];
 #pragma unroll
-      for (int r = 0; r < kDim / kWarps; ++r) acc[r] = s[(wr + kWarps * r) * kCols + j] * decay;
+      for (int r = 0; r < kRows; ++r) acc[r] = s[(d0 + r) * kCols + j] * decay;
       for (int i = 0; i < kChunk; ++i) {
         const float vv = vn[i * kCols + j];
 #pragma unroll
-        for (int r = 0; r < kDim / kWarps; ++r) acc[r] += buf[i * kDim + wr + kWarps * r] * vv;
+        for (int r = 0; r < kRows; r += 4) {
+          const float4 k4 = *reinterpret_cast<const float4*>(buf + i * kDim + d0 + r);
+          acc[r] += k4.x * vv;
+          acc[r + 1] += k4.y * vv;
+          acc[r + 2] += k4.z * vv;
+          acc[r + 3] += k4.w * vv;
+        }
       }
 #pragma unroll
-      for (int r = 0; r < kDim / kWarps; ++r) s[(wr + kWarps * r) * kCols + j] = acc[r];
+      for (int r = 0; r < kRows; ++r) s[(d0 + r) * kCols + j] = acc[r];
     }
     __syncthreads();
   }
