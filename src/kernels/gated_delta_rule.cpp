@@ -257,7 +257,9 @@ GatedDeltaResult chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k
   if (start > std::numeric_limits<int32_t>::max())
     fail("chunk_gated_delta_rule: {} tokens exceed int32", start);
   chunk_part.insert(chunk_part.end(), seq_part.begin(), seq_part.end());
-  auto table = at::tensor(chunk_part, at::kInt).to(q.device());
+  // Pinned and asynchronous: no wait for the GPU on the host (the caching host allocator keeps
+  // the pinned block until the copy has run).
+  auto table = at::tensor(chunk_part, at::kInt).pin_memory().to(q.device(), /*non_blocking=*/true);
   auto scratch =
       at::empty({chunk_gated_delta_scratch_floats(chunks * d.hv)}, q.options().dtype(at::kFloat));
   chunk_gated_delta_rule_cuda(
