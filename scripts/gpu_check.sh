@@ -5,7 +5,7 @@
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
-# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER) fp8target
+# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER) fp8target gdn
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -179,6 +179,36 @@ if has gtest; then
   fixtures gtest dflash models
   fixtures gtest_rope rope
   gtests gtest "${GTEST_FILTER:-*Gpu*}"
+fi
+if has gdn; then
+  # Issue 35: Gated DeltaNet's kernels (kernels/gated_delta_rule.h, kernels/causal_conv1d.h)
+  # against their references and the references against transformers, then each timed at
+  # Qwen3.5-27B shapes: with the fla-core peer in the same process when its wheels travelled
+  # (carry ".whl"; bench/gdn_peer.py; GDN_CAUSAL_CONV1D=1 also builds causal-conv1d's sdist),
+  # else ours alone.
+  step gdn
+  fixtures gdn gated_delta
+  gtests gdn '*GatedDelta*:*CausalConv*'
+  if ls "$root"/.whl/fla_core-*.whl > /dev/null 2>&1; then
+    pip install --no-index --no-deps "$root"/.whl/*.whl --target /tmp/gdn_peer \
+      > "$out/gdn_peer_install.log" 2>&1 || tail -5 "$out/gdn_peer_install.log"
+    if [ -n "${GDN_CAUSAL_CONV1D:-}" ]; then
+      # causal-conv1d 1.7.0 is an sdist: built here for sm_90 alone (its setup.py lists nine
+      # architectures), minutes of nvcc, so only when asked.
+      rm -rf /tmp/gdn_cc1d && mkdir -p /tmp/gdn_cc1d
+      tar xzf "$root"/.whl/causal_conv1d-1.7.0.tar.gz -C /tmp/gdn_cc1d
+      sed -i 's/^    if FORCE_CXX11_ABI:/    cc_flag = ["-gencode", "arch=compute_90,code=sm_90"]\n&/' \
+        /tmp/gdn_cc1d/causal_conv1d-1.7.0/setup.py
+      CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=16 pip install --no-index --no-deps \
+        --no-build-isolation /tmp/gdn_cc1d/causal_conv1d-1.7.0 --target /tmp/gdn_peer \
+        > "$out/causal_conv1d_build.log" 2>&1 || tail -20 "$out/causal_conv1d_build.log"
+    fi
+    PYTHONPATH=/tmp/gdn_peer python3 "$root/bench/gdn_peer.py" --dflash "$dflash" 2>&1 \
+      | tee "$out/gdn_peer.txt"
+  else
+    "$dflash" bench-kernels --gated-delta-only --json "$out/bench_gdn.json" 2>&1 \
+      | tee "$out/bench_gdn.txt"
+  fi
 fi
 if has attn; then
   # Issue 11, fifth session: the prefill's causal attention, ATen's cuDNN call against ours

@@ -3,7 +3,9 @@
 // on the same shape), the fused norm/activation kernels against the ATen ops they replace, the
 // MoE prefill's combine kernel, the optimizer's AdamW + bf16 copy and gradient norm, and the
 // drafter's SwiGLU, q norm + rotary and block-attention tails, forward and backward, and the
-// prefill's causal attention (ATen's cuDNN call, ours through the same graph, flash's).
+// prefill's causal attention (ATen's cuDNN call, ours through the same graph, flash's), and
+// Gated DeltaNet's conv and gated delta rule at Qwen3.5-27B shapes (--gated-delta-only: those
+// alone).
 // Each line times a CUDA graph of many calls (as decoding replays them), with the weights
 // rotated over enough copies to exceed the L2 cache, and reports us per call and the bytes
 // each call must move per second.
@@ -26,11 +28,13 @@
 #include "eval/generator.h"
 #include "kernels/adamw_cast.h"
 #include "kernels/attention_merge.h"
+#include "kernels/causal_conv1d.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
 #include "kernels/fp8_prefill.h"
 #include "kernels/fp8_rows.h"
+#include "kernels/gated_delta_rule.h"
 #include "kernels/grad_norm.h"
 #include "kernels/moe_combine.h"
 #include "kernels/prefix_gather.h"
@@ -55,6 +59,7 @@ struct BenchKernelsOptions {
   int calls = 40;  // calls per captured graph
   int iters = 20;  // timed replays
   std::string json_out;
+  bool gated_delta_only = false;
 };
 
 // Microseconds per call of fn(i) (i: the call's index), from CUDA events around `iters` replays
@@ -90,6 +95,92 @@ double us_eager(const BenchKernelsOptions& o, const std::function<void()>& fn) {
   return start.elapsed_time(stop) * 1e3 / o.iters;
 }
 
+using Report = std::function<void(const std::string&, int64_t, int64_t, int64_t, double, double)>;
+
+// Gated DeltaNet's kernels at Qwen3.5-27B's shapes (key heads 16, value heads 48, heads of 128,
+// conv channels 2 x 16 x 128 + 48 x 128 = 10240 of width 4), bf16, against the ATen references
+// they replace: prefill over `rows` sequences of 2048 tokens, and decode / verify steps of 1 and
+// 16 tokens. Lines: rows = sequences, N = tokens per sequence, K = value heads (conv: channels).
+void bench_gated_delta(const BenchKernelsOptions& o, at::Device device, const Report& report) {
+  constexpr int64_t hk = 16, hv = 48, d = 128, len = 2048, width = 4, channels = (2 * hk + hv) * d;
+  const auto opts = at::TensorOptions().device(device).dtype(at::kBFloat16);
+  const auto f32 = opts.dtype(at::kFloat);
+  for (int64_t rows : {int64_t(1), int64_t(4)}) {
+    const int64_t tokens = rows * len;
+    const std::vector<int64_t> lengths(rows, len);
+    std::vector<int32_t> cu_host{0};
+    for (int64_t r = 0; r < rows; ++r) cu_host.push_back(static_cast<int32_t>((r + 1) * len));
+    const auto cu = at::tensor(cu_host, at::kInt).to(device);
+    // The conv's input and output are the q | k | v rows the rule reads (as the model splits them).
+    auto mixed = at::randn({tokens, channels}, opts);
+    auto conv_w = at::randn({channels, width}, opts) * 0.5;
+    auto q = mixed.narrow(1, 0, hk * d).view({tokens, hk, d});
+    auto k = mixed.narrow(1, hk * d, hk * d).view({tokens, hk, d});
+    auto v = mixed.narrow(1, 2 * hk * d, hv * d).view({tokens, hv, d});
+    auto g = -at::softplus(at::randn({tokens, hv}, f32)),
+         beta = at::sigmoid(at::randn({tokens, hv}, f32));
+    const double conv_bytes = 2.0 * 2 * tokens * channels;
+    const double rule_bytes = 2.0 * (tokens * channels + tokens * hv * d);
+    report("causal_conv1d_silu prefill, ours", rows, len, channels,
+           us_per_call(device, o,
+                       [&](int) { kernels::causal_conv1d_silu(mixed, conv_w, cu, lengths); }),
+           conv_bytes);
+    report("causal_conv1d_silu prefill, aten", rows, len, channels,
+           us_eager(o, [&] { kernels::causal_conv1d_silu_reference(mixed, conv_w, cu, lengths); }),
+           conv_bytes);
+    report("chunk_gated_delta_rule, ours", rows, len, hv,
+           us_eager(o, [&] { kernels::chunk_gated_delta_rule(q, k, v, g, beta, cu, lengths); }),
+           rule_bytes);
+    report(
+        "chunk_gated_delta_rule, aten", rows, len, hv,
+        us_eager(o,
+                 [&] { kernels::chunk_gated_delta_rule_reference(q, k, v, g, beta, cu, lengths); }),
+        rule_bytes);
+    for (int64_t steps : {int64_t(1), int64_t(16)}) {
+      auto x = at::randn({rows, steps, channels}, opts);
+      auto conv_state = at::randn({rows, channels, width - 1}, opts);
+      auto conv_states = at::empty({rows, steps, channels, width - 1}, opts);
+      auto qs = x.narrow(2, 0, hk * d).reshape({rows, steps, hk, d});
+      auto ks = x.narrow(2, hk * d, hk * d).reshape({rows, steps, hk, d});
+      auto vs = x.narrow(2, 2 * hk * d, hv * d).reshape({rows, steps, hv, d});
+      auto gs = -at::softplus(at::randn({rows, steps, hv}, f32)),
+           bs = at::sigmoid(at::randn({rows, steps, hv}, f32));
+      auto state = at::randn({rows, hv, d, d}, f32) * 0.1;
+      auto states = at::empty({rows, steps, hv, d, d}, f32);
+      const std::string tag = fmt::format(" step S={}", steps);
+      // Bytes: the state read once and each token's state written, plus the token rows.
+      const double state_bytes = 4.0 * rows * hv * d * d * (1 + steps);
+      report("recurrent_gated_delta_rule" + tag + ", ours", rows, steps, hv,
+             us_per_call(device, o,
+                         [&](int) {
+                           kernels::recurrent_gated_delta_rule(qs, ks, vs, gs, bs, state, states);
+                         }),
+             state_bytes);
+      report("recurrent_gated_delta_rule" + tag + ", aten", rows, steps, hv,
+             us_eager(o,
+                      [&] {
+                        kernels::recurrent_gated_delta_rule_reference(qs, ks, vs, gs, bs, state,
+                                                                      states);
+                      }),
+             state_bytes);
+      const double conv_step_bytes = 2.0 * rows * steps * channels * (2 + width - 1);
+      report("causal_conv1d_silu" + tag + ", ours", rows, steps, channels,
+             us_per_call(device, o,
+                         [&](int) {
+                           kernels::causal_conv1d_silu_step(x, conv_w, conv_state, conv_states);
+                         }),
+             conv_step_bytes);
+      report("causal_conv1d_silu" + tag + ", aten", rows, steps, channels,
+             us_eager(o,
+                      [&] {
+                        kernels::causal_conv1d_silu_step_reference(x, conv_w, conv_state,
+                                                                   conv_states);
+                      }),
+             conv_step_bytes);
+    }
+  }
+}
+
 void run_bench_kernels(const BenchKernelsOptions& o) {
   const at::Device device(o.device);
   if (!device.is_cuda()) fail("bench-kernels: needs a CUDA device, got {}", o.device);
@@ -99,14 +190,7 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
     }
   }
   const c10::NoGradGuard no_grad;
-  const auto c = models::preset_config(o.preset);
-  const auto opts = at::TensorOptions().device(device).dtype(at::kBFloat16);
-  const int64_t h = c.hidden_size, d = c.head_dim, q = c.num_heads * d, kv = c.num_kv_heads * d;
   nlohmann::json lines = nlohmann::json::array();
-  fmt::print("bench-kernels: {} shapes, bf16 on {}, {} calls per graph x {} replays\n", o.preset,
-             device.str(), o.calls, o.iters);
-  fmt::print("{:<34} {:>5} {:>8} {:>8} {:>10} {:>8}\n", "kernel", "rows", "N", "K", "us/call",
-             "GB/s");
   auto report = [&](const std::string& name, int64_t rows, int64_t n, int64_t k, double us,
                     double bytes) {
     const double gbps = bytes / (us * 1e-6) / 1e9;
@@ -118,7 +202,25 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                      {"us_per_call", us},
                      {"gb_per_s", gbps}});
   };
-
+  auto header = [] {
+    fmt::print("{:<34} {:>5} {:>8} {:>8} {:>10} {:>8}\n", "kernel", "rows", "N", "K", "us/call",
+               "GB/s");
+  };
+  if (o.gated_delta_only) {
+    fmt::print("bench-kernels: Gated DeltaNet at Qwen3.5-27B shapes, bf16 on {}\n", device.str());
+    header();
+    bench_gated_delta(o, device, report);
+    if (!o.json_out.empty()) {
+      write_file_atomic(o.json_out, nlohmann::json{{"lines", lines}}.dump(2));
+    }
+    return;
+  }
+  const auto c = models::preset_config(o.preset);
+  const auto opts = at::TensorOptions().device(device).dtype(at::kBFloat16);
+  const int64_t h = c.hidden_size, d = c.head_dim, q = c.num_heads * d, kv = c.num_kv_heads * d;
+  fmt::print("bench-kernels: {} shapes, bf16 on {}, {} calls per graph x {} replays\n", o.preset,
+             device.str(), o.calls, o.iters);
+  header();
   const std::vector<std::tuple<std::string, int64_t, int64_t>> linears = {
       {"qkv", q + 2 * kv, h},
       {"o_proj", h, q},
@@ -782,6 +884,7 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                  flops / us / 1e6, host_us, at::equal(call(), aten) ? "bitwise" : "not bitwise");
     }
   }
+  bench_gated_delta(o, device, report);
   if (!o.json_out.empty()) {
     write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));
   }
@@ -805,6 +908,8 @@ void add_bench_kernels_command(CLI::App& app) {
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
   cmd->add_option("--json", o->json_out, "also write the results here");
+  cmd->add_flag("--gated-delta-only", o->gated_delta_only,
+                "only Gated DeltaNet's kernels (Qwen3.5-27B shapes, whatever the preset)");
   cmd->callback([o] { run_bench_kernels(*o); });
 }
 

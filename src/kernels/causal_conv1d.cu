@@ -1,0 +1,220 @@
+// Depthwise causal conv1d + SiLU on CUDA (kernel widths 2 to 4), fp32 math. Prefill: one thread
+// per channel walks a tile of 64 tokens, keeping the last W - 1 inputs in registers, so each
+// input is read about once; a tile that crosses a sequence start refills the window from that
+// sequence's initial state (or zeros). Step: one thread per (sequence, channel) over S tokens.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/float_cast.cuh"
+
+namespace dflash::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTokens = 64;  // tokens per prefill thread
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// The sequence holding token t: the last n with cu[n] <= t (cu non-decreasing, cu[0] = 0).
+__device__ __forceinline__ int sequence_of(const int32_t* __restrict__ cu, int sequences,
+                                           int64_t t) {
+  int lo = 0, hi = sequences - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (cu[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// The input at position p of channel c for a sequence starting at `start`: x itself, or before
+// the start the sequence's initial state (its W - 1 inputs before the start) or zero.
+template <typename T, int W>
+__device__ __forceinline__ float input_at(const T* __restrict__ x, int64_t stride, int64_t p,
+                                          int64_t start, const float* __restrict__ init,
+                                          int64_t state_row) {
+  if (p >= start) return to_float(x[p * stride]);
+  return init ? init[state_row + (p - start + W - 1)] : 0.f;
+}
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads)
+    prefill_kernel(const T* __restrict__ x, int64_t stride, const float* __restrict__ weight,
+                   const int32_t* __restrict__ cu, int sequences, int64_t tokens, int channels,
+                   const float* __restrict__ init, T* __restrict__ out) {
+  const int c = blockIdx.x * kThreads + threadIdx.x;
+  if (c >= channels) return;
+  const int64_t t0 = int64_t(blockIdx.y) * kTokens, t1 = min(tokens, t0 + kTokens);
+  float w[W];
+#pragma unroll
+  for (int i = 0; i < W; ++i) w[i] = weight[c * W + i];
+  const T* xc = x + c;
+  int n = sequence_of(cu, sequences, t0);
+  int64_t start = cu[n], end = cu[n + 1];
+  float win[W - 1];
+  auto fill = [&](int64_t t) {
+    const int64_t state_row = (int64_t(n) * channels + c) * (W - 1);
+#pragma unroll
+    for (int i = 0; i < W - 1; ++i) {
+      win[i] = input_at<T, W>(xc, stride, t - (W - 1) + i, start, init, state_row);
+    }
+  };
+  fill(t0);
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t >= end) {  // a new sequence starts here (skipping empty ones)
+      while (t >= end) {
+        ++n;
+        start = end;
+        end = cu[n + 1];
+      }
+      fill(t);
+    }
+    const float xv = to_float(xc[t * stride]);
+    float acc = w[W - 1] * xv;
+#pragma unroll
+    for (int i = 0; i < W - 1; ++i) acc += w[i] * win[i];
+    out[t * channels + c] = from_float<T>(silu(acc));
+#pragma unroll
+    for (int i = 0; i + 1 < W - 1; ++i) win[i] = win[i + 1];
+    win[W - 2] = xv;
+  }
+}
+
+// final_state[n][c][i]: the input at position end - (W - 1) + i of sequence n.
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads)
+    final_state_kernel(const T* __restrict__ x, int64_t stride, const int32_t* __restrict__ cu,
+                       int sequences, int channels, const float* __restrict__ init,
+                       T* __restrict__ final_state) {
+  const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (idx >= int64_t(sequences) * channels) return;
+  const int n = static_cast<int>(idx / channels), c = static_cast<int>(idx % channels);
+  const int64_t start = cu[n], end = cu[n + 1], state_row = idx * (W - 1);
+#pragma unroll
+  for (int i = 0; i < W - 1; ++i) {
+    final_state[state_row + i] =
+        from_float<T>(input_at<T, W>(x + c, stride, end - (W - 1) + i, start, init, state_row));
+  }
+}
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads)
+    step_kernel(const T* __restrict__ x, const float* __restrict__ weight,
+                const float* __restrict__ state, int sequences, int steps, int channels,
+                T* __restrict__ out, T* __restrict__ states_out) {
+  const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (idx >= int64_t(sequences) * channels) return;
+  const int64_t n = idx / channels;
+  const int c = static_cast<int>(idx % channels);
+  float w[W], win[W - 1];
+#pragma unroll
+  for (int i = 0; i < W; ++i) w[i] = weight[c * W + i];
+#pragma unroll
+  for (int i = 0; i < W - 1; ++i) win[i] = state[idx * (W - 1) + i];
+  for (int s = 0; s < steps; ++s) {
+    const int64_t row = (n * steps + s) * channels + c;
+    const float xv = to_float(x[row]);
+    float acc = w[W - 1] * xv;
+#pragma unroll
+    for (int i = 0; i < W - 1; ++i) acc += w[i] * win[i];
+    out[row] = from_float<T>(silu(acc));
+#pragma unroll
+    for (int i = 0; i + 1 < W - 1; ++i) win[i] = win[i + 1];
+    win[W - 2] = xv;
+    if (states_out) {
+#pragma unroll
+      for (int i = 0; i < W - 1; ++i) states_out[row * (W - 1) + i] = from_float<T>(win[i]);
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, W>) for the kernel width.
+template <typename F>
+void dispatch_width(int64_t width, F&& f) {
+  switch (width) {
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    default:
+      TORCH_CHECK(false, "causal_conv1d: kernel width ", width, " has no CUDA kernel");
+  }
+}
+
+unsigned blocks_for(int64_t threads) {
+  return static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+}
+
+}  // namespace
+
+bool causal_conv1d_cuda_width(int64_t width) { return width >= 2 && width <= 4; }
+
+// x [T, C] with unit column stride; weight [C, W] fp32 contiguous; cu_seqlens int32 [N+1] on
+// x's device; initial_state undefined or [N, C, W-1] fp32 contiguous; out [T, C] and
+// final_state [N, C, W-1] allocated contiguous in x's dtype.
+void causal_conv1d_silu_cuda(const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& cu_seqlens, const at::Tensor& initial_state,
+                             at::Tensor& out, at::Tensor& final_state) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+  const int64_t tokens = x.size(0);
+  const int channels = static_cast<int>(x.size(1));
+  const int sequences = static_cast<int>(cu_seqlens.size(0) - 1);
+  const float* init = initial_state.defined() ? initial_state.data_ptr<float>() : nullptr;
+  const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
+  dispatch_float(x.scalar_type(), "causal_conv1d_silu", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    dispatch_width(weight.size(1), [&](auto width) {
+      constexpr int W = decltype(width)::value;
+      if (tokens > 0) {
+        TORCH_CHECK((tokens + kTokens - 1) / kTokens <= 65535, "causal_conv1d_silu: ", tokens,
+                    " tokens exceed the grid");
+        const dim3 grid(blocks_for(channels),
+                        static_cast<unsigned>((tokens + kTokens - 1) / kTokens));
+        prefill_kernel<T, W><<<grid, kThreads, 0, stream>>>(
+            xp, x.stride(0), weight.data_ptr<float>(), cu, sequences, tokens, channels, init,
+            reinterpret_cast<T*>(out.data_ptr()));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      final_state_kernel<T, W><<<blocks_for(int64_t(sequences) * channels), kThreads, 0, stream>>>(
+          xp, x.stride(0), cu, sequences, channels, init,
+          reinterpret_cast<T*>(final_state.data_ptr()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+// x [N, S, C] contiguous; weight [C, W] fp32 contiguous; state [N, C, W-1] fp32 contiguous;
+// out [N, S, C] and states_out (undefined or [N, S, C, W-1]) contiguous in x's dtype.
+void causal_conv1d_silu_step_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                  const at::Tensor& state, at::Tensor& out,
+                                  const at::Tensor& states_out) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+  const int sequences = static_cast<int>(x.size(0)), steps = static_cast<int>(x.size(1));
+  const int channels = static_cast<int>(x.size(2));
+  dispatch_float(x.scalar_type(), "causal_conv1d_silu_step", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_width(weight.size(1), [&](auto width) {
+      constexpr int W = decltype(width)::value;
+      step_kernel<T, W><<<blocks_for(int64_t(sequences) * channels), kThreads, 0, stream>>>(
+          reinterpret_cast<const T*>(x.data_ptr()), weight.data_ptr<float>(),
+          state.data_ptr<float>(), sequences, steps, channels, reinterpret_cast<T*>(out.data_ptr()),
+          states_out.defined() ? reinterpret_cast<T*>(states_out.data_ptr()) : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+}  // namespace dflash::kernels

@@ -1,0 +1,292 @@
+#include "kernels/gated_delta_rule.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/error.h"
+
+namespace dflash::kernels {
+
+// gated_delta_rule.cu
+int64_t chunk_gated_delta_scratch_floats(int64_t chunk_heads);
+void chunk_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& g, const at::Tensor& beta,
+                                 const at::Tensor& table, int64_t chunks, int64_t sequences,
+                                 at::Tensor& scratch, const at::Tensor& initial_state,
+                                 at::Tensor& out, at::Tensor& final_state);
+void recurrent_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& g, const at::Tensor& beta,
+                                     const at::Tensor& state, at::Tensor& out,
+                                     const at::Tensor& states_out);
+
+namespace {
+
+constexpr int64_t kChunk = 64;
+
+// The shapes both forms share, named by the caller's layout. `lead` is the number of leading
+// token dimensions: 1 for packed [T, H, D], 2 for [N, S, H, D].
+struct Dims {
+  int64_t hk, hv, dk, dv;
+};
+
+Dims check_qkv(const char* what, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& g, const at::Tensor& beta, int64_t lead) {
+  const int64_t rank = lead + 2;
+  if (q.dim() != rank || k.sizes() != q.sizes() || v.dim() != rank) {
+    fail("{}: q and k must be alike of rank {} and v of rank {}, got q {} k {} v {}", what, rank,
+         rank, q.sizes(), k.sizes(), v.sizes());
+  }
+  for (int64_t d = 0; d < lead; ++d) {
+    if (v.size(d) != q.size(d))
+      fail("{}: v {} and q {} disagree on tokens", what, v.sizes(), q.sizes());
+  }
+  const Dims dims{q.size(lead), v.size(lead), q.size(lead + 1), v.size(lead + 1)};
+  if (dims.hk <= 0 || dims.hv % dims.hk != 0) {
+    fail("{}: value heads ({}) must be a multiple of key heads ({})", what, dims.hv, dims.hk);
+  }
+  auto token_heads = v.sizes().slice(0, lead + 1).vec();
+  if (g.sizes() != c10::IntArrayRef(token_heads) || beta.sizes() != c10::IntArrayRef(token_heads)) {
+    fail("{}: g and beta must be {}, got {} and {}", what, token_heads, g.sizes(), beta.sizes());
+  }
+  if (k.scalar_type() != q.scalar_type() || !q.is_floating_point() || !v.is_floating_point()) {
+    fail("{}: q and k must share a floating dtype, v floating, got {} {} {}", what,
+         c10::toString(q.scalar_type()), c10::toString(k.scalar_type()),
+         c10::toString(v.scalar_type()));
+  }
+  for (const auto* t : {&k, &v, &g, &beta}) {
+    if (t->device() != q.device())
+      fail("{}: every operand must be on q's device {}", what, q.device().str());
+  }
+  return dims;
+}
+
+void check_state(const char* what, const char* name, const at::Tensor& s, c10::IntArrayRef expected,
+                 const at::Device& device) {
+  if (s.sizes() != expected || s.scalar_type() != at::kFloat || s.device() != device) {
+    fail("{}: {} must be float32 {} on {}, got {} {} on {}", what, name, expected, device.str(),
+         c10::toString(s.scalar_type()), s.sizes(), s.device().str());
+  }
+}
+
+// x * rsqrt(sum x^2 + 1e-6) over the last dimension, as transformers' l2norm (and FLA).
+at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); }
+
+// [L, H, D] (any dtype) -> [Hv, L, D] fp32, key heads repeated for their value heads.
+at::Tensor heads_first(const at::Tensor& x, int64_t repeat) {
+  auto t = x.to(at::kFloat).transpose(0, 1);
+  return (repeat > 1 ? t.repeat_interleave(repeat, 0) : t).contiguous();
+}
+
+// One sequence: q, k [Hv, L, Dk] (normalised, q scaled), v [Hv, L, Dv], g, beta [Hv, L], state
+// [Hv, Dk, Dv], all fp32. Returns out [Hv, L, Dv] and advances `state`: transformers'
+// torch_chunk_gated_delta_rule step by step.
+at::Tensor chunk_one_sequence(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
+                              at::Tensor beta, at::Tensor& state) {
+  const int64_t h = q.size(0), len = q.size(1), dk = q.size(2), dv = v.size(2);
+  const int64_t pad = (kChunk - len % kChunk) % kChunk, chunks = (len + pad) / kChunk;
+  // Zero padding at the end: g 0 (no decay) and beta 0 (no write) leave the state unchanged.
+  q = at::constant_pad_nd(q, {0, 0, 0, pad}).view({h, chunks, kChunk, dk});
+  k = at::constant_pad_nd(k, {0, 0, 0, pad}).view({h, chunks, kChunk, dk});
+  v = at::constant_pad_nd(v, {0, 0, 0, pad}).view({h, chunks, kChunk, dv});
+  beta = at::constant_pad_nd(beta, {0, pad}).view({h, chunks, kChunk, 1});
+  g = at::constant_pad_nd(g, {0, pad}).view({h, chunks, kChunk});
+  auto v_beta = v * beta, k_beta = k * beta;
+  auto upper = at::ones({kChunk, kChunk}, q.options().dtype(at::kBool)).triu(1);
+  auto cum = g.cumsum(-1);
+  auto pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, -INFINITY).exp();
+  auto ut = at::matmul(k_beta, k.transpose(-1, -2)) * pairwise;
+  auto intra = at::matmul(q, k.transpose(-1, -2)) * pairwise;
+  auto decayed_k_beta = k_beta * cum.exp().unsqueeze(-1);
+  auto new_values = at::linalg_solve_triangular(ut, v_beta, /*upper=*/false, /*left=*/true,
+                                                /*unitriangular=*/true);
+  auto k_cumdecay = at::linalg_solve_triangular(ut, decayed_k_beta, false, true, true);
+  auto q_decayed = q * cum.exp().unsqueeze(-1);
+  auto k_decayed = k * (cum.narrow(-1, kChunk - 1, 1) - cum).exp().unsqueeze(-1);
+  auto chunk_decay = cum.select(-1, kChunk - 1).exp();  // [h, chunks]
+  auto out = at::empty({h, chunks, kChunk, dv}, v.options());
+  for (int64_t c = 0; c < chunks; ++c) {
+    auto v_new = new_values.select(1, c) - at::matmul(k_cumdecay.select(1, c), state);
+    out.select(1, c).copy_(at::matmul(q_decayed.select(1, c), state) +
+                           at::matmul(intra.select(1, c), v_new));
+    state = state * chunk_decay.select(1, c).view({h, 1, 1}) +
+            at::matmul(k_decayed.select(1, c).transpose(-1, -2), v_new);
+  }
+  return out.view({h, chunks * kChunk, dv}).narrow(1, 0, len);
+}
+
+Dims check_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                 const at::Tensor& beta, const at::Tensor& cu_seqlens,
+                 c10::ArrayRef<int64_t> lengths, const at::Tensor& initial_state) {
+  constexpr const char* what = "chunk_gated_delta_rule";
+  const auto d = check_qkv(what, q, k, v, g, beta, 1);
+  const int64_t n = static_cast<int64_t>(lengths.size());
+  int64_t total = 0;
+  for (int64_t len : lengths) {
+    if (len < 0) fail("{}: negative sequence length in {}", what, lengths);
+    total += len;
+  }
+  if (total != q.size(0))
+    fail("{}: lengths {} sum to {}, q has {} tokens", what, lengths, total, q.size(0));
+  if (cu_seqlens.dim() != 1 || cu_seqlens.size(0) != n + 1 ||
+      cu_seqlens.scalar_type() != at::kInt || cu_seqlens.device() != q.device()) {
+    fail("{}: cu_seqlens must be int32 [{}] on q's device, got {} {} on {}", what, n + 1,
+         c10::toString(cu_seqlens.scalar_type()), cu_seqlens.sizes(), cu_seqlens.device().str());
+  }
+  if (initial_state.defined()) {
+    check_state(what, "initial_state", initial_state, {n, d.hv, d.dk, d.dv}, q.device());
+  }
+  return d;
+}
+
+Dims check_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                     const at::Tensor& states_out) {
+  constexpr const char* what = "recurrent_gated_delta_rule";
+  const auto d = check_qkv(what, q, k, v, g, beta, 2);
+  const int64_t n = q.size(0), steps = q.size(1);
+  check_state(what, "state", state, {n, d.hv, d.dk, d.dv}, q.device());
+  if (states_out.defined()) {
+    check_state(what, "states_out", states_out, {n, steps, d.hv, d.dk, d.dv}, q.device());
+  }
+  return d;
+}
+
+// The kernels' case: heads of 128 on CUDA, q, k and v of one dtype (bf16, fp16 or fp32).
+bool on_cuda_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto dtype = q.scalar_type();
+  return q.is_cuda() && q.size(-1) == 128 && v.size(-1) == 128 && k.scalar_type() == dtype &&
+         v.scalar_type() == dtype &&
+         (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat);
+}
+
+// [T, H, 128] with unit stride inside each token (a column slice of a wider row qualifies).
+at::Tensor token_rows(const at::Tensor& t) {
+  return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+}
+
+}  // namespace
+
+GatedDeltaResult chunk_gated_delta_rule_reference(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, const at::Tensor& g,
+                                                  const at::Tensor& beta,
+                                                  const at::Tensor& cu_seqlens,
+                                                  c10::ArrayRef<int64_t> lengths,
+                                                  const at::Tensor& initial_state) {
+  const auto d = check_chunk(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
+  const int64_t n = static_cast<int64_t>(lengths.size());
+  const int64_t repeat = d.hv / d.hk;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
+  auto out = at::empty({q.size(0), d.hv, d.dv}, v.options());
+  auto final_state = at::empty({n, d.hv, d.dk, d.dv}, q.options().dtype(at::kFloat));
+  int64_t start = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = lengths[i];
+    auto state = initial_state.defined() ? initial_state[i].clone()
+                                         : at::zeros({d.hv, d.dk, d.dv}, final_state.options());
+    if (len > 0) {
+      auto qs = l2norm(heads_first(q.narrow(0, start, len), repeat)) * scale;
+      auto ks = l2norm(heads_first(k.narrow(0, start, len), repeat));
+      auto vs = heads_first(v.narrow(0, start, len), 1);
+      auto gs = g.narrow(0, start, len).to(at::kFloat).t().contiguous();
+      auto bs = beta.narrow(0, start, len).to(at::kFloat).t().contiguous();
+      auto o = chunk_one_sequence(qs, ks, vs, gs, bs, state);
+      out.narrow(0, start, len).copy_(o.transpose(0, 1));
+    }
+    final_state[i].copy_(state);
+    start += len;
+  }
+  return {out, final_state};
+}
+
+at::Tensor recurrent_gated_delta_rule_reference(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, const at::Tensor& g,
+                                                const at::Tensor& beta, const at::Tensor& state,
+                                                const at::Tensor& states_out) {
+  const auto d = check_recurrent(q, k, v, g, beta, state, states_out);
+  const int64_t n = q.size(0), steps = q.size(1);
+  const int64_t repeat = d.hv / d.hk;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
+  // [N, S, H, D] -> [N, Hv, S, D] fp32, as heads_first per sequence.
+  auto per_head = [&](const at::Tensor& x, int64_t rep) {
+    auto t = x.to(at::kFloat).transpose(1, 2);
+    return (rep > 1 ? t.repeat_interleave(rep, 1) : t).contiguous();
+  };
+  auto qs = l2norm(per_head(q, repeat)) * scale, ks = l2norm(per_head(k, repeat));
+  auto vs = per_head(v, 1);
+  auto decay = g.to(at::kFloat).exp(), bs = beta.to(at::kFloat);  // [N, S, Hv]
+  auto s = state.clone();
+  auto out = at::empty({n, steps, d.hv, d.dv}, v.options());
+  for (int64_t t = 0; t < steps; ++t) {
+    auto q_t = qs.select(2, t), k_t = ks.select(2, t), v_t = vs.select(2, t);  // [N, Hv, D]
+    s = s * decay.select(1, t).unsqueeze(-1).unsqueeze(-1);
+    auto kv_mem = (s * k_t.unsqueeze(-1)).sum(-2);
+    auto delta = (v_t - kv_mem) * bs.select(1, t).unsqueeze(-1);
+    s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2);
+    out.select(1, t).copy_((s * q_t.unsqueeze(-1)).sum(-2));
+    if (states_out.defined()) states_out.select(1, t).copy_(s);
+  }
+  return out;
+}
+
+GatedDeltaResult chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& g,
+                                        const at::Tensor& beta, const at::Tensor& cu_seqlens,
+                                        c10::ArrayRef<int64_t> lengths,
+                                        const at::Tensor& initial_state) {
+  if (!on_cuda_kernel(q, k, v)) {
+    return chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
+  }
+  const auto d = check_chunk(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
+  const int64_t n = static_cast<int64_t>(lengths.size());
+  auto out = at::empty({q.size(0), d.hv, d.dv}, v.options());
+  auto final_state = at::empty({n, d.hv, d.dk, d.dv}, q.options().dtype(at::kFloat));
+  if (n == 0) return {out, final_state};
+  // Per chunk (first token, rows), then per sequence (first token, length, first chunk): the
+  // kernels' work list, from the host lengths (no read of cu_seqlens back from the device).
+  std::vector<int32_t> chunk_part, seq_part;
+  int64_t start = 0, chunks = 0;
+  for (int64_t len : lengths) {
+    seq_part.insert(seq_part.end(), {int32_t(start), int32_t(len), int32_t(chunks)});
+    for (int64_t c = 0; c < len; c += kChunk, ++chunks) {
+      chunk_part.insert(chunk_part.end(), {int32_t(start + c), int32_t(std::min(kChunk, len - c))});
+    }
+    start += len;
+  }
+  if (start > std::numeric_limits<int32_t>::max())
+    fail("chunk_gated_delta_rule: {} tokens exceed int32", start);
+  chunk_part.insert(chunk_part.end(), seq_part.begin(), seq_part.end());
+  // Pinned and asynchronous: no wait for the GPU on the host (the caching host allocator keeps
+  // the pinned block until the copy has run).
+  auto table = at::tensor(chunk_part, at::kInt).pin_memory().to(q.device(), /*non_blocking=*/true);
+  auto scratch =
+      at::empty({chunk_gated_delta_scratch_floats(chunks * d.hv)}, q.options().dtype(at::kFloat));
+  chunk_gated_delta_rule_cuda(
+      token_rows(q), token_rows(k), token_rows(v), g.to(at::kFloat).contiguous(),
+      beta.to(at::kFloat).contiguous(), table, chunks, n, scratch,
+      initial_state.defined() ? initial_state.contiguous() : at::Tensor(), out, final_state);
+  return {out, final_state};
+}
+
+at::Tensor recurrent_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& g, const at::Tensor& beta,
+                                      const at::Tensor& state, const at::Tensor& states_out) {
+  if (!on_cuda_kernel(q, k, v)) {
+    return recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, states_out);
+  }
+  const auto d = check_recurrent(q, k, v, g, beta, state, states_out);
+  auto out = at::empty({q.size(0), q.size(1), d.hv, d.dv}, v.options());
+  if (out.numel() == 0) return out;
+  // The kernel writes states_out in place: a non-contiguous one gets a contiguous copy back.
+  auto states = !states_out.defined() || states_out.is_contiguous()
+                    ? states_out
+                    : at::empty_like(states_out, at::MemoryFormat::Contiguous);
+  recurrent_gated_delta_rule_cuda(q.contiguous(), k.contiguous(), v.contiguous(),
+                                  g.to(at::kFloat).contiguous(), beta.to(at::kFloat).contiguous(),
+                                  state.contiguous(), out, states);
+  if (states.defined() && !states.is_same(states_out)) states_out.copy_(states);
+  return out;
+}
+
+}  // namespace dflash::kernels
