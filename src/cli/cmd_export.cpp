@@ -27,7 +27,8 @@ void add_export_command(CLI::App& app) {
                   "the target model directory, for the mask token's text (default: the target "
                   "in the run's run_config.json)");
   cmd->callback([source, out, target, overwrite] {
-    const auto config = train::export_drafter(*source, *out, *target, *overwrite);
+    const auto exported = train::export_drafter(*source, *out, *target, *overwrite);
+    const auto& config = exported.config;
     fmt::print("export: wrote {}/config.json and {}/model.safetensors\n", *out, *out);
     if (config.mask_token.empty()) {
       fmt::print(
@@ -37,6 +38,12 @@ void add_export_command(CLI::App& app) {
     } else {
       fmt::print("export: mask token {:?} (id {})\n", config.mask_token, config.mask_token_id);
     }
+    if (const auto warning = train::last_layer_tap_warning(config); !warning.empty()) {
+      fmt::print(stderr, "export: WARNING: {}\n", warning);
+    }
+    // vLLM needs a release with PR 40727 (the drafter's layer ids counted as SGLang counts them).
+    fmt::print("export: serve it with SGLang or vLLM (vLLM with PR 40727's layer-id fix):\n{}",
+               train::serving_commands(exported, *out));
   });
 }
 

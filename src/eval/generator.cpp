@@ -12,6 +12,8 @@
 #include <numeric>
 
 #include "common/error.h"
+#include "common/upload.h"
+#include "eval/slots.h"
 
 namespace dflash::eval {
 
@@ -40,14 +42,6 @@ struct Generator::Graph {
   AppendBatch batch;     // all slots, one token each; max_seen = capacity
   at::Tensor base_rows;  // int64 [slots]: slot * capacity
   at::Tensor logits;     // the captured output, [slots, V]
-};
-
-struct Generator::Slot {
-  bool occupied = false;
-  uint64_t serial = 0;   // which admission the slot's tokens in flight belong to
-  int64_t launched = 0;  // tokens whose sampling has been launched
-  Request request;
-  Completion completion;
 };
 
 namespace {
@@ -134,109 +128,67 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
   std::optional<c10::cuda::CUDAGuard> device_guard;
   if (model_.device().is_cuda()) device_guard.emplace(model_.device());
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t n_slots = cache_.slots(), context = cache_.capacity();
+  const int64_t n_slots = cache_.slots();
   const at::Device device = model_.device();
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   const auto double_opts = at::TensorOptions().dtype(at::kDouble);
   const SamplingParams& sampling = options_.sampling;
-  std::vector<Slot> slots(n_slots);
-  uint64_t serial = 0;
+  SlotScheduler slots(
+      n_slots,
+      {cache_.capacity(), options_.max_new_tokens, options_.prefill_tokens, options_.stop_tokens},
+      next, done, "generation");
+  // Per slot: tokens whose sampling has been launched (the host reads them one step late).
+  std::vector<int64_t> launched(n_slots, 0);
   GenerationStats stats;
-  DecodeProgress progress;
 
-  // Small host vectors go to the device through pinned memory, so the copy does not block.
-  auto upload = [&](at::Tensor t) {
-    return device.is_cpu() ? t : t.pin_memory().to(device, /*non_blocking=*/true);
-  };
   auto uniforms = [&](const std::vector<int64_t>& rows) {
     std::vector<double> u(rows.size(), 0.0);
     if (!sampling.greedy()) {
       for (size_t i = 0; i < rows.size(); ++i) {
         if (rows[i] < 0) continue;
-        const Slot& s = slots[rows[i]];
-        u[i] = sampling_uniform(sampling.seed, s.request.id, static_cast<uint64_t>(s.launched));
+        u[i] = sampling_uniform(sampling.seed, slots[rows[i]].request.id,
+                                static_cast<uint64_t>(launched[rows[i]]));
       }
     }
-    return upload(at::tensor(u, double_opts));
+    return upload_to(device, at::tensor(u, double_opts));
   };
-  auto is_stop = [&](int64_t token) {
-    return std::find(options_.stop_tokens.begin(), options_.stop_tokens.end(), token) !=
-           options_.stop_tokens.end();
-  };
-  auto finish = [&](Slot& s, Finish why) {
-    ++progress.finished;
-    progress.finished_tokens +=
-        static_cast<int64_t>(s.completion.tokens.size()) + (why == Finish::kStop ? 1 : 0);
-    s.completion.finish = why;
-    s.occupied = false;
-    done(s.request, std::move(s.completion));
-  };
-  auto may_decode = [&](const Slot& s) {
-    return s.occupied && s.launched < options_.max_new_tokens &&
-           static_cast<int64_t>(s.request.prompt.size()) + s.launched < context;
+  auto may_decode = [&](int64_t slot) {
+    return slots[slot].occupied && launched[slot] < slots.max_tokens(slot);
   };
 
-  // Prefill of newly admitted requests, packed up to prefill_tokens; their first tokens join
-  // the iteration's report.
+  // Prefill of newly admitted requests; their first tokens join the iteration's report.
   auto admit = [&](Report& report) {
-    std::vector<int64_t> group;
-    int64_t group_tokens = 0;
-    auto prefill = [&]() {
-      if (group.empty()) return;
-      std::vector<int64_t> counts;
-      std::vector<at::Tensor> prompts;
-      for (int64_t slot : group) {
-        const auto& p = slots[slot].request.prompt;
-        counts.push_back(static_cast<int64_t>(p.size()));
-        prompts.push_back(at::tensor(p, long_opts));
-      }
-      auto batch = AppendBatch::make(cache_, group, counts);
-      auto out =
-          model_.forward_cached(upload(at::cat(prompts)), batch, cache_, {{}, Logits::kLast});
-      auto first = sample_tokens(out.logits, sampling, uniforms(group));
-      current_.index_copy_(0, upload(at::tensor(group, long_opts)), first);
-      report.device.push_back(first);
-      for (int64_t slot : group) {
-        report.entries.emplace_back(slot, slots[slot].serial);
-        ++slots[slot].launched;
-      }
-      ++stats.prefill_forwards;
-      group.clear();
-      group_tokens = 0;
-    };
-    for (int64_t i = 0; i < n_slots; ++i) {
-      Slot& s = slots[i];
-      while (!s.occupied) {
-        auto request = next();
-        if (!request) break;
-        if (request->prompt.empty())
-          fail("generation: request {} has an empty prompt", request->id);
-        const int64_t length = static_cast<int64_t>(request->prompt.size());
-        ++stats.requests;
-        stats.prompt_tokens += length;
-        s.request = std::move(*request);
-        s.completion = {};
-        s.launched = 0;
-        if (length >= context) {  // no room for even one token
-          finish(s, Finish::kContext);
-          continue;
-        }
-        s.occupied = true;
-        s.serial = ++serial;
-        cache_.reset(i);
-        if (group_tokens + length > options_.prefill_tokens) prefill();
-        group.push_back(i);
-        group_tokens += length;
-      }
-    }
-    prefill();
+    slots.admit(
+        [&](int64_t slot) {
+          launched[slot] = 0;
+          cache_.reset(slot);
+        },
+        [&](const std::vector<int64_t>& group) {
+          std::vector<int64_t> counts;
+          std::vector<at::Tensor> prompts;
+          for (int64_t slot : group) {
+            counts.push_back(slots[slot].prompt_length());
+            prompts.push_back(at::tensor(slots[slot].request.prompt, long_opts));
+          }
+          auto batch = AppendBatch::make(cache_, group, counts);
+          auto out = model_.forward_cached(upload_to(device, at::cat(prompts)), batch, cache_,
+                                           {{}, Logits::kLast});
+          auto first = sample_tokens(out.logits, sampling, uniforms(group));
+          current_.index_copy_(0, upload_to(device, at::tensor(group, long_opts)), first);
+          report.device.push_back(first);
+          for (int64_t slot : group) {
+            report.entries.emplace_back(slot, slots[slot].serial);
+            ++launched[slot];
+          }
+          ++stats.prefill_forwards;
+        });
   };
 
   // One token for every slot that may continue.
   auto decode = [&](Report& report) {
     std::vector<int64_t> active, rows;
     for (int64_t i = 0; i < n_slots; ++i) {
-      if (may_decode(slots[i])) active.push_back(i);
+      if (may_decode(i)) active.push_back(i);
     }
     if (active.empty()) return;
     at::Tensor tokens;
@@ -248,29 +200,27 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
         rows[i] = i;
       }
       auto& b = graph_->batch;
-      auto starts_dev = upload(at::tensor(starts, long_opts));
+      auto starts_dev = upload_to(device, at::tensor(starts, long_opts));
       b.positions.copy_(starts_dev);
       at::add_out(b.rows, graph_->base_rows, starts_dev);
       b.seen.copy_(starts_dev + 1);
       graph_->graph.replay();
       tokens = sample_tokens(graph_->logits, sampling, uniforms(rows));
       current_.copy_(tokens);
+      for (int64_t i : active) cache_.extend(i, 1);
     } else {
       rows = active;
-      auto index = upload(at::tensor(active, long_opts));
+      auto index = upload_to(device, at::tensor(active, long_opts));
       auto batch = AppendBatch::make(cache_, active, std::vector<int64_t>(active.size(), 1));
       auto out =
           model_.forward_cached(current_.index_select(0, index), batch, cache_, {{}, Logits::kAll});
       tokens = sample_tokens(out.logits, sampling, uniforms(rows));
       current_.index_copy_(0, index, tokens);
     }
-    if (graph_) {
-      for (int64_t i : active) cache_.extend(i, 1);
-    }
     report.device.push_back(tokens);
     for (int64_t row : rows) {
       report.entries.emplace_back(row, row < 0 ? 0 : slots[row].serial);
-      if (row >= 0) ++slots[row].launched;
+      if (row >= 0) ++launched[row];
     }
     ++stats.decode_steps;
   };
@@ -281,20 +231,9 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
     for (size_t i = 0; i < report.entries.size(); ++i) {
       const auto [slot, tag] = report.entries[i];
       if (slot < 0) continue;
-      Slot& s = slots[slot];
-      if (!s.occupied || s.serial != tag) continue;  // a token past its sequence's end
-      ++stats.generated_tokens;
-      if (is_stop(token[i])) {
-        finish(s, Finish::kStop);
-        continue;
-      }
-      s.completion.tokens.push_back(token[i]);
-      const int64_t n = static_cast<int64_t>(s.completion.tokens.size());
-      if (n == options_.max_new_tokens) {
-        finish(s, Finish::kLength);
-      } else if (static_cast<int64_t>(s.request.prompt.size()) + n == context) {
-        finish(s, Finish::kContext);
-      }
+      // A token past its sequence's end (the slot finished, or holds a newer request).
+      if (!slots[slot].occupied || slots[slot].serial != tag) continue;
+      slots.commit(slot, token[i]);
     }
   };
 
@@ -304,8 +243,8 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
     Report report;
     admit(report);
     decode(report);
-    const bool launched = !report.entries.empty();
-    if (launched) {
+    const bool launched_any = !report.entries.empty();
+    if (launched_any) {
       auto all = report.device.size() == 1 ? report.device[0] : at::cat(report.device);
       if (device.is_cpu()) {
         report.host = all;
@@ -320,21 +259,19 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
     const bool processed = has_pending;
     if (has_pending) {
       process(pending);
-      if (options_.progress) {
-        progress.generated_tokens = stats.generated_tokens;
-        options_.progress(progress);
-      }
+      if (options_.progress) options_.progress(slots.progress());
     }
-    has_pending = launched;
-    if (launched) {
+    has_pending = launched_any;
+    if (launched_any) {
       pending = std::move(report);
     } else if (!processed) {
       break;
     }
   }
-  for (const Slot& s : slots) {
-    if (s.occupied) fail("generation: request {} was left unfinished", s.request.id);
-  }
+  slots.check_all_finished();
+  stats.requests = slots.requests();
+  stats.prompt_tokens = slots.prompt_tokens();
+  stats.generated_tokens = slots.generated_tokens();
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return stats;
 }

@@ -114,7 +114,6 @@ class Generator {
 
  private:
   struct Graph;
-  struct Slot;
   void capture_graph();
 
   const models::TargetModel& model_;

@@ -9,6 +9,8 @@
 #include <numeric>
 
 #include "common/error.h"
+#include "common/upload.h"
+#include "eval/slots.h"
 
 namespace dflash::eval {
 
@@ -38,9 +40,7 @@ void DFlashDraftSource::extend(const std::vector<int64_t>& slots,
 
 at::Tensor DFlashDraftSource::draft(const std::vector<int64_t>& slots,
                                     const std::vector<int64_t>& last) {
-  auto tokens = at::tensor(last, at::kLong);
-  if (!model_.device().is_cpu()) tokens = tokens.pin_memory().to(model_.device(), true);
-  return model_.draft(*cache_, slots, tokens);
+  return model_.draft(*cache_, slots, upload_to(model_.device(), at::tensor(last, at::kLong)));
 }
 
 double SpeculativeStats::tau() const {
@@ -132,22 +132,11 @@ void SpeculativeDecoder::capture_graph() {
   graph_ = std::move(g);
 }
 
-namespace {
-
-struct Slot {
-  bool occupied = false;
-  Request request;
-  Completion completion;
-  int64_t last = 0;  // newest committed token; the target has not run it yet
-};
-
-}  // namespace
-
 SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
                                          const Generator::DoneFn& done) {
   c10::NoGradGuard no_grad;
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t n_slots = cache_.slots(), context = options_.context;
+  const int64_t n_slots = cache_.slots();
   const int64_t bs = drafter_.block_size();
   const at::Device device = target_.device();
   // The graph replays on the current device's stream: make it the model's (a rank's
@@ -156,14 +145,16 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
   if (device.is_cuda()) device_guard.emplace(device);
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   const std::vector<int64_t> taps = drafter_.tap_layers();
-  std::vector<Slot> slots(n_slots);
+  SlotScheduler slots(
+      n_slots,
+      {options_.context, options_.max_new_tokens, options_.prefill_tokens, options_.stop_tokens},
+      next, done, "speculative");
+  // Per slot: the newest committed token, which the target has not run yet.
+  std::vector<int64_t> last_token(n_slots, 0);
   SpeculativeStats stats;
   stats.committed.assign(bs + 1, 0);
-  DecodeProgress progress;
 
-  auto upload = [&](const at::Tensor& t) {
-    return device.is_cpu() ? t : t.pin_memory().to(device, /*non_blocking=*/true);
-  };
+  auto upload = [&](const at::Tensor& t) { return upload_to(device, t); };
   auto to_host = [](const at::Tensor& t) {
     auto h = t.to(at::kCPU, at::kLong).contiguous();
     return std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel());
@@ -175,40 +166,15 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     for (const auto& t : tapped) parts.push_back(t.index_select(0, index));
     return at::cat(parts, 1);
   };
-  const auto& stops = options_.stop_tokens;
-  auto finish = [&](Slot& s, Finish why) {
-    ++progress.finished;
-    progress.finished_tokens +=
-        static_cast<int64_t>(s.completion.tokens.size()) + (why == Finish::kStop ? 1 : 0);
-    s.completion.finish = why;
-    s.occupied = false;
-    done(s.request, std::move(s.completion));
-  };
   // Commits one generated token; false once the sequence has finished.
-  auto commit = [&](Slot& s, int64_t token) {
-    ++stats.generated_tokens;
-    if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
-      finish(s, Finish::kStop);
-      return false;
-    }
-    s.completion.tokens.push_back(token);
-    s.last = token;
-    const int64_t n = static_cast<int64_t>(s.completion.tokens.size());
-    if (n == options_.max_new_tokens) {
-      finish(s, Finish::kLength);
-      return false;
-    }
-    if (static_cast<int64_t>(s.request.prompt.size()) + n == context) {
-      finish(s, Finish::kContext);
-      return false;
-    }
-    return true;
+  auto commit = [&](int64_t slot, int64_t token) {
+    last_token[slot] = token;
+    return slots.commit(slot, token);
   };
 
   // Prefill of newly admitted requests, packed up to prefill_tokens: their first tokens and
   // the drafter context of their prompts.
   auto prefill = [&](const std::vector<int64_t>& group) {
-    if (group.empty()) return;
     std::vector<int64_t> counts;
     std::vector<at::Tensor> prompts;
     std::vector<std::span<const int64_t>> spans;
@@ -225,45 +191,10 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     ++stats.prefill_forwards;
     drafter_.extend(group, spans, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
     const auto first = to_host(out.logits.argmax(-1));
-    for (size_t i = 0; i < group.size(); ++i) commit(slots[group[i]], first[i]);
+    for (size_t i = 0; i < group.size(); ++i) commit(group[i], first[i]);
   };
   // Fills free slots; true if it took any request (which may have finished at once).
-  auto admit = [&]() {
-    bool took = false;
-    std::vector<int64_t> group;
-    int64_t group_tokens = 0;
-    for (int64_t i = 0; i < n_slots; ++i) {
-      Slot& s = slots[i];
-      while (!s.occupied) {
-        auto request = next();
-        if (!request) break;
-        if (request->prompt.empty()) {
-          fail("speculative: request {} has an empty prompt", request->id);
-        }
-        const int64_t length = static_cast<int64_t>(request->prompt.size());
-        took = true;
-        ++stats.requests;
-        stats.prompt_tokens += length;
-        s.request = std::move(*request);
-        s.completion = {};
-        if (length >= context) {  // no room for even one token
-          finish(s, Finish::kContext);
-          continue;
-        }
-        s.occupied = true;
-        cache_.reset(i);
-        if (group_tokens + length > options_.prefill_tokens) {
-          prefill(group);
-          group.clear();
-          group_tokens = 0;
-        }
-        group.push_back(i);
-        group_tokens += length;
-      }
-    }
-    prefill(group);
-    return took;
-  };
+  auto admit = [&]() { return slots.admit([&](int64_t slot) { cache_.reset(slot); }, prefill); };
 
   // One verify pass: host copies of the block tokens and the target's choice after each, the
   // taps, and where each active slot's block sits among them.
@@ -278,15 +209,10 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     const auto drafts = to_host(drafter_.draft(active, last));  // [n, B-1] row-major
     Verified v;
     for (size_t i = 0; i < active.size(); ++i) {
-      const Slot& s = slots[active[i]];
-      const int64_t generated = static_cast<int64_t>(s.completion.tokens.size());
-      const int64_t room =
-          std::min(context - static_cast<int64_t>(s.request.prompt.size()) - generated,
-                   options_.max_new_tokens - generated);
-      const int64_t b = std::min(bs, room);
+      const int64_t b = std::min(bs, slots.room(active[i]));
       v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
       v.counts.push_back(b);
-      v.tokens.push_back(s.last);
+      v.tokens.push_back(last_token[active[i]]);
       v.tokens.insert(v.tokens.end(), drafts.begin() + i * (bs - 1),
                       drafts.begin() + i * (bs - 1) + (b - 1));
     }
@@ -333,14 +259,10 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
 
   // One draft and one verify pass for every occupied slot.
   auto step = [&]() {
-    std::vector<int64_t> active, last;
-    for (int64_t i = 0; i < n_slots; ++i) {
-      if (slots[i].occupied) {
-        active.push_back(i);
-        last.push_back(slots[i].last);
-      }
-    }
+    const std::vector<int64_t> active = slots.occupied();
     if (active.empty()) return false;
+    std::vector<int64_t> last;
+    for (int64_t slot : active) last.push_back(last_token[slot]);
     const Verified v = graph_ ? verify_graph(active, last) : verify_eager(active, last);
     std::vector<int64_t> extend_slots, feature_rows;
     std::vector<std::span<const int64_t>> extend_tokens;
@@ -353,11 +275,10 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
         ++accepted;
       }
       ++stats.verify_steps;
-      Slot& s = slots[slot];
       int64_t committed = 0;
       bool going = true;
       for (int64_t j = 0; j <= accepted && going; ++j) {
-        going = commit(s, v.choices[offset + j]);
+        going = commit(slot, v.choices[offset + j]);
         ++committed;
       }
       ++stats.committed[committed];
@@ -381,11 +302,12 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     // Requests that finish in their prefill leave their slots free for more at once.
     const bool took = admit();
     if (!step() && !took) break;
-    if (options_.progress) {
-      progress.generated_tokens = stats.generated_tokens;
-      options_.progress(progress);
-    }
+    if (options_.progress) options_.progress(slots.progress());
   }
+  slots.check_all_finished();
+  stats.requests = slots.requests();
+  stats.prompt_tokens = slots.prompt_tokens();
+  stats.generated_tokens = slots.generated_tokens();
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return stats;
 }

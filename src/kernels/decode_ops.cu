@@ -19,39 +19,14 @@
 
 #include <cstdint>
 
+#include "kernels/add_rms_norm.cuh"
 #include "kernels/float_cast.cuh"
+#include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-// The sum of v over the block's kThreads threads, returned to every thread. One call per
-// kernel: the shared partials are not guarded against a second call's writes.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warps[kThreads / 32];
-  v = warp_sum(v);
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = v;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int j = 0; j < kThreads / 32; ++j) total += warps[j];
-  return total;
-}
-
-// N elements of T loaded and stored as one access (16 bytes by default; 4 or 8 bytes for the
-// head vectors of qk_norm_rotary).
-template <typename T, int N = 16 / sizeof(T)>
-struct alignas(sizeof(T) * N) Pack {
-  static constexpr int kSize = N;
-  T v[N];
-};
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -66,61 +41,29 @@ __global__ void __launch_bounds__(kThreads)
     const float f = to_float(s);
     squares = fmaf(f, f, squares);
   }
-  const float rstd = rsqrtf(block_sum(squares) / static_cast<float>(h) + eps);
+  const float rstd = rsqrtf(block_reduce<kThreads>(squares) / static_cast<float>(h) + eps);
   for (int64_t i = threadIdx.x; i < h; i += kThreads) {
     normed[base + i] = from_float<T>(to_float(sum[base + i]) * rstd * to_float(weight[i]));
   }
 }
 
 // Thread i holds vectors i, i + kThreads, ... (at most kVecs of them) of its row: every
-// pointer 16-byte aligned and H a multiple of Pack<T>::kSize (the host checks both).
+// pointer 16-byte aligned and H a multiple of Vec<T>::kSize (the host checks both).
 template <typename T, int kVecs>
 __global__ void __launch_bounds__(kThreads)
     add_rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ y,
                             const T* __restrict__ weight, T* __restrict__ sum,
                             T* __restrict__ normed, int64_t h, float eps) {
-  using P = Pack<T>;
+  using P = Vec<T>;
   const int64_t vecs = h / P::kSize, base = int64_t(blockIdx.x) * vecs;
-  const P* xr = reinterpret_cast<const P*>(x) + base;
-  const P* yr = reinterpret_cast<const P*>(y) + base;
-  const P* wr = reinterpret_cast<const P*>(weight);
-  // Every load is issued before any is used: one memory round trip, not one per vector.
-  P s[kVecs], b[kVecs], w[kVecs];
+  P s[kVecs];
+  add_rms_norm_row<T, kVecs, kThreads>(
+      reinterpret_cast<const P*>(x) + base, reinterpret_cast<const P*>(y) + base,
+      reinterpret_cast<const P*>(weight), reinterpret_cast<P*>(sum) + base, vecs, h, eps, s);
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     const int64_t v = threadIdx.x + int64_t(j) * kThreads;
-    if (v < vecs) {
-      s[j] = xr[v];
-      b[j] = yr[v];
-      w[j] = wr[v];
-    }
-  }
-  float squares = 0.f;
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    const int64_t v = threadIdx.x + int64_t(j) * kThreads;
-    if (v < vecs) {
-#pragma unroll
-      for (int e = 0; e < P::kSize; ++e) {
-        s[j].v[e] = from_float<T>(to_float(s[j].v[e]) + to_float(b[j].v[e]));
-        const float f = to_float(s[j].v[e]);
-        squares = fmaf(f, f, squares);
-      }
-      reinterpret_cast<P*>(sum)[base + v] = s[j];
-    }
-  }
-  const float rstd = rsqrtf(block_sum(squares) / static_cast<float>(h) + eps);
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    const int64_t v = threadIdx.x + int64_t(j) * kThreads;
-    if (v < vecs) {
-      P o;
-#pragma unroll
-      for (int e = 0; e < P::kSize; ++e) {
-        o.v[e] = from_float<T>(to_float(s[j].v[e]) * rstd * to_float(w[j].v[e]));
-      }
-      reinterpret_cast<P*>(normed)[base + v] = o;
-    }
+    if (v < vecs) reinterpret_cast<P*>(normed)[base + v] = s[j];
   }
 }
 
@@ -138,7 +81,7 @@ __global__ void __launch_bounds__(kThreads)
                           const T* __restrict__ sin, T* __restrict__ q, T* __restrict__ k,
                           T* __restrict__ v, const int64_t* __restrict__ k_rows, int64_t cache_rows,
                           int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, float eps) {
-  using P = Pack<T, kE == 0 ? 1 : kE>;
+  using P = Vec<T, kE == 0 ? 1 : kE>;
   const int64_t heads = q_heads + (k_rows != nullptr ? 2 : 1) * kv_heads, half = d / 2;
   const int lane = threadIdx.x % 32;
   // Items are whole warps (the stride too), so every shuffle runs with all 32 lanes.
@@ -250,8 +193,8 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tenso
       kernel<<<grid, kThreads, 0, stream>>>(ptr<T>(x), ptr<T>(y), ptr<T>(weight), mut<T>(sum),
                                             mut<T>(normed), h, static_cast<float>(eps));
     };
-    const int64_t per_thread = (h / Pack<T>::kSize + kThreads - 1) / kThreads;
-    const bool vector = h % Pack<T>::kSize == 0 && aligned(x.data_ptr(), 16) &&
+    const int64_t per_thread = (h / Vec<T>::kSize + kThreads - 1) / kThreads;
+    const bool vector = h % Vec<T>::kSize == 0 && aligned(x.data_ptr(), 16) &&
                         aligned(y.data_ptr(), 16) && aligned(weight.data_ptr(), 16) &&
                         aligned(sum.data_ptr(), 16) && aligned(normed.data_ptr(), 16);
     if (vector && per_thread <= 1) {

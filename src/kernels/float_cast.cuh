@@ -31,9 +31,10 @@ __device__ __forceinline__ __half from_float<__half>(float x) {
   return __float2half(x);
 }
 
-// kVec elements of T loaded or stored as one access (16 bytes when sizeof(T) * kVec is 16).
-template <typename T, int kVec>
+// kVec elements of T loaded or stored as one access (16 bytes by default).
+template <typename T, int kVec = 16 / static_cast<int>(sizeof(T))>
 struct alignas(sizeof(T) * kVec) Vec {
+  static constexpr int kSize = kVec;
   T v[kVec];
 };
 

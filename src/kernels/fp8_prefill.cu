@@ -17,8 +17,10 @@
 
 #include <cstdint>
 
+#include "kernels/add_rms_norm.cuh"
 #include "kernels/float_cast.cuh"
 #include "kernels/fp8_rows.h"
+#include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -30,24 +32,6 @@ constexpr float kMax = 448.f;
 
 template <typename T>
 constexpr int kPack = 16 / static_cast<int>(sizeof(T));
-
-// The sum (kMaxOp false) or maximum over the block, returned to every thread; each op has its
-// own shared partials, and each is called once per kernel.
-template <bool kMaxOp, int kBlock = kThreads>
-__device__ __forceinline__ float block_reduce(float v) {
-  __shared__ float warps[kBlock / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = kMaxOp ? fmaxf(v, other) : v + other;
-  }
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = v;
-  __syncthreads();
-  float r = 0.f;
-#pragma unroll
-  for (int j = 0; j < kBlock / 32; ++j) r = kMaxOp ? fmaxf(r, warps[j]) : r + warps[j];
-  return r;
-}
 
 // Writes the thread's vectors o[j] (vector index threadIdx.x + j * kBlock of a row of `vecs`)
 // to `q` as e4m3 after the block agrees on the row's scale.
@@ -64,7 +48,7 @@ __device__ __forceinline__ void write_e4m3(const Vec<T, kPack<T>> (&o)[kVecs], i
       for (int e = 0; e < N; ++e) amax = fmaxf(amax, fabsf(to_float(o[j].v[e])));
     }
   }
-  amax = block_reduce<true, kBlock>(amax);
+  amax = block_reduce<kBlock>(amax, MaxOp{});
   const float s = amax > 0.f ? amax * (1.f / kMax) : 1.f;
   if (threadIdx.x == 0) *scale = s;
 #pragma unroll
@@ -88,43 +72,12 @@ __global__ void __launch_bounds__(kThreads)
                              const T* __restrict__ weight, T* __restrict__ sum,
                              __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales,
                              int64_t h, float eps) {
-  using P = Vec<T, kPack<T>>;
-  const int64_t vecs = h / kPack<T>, base = int64_t(blockIdx.x) * vecs;
-  const P* xr = reinterpret_cast<const P*>(x) + base;
-  const P* yr = reinterpret_cast<const P*>(y) + base;
-  const P* wr = reinterpret_cast<const P*>(weight);
-  P s[kVecs], b[kVecs], w[kVecs];
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    const int64_t v = threadIdx.x + int64_t(j) * kThreads;
-    if (v < vecs) {
-      s[j] = xr[v];
-      b[j] = yr[v];
-      w[j] = wr[v];
-    }
-  }
-  float squares = 0.f;
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    const int64_t v = threadIdx.x + int64_t(j) * kThreads;
-    if (v < vecs) {
-#pragma unroll
-      for (int e = 0; e < kPack<T>; ++e) {
-        s[j].v[e] = from_float<T>(to_float(s[j].v[e]) + to_float(b[j].v[e]));
-        const float f = to_float(s[j].v[e]);
-        squares = fmaf(f, f, squares);
-      }
-      reinterpret_cast<P*>(sum)[base + v] = s[j];
-    }
-  }
-  const float rstd = rsqrtf(block_reduce<false>(squares) / static_cast<float>(h) + eps);
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-#pragma unroll
-    for (int e = 0; e < kPack<T>; ++e) {
-      s[j].v[e] = from_float<T>(to_float(s[j].v[e]) * rstd * to_float(w[j].v[e]));
-    }
-  }
+  using P = Vec<T>;
+  const int64_t vecs = h / P::kSize, base = int64_t(blockIdx.x) * vecs;
+  P s[kVecs];
+  add_rms_norm_row<T, kVecs, kThreads>(
+      reinterpret_cast<const P*>(x) + base, reinterpret_cast<const P*>(y) + base,
+      reinterpret_cast<const P*>(weight), reinterpret_cast<P*>(sum) + base, vecs, h, eps, s);
   write_e4m3<T, kVecs>(s, vecs, q + int64_t(blockIdx.x) * h, scales + blockIdx.x);
 }
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -31,20 +32,6 @@ struct Parts {
   bool vector[kMaxParts];     // 16-byte loads and 8-byte stores apply
   int count;
 };
-
-__device__ __forceinline__ float block_max(float v) {
-  __shared__ float warps[kThreads / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  }
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = v;
-  __syncthreads();
-  float m = 0.f;
-#pragma unroll
-  for (int j = 0; j < kThreads / 32; ++j) m = fmaxf(m, warps[j]);
-  return m;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -65,7 +52,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t i = threadIdx.x; i < w; i += kThreads) amax = fmaxf(amax, fabsf(to_float(x[i])));
     }
   }
-  amax = block_max(amax);
+  amax = block_reduce<kThreads>(amax, MaxOp{});
   const float scale = amax > 0.f ? amax * (1.f / kMax) : 1.f;
   if (threadIdx.x == 0) scales[row] = scale;
   for (int p = 0; p < parts.count; ++p) {

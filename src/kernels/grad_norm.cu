@@ -18,6 +18,7 @@
 
 #include "kernels/float_cast.cuh"
 #include "kernels/multi_tensor.cuh"
+#include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -104,23 +105,6 @@ __device__ __forceinline__ float thread_sum_squares(const T* __restrict__ data, 
   return acc;
 }
 
-// The block's sum of v, valid in thread 0: each warp by shuffles, then thread 0 over the warps
-// in order.
-template <int kBlock, typename A>
-__device__ __forceinline__ A block_sum(A v) {
-  __shared__ A warps[kBlock / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = v;
-  __syncthreads();
-  A total = 0;
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int w = 0; w < kBlock / 32; ++w) total += warps[w];
-  }
-  return total;
-}
-
 __global__ void __launch_bounds__(kThreads)
     partial_sums_kernel(const NormTensor* __restrict__ tensors, int num_tensors, int64_t chunk,
                         float* __restrict__ partials) {
@@ -139,7 +123,7 @@ __global__ void __launch_bounds__(kThreads)
       acc = thread_sum_squares(static_cast<const float*>(t.data), begin, end, t.vectorized);
       break;
   }
-  acc = block_sum<kThreads>(acc);
+  acc = block_reduce<kThreads>(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
@@ -148,7 +132,7 @@ __global__ void __launch_bounds__(kFinalThreads)
     final_norm_kernel(const float* __restrict__ partials, int64_t count, float* __restrict__ norm) {
   double acc = 0;
   for (int64_t i = threadIdx.x; i < count; i += kFinalThreads) acc += partials[i];
-  acc = block_sum<kFinalThreads>(acc);
+  acc = block_reduce<kFinalThreads>(acc);
   if (threadIdx.x == 0) *norm = static_cast<float>(sqrt(acc));
 }
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -20,27 +21,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRows = 16;
 constexpr int kMaxVecs = 8;  // vectors per thread: H up to 8 * 256 * 8 halves
-
-// The block's sums of a and b, returned to every thread; the trailing barrier lets the caller
-// call again for its next row.
-__device__ __forceinline__ float2 block_sum2(float a, float b) {
-  __shared__ float2 warps[kThreads / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    a += __shfl_xor_sync(0xffffffffu, a, offset);
-    b += __shfl_xor_sync(0xffffffffu, b, offset);
-  }
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = make_float2(a, b);
-  __syncthreads();
-  float2 total = make_float2(0.f, 0.f);
-#pragma unroll
-  for (int j = 0; j < kThreads / 32; ++j) {
-    total.x += warps[j].x;
-    total.y += warps[j].y;
-  }
-  __syncthreads();
-  return total;
-}
 
 template <typename T, int kVecs>
 __global__ void __launch_bounds__(kThreads)
@@ -80,7 +60,8 @@ __global__ void __launch_bounds__(kThreads)
         dot = fmaf(g[j][e] * w[j][e], s[j][e], dot);
       }
     }
-    const float2 totals = block_sum2(squares, dot);
+    const float2 totals = block_reduce<kThreads>(make_float2(squares, dot));
+    __syncthreads();  // the partials are free for the next row's reduction
     const float rstd = rsqrtf(totals.x / static_cast<float>(h) + eps);
     // d/ds of rms_norm(s) * w against g: rstd * (g*w - s * rstd^2 * sum(g*w*s) / H).
     const float c = rstd * rstd * totals.y / static_cast<float>(h);

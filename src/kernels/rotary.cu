@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -71,12 +72,6 @@ void launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, b
 // [l * kE, (l + 1) * kE); the rotation's partner of an element (D/2 away) is then in lane l ^ 16.
 constexpr int kNormRotaryWarps = 8;  // per thread block
 constexpr int kMaxNormRotaryBlocks = 1024;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 
 struct VectorIndex {
   int64_t tokens, heads, stride_t, stride_h;

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/reduce.cuh"
 #include "kernels/small_linear.h"
 
 namespace dflash::kernels {
@@ -86,9 +87,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kFeatures; ++r) {
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
-      float v = acc[r][m];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+      const float v = warp_sum(acc[r][m]);
       if (lane == 0) partial[warp][r * kM + m] = v;
     }
   }

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int r = warp; r < kRows; r += kWarps) {
     float m = -INFINITY;
     for (int j = lane; j < keys; j += 32) m = fmaxf(m, args.scale * sS[r * kLdf + j]);
-    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    m = warp_max(m);
     float l = 0.f;
     for (int j = lane; j < padded; j += 32) {
       float p = 0.f;
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       sP[r * kLdh + j] = from_float<T>(p);
     }
-    for (int o = 16; o > 0; o /= 2) l += __shfl_xor_sync(0xffffffffu, l, o);
+    l = warp_sum(l);
     if (lane == 0 && r < R) {
       const float lse_tail = m + __logf(l);
       float total = lse_tail, ws = 0.f;

@@ -67,9 +67,8 @@ void check_out_dir(const fs::path& dir, bool overwrite) {
 
 }  // namespace
 
-models::DrafterConfig export_drafter(const std::filesystem::path& source,
-                                     const std::filesystem::path& out_dir,
-                                     const std::filesystem::path& target_dir, bool overwrite) {
+Export export_drafter(const std::filesystem::path& source, const std::filesystem::path& out_dir,
+                      const std::filesystem::path& target_dir, bool overwrite) {
   check_out_dir(out_dir, overwrite);
   const bool is_export = fs::exists(source / "model.safetensors") ||
                          fs::exists(source / "model.safetensors.index.json");
@@ -78,13 +77,13 @@ models::DrafterConfig export_drafter(const std::filesystem::path& source,
   auto config = models::parse_drafter_config(j, (dir / "config.json").string());
   fs::path target = target_dir;
   if (target.empty() && !is_export) {
-    // A step directory sits in its run directory, beside run_config.json. A target there
-    // without a tokenizer (prepare may have used another directory's) leaves the text unknown.
+    // A step directory sits in its run directory, beside run_config.json.
     const fs::path run_config = dir.parent_path() / "run_config.json";
     if (fs::exists(run_config)) target = read_json_file(run_config).value("target", "");
-    if (!target.empty() && !fs::exists(target / "tokenizer.json")) target.clear();
   }
-  if (!target.empty()) {
+  // A run's target without a tokenizer (prepare may have used another directory's) leaves the
+  // text unknown; a --target without one is an error (Tokenizer::load says why).
+  if (!target.empty() && (!target_dir.empty() || fs::exists(target / "tokenizer.json"))) {
     config.mask_token = mask_token_text(tok::Tokenizer::load(target), config.mask_token_id);
   }
   std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -111,7 +110,32 @@ models::DrafterConfig export_drafter(const std::filesystem::path& source,
     }
   }
   models::write_drafter_export(out_dir, config, tensors);
-  return config;
+  return {config, target};
+}
+
+std::string serving_commands(const Export& e, const std::filesystem::path& out_dir) {
+  const std::string target = e.target.empty() ? "TARGET" : e.target.string();
+  const int64_t block = e.config.block_size;
+  return fmt::format(
+      "python -m sglang.launch_server --model-path {} --speculative-algorithm DFLASH "
+      "--speculative-draft-model-path {} --speculative-num-draft-tokens {}\n"
+      "vllm serve {} --speculative-config '{{\"method\": \"dflash\", \"model\": \"{}\", "
+      "\"num_speculative_tokens\": {}}}'\n",
+      target, out_dir.string(), block, target, out_dir.string(), block - 1);
+}
+
+std::string last_layer_tap_warning(const models::DrafterConfig& config) {
+  const int64_t last = config.num_target_layers - 1;
+  for (int64_t id : config.target_layer_ids) {
+    if (id != last) continue;
+    return fmt::format(
+        "the drafter taps the target's last decoder layer ({}, target_layer_ids {}): SGLang and "
+        "vLLM disagree on whether that layer's hidden state is taken before or after the final "
+        "norm, so the served acceptance may fall below what `dflash eval` measured; train with "
+        "--target-layer-ids that stop before layer {} to serve it safely",
+        last, config.target_layer_ids, last);
+  }
+  return {};
 }
 
 }  // namespace dflash::train

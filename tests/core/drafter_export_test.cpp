@@ -2,6 +2,7 @@
 // them, a bitwise round trip (export -> load -> export), `dflash export` from a training
 // checkpoint, the Python reference loading the export and reproducing our drafter outputs,
 // and clear errors for drafters that do not fit the target.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -172,15 +173,40 @@ TEST(DrafterExport, MaskTokenIsTheTargetTokenizersText) {
   train::save_checkpoint(dir / "run", 1, *c.drafter, optimizer, {});
   write_file_atomic(dir / "run" / "run_config.json",
                     nlohmann::json{{"target", target.string()}}.dump());
-  EXPECT_EQ(train::export_drafter(dir / "run", dir / "a").mask_token, text);
+  const auto a = train::export_drafter(dir / "run", dir / "a");
+  EXPECT_EQ(a.config.mask_token, text);
+  EXPECT_EQ(a.target, target);
+  const std::string serve = train::serving_commands(a, dir / "a");
+  const int64_t block = a.config.block_size;
+  EXPECT_NE(serve.find(fmt::format("sglang.launch_server --model-path {} --speculative-algorithm "
+                                   "DFLASH --speculative-draft-model-path {} "
+                                   "--speculative-num-draft-tokens {}",
+                                   target.string(), (dir / "a").string(), block)),
+            std::string::npos)
+      << serve;
+  EXPECT_NE(serve.find(fmt::format("vllm serve {} --speculative-config '{{\"method\": "
+                                   "\"dflash\", \"model\": \"{}\", "
+                                   "\"num_speculative_tokens\": {}}}'",
+                                   target.string(), (dir / "a").string(), block - 1)),
+            std::string::npos)
+      << serve;
+  // The default taps stop before the last layer; one that reaches it is warned about.
+  EXPECT_EQ(train::last_layer_tap_warning(a.config), "");
+  auto last = a.config;
+  last.target_layer_ids.back() = last.num_target_layers - 1;
+  EXPECT_NE(train::last_layer_tap_warning(last).find("taps the target's last decoder layer"),
+            std::string::npos);
   EXPECT_EQ(mask_token(dir / "a"), text);
   const auto exported = nlohmann::json::parse(read_file(dir / "a" / "config.json"));
   EXPECT_EQ(models::parse_drafter_config(exported, "a").mask_token, text);
   train::export_drafter(dir / "a", dir / "b");  // an export keeps its mask token
   EXPECT_EQ(mask_token(dir / "b"), text);
   remove_tree(dir / "run" / "run_config.json");  // no target known: no mask token
-  train::export_drafter(dir / "run", dir / "c");
+  const auto c_export = train::export_drafter(dir / "run", dir / "c");
   EXPECT_EQ(mask_token(dir / "c"), "(none)");
+  EXPECT_TRUE(c_export.target.empty());
+  EXPECT_NE(train::serving_commands(c_export, dir / "c").find("--model-path TARGET"),
+            std::string::npos);
   train::export_drafter(dir / "run", dir / "d", target);  // --target
   EXPECT_EQ(mask_token(dir / "d"), text);
 

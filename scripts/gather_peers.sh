@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Gathers the benchmark peers' Python packages into .whl/ (ignored) for the GPU machine, which
+# reaches no registry: fla-core (chunk_gated_delta_rule, the Gated DeltaNet peer) with einops,
+# and causal-conv1d's sdist (built there for sm_90 by gpu_check.sh's gdn stage when asked).
+# Run here, then name .whl in the device tool's `carry`.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$root/.whl"
+cd "$root/.whl"
+pip download --no-deps -d . fla-core==0.6.0 einops==0.8.2 > /dev/null
+# causal-conv1d publishes no wheel for this torch; pip download would try to build the sdist's
+# metadata (it imports torch), so the archive is fetched from the index's simple page.
+if [ ! -f causal_conv1d-1.7.0.tar.gz ]; then
+  url=$(curl -fsS https://pypi.org/simple/causal-conv1d/ |
+    grep -o 'https://[^"#]*causal_conv1d-1\.7\.0\.tar\.gz' | head -1)
+  curl -fsSLO "$url"
+fi
+echo "3202758494eaa7b597ce1c282dfa188889506bfcb92cad3c407d26736bfcd32b  causal_conv1d-1.7.0.tar.gz" |
+  sha256sum -c --quiet
+ls "$root/.whl"
