@@ -725,7 +725,7 @@ class Renderer {
 
 Dict hf_template_variables(const nlohmann::ordered_json& messages,
                            const nlohmann::ordered_json& tools, bool add_generation_prompt,
-                           const nlohmann::ordered_json& kwargs) {
+                           const Dict& kwargs) {
   if (!messages.is_array()) throw EvalError("messages must be a JSON array");
   List msgs;
   msgs.reserve(messages.size());
@@ -759,17 +759,15 @@ Dict hf_template_variables(const nlohmann::ordered_json& messages,
   vars.emplace_back("tools", tools.is_null() ? Value::none() : Value::from_json(tools));
   vars.emplace_back("documents", Value::none());
   vars.emplace_back("add_generation_prompt", Value(add_generation_prompt));
-  if (!kwargs.is_null() && !kwargs.is_object())
-    throw EvalError("chat-template kwargs must be a JSON object");
-  for (const auto& [k, v] : kwargs.items()) {
+  for (const auto& [k, v] : kwargs) {
     bool replaced = false;
     for (auto& kv : vars) {
       if (kv.first == k) {
-        kv.second = Value::from_json(v);
+        kv.second = v;
         replaced = true;
       }
     }
-    if (!replaced) vars.emplace_back(k, Value::from_json(v));
+    if (!replaced) vars.emplace_back(k, v);
   }
   return vars;
 }

@@ -78,9 +78,9 @@ class Template {
 // transformers does (the first non-null of reasoning_content / thinking / reasoning is also set as
 // `thinking` and `reasoning_content`), `tools` (None when null), `documents` (None),
 // `add_generation_prompt`, then `kwargs` (special tokens such as bos_token and eos_token, and
-// chat-template kwargs such as enable_thinking; an object).
+// chat-template kwargs such as enable_thinking).
 Dict hf_template_variables(const nlohmann::ordered_json& messages,
                            const nlohmann::ordered_json& tools, bool add_generation_prompt,
-                           const nlohmann::ordered_json& kwargs);
+                           const Dict& kwargs);
 
 }  // namespace dflash::chat

@@ -38,8 +38,10 @@ TEST(ChatTemplateParity, EveryTemplateAndConversationMatchesTransformers) {
     }
     SCOPED_TRACE(name + " / " + c["conversation"].get<std::string>() + " / add_generation_prompt=" +
                  c["add_generation_prompt"].dump() + " / " + c["kwargs"].dump());
+    Dict kwargs;
+    for (const auto& [k, v] : c["kwargs"].items()) kwargs.emplace_back(k, Value::from_json(v));
     const Dict vars = hf_template_variables(c["messages"], c["tools"],
-                                            c["add_generation_prompt"].get<bool>(), c["kwargs"]);
+                                            c["add_generation_prompt"].get<bool>(), kwargs);
     if (c.contains("text")) {
       try {
         EXPECT_EQ(it->second.render(vars, options).text, c["text"].get<std::string>());
