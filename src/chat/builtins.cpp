@@ -416,9 +416,16 @@ Value undefined_attr(const Value& obj, const std::string& name) {
 
 using Filter = std::function<Value(const Value&, Args&)>;
 
+// int(float): truncation, an error beyond 64 bits (Python would give a big int).
+Value truncate(double d) {
+  if (!(std::fabs(d) < 9.2e18))
+    throw EvalError(fmt::format("cannot convert {} to a 64-bit integer", d));
+  return Value(static_cast<int64_t>(std::trunc(d)));
+}
+
 Value to_int(const Value& v, const Value& def) {
   if (v.is_int() || v.is_bool()) return Value(v.as_int());
-  if (v.is_float()) return Value(static_cast<int64_t>(std::trunc(v.as_number())));
+  if (v.is_float()) return truncate(v.as_number());
   if (v.is_string()) {
     const std::string s = py_strip(v.as_string(), Value::none(), true, true);
     try {
@@ -426,7 +433,7 @@ Value to_int(const Value& v, const Value& def) {
       const int64_t i = std::stoll(s, &n, 10);
       if (n == s.size()) return Value(i);
       const double d = std::stod(s, &n);
-      if (n == s.size()) return Value(static_cast<int64_t>(std::trunc(d)));
+      if (n == s.size()) return truncate(d);
     } catch (const std::exception&) {
     }
   }
@@ -603,7 +610,8 @@ const std::unordered_map<std::string, Filter>& filters() {
     };
     f["abs"] = [](const Value& v, Args&) {
       if (v.is_float()) return Value(std::fabs(v.as_number()));
-      if (v.is_number()) return Value(v.as_int() < 0 ? -v.as_int() : v.as_int());
+      if (v.is_number() && v.as_int() != INT64_MIN)
+        return Value(v.as_int() < 0 ? -v.as_int() : v.as_int());
       throw EvalError("bad operand type for abs(): '" + v.type_name() + "'");
     };
     f["trim"] = [](const Value& v, Args& a) {

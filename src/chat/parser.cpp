@@ -309,8 +309,15 @@ class Lexer {
       const char e = src_[++j];
       auto hex = [&](int n) {
         if (j + static_cast<size_t>(n) >= src_.size()) error(j, "truncated \\x/\\u escape");
-        const unsigned long cp =
-            std::stoul(src_.substr(j + 1, static_cast<size_t>(n)), nullptr, 16);
+        uint32_t cp = 0;
+        for (size_t k = j + 1; k <= j + static_cast<size_t>(n); ++k) {
+          const char h = src_[k];
+          if (!std::isxdigit(static_cast<unsigned char>(h))) error(j, "invalid \\x/\\u escape");
+          cp = cp * 16 + static_cast<uint32_t>(h <= '9' ? h - '0' : (h | 0x20) - 'a' + 10);
+        }
+        if (cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) {
+          error(j, "escape is not a Unicode scalar value");
+        }
         j += static_cast<size_t>(n);
         tok::append_utf8(out, static_cast<char32_t>(cp));
       };
@@ -377,6 +384,16 @@ class Lexer {
 };
 
 class Parser {
+  // Nesting beyond this (expressions, blocks) is refused instead of overflowing the stack.
+  static constexpr int kMaxDepth = 200;
+  struct Nest {
+    Parser& p;
+    explicit Nest(Parser& parser) : p(parser) {
+      if (++p.depth_ > kMaxDepth) p.error(p.cur().pos, "nested too deeply");
+    }
+    ~Nest() { --p.depth_; }
+  };
+
  public:
   Parser(std::vector<Tok> toks, const std::string& name) : toks_(std::move(toks)), name_(name) {}
 
@@ -498,6 +515,7 @@ class Parser {
   }
 
   std::unique_ptr<Node> statement(const std::string& kw, Pos pos) {
+    const Nest nest(*this);
     if (kw == "if") return if_statement(pos);
     if (kw == "for") return for_statement(pos);
     if (kw == "set") return set_statement(pos);
@@ -673,6 +691,7 @@ class Parser {
   }
 
   ExprPtr parse_expr() {
+    const Nest nest(*this);
     const Pos pos = cur().pos;
     ExprPtr e = parse_or();
     while (is_name("if")) {
@@ -713,6 +732,7 @@ class Parser {
   }
 
   ExprPtr parse_not() {
+    const Nest nest(*this);
     if (is_name("not")) {
       auto e = expr(Expr::Kind::kUnary, next().pos);
       e->name = "not";
@@ -793,6 +813,7 @@ class Parser {
   }
 
   ExprPtr parse_unary(bool with_filter) {
+    const Nest nest(*this);
     ExprPtr e;
     if (is_op("-") || is_op("+")) {
       const Tok t = next();
@@ -904,7 +925,12 @@ class Parser {
         } else if (cur().type == Tok::kInt) {
           a->kind = Expr::Kind::kGetItem;
           auto idx = expr(Expr::Kind::kLiteral, cur().pos);
-          idx->value = Value(static_cast<int64_t>(std::stoll(next().value)));
+          try {
+            idx->value = Value(static_cast<int64_t>(std::stoll(cur().value)));
+          } catch (const std::out_of_range&) {
+            error(cur().pos, "index out of range: " + cur().value);
+          }
+          ++i_;
           a->args.push_back(std::move(e));
           a->args.push_back(std::move(idx));
           e = std::move(a);
@@ -1034,6 +1060,7 @@ class Parser {
   const std::string& name_;
   std::string ender_;
   int loop_depth_ = 0;
+  int depth_ = 0;
   bool has_generation_ = false;
 };
 

@@ -44,7 +44,30 @@ using ScopePtr = std::shared_ptr<Scope>;
 
 enum class Flow { kNormal, kBreak, kContinue };
 
+// Python ints are unbounded; templates never need more than 64 bits, so overflow is an error
+// (not undefined behaviour).
+int64_t checked(bool overflowed, int64_t v) {
+  if (overflowed) throw EvalError("integer overflow (beyond 64 bits)");
+  return v;
+}
+int64_t add(int64_t a, int64_t b) {
+  int64_t r;
+  const bool overflowed = __builtin_add_overflow(a, b, &r);
+  return checked(overflowed, r);
+}
+int64_t sub(int64_t a, int64_t b) {
+  int64_t r;
+  const bool overflowed = __builtin_sub_overflow(a, b, &r);
+  return checked(overflowed, r);
+}
+int64_t mul(int64_t a, int64_t b) {
+  int64_t r;
+  const bool overflowed = __builtin_mul_overflow(a, b, &r);
+  return checked(overflowed, r);
+}
+
 int64_t floor_div(int64_t a, int64_t b) {
+  if (a == INT64_MIN && b == -1) checked(true, 0);
   int64_t q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
   return q;
@@ -60,7 +83,8 @@ Value arith(const std::string& op, const Value& l, const Value& r) {
                                 l.type_name(), r.type_name()));
   };
   if (op == "+") {
-    if (nums) return flt ? Value(l.as_number() + r.as_number()) : Value(l.as_int() + r.as_int());
+    if (nums)
+      return flt ? Value(l.as_number() + r.as_number()) : Value(add(l.as_int(), r.as_int()));
     if (l.is_string() && r.is_string()) return Value(l.as_string() + r.as_string());
     if (l.is_list() && r.is_list() && l.is_tuple() == r.is_tuple()) {
       List out = l.as_list();
@@ -74,10 +98,11 @@ Value arith(const std::string& op, const Value& l, const Value& r) {
   }
   if (op == "-") {
     if (!nums) return unsupported();
-    return flt ? Value(l.as_number() - r.as_number()) : Value(l.as_int() - r.as_int());
+    return flt ? Value(l.as_number() - r.as_number()) : Value(sub(l.as_int(), r.as_int()));
   }
   if (op == "*") {
-    if (nums) return flt ? Value(l.as_number() * r.as_number()) : Value(l.as_int() * r.as_int());
+    if (nums)
+      return flt ? Value(l.as_number() * r.as_number()) : Value(mul(l.as_int(), r.as_int()));
     const Value& seq = l.is_number() ? r : l;
     const Value& n = l.is_number() ? l : r;
     if (!n.is_int() && !n.is_bool()) return unsupported();
@@ -121,12 +146,15 @@ Value arith(const std::string& op, const Value& l, const Value& r) {
       const double m = std::fmod(l.as_number(), r.as_number());
       return Value(m != 0 && ((m < 0) != (r.as_number() < 0)) ? m + r.as_number() : m);
     }
-    return Value(l.as_int() - floor_div(l.as_int(), r.as_int()) * r.as_int());
+    return Value(sub(l.as_int(), mul(floor_div(l.as_int(), r.as_int()), r.as_int())));
   }
   if (op == "**") {
     if (!flt && r.as_int() >= 0) {
-      int64_t out = 1;
-      for (int64_t i = 0; i < r.as_int() && i < 64; ++i) out *= l.as_int();
+      const int64_t b = l.as_int(), e = r.as_int();
+      if (b == 0 || b == 1) return Value(e == 0 ? int64_t{1} : b);
+      if (b == -1) return Value(e % 2 == 0 ? int64_t{1} : int64_t{-1});
+      int64_t out = 1;  // |b| >= 2: overflows within 64 steps
+      for (int64_t i = 0; i < r.as_int(); ++i) out = mul(out, l.as_int());
       return Value(out);
     }
     return Value(std::pow(l.as_number(), r.as_number()));
@@ -258,7 +286,7 @@ class Renderer {
       }
       if (step == 0) throw EvalError("range() arg 3 must not be zero");
       List out;
-      for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+      for (int64_t i = start; step > 0 ? i < stop : i > stop; i = add(i, step)) {
         // jinja2's sandbox caps ranges at MAX_RANGE.
         if (out.size() >= 100000)
           throw EvalError(
@@ -639,7 +667,7 @@ class Renderer {
           throw EvalError(
               fmt::format("bad operand type for unary {}: '{}'", e.name, v.type_name()));
         if (e.name == "+") return v.is_float() ? v : Value(v.as_int());
-        return v.is_float() ? Value(-v.as_number()) : Value(-v.as_int());
+        return v.is_float() ? Value(-v.as_number()) : Value(sub(0, v.as_int()));
       }
       case Expr::Kind::kBinary: {
         const Value l = eval(*e.args[0], scope);
@@ -702,12 +730,13 @@ class Renderer {
                              : clamp_index(num(parts[1], 0), n, neg);
     std::string s;
     List items;
-    for (int64_t i = start; neg ? i > stop : i < stop; i += step) {
+    for (int64_t i = start; neg ? i > stop : i < stop;) {
       if (obj.is_string()) {
         s += cps[static_cast<size_t>(i)];
       } else {
         items.push_back(obj.as_list()[static_cast<size_t>(i)]);
       }
+      if (__builtin_add_overflow(i, step, &i)) break;  // past either end
     }
     if (obj.is_string()) return Value(std::move(s));
     return Value::list(std::move(items), obj.is_tuple());
