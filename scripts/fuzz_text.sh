@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the tokenizer and chat libFuzzer targets with clang++-14 (ASan + UBSan) straight from
+# Builds the tokenizer, chat and chat-template libFuzzer targets with clang++-14 (ASan + UBSan) straight from
 # the dflash_text sources, then runs each for SECONDS (default 600) on one core, seeded from
 # the test fixtures. Logs and crash files land in $OUT (default build-fuzz-text/).
 # Usage: scripts/fuzz_text.sh [SECONDS]   (in a configured build whose make_fixtures test has run:
@@ -23,9 +23,9 @@ mkdir -p "$out"
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
   -I"$root/src" -I"$generated" $(pkg-config --cflags libpcre2-8 2>/dev/null || true))
 libs=(-lfmt -lpcre2-8)
-srcs=("$root"/src/tokenizer/*.cpp "$root"/src/data/*.cpp "$root"/src/common/*.cpp)
-for target in tokenizer_fuzz chat_fuzz; do
-  if [ ! -x "$out/$target" ] || [ -n "$(find "$root/src/tokenizer" "$root/src/data" \
+srcs=("$root"/src/tokenizer/*.cpp "$root"/src/data/*.cpp "$root"/src/chat/*.cpp "$root"/src/common/*.cpp)
+for target in tokenizer_fuzz chat_fuzz chat_template_fuzz; do
+  if [ ! -x "$out/$target" ] || [ -n "$(find "$root/src/tokenizer" "$root/src/data" "$root/src/chat" \
       "$root/tests/fuzz/$target.cpp" -newer "$out/$target" -print -quit)" ]; then
     echo "building $target"
     clang++-14 "${flags[@]}" "${srcs[@]}" "$root/tests/fuzz/$target.cpp" -o "$out/$target" \
@@ -33,10 +33,10 @@ for target in tokenizer_fuzz chat_fuzz; do
   fi
 done
 # Seeds: stress texts and chat lines from the fixtures.
-"$root/.venv/bin/python" - "$fixtures" "$out" <<'PY'
+"$root/.venv/bin/python" - "$fixtures" "$out" "$root" <<'PY'
 import json, pathlib, sys
 fx, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-for name in ("tokenizer_seeds", "chat_seeds"):
+for name in ("tokenizer_seeds", "chat_seeds", "chat_template_seeds"):
     (out / name).mkdir(exist_ok=True)
 texts = json.loads((fx / "qwen3" / "parity.json").read_text())["texts"]
 for i, t in enumerate(texts[::8]):
@@ -44,8 +44,10 @@ for i, t in enumerate(texts[::8]):
 chat = json.loads((fx / "chat.json").read_text())
 for i, line in enumerate(chat["lines"] + chat.get("tool_lines", [])):
     (out / "chat_seeds" / f"c{i}").write_bytes(line.encode())
+for t in sorted((pathlib.Path(sys.argv[3]) / "tests" / "data" / "chat_templates").glob("*.jinja")):
+    (out / "chat_template_seeds" / t.stem).write_bytes(t.read_bytes())
 PY
-for target in tokenizer_fuzz chat_fuzz; do
+for target in tokenizer_fuzz chat_fuzz chat_template_fuzz; do
   seeds=$out/${target%_fuzz}_seeds
   mkdir -p "$out/${target}_corpus" "$out/${target}_crashes"
   echo "running $target for ${secs}s"

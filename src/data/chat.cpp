@@ -235,7 +235,9 @@ std::vector<ToolCall> parse_tool_calls(const json& calls, size_t index) {
     if (!(args->is_string() ? parsed : *args).is_object()) {
       bad(fmt::format("message {} tool call {} arguments are not a JSON object", index, k));
     }
-    out.push_back({name->get<std::string>(), python_json(args->is_string() ? parsed : *args)});
+    ToolCall call{name->get<std::string>(), python_json(args->is_string() ? parsed : *args)};
+    if (auto id = calls[k].find("id"); id != calls[k].end() && id->is_string()) call.id = *id;
+    out.push_back(std::move(call));
   }
   return out;
 }
@@ -300,6 +302,16 @@ Conversation parse_conversation(std::string_view line) {
       msg.reasoning = r->get<std::string>();
       break;
     }
+    if (!sharegpt) {
+      json extra = json::object();
+      for (const auto& [k, v] : m.items()) {
+        if (k != "role" && k != "content" && k != "tool_calls" && k != "reasoning_content" &&
+            k != "thinking" && k != "reasoning" && !v.is_null()) {
+          extra[k] = v;
+        }
+      }
+      if (!extra.empty()) msg.extra = extra.dump();
+    }
     if (msg.role == Role::kAssistant) {
       if (msg.tool_calls.empty() && only_python_space(msg.content)) {
         bad(fmt::format("message {}: empty assistant turn", i));
@@ -330,71 +342,166 @@ std::string_view chat_format_name(ChatFormat f) {
       return "llama3";
     case ChatFormat::kLlama31:
       return "llama3.1";
+    case ChatFormat::kTemplate:
+      return "template";
   }
   return "";
 }
 
 std::optional<ChatFormat> chat_format_from_name(std::string_view name) {
-  for (auto f : {ChatFormat::kQwen3, ChatFormat::kLlama3, ChatFormat::kLlama31}) {
+  for (auto f :
+       {ChatFormat::kQwen3, ChatFormat::kLlama3, ChatFormat::kLlama31, ChatFormat::kTemplate}) {
     if (name == chat_format_name(f)) return f;
   }
   return std::nullopt;
 }
 
-std::string_view chat_format_names() { return "qwen3, llama3 or llama3.1"; }
+std::string_view chat_format_names() { return "qwen3, llama3, llama3.1 or template"; }
+
+namespace {
+
+// FNV-1a: identifies the official templates the built-in renderers reproduce.
+uint64_t fnv1a(std::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (char c : s) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// Templates the built-in renderers are proven byte-identical to (tests/text/chat_test.cpp,
+// BuiltinRenderersEqualTheirTemplates): Qwen3 (Qwen/Qwen3-8B), Llama-3
+// (Meta-Llama-3-8B-Instruct), Llama-3.1 (Llama-3.1-8B-Instruct).
+std::optional<ChatFormat> builtin_for(std::string_view tmpl) {
+  switch (fnv1a(tmpl)) {
+    case 0x959a4551391a6549ull:
+      return ChatFormat::kQwen3;
+    case 0x0e60067a5537498eull:
+      return ChatFormat::kLlama3;
+    case 0x60848a05837ce656ull:
+      return ChatFormat::kLlama31;
+    default:
+      return std::nullopt;
+  }
+}
+
+// tokenizer_config.json's special tokens: a string or an AddedToken object {"content": ...}.
+std::optional<std::string> special_token(const json& cfg, const char* key) {
+  auto it = cfg.find(key);
+  if (it == cfg.end()) return std::nullopt;
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) {
+    return (*it)["content"].get<std::string>();
+  }
+  return std::nullopt;
+}
+
+// A "chat_template" value: a string, or a list of {"name", "template"} (the "default" one).
+std::string template_from(const json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_array()) {
+    for (const json& t : v) {
+      if (t.is_object() && t.value("name", "") == "default") return t.value("template", "");
+    }
+  }
+  return "";
+}
+
+json read_json(const std::filesystem::path& path) {
+  try {
+    return json::parse(read_file(path));
+  } catch (const json::exception& e) {
+    fail("{}: not valid JSON: {}", path.string(), e.what());
+  }
+}
+
+}  // namespace
 
 ChatConfig detect_chat_config(const std::filesystem::path& model_dir,
-                              std::optional<ChatFormat> forced) {
+                              std::optional<ChatFormat> forced, const ChatTemplateChoice& choice) {
   auto path = model_dir / "tokenizer_config.json";
   json cfg = json::object();
   if (std::filesystem::exists(path)) {
-    try {
-      cfg = json::parse(read_file(path));
-    } catch (const json::exception& e) {
-      fail("{}: not valid JSON: {}", path.string(), e.what());
-    }
-  } else if (!forced) {
-    fail("{}: missing; pass --chat-format to choose the chat format", path.string());
+    cfg = read_json(path);
+  } else if (!forced && !choice.file) {
+    fail("{}: missing; pass --chat-template FILE or --chat-format to choose the chat template",
+         path.string());
   }
-  std::string bos;
-  if (auto it = cfg.find("bos_token"); it != cfg.end()) {
-    if (it->is_string()) bos = it->get<std::string>();
-    if (it->is_object() && it->contains("content")) bos = (*it)["content"].get<std::string>();
-  }
-  if (forced) return {*forced, bos};
-  std::string tmpl;
-  if (auto it = cfg.find("chat_template"); it != cfg.end()) {
-    if (it->is_string()) tmpl = it->get<std::string>();
-    if (it->is_array()) {
-      for (const json& t : *it) {
-        if (t.value("name", "") == "default") tmpl = t.value("template", "");
-      }
+  const std::string bos = special_token(cfg, "bos_token").value_or("");
+  if (forced && *forced != ChatFormat::kTemplate) {
+    if (choice.file || !choice.args.empty()) {
+      fail(
+          "--chat-format {} is a built-in renderer; it takes no --chat-template or "
+          "--chat-template-arg",
+          chat_format_name(*forced));
     }
+    if (*forced != ChatFormat::kQwen3 && bos.empty()) {
+      fail("{}: a Llama-3 template needs bos_token", path.string());
+    }
+    return {*forced, bos};
+  }
+  std::string tmpl, origin;
+  if (choice.file) {
+    origin = choice.file->string();
+    if (!std::filesystem::exists(*choice.file)) fail("--chat-template {}: no such file", origin);
+    tmpl = read_file(*choice.file);
+    if (choice.file->extension() == ".json")
+      tmpl = template_from(read_json(*choice.file).value("chat_template", json()));
+    if (tmpl.empty()) fail("--chat-template {}: no chat_template in it", origin);
+  } else if (tmpl = template_from(cfg.value("chat_template", json())); !tmpl.empty()) {
+    origin = path.string();
+  } else if (auto jinja = model_dir / "chat_template.jinja"; std::filesystem::exists(jinja)) {
+    origin = jinja.string();  // newer checkpoints keep it separately
+    tmpl = read_file(jinja);
+  } else if (auto js = model_dir / "chat_template.json"; std::filesystem::exists(js)) {
+    origin = js.string();
+    tmpl = template_from(read_json(js).value("chat_template", json()));
   }
   if (tmpl.empty()) {
-    auto jinja = model_dir / "chat_template.jinja";  // newer checkpoints keep it separately
-    if (std::filesystem::exists(jinja)) tmpl = read_file(jinja);
+    fail(
+        "{}: no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja "
+        "or chat_template.json); pass --chat-template FILE or --chat-format {}",
+        model_dir.string(), chat_format_names());
   }
-  auto has = [&](std::string_view s) { return tmpl.find(s) != std::string::npos; };
-  if (has("<|im_start|>") && has("last_query_index") && has("reasoning_content")) {
-    return {ChatFormat::kQwen3, bos};
-  }
-  if (has("<|start_header_id|>") && has("<|eot_id|>")) {
-    if (bos.empty()) fail("{}: a Llama-3 template needs bos_token", path.string());
-    if (!has("Cutting Knowledge Date")) return {ChatFormat::kLlama3, bos};
-    if (has("strftime_now")) {
-      fail(
-          "{}: this Llama template (3.2) dates its system header with the day it renders; pass "
-          "--chat-format llama3.1 to render Llama-3.1's fixed \"Today Date: 26 Jul 2024\" "
-          "instead",
-          path.string());
+  if (!forced && !choice.file && choice.args.empty()) {
+    if (auto builtin = builtin_for(tmpl);
+        builtin && (*builtin == ChatFormat::kQwen3 || !bos.empty())) {
+      return {*builtin, bos};
     }
-    if (has("26 Jul 2024")) return {ChatFormat::kLlama31, bos};
   }
-  fail(
-      "{}: chat_template not recognized as Qwen3, Llama-3 or Llama-3.1 (Qwen2.5's default "
-      "system prompt, for one, is not supported); pass --chat-format {} to choose one",
-      path.string(), chat_format_names());
+  ChatConfig c{ChatFormat::kTemplate, bos};
+  try {
+    c.chat_template = std::make_shared<const chat::Template>(tmpl, origin);
+  } catch (const chat::TemplateError& e) {
+    fail("{} (pass --chat-template FILE with a template this renderer supports, or --chat-format)",
+         e.what());
+  }
+  // apply_chat_template passes the tokenizer's special tokens map, then the kwargs.
+  for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                          "cls_token", "mask_token"}) {
+    if (auto t = special_token(cfg, key)) c.template_args.emplace_back(key, chat::Value(*t));
+  }
+  for (const std::string& arg : choice.args) {
+    const size_t eq = arg.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      fail("--chat-template-arg {}: expected KEY=VALUE (VALUE as JSON, e.g. enable_thinking=false)",
+           arg);
+    }
+    const std::string key = arg.substr(0, eq), text = arg.substr(eq + 1);
+    // JSON when it parses (false, 3, {"a": 1}, "quoted"), else the text as a string.
+    json v = json::parse(text, nullptr, false);
+    chat::Value value = v.is_discarded() ? chat::Value(text) : chat::Value::from_json(v);
+    bool replaced = false;
+    for (auto& kv : c.template_args) {
+      if (kv.first == key) {
+        kv.second = value;
+        replaced = true;
+      }
+    }
+    if (!replaced) c.template_args.emplace_back(key, std::move(value));
+  }
+  return c;
 }
 
 namespace {
@@ -572,9 +679,95 @@ void render_qwen3(const Conversation& conv, const ChatConfig& config, RenderedCh
   }
 }
 
+// The messages and tools as the template sees them (OpenAI form): tool-call arguments as
+// objects (strings were parsed, as vLLM does), the message's other keys as given.
+json template_messages(const Conversation& conv) {
+  json msgs = json::array();
+  for (const Message& m : conv.messages) {
+    json j = json::object();
+    j["role"] = role_name(m.role);
+    j["content"] = m.content;
+    if (m.reasoning) j["reasoning_content"] = *m.reasoning;
+    if (!m.tool_calls.empty()) {
+      json calls = json::array();
+      for (const ToolCall& c : m.tool_calls) {
+        json call = json::object();
+        if (!c.id.empty()) call["id"] = c.id;
+        call["type"] = "function";
+        json fn = json::object();
+        fn["name"] = c.name;
+        fn["arguments"] = json::parse(c.arguments);
+        call["function"] = std::move(fn);
+        calls.push_back(std::move(call));
+      }
+      j["tool_calls"] = std::move(calls);
+    }
+    if (!m.extra.empty()) {
+      const json extra = json::parse(m.extra);
+      for (const auto& [k, v] : extra.items()) j[k] = v;
+    }
+    msgs.push_back(std::move(j));
+  }
+  return msgs;
+}
+
+json template_tools(const Conversation& conv) {
+  if (!conv.tools) return nullptr;
+  json tools = json::array();
+  for (const std::string& t : *conv.tools) tools.push_back(json::parse(t));
+  return tools;
+}
+
+chat::Rendered render_template(const json& messages, const json& tools, bool add_generation_prompt,
+                               const ChatConfig& config) {
+  chat::Dict kwargs = config.template_args;
+  if (!config.enable_thinking) kwargs.emplace_back("enable_thinking", chat::Value(false));
+  try {
+    return config.chat_template->render(
+        chat::hf_template_variables(messages, tools, add_generation_prompt, kwargs));
+  } catch (const chat::TemplateError& e) {
+    throw ParseError(e.raised_by_template()
+                         ? fmt::format("the chat template refused it: {}", e.what())
+                         : fmt::format("chat template error: {}", e.what()));
+  }
+}
+
+// Assistant spans from prefix renders: turn i is what render(messages[:i+1]) adds to
+// render(messages[:i], add_generation_prompt=True), both prefixes of the full render.
+void prefix_spans(const json& msgs, const json& tools, const ChatConfig& config, RenderedChat& r) {
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    if (msgs[i]["role"] != "assistant") continue;
+    json head = json::array();
+    for (size_t k = 0; k < i; ++k) head.push_back(msgs[k]);
+    json upto = head;
+    upto.push_back(msgs[i]);
+    const std::string prompt =
+        i == 0 ? std::string() : render_template(head, tools, true, config).text;
+    const std::string turn = render_template(upto, tools, false, config).text;
+    if (turn.compare(0, prompt.size(), prompt) != 0 || r.text.compare(0, turn.size(), turn) != 0) {
+      throw ParseError(fmt::format(
+          "chat template {}: assistant turn {} cannot be located by rendering prefixes (the "
+          "template renders earlier turns differently once later ones follow, e.g. it drops past "
+          "reasoning); add {{% generation %}} tags around assistant output in a copy of the "
+          "template and pass it with --chat-template (see docs/CHAT_TEMPLATES.md)",
+          config.chat_template->name(), i));
+    }
+    if (turn.size() > prompt.size()) r.assistant_spans.emplace_back(prompt.size(), turn.size());
+  }
+}
+
 }  // namespace
 
 void ChatConfig::validate() const {
+  if (format == ChatFormat::kTemplate) {
+    if (!chat_template) fail("chat: the template format needs a chat template");
+    if (keep_history_reasoning) {
+      fail(
+          "chat: keeping history reasoning is an option of the built-in qwen3 renderer, not of "
+          "a Jinja template (edit a copy of the template and pass it with --chat-template)");
+    }
+    return;
+  }
   if (format != ChatFormat::kQwen3 && (!enable_thinking || keep_history_reasoning)) {
     fail(
         "chat: thinking off and keeping history reasoning are options of the qwen3 chat format, "
@@ -589,6 +782,17 @@ void ChatConfig::validate() const {
 RenderedChat render_chat(const Conversation& conv, const ChatConfig& config) {
   RenderedChat r;
   switch (config.format) {
+    case ChatFormat::kTemplate: {
+      const json msgs = template_messages(conv), tools = template_tools(conv);
+      chat::Rendered out = render_template(msgs, tools, false, config);
+      r.text = std::move(out.text);
+      if (config.chat_template->has_generation()) {
+        r.assistant_spans = std::move(out.generation_spans);
+      } else {
+        prefix_spans(msgs, tools, config, r);
+      }
+      break;
+    }
     case ChatFormat::kLlama3:
       render_llama3(conv, config, r);
       break;
@@ -602,9 +806,19 @@ RenderedChat render_chat(const Conversation& conv, const ChatConfig& config) {
   return r;
 }
 
+std::string render_chat_text(const Conversation& conv, const ChatConfig& config) {
+  if (config.format != ChatFormat::kTemplate) return render_chat(conv, config).text;
+  return render_template(template_messages(conv), template_tools(conv), false, config).text;
+}
+
 std::string render_generation_prompt(const Conversation& history, const ChatConfig& config,
                                      bool enable_thinking) {
   if (history.messages.empty()) fail("chat: a generation prompt needs at least one message");
+  if (config.format == ChatFormat::kTemplate) {
+    ChatConfig c = config;
+    c.enable_thinking = enable_thinking && config.enable_thinking;
+    return render_template(template_messages(history), template_tools(history), true, c).text;
+  }
   std::string text = render_chat(history, config).text;
   if (config.format != ChatFormat::kQwen3) {
     return text + "<|start_header_id|>assistant<|end_header_id|>\n\n";
