@@ -60,9 +60,9 @@ bool cp_is_space(std::string_view cp) {
 
 std::string py_strip(const std::string& s, const Value& chars, bool left, bool right) {
   const auto cps = code_points(s);
-  std::vector<std::string_view> set;
   const bool ws = chars.is_none() || chars.is_undefined();
-  if (!ws) set = code_points(need_str(chars, "strip chars"));
+  const std::string chars_text = ws ? std::string() : need_str(chars, "strip chars");
+  const std::vector<std::string_view> set = code_points(chars_text);  // views into chars_text
   auto strip_it = [&](std::string_view cp) { return ws ? cp_is_space(cp) : in_chars(cp, set); };
   size_t b = 0, e = cps.size();
   if (left) {

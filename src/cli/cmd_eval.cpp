@@ -21,6 +21,7 @@ struct EvalCliOptions {
   std::vector<std::string> prompts;
   int64_t limit = 0;
   std::optional<std::string> chat_format;
+  data::ChatTemplateChoice chat_template;
   std::string device = "auto";
   std::string dtype = "auto";
   bool json = false;
@@ -36,7 +37,7 @@ void run_eval(const EvalCliOptions& o) {
   const at::Device device = dist::device_for(dist::world_from_env(), o.device);
   const at::ScalarType dtype = models::parse_dtype(o.dtype, device);
   auto tokenizer = tok::Tokenizer::load(o.target);
-  const data::ChatConfig chat = eval::chat_config(o.target, o.chat_format, "eval");
+  const data::ChatConfig chat = eval::chat_config(o.target, o.chat_format, "eval", o.chat_template);
   std::vector<eval::PromptFile> files;
   for (const auto& p : o.prompts) files.push_back(eval::read_prompt_file(p, o.limit));
   auto target = models::TargetModel::load(o.target, device, dtype);
@@ -108,7 +109,9 @@ void add_eval_command(CLI::App& app) {
                   "drafter trained on thinking-off data")
       ->capture_default_str();
   cmd->add_option("--chat-format", o->chat_format,
-                  "qwen3 or llama3 (default: detected from tokenizer_config.json)");
+                  "qwen3, llama3 or llama3.1 (force a built-in renderer) or template (default: "
+                  "the model's chat template)");
+  add_chat_template_options(*cmd, o->chat_template);
   cmd->add_option("--tie-tolerance", o->eval.tie_tolerance,
                   "logit gap under which a divergence is a numerical tie, not a mismatch "
                   "(default: 1e-4 in fp32, 0.25 in bf16)")

@@ -51,7 +51,9 @@ void add_generate_command(CLI::App& app) {
                   "thinking-off data")
       ->capture_default_str();
   cmd->add_option("--chat-format", o->chat_format,
-                  "qwen3 or llama3 (default: detected from tokenizer_config.json)");
+                  "qwen3, llama3 or llama3.1 (force a built-in renderer) or template (default: "
+                  "the model's chat template)");
+  add_chat_template_options(*cmd, o->chat_template);
   cmd->add_option("--device", o->device, "auto (cuda:LOCAL_RANK or cpu), cuda:N or cpu")
       ->capture_default_str();
   cmd->add_option("--dtype", o->dtype, "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")

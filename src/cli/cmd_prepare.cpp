@@ -19,6 +19,7 @@ struct PrepareArgs {
   std::vector<std::string> data;
   std::string out;
   std::string chat_format = "auto";
+  data::ChatTemplateChoice chat_template;
   bool enable_thinking = true;
   bool keep_history_reasoning = false;
   std::string overlong = "truncate";
@@ -40,6 +41,7 @@ void run_prepare(const PrepareArgs& a) {
     opt.chat_format = data::chat_format_from_name(a.chat_format);
     if (!opt.chat_format) fail("--chat-format must be auto, {}", data::chat_format_names());
   }
+  opt.chat_template = a.chat_template;
   opt.enable_thinking = a.enable_thinking;
   opt.keep_history_reasoning = a.keep_history_reasoning;
   opt.max_length = a.max_length;
@@ -113,13 +115,17 @@ void add_prepare_command(CLI::App& app) {
                   "output directory: new, empty, or a prepared dataset (replaced with "
                   "--overwrite)")
       ->required();
+  add_chat_template_options(*cmd, args->chat_template);
   cmd->add_option("--chat-format", args->chat_format,
-                  "auto (from tokenizer_config.json), qwen3, llama3 or llama3.1")
-      ->check(CLI::IsMember({"auto", "qwen3", "llama3", "llama3.1"}))
+                  "auto (the model's chat template, through a built-in renderer when it is an "
+                  "official one), qwen3, llama3 or llama3.1 (force a built-in renderer), or "
+                  "template (force the Jinja interpreter)")
+      ->check(CLI::IsMember({"auto", "qwen3", "llama3", "llama3.1", "template"}))
       ->capture_default_str();
   cmd->add_option("--enable-thinking", args->enable_thinking,
-                  "qwen3: false renders samples as served with enable_thinking=False (reasoning "
-                  "dropped; the final turn's empty think block is prompt, not learned)")
+                  "false renders samples as served with enable_thinking=False (qwen3 built-in: "
+                  "reasoning dropped, the final turn's empty think block is prompt, not learned; "
+                  "a template gets enable_thinking=false)")
       ->capture_default_str();
   cmd->add_flag("--keep-history-reasoning", args->keep_history_reasoning,
                 "qwen3: assistant turns before the last user query keep their reasoning (the "

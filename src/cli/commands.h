@@ -5,6 +5,10 @@
 
 #include "common/stop_signal.h"
 
+namespace dflash::data {
+struct ChatTemplateChoice;
+}
+
 namespace dflash::cli {
 
 // Each adds one subcommand to `app`; the subcommand's callback does the work.
@@ -22,6 +26,11 @@ void add_bench_kernels_command(CLI::App& app);
 void add_eval_command(CLI::App& app);
 void add_pretrain_command(CLI::App& app);
 void add_report_command(CLI::App& app);
+void add_render_command(CLI::App& app);
+
+// --chat-template FILE and --chat-template-arg KEY=VALUE (repeatable), for the commands that
+// render chat (prepare, generate, eval, render).
+void add_chat_template_options(CLI::App& cmd, data::ChatTemplateChoice& choice);
 
 // `--nproc-per-node N` in the command's --help. main() takes the option out before parsing
 // and starts N ranks of the command (dist/launch.h); a command without it refuses the option.

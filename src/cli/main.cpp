@@ -118,6 +118,7 @@ int main(int argc, char** argv) {
   dflash::cli::add_eval_command(app);
   dflash::cli::add_pretrain_command(app);
   dflash::cli::add_report_command(app);
+  dflash::cli::add_render_command(app);
   try {
     // `dflash CMD --nproc-per-node N ...` runs N copies of the same command as ranks on this
     // machine; the copies (DFLASH_LAUNCHED set) go on to parse their arguments as usual.

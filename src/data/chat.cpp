@@ -733,10 +733,15 @@ chat::Rendered render_template(const json& messages, const json& tools, bool add
 }
 
 // Assistant spans from prefix renders: turn i is what render(messages[:i+1]) adds to
-// render(messages[:i], add_generation_prompt=True), both prefixes of the full render.
+// render(messages[:i], add_generation_prompt=True), where both are prefixes of the full render.
+// Templates that render history differently once later turns follow (Qwen3.5 drops the think
+// block of turns before the last user message) break that for the earlier turns: those stay in
+// the text as context, unsupervised. No supervisable turn at all is an error.
 void prefix_spans(const json& msgs, const json& tools, const ChatConfig& config, RenderedChat& r) {
+  size_t assistants = 0;
   for (size_t i = 0; i < msgs.size(); ++i) {
     if (msgs[i]["role"] != "assistant") continue;
+    ++assistants;
     json head = json::array();
     for (size_t k = 0; k < i; ++k) head.push_back(msgs[k]);
     json upto = head;
@@ -744,15 +749,18 @@ void prefix_spans(const json& msgs, const json& tools, const ChatConfig& config,
     const std::string prompt =
         i == 0 ? std::string() : render_template(head, tools, true, config).text;
     const std::string turn = render_template(upto, tools, false, config).text;
-    if (turn.compare(0, prompt.size(), prompt) != 0 || r.text.compare(0, turn.size(), turn) != 0) {
-      throw ParseError(fmt::format(
-          "chat template {}: assistant turn {} cannot be located by rendering prefixes (the "
-          "template renders earlier turns differently once later ones follow, e.g. it drops past "
-          "reasoning); add {{% generation %}} tags around assistant output in a copy of the "
-          "template and pass it with --chat-template (see docs/CHAT_TEMPLATES.md)",
-          config.chat_template->name(), i));
+    if (turn.size() > prompt.size() && turn.compare(0, prompt.size(), prompt) == 0 &&
+        r.text.compare(0, turn.size(), turn) == 0) {
+      r.assistant_spans.emplace_back(prompt.size(), turn.size());
     }
-    if (turn.size() > prompt.size()) r.assistant_spans.emplace_back(prompt.size(), turn.size());
+  }
+  if (assistants > 0 && r.assistant_spans.empty()) {
+    throw ParseError(fmt::format(
+        "chat template {}: no assistant turn can be located by rendering prefixes (the template "
+        "renders a turn differently once later messages follow); add {{% generation %}} tags "
+        "around assistant output in a copy of the template and pass it with --chat-template "
+        "(see docs/CHAT_TEMPLATES.md)",
+        config.chat_template->name()));
   }
 }
 

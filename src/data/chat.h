@@ -119,8 +119,9 @@ ChatConfig detect_chat_config(const std::filesystem::path& model_dir,
 // end-of-turn token (<|im_end|> or <|eot_id|>), excluding the role header; tool results are not
 // learned. kTemplate: the template's {% generation %} blocks when it has them, else for each
 // assistant turn i what the render of messages[:i+1] adds to the render of messages[:i] with the
-// generation prompt (ParseError naming the turn when these are not prefixes of the full render;
-// see docs/CHAT_TEMPLATES.md). Template errors (raise_exception included) are ParseErrors.
+// generation prompt, for the turns where both are prefixes of the full render (a template that
+// rewrites history leaves earlier turns unsupervised; none at all is a ParseError; see
+// docs/CHAT_TEMPLATES.md). Template errors (raise_exception included) are ParseErrors.
 // For Qwen3 the body of the assistant turn after the last user query includes the template's
 // empty "<think>\n\n</think>\n\n" block (with thinking on). Throws ParseError for what the
 // template cannot render (tool turns in the Llama-3 template, several calls in one Llama-3.1

@@ -208,7 +208,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
   if (opt.inputs.empty()) fail("no input files");
   if (opt.max_length == 0) fail("--max-length must be positive");
   tok::Tokenizer tokenizer = tok::Tokenizer::load(opt.tokenizer_dir);
-  ChatConfig chat = detect_chat_config(opt.tokenizer_dir, opt.chat_format);
+  ChatConfig chat = detect_chat_config(opt.tokenizer_dir, opt.chat_format, opt.chat_template);
   chat.enable_thinking = opt.enable_thinking;
   chat.keep_history_reasoning = opt.keep_history_reasoning;
   chat.validate();
@@ -363,6 +363,8 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
   nlohmann::json fields = {
       {"tokenizer", {{"path", tok_path.string()}, {"vocab_size", tokenizer.vocab_size()}}},
       {"chat_format", chat_format_name(chat.format)},
+      // Where the Jinja template came from (a file or tokenizer_config.json); "" for built-ins.
+      {"chat_template", chat.chat_template ? chat.chat_template->name() : std::string()},
       {"enable_thinking", chat.enable_thinking},
       {"keep_history_reasoning", chat.keep_history_reasoning},
       {"max_length", opt.max_length},

@@ -23,7 +23,8 @@ struct PrepareOptions {
   std::filesystem::path tokenizer_dir;
   std::vector<std::filesystem::path> inputs;
   std::filesystem::path out_dir;
-  std::optional<ChatFormat> chat_format;  // nullopt: detect from tokenizer_config.json
+  std::optional<ChatFormat> chat_format;  // nullopt: the model's template (see detect_chat_config)
+  ChatTemplateChoice chat_template;       // --chat-template, --chat-template-arg
   // Qwen3 only (see ChatConfig): thinking off (the final turn's empty think block is prompt,
   // reasoning dropped), and reasoning kept in the turns before the last user query.
   bool enable_thinking = true;

@@ -102,8 +102,27 @@ std::vector<int64_t> stop_tokens(const fs::path& model_dir, const tok::Tokenizer
   };
   static constexpr std::array<const char*, 2> kQwen = {"<|im_end|>", "<|endoftext|>"};
   static constexpr std::array<const char*, 2> kLlama = {"<|eot_id|>", "<|end_of_text|>"};
-  for (const char* t : format == data::ChatFormat::kQwen3 ? kQwen : kLlama) {
-    add(tokenizer.token_to_id(t));
+  if (format == data::ChatFormat::kTemplate) {
+    // Any template: the end-of-turn tokens of the common families that this vocabulary has,
+    // and the tokenizer's eos_token.
+    for (const char* t : {"<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|return|>",
+                          "<|endoftext|>", "<|end_of_text|>"}) {
+      add(tokenizer.token_to_id(t));
+    }
+    if (fs::exists(model_dir / "tokenizer_config.json")) {
+      json cfg = json::parse(read_file(model_dir / "tokenizer_config.json"), nullptr, false);
+      if (cfg.is_object() && cfg.contains("eos_token")) {
+        const json& eos = cfg["eos_token"];
+        if (eos.is_string()) add(tokenizer.token_to_id(eos.get<std::string>()));
+        if (eos.is_object() && eos.value("content", json()).is_string()) {
+          add(tokenizer.token_to_id(eos["content"].get<std::string>()));
+        }
+      }
+    }
+  } else {
+    for (const char* t : format == data::ChatFormat::kQwen3 ? kQwen : kLlama) {
+      add(tokenizer.token_to_id(t));
+    }
   }
   for (const char* name : {"config.json", "generation_config.json"}) {
     if (!fs::exists(model_dir / name)) continue;
@@ -122,13 +141,13 @@ std::vector<int64_t> stop_tokens(const fs::path& model_dir, const tok::Tokenizer
 }
 
 data::ChatConfig chat_config(const fs::path& model_dir, const std::optional<std::string>& format,
-                             const char* who) {
+                             const char* who, const data::ChatTemplateChoice& choice) {
   std::optional<data::ChatFormat> forced;
   if (format) {
     forced = data::chat_format_from_name(*format);
-    if (!forced) fail("{}: unknown --chat-format {} (qwen3 or llama3)", who, *format);
+    if (!forced) fail("{}: unknown --chat-format {} ({})", who, *format, data::chat_format_names());
   }
-  return data::detect_chat_config(model_dir, forced);
+  return data::detect_chat_config(model_dir, forced, choice);
 }
 
 namespace {
@@ -167,7 +186,7 @@ void regenerate(const RegenerateOptions& o) {
   const std::string who =
       world.world_size > 1 ? fmt::format("generate[rank {}]", world.rank) : std::string("generate");
   auto tokenizer = tok::Tokenizer::load(o.target);
-  const data::ChatConfig chat = chat_config(o.target, o.chat_format, "generate");
+  const data::ChatConfig chat = chat_config(o.target, o.chat_format, "generate", o.chat_template);
 
   const auto inputs = read_lines(o.data);
   if (!o.out.parent_path().empty()) fs::create_directories(o.out.parent_path());

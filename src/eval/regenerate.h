@@ -28,6 +28,7 @@ struct RegenerateOptions {
   int64_t batch_size = 64;        // sequences decoded together per rank
   bool enable_thinking = true;    // Qwen3's switch (false: the empty think block is prompted)
   std::optional<std::string> chat_format;  // overrides the template detection
+  data::ChatTemplateChoice chat_template;  // --chat-template, --chat-template-arg
   std::string device = "auto";
   std::string dtype = "auto";  // models::parse_dtype
   bool cuda_graph = true;
@@ -42,10 +43,11 @@ struct RegenerateOptions {
 std::vector<int64_t> stop_tokens(const std::filesystem::path& model_dir,
                                  const tok::Tokenizer& tokenizer, data::ChatFormat format);
 
-// The chat template of `model_dir`, or the one `format` names (--chat-format); `who` prefixes
-// the error for an unknown name.
+// The chat template of `model_dir` (or choice's), or the one `format` names (--chat-format); `who`
+// prefixes the error for an unknown name.
 data::ChatConfig chat_config(const std::filesystem::path& model_dir,
-                             const std::optional<std::string>& format, const char* who);
+                             const std::optional<std::string>& format, const char* who,
+                             const data::ChatTemplateChoice& choice = {});
 
 // Runs on this process's rank (dist::world_from_env) and returns when `out` is complete, or
 // early on SIGINT/SIGTERM (common/stop_signal.h) with the finished lines kept, having said so.

@@ -231,6 +231,11 @@ TEST(ChatTemplate, ErrorsNameTheTemplateLineAndColumn) {
   expect_error("{% for m in none %}{% endfor %}", "1:1", "'NoneType' object is not iterable");
   expect_error("{{ (1 }}", "1:7", "unexpected '}', expected ')'");
   expect_error("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "1:20", "recursion deeper");
+  expect_error("{{ 9223372036854775807 + 1 }}", "1:24", "integer overflow");
+  expect_error("{{ 2 ** 64 }}", "1:6", "integer overflow");
+  expect_error("{{ " + std::string(300, '(') + "1" + std::string(300, ')') + " }}", "1:70",
+               "nested too deeply");
+  expect_error("{{ '\\ud800' }}", "1:6", "not a Unicode scalar value");
 }
 
 }  // namespace
