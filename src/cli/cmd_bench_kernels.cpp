@@ -20,6 +20,7 @@
 #include <chrono>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "cli/commands.h"
 #include "common/error.h"
@@ -128,9 +129,15 @@ void bench_gated_delta(const BenchKernelsOptions& o, at::Device device, const Re
     report("causal_conv1d_silu prefill, aten", rows, len, channels,
            us_eager(o, [&] { kernels::causal_conv1d_silu_reference(mixed, conv_w, cu, lengths); }),
            conv_bytes);
-    report("chunk_gated_delta_rule, ours", rows, len, hv,
-           us_eager(o, [&] { kernels::chunk_gated_delta_rule(q, k, v, g, beta, cu, lengths); }),
-           rule_bytes);
+    for (auto [kernel, name] : {std::pair{kernels::ChunkKernel::kTensorCore, "tc"},
+                                std::pair{kernels::ChunkKernel::kSimt, "simt"}}) {
+      report(fmt::format("chunk_gated_delta_rule, ours {}", name), rows, len, hv,
+             us_eager(o,
+                      [&] {
+                        kernels::chunk_gated_delta_rule(q, k, v, g, beta, cu, lengths, {}, kernel);
+                      }),
+             rule_bytes);
+    }
     report(
         "chunk_gated_delta_rule, aten", rows, len, hv,
         us_eager(o,

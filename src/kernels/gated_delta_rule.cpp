@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "common/error.h"
@@ -10,12 +13,13 @@
 namespace dflash::kernels {
 
 // gated_delta_rule.cu
-int64_t chunk_gated_delta_scratch_floats(int64_t chunk_heads);
+int64_t chunk_gated_delta_scratch_floats(int64_t chunk_heads, bool tensor_cores);
 void chunk_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta,
                                  const at::Tensor& table, int64_t chunks, int64_t sequences,
-                                 at::Tensor& scratch, const at::Tensor& initial_state,
-                                 at::Tensor& out, at::Tensor& final_state);
+                                 bool tensor_cores, at::Tensor& scratch,
+                                 const at::Tensor& initial_state, at::Tensor& out,
+                                 at::Tensor& final_state);
 void recurrent_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& g, const at::Tensor& beta,
                                      const at::Tensor& state, at::Tensor& out,
@@ -166,6 +170,23 @@ at::Tensor token_rows(const at::Tensor& t) {
   return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
 }
 
+// The tensor-core kernels copy token rows 16 bytes at a time: a row start off that grid (a view
+// at an odd column offset) gets an aligned copy.
+at::Tensor aligned_rows(const at::Tensor& t) {
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+                       (t.stride(0) * t.element_size()) % 16 == 0;
+  return aligned ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+bool use_tensor_cores(ChunkKernel kernel) {
+  if (kernel != ChunkKernel::kAuto) return kernel == ChunkKernel::kTensorCore;
+  const char* env = std::getenv("DFLASH_GDN_KERNEL");
+  const std::string name = env ? env : "tc";
+  if (name != "tc" && name != "simt")
+    fail("chunk_gated_delta_rule: DFLASH_GDN_KERNEL must be tc or simt, got '{}'", name);
+  return name == "tc";
+}
+
 }  // namespace
 
 GatedDeltaResult chunk_gated_delta_rule_reference(const at::Tensor& q, const at::Tensor& k,
@@ -234,7 +255,7 @@ GatedDeltaResult chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& v, const at::Tensor& g,
                                         const at::Tensor& beta, const at::Tensor& cu_seqlens,
                                         c10::ArrayRef<int64_t> lengths,
-                                        const at::Tensor& initial_state) {
+                                        const at::Tensor& initial_state, ChunkKernel kernel) {
   if (!on_cuda_kernel(q, k, v)) {
     return chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
   }
@@ -260,12 +281,14 @@ GatedDeltaResult chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k
   // Pinned and asynchronous: no wait for the GPU on the host (the caching host allocator keeps
   // the pinned block until the copy has run).
   auto table = at::tensor(chunk_part, at::kInt).pin_memory().to(q.device(), /*non_blocking=*/true);
-  auto scratch =
-      at::empty({chunk_gated_delta_scratch_floats(chunks * d.hv)}, q.options().dtype(at::kFloat));
-  chunk_gated_delta_rule_cuda(
-      token_rows(q), token_rows(k), token_rows(v), g.to(at::kFloat).contiguous(),
-      beta.to(at::kFloat).contiguous(), table, chunks, n, scratch,
-      initial_state.defined() ? initial_state.contiguous() : at::Tensor(), out, final_state);
+  const bool tc = use_tensor_cores(kernel);
+  auto rows = [&](const at::Tensor& t) { return tc ? aligned_rows(token_rows(t)) : token_rows(t); };
+  auto scratch = at::empty({chunk_gated_delta_scratch_floats(chunks * d.hv, tc)},
+                           q.options().dtype(at::kFloat));
+  chunk_gated_delta_rule_cuda(rows(q), rows(k), rows(v), g.to(at::kFloat).contiguous(),
+                              beta.to(at::kFloat).contiguous(), table, chunks, n, tc, scratch,
+                              initial_state.defined() ? initial_state.contiguous() : at::Tensor(),
+                              out, final_state);
   return {out, final_state};
 }
 

@@ -1,19 +1,38 @@
 // The gated delta rule on CUDA for key and value heads of 128 (Qwen3.5, Qwen3-Next), fp32 math
 // and fp32 state, q/k/v in bf16, fp16 or fp32.
 //
-// Prefill (chunks of 64 tokens, as transformers' torch_chunk_gated_delta_rule) runs in two
-// kernels:
+// Prefill (chunks of 64 tokens, as transformers' torch_chunk_gated_delta_rule) has two variants
+// of two kernels each, both chunk c's algebra: with the cumulative log decay c within the chunk,
+// the strictly lower L[i][j] = beta_i (k_i . k_j) exp(c_i - c_j) and T = (I + L)^-1 (the UT
+// transform), U = T (beta v), W = T (beta exp(c) k), A[i][j] = (q_i . k_j) exp(c_i - c_j) (j <= i):
+//   v_new = U - W S;  out = (exp(c) q) S + A v_new;  S = exp(c_last) S + (exp(c_last - c) k)^T
+//   v_new.
+//
+// SIMT (DFLASH_GDN_KERNEL=simt):
 //  prepare, one block per (chunk, value head), every chunk of every sequence at once:
-//    L2-normalises q and k, the cumulative log decay c, the strictly lower 64 x 64 system
-//    L[i][j] = beta_i (k_i . k_j) exp(c_i - c_j), solved by forward substitution for
-//    U = (I + L)^-1 (beta v) and W = (I + L)^-1 (beta exp(c) k) (the UT transform, WY form),
-//    and the intra-chunk attention A[i][j] = (q_i . k_j) exp(c_i - c_j), j <= i; into fp32
+//    L2-normalises q and k, forms L and A, solves by forward substitution for U and W into fp32
 //    scratch, with the per-row factors that turn raw q, k into exp(c) q and exp(c_last - c) k.
 //  scan, one block per (sequence, value head, 32 state columns): the state's columns evolve
 //    independently (each is one value channel), so each block carries a 128 x 32 fp32 slice
-//    of the state through the sequence's chunks in order:
-//      v_new = U - W S;  out = (exp(c) q) S + A v_new;  S = exp(c_last) S + (exp(c_last - c) k)^T
-//      v_new.
+//    of the state through the sequence's chunks in order, with fp32 FMAs.
+//
+// Tensor cores (the default): the same algebra regrouped so that the raw q, k, v rows are the
+// matmul operands and only 64 x 64 matrices go through scratch. With Tb = T diag(beta) and
+// A' = A Tb (both lower triangular), and the raw (unnormalised) K, Q, V of the chunk:
+//   R = V - diag(exp(c) |k|^-1) (K S);  v_new = Tb R;  out = diag(exp(c) |q|^-1 Dk^-0.5) (Q S) + A'
+//   R; S = exp(c_last) S + K^T diag(exp(c_last - c) |k|^-1) v_new.
+//  tc_prepare, one block per (chunk, key head): K K^T and Q K^T once for the key head's value
+//    heads (mma), then per value head L, T by forward substitution (one column per thread), Tb
+//    and A' = A Tb (mma) into scratch as bf16 (hi, lo) pairs, with the row factors.
+//  tc_scan, one block per (sequence, value head, 32 state columns), the state in mma
+//    accumulators: per chunk [K; Q] S (8 warps), then Tb R and A' R side by side (4 warps each),
+//    then the state update (8 warps); the next chunk's operands stream in by cp.async into each
+//    buffer as soon as its last reader is done.
+//  Precision: mma.sync bf16 with fp32 accumulation, every fp32 operand split into bf16 hi + lo
+//  (x = hi + lo to 16 bits) and the three products hi hi + hi lo + lo hi summed: about fp32's
+//  accuracy (a relative 2^-16 per product term). bf16 q, k, v are exact as they are (their lo is
+//  zero, so those products are two, or one for K K^T and Q K^T).
+//
 // Decode / verify: one block per (sequence, value head, 32 state columns) keeps its slice of the
 // state in registers across the S tokens (transformers' torch_recurrent_gated_delta_rule).
 #include <ATen/core/Tensor.h>
@@ -22,6 +41,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/float_cast.cuh"
 
@@ -412,6 +432,643 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- Tensor-core variant ----
+
+// mma.sync m16n8k16 bf16 fragments: lane = 4 g + t; A (16 x 16, row-major) holds rows g, g + 8 and
+// columns 2t, 2t + 1, 2t + 8, 2t + 9; B (16 x 8) columns g, rows 2t, 2t + 1, 2t + 8, 2t + 9; C
+// (16 x 8, fp32) rows g, g + 8, columns 2t, 2t + 1. Each register holds two consecutive k (the
+// lower in the low half). An fp32 operand travels as bf16 hi and lo (hi + lo = x to 16 bits).
+struct FragA {
+  uint32_t hi[4], lo[4];
+};
+struct FragB {
+  uint32_t hi[2], lo[2];
+};
+
+__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// (a, b) -> bf16x2 hi = round(a, b), lo = round of the remainders.
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  const float2 hf = __bfloat1622float2(h);
+  hi = bf16x2_bits(h);
+  lo = bf16x2_bits(__floats2bfloat162_rn(a - hf.x, b - hf.y));
+}
+
+__device__ __forceinline__ void split_one(float a, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(a);
+  lo = __float2bfloat16_rn(a - __bfloat162float(hi));
+}
+
+// q, k, v of type T are exact in bf16 (no lo part) only when T is bf16.
+template <typename T>
+constexpr bool kRawLo = !std::is_same_v<T, __nv_bfloat16>;
+
+// Elements (r, c) and (r, c + 1) of a row-major T matrix with row stride `ld`.
+template <typename T>
+__device__ __forceinline__ void raw_pair(const T* m, int ld, int r, int c, uint32_t& hi,
+                                         uint32_t& lo) {
+  const T* p = m + r * ld + c;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    hi = *reinterpret_cast<const uint32_t*>(p);
+    lo = 0;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(p));
+    split_pair(f.x, f.y, hi, lo);
+  } else {
+    const float2 f = *reinterpret_cast<const float2*>(p);
+    split_pair(f.x, f.y, hi, lo);
+  }
+}
+
+// Elements (r, c) and (r, c + 1) of the transpose of a row-major T matrix: m[c][r], m[c + 1][r].
+template <typename T>
+__device__ __forceinline__ void raw_pair_t(const T* m, int ld, int r, int c, uint32_t& hi,
+                                           uint32_t& lo) {
+  const T* p = m + c * ld + r;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v;
+    v.x = p[0];
+    v.y = p[ld];
+    hi = bf16x2_bits(v);
+    lo = 0;
+  } else {
+    split_pair(to_float(p[0]), to_float(p[ld]), hi, lo);
+  }
+}
+
+// Elements (r, c) and (r, c + 1) of a matrix kept as bf16 planes hi and lo = hi + ld * rows.
+__device__ __forceinline__ void plane_pair(const __nv_bfloat16* hi_plane, int plane, int ld, int r,
+                                           int c, uint32_t& hi, uint32_t& lo) {
+  const int off = r * ld + c;
+  hi = *reinterpret_cast<const uint32_t*>(hi_plane + off);
+  lo = *reinterpret_cast<const uint32_t*>(hi_plane + plane + off);
+}
+
+// The A fragment of the 16 x 16 tile at (m0, k0) of a matrix whose element pairs (r, c), (r, c+1)
+// `pair(r, c, hi, lo)` reads.
+template <typename Pair>
+__device__ __forceinline__ FragA frag_a(const Pair& pair, int m0, int k0) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  FragA f;
+  pair(m0 + g, k0 + 2 * t, f.hi[0], f.lo[0]);
+  pair(m0 + g + 8, k0 + 2 * t, f.hi[1], f.lo[1]);
+  pair(m0 + g, k0 + 2 * t + 8, f.hi[2], f.lo[2]);
+  pair(m0 + g + 8, k0 + 2 * t + 8, f.hi[3], f.lo[3]);
+  return f;
+}
+
+// The B fragment of the 16 x 8 tile at (k0, n0) of B, read through its transpose: `pair(n, k, ..)`
+// gives B[k][n], B[k + 1][n].
+template <typename Pair>
+__device__ __forceinline__ FragB frag_b(const Pair& pair, int n0, int k0) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  FragB f;
+  pair(n0 + g, k0 + 2 * t, f.hi[0], f.lo[0]);
+  pair(n0 + g, k0 + 2 * t + 8, f.hi[1], f.lo[1]);
+  return f;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a b with the lo parts that exist (the small products first).
+template <bool kALo, bool kBLo>
+__device__ __forceinline__ void mma_split(float (&c)[4], const FragA& a, const FragB& b) {
+  if constexpr (kALo) mma_bf16(c, a.lo, b.hi[0], b.hi[1]);
+  if constexpr (kBLo) mma_bf16(c, a.hi, b.lo[0], b.lo[1]);
+  mma_bf16(c, a.hi, b.hi[0], b.hi[1]);
+}
+
+// 16 bytes global -> shared without registers; `valid` false writes zeros (reads nothing).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const auto d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Rows t0 .. t0 + 63 of a [tokens, .., 128] operand (`src` at the head's first column, `cols`
+// columns from there) into dst rows of `ld` elements; rows from `rows` on become zeros.
+template <typename T>
+__device__ __forceinline__ void stage_rows(T* dst, int ld, const T* src, int64_t stride, int64_t t0,
+                                           int rows, int cols) {
+  constexpr int kPer = 16 / sizeof(T);
+  const int per_row = cols / kPer;
+  for (int idx = threadIdx.x; idx < kChunk * per_row; idx += kThreads) {
+    const int i = idx / per_row, c = (idx % per_row) * kPer;
+    const bool in = i < rows;
+    cp_async16(dst + i * ld + c, src + (in ? (t0 + i) * stride : 0) + c, in);
+  }
+}
+
+// Row strides (elements) of the shared tiles: 16-byte aligned rows shifted by 4 banks each.
+template <typename T>
+constexpr int kRawLd = kDim + 16 / int(sizeof(T));  // raw q, k rows of 128
+constexpr int kTile = 32;                           // state columns per tc_scan block
+template <typename T>
+constexpr int kVLd = kTile + 16 / int(sizeof(T));  // raw v rows of 32
+constexpr int kLd64 = kChunk + 8;                  // bf16 rows of 64
+constexpr int kLd128 = kDim + 8;                   // bf16 rows of 128
+constexpr int kFLd = kChunk + 4;                   // fp32 rows of 64
+
+// One scratch record per (chunk, value head): Tb hi, Tb lo, A' hi, A' lo (bf16 [64][64] each, of
+// which only the lower triangle's 16 x 16 tiles are written and read), then fp32 [4][64]: exp(c)
+// |k|^-1, exp(c) |q|^-1 Dk^-0.5, exp(c_last - c) |k|^-1, and exp(c_last) at [3][0] (the rest
+// zeros).
+constexpr int kPlane = kChunk * kChunk;  // bf16 elements
+constexpr int kRecordFloats = 2 * kPlane + 4 * kChunk;
+constexpr int kFacDecay = 3 * kChunk;
+
+constexpr int kHeadsPerPass = 2;  // value heads whose T one tc_prepare pass solves together
+
+template <typename T>
+constexpr size_t kTcPrepareUnion = std::max(sizeof(T) * 2 * kChunk * kRawLd<T>,
+                                            sizeof(float) * 2 * kHeadsPerPass * kChunk * kFLd);
+template <typename T>
+constexpr size_t kTcPrepareSmem = sizeof(float) * 2 * kChunk* kFLd + kTcPrepareUnion<T> +
+                                  sizeof(float) * (2 * kChunk + 2 * kHeadsPerPass * kChunk);
+
+// Two blocks per multiprocessor for bf16; fp16 and fp32 operands (their lo parts too) need the
+// registers of one.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kRawLo<T> ? 1 : 2)
+    tc_prepare_kernel(Heads<T> q, Heads<T> k, const float* __restrict__ g,
+                      const float* __restrict__ beta, const ChunkInfo* __restrict__ chunks, int hv,
+                      int group, float scale, float* __restrict__ records) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  float* gkk = reinterpret_cast<float*>(tc_smem);  // [64][kFLd]: k_i . k_j (raw)
+  float* gqk = gkk + kChunk * kFLd;                // [64][kFLd]: q_i . k_j (raw)
+  unsigned char* shared_part = reinterpret_cast<unsigned char*>(gqk + kChunk * kFLd);
+  T* kr = reinterpret_cast<T*>(shared_part);  // [64][kRawLd]: raw k, then (same bytes) ...
+  T* qr = kr + kChunk * kRawLd<T>;
+  float* lbuf = reinterpret_cast<float*>(shared_part);  // [pass][64][kFLd]: L, then A
+  float* tbuf = lbuf + kHeadsPerPass * kChunk * kFLd;   // [pass][64][kFLd]: Tb
+  float* rk = reinterpret_cast<float*>(shared_part + kTcPrepareUnion<T>);  // [64]: |k_i|^-1
+  float* rq = rk + kChunk;                                                 // [64]: |q_i|^-1
+  float* cum = rq + kChunk;                                                // [pass][64]
+  float* bet = cum + kHeadsPerPass * kChunk;                               // [pass][64]
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g4 = lane / 4, t4 = lane % 4;
+  const int64_t chunk = blockIdx.x;
+  const int hk = blockIdx.y;
+  const ChunkInfo info = chunks[chunk];
+  const int64_t t0 = info.start;
+
+  stage_rows(kr, kRawLd<T>, k.data + int64_t(hk) * kDim, k.stride, t0, info.rows, kDim);
+  stage_rows(qr, kRawLd<T>, q.data + int64_t(hk) * kDim, q.stride, t0, info.rows, kDim);
+  cp_async_wait_all();
+  __syncthreads();
+
+  for (int i = warp; i < kChunk; i += kWarps) {
+    float sk = 0.f, sq = 0.f;
+#pragma unroll
+    for (int m = 0; m < kDim / 32; ++m) {
+      const float kv = to_float(kr[i * kRawLd<T> + lane + 32 * m]);
+      const float qv = to_float(qr[i * kRawLd<T> + lane + 32 * m]);
+      sk += kv * kv;
+      sq += qv * qv;
+    }
+    sk = warp_sum(sk);
+    sq = warp_sum(sq);
+    if (lane == 0) {
+      rk[i] = rsqrtf(sk + 1e-6f);
+      rq[i] = rsqrtf(sq + 1e-6f);
+    }
+  }
+  {
+    // Warps 0-3: rows 16 w of K K^T; warps 4-7: of Q K^T.
+    const T* a_src = warp < 4 ? kr : qr;
+    const int m0 = (warp % 4) * 16;
+    auto a_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+      raw_pair(a_src, kRawLd<T>, r, c, hi, lo);
+    };
+    auto b_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+      raw_pair(kr, kRawLd<T>, r, c, hi, lo);
+    };
+    float acc[kChunk / 8][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kDim / 16; ++ks) {
+      const FragA a = frag_a(a_pair, m0, 16 * ks);
+#pragma unroll
+      for (int nt = 0; nt < kChunk / 8; ++nt) {
+        mma_split<kRawLo<T>, kRawLo<T>>(acc[nt], a, frag_b(b_pair, 8 * nt, 16 * ks));
+      }
+    }
+    float* dst = warp < 4 ? gkk : gqk;
+#pragma unroll
+    for (int nt = 0; nt < kChunk / 8; ++nt) {
+      const int c = 8 * nt + 2 * t4;
+      *reinterpret_cast<float2*>(dst + (m0 + g4) * kFLd + c) = make_float2(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<float2*>(dst + (m0 + g4 + 8) * kFLd + c) =
+          make_float2(acc[nt][2], acc[nt][3]);
+    }
+  }
+  __syncthreads();  // the grams and norms are in; kr, qr may be overwritten
+
+  for (int vb = 0; vb < group; vb += kHeadsPerPass) {
+    const int nb = min(kHeadsPerPass, group - vb);
+    const int h0 = hk * group + vb;
+    if (tid < nb * kChunk) {
+      // Padding rows: no decay, no write, so they leave the state as it is.
+      const int s = tid / kChunk, i = tid % kChunk;
+      const bool in = i < info.rows;
+      cum[tid] = in ? g[(t0 + i) * hv + h0 + s] : 0.f;
+      bet[tid] = in ? beta[(t0 + i) * hv + h0 + s] : 0.f;
+    }
+    __syncthreads();
+    if (warp < nb) {
+      // Inclusive prefix sums of the 64 decays: two per lane, then a scan over the lanes.
+      float* cs = cum + warp * kChunk + 2 * lane;
+      const float a = cs[0], pair = a + cs[1];
+      float incl = pair;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const float y = __shfl_up_sync(0xffffffffu, incl, offset);
+        if (lane >= offset) incl += y;
+      }
+      cs[0] = incl - pair + a;
+      cs[1] = incl;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < nb * kChunk * kChunk; idx += kThreads) {
+      const int s = idx / (kChunk * kChunk), i = idx / kChunk % kChunk, j = idx % kChunk;
+      const float* cs = cum + s * kChunk;
+      lbuf[(s * kChunk + i) * kFLd + j] =
+          j < i ? bet[s * kChunk + i] * gkk[i * kFLd + j] * rk[i] * rk[j] * expf(cs[i] - cs[j])
+                : 0.f;
+    }
+    __syncthreads();
+    if (tid < nb * kChunk) {
+      // Column c of T = (I + L)^-1 by forward substitution, in registers (x past the current
+      // row is still zero, as is L on and above the diagonal, so whole float4 groups are safe).
+      const int s = tid / kChunk, c = tid % kChunk;
+      const float* l = lbuf + s * kChunk * kFLd;
+      float x[kChunk];
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) x[i] = 0.f;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        float p0 = 0.f, p1 = 0.f, p2 = 0.f, p3 = 0.f;
+#pragma unroll
+        for (int j = 0; j < i; j += 4) {
+          const float4 l4 = *reinterpret_cast<const float4*>(l + i * kFLd + j);
+          p0 += l4.x * x[j];
+          p1 += l4.y * x[j + 1];
+          p2 += l4.z * x[j + 2];
+          p3 += l4.w * x[j + 3];
+        }
+        x[i] = (i == c ? 1.f : 0.f) - ((p0 + p1) + (p2 + p3));
+      }
+      const float bc = bet[tid];
+      float* tb = tbuf + s * kChunk * kFLd;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) tb[i * kFLd + c] = x[i] * bc;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < nb * kChunk * kChunk; idx += kThreads) {
+      const int s = idx / (kChunk * kChunk), i = idx / kChunk % kChunk, j = idx % kChunk;
+      const float* cs = cum + s * kChunk;
+      lbuf[(s * kChunk + i) * kFLd + j] =
+          j <= i ? gqk[i * kFLd + j] * rq[i] * scale * rk[j] * expf(cs[i] - cs[j]) : 0.f;
+    }
+    __syncthreads();
+    for (int s = 0; s < nb; ++s) {
+      float* rec = records + (size_t(chunk) * hv + h0 + s) * kRecordFloats;
+      auto* planes = reinterpret_cast<__nv_bfloat16*>(rec);  // Tb hi, Tb lo, A' hi, A' lo
+      const float* a_m = lbuf + s * kChunk * kFLd;
+      const float* tb = tbuf + s * kChunk * kFLd;
+      {
+        // A' = A Tb: warp w, rows 16 (w % 4), columns 32 (w / 4) ..; both lower triangular.
+        const int mi = warp % 4, n0 = (warp / 4) * 32;
+        auto a_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+          const float2 f = *reinterpret_cast<const float2*>(a_m + r * kFLd + c);
+          split_pair(f.x, f.y, hi, lo);
+        };
+        auto b_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+          split_pair(tb[c * kFLd + r], tb[(c + 1) * kFLd + r], hi, lo);
+        };
+        float acc[4][4] = {};
+        for (int ks = 0; ks <= mi; ++ks) {
+          const FragA a = frag_a(a_pair, 16 * mi, 16 * ks);
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            mma_split<true, true>(acc[nt], a, frag_b(b_pair, n0 + 8 * nt, 16 * ks));
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          if ((n0 + 8 * nt) / 16 > mi) continue;  // above the diagonal's tiles: never read
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int off = (16 * mi + g4 + 8 * half) * kChunk + n0 + 8 * nt + 2 * t4;
+            uint32_t hi, lo;
+            split_pair(acc[nt][2 * half], acc[nt][2 * half + 1], hi, lo);
+            *reinterpret_cast<uint32_t*>(planes + 2 * kPlane + off) = hi;
+            *reinterpret_cast<uint32_t*>(planes + 3 * kPlane + off) = lo;
+          }
+        }
+      }
+      for (int idx = tid; idx < kPlane / 2; idx += kThreads) {
+        const int i = idx / (kChunk / 2), j = idx % (kChunk / 2) * 2;
+        if (j / 16 > i / 16) continue;
+        uint32_t hi, lo;
+        split_pair(tb[i * kFLd + j], tb[i * kFLd + j + 1], hi, lo);
+        *reinterpret_cast<uint32_t*>(planes + i * kChunk + j) = hi;
+        *reinterpret_cast<uint32_t*>(planes + kPlane + i * kChunk + j) = lo;
+      }
+      if (tid < kChunk) {
+        const float* cs = cum + s * kChunk;
+        const float last = cs[kChunk - 1], e = expf(cs[tid]);
+        float* fac = rec + 2 * kPlane;
+        fac[tid] = e * rk[tid];
+        fac[kChunk + tid] = e * rq[tid] * scale;
+        fac[2 * kChunk + tid] = expf(last - cs[tid]) * rk[tid];
+        fac[kFacDecay + tid] = tid == 0 ? expf(last) : 0.f;
+      }
+    }
+    __syncthreads();  // before the next pass overwrites cum, bet, lbuf, tbuf
+  }
+}
+
+// tc_scan's per-chunk operands in shared memory: raw k, q ([64][kRawLd]), raw v of the block's
+// columns ([64][kVLd]), Tb and A' (bf16 planes hi, lo of [64][kLd64]), the factors.
+template <typename T>
+constexpr size_t kTcStage = sizeof(T) *
+                                (2 * kChunk * kRawLd<T> + kChunk * kVLd<T>)+sizeof(__nv_bfloat16) *
+                                2 * 2 * kChunk* kLd64
+                            + sizeof(float) * 4 * kChunk;
+// One set of them, each buffer refilled for the next chunk as soon as its last reader is done:
+// so two blocks fit a multiprocessor (bf16), and one block's loads hide behind the other's math.
+template <typename T>
+constexpr size_t kTcScanSmem = kTcStage<T> +
+                               sizeof(__nv_bfloat16) * (2 * kTile * kLd128 + 2 * 2 * kTile * kLd64);
+
+template <typename T>
+struct TcStage {
+  T *kr, *qr, *vr;
+  __nv_bfloat16 *tb, *ap;  // planes hi, lo each
+  float* fac;              // [4][64], as the record
+};
+
+template <typename T>
+__device__ __forceinline__ TcStage<T> tc_stage(unsigned char* base) {
+  TcStage<T> st;
+  st.kr = reinterpret_cast<T*>(base);
+  st.qr = st.kr + kChunk * kRawLd<T>;
+  st.vr = st.qr + kChunk * kRawLd<T>;
+  st.tb = reinterpret_cast<__nv_bfloat16*>(st.vr + kChunk * kVLd<T>);
+  st.ap = st.tb + 2 * kChunk * kLd64;
+  st.fac = reinterpret_cast<float*>(st.ap + 2 * kChunk * kLd64);
+  return st;
+}
+
+// The state slice's C fragments (rows d = 16 w + g (+8), columns 8 nt + 2t (+1)) -> st, the
+// transposed bf16 planes [32][kLd128] hi then lo.
+__device__ __forceinline__ void store_state_t(__nv_bfloat16* st, const float (&s)[4][4]) {
+  const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int d = 16 * w + g + 8 * (e / 2), n = 8 * nt + 2 * t + e % 2;
+      split_one(s[nt][e], st[n * kLd128 + d], st[kTile * kLd128 + n * kLd128 + d]);
+    }
+  }
+}
+
+// C fragments (rows 16 mi + g (+8), columns 8 nt + 2t (+1)) times a row factor -> the transposed
+// bf16 planes [32][kLd64] hi then lo.
+__device__ __forceinline__ void store_rows_t(__nv_bfloat16* dst, const float (&x)[4][4], int mi,
+                                             float f0, float f1) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * mi + g + 8 * (e / 2), n = 8 * nt + 2 * t + e % 2;
+      split_one(x[nt][e] * (e < 2 ? f0 : f1), dst[n * kLd64 + i],
+                dst[kTile * kLd64 + n * kLd64 + i]);
+    }
+  }
+}
+
+// o[0], o[1] = a, b (o at an even element).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* o, float a, float b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(a, b);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    *reinterpret_cast<__half2*>(o) = __floats2half2_rn(a, b);
+  } else {
+    *reinterpret_cast<float2*>(o) = make_float2(a, b);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2)
+    tc_scan_kernel(Heads<T> q, Heads<T> k, Heads<T> v, const SeqInfo* __restrict__ seqs, int hv,
+                   int group, const float* __restrict__ records,
+                   const float* __restrict__ initial_state, T* __restrict__ out,
+                   float* __restrict__ final_state) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  const TcStage<T> sg = tc_stage<T>(tc_smem);
+  unsigned char* rest = tc_smem + kTcStage<T>;
+  auto* st = reinterpret_cast<__nv_bfloat16*>(rest);  // [2][32][kLd128]: S^T
+  __nv_bfloat16* rt = st + 2 * kTile * kLd128;        // [2][32][kLd64]: R^T
+  __nv_bfloat16* vn = rt + 2 * kTile * kLd64;  // [2][32][kLd64]: (exp(c_last - c) |k|^-1 v_new)^T
+
+  const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, g4 = lane / 4, t4 = lane % 4;
+  const int tiles = kDim / kTile;
+  const int vt = blockIdx.x % tiles, h = blockIdx.x / tiles % hv, n = blockIdx.x / (tiles * hv);
+  const int c0 = vt * kTile, hk = h / group;
+  const SeqInfo seq = seqs[n];
+  const int chunks = (seq.length + kChunk - 1) / kChunk;
+  const T* kh = k.data + int64_t(hk) * kDim;
+  const T* qh = q.data + int64_t(hk) * kDim;
+  const T* vh = v.data + int64_t(h) * kDim + c0;
+
+  auto rows_of = [&](int ch) { return min(kChunk, seq.length - ch * kChunk); };
+  auto t0_of = [&](int ch) { return int64_t(seq.start) + int64_t(ch) * kChunk; };
+  auto record = [&](int ch) {
+    return records + (size_t(seq.first_chunk + ch) * hv + h) * kRecordFloats;
+  };
+  auto issue_k = [&](int ch) {
+    stage_rows(sg.kr, kRawLd<T>, kh, k.stride, t0_of(ch), rows_of(ch), kDim);
+  };
+  auto issue_qv = [&](int ch) {
+    stage_rows(sg.qr, kRawLd<T>, qh, q.stride, t0_of(ch), rows_of(ch), kDim);
+    stage_rows(sg.vr, kVLd<T>, vh, v.stride, t0_of(ch), rows_of(ch), kTile);
+    if (tid < kChunk) cp_async16(sg.fac + 4 * tid, record(ch) + 2 * kPlane + 4 * tid, true);
+  };
+  auto issue_tb = [&](int ch) {
+    // The lower triangle's 16 x 16 tiles only (the others are zero and never read).
+    const auto* src = reinterpret_cast<const __nv_bfloat16*>(record(ch));
+    for (int idx = tid; idx < 4 * kChunk * (kChunk / 8); idx += kThreads) {
+      const int plane = idx / (kChunk * kChunk / 8), r = idx / (kChunk / 8) % kChunk;
+      const int c = idx % (kChunk / 8) * 8;
+      if (c / 16 > r / 16) continue;
+      __nv_bfloat16* dst = (plane < 2 ? sg.tb : sg.ap) + (plane % 2) * kChunk * kLd64;
+      cp_async16(dst + r * kLd64 + c, src + plane * kPlane + r * kChunk + c, true);
+    }
+  };
+
+  // This warp's slice of the state: rows 16 w + g (+8), columns 8 nt + 2t (+1).
+  float s[4][4];
+  const size_t state_base = (size_t(n) * hv + h) * kDim * kDim + c0;
+  auto state_at = [&](int nt, int e) {
+    return state_base + size_t(16 * w + g4 + 8 * (e / 2)) * kDim + 8 * nt + 2 * t4 + e % 2;
+  };
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = initial_state ? initial_state[state_at(nt, e)] : 0.f;
+  }
+  if (chunks > 0) {
+    issue_k(0);
+    issue_qv(0);
+    issue_tb(0);
+  }
+  store_state_t(st, s);
+
+  const int mi = w % 4, r0 = 16 * mi + g4;
+  for (int ch = 0; ch < chunks; ++ch) {
+    cp_async_wait_all();
+    __syncthreads();
+    const bool more = ch + 1 < chunks;
+    const int rows = rows_of(ch);
+    const int64_t t0 = t0_of(ch);
+    const float decay = sg.fac[kFacDecay];
+    // Warps 0-3 (K rows): exp(c) |k|^-1, then exp(c_last - c) |k|^-1; warps 4-7 (Q rows):
+    // exp(c) |q|^-1 Dk^-0.5.
+    const float f0 = sg.fac[(w < 4 ? 0 : kChunk) + r0], f1 = sg.fac[(w < 4 ? 0 : kChunk) + r0 + 8];
+    const float fk0 = sg.fac[2 * kChunk + r0], fk1 = sg.fac[2 * kChunk + r0 + 8];
+
+    // [K; Q] S: warp w, rows 16 w of the stacked raw rows.
+    float p[4][4] = {};
+    {
+      const T* raw = w < 4 ? sg.kr : sg.qr;
+      auto a_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+        raw_pair(raw, kRawLd<T>, r, c, hi, lo);
+      };
+      auto b_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+        plane_pair(st, kTile * kLd128, kLd128, r, c, hi, lo);
+      };
+#pragma unroll
+      for (int ks = 0; ks < kDim / 16; ++ks) {
+        const FragA a = frag_a(a_pair, 16 * mi, 16 * ks);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          mma_split<kRawLo<T>, true>(p[nt], a, frag_b(b_pair, 8 * nt, 16 * ks));
+        }
+      }
+    }
+    if (w < 4) {
+      // R = V - exp(c) |k|^-1 (K S)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = r0 + 8 * (e / 2), c = 8 * nt + 2 * t4 + e % 2;
+          p[nt][e] = to_float(sg.vr[i * kVLd<T> + c]) - (e < 2 ? f0 : f1) * p[nt][e];
+        }
+      }
+      store_rows_t(rt, p, mi, 1.f, 1.f);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[nt][e] *= e < 2 ? f0 : f1;
+      }
+    }
+    __syncthreads();
+    if (more) issue_qv(ch + 1);  // q, v and the factors were last read above
+
+    // Warps 0-3: v_new = Tb R (rows 16 w); warps 4-7: out = their scaled Q S + A' R (rows
+    // 16 (w - 4)).
+    {
+      const __nv_bfloat16* m = w < 4 ? sg.tb : sg.ap;
+      auto a_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+        plane_pair(m, kChunk * kLd64, kLd64, r, c, hi, lo);
+      };
+      auto b_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+        plane_pair(rt, kTile * kLd64, kLd64, r, c, hi, lo);
+      };
+      auto lower_times_r = [&](float(&acc)[4][4]) {
+        for (int ks = 0; ks <= mi; ++ks) {
+          const FragA a = frag_a(a_pair, 16 * mi, 16 * ks);
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            mma_split<true, true>(acc[nt], a, frag_b(b_pair, 8 * nt, 16 * ks));
+          }
+        }
+      };
+      if (w < 4) {
+        float x[4][4] = {};
+        lower_times_r(x);
+        store_rows_t(vn, x, mi, fk0, fk1);
+      } else {
+        lower_times_r(p);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = r0 + 8 * half;
+          if (i < rows) {
+            T* o = out + ((t0 + i) * hv + h) * kDim + c0 + 2 * t4;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              store_pair(o + 8 * nt, p[nt][2 * half], p[nt][2 * half + 1]);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+    if (more) issue_tb(ch + 1);  // Tb and A' were last read above
+
+    // S = exp(c_last) S + K^T (exp(c_last - c) |k|^-1 v_new): warp w, state rows 16 w.
+    {
+      auto a_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+        raw_pair_t(sg.kr, kRawLd<T>, r, c, hi, lo);
+      };
+      auto b_pair = [&](int r, int c, uint32_t& hi, uint32_t& lo) {
+        plane_pair(vn, kTile * kLd64, kLd64, r, c, hi, lo);
+      };
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= decay;
+      }
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks) {
+        const FragA a = frag_a(a_pair, 16 * w, 16 * ks);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          mma_split<kRawLo<T>, true>(s[nt], a, frag_b(b_pair, 8 * nt, 16 * ks));
+        }
+      }
+    }
+    store_state_t(st, s);
+    __syncthreads();
+    if (more) issue_k(ch + 1);  // k was last read above
+  }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) final_state[state_at(nt, e)] = s[nt][e];
+  }
+}
+
 template <typename T>
 Heads<T> heads(const at::Tensor& t) {
   return {reinterpret_cast<const T*>(t.data_ptr()), t.stride(0)};
@@ -425,20 +1082,22 @@ void allow_smem(Kernel kernel, size_t bytes) {
 
 }  // namespace
 
-int64_t chunk_gated_delta_scratch_floats(int64_t chunk_heads) {
-  return chunk_heads * (2 * kChunk * kDim + kChunk * kChunk + 2 * kChunk + 1);
+int64_t chunk_gated_delta_scratch_floats(int64_t chunk_heads, bool tensor_cores) {
+  return chunk_heads *
+         (tensor_cores ? kRecordFloats : 2 * kChunk * kDim + kChunk * kChunk + 2 * kChunk + 1);
 }
 
-// q, k [T, Hk, 128] and v [T, Hv, 128] with unit stride inside a token; g, beta [T, Hv] fp32
-// contiguous; table: int32 on the device, per chunk (first token, rows) then per sequence
-// (first token, length, first chunk); scratch: chunk_gated_delta_scratch_floats(chunks * Hv)
-// floats; initial_state undefined or [N, Hv, 128, 128] fp32 contiguous; out, final_state
-// allocated contiguous.
+// q, k [T, Hk, 128] and v [T, Hv, 128] with unit stride inside a token (for tensor_cores also
+// 16-byte aligned rows); g, beta [T, Hv] fp32 contiguous; table: int32 on the device, per chunk
+// (first token, rows) then per sequence (first token, length, first chunk); scratch:
+// chunk_gated_delta_scratch_floats(chunks * Hv, tensor_cores) floats; initial_state undefined or
+// [N, Hv, 128, 128] fp32 contiguous; out, final_state allocated contiguous.
 void chunk_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta,
                                  const at::Tensor& table, int64_t chunks, int64_t sequences,
-                                 at::Tensor& scratch, const at::Tensor& initial_state,
-                                 at::Tensor& out, at::Tensor& final_state) {
+                                 bool tensor_cores, at::Tensor& scratch,
+                                 const at::Tensor& initial_state, at::Tensor& out,
+                                 at::Tensor& final_state) {
   const c10::cuda::CUDAGuard guard(q.device());
   const auto stream = c10::cuda::getCurrentCUDAStream(q.device().index());
   const int hk = static_cast<int>(q.size(1)), hv = static_cast<int>(v.size(1));
@@ -446,11 +1105,32 @@ void chunk_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const
   const auto* seq_info = reinterpret_cast<const SeqInfo*>(table.data_ptr<int32_t>() + 2 * chunks);
   const int64_t blocks = chunks * hv;
   float* base = scratch.data_ptr<float>();
+  const float scale = 1.f / sqrtf(float(kDim));
+  const int group = hv / hk;
+  const float* init = initial_state.defined() ? initial_state.data_ptr<float>() : nullptr;
+  if (tensor_cores) {
+    dispatch_float(q.scalar_type(), "chunk_gated_delta_rule", [&](auto tag) {
+      using T = decltype(tag);
+      if (chunks > 0) {
+        allow_smem(tc_prepare_kernel<T>, kTcPrepareSmem<T>);
+        tc_prepare_kernel<T>
+            <<<dim3(static_cast<unsigned>(chunks), hk), kThreads, kTcPrepareSmem<T>, stream>>>(
+                heads<T>(q), heads<T>(k), g.data_ptr<float>(), beta.data_ptr<float>(), chunk_info,
+                hv, group, scale, base);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      allow_smem(tc_scan_kernel<T>, kTcScanSmem<T>);
+      tc_scan_kernel<T>
+          <<<static_cast<unsigned>(sequences * hv * (kDim / kTile)), kThreads, kTcScanSmem<T>,
+             stream>>>(heads<T>(q), heads<T>(k), heads<T>(v), seq_info, hv, group, base, init,
+                       reinterpret_cast<T*>(out.data_ptr()), final_state.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return;
+  }
   Scratch parts{base, base + blocks * kChunk * kDim, base + 2 * blocks * kChunk * kDim,
                 base + blocks * (2 * kChunk * kDim + kChunk * kChunk),
                 base + blocks * (2 * kChunk * kDim + kChunk * kChunk + 2 * kChunk)};
-  const float scale = 1.f / sqrtf(float(kDim));
-  const int group = hv / hk;
   dispatch_float(q.scalar_type(), "chunk_gated_delta_rule", [&](auto tag) {
     using T = decltype(tag);
     if (chunks > 0) {
@@ -464,8 +1144,7 @@ void chunk_gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const
     allow_smem(scan_kernel<T>, kScanSmem);
     scan_kernel<T>
         <<<dim3(static_cast<unsigned>(sequences), hv, kDim / kCols), kThreads, kScanSmem, stream>>>(
-            heads<T>(q), heads<T>(k), seq_info, hv, group, parts,
-            initial_state.defined() ? initial_state.data_ptr<float>() : nullptr,
+            heads<T>(q), heads<T>(k), seq_info, hv, group, parts, init,
             reinterpret_cast<T*>(out.data_ptr()), final_state.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

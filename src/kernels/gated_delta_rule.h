@@ -3,8 +3,9 @@
 // ATen reference (transformers' torch_chunk_gated_delta_rule with chunk 64, and
 // torch_recurrent_gated_delta_rule), the CPU path and the test oracle. On CUDA, for heads of 128
 // (Dk = Dv = 128, as Qwen3.5 and Qwen3-Next) and q, k, v of one dtype (bf16, fp16 or fp32), the
-// kernels of gated_delta_rule.cu run instead (other shapes take the reference on the GPU); the
-// chunked one holds fp32 scratch of about 1.3 KB per token and value head during the call.
+// kernels of gated_delta_rule.cu run instead (other shapes take the reference on the GPU). The
+// chunked form has two CUDA variants (ChunkKernel): tensor cores (scratch of about 0.5 KB per
+// token and value head during the call) and SIMT (about 1.3 KB).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -18,6 +19,9 @@ namespace dflash::kernels {
 // q and k are L2-normalised inside (fp32, x * rsqrt(sum x^2 + 1e-6)) and q scaled by Dk^-0.5
 // (transformers' use_qk_l2norm_in_kernel=True). Each sequence starts from its own initial
 // state (zeros by default): nothing flows across a sequence boundary.
+// The chunked form's CUDA kernel: kAuto reads DFLASH_GDN_KERNEL (tc or simt; tc when unset).
+enum class ChunkKernel { kAuto, kTensorCore, kSimt };
+
 struct GatedDeltaResult {
   at::Tensor out;          // [T, Hv, Dv], v's dtype
   at::Tensor final_state;  // [N, Hv, Dk, Dv] float32
@@ -26,7 +30,8 @@ GatedDeltaResult chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& v, const at::Tensor& g,
                                         const at::Tensor& beta, const at::Tensor& cu_seqlens,
                                         c10::ArrayRef<int64_t> lengths,
-                                        const at::Tensor& initial_state = {});
+                                        const at::Tensor& initial_state = {},
+                                        ChunkKernel kernel = ChunkKernel::kAuto);
 
 // Decode / verify: each of N sequences advances by S tokens (S >= 1, same for all) from
 // `state` [N, Hv, Dk, Dv] float32. q, k: [N, S, Hk, Dk]; v: [N, S, Hv, Dv]; g, beta: [N, S, Hv].

@@ -1,12 +1,14 @@
 // kernels/gated_delta_rule and kernels/causal_conv1d: the ATen references against transformers'
 // Qwen3.5 functions (fixtures_gated_delta.py: packed sequences of lengths that are not multiples
 // of the chunk, Hv = 2 Hk, zero and given initial states, final states, the recurrent form, the
-// states after each token), and the CUDA kernels against the references at bf16 tolerances
-// (GPU cases skip where there is no GPU).
+// states after each token), and the CUDA kernels (the chunked form's two variants, tensor cores
+// and SIMT, each) against the references at bf16 tolerances (GPU cases skip where there is no
+// GPU).
 #include <gtest/gtest.h>
 
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/error.h"
@@ -227,18 +229,28 @@ int64_t total_of(const std::vector<int64_t>& lengths) {
   return t;
 }
 
-class GatedDeltaGpu : public ::testing::TestWithParam<GdnGpuCase> {};
+// Both CUDA variants of the chunked form run every GPU case.
+constexpr kernels::ChunkKernel kChunkKernels[] = {kernels::ChunkKernel::kTensorCore,
+                                                  kernels::ChunkKernel::kSimt};
+
+std::string kernel_name(kernels::ChunkKernel kernel) {
+  return kernel == kernels::ChunkKernel::kTensorCore ? "tc" : "simt";
+}
+
+class GatedDeltaGpu
+    : public ::testing::TestWithParam<std::tuple<GdnGpuCase, kernels::ChunkKernel>> {};
 
 TEST_P(GatedDeltaGpu, ChunkMatchesReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  const auto c = GetParam();
+  const auto [c, kernel] = GetParam();
   at::manual_seed(35);
   const int64_t n = static_cast<int64_t>(c.lengths.size());
   auto in = gdn_inputs(total_of(c.lengths), c.hk, c.hv, c.dtype, at::kCUDA);
   at::Tensor init;
   if (c.initial) init = at::randn({n, c.hv, 128, 128}, at::device(at::kCUDA)) * 0.3;
-  auto got = kernels::chunk_gated_delta_rule(in.q, in.k, in.v, in.g, in.beta,
-                                             cu_seqlens_of(c.lengths, at::kCUDA), c.lengths, init);
+  auto got =
+      kernels::chunk_gated_delta_rule(in.q, in.k, in.v, in.g, in.beta,
+                                      cu_seqlens_of(c.lengths, at::kCUDA), c.lengths, init, kernel);
   // The reference on the GPU too (fp32 ATen; cuBLAS without TF32 by default).
   auto want = kernels::chunk_gated_delta_rule_reference(
       in.q, in.k, in.v, in.g, in.beta, cu_seqlens_of(c.lengths, at::kCUDA), c.lengths, init);
@@ -251,13 +263,44 @@ TEST_P(GatedDeltaGpu, ChunkMatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GatedDeltaGpu,
-    ::testing::Values(
-        GdnGpuCase{"ragged_bf16", 2, 6, {1, 63, 64, 65, 0, 200, 130}, false, at::kBFloat16},
-        GdnGpuCase{"ragged_initial_bf16", 2, 6, {1, 63, 64, 65, 0, 200, 130}, true, at::kBFloat16},
-        GdnGpuCase{"ragged_initial_fp32", 2, 4, {3, 129, 64}, true, at::kFloat},
-        GdnGpuCase{"ragged_fp16", 1, 2, {100, 7}, true, at::kHalf},
-        GdnGpuCase{"qwen35_27b_2x1024", 16, 48, {1024, 1024}, false, at::kBFloat16}),
-    [](const ::testing::TestParamInfo<GdnGpuCase>& info) { return info.param.name; });
+    ::testing::Combine(
+        ::testing::Values(
+            GdnGpuCase{"ragged_bf16", 2, 6, {1, 63, 64, 65, 0, 200, 130}, false, at::kBFloat16},
+            GdnGpuCase{
+                "ragged_initial_bf16", 2, 6, {1, 63, 64, 65, 0, 200, 130}, true, at::kBFloat16},
+            GdnGpuCase{"ragged_initial_fp32", 2, 4, {3, 129, 64}, true, at::kFloat},
+            GdnGpuCase{"ragged_fp16", 1, 2, {100, 7}, true, at::kHalf},
+            // Five value heads per key head: the tensor-core prepare's passes of two heads and a
+            // last one of one.
+            GdnGpuCase{"group5_fp32", 1, 5, {300}, true, at::kFloat},
+            GdnGpuCase{"qwen35_27b_2x1024", 16, 48, {1024, 1024}, false, at::kBFloat16}),
+        ::testing::ValuesIn(kChunkKernels)),
+    [](const ::testing::TestParamInfo<GatedDeltaGpu::ParamType>& info) {
+      return std::get<0>(info.param).name + "_" + kernel_name(std::get<1>(info.param));
+    });
+
+// q, k, v rows that start off the 16-byte grid (a view at an odd column of a row of odd width):
+// the tensor-core kernels copy rows 16 bytes at a time and take an aligned copy of these.
+TEST(GatedDeltaGpu, ChunkTakesMisalignedRows) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(39);
+  const int64_t tokens = 150, hk = 1, hv = 2, width = (2 * hk + hv) * 128 + 1;
+  const std::vector<int64_t> lengths{70, 80};
+  auto mixed = at::randn({tokens, width}, at::device(at::kCUDA).dtype(at::kBFloat16));
+  auto q = mixed.narrow(1, 1, hk * 128).view({tokens, hk, 128});
+  auto k = mixed.narrow(1, 1 + hk * 128, hk * 128).view({tokens, hk, 128});
+  auto v = mixed.narrow(1, 1 + 2 * hk * 128, hv * 128).view({tokens, hv, 128});
+  auto g = -at::softplus(at::randn({tokens, hv}, at::device(at::kCUDA)));
+  auto beta = at::sigmoid(at::randn({tokens, hv}, at::device(at::kCUDA)));
+  auto cu = cu_seqlens_of(lengths, at::kCUDA);
+  auto want = kernels::chunk_gated_delta_rule_reference(q, k, v, g, beta, cu, lengths);
+  for (auto kernel : kChunkKernels) {
+    SCOPED_TRACE(kernel_name(kernel));
+    auto got = kernels::chunk_gated_delta_rule(q, k, v, g, beta, cu, lengths, {}, kernel);
+    EXPECT_CLOSE(got.out.to(at::kFloat), want.out.to(at::kFloat), 8e-3);
+    EXPECT_CLOSE(got.final_state, want.final_state, 1e-4);
+  }
+}
 
 TEST(GatedDeltaGpu, StepMatchesReferenceWithStatesOut) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
@@ -283,13 +326,17 @@ TEST(GatedDeltaGpu, StepMatchesReferenceWithStatesOut) {
     EXPECT_CLOSE(out.to(at::kFloat), want.to(at::kFloat), dtype == at::kFloat ? 1e-5 : 8e-3);
     EXPECT_CLOSE(states, want_states, 1e-5);
     EXPECT_TRUE(at::equal(state, before)) << "the state argument must not change";
-    // The chunked kernel from the same state reaches the same final state.
+    // The chunked kernels from the same state reach the same final state.
     std::vector<int64_t> lengths(n, steps);
-    auto chunk = kernels::chunk_gated_delta_rule(in.q, in.k, in.v, in.g, in.beta,
-                                                 cu_seqlens_of(lengths, at::kCUDA), lengths, state);
-    EXPECT_CLOSE(chunk.final_state, states.select(1, steps - 1), 1e-4);
-    EXPECT_CLOSE(chunk.out.to(at::kFloat).view(out.sizes()), out.to(at::kFloat),
-                 dtype == at::kFloat ? 1e-4 : 8e-3);
+    for (auto kernel : kChunkKernels) {
+      SCOPED_TRACE(kernel_name(kernel));
+      auto chunk = kernels::chunk_gated_delta_rule(in.q, in.k, in.v, in.g, in.beta,
+                                                   cu_seqlens_of(lengths, at::kCUDA), lengths,
+                                                   state, kernel);
+      EXPECT_CLOSE(chunk.final_state, states.select(1, steps - 1), 1e-4);
+      EXPECT_CLOSE(chunk.out.to(at::kFloat).view(out.sizes()), out.to(at::kFloat),
+                   dtype == at::kFloat ? 1e-4 : 8e-3);
+    }
   }
 }
 
