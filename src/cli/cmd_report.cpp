@@ -1,12 +1,15 @@
 // `dflash report RUN_DIR`: where the time of a run went, from the figures its ranks wrote
 // (obs/report.h): per rank and thread CPU and stage split, per GPU busy and stage split, the
-// bottleneck, and for a disaggregated run the balanced target:trainer split.
+// bottleneck, and for a disaggregated run the balanced target:trainer split; of one start of the
+// run (the first, or a resume), listing them all when there are several.
 #include <fmt/format.h>
 
 #include <memory>
+#include <optional>
 
 #include "cli/commands.h"
 #include "common/file.h"
+#include "common/option_range.h"
 #include "obs/report.h"
 
 namespace dflash::cli {
@@ -15,6 +18,7 @@ void add_report_command(CLI::App& app) {
   struct Args {
     std::string run_dir;
     std::string json_out;
+    int64_t start = -1;
   };
   auto a = std::make_shared<Args>();
   auto* cmd = app.add_subcommand(
@@ -23,8 +27,13 @@ void add_report_command(CLI::App& app) {
       "what limits it");
   cmd->add_option("run_dir", a->run_dir, "the run directory")->required();
   cmd->add_option("--json", a->json_out, "also write the analysis as JSON here ('-': stdout)");
+  cmd->add_option("--start", a->start,
+                  "which start of the run (the first, then one per --resume) to report "
+                  "(default: the newest that trained steps)")
+      ->check(kNonNegative.validator());
   cmd->callback([a] {
-    const auto analysis = obs::analyze_run(a->run_dir);
+    const auto analysis = obs::analyze_run(
+        a->run_dir, a->start >= 0 ? std::optional<int64_t>(a->start) : std::nullopt);
     if (a->json_out == "-") {
       fmt::print("{}\n", analysis.dump(2));
       return;

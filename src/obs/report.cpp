@@ -1,6 +1,7 @@
 #include "obs/report.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,15 +23,48 @@ constexpr double kWaitThreshold = 0.10;
 // Checkpoints and evaluations above this share of the window are named beside the GPU's busy %.
 constexpr double kPauseNote = 0.05;
 
-std::vector<json> read_snapshots(const fs::path& path) {
-  std::vector<json> out;
+// One start's part of a rank file: its record (null for figures from before start records)
+// and its snapshots.
+struct StartFigures {
+  int64_t start = 0;
+  json record;
+  std::vector<json> snapshots;
+};
+
+std::vector<StartFigures> read_starts(const fs::path& path) {
+  std::vector<StartFigures> out;
   std::istringstream in(read_file(path));
   std::string line;
   while (std::getline(in, line)) {
     json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.contains("t")) out.push_back(std::move(j));  // a cut line is skipped
+    if (!j.is_object()) continue;  // a line cut short by a kill
+    if (j.contains("start") && j["start"].is_number_integer()) {
+      out.push_back({j["start"].get<int64_t>(), j, {}});
+    } else if (j.contains("t")) {
+      if (out.empty()) out.push_back({0, nullptr, {}});
+      out.back().snapshots.push_back(std::move(j));
+    }
   }
   return out;
+}
+
+const StartFigures* find_start(const std::vector<StartFigures>& starts, int64_t index) {
+  for (const auto& s : starts) {
+    if (s.start == index && !s.snapshots.empty()) return &s;
+  }
+  return nullptr;
+}
+
+fs::path rank_file(const fs::path& dir, int rank) {
+  return dir / fmt::format("rank-{}.jsonl", rank);
+}
+
+// job.json as the starts' bookkeeping reads it: a file cut short by a crash is no reason to
+// refuse a run (the report, which needs it, names it).
+json read_job(const fs::path& path) {
+  if (!fs::exists(path)) return json::object();
+  json job = json::parse(read_file(path), nullptr, /*allow_exceptions=*/false);
+  return job.is_object() ? job : json::object();
 }
 
 double num(const json& j, const char* key) {
@@ -78,7 +112,8 @@ std::pair<std::string, double> top_stage(const json& shares,
   return best;
 }
 
-json analyze_rank(int rank, const std::vector<json>& snaps) {
+// `start_step`: the step the start began at (the first figures may come later).
+json analyze_rank(int rank, const std::vector<json>& snaps, int64_t start_step) {
   const json& last = snaps.back();
   const json* first = nullptr;
   for (const auto& s : snaps) {
@@ -91,7 +126,7 @@ json analyze_rank(int rank, const std::vector<json>& snaps) {
   json r = {{"rank", rank}, {"step", last.value("step", int64_t{0})}};
   const double window = first ? num(last, "t") - num(*first, "t") : 0.0;
   r["window_s"] = window;
-  r["from_step"] = first ? first->value("step", int64_t{0}) : int64_t{0};
+  r["from_step"] = first ? first->value("step", int64_t{0}) : start_step;
   // Registered threads: their split of wall time by stage.
   json threads = json::array();
   for (const auto& t : last["threads"]) {
@@ -363,7 +398,34 @@ std::string split_text(const json& shares) {
 
 }  // namespace
 
-json analyze_run(const fs::path& run_dir) {
+int64_t next_start(const fs::path& obs_dir) {
+  const json job = read_job(obs_dir / "job.json");
+  if (job.empty()) return 1;
+  int64_t last = 0;  // a job.json without starts: its figures are start 0
+  for (const auto& s : job.value("starts", json::array())) {
+    last = std::max(last, s.value("start", int64_t{0}));
+  }
+  return last + 1;
+}
+
+void record_job_start(const fs::path& obs_dir, const json& job, const json& record) {
+  const json before = read_job(obs_dir / "job.json");
+  json starts = before.value("starts", json::array());
+  if (!before.empty() && !before.contains("starts")) {
+    json old = before;
+    old["start"] = 0;
+    starts.push_back(std::move(old));
+  }
+  json entry = job;
+  entry.update(record);
+  starts.push_back(std::move(entry));
+  json out = job;
+  out["start"] = record.at("start");
+  out["starts"] = std::move(starts);
+  write_file_atomic(obs_dir / "job.json", out.dump(2) + "\n");
+}
+
+json analyze_run(const fs::path& run_dir, std::optional<int64_t> which) {
   const fs::path dir = run_dir / "obs";
   const fs::path job_path = dir / "job.json";
   if (!fs::exists(job_path)) {
@@ -372,17 +434,69 @@ json analyze_run(const fs::path& run_dir) {
         "a dflash with built-in observability)",
         job_path.string());
   }
-  const json job = read_json_file(job_path);
+  const json job_file = read_json_file(job_path);
+  const fs::path first_rank = rank_file(dir, 0);
+  if (!fs::exists(first_rank)) fail("{}: missing (rank 0 wrote no figures)", first_rank.string());
+  // Every start of the run as rank 0 saw it; by default the report is of the newest that
+  // trained steps (a resume with nothing left to do has no steady state to report).
+  json starts = json::array();
+  const auto figures = read_starts(first_rank);
+  const StartFigures* chosen = nullptr;
+  bool chosen_trained = false;
+  for (const auto& s : figures) {
+    if (s.snapshots.empty()) continue;
+    const int64_t step = s.record.is_object() ? s.record.value("step", int64_t{0}) : 0;
+    const json r = analyze_rank(0, s.snapshots, step);
+    json entry = {{"start", s.start},
+                  {"step", step},
+                  {"resumed", s.record.is_object() && s.record.value("resumed", false)},
+                  {"from_step", r["from_step"]},
+                  {"to_step", r["step"]},
+                  {"window_s", r["window_s"]},
+                  {"trained", s.snapshots.back().value("items", int64_t{0}) > 0}};
+    if (s.record.is_object() && s.record.contains("time")) entry["time"] = s.record["time"];
+    if (s.record.is_object() && s.record.contains("data_change")) {
+      entry["data_change"] = s.record["data_change"];
+    }
+    const bool trained = entry["trained"].get<bool>();
+    if (which ? s.start == *which : trained || !chosen_trained) {
+      chosen = &s;
+      chosen_trained = trained;
+    }
+    starts.push_back(std::move(entry));
+  }
+  if (starts.empty()) fail("{}: no complete snapshot line", first_rank.string());
+  if (!chosen) {
+    std::vector<int64_t> have;
+    for (const auto& s : starts) have.push_back(s["start"].get<int64_t>());
+    fail("{}: no figures of start {} (the run has starts {})", first_rank.string(), *which,
+         fmt::join(have, ", "));
+  }
+  const int64_t index = chosen->start;
+  // The job of that start: the ranks and topology may differ from start to start.
+  json job = job_file;
+  for (const auto& s : job_file.value("starts", json::array())) {
+    if (s.value("start", int64_t{-1}) == index) job = s;
+  }
   const int world = job.value("ranks", 1);
   json ranks = json::array();
   for (int rank = 0; rank < world; ++rank) {
-    const fs::path path = dir / fmt::format("rank-{}.jsonl", rank);
+    const fs::path path = rank_file(dir, rank);
     if (!fs::exists(path)) fail("{}: missing (rank {} wrote no figures)", path.string(), rank);
-    const auto snaps = read_snapshots(path);
-    if (snaps.empty()) fail("{}: no complete snapshot line", path.string());
-    ranks.push_back(analyze_rank(rank, snaps));
+    const auto all = read_starts(path);
+    const StartFigures* mine = find_start(all, index);
+    if (!mine) {
+      fail("{}: no complete snapshot line of start {} (rank {} wrote none)", path.string(), index,
+           rank);
+    }
+    const int64_t step = mine->record.is_object() ? mine->record.value("step", int64_t{0}) : 0;
+    ranks.push_back(analyze_rank(rank, mine->snapshots, step));
   }
-  json out = {{"run_dir", run_dir.string()}, {"job", job}, {"ranks", ranks}};
+  json out = {{"run_dir", run_dir.string()},
+              {"job", job},
+              {"ranks", ranks},
+              {"start", index},
+              {"starts", starts}};
   out["bottleneck"] = find_bottleneck(job, ranks);
   if (job.value("topology", std::string()) == "disaggregated") out["balance"] = balance(job, ranks);
   return out;
@@ -394,6 +508,28 @@ std::string format_report(const json& a) {
   std::string out =
       fmt::format("report: {} ({} rank(s), {}, {} training)\n", a["run_dir"].get<std::string>(),
                   job.value("ranks", 1), job.value("topology", std::string("colocated")), trainers);
+  const json starts = a.value("starts", json::array());
+  if (starts.size() > 1) {
+    out += fmt::format(
+        "starts: {} in this run directory, the report is of start {} (`dflash report {} --start "
+        "N` for another)\n",
+        starts.size(), a["start"].get<int64_t>(), a["run_dir"].get<std::string>());
+    for (const auto& s : starts) {
+      const int64_t index = s["start"].get<int64_t>();
+      std::string how = index == 0 ? " (written before start records)" : "";
+      if (s.value("resumed", false)) {
+        how = fmt::format(" (resumed at step {})", s["step"].get<int64_t>());
+      }
+      if (s.contains("data_change")) how += " on another dataset (--allow-data-change)";
+      out += fmt::format("  start {}{}: {}{}\n", index, how,
+                         s.value("trained", false)
+                             ? fmt::format("steps {}..{}, {:.1f} s of steady-state figures",
+                                           s["from_step"].get<int64_t>(),
+                                           s["to_step"].get<int64_t>(), s["window_s"].get<double>())
+                             : std::string("no step trained"),
+                         index == a["start"].get<int64_t>() ? "  <- this report" : "");
+    }
+  }
   double min_gpu = 2, min_thread = 2;
   for (const auto& r : a["ranks"]) {
     const int rank = r["rank"].get<int>();

@@ -377,6 +377,20 @@ Scope::~Scope() {
   }
 }
 
+namespace {
+
+// Appends one line to the rank's file: the file only grows, so what earlier starts of the run
+// wrote stays.
+void append_line(const ObsOptions& options, const json& line) {
+  const std::string text = line.dump() + "\n";
+  std::filesystem::create_directories(options.dir);
+  const auto path = options.dir / fmt::format("rank-{}.jsonl", options.rank);
+  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "a"), &std::fclose);
+  if (!f || std::fputs(text.c_str(), f.get()) < 0) fail("{}: cannot append", path.string());
+}
+
+}  // namespace
+
 void begin_step(int64_t step, at::Device device) {
   auto& r = recorder();
   if (!r.enabled.load(std::memory_order_relaxed)) return;
@@ -477,11 +491,13 @@ void maybe_write_snapshot(int64_t step, bool force, bool warm) {
   Scope scope(Stage::kLog);
   json snap = snapshot(step);
   if (warm) snap["warm"] = true;
-  const std::string line = snap.dump() + "\n";
-  std::filesystem::create_directories(r.options.dir);
-  const auto path = r.options.dir / fmt::format("rank-{}.jsonl", r.options.rank);
-  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "a"), &std::fclose);
-  if (!f || std::fputs(line.c_str(), f.get()) < 0) fail("{}: cannot append", path.string());
+  append_line(r.options, snap);
+}
+
+void write_start(const json& record) {
+  auto& r = recorder();
+  if (!r.enabled.load() || r.options.dir.empty()) return;
+  append_line(r.options, record);
 }
 
 Recent recent() {

@@ -8,7 +8,9 @@
 // Between steps --trace-steps records every scope as a Chrome trace event.
 //
 // The Recorder is process-wide. Snapshots of its cumulative figures (with every OS thread's CPU
-// time and the GPU's NVML figures) go to RUN_DIR/obs/rank-N.jsonl, which `dflash report` reads.
+// time and the GPU's NVML figures) are appended to RUN_DIR/obs/rank-N.jsonl after the start
+// record of the process (each start of a run, the first or a resume, appends its own), which
+// `dflash report` reads.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -100,6 +102,11 @@ nlohmann::json snapshot(int64_t step);
 // Writes a snapshot line when `snapshot_seconds` passed since the last one (or `force`);
 // `warm` marks the one that starts the steady state.
 void maybe_write_snapshot(int64_t step, bool force = false, bool warm = false);
+
+// Appends this process's start record ({"start": K, "step", "resumed", "time", ...}) to its
+// rank-N.jsonl: the snapshots after it, counted from zero, are this start's. Without files, or
+// disabled, nothing.
+void write_start(const nlohmann::json& record);
 
 // Recent figures for the status line: GPU busy % (NVML, or the event-timed share when NVML is
 // absent; negative when unknown) and the stage that took most of the GPU (or of the main

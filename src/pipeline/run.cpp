@@ -14,11 +14,13 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 
+#include "common/crc32c.h"
 #include "common/error.h"
 #include "common/file.h"
 #include "common/json_file.h"
@@ -63,6 +65,16 @@ double cpu_seconds() {
   ::getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
          1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+// The wall-clock time, for records a person reads.
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&now, &tm);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return text;
 }
 
 double peak_rss_gib() {
@@ -154,10 +166,29 @@ Rank join(const RunConfig& c) {
   return r;
 }
 
+// Where this process starts: which start of the run directory it is (obs/report.h: 1, 2, ...
+// in job.json's "starts") and the step of the checkpoint it resumes from (-1: none). Rank 0
+// decides once its checks have passed; every rank waits here for it, so a refused resume makes
+// no rank write anything.
+struct Start {
+  int64_t index = 1;
+  int64_t resume_step = -1;
+};
+
+Start agree_on_run_start(const Rank& r, const fs::path& run_dir, int64_t resume_step) {
+  const int64_t index = r.leads() && !run_dir.empty() ? obs::next_start(run_dir / "obs") : 1;
+  std::vector<at::Tensor> v{at::tensor(std::vector<int64_t>{index, resume_step}).to(r.device)};
+  r.comm->broadcast(v, 0, "run_start");
+  const auto agreed = v[0].cpu();
+  return {agreed[0].item<int64_t>(), agreed[1].item<int64_t>()};
+}
+
 // Starts this rank's instrumentation; files go to RUN_DIR/obs (none without a run directory).
-// The figures describe this process's session: a resumed run starts them afresh.
+// The figures describe this process's session: each start appends a start record to the rank's
+// file (rank 0 also to job.json) and its snapshots after it, so the figures of earlier starts
+// stay. `record`: what else the start record says (a data change).
 void start_obs(const RunConfig& c, const Rank& r, const fs::path& run_dir, int64_t warmup_steps,
-               int64_t steps) {
+               int64_t steps, const Start& start, json record = json::object()) {
   obs::ObsOptions o;
   o.enabled = c.obs;
   o.rank = r.world.rank;
@@ -173,24 +204,29 @@ void start_obs(const RunConfig& c, const Rank& r, const fs::path& run_dir, int64
     o.trace_first = first;
     o.trace_last = last;
   }
+  record["start"] = start.index;
+  record["step"] = std::max<int64_t>(start.resume_step, 0);
+  record["resumed"] = start.resume_step >= 0;
+  record["time"] = utc_now();
   if (!run_dir.empty() && c.obs) {
     o.dir = run_dir / "obs";
     fs::create_directories(o.dir);
-    remove_tree(o.dir / fmt::format("rank-{}.jsonl", r.world.rank));
+    // A trace is of this start's --trace-steps; an earlier start's would be merged with it.
     remove_tree(o.dir / fmt::format("trace-rank-{}.json", r.world.rank));
     if (r.leads()) {
-      const json job = {{"topology", c.topology},
-                        {"ranks", r.world.world_size},
-                        {"trainer_ranks", r.topology.trainers},
-                        {"accumulation", c.accumulation},
-                        {"batch_size", c.batch_size},
-                        {"warmup_steps", warmup_steps},
-                        {"steps", steps},
-                        {"device", r.device.str()}};
-      write_file_atomic(o.dir / "job.json", job.dump(2) + "\n");
+      json job = {{"topology", c.topology},
+                  {"ranks", r.world.world_size},
+                  {"trainer_ranks", r.topology.trainers},
+                  {"accumulation", c.accumulation},
+                  {"batch_size", c.batch_size},
+                  {"warmup_steps", warmup_steps},
+                  {"steps", steps},
+                  {"device", r.device.str()}};
+      obs::record_job_start(o.dir, job, record);
     }
   }
   obs::configure(o);
+  obs::write_start(record);
 }
 
 // The figures at the end of a rank's loop, before its threads are torn down (a batch-forming
@@ -205,15 +241,17 @@ void final_snapshot(at::Device device, int64_t step) {
 }
 
 // The end of a rank's run: its trace written, then (after every rank has written) rank 0
-// merges the traces. Returns the run's report text on rank 0 ("" elsewhere or without files).
-std::string finish_obs(const RunConfig& c, const Rank& r, const fs::path& run_dir) {
+// merges the traces. Returns the report of this start on rank 0 ("" elsewhere, without files,
+// or when this start trained no step: its figures say nothing).
+std::string finish_obs(const RunConfig& c, const Rank& r, const fs::path& run_dir,
+                       const Start& start, bool trained) {
   if (!c.obs) return {};
   obs::write_trace();
   if (run_dir.empty()) return {};
   r.comm->barrier("obs_files_written");
-  if (!r.leads()) return {};
+  if (!r.leads() || !trained) return {};
   const auto trace = obs::merge_traces(run_dir);
-  std::string text = obs::format_report(obs::analyze_run(run_dir));
+  std::string text = obs::format_report(obs::analyze_run(run_dir, start.index));
   if (!trace.empty())
     text += fmt::format("trace: {} (open in https://ui.perfetto.dev)\n", trace.string());
   return text;
@@ -447,10 +485,10 @@ void quantize_target_for_features(Job& job, const std::vector<int64_t>& taps) {
                                   freed / double(1 << 30)));
 }
 
-// The loop of this rank; `resume`: trainer ranks continue from the newest checkpoint in
-// `run_dir`, target ranks from the data position rank 0 broadcasts. Returns the steps done.
-int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallback& on_step,
-                 const EvalCallback& on_eval = {}) {
+// The loop of this rank; `resume_from` (a step directory): trainer ranks continue from it,
+// target ranks from the data position rank 0 broadcasts. Returns the steps done.
+int64_t run_rank(Job& job, const fs::path& resume_from, const fs::path& run_dir,
+                 const StepCallback& on_step, const EvalCallback& on_eval = {}) {
   const RunConfig& c = job.config;
   Rank& r = job.rank;
   const Topology topo = r.topology;
@@ -526,11 +564,10 @@ int64_t run_rank(Job& job, bool resume, const fs::path& run_dir, const StepCallb
         "gradients in {}; --drafter-gemms {})\n",
         c10::toString(r.dtype), c.drafter_gemms);
   }
-  if (resume) {
-    const auto from = train::resolve_checkpoint(run_dir);
-    loop.load_checkpoint(from);
+  if (!resume_from.empty()) {
+    loop.load_checkpoint(resume_from);
     if (r.leads()) {
-      fmt::print("train: resumed from {} (step {}, micro-batch {})\n", from.string(),
+      fmt::print("train: resumed from {} (step {}, micro-batch {})\n", resume_from.string(),
                  loop.steps_done(), loop.data_position());
     }
   }
@@ -761,69 +798,143 @@ class RunLog {
   int64_t eval_step_ = 0;
 };
 
-// run_config.json (what the run is) and run_config.yaml (the resolved config, reusable with
-// --config); a resumed run must keep the data stream and the schedule.
-void write_run_config(const Job& job, const fs::path& run_dir, bool resuming) {
+// What identifies a prepared dataset wherever it lies: its sizes and a CRC-32C over its
+// shards' checksums in order (from the manifest, which Dataset::open checked the shards against).
+json data_fingerprint(const data::Dataset& dataset) {
+  const json& shards = dataset.manifest().at("shards");
+  std::string crcs;
+  for (const auto& shard : shards) crcs += shard.at("crc32c").get<std::string>();
+  return {{"samples", dataset.size()},
+          {"tokens", dataset.tokens()},
+          {"shards", shards.size()},
+          {"crc32c", fmt::format("{:08x}", crc32c(crcs.data(), crcs.size()))}};
+}
+
+// run_config.json: what the run is.
+json run_config_json(const Job& job, const json& fingerprint) {
   const RunConfig& c = job.config;
   const auto& dc = job.drafter->config();
+  return {{"drafter", models::drafter_config_json(dc)},
+          {"gamma", dc.gamma},
+          {"target", fs::absolute(c.target).lexically_normal().string()},
+          {"data", fs::absolute(c.data).lexically_normal().string()},
+          {"data_fingerprint", fingerprint},
+          {"options", stream_options(c, job.steps)},
+          {"init",
+           {{"from", c.init_from},
+            {"from_target_layers", c.init_from_target_layers},
+            {"seed", c.seed}}},
+          {"world_size", job.rank.world.world_size},
+          {"topology", c.topology},
+          {"trainer_ranks", job.rank.topology.trainers},
+          {"device", job.rank.device.str()},
+          {"dtype", c10::toString(job.rank.dtype)},
+          {"head_grad", train::head_grad_name(train::resolve_head_grad(
+                            train::parse_head_grad(c.head_grad, "head_grad"), job.head.lm_head,
+                            job.rank.dtype))},
+          {"drafter_gemms", train::drafter_gemms_name(train::resolve_drafter_gemms(
+                                train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms"),
+                                job.drafter->config(), job.rank.device, job.rank.dtype))},
+          {"prefill_gemms", c.prefill_gemms},
+          {"dflash_version", DFLASH_VERSION}};
+}
+
+// A dataset as a person recognises it: where it is and what it holds.
+std::string data_text(const json& path, const json& fingerprint) {
+  const std::string where = path.is_string() ? path.get<std::string>() : path.dump();
+  if (!fingerprint.is_object()) return where + " (the run recorded no fingerprint of it)";
+  return fmt::format(
+      "{} ({} samples, {} tokens, checksum {})", where, fingerprint.value("samples", json()).dump(),
+      fingerprint.value("tokens", json()).dump(), fingerprint.value("crc32c", std::string("?")));
+}
+
+// A resume must continue the run in `run_dir`: the checkpoint holds this drafter, the data
+// stream and schedule options are the run's, and so is the data (by fingerprint; by path for a
+// run that recorded none) unless --allow-data-change. Runs before anything is written, so a
+// refusal leaves the run as it was. Prints what may differ; carries the run's data changes
+// into `run_config` and returns the one this resume makes (null: none).
+json check_resume(const Job& job, const fs::path& run_dir, const train::ResumePoint& point,
+                  json& run_config) {
+  const RunConfig& c = job.config;
+  try {
+    train::check_checkpoint_config(point.checkpoint, job.drafter->config());
+  } catch (const Error& e) {
+    fail("{}\n  pass the run's drafter options to continue it (nothing was changed)", e.what());
+  }
   const fs::path config_path = run_dir / "run_config.json";
-  json run_config = {
-      {"drafter", models::drafter_config_json(dc)},
-      {"gamma", dc.gamma},
-      {"target", fs::absolute(c.target).lexically_normal().string()},
-      {"data", fs::absolute(c.data).lexically_normal().string()},
-      {"options", stream_options(c, job.steps)},
-      {"init",
-       {{"from", c.init_from},
-        {"from_target_layers", c.init_from_target_layers},
-        {"seed", c.seed}}},
-      {"world_size", job.rank.world.world_size},
-      {"topology", c.topology},
-      {"trainer_ranks", job.rank.topology.trainers},
-      {"device", job.rank.device.str()},
-      {"dtype", c10::toString(job.rank.dtype)},
-      {"head_grad",
-       train::head_grad_name(train::resolve_head_grad(
-           train::parse_head_grad(c.head_grad, "head_grad"), job.head.lm_head, job.rank.dtype))},
-      {"drafter_gemms", train::drafter_gemms_name(train::resolve_drafter_gemms(
-                            train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms"),
-                            job.drafter->config(), job.rank.device, job.rank.dtype))},
-      {"prefill_gemms", c.prefill_gemms},
-      {"dflash_version", DFLASH_VERSION}};
-  if (resuming && fs::exists(config_path)) {
-    const json saved = read_json_file(config_path);
-    std::vector<std::string> differ;
-    for (const auto& [key, value] : run_config["options"].items()) {
-      if (key == "steps") continue;
-      if (saved.contains("options") && saved["options"].contains(key) &&
-          saved["options"][key] != value) {
-        differ.push_back(
-            fmt::format("{} {} (run: {})", key, value.dump(), saved["options"][key].dump()));
-      }
-    }
-    if (!differ.empty()) {
-      fail(
-          "--resume with options that differ from the run in {}: {}; pass the run's values so "
-          "it continues the same data stream and schedule",
-          run_dir.string(), fmt::join(differ, ", "));
-    }
-    const json old_steps = saved.value("options", json::object()).value("steps", json());
-    if (!old_steps.is_null() && old_steps != json(job.steps)) {
-      fmt::print("train: note: --steps {} (the run had {}): the lr schedule changes from here\n",
-                 job.steps, old_steps.dump());
-    }
-    // The arithmetic too: an `auto` resolved otherwise (another GPU, another version's default)
-    // changes the numerics from here on.
-    for (const char* key : {"target", "data", "world_size", "topology", "dtype", "head_grad",
-                            "drafter_gemms", "prefill_gemms"}) {
-      if (saved.contains(key) && saved[key] != run_config[key]) {
-        fmt::print("train: note: {} is {} (the run had {})\n", key, run_config[key].dump(),
-                   saved[key].dump());
-      }
+  if (!fs::exists(config_path)) return nullptr;
+  const json saved = read_json_file(config_path);
+  std::vector<std::string> differ;
+  for (const auto& [key, value] : run_config["options"].items()) {
+    if (key == "steps") continue;
+    if (saved.contains("options") && saved["options"].contains(key) &&
+        saved["options"][key] != value) {
+      differ.push_back(
+          fmt::format("{} {} (run: {})", key, value.dump(), saved["options"][key].dump()));
     }
   }
+  if (!differ.empty()) {
+    fail(
+        "--resume with options that differ from the run in {}: {}; pass the run's values so "
+        "it continues the same data stream and schedule (nothing was changed)",
+        run_dir.string(), fmt::join(differ, ", "));
+  }
+  json change = nullptr;
+  if (saved.contains("data")) {
+    const json& was = saved["data"];
+    const json was_fingerprint = saved.value("data_fingerprint", json());
+    const bool same = was_fingerprint.is_object()
+                          ? was_fingerprint == run_config["data_fingerprint"]
+                          : was == run_config["data"];
+    const std::string before = data_text(was, was_fingerprint);
+    const std::string now = data_text(run_config["data"], run_config["data_fingerprint"]);
+    if (!same && !c.allow_data_change) {
+      fail(
+          "--resume with another dataset than the run's:\n  the run trains on {}\n  --data is  "
+          "        {}\n  pass the run's --data to continue it, or add --allow-data-change to go "
+          "on with this one from step {} (nothing was changed)",
+          before, now, point.step);
+    }
+    if (!same) {
+      fmt::print(
+          "train: note: --allow-data-change: the run trained on {} up to step {}; it goes on "
+          "with {} (recorded in run_config.json and the obs start record)\n",
+          before, point.step, now);
+      change = {
+          {"step", point.step},
+          {"from", {{"data", was}, {"data_fingerprint", was_fingerprint}}},
+          {"to",
+           {{"data", run_config["data"]}, {"data_fingerprint", run_config["data_fingerprint"]}}}};
+    } else if (was != run_config["data"]) {
+      fmt::print("train: note: the run's data is now at {} (the same content as {})\n", now,
+                 was.dump());
+    }
+  }
+  run_config["data_changes"] = saved.value("data_changes", json::array());
+  if (!change.is_null()) run_config["data_changes"].push_back(change);
+  const json old_steps = saved.value("options", json::object()).value("steps", json());
+  if (!old_steps.is_null() && old_steps != json(job.steps)) {
+    fmt::print("train: note: --steps {} (the run had {}): the lr schedule changes from here\n",
+               job.steps, old_steps.dump());
+  }
+  // The arithmetic too: an `auto` resolved otherwise (another GPU, another version's default)
+  // changes the numerics from here on.
+  for (const char* key : {"target", "world_size", "topology", "dtype", "head_grad", "drafter_gemms",
+                          "prefill_gemms"}) {
+    if (saved.contains(key) && saved[key] != run_config[key]) {
+      fmt::print("train: note: {} is {} (the run had {})\n", key, run_config[key].dump(),
+                 saved[key].dump());
+    }
+  }
+  return change;
+}
+
+// run_config.json (what the run is) and run_config.yaml (the resolved config, reusable with
+// --config; a data change is allowed for the one resume that asked, not for every later one).
+void write_run_config(const fs::path& run_dir, const json& run_config, RunConfig c) {
   fs::create_directories(run_dir);
-  write_file_atomic(config_path, run_config.dump(2) + "\n");
+  write_file_atomic(run_dir / "run_config.json", run_config.dump(2) + "\n");
+  c.allow_data_change = false;
   write_file_atomic(run_dir / "run_config.yaml", to_yaml(c));
 }
 
@@ -871,6 +982,10 @@ void run_training(const RunConfig& c) {
     fmt::print("train: --resume: no checkpoint in {} yet, starting a new run\n", run_dir.string());
   }
   const bool resuming = c.resume && existing;
+  // Rank 0 picks the newest checkpoint that verifies (reading only); the others learn its step
+  // once rank 0's checks have passed (agree_on_run_start).
+  train::ResumePoint point;
+  if (resuming && r.leads()) point = train::find_resume_point(run_dir);
   const auto t0 = Clock::now();
   const bool runs_target = !r.trains() || !r.topology.disaggregated();
   job.target_config = models::load_model_config(fs::path(c.target) / "config.json");
@@ -905,13 +1020,22 @@ void run_training(const RunConfig& c) {
     broadcast_drafter(job);
   }
   std::optional<RunLog> log;
+  json start_record = json::object();
   if (r.leads()) {
-    write_run_config(job, run_dir, resuming);
-    const int64_t first_step =
-        resuming ? read_json_file(train::resolve_checkpoint(run_dir) / "trainer.json")
-                       .at("step")
-                       .get<int64_t>()
-                 : 0;
+    json run_config = run_config_json(job, data_fingerprint(dataset));
+    if (resuming) {
+      const json change = check_resume(job, run_dir, point, run_config);
+      if (!change.is_null()) start_record["data_change"] = change;
+    }
+    // Every check has passed: from here on the run directory changes.
+    const auto moved = train::set_aside_damaged(point);
+    for (size_t i = 0; i < moved.size(); ++i) {
+      fmt::print(stderr, "train: WARNING: checkpoint {} is damaged: {}; set aside as {}\n",
+                 point.damaged[i].first.string(), point.damaged[i].second,
+                 moved[i].filename().string());
+    }
+    write_run_config(run_dir, run_config, c);
+    const int64_t first_step = resuming ? point.step : 0;
     const auto& d = job.drafter->config();
     fmt::print(
         "train: drafter {} layers, taps [{}], block {}, mask token {}, {:.2f} M parameters; "
@@ -936,10 +1060,16 @@ void run_training(const RunConfig& c) {
     }
   }
   install_stop_signals();
-  start_obs(c, r, run_dir, /*warmup_steps=*/1, job.steps);
+  const Start start = agree_on_run_start(r, run_dir, resuming ? point.step : -1);
+  start_obs(c, r, run_dir, /*warmup_steps=*/1, job.steps, start, start_record);
   prepare_eval(job);
+  // Rank 0 resumes from the checkpoint it verified, the others from the one of the same step.
+  const fs::path resume_from = start.resume_step < 0 ? fs::path()
+                               : r.leads()
+                                   ? point.checkpoint
+                                   : run_dir / fmt::format("step-{:08d}", start.resume_step);
   const int64_t done = run_rank(
-      job, resuming, run_dir,
+      job, resume_from, run_dir,
       [&](const train::StepLog& l) {
         if (log) log->add(l);
         if (r.world.rank == kill_rank && l.step == kill_step) ::raise(SIGKILL);
@@ -948,7 +1078,8 @@ void run_training(const RunConfig& c) {
         if (log) log->add_eval(e);
         if (r.leads()) keep_if_best(job, run_dir, e);
       });
-  const std::string report = finish_obs(c, r, run_dir);
+  const std::string report =
+      finish_obs(c, r, run_dir, start, done > std::max<int64_t>(start.resume_step, 0));
   if (!r.leads()) return;
   if (!report.empty()) {
     const auto line = report.find("bottleneck: ");
@@ -1025,12 +1156,13 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   Clock::time_point wall_at_warmup = last;
   int64_t tokens_per_step = 0;
   if (r.device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(r.device.index());
-  start_obs(c, r, c.out, bench.warmup, c.steps);
+  const Start start = agree_on_run_start(r, c.out, -1);
+  start_obs(c, r, c.out, bench.warmup, c.steps, start);
   // A step's figures arrive one step late, once the next step is queued, and the last step's
   // with the final flush. On a GPU that is when each step finishes; where the device runs
   // eagerly (the CPU) step k's arrive after step k + 1 has run, and the last step's right after
   // them: every interval but the last is one step, so the last is not counted.
-  run_rank(job, false, {}, [&](const train::StepLog& l) {
+  run_rank(job, {}, {}, [&](const train::StepLog& l) {
     const auto now = Clock::now();
     if (l.step == bench.warmup) {
       cpu_at_warmup = cpu_seconds();
@@ -1044,7 +1176,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   // Every rank's host CPU and memory, gathered to rank 0.
   const double cores =
       (cpu_seconds() - cpu_at_warmup) / std::max(seconds_since(wall_at_warmup), 1e-9);
-  const std::string obs_report = finish_obs(c, r, c.out);
+  const std::string obs_report = finish_obs(c, r, c.out, start, /*trained=*/true);
   const GpuMemory memory = gpu_memory(r.device);
   const auto all = r.comm->all_gather_int64(
       {static_cast<int64_t>(cores * 1000), memory.allocated_peak, memory.reserved_peak,

@@ -93,7 +93,12 @@ const std::vector<ConfigKey>& config_keys() {
       {"checkpoint_every", &RunConfig::checkpoint_every,
        "checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)", kNonNegative},
       {"keep_last", &RunConfig::keep_last, "checkpoints kept", kAtLeastOne},
-      {"resume", &RunConfig::resume, "continue from the newest checkpoint in --out"},
+      {"resume", &RunConfig::resume,
+       "continue from the newest checkpoint in --out that verifies (damaged newer ones are set "
+       "aside as step-N.damaged)"},
+      {"allow_data_change", &RunConfig::allow_data_change,
+       "with --resume: go on with a --data other than the run's (refused without it; recorded "
+       "in run_config.json and the obs start record)"},
       {"log_seconds", &RunConfig::log_seconds, "seconds between progress lines", kNonNegative},
       {"eval_prompts", &RunConfig::eval_prompts,
        "held-out prompt file (any that `dflash eval` reads): tau by real speculative decoding "

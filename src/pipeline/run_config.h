@@ -50,6 +50,7 @@ struct RunConfig {
   int64_t checkpoint_every = 1000;
   int64_t keep_last = 3;
   bool resume = false;
+  bool allow_data_change = false;  // --resume on another dataset than the run's
   double log_seconds = 10;
   // Evaluation during training: real speculative decoding of held-out prompts (eval/).
   std::string eval_prompts;  // a prompt file `dflash eval` reads; empty: no evaluation

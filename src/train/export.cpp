@@ -72,7 +72,7 @@ Export export_drafter(const std::filesystem::path& source, const std::filesystem
   check_out_dir(out_dir, overwrite);
   const bool is_export = fs::exists(source / "model.safetensors") ||
                          fs::exists(source / "model.safetensors.index.json");
-  const fs::path dir = is_export ? source : resolve_checkpoint(source);
+  const fs::path dir = is_export ? source : resolve_whole_checkpoint(source);
   const json j = read_json_file(dir / "config.json");
   auto config = models::parse_drafter_config(j, (dir / "config.json").string());
   fs::path target = target_dir;

@@ -26,10 +26,9 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
-from cli_util import run
+from cli_util import run, run_case
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -434,14 +433,5 @@ CASES = {"options": case_options, "overlong": case_overlong, "outdirs": case_out
          "feedback": case_feedback, "help": case_help, "docs": case_docs}
 
 
-def main():
-    dflash = pathlib.Path(sys.argv[1]).resolve()
-    case = sys.argv[2]
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=f"dflash_bad_{case}_") as tmp:
-        CASES[case](Setup(dflash, pathlib.Path(tmp)))
-    print(f"ok: {case} in {time.monotonic() - t0:.1f} s")
-
-
 if __name__ == "__main__":
-    main()
+    run_case(CASES, Setup, "bad")

@@ -1,7 +1,10 @@
 """What the CLI tests share: running a command with the test environment."""
 import os
+import pathlib
 import subprocess
 import sys
+import tempfile
+import time
 
 
 def run(cmd, env=None, expect="ok", timeout=600):
@@ -17,3 +20,14 @@ def run(cmd, env=None, expect="ok", timeout=600):
         sys.exit(f"{'succeeded' if expect == 'fail' else 'FAILED'} ({r.returncode}): "
                  f"{' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
     return r
+
+
+def run_case(cases, setup, prefix):
+    """The main of a script of cases (`SCRIPT DFLASH_BINARY CASE`): runs cases[CASE] with
+    setup(dflash binary, a fresh temporary directory)."""
+    dflash = pathlib.Path(sys.argv[1]).resolve()
+    case = sys.argv[2]
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"dflash_{prefix}_{case}_") as tmp:
+        cases[case](setup(dflash, pathlib.Path(tmp)))
+    print(f"ok: {case} in {time.monotonic() - t0:.1f} s")

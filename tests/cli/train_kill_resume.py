@@ -219,6 +219,12 @@ def main():
         # Control: the same resume with the checkpoint's Adam moments zeroed must differ, so
         # the comparison above can fail.
         zero_adam_moments(control / f"step-{N:08d}" / "state.safetensors")
+        # Its manifest would now refuse the changed bytes: make it a checkpoint of format 1
+        # (no manifest), which loads after its header check.
+        (control / f"step-{N:08d}" / "manifest.json").unlink()
+        trainer = control / f"step-{N:08d}" / "trainer.json"
+        trainer.write_text(json.dumps({k: v for k, v in json.loads(trainer.read_text()).items()
+                                       if k != "checkpoint_format"}))
         for p in control.iterdir():
             if p.name.startswith("step-") and p.name != f"step-{N:08d}":
                 shutil.rmtree(p)

@@ -69,9 +69,10 @@ TEST(ObsStages, HostTimeIsExclusiveAndAddsUp) {
   EXPECT_TRUE(self) << snap["os_threads"].dump();
 }
 
-// Two snapshots of one rank: a warm one and the last; stages in seconds of a 10 s window.
+// Two snapshots of one rank: a warm one and the last; stages in seconds of a 10 s window. With a
+// `start` record, appended after it (a later start of the run) instead of replacing the file.
 void write_rank(const fs::path& dir, int rank, const json& main_stages, const json& gpu_stages,
-                int64_t items, double busy_percent = 99.0) {
+                int64_t items, double busy_percent = 99.0, const json& start = nullptr) {
   auto snap = [&](double t, double scale, int64_t n, bool warm) {
     json threads = json::array();
     json st = json::object();
@@ -104,7 +105,9 @@ void write_rank(const fs::path& dir, int rank, const json& main_stages, const js
     if (warm) s["warm"] = true;
     return s;
   };
-  std::ofstream out(dir / fmt::format("rank-{}.jsonl", rank));
+  std::ofstream out(dir / fmt::format("rank-{}.jsonl", rank),
+                    start.is_null() ? std::ios::trunc : std::ios::app);
+  if (!start.is_null()) out << start.dump() << "\n";
   // Scale 1 at t=10 (warm), scale 2 at t=20: the window holds exactly one copy of the stages.
   out << snap(10, 1, items, true).dump() << "\n" << snap(20, 2, 2 * items, false).dump() << "\n";
 }
@@ -168,6 +171,75 @@ TEST(ObsReport, CheckpointsDoNotMakeAGpuBoundRunHostBound) {
                 "busy 66% (97% outside checkpoints and evaluation, which take 32% of the window)"),
             std::string::npos)
       << a["bottleneck"].dump();
+  remove_tree(run);
+}
+
+// A run of three starts: figures from before start records (start 0, one rank), a resume on two
+// ranks that trained (start 1), a resume with nothing left to do (start 2, one rank). The report
+// is of the newest that trained, with the job of that start, and lists them all; any start on
+// request; one that is not there is refused naming those that are.
+TEST(ObsReport, ReportsOneStartOfSeveralAndListsThem) {
+  const fs::path run = testing::fresh_temp_dir("obs_report_starts");
+  const fs::path obs = run / "obs";
+  fs::create_directories(obs);
+  EXPECT_EQ(next_start(obs), 1);
+  write_file_atomic(obs / "job.json",
+                    json{{"topology", "colocated"}, {"ranks", 1}, {"trainer_ranks", 1}}.dump());
+  write_rank(obs, 0, json{{"drafter_forward", 9.0}, {"gpu_wait", 1.0}}, nullptr, 10);
+  EXPECT_EQ(next_start(obs), 1);
+  const json two = {{"topology", "colocated"}, {"ranks", 2}, {"trainer_ranks", 2}};
+  const json resumed = {{"start", 1}, {"step", 10}, {"resumed", true}};
+  record_job_start(obs, two, resumed);
+  for (int rank : {0, 1}) {
+    write_rank(obs, rank, json{{"drafter_forward", 2.0}, {"allreduce", 5.0}, {"backward", 3.0}},
+               nullptr, 10, 99.0, resumed);
+  }
+  EXPECT_EQ(next_start(obs), 2);
+  const json idle = {{"start", 2}, {"step", 20}, {"resumed", true}};
+  record_job_start(obs, json{{"topology", "colocated"}, {"ranks", 1}, {"trainer_ranks", 1}}, idle);
+  std::ofstream(obs / "rank-0.jsonl", std::ios::app) << idle.dump() << "\n"
+                                                     << json{{"step", 20},
+                                                             {"items", 0},
+                                                             {"t", 5.0},
+                                                             {"threads", json::array()},
+                                                             {"os_threads", json::array()}}
+                                                            .dump()
+                                                     << "\n";
+  const json job = json::parse(read_file(obs / "job.json"));
+  EXPECT_EQ(job["ranks"], 1);
+  EXPECT_EQ(job["start"], 2);
+  ASSERT_EQ(job["starts"].size(), 3u);
+  EXPECT_EQ(job["starts"][0]["start"], 0);  // the job.json from before start records
+  EXPECT_EQ(job["starts"][1]["ranks"], 2);
+
+  const json a = analyze_run(run);
+  EXPECT_EQ(a["start"], 1);
+  EXPECT_EQ(a["job"]["ranks"], 2);
+  ASSERT_EQ(a["ranks"].size(), 2u);
+  EXPECT_NEAR(a["ranks"][1]["window_s"].get<double>(), 10.0, 1e-9);
+  ASSERT_EQ(a["starts"].size(), 3u);
+  EXPECT_TRUE(a["starts"][0]["trained"].get<bool>());
+  EXPECT_TRUE(a["starts"][1]["trained"].get<bool>());
+  EXPECT_FALSE(a["starts"][2]["trained"].get<bool>());
+  const std::string text = format_report(a);
+  for (const char* line :
+       {"starts: 3 in this run directory, the report is of start 1",
+        "start 0 (written before start records): steps 10..20", "<- this report",
+        "start 2 (resumed at step 20): no step trained", "rank 1 (trainer): steps 10..20"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << "\n" << text;
+  }
+  EXPECT_EQ(analyze_run(run, 0)["ranks"].size(), 1u);
+  const json idle_report = analyze_run(run, 2);
+  EXPECT_EQ(idle_report["ranks"][0]["from_step"], 20);
+  EXPECT_EQ(idle_report["ranks"][0]["window_s"], 0.0);
+  try {
+    analyze_run(run, 5);
+    ADD_FAILURE() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("no figures of start 5 (the run has starts 0, 1, 2)"),
+              std::string::npos)
+        << e.what();
+  }
   remove_tree(run);
 }
 
