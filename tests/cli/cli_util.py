@@ -17,3 +17,12 @@ def run(cmd, env=None, expect="ok", timeout=600):
         sys.exit(f"{'succeeded' if expect == 'fail' else 'FAILED'} ({r.returncode}): "
                  f"{' '.join(map(str, cmd))}\n{r.stdout}\n{r.stderr}")
     return r
+
+
+def write_chats(path, count=8):
+    """A tiny chat JSONL (OpenAI messages) of `count` arithmetic questions and answers."""
+    import json
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}: how many is {i} + {i}?"},
+                          {"role": "assistant", "content": f"It is {2 * i}. " * 6}]}
+            for i in range(count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
