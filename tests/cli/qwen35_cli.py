@@ -8,11 +8,13 @@ tensor beside it, vocabulary 512). `dflash info` describes it; `random-model --p
 tiny-qwen3.5` writes a text-only directory transformers loads as Qwen3_5ForCausalLM with no
 missing or unexpected tensor, and whose tokenizer (vocabulary 512) `prepare` uses; `train` trains
 a drafter on the fixture target for two steps (prefill with hidden-state capture); `generate` and
-`eval`, which need the hybrid decode not built yet, refuse with a message instead of crashing;
+`eval` (the fixture with that tokenizer), which need the hybrid decode not built yet, refuse with
+a message instead of crashing;
 `bench-target` takes the hybrid presets.
 """
 import json
 import pathlib
+import shutil
 import sys
 import tempfile
 
@@ -70,10 +72,16 @@ def main():
 
         prompts = work / "prompts.jsonl"
         prompts.write_text('{"question": "What is 3 plus 4?"}\n')
-        # The random target has the tokenizer these read (the fixture has none).
-        refused(run([dflash, "eval", "--drafter", export, "--target", random_target, "--prompts",
+        # The fixture with the random model's tokenizer (the fixture has none), for the
+        # commands that read one.
+        target = work / "target"
+        shutil.copytree(fixture, target)
+        for f in random_target.iterdir():
+            if f.name != "config.json" and not f.name.startswith("model"):
+                shutil.copy(f, target / f.name)
+        refused(run([dflash, "eval", "--drafter", export, "--target", target, "--prompts",
                      prompts, "--max-new-tokens", 8, "--device", "cpu"], expect=None), "eval")
-        refused(run([dflash, "generate", "--target", random_target, "--data", chats,
+        refused(run([dflash, "generate", "--target", target, "--data", chats,
                      "--out", work / "gen.jsonl", "--max-new-tokens", 8, "--device", "cpu"],
                     expect=None), "generate")
 
