@@ -85,8 +85,9 @@ def models():
 
 
 def perturb(model):
-    """Norm weights start at zero ((1 + w) norms) or one, dt_bias at one, routers near uniform:
-    random values make a misplaced norm, a missing offset or a wrong expert show."""
+    """Norm weights start at zero ((1 + w) norms) or one, dt_bias at one, routers near uniform,
+    decays may be fast: random values make a misplaced norm, a missing offset, a wrong expert or
+    state leaking across sequences show."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("dt_bias"):
@@ -95,6 +96,10 @@ def perturb(model):
                 p.normal_(0.0, 0.3)
             elif name.endswith("shared_expert_gate.weight"):
                 p.normal_(0.0, 0.3)
+            elif name.endswith("A_log"):
+                # transformers draws A in [0.01, 16]: with every head's A large the state
+                # decays within a few tokens and a missing reset at a sequence boundary hides.
+                p.copy_(torch.empty_like(p).uniform_(0.02, 1.5).log())
 
 
 def make(out: pathlib.Path):
