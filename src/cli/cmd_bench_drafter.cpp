@@ -296,7 +296,8 @@ void add_bench_drafter_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench-drafter",
       "Measure one DFlash drafter training step on a random-weight target's features");
-  cmd->add_option("--preset", o->preset, "target shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
+  cmd->add_option("--preset", o->preset,
+                  "target shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
       ->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
   cmd->add_option("--seq-len", o->seq_len, "tokens in the sequence (default 2048; tiny 256)")

@@ -179,7 +179,8 @@ void add_bench_target_command(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   auto* cmd =
       app.add_subcommand("bench-target", "Measure target prefill throughput (random weights)");
-  cmd->add_option("--preset", o->preset, "model shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
+  cmd->add_option("--preset", o->preset,
+                  "model shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
       ->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
   cmd->add_option("--seq-len", o->seq_len, "tokens per sequence")
@@ -217,7 +218,8 @@ void add_bench_target_command(CLI::App& app) {
   auto r = std::make_shared<RandomModelOptions>();
   auto* rm =
       app.add_subcommand("random-model", "Write a random-weight target as a HF model directory");
-  rm->add_option("--preset", r->preset, "model shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
+  rm->add_option("--preset", r->preset,
+                 "model shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
       ->capture_default_str();
   rm->add_option("--out", r->out, "output directory")->required();
   rm->add_option("--seed", r->seed, "weights' seed (the same seed writes the same model)")

@@ -1,5 +1,6 @@
 // `dflash info MODEL_DIR`: what a model directory holds, and optionally how fast it loads.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
 #include <map>
@@ -34,10 +35,56 @@ std::string rope_scaling_text(const models::ModelConfig& c) {
 
 struct InfoOptions {
   std::string dir;
+  std::string preset;
   std::string load_device;
 };
 
+// The shape lines a config alone gives (a model directory's or a preset's).
+void print_shape(const models::ModelConfig& config) {
+  fmt::print("architecture: {}\n", models::architecture_name(config.arch));
+  fmt::print("layers:       {}\n", config.num_layers);
+  fmt::print("hidden size:  {} (FFN {}, heads {}/{} x {})\n", config.hidden_size,
+             config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim);
+  if (config.is_hybrid()) {
+    int64_t linear = 0;
+    for (int64_t i = 0; i < config.num_layers; ++i) linear += config.is_linear_layer(i);
+    const auto& l = config.linear;
+    fmt::print(
+        "linear attention: {} of {} layers Gated DeltaNet ({} key / {} value heads x {} / {}, "
+        "conv {}); the others gated full attention\n",
+        linear, config.num_layers, l.num_key_heads, l.num_value_heads, l.key_head_dim,
+        l.value_head_dim, l.conv_kernel_dim);
+  }
+  if (config.num_experts > 0) {
+    int64_t sparse = 0;
+    for (int64_t i = 0; i < config.num_layers; ++i) sparse += config.is_moe_layer(i);
+    fmt::print(
+        "experts:      {} in each of {} sparse layers, {} per token (FFN {}{}); {:.3f} B "
+        "parameters active per token\n",
+        config.num_experts, sparse, config.num_experts_per_tok, config.moe_intermediate_size,
+        config.shared_expert_intermediate_size > 0
+            ? fmt::format(", shared expert {}", config.shared_expert_intermediate_size)
+            : "",
+        config.num_active_parameters() / 1e9);
+  }
+  fmt::print("vocabulary:   {}{}\n", config.vocab_size,
+             config.tie_word_embeddings ? " (LM head tied to embedding)" : "");
+  fmt::print("rope:         theta {:g}{}{}\n", config.rope_theta, rope_scaling_text(config),
+             config.rotary_dim() != config.head_dim
+                 ? fmt::format(", rotary {} of {} dims", config.rotary_dim(), config.head_dim)
+                 : "");
+}
+
 void run_info(const InfoOptions& o) {
+  if (o.dir.empty() == o.preset.empty()) fail("info: give a model directory or --preset, not both");
+  if (!o.preset.empty()) {
+    if (!o.load_device.empty()) fail("info: --load needs a model directory, not a preset");
+    auto config = models::preset_config(o.preset);
+    fmt::print("preset:       {} (random weights for bench-target, random-model)\n", o.preset);
+    print_shape(config);
+    fmt::print("parameters:   {:.3f} B\n", config.num_parameters() / 1e9);
+    return;
+  }
   auto config = models::load_model_config(std::filesystem::path(o.dir) / "config.json");
   auto ckpt = io::Checkpoint::open(o.dir);
   models::TargetModel::check(o.dir);
@@ -59,24 +106,14 @@ void run_info(const InfoOptions& o) {
     dtypes[std::string(c10::toString(info.dtype))] += n;
   }
   fmt::print("model:        {}\n", o.dir);
-  fmt::print("architecture: {}\n", models::architecture_name(config.arch));
-  fmt::print("layers:       {}\n", config.num_layers);
-  fmt::print("hidden size:  {} (FFN {}, heads {}/{} x {})\n", config.hidden_size,
-             config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim);
-  if (config.num_experts > 0) {
-    int64_t sparse = 0;
-    for (int64_t i = 0; i < config.num_layers; ++i) sparse += config.is_moe_layer(i);
+  if (config.multimodal) {
     fmt::print(
-        "experts:      {} in each of {} sparse layers, {} per token (FFN {}); {:.3f} B "
-        "parameters active per token\n",
-        config.num_experts, sparse, config.num_experts_per_tok, config.moe_intermediate_size,
-        config.num_active_parameters() / 1e9);
+        "layout:       released multimodal layout: the text model (model.language_model.*) is "
+        "read; the vision tower and mtp.* are not\n");
   }
-  fmt::print("vocabulary:   {}{}\n", config.vocab_size,
-             config.tie_word_embeddings ? " (LM head tied to embedding)" : "");
-  fmt::print("parameters:   {} ({:.3f} B; config implies {})\n", params, params / 1e9,
-             config.num_parameters());
-  fmt::print("rope:         theta {:g}{}\n", config.rope_theta, rope_scaling_text(config));
+  print_shape(config);
+  fmt::print("parameters:   {} ({:.3f} B in the files; the target's forward {})\n", params,
+             params / 1e9, config.num_parameters());
   for (const auto& [dtype, n] : dtypes) fmt::print("dtype:        {} ({} parameters)\n", dtype, n);
   fmt::print("weights:      {} on disk; {} in bf16\n", human_bytes(ckpt.total_bytes()),
              human_bytes(params * 2.0));
@@ -96,8 +133,10 @@ void add_info_command(CLI::App& app) {
   auto opts = std::make_shared<InfoOptions>();
   auto* cmd = app.add_subcommand("info", "Describe a Hugging Face model directory");
   cmd->add_option("model_dir", opts->dir, "directory with config.json and *.safetensors")
-      ->required()
       ->check(CLI::ExistingDirectory);
+  cmd->add_option(
+      "--preset", opts->preset,
+      fmt::format("describe a named shape instead: {}", fmt::join(models::preset_names(), ", ")));
   cmd->add_option("--load", opts->load_device,
                   "also load the weights (bf16) onto this device (e.g. cuda, cpu) and time it");
   cmd->callback([opts] { run_info(*opts); });

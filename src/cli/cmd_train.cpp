@@ -2,10 +2,13 @@
 // the same pipeline on a synthetic workload (pipeline::run_bench). Both take the run config's
 // keys as options or from a YAML file (--config); under torchrun, srun or --nproc-per-node
 // each process is one rank.
+#include <fmt/ranges.h>
+
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/option_range.h"
 #include "dist/world.h"
+#include "models/config.h"
 #include "pipeline/run.h"
 #include "train/checkpoint.h"
 
@@ -52,7 +55,7 @@ void add_bench_command(CLI::App& app) {
       "The whole training pipeline on a synthetic workload (random target of a preset, random "
       "tokens, no files): tokens/s per GPU, MFU, host CPU, memory");
   cmd->add_option("--preset", a->bench.preset,
-                  "target shape: qwen3-8b, qwen3-30b-a3b, tiny or tiny-moe")
+                  "target shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
       ->capture_default_str();
   cmd->add_option("--seq-len", a->bench.seq_len, "tokens per sequence")
       ->capture_default_str()

@@ -1,6 +1,9 @@
 #include "models/config.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <nlohmann/json.hpp>
 
@@ -117,14 +120,26 @@ Rope parse_rope(const json& j, int64_t max_position_embeddings, const std::strin
   return rope;
 }
 
-// Qwen3MoeConfig's fields and defaults; transformers 5 writes num_experts as
+// The MoE fields' defaults of one transformers config class.
+struct MoeDefaults {
+  int64_t num_experts, num_experts_per_tok, moe_intermediate_size;
+  bool norm_topk_prob;
+};
+constexpr MoeDefaults kQwen3MoeDefaults{128, 8, 768, false};
+constexpr MoeDefaults kQwen3NextDefaults{512, 10, 512, true};
+constexpr MoeDefaults kQwen35MoeDefaults{256, 8, 512, true};
+
+// Qwen3MoeConfig's fields (and Qwen3NextConfig's); transformers 5 writes num_experts as
 // "num_local_experts" (an attribute alias), published checkpoints as "num_experts".
-void parse_moe(const json& j, ModelConfig& c, const std::string& origin) {
+void parse_moe(const json& j, ModelConfig& c, const std::string& origin, const MoeDefaults& d) {
   c.num_experts = optional_field<int64_t>(
-      j, "num_experts", optional_field<int64_t>(j, "num_local_experts", 128, origin), origin);
-  c.num_experts_per_tok = optional_field<int64_t>(j, "num_experts_per_tok", 8, origin);
-  c.moe_intermediate_size = optional_field<int64_t>(j, "moe_intermediate_size", 768, origin);
-  c.norm_topk_prob = optional_field<bool>(j, "norm_topk_prob", false, origin);
+      j, "num_experts", optional_field<int64_t>(j, "num_local_experts", d.num_experts, origin),
+      origin);
+  c.num_experts_per_tok =
+      optional_field<int64_t>(j, "num_experts_per_tok", d.num_experts_per_tok, origin);
+  c.moe_intermediate_size =
+      optional_field<int64_t>(j, "moe_intermediate_size", d.moe_intermediate_size, origin);
+  c.norm_topk_prob = optional_field<bool>(j, "norm_topk_prob", d.norm_topk_prob, origin);
   c.decoder_sparse_step = optional_field<int64_t>(j, "decoder_sparse_step", 1, origin);
   c.mlp_only_layers =
       optional_field<std::vector<int64_t>>(j, "mlp_only_layers", std::vector<int64_t>{}, origin);
@@ -133,7 +148,80 @@ void parse_moe(const json& j, ModelConfig& c, const std::string& origin) {
   }
 }
 
+// The hybrids' own fields (Qwen3NextConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig): layer
+// types, the Gated DeltaNet shapes, partial rotary and mrope, the (1 + w) norms and the
+// attention output gate, which transformers' classes always have.
+void parse_hybrid(const json& j, ModelConfig& c, const std::string& origin) {
+  c.qk_norm = true;
+  c.norm_plus_one = true;
+  c.attn_output_gate = optional_field<bool>(j, "attn_output_gate", true, origin);
+  if (!c.attn_output_gate) {
+    fail("{}: attn_output_gate = false is not supported (transformers' {} always gates)", origin,
+         architecture_name(c.arch));
+  }
+  if (c.attention_bias) fail("{}: attention_bias = true is not supported here", origin);
+  c.linear.num_key_heads = optional_field<int64_t>(j, "linear_num_key_heads", 16, origin);
+  c.linear.num_value_heads = optional_field<int64_t>(j, "linear_num_value_heads", 32, origin);
+  c.linear.key_head_dim = optional_field<int64_t>(j, "linear_key_head_dim", 128, origin);
+  c.linear.value_head_dim = optional_field<int64_t>(j, "linear_value_head_dim", 128, origin);
+  c.linear.conv_kernel_dim = optional_field<int64_t>(j, "linear_conv_kernel_dim", 4, origin);
+  if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
+    auto names = optional_field<std::vector<std::string>>(j, "layer_types", {}, origin);
+    if (static_cast<int64_t>(names.size()) != c.num_layers) {
+      fail("{}: layer_types has {} entries, num_hidden_layers is {}", origin, names.size(),
+           c.num_layers);
+    }
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (names[i] == "linear_attention") {
+        c.layer_types.push_back(LayerType::kLinearAttention);
+      } else if (names[i] == "full_attention") {
+        c.layer_types.push_back(LayerType::kFullAttention);
+      } else {
+        fail("{}: layer_types[{}] is \"{}\" (expected linear_attention or full_attention)", origin,
+             i, names[i]);
+      }
+    }
+  } else {
+    // transformers: every full_attention_interval-th layer (1-based) is full attention.
+    const auto interval = optional_field<int64_t>(j, "full_attention_interval", 4, origin);
+    if (interval < 1)
+      fail("{}: full_attention_interval must be positive, got {}", origin, interval);
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      c.layer_types.push_back((i + 1) % interval != 0 ? LayerType::kLinearAttention
+                                                      : LayerType::kFullAttention);
+    }
+  }
+  // partial_rotary_factor and mrope live in the rope dict; a top-level partial_rotary_factor
+  // fills in where the dict has none (transformers' setdefault, default 0.25).
+  c.partial_rotary_factor = number_field(j, "partial_rotary_factor", origin).value_or(0.25);
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_object() || it->empty()) continue;
+    const std::string where = origin + ": \"" + key + "\"";
+    c.partial_rotary_factor =
+        number_field(*it, "partial_rotary_factor", where).value_or(c.partial_rotary_factor);
+    // mrope: the three position streams (time, height, width) of an image; text-only input
+    // gives all three the token's position, so every section rotates as plain rope does.
+    if (auto m = it->find("mrope_section"); m != it->end() && !m->is_null()) {
+      auto sections = optional_field<std::vector<int64_t>>(*it, "mrope_section", {}, where);
+      for (int64_t s : sections) {
+        if (s < 0) fail("{}: mrope_section entries must not be negative, got {}", where, s);
+      }
+    }
+    optional_field<bool>(*it, "mrope_interleaved", false, where);  // type-checked, as above
+    break;
+  }
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1)) {
+    fail("{}: partial_rotary_factor must be in (0, 1], got {}", origin, c.partial_rotary_factor);
+  }
+}
+
 }  // namespace
+
+int64_t ModelConfig::rotary_dim() const {
+  // Python's int(head_dim * partial_rotary_factor), as transformers sizes inv_freq.
+  return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor);
+}
 
 const char* architecture_name(Architecture arch) {
   switch (arch) {
@@ -145,33 +233,19 @@ const char* architecture_name(Architecture arch) {
       return "llama";
     case Architecture::kQwen3Moe:
       return "qwen3_moe";
+    case Architecture::kQwen35:
+      return "qwen3_5_text";
+    case Architecture::kQwen35Moe:
+      return "qwen3_5_moe_text";
+    case Architecture::kQwen3Next:
+      return "qwen3_next";
   }
   return "?";
 }
 
-ModelConfig parse_model_config(const json& j, const std::string& origin) {
-  if (!j.is_object()) fail("{}: expected a JSON object", origin);
-  ModelConfig c;
-  std::string type = required<std::string>(j, "model_type", origin);
-  if (type == "qwen3" || type == "qwen3_moe") {
-    c.arch = type == "qwen3" ? Architecture::kQwen3 : Architecture::kQwen3Moe;
-    c.qk_norm = true;
-  } else if (type == "qwen2") {
-    c.arch = Architecture::kQwen2;
-  } else if (type == "llama") {
-    c.arch = Architecture::kLlama;
-  } else {
-    fail("{}: model_type \"{}\" is not supported (supported: qwen3, qwen3_moe, qwen2, llama)",
-         origin, type);
-  }
-  c.vocab_size = required<int64_t>(j, "vocab_size", origin);
-  c.hidden_size = required<int64_t>(j, "hidden_size", origin);
-  c.intermediate_size = required<int64_t>(j, "intermediate_size", origin);
-  c.num_layers = required<int64_t>(j, "num_hidden_layers", origin);
-  c.num_heads = required<int64_t>(j, "num_attention_heads", origin);
-  c.num_kv_heads = optional_field<int64_t>(j, "num_key_value_heads", c.num_heads, origin);
-  if (c.num_heads <= 0) fail("{}: num_attention_heads must be positive", origin);
-  c.head_dim = optional_field<int64_t>(j, "head_dim", c.hidden_size / c.num_heads, origin);
+namespace {
+
+void parse_text_fields(const json& j, ModelConfig& c, bool hybrid, const std::string& origin) {
   // transformers' defaults per family.
   c.max_position_embeddings = optional_field<int64_t>(
       j, "max_position_embeddings", c.arch == Architecture::kLlama ? 2048 : 32768, origin);
@@ -191,7 +265,81 @@ ModelConfig parse_model_config(const json& j, const std::string& origin) {
     fail("{}: hidden_act \"{}\" is not supported (silu)", origin, hidden_act);
   c.torch_dtype = optional_field<std::string>(
       j, "dtype", optional_field<std::string>(j, "torch_dtype", "bfloat16", origin), origin);
-  if (c.arch == Architecture::kQwen3Moe) parse_moe(j, c, origin);
+  if (c.arch == Architecture::kQwen3Moe) parse_moe(j, c, origin, kQwen3MoeDefaults);
+  if (c.arch == Architecture::kQwen3Next) {
+    parse_moe(j, c, origin, kQwen3NextDefaults);
+    c.shared_expert_intermediate_size =
+        optional_field<int64_t>(j, "shared_expert_intermediate_size", 512, origin);
+  }
+  if (c.arch == Architecture::kQwen35Moe) {
+    // Every layer sparse, top-k always renormalised (Qwen3VLMoeTextTopKRouter).
+    parse_moe(j, c, origin, kQwen35MoeDefaults);
+    c.norm_topk_prob = true;
+    c.decoder_sparse_step = 1;
+    c.mlp_only_layers.clear();
+    c.shared_expert_intermediate_size =
+        optional_field<int64_t>(j, "shared_expert_intermediate_size", 512, origin);
+  }
+  if (hybrid) parse_hybrid(j, c, origin);
+}
+
+}  // namespace
+
+ModelConfig parse_model_config(const json& top, const std::string& origin) {
+  if (!top.is_object()) fail("{}: expected a JSON object", origin);
+  ModelConfig c;
+  std::string type = required<std::string>(top, "model_type", origin);
+  // Qwen3.5's released (multimodal) config: the text model's fields under text_config, the
+  // LM head's tying at the top level (what Qwen3_5ForConditionalGeneration ties by).
+  const bool multimodal = type == "qwen3_5" || type == "qwen3_5_moe";
+  const std::string where = multimodal ? origin + ": text_config" : origin;
+  if (multimodal) {
+    auto it = top.find("text_config");
+    if (it == top.end() || !it->is_object()) {
+      fail("{}: model_type \"{}\" needs a \"text_config\" object", origin, type);
+    }
+    type += "_text";
+  }
+  const json& j = multimodal ? top.at("text_config") : top;
+  if (type == "qwen3_5_text" || type == "qwen3_5_moe_text" || type == "qwen3_next") {
+    c.arch = type == "qwen3_5_text"       ? Architecture::kQwen35
+             : type == "qwen3_5_moe_text" ? Architecture::kQwen35Moe
+                                          : Architecture::kQwen3Next;
+    c.multimodal = multimodal;
+  } else if (type == "qwen3" || type == "qwen3_moe") {
+    c.arch = type == "qwen3" ? Architecture::kQwen3 : Architecture::kQwen3Moe;
+    c.qk_norm = true;
+  } else if (type == "qwen2") {
+    c.arch = Architecture::kQwen2;
+  } else if (type == "llama") {
+    c.arch = Architecture::kLlama;
+  } else {
+    fail(
+        "{}: model_type \"{}\" is not supported (supported: qwen3, qwen3_moe, qwen2, llama, "
+        "qwen3_5, qwen3_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next)",
+        origin, type);
+  }
+  const bool hybrid = c.arch == Architecture::kQwen35 || c.arch == Architecture::kQwen35Moe ||
+                      c.arch == Architecture::kQwen3Next;
+  // The text model's fields: their errors name text_config where there is one.
+  c.vocab_size = required<int64_t>(j, "vocab_size", where);
+  c.hidden_size = required<int64_t>(j, "hidden_size", where);
+  // Qwen3_5MoeTextConfig has no dense FFN width; the drafter's layers (Qwen3-shaped) take
+  // three times the hidden size, Qwen3's ratio.
+  c.intermediate_size =
+      c.arch == Architecture::kQwen35Moe
+          ? optional_field<int64_t>(j, "intermediate_size", 3 * c.hidden_size, where)
+          : required<int64_t>(j, "intermediate_size", where);
+  c.num_layers = required<int64_t>(j, "num_hidden_layers", where);
+  c.num_heads = required<int64_t>(j, "num_attention_heads", where);
+  c.num_kv_heads = optional_field<int64_t>(j, "num_key_value_heads", c.num_heads, where);
+  if (c.num_heads <= 0) fail("{}: num_attention_heads must be positive", where);
+  c.head_dim =
+      optional_field<int64_t>(j, "head_dim", hybrid ? 256 : c.hidden_size / c.num_heads, where);
+  parse_text_fields(j, c, hybrid, where);
+  if (multimodal) {
+    c.tie_word_embeddings = optional_field<bool>(top, "tie_word_embeddings", false, origin);
+  }
   c.validate(origin);
   return c;
 }
@@ -212,6 +360,28 @@ void ModelConfig::validate(const std::string& origin) const {
          num_heads, num_kv_heads);
   }
   if (head_dim % 2 != 0) fail("{}: head_dim must be even for RoPE, got {}", origin, head_dim);
+  if (rotary_dim() % 2 != 0 || rotary_dim() < 2) {
+    fail("{}: head_dim {} x partial_rotary_factor {} gives {} rotary dims, must be even and >= 2",
+         origin, head_dim, partial_rotary_factor, rotary_dim());
+  }
+  if (shared_expert_intermediate_size < 0) {
+    fail("{}: shared_expert_intermediate_size must not be negative, got {}", origin,
+         shared_expert_intermediate_size);
+  }
+  if (is_hybrid()) {
+    if (static_cast<int64_t>(layer_types.size()) != num_layers) {
+      fail("{}: {} layer types for {} layers", origin, layer_types.size(), num_layers);
+    }
+    positive(linear.num_key_heads, "linear_num_key_heads");
+    positive(linear.num_value_heads, "linear_num_value_heads");
+    positive(linear.key_head_dim, "linear_key_head_dim");
+    positive(linear.value_head_dim, "linear_value_head_dim");
+    positive(linear.conv_kernel_dim, "linear_conv_kernel_dim");
+    if (linear.num_value_heads % linear.num_key_heads != 0) {
+      fail("{}: linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
+           origin, linear.num_value_heads, linear.num_key_heads);
+    }
+  }
   if (num_experts == 0) return;
   if (num_experts < 0) fail("{}: num_experts must not be negative, got {}", origin, num_experts);
   positive(moe_intermediate_size, "moe_intermediate_size");
@@ -231,17 +401,30 @@ int64_t ModelConfig::mlp_parameters(int64_t layer, bool active) const {
   const int64_t h = hidden_size;
   if (!is_moe_layer(layer)) return 3 * h * intermediate_size;
   const int64_t experts = active ? num_experts_per_tok : num_experts;
-  return h * num_experts + experts * 3 * h * moe_intermediate_size;
+  // The shared expert and its gate, where there is one, every token takes.
+  const int64_t shared =
+      shared_expert_intermediate_size > 0 ? 3 * h * shared_expert_intermediate_size + h : 0;
+  return h * num_experts + experts * 3 * h * moe_intermediate_size + shared;
 }
 
 namespace {
 
 int64_t layer_parameters(const ModelConfig& c, int64_t i, bool active) {
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-  int64_t attn = h * q + 2 * h * kv + q * h;
+  const int64_t mlp = c.mlp_parameters(i, active);
+  if (c.is_linear_layer(i)) {
+    const auto& l = c.linear;
+    // in_proj (q, k, v, z, b, a), conv, A_log and dt_bias, the gated norm, out_proj.
+    const int64_t mixer = h * (l.conv_dim() + l.value_dim() + 2 * l.num_value_heads) +
+                          l.conv_dim() * l.conv_kernel_dim + 2 * l.num_value_heads +
+                          l.value_head_dim + l.value_dim() * h;
+    return mixer + mlp + 2 * h;
+  }
+  // With an output gate q_proj emits twice the queries' width.
+  int64_t attn = h * q * (c.attn_output_gate ? 2 : 1) + 2 * h * kv + q * h;
   if (c.attention_bias) attn += q + 2 * kv;
   if (c.qk_norm) attn += 2 * c.head_dim;
-  return attn + c.mlp_parameters(i, active) + 2 * h;
+  return attn + mlp + 2 * h;
 }
 
 int64_t model_parameters(const ModelConfig& c, bool active) {
@@ -279,8 +462,10 @@ ModelConfig qwen3_8b_config() {
 }
 
 json to_hf_json(const ModelConfig& c) {
-  static const char* const kArchitectures[] = {"Qwen3ForCausalLM", "Qwen2ForCausalLM",
-                                               "LlamaForCausalLM", "Qwen3MoeForCausalLM"};
+  // Hybrids are written in their text-only form (what hf_state_dict's names match).
+  static const char* const kArchitectures[] = {
+      "Qwen3ForCausalLM",   "Qwen2ForCausalLM",      "LlamaForCausalLM",    "Qwen3MoeForCausalLM",
+      "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"};
   json j = {{"architectures", {kArchitectures[static_cast<int>(c.arch)]}},
             {"model_type", architecture_name(c.arch)},
             {"vocab_size", c.vocab_size},
@@ -297,13 +482,30 @@ json to_hf_json(const ModelConfig& c) {
             {"tie_word_embeddings", c.tie_word_embeddings},
             {"attention_bias", c.attention_bias},
             {"torch_dtype", c.torch_dtype}};
-  if (c.arch == Architecture::kQwen3Moe) {
+  if (c.num_experts > 0) {
     j["num_experts"] = c.num_experts;
     j["num_experts_per_tok"] = c.num_experts_per_tok;
     j["moe_intermediate_size"] = c.moe_intermediate_size;
     j["norm_topk_prob"] = c.norm_topk_prob;
     j["decoder_sparse_step"] = c.decoder_sparse_step;
     j["mlp_only_layers"] = c.mlp_only_layers;
+  }
+  if (c.shared_expert_intermediate_size > 0) {
+    j["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size;
+  }
+  if (c.is_hybrid()) {
+    std::vector<std::string> types;
+    for (LayerType t : c.layer_types) {
+      types.push_back(t == LayerType::kLinearAttention ? "linear_attention" : "full_attention");
+    }
+    j["layer_types"] = types;
+    j["linear_num_key_heads"] = c.linear.num_key_heads;
+    j["linear_num_value_heads"] = c.linear.num_value_heads;
+    j["linear_key_head_dim"] = c.linear.key_head_dim;
+    j["linear_value_head_dim"] = c.linear.value_head_dim;
+    j["linear_conv_kernel_dim"] = c.linear.conv_kernel_dim;
+    j["attn_output_gate"] = c.attn_output_gate;
+    j["partial_rotary_factor"] = c.partial_rotary_factor;
   }
   if (!c.rope_scaling) return j;
   // Written as "rope_scaling" with the top-level rope_theta: what transformers 4 and 5, SGLang
@@ -341,6 +543,55 @@ double YarnRopeScaling::attention_scaling() const {
     return get_mscale(*mscale) / get_mscale(*mscale_all_dim);
   }
   return get_mscale(1.0);
+}
+
+namespace {
+
+// The hybrid fields every Qwen3.5 / Qwen3-Next checkpoint shares: Gated DeltaNet in three of
+// four layers (16 key heads, 128-wide heads, conv width 4), gated attention with q/k norms and a
+// quarter of each 256-wide head rotated, (1 + w) norms, rope theta 1e7.
+// `width` is {hidden_size, intermediate_size, num_attention_heads, num_key_value_heads}.
+ModelConfig hybrid_config(Architecture arch, int64_t layers, int64_t value_heads,
+                          std::array<int64_t, 4> width) {
+  ModelConfig c;
+  c.arch = arch;
+  c.vocab_size = 248320;
+  c.num_layers = layers;
+  c.hidden_size = width[0];
+  c.intermediate_size = width[1];
+  c.num_heads = width[2];
+  c.num_kv_heads = width[3];
+  c.head_dim = 256;
+  c.max_position_embeddings = 262144;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1e7;
+  c.qk_norm = true;
+  c.norm_plus_one = true;
+  c.attn_output_gate = true;
+  c.partial_rotary_factor = 0.25;
+  c.linear = {16, value_heads, 128, 128, 4};
+  for (int64_t i = 0; i < layers; ++i) {
+    c.layer_types.push_back((i + 1) % 4 != 0 ? LayerType::kLinearAttention
+                                             : LayerType::kFullAttention);
+  }
+  return c;
+}
+
+void set_hybrid_moe(ModelConfig& c, int64_t experts, int64_t top_k, int64_t width) {
+  c.num_experts = experts;
+  c.num_experts_per_tok = top_k;
+  c.moe_intermediate_size = width;
+  c.shared_expert_intermediate_size = width;
+  c.norm_topk_prob = true;
+}
+
+}  // namespace
+
+std::vector<std::string> preset_names() {
+  return {"qwen3-8b",        "qwen3-30b-a3b",      "tiny",
+          "tiny-moe",        "qwen3.5-9b",         "qwen3.5-27b",
+          "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "tiny-qwen3.5",
+          "tiny-qwen3.5-moe"};
 }
 
 ModelConfig preset_config(const std::string& name) {
@@ -382,7 +633,40 @@ ModelConfig preset_config(const std::string& name) {
     c.mlp_only_layers = {0};
     return c;
   }
-  fail("unknown model preset \"{}\" (known: qwen3-8b, qwen3-30b-a3b, tiny, tiny-moe)", name);
+  // Shapes of the published config.json files (Qwen/Qwen3.5-9B, -27B, -35B-A3B,
+  // Qwen/Qwen3-Next-80B-A3B-Instruct).
+  if (name == "qwen3.5-9b") {
+    return hybrid_config(Architecture::kQwen35, 32, 32, {4096, 12288, 16, 4});
+  }
+  if (name == "qwen3.5-27b") {
+    return hybrid_config(Architecture::kQwen35, 64, 48, {5120, 17408, 24, 4});
+  }
+  if (name == "qwen3.5-35b-a3b") {
+    // No dense layer: intermediate_size is the drafter's FFN width.
+    ModelConfig c = hybrid_config(Architecture::kQwen35Moe, 40, 32, {2048, 3 * 2048, 16, 2});
+    set_hybrid_moe(c, 256, 8, 512);
+    return c;
+  }
+  if (name == "qwen3-next-80b-a3b") {
+    ModelConfig c = hybrid_config(Architecture::kQwen3Next, 48, 32, {2048, 5120, 16, 2});
+    c.vocab_size = 151936;
+    set_hybrid_moe(c, 512, 10, 512);
+    return c;
+  }
+  // CPU-sized hybrids: 8 layers (full attention at 3 and 7), 4 value heads over 2 key heads.
+  if (name == "tiny-qwen3.5" || name == "tiny-qwen3.5-moe") {
+    const bool moe = name == "tiny-qwen3.5-moe";
+    ModelConfig c = hybrid_config(moe ? Architecture::kQwen35Moe : Architecture::kQwen35, 8, 4,
+                                  {128, 256, 4, 2});
+    c.vocab_size = 512;
+    c.head_dim = 32;
+    c.max_position_embeddings = 4096;
+    c.linear = {2, 4, 32, 32, 4};
+    c.tie_word_embeddings = true;
+    if (moe) set_hybrid_moe(c, 8, 2, 64);
+    return c;
+  }
+  fail("unknown model preset \"{}\" (known: {})", name, fmt::join(preset_names(), ", "));
 }
 
 }  // namespace dflash::models

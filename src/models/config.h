@@ -1,5 +1,6 @@
-// models: target decoders (Qwen3, Qwen3 MoE, Qwen2, Llama) as plain tensor code, their config.json,
-// and the layers the DFlash drafter shares with them.
+// models: target decoders (Qwen3, Qwen3 MoE, Qwen2, Llama, and the hybrid Gated DeltaNet ones:
+// Qwen3.5 / Qwen3.6 dense and MoE, Qwen3-Next) as plain tensor code, their config.json, and the
+// layers the DFlash drafter shares with them.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -11,8 +12,28 @@
 
 namespace dflash::models {
 
-enum class Architecture { kQwen3, kQwen2, kLlama, kQwen3Moe };
+// kQwen35 / kQwen35Moe: Qwen3.5 and Qwen3.6 (model_type qwen3_5 / qwen3_5_moe with a
+// text_config, or the *_text forms); kQwen3Next: Qwen3-Next. These three are hybrids: Gated
+// DeltaNet linear-attention layers between gated full-attention layers.
+enum class Architecture { kQwen3, kQwen2, kLlama, kQwen3Moe, kQwen35, kQwen35Moe, kQwen3Next };
+// The text model's model_type ("qwen3_5_text" for both qwen3_5 forms).
 const char* architecture_name(Architecture arch);
+
+enum class LayerType { kFullAttention, kLinearAttention };
+
+// The Gated DeltaNet layers' shapes (transformers' linear_* fields).
+struct LinearAttentionShape {
+  int64_t num_key_heads = 0;
+  int64_t num_value_heads = 0;
+  int64_t key_head_dim = 0;
+  int64_t value_head_dim = 0;
+  int64_t conv_kernel_dim = 0;
+
+  int64_t key_dim() const { return num_key_heads * key_head_dim; }
+  int64_t value_dim() const { return num_value_heads * value_head_dim; }
+  // Channels of the causal conv: q, k and v side by side.
+  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+};
 
 // RoPE frequency scalings, computed as transformers' modeling_rope_utils does.
 // Llama 3.x frequency-dependent scaling ("rope_type": "llama3").
@@ -68,10 +89,37 @@ struct ModelConfig {
   bool norm_topk_prob = false;  // renormalise the top-k routing weights to sum to one
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
+  // A sparse layer's shared expert (Qwen3-Next, Qwen3.5 MoE; 0: none): a SwiGLU of this width
+  // every token takes, scaled by sigmoid(x shared_expert_gate^T) and added to the experts' sum.
+  int64_t shared_expert_intermediate_size = 0;
+
+  // Hybrids (is_hybrid()): each layer's token mixer (empty: all full attention).
+  std::vector<LayerType> layer_types;
+  LinearAttentionShape linear;
+  // Rotary over the first rotary_dim() = int(head_dim * partial_rotary_factor) dims of each head.
+  double partial_rotary_factor = 1.0;
+  // q_proj emits, per head, the queries then as many gate logits; the attention output is
+  // scaled by their sigmoid before o_proj.
+  bool attn_output_gate = false;
+  // RMSNorm scales by (1 + w) in fp32 (Gemma's convention; Qwen3-Next and Qwen3.5's decoder,
+  // final and q/k norms; not the gated norm of the linear-attention layers).
+  bool norm_plus_one = false;
+  // The released multimodal layout: text weights under model.language_model.*, the vision tower
+  // (model.visual.*) and mtp.* beside them, never read.
+  bool multimodal = false;
+
+  bool is_hybrid() const { return !layer_types.empty(); }
+  bool is_linear_layer(int64_t layer) const {
+    return is_hybrid() && layer_types[layer] == LayerType::kLinearAttention;
+  }
+  int64_t rotary_dim() const;
+  // "model.language_model." or "model.": where the decoder's tensors are named.
+  std::string weight_prefix() const { return multimodal ? "model.language_model." : "model."; }
 
   // Whether decoder layer `layer` has a sparse (expert) MLP, as transformers decides it.
   bool is_moe_layer(int64_t layer) const;
-  // The weights of layer `layer`'s MLP (a sparse one's router included): all of them, or
+  // The weights of layer `layer`'s MLP (a sparse one's router and shared expert included): all
+  // of them, or
   // (`active`) those one token multiplies by.
   int64_t mlp_parameters(int64_t layer, bool active) const;
 
@@ -94,7 +142,10 @@ nlohmann::json to_hf_json(const ModelConfig& config);
 
 // Named shapes for runs and benchmarks that need no files: "qwen3-8b", "qwen3-30b-a3b" (Qwen3
 // MoE, 128 experts, 8 active), "tiny" (a Qwen3-shaped model small enough for CPU tests and the
-// default demo) and "tiny-moe" (its MoE counterpart, with one dense layer).
+// default demo) and "tiny-moe" (its MoE counterpart, with one dense layer); the hybrids
+// "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b" (the published
+// configs' shapes) and "tiny-qwen3.5", "tiny-qwen3.5-moe".
+std::vector<std::string> preset_names();
 ModelConfig preset_config(const std::string& name);
 
 // The Qwen3-8B shape, used by benchmarks that need no files.

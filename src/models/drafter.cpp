@@ -214,6 +214,15 @@ DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOption
   c.layers.num_experts_per_tok = 0;
   c.layers.moe_intermediate_size = 0;
   c.layers.mlp_only_layers.clear();
+  c.layers.shared_expert_intermediate_size = 0;
+  // Qwen3 layers whatever the target: a hybrid target's linear-attention layers, partial
+  // rotary, output gate, (1 + w) norms and multimodal layout are not the drafter's.
+  c.layers.layer_types.clear();
+  c.layers.linear = {};
+  c.layers.partial_rotary_factor = 1.0;
+  c.layers.attn_output_gate = false;
+  c.layers.norm_plus_one = false;
+  c.layers.multimodal = false;
   c.layers.qk_norm = true;
   c.layers.attention_bias = false;
   c.layers.tie_word_embeddings = false;
@@ -442,6 +451,12 @@ Drafter Drafter::from_target_layers(const DrafterConfig& config, const TargetMod
     const TargetLayerWeights& s = target.layers()[src];
     if (!s.w_gate_up.defined()) {
       fail("drafter init: target layer {} has a sparse (MoE) MLP; copy only dense layers", src);
+    }
+    if (!s.w_qkv.defined() || t.attn_output_gate) {
+      fail(
+          "drafter init: target layer {} is a {} layer, not a Qwen3 one; copy only plain attention "
+          "layers",
+          src, s.w_qkv.defined() ? "gated attention" : "linear-attention (Gated DeltaNet)");
     }
     DrafterLayerWeights& l = d.layers_[i];
     l.input_norm.copy_(s.input_norm);

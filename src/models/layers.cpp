@@ -128,9 +128,10 @@ at::Tensor yarn_inv_freq(const at::Tensor& pos_freqs, int64_t dim, double base,
 }  // namespace
 
 Rotary::Rotary(const ModelConfig& c, at::Device device) {
-  // fp32 arithmetic on the CPU mirrors transformers' own computation of the table.
-  auto exponents =
-      at::arange(0, c.head_dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(c.head_dim);
+  // fp32 arithmetic on the CPU mirrors transformers' own computation of the table, over the
+  // rotated part of the head (all of it unless partial_rotary_factor < 1).
+  const int64_t dim = c.rotary_dim();
+  auto exponents = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
   auto pos_freqs = at::pow(c.rope_theta, exponents);
   at::Tensor inv_freq;
   if (!c.rope_scaling) {
@@ -139,7 +140,7 @@ Rotary::Rotary(const ModelConfig& c, at::Device device) {
     inv_freq = llama3_inv_freq(1.0 / pos_freqs, *l);
   } else {
     const auto& y = std::get<YarnRopeScaling>(*c.rope_scaling);
-    inv_freq = yarn_inv_freq(pos_freqs, c.head_dim, c.rope_theta, y);
+    inv_freq = yarn_inv_freq(pos_freqs, dim, c.rope_theta, y);
     attention_scaling_ = y.attention_scaling();
   }
   inv_freq_ = inv_freq.to(device);

@@ -41,7 +41,7 @@ at::Tensor swap_middle_dims(const at::Tensor& x, int64_t a, int64_t b, int64_t c
 class Rotary {
  public:
   Rotary(const ModelConfig& config, at::Device device);
-  // cos and sin, [tokens, head_dim], in `dtype`, for the given absolute positions (times yarn's
+  // cos and sin, [tokens, rotary_dim()], in `dtype`, for the given absolute positions (times yarn's
   // attention scaling).
   std::pair<at::Tensor, at::Tensor> tables(const at::Tensor& positions, at::ScalarType dtype) const;
   const at::Tensor& inv_freq() const { return inv_freq_; }

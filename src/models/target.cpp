@@ -19,7 +19,9 @@
 namespace dflash::models {
 namespace {
 
-std::string layer_prefix(int64_t i) { return fmt::format("model.layers.{}.", i); }
+std::string layer_prefix(const ModelConfig& c, int64_t i) {
+  return fmt::format("{}layers.{}.", c.weight_prefix(), i);
+}
 
 // Whether a pass over x takes the fused kernels of kernels/decode_ops.h (one launch and one
 // read of the activations where ATen makes several), at any number of rows: prefill spends
@@ -34,9 +36,10 @@ bool fused_kernels(const at::Tensor& x) {
 using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 
 // Layer i's MLP tensors, with their expected shapes: a sparse layer's experts per expert or,
-// with `fused_experts`, as the two 3-D tensors of transformers 5's Qwen3MoeExperts.
+// with `fused_experts`, as the two 3-D tensors of transformers 5's Qwen3MoeExperts; its shared
+// expert where the config has one.
 void mlp_tensors(const ModelConfig& c, int64_t i, bool fused_experts, Shapes& out) {
-  const std::string p = layer_prefix(i) + "mlp.";
+  const std::string p = layer_prefix(c, i) + "mlp.";
   const int64_t h = c.hidden_size;
   if (!c.is_moe_layer(i)) {
     out.push_back({p + "gate_proj.weight", {c.intermediate_size, h}});
@@ -46,6 +49,12 @@ void mlp_tensors(const ModelConfig& c, int64_t i, bool fused_experts, Shapes& ou
   }
   const int64_t e = c.num_experts, f = c.moe_intermediate_size;
   out.push_back({p + "gate.weight", {e, h}});
+  if (const int64_t sf = c.shared_expert_intermediate_size; sf > 0) {
+    out.push_back({p + "shared_expert.gate_proj.weight", {sf, h}});
+    out.push_back({p + "shared_expert.up_proj.weight", {sf, h}});
+    out.push_back({p + "shared_expert.down_proj.weight", {h, sf}});
+    out.push_back({p + "shared_expert_gate.weight", {1, h}});
+  }
   if (fused_experts) {
     out.push_back({p + "experts.gate_up_proj", {e, 2 * f, h}});
     out.push_back({p + "experts.down_proj", {e, h, f}});
@@ -59,28 +68,65 @@ void mlp_tensors(const ModelConfig& c, int64_t i, bool fused_experts, Shapes& ou
   }
 }
 
-// A checkpoint's layer i holds its experts fused (else per expert).
-bool has_fused_experts(const io::Checkpoint& ckpt, int64_t i) {
-  return ckpt.contains(layer_prefix(i) + "mlp.experts.gate_up_proj");
+// A linear-attention layer's tensors: Qwen3-Next's grouped in_proj_qkvz / in_proj_ba
+// (`grouped`) or Qwen3.5's split projections.
+void linear_attention_tensors(const ModelConfig& c, const std::string& p, bool grouped,
+                              Shapes& out) {
+  const auto& l = c.linear;
+  const int64_t h = c.hidden_size, nv = l.num_value_heads;
+  if (grouped) {
+    out.push_back({p + "in_proj_qkvz.weight", {l.conv_dim() + l.value_dim(), h}});
+    out.push_back({p + "in_proj_ba.weight", {2 * nv, h}});
+  } else {
+    out.push_back({p + "in_proj_qkv.weight", {l.conv_dim(), h}});
+    out.push_back({p + "in_proj_z.weight", {l.value_dim(), h}});
+    out.push_back({p + "in_proj_b.weight", {nv, h}});
+    out.push_back({p + "in_proj_a.weight", {nv, h}});
+  }
+  out.push_back({p + "conv1d.weight", {l.conv_dim(), 1, l.conv_kernel_dim}});
+  out.push_back({p + "A_log", {nv}});
+  out.push_back({p + "dt_bias", {nv}});
+  out.push_back({p + "norm.weight", {l.value_head_dim}});
+  out.push_back({p + "out_proj.weight", {h, l.value_dim()}});
 }
+
+// How a checkpoint lays out what the config leaves open: sparse layer i's experts fused (else
+// per expert), linear-attention layer i's input projections grouped (else split).
+struct Layout {
+  const io::Checkpoint* ckpt = nullptr;  // none (writing): per expert, split
+  const ModelConfig& c;
+  bool fused_experts(int64_t i) const {
+    return ckpt != nullptr && ckpt->contains(layer_prefix(c, i) + "mlp.experts.gate_up_proj");
+  }
+  bool grouped_in_proj(int64_t i) const {
+    return ckpt != nullptr &&
+           ckpt->contains(layer_prefix(c, i) + "linear_attn.in_proj_qkvz.weight");
+  }
+};
 
 at::Tensor sparse_mlp(const ModelConfig& c, const TargetLayerWeights& w, const at::Tensor& x) {
-  return moe_mlp(x, w.router, w.experts_gate_up, w.experts_down, c.num_experts_per_tok,
-                 c.norm_topk_prob);
+  auto out = moe_mlp(x, w.router, w.experts_gate_up, w.experts_down, c.num_experts_per_tok,
+                     c.norm_topk_prob);
+  if (!w.shared_gate.defined()) return out;
+  return out + shared_expert(x, w.shared_gate_up, w.shared_down, w.shared_gate);
 }
 
-// Every tensor a config implies, with its expected shape, in Hugging Face naming;
-// fused_experts(i) picks the layout of sparse layer i's experts.
-template <class FusedExperts>
-Shapes expected_tensors(const ModelConfig& c, FusedExperts&& fused_experts) {
+// Every tensor a config implies, with its expected shape, in Hugging Face naming, laid out as
+// `layout` says.
+Shapes expected_tensors(const ModelConfig& c, const Layout& layout) {
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   Shapes out;
-  out.push_back({"model.embed_tokens.weight", {c.vocab_size, h}});
+  out.push_back({c.weight_prefix() + "embed_tokens.weight", {c.vocab_size, h}});
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = layer_prefix(i);
+    const std::string p = layer_prefix(c, i);
     out.push_back({p + "input_layernorm.weight", {h}});
     out.push_back({p + "post_attention_layernorm.weight", {h}});
-    out.push_back({p + "self_attn.q_proj.weight", {q, h}});
+    if (c.is_linear_layer(i)) {
+      linear_attention_tensors(c, p + "linear_attn.", layout.grouped_in_proj(i), out);
+      mlp_tensors(c, i, c.is_moe_layer(i) && layout.fused_experts(i), out);
+      continue;
+    }
+    out.push_back({p + "self_attn.q_proj.weight", {c.attn_output_gate ? 2 * q : q, h}});
     out.push_back({p + "self_attn.k_proj.weight", {kv, h}});
     out.push_back({p + "self_attn.v_proj.weight", {kv, h}});
     out.push_back({p + "self_attn.o_proj.weight", {h, q}});
@@ -93,9 +139,9 @@ Shapes expected_tensors(const ModelConfig& c, FusedExperts&& fused_experts) {
       out.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
       out.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
     }
-    mlp_tensors(c, i, c.is_moe_layer(i) && fused_experts(i), out);
+    mlp_tensors(c, i, c.is_moe_layer(i) && layout.fused_experts(i), out);
   }
-  out.push_back({"model.norm.weight", {h}});
+  out.push_back({c.weight_prefix() + "norm.weight", {h}});
   if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", {c.vocab_size, h}});
   return out;
 }
@@ -104,8 +150,7 @@ Shapes expected_tensors(const ModelConfig& c, FusedExperts&& fused_experts) {
 std::vector<std::string> checked_tensors(const io::Checkpoint& ckpt, const ModelConfig& c,
                                          const std::filesystem::path& dir) {
   std::vector<std::string> names;
-  auto fused = [&](int64_t i) { return has_fused_experts(ckpt, i); };
-  for (const auto& [name, shape] : expected_tensors(c, fused)) {
+  for (const auto& [name, shape] : expected_tensors(c, Layout{&ckpt, c})) {
     if (!ckpt.contains(name)) {
       fail("{}: tensor {} is missing (config.json implies it)", dir.string(), name);
     }
@@ -117,6 +162,39 @@ std::vector<std::string> checked_tensors(const io::Checkpoint& ckpt, const Model
     names.push_back(name);
   }
   return names;
+}
+
+// Layer i's MLP weights into `l` (dense, or router, experts in either layout and the shared
+// expert), taken by name through `take`.
+template <class Take>
+void load_mlp(const ModelConfig& c, int64_t i, const Layout& layout, Take&& take,
+              TargetLayerWeights& l) {
+  const std::string p = layer_prefix(c, i) + "mlp.";
+  if (!c.is_moe_layer(i)) {
+    l.w_gate_up = at::cat({take(p + "gate_proj.weight"), take(p + "up_proj.weight")});
+    l.w_down = take(p + "down_proj.weight");
+    return;
+  }
+  l.router = take(p + "gate.weight");
+  if (c.shared_expert_intermediate_size > 0) {
+    l.shared_gate_up = at::cat(
+        {take(p + "shared_expert.gate_proj.weight"), take(p + "shared_expert.up_proj.weight")});
+    l.shared_down = take(p + "shared_expert.down_proj.weight");
+    l.shared_gate = take(p + "shared_expert_gate.weight");
+  }
+  if (layout.fused_experts(i)) {
+    l.experts_gate_up = take(p + "experts.gate_up_proj");
+    l.experts_down = take(p + "experts.down_proj");
+    return;
+  }
+  std::vector<at::Tensor> gate_up, down;
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    const std::string x = fmt::format("{}experts.{}.", p, e);
+    gate_up.push_back(at::cat({take(x + "gate_proj.weight"), take(x + "up_proj.weight")}));
+    down.push_back(take(x + "down_proj.weight"));
+  }
+  l.experts_gate_up = at::stack(gate_up);
+  l.experts_down = at::stack(down);
 }
 
 }  // namespace
@@ -134,17 +212,44 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
   const ModelConfig& c = m.config_;
   auto ckpt = io::Checkpoint::open(dir);
   auto w = ckpt.load(checked_tensors(ckpt, c, dir), device, dtype);
-  auto fused = [&](int64_t i) { return has_fused_experts(ckpt, i); };
+  const Layout layout{&ckpt, c};
   auto take = [&](const std::string& name) {
     auto node = w.extract(name);
     return node.mapped();
   };
-  m.embed_ = take("model.embed_tokens.weight");
+  auto take_norm = [&](const std::string& name) {
+    return c.norm_plus_one ? norm_weight_from_file(take(name)) : take(name);
+  };
+  // Multi-token-prediction heads (Qwen3.5, Qwen3-Next) are not part of the target's forward.
+  const auto names = ckpt.names();
+  if (auto mtp = std::count_if(names.begin(), names.end(),
+                               [](const std::string& n) { return n.starts_with("mtp."); });
+      mtp > 0) {
+    fmt::print(stderr, "target: {}: {} mtp.* tensors (multi-token prediction) are not loaded\n",
+               dir.string(), mtp);
+  }
+  m.embed_ = take(c.weight_prefix() + "embed_tokens.weight");
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = layer_prefix(i);
+    const std::string p = layer_prefix(c, i);
     TargetLayerWeights l;
-    l.input_norm = take(p + "input_layernorm.weight");
-    l.post_attention_norm = take(p + "post_attention_layernorm.weight");
+    l.input_norm = take_norm(p + "input_layernorm.weight");
+    l.post_attention_norm = take_norm(p + "post_attention_layernorm.weight");
+    load_mlp(c, i, layout, take, l);
+    if (c.is_linear_layer(i)) {
+      const std::string a = p + "linear_attn.";
+      l.linear.w_in = layout.grouped_in_proj(i)
+                          ? qwen3_next_in_proj(take(a + "in_proj_qkvz.weight"),
+                                               take(a + "in_proj_ba.weight"), c.linear)
+                          : at::cat({take(a + "in_proj_qkv.weight"), take(a + "in_proj_z.weight"),
+                                     take(a + "in_proj_b.weight"), take(a + "in_proj_a.weight")});
+      l.linear.conv = take(a + "conv1d.weight").squeeze(1);
+      l.linear.a_log = take(a + "A_log");
+      l.linear.dt_bias = take(a + "dt_bias");
+      l.linear.norm = take(a + "norm.weight");
+      l.linear.w_out = take(a + "out_proj.weight");
+      m.layers_.push_back(std::move(l));
+      continue;
+    }
     l.w_qkv = at::cat({take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
                        take(p + "self_attn.v_proj.weight")});
     if (c.attention_bias) {
@@ -152,31 +257,13 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
                          take(p + "self_attn.v_proj.bias")});
     }
     if (c.qk_norm) {
-      l.q_norm = take(p + "self_attn.q_norm.weight");
-      l.k_norm = take(p + "self_attn.k_norm.weight");
+      l.q_norm = take_norm(p + "self_attn.q_norm.weight");
+      l.k_norm = take_norm(p + "self_attn.k_norm.weight");
     }
     l.w_o = take(p + "self_attn.o_proj.weight");
-    if (!c.is_moe_layer(i)) {
-      l.w_gate_up = at::cat({take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")});
-      l.w_down = take(p + "mlp.down_proj.weight");
-    } else if (fused(i)) {
-      l.router = take(p + "mlp.gate.weight");
-      l.experts_gate_up = take(p + "mlp.experts.gate_up_proj");
-      l.experts_down = take(p + "mlp.experts.down_proj");
-    } else {
-      l.router = take(p + "mlp.gate.weight");
-      std::vector<at::Tensor> gate_up, down;
-      for (int64_t e = 0; e < c.num_experts; ++e) {
-        const std::string x = fmt::format("{}mlp.experts.{}.", p, e);
-        gate_up.push_back(at::cat({take(x + "gate_proj.weight"), take(x + "up_proj.weight")}));
-        down.push_back(take(x + "down_proj.weight"));
-      }
-      l.experts_gate_up = at::stack(gate_up);
-      l.experts_down = at::stack(down);
-    }
     m.layers_.push_back(std::move(l));
   }
-  m.norm_ = take("model.norm.weight");
+  m.norm_ = take_norm(c.weight_prefix() + "norm.weight");
   m.lm_head_ = c.tie_word_embeddings ? m.embed_ : take("lm_head.weight");
   return m;
 }
@@ -211,22 +298,40 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
     TargetLayerWeights l;
     l.input_norm = ones(h);
     l.post_attention_norm = ones(h);
-    l.w_qkv = normal({q + 2 * kv, h});
+    if (c.is_moe_layer(i)) {
+      const int64_t e = c.num_experts, f = c.moe_intermediate_size;
+      l.router = normal({e, h});
+      l.experts_gate_up = normal({e, 2 * f, h});
+      l.experts_down = normal({e, h, f});
+      if (const int64_t sf = c.shared_expert_intermediate_size; sf > 0) {
+        l.shared_gate_up = normal({2 * sf, h});
+        l.shared_down = normal({h, sf});
+        l.shared_gate = normal({1, h});
+      }
+    } else {
+      l.w_gate_up = normal({2 * c.intermediate_size, h});
+      l.w_down = normal({h, c.intermediate_size});
+    }
+    if (c.is_linear_layer(i)) {
+      const auto& s = c.linear;
+      const int64_t nv = s.num_value_heads;
+      l.linear.w_in = normal({s.conv_dim() + s.value_dim() + 2 * nv, h});
+      l.linear.conv = normal({s.conv_dim(), s.conv_kernel_dim}) * 10;  // std 0.2
+      // transformers' init: A uniform in [1, 16) (decays exp(-A softplus(.))), dt_bias 1.
+      l.linear.a_log = (at::rand({nv}, gen, opts) * 15 + 1).log();
+      l.linear.dt_bias = ones(nv);
+      l.linear.norm = ones(s.value_head_dim);
+      l.linear.w_out = normal({h, s.value_dim()});
+      m.layers_.push_back(std::move(l));
+      continue;
+    }
+    l.w_qkv = normal({(c.attn_output_gate ? 2 * q : q) + 2 * kv, h});
     if (c.attention_bias) l.b_qkv = normal({q + 2 * kv});
     if (c.qk_norm) {
       l.q_norm = ones(c.head_dim);
       l.k_norm = ones(c.head_dim);
     }
     l.w_o = normal({h, q});
-    if (c.is_moe_layer(i)) {
-      const int64_t e = c.num_experts, f = c.moe_intermediate_size;
-      l.router = normal({e, h});
-      l.experts_gate_up = normal({e, 2 * f, h});
-      l.experts_down = normal({e, h, f});
-    } else {
-      l.w_gate_up = normal({2 * c.intermediate_size, h});
-      l.w_down = normal({h, c.intermediate_size});
-    }
     m.layers_.push_back(std::move(l));
   }
   m.norm_ = ones(h);
@@ -247,6 +352,10 @@ int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
   }
   if (auto why = kernels::fp8_gemm_unsupported(device(), dtype()); !why.empty()) {
     fail("--prefill-gemms fp8 cannot run here: {}", why);
+  }
+  if (config_.is_hybrid()) {
+    fail("--prefill-gemms fp8 is not supported for {} targets (Gated DeltaNet layers) yet",
+         architecture_name(config_.arch));
   }
   int64_t bytes = 0;
   auto quantize = [&](const at::Tensor& w, int64_t i, const char* name) {
@@ -303,7 +412,8 @@ template <class Attend>
 at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
                                       at::Tensor& pending, const at::Tensor& cos,
                                       const at::Tensor& sin, bool fused, PrefillGemms gemms,
-                                      const CacheRows& cache, Attend&& attend) const {
+                                      const CacheRows& cache, const Sequences& seqs,
+                                      Attend&& attend) const {
   const ModelConfig& c = config_;
   const double eps = c.rms_norm_eps;
   const int64_t t = x.size(0), d = c.head_dim;
@@ -311,7 +421,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   const bool small = fused && t <= kernels::kSmallLinearFasterRows;
   const bool tuned = fused && !small && gemms == PrefillGemms::kTuned;
   const bool fp8 = gemms == PrefillGemms::kFp8 && !c10::GradMode::is_enabled();
-  if (!fp8 && !w.w_qkv.defined()) {
+  if (!fp8 && !w.w_qkv.defined() && !w.linear.w_in.defined()) {
     fail(
         "target forward: this target holds its projections in e4m3 alone "
         "(release_compute_projections); only --prefill-gemms fp8 can run it");
@@ -340,39 +450,60 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     x = r.sum;
     return r.normed;
   };
-  at::Tensor qkv;
-  if (fp8) {
-    qkv = linear8(input_norm(kernels::add_rms_norm_e4m3,
-                             [](const at::Tensor& h) { return kernels::quantize_rows_e4m3(h); }),
-                  w.qkv_fp8);
-    if (w.b_qkv.defined()) qkv.add_(w.b_qkv);
-  } else {
-    qkv =
-        linear(input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }), w.w_qkv, w.b_qkv);
-  }
-  at::Tensor q, k, v;
-  if (fused && c.qk_norm && cache.keys.defined()) {
-    // One launch instead of the two index_copy_ of KVCache::update (72 a step in Qwen3-8B).
-    q = kernels::qk_norm_rotary_into_cache(qkv, c.num_heads, c.num_kv_heads, w.q_norm, w.k_norm,
-                                           cos, sin, eps, cache.keys, cache.values, cache.rows);
-  } else if (fused && c.qk_norm) {
-    std::tie(q, k) = kernels::qk_norm_rotary(qkv, c.num_heads, c.num_kv_heads, w.q_norm, w.k_norm,
-                                             cos, sin, eps);
-    v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
-  } else {
-    v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
-    q = qkv.narrow(1, 0, nq).view({t, c.num_heads, d});
-    k = qkv.narrow(1, nq, nkv).view({t, c.num_kv_heads, d});
-    if (c.qk_norm) {
-      q = rms_norm(q, w.q_norm, eps);
-      k = rms_norm(k, w.k_norm, eps);
+  // The token mixer's output: a linear-attention layer's Gated DeltaNet, else attention.
+  auto attention = [&] {
+    at::Tensor qkv;
+    if (fp8) {
+      qkv = linear8(input_norm(kernels::add_rms_norm_e4m3,
+                               [](const at::Tensor& h) { return kernels::quantize_rows_e4m3(h); }),
+                    w.qkv_fp8);
+      if (w.b_qkv.defined()) qkv.add_(w.b_qkv);
+    } else {
+      qkv = linear(input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }), w.w_qkv,
+                   w.b_qkv);
     }
-    q = kernels::rotary(q, cos, sin);
-    k = kernels::rotary(k, cos, sin);
-  }
-  auto attn = attend(q, k, v).reshape({t, nq});
+    at::Tensor q, k, v, gate;
+    // The fused q/k norm + rotary kernels rotate whole heads of plain q rows; gated attention
+    // (q and gate interleaved per head, partial rotary) takes the composition below.
+    const bool fused_qk = fused && c.qk_norm && !c.attn_output_gate && c.rotary_dim() == d;
+    if (fused_qk && cache.keys.defined()) {
+      // One launch instead of the two index_copy_ of KVCache::update (72 a step in Qwen3-8B).
+      q = kernels::qk_norm_rotary_into_cache(qkv, c.num_heads, c.num_kv_heads, w.q_norm, w.k_norm,
+                                             cos, sin, eps, cache.keys, cache.values, cache.rows);
+    } else if (fused_qk) {
+      std::tie(q, k) = kernels::qk_norm_rotary(qkv, c.num_heads, c.num_kv_heads, w.q_norm, w.k_norm,
+                                               cos, sin, eps);
+      v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
+    } else {
+      const int64_t q_rows = c.attn_output_gate ? 2 * nq : nq;
+      if (c.attn_output_gate) {
+        auto q_gate = qkv.narrow(1, 0, q_rows).view({t, c.num_heads, 2 * d});
+        q = q_gate.narrow(2, 0, d);
+        gate = q_gate.narrow(2, d, d).reshape({t, nq});
+      } else {
+        q = qkv.narrow(1, 0, nq).view({t, c.num_heads, d});
+      }
+      k = qkv.narrow(1, q_rows, nkv).view({t, c.num_kv_heads, d});
+      v = qkv.narrow(1, q_rows + nkv, nkv).view({t, c.num_kv_heads, d});
+      if (c.qk_norm) {
+        q = rms_norm(q, w.q_norm, eps);
+        k = rms_norm(k, w.k_norm, eps);
+      }
+      q = partial_rotary(q, cos, sin);
+      k = partial_rotary(k, cos, sin);
+    }
+    auto attn = attend(q, k, v).reshape({t, nq});
+    if (gate.defined()) attn = attn * at::sigmoid(gate);
+    return fp8 ? linear8(kernels::quantize_rows_e4m3(attn), w.o_fp8) : linear(attn, w.w_o, {});
+  };
+  auto o = w.linear.w_in.defined()
+               ? gated_delta_net(input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }),
+                                 w.linear, c.linear, eps, seqs.cu_seqlens, seqs.lengths,
+                                 [&](const at::Tensor& in, const at::Tensor& weight) {
+                                   return linear(in, weight, {});
+                                 })
+               : attention();
   const bool dense_fp8 = fp8 && !w.router.defined();
-  auto o = fp8 ? linear8(kernels::quantize_rows_e4m3(attn), w.o_fp8) : linear(attn, w.w_o, {});
   if (!fused) {
     auto x1 = x + o;
     auto h1 = rms_norm(x1, w.post_attention_norm, eps);
@@ -397,9 +528,9 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
 
 template <class Attend>
 ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& positions,
-                               const at::Tensor& cu_seqlens, const ForwardRequest& request,
-                               KVCache* cache, const at::Tensor& cache_rows,
-                               Attend&& attend) const {
+                               const Sequences& seqs, const ForwardRequest& request, KVCache* cache,
+                               const at::Tensor& cache_rows, Attend&& attend) const {
+  const at::Tensor& cu_seqlens = seqs.cu_seqlens;
   std::optional<c10::NoGradGuard> no_grad;
   if (!request.grad) no_grad.emplace();
   for (int64_t id : request.tap_layers) {
@@ -422,7 +553,7 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
   for (int64_t i = 0; i < layers; ++i) {
     const CacheRows rows =
         cache != nullptr ? CacheRows{cache->keys(i), cache->values(i), cache_rows} : CacheRows{};
-    x = decoder_layer(layers_[i], x, pending, cos, sin, fused, request.gemms, rows,
+    x = decoder_layer(layers_[i], x, pending, cos, sin, fused, request.gemms, rows, seqs,
                       [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                         return attend(i, q, k, v);
                       });
@@ -449,7 +580,7 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
     fail("target forward: tokens must be [{}] (the packed batch), got [{}]", batch.total,
          fmt::join(tokens.sizes(), ", "));
   }
-  return run(tokens, batch.positions, batch.cu_seqlens, request, nullptr, {},
+  return run(tokens, batch.positions, {batch.cu_seqlens, batch.lengths}, request, nullptr, {},
              [&](int64_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                return packed_causal_attention(q, k, v, batch, request.attention);
              });
@@ -457,6 +588,12 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
 
 ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const AppendBatch& batch,
                                           KVCache& cache, const ForwardRequest& request) const {
+  if (config_.is_hybrid()) {
+    fail(
+        "target cached forward: {} targets (Gated DeltaNet layers) have no decode path yet; "
+        "generate, eval and speculative decoding cannot run them (training's prefill can)",
+        architecture_name(config_.arch));
+  }
   if (tokens.dim() != 1 || tokens.size(0) != batch.total) {
     fail("target cached forward: tokens must be [{}] (the append batch), got [{}]", batch.total,
          fmt::join(tokens.sizes(), ", "));
@@ -478,7 +615,7 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
     }
   }
   auto result =
-      run(tokens, batch.positions, batch.cu_seqlens, request, &cache, batch.rows,
+      run(tokens, batch.positions, {batch.cu_seqlens, {}}, request, &cache, batch.rows,
           [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
             if (k.defined()) cache.update(layer, batch.rows, k, v);  // else the layer wrote them
             return cached_causal_attention(q, cache, layer, batch);
@@ -488,28 +625,53 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
 }
 
 std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() const {
-  const ModelConfig& c = config_;
+  // The text-only layout (model.*) whatever was read, as to_hf_json writes the config.
+  ModelConfig c = config_;
+  c.multimodal = false;
   const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  const int64_t q_rows = c.attn_output_gate ? 2 * q : q;
+  auto norm = [&](const at::Tensor& w) { return c.norm_plus_one ? norm_weight_to_file(w) : w; };
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.push_back({"model.embed_tokens.weight", embed_});
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const auto& l = layers_[i];
-    const std::string p = layer_prefix(i);
-    out.push_back({p + "input_layernorm.weight", l.input_norm});
-    out.push_back({p + "post_attention_layernorm.weight", l.post_attention_norm});
-    out.push_back({p + "self_attn.q_proj.weight", l.w_qkv.narrow(0, 0, q)});
-    out.push_back({p + "self_attn.k_proj.weight", l.w_qkv.narrow(0, q, kv)});
-    out.push_back({p + "self_attn.v_proj.weight", l.w_qkv.narrow(0, q + kv, kv)});
-    if (c.attention_bias) {
-      out.push_back({p + "self_attn.q_proj.bias", l.b_qkv.narrow(0, 0, q)});
-      out.push_back({p + "self_attn.k_proj.bias", l.b_qkv.narrow(0, q, kv)});
-      out.push_back({p + "self_attn.v_proj.bias", l.b_qkv.narrow(0, q + kv, kv)});
+    const std::string p = layer_prefix(c, i);
+    out.push_back({p + "input_layernorm.weight", norm(l.input_norm)});
+    out.push_back({p + "post_attention_layernorm.weight", norm(l.post_attention_norm)});
+    if (l.linear.w_in.defined()) {
+      const std::string a = p + "linear_attn.";
+      const auto& s = c.linear;
+      if (c.arch == Architecture::kQwen3Next) {
+        auto [qkvz, ba] = qwen3_next_in_proj_inverse(l.linear.w_in, s);
+        out.push_back({a + "in_proj_qkvz.weight", qkvz});
+        out.push_back({a + "in_proj_ba.weight", ba});
+      } else {
+        const int64_t nv = s.num_value_heads, cd = s.conv_dim(), vd = s.value_dim();
+        out.push_back({a + "in_proj_qkv.weight", l.linear.w_in.narrow(0, 0, cd)});
+        out.push_back({a + "in_proj_z.weight", l.linear.w_in.narrow(0, cd, vd)});
+        out.push_back({a + "in_proj_b.weight", l.linear.w_in.narrow(0, cd + vd, nv)});
+        out.push_back({a + "in_proj_a.weight", l.linear.w_in.narrow(0, cd + vd + nv, nv)});
+      }
+      out.push_back({a + "conv1d.weight", l.linear.conv.unsqueeze(1)});
+      out.push_back({a + "A_log", l.linear.a_log});
+      out.push_back({a + "dt_bias", l.linear.dt_bias});
+      out.push_back({a + "norm.weight", l.linear.norm});
+      out.push_back({a + "out_proj.weight", l.linear.w_out});
+    } else {
+      out.push_back({p + "self_attn.q_proj.weight", l.w_qkv.narrow(0, 0, q_rows)});
+      out.push_back({p + "self_attn.k_proj.weight", l.w_qkv.narrow(0, q_rows, kv)});
+      out.push_back({p + "self_attn.v_proj.weight", l.w_qkv.narrow(0, q_rows + kv, kv)});
+      if (c.attention_bias) {
+        out.push_back({p + "self_attn.q_proj.bias", l.b_qkv.narrow(0, 0, q)});
+        out.push_back({p + "self_attn.k_proj.bias", l.b_qkv.narrow(0, q, kv)});
+        out.push_back({p + "self_attn.v_proj.bias", l.b_qkv.narrow(0, q + kv, kv)});
+      }
+      if (c.qk_norm) {
+        out.push_back({p + "self_attn.q_norm.weight", norm(l.q_norm)});
+        out.push_back({p + "self_attn.k_norm.weight", norm(l.k_norm)});
+      }
+      out.push_back({p + "self_attn.o_proj.weight", l.w_o});
     }
-    if (c.qk_norm) {
-      out.push_back({p + "self_attn.q_norm.weight", l.q_norm});
-      out.push_back({p + "self_attn.k_norm.weight", l.k_norm});
-    }
-    out.push_back({p + "self_attn.o_proj.weight", l.w_o});
     if (!l.router.defined()) {
       out.push_back({p + "mlp.gate_proj.weight", l.w_gate_up.narrow(0, 0, c.intermediate_size)});
       out.push_back({p + "mlp.up_proj.weight",
@@ -520,6 +682,13 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
     // The published per-expert layout, which every reader of Qwen3 MoE checkpoints takes.
     const int64_t f = c.moe_intermediate_size;
     out.push_back({p + "mlp.gate.weight", l.router});
+    if (l.shared_gate.defined()) {
+      const int64_t sf = c.shared_expert_intermediate_size;
+      out.push_back({p + "mlp.shared_expert.gate_proj.weight", l.shared_gate_up.narrow(0, 0, sf)});
+      out.push_back({p + "mlp.shared_expert.up_proj.weight", l.shared_gate_up.narrow(0, sf, sf)});
+      out.push_back({p + "mlp.shared_expert.down_proj.weight", l.shared_down});
+      out.push_back({p + "mlp.shared_expert_gate.weight", l.shared_gate});
+    }
     for (int64_t e = 0; e < c.num_experts; ++e) {
       const std::string x = fmt::format("{}mlp.experts.{}.", p, e);
       out.push_back({x + "gate_proj.weight", l.experts_gate_up[e].narrow(0, 0, f)});
@@ -527,7 +696,7 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
       out.push_back({x + "down_proj.weight", l.experts_down[e]});
     }
   }
-  out.push_back({"model.norm.weight", norm_});
+  out.push_back({"model.norm.weight", norm(norm_)});
   if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", lm_head_});
   return out;
 }
@@ -535,9 +704,27 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
 std::vector<at::Tensor> TargetModel::parameters() const {
   std::vector<at::Tensor> out = {embed_};
   for (const auto& l : layers_) {
-    for (const at::Tensor& t :
-         {l.input_norm, l.post_attention_norm, l.w_qkv, l.b_qkv, l.q_norm, l.k_norm, l.w_o,
-          l.w_gate_up, l.w_down, l.router, l.experts_gate_up, l.experts_down}) {
+    for (const at::Tensor& t : {l.input_norm,
+                                l.post_attention_norm,
+                                l.w_qkv,
+                                l.b_qkv,
+                                l.q_norm,
+                                l.k_norm,
+                                l.w_o,
+                                l.w_gate_up,
+                                l.w_down,
+                                l.router,
+                                l.experts_gate_up,
+                                l.experts_down,
+                                l.shared_gate_up,
+                                l.shared_down,
+                                l.shared_gate,
+                                l.linear.w_in,
+                                l.linear.conv,
+                                l.linear.a_log,
+                                l.linear.dt_bias,
+                                l.linear.norm,
+                                l.linear.w_out}) {
       if (t.defined()) out.push_back(t);
     }
   }
@@ -553,9 +740,27 @@ TargetModel TargetModel::cast(at::ScalarType dtype) const {
   };
   to(m.embed_);
   for (auto& l : m.layers_) {
-    for (at::Tensor* t :
-         {&l.input_norm, &l.post_attention_norm, &l.w_qkv, &l.b_qkv, &l.q_norm, &l.k_norm, &l.w_o,
-          &l.w_gate_up, &l.w_down, &l.router, &l.experts_gate_up, &l.experts_down}) {
+    for (at::Tensor* t : {&l.input_norm,
+                          &l.post_attention_norm,
+                          &l.w_qkv,
+                          &l.b_qkv,
+                          &l.q_norm,
+                          &l.k_norm,
+                          &l.w_o,
+                          &l.w_gate_up,
+                          &l.w_down,
+                          &l.router,
+                          &l.experts_gate_up,
+                          &l.experts_down,
+                          &l.shared_gate_up,
+                          &l.shared_down,
+                          &l.shared_gate,
+                          &l.linear.w_in,
+                          &l.linear.conv,
+                          &l.linear.a_log,
+                          &l.linear.dt_bias,
+                          &l.linear.norm,
+                          &l.linear.w_out}) {
       to(*t);
     }
   }
@@ -574,14 +779,29 @@ double prefill_flops(const ModelConfig& c, const std::vector<int64_t>& lengths, 
   const double h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   if (layers < 0) layers = c.num_layers;
   // A sparse layer's experts counted only as often as tokens are routed to them.
-  double linear_params = 0;
+  double linear_params = 0, full_layers = 0, per_token = 0;
+  const auto& l = c.linear;
   for (int64_t i = 0; i < layers; ++i) {
-    linear_params += h * (q + 2 * kv) + q * h + static_cast<double>(c.mlp_parameters(i, true));
+    linear_params += static_cast<double>(c.mlp_parameters(i, true));
+    if (c.is_linear_layer(i)) {
+      linear_params +=
+          h * static_cast<double>(l.conv_dim() + 2 * l.value_dim() + 2 * l.num_value_heads);
+      // The chunked delta rule (chunks of 64) per token and value head: q and k against the
+      // state and the state's update (3 products of Dk x Dv), and the chunk-local products of
+      // 64 rows over Dk and Dv; the depthwise conv.
+      const double dk = static_cast<double>(l.key_head_dim),
+                   dv = static_cast<double>(l.value_head_dim);
+      per_token += static_cast<double>(l.num_value_heads) * (6 * dk * dv + 2 * 64 * (dk + dv)) +
+                   2.0 * static_cast<double>(l.conv_dim() * l.conv_kernel_dim);
+      continue;
+    }
+    linear_params += h * ((c.attn_output_gate ? 2 : 1) * q + 2 * kv) + q * h;
+    full_layers += 1;
   }
   double flops = 0;
   for (int64_t n : lengths) {
     const double s = static_cast<double>(n);
-    flops += 2 * linear_params * s + static_cast<double>(layers) * 2 * s * (s + 1) * q;
+    flops += (2 * linear_params + per_token) * s + full_layers * 2 * s * (s + 1) * q;
   }
   return flops + 2.0 * h * c.vocab_size * logit_rows;
 }

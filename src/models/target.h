@@ -1,5 +1,6 @@
-// models: the frozen target decoder (Qwen3, Qwen3 MoE, Qwen2, Llama). It owns its weights, runs
-// packed multi-sequence prefill and returns logits and the hidden states of requested layers.
+// models: the frozen target decoder (Qwen3, Qwen3 MoE, Qwen2, Llama; the hybrids Qwen3.5 /
+// Qwen3.6 dense and MoE and Qwen3-Next, prefill only). It owns its weights, runs packed
+// multi-sequence prefill and returns logits and the hidden states of requested layers.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -9,6 +10,7 @@
 
 #include "kernels/fp8_rows.h"
 #include "models/config.h"
+#include "models/hybrid_layers.h"
 #include "models/kv_cache.h"
 #include "models/layers.h"
 
@@ -23,8 +25,12 @@ at::Generator seeded_generator(at::Device device, uint64_t seed);
 at::ScalarType parse_dtype(const std::string& name, at::Device device);
 
 struct TargetLayerWeights {
+  // With norm_plus_one these (and q_norm, k_norm, the final norm) hold 1 + w.
   at::Tensor input_norm, post_attention_norm;
-  at::Tensor w_qkv;           // [(Hq + 2 Hkv) * D, H]: q, k and v projections fused into one matmul
+  // [(Hq + 2 Hkv) * D, H]: q, k and v projections fused into one matmul; with an attention
+  // output gate the q rows are q_proj's [Hq * 2D] (each head's queries, then its gate logits).
+  // Undefined in a linear-attention layer, which has `linear` instead.
+  at::Tensor w_qkv;
   at::Tensor b_qkv;           // undefined unless attention_bias
   at::Tensor q_norm, k_norm;  // [D], Qwen3 only
   at::Tensor w_o;             // [H, Hq * D]
@@ -33,6 +39,10 @@ struct TargetLayerWeights {
   // A sparse layer's router [E, H] and experts, laid out as transformers' Qwen3MoeExperts:
   // [E, 2F, H] (each expert's gate rows first) and [E, H, F]. Undefined in a dense layer.
   at::Tensor router, experts_gate_up, experts_down;
+  // A sparse layer's shared expert ([2F, H] gate rows first, [H, F]) and its gate [1, H];
+  // undefined without one.
+  at::Tensor shared_gate_up, shared_down, shared_gate;
+  LinearAttentionWeights linear;  // a hybrid's linear-attention layer; else undefined
   // PrefillGemms::kFp8's projections in e4m3, one scale per output row, written by
   // TargetModel::quantize_weights_fp8 (undefined before; a sparse layer's MLP stays bf16).
   kernels::Fp8Rows qkv_fp8, o_fp8, gate_up_fp8, down_fp8;
@@ -70,7 +80,8 @@ struct ForwardResult {
 
 class TargetModel {
  public:
-  // Reads config.json and the safetensors weights of a Hugging Face model directory. A sparse
+  // Reads config.json and the safetensors weights of a Hugging Face model directory (Qwen3.5's
+  // released multimodal layout reads model.language_model.* and lm_head only). A sparse
   // layer's experts are read per expert (mlp.experts.{e}.{gate,up,down}_proj.weight: published
   // checkpoints, transformers' save_pretrained) or fused (mlp.experts.gate_up_proj [E, 2F, H],
   // mlp.experts.down_proj [E, H, F]: transformers 5's state_dict).
@@ -92,6 +103,7 @@ class TargetModel {
   // They attend causally to the slot's cached prefix and to each other; their K/V are written
   // into `cache` and the slots' lengths grow by the counts. Logits and taps are for the new
   // tokens only (kLast: each entry's last new token). `cache` must be built for this model.
+  // Hybrid targets fail here: their decode state (conv and recurrent) is not implemented.
   ForwardResult forward_cached(const at::Tensor& tokens, const AppendBatch& batch, KVCache& cache,
                                const ForwardRequest& request) const;
 
@@ -118,7 +130,8 @@ class TargetModel {
   // forwards must ask for PrefillGemms::kFp8 and stop at those layers. Returns the bytes freed.
   int64_t release_compute_projections();
 
-  // Tensor names and weights as Hugging Face lays them out (for writing checkpoints).
+  // Tensor names and weights as Hugging Face lays them out (for writing checkpoints; hybrids in
+  // their text-only layout, as to_hf_json describes them).
   std::vector<std::pair<std::string, at::Tensor>> hf_state_dict() const;
 
   // Every weight tensor once (the tied embedding once), as held: training sets requires_grad
@@ -135,14 +148,20 @@ class TargetModel {
   struct CacheRows {
     at::Tensor keys, values, rows;
   };
+  // The packed sequences of a forward, for the linear-attention layers: cu_seqlens (int32
+  // [n+1], on the device) and the lengths on the host.
+  struct Sequences {
+    const at::Tensor& cu_seqlens;
+    c10::ArrayRef<int64_t> lengths;
+  };
   // The body both forwards share; only attention differs: attend(layer, q, k, v) with q
   // [tokens, Hq, D] and k, v [tokens, Hkv, D] after norms and rotary, returning [tokens, Hq, D];
   // k and v are undefined where the layer already wrote them into `cache` (when not null) at
   // `cache_rows`. cu_seqlens (int32 [n+1]) gives each sequence's last token for Logits::kLast.
   template <class Attend>
-  ForwardResult run(const at::Tensor& tokens, const at::Tensor& positions,
-                    const at::Tensor& cu_seqlens, const ForwardRequest& request, KVCache* cache,
-                    const at::Tensor& cache_rows, Attend&& attend) const;
+  ForwardResult run(const at::Tensor& tokens, const at::Tensor& positions, const Sequences& seqs,
+                    const ForwardRequest& request, KVCache* cache, const at::Tensor& cache_rows,
+                    Attend&& attend) const;
   // One layer on the residual stream x, returning the stream after it. With `fused` (no
   // autograd, CUDA, half precision; prefill and decode alike) it runs the kernels of
   // kernels/decode_ops.h (and kernels/small_linear.h for the projections of a single row) and
@@ -151,10 +170,13 @@ class TargetModel {
   // and on return holds this layer's. Without `fused`, pending stays undefined. With `fused`,
   // q/k norms and `cache` defined, K and V go into the cache and attend gets undefined k and v.
   // `gemms` applies to fused passes of more rows than kernels::kSmallLinearFasterRows.
+  // A hybrid's linear-attention layer runs the Gated DeltaNet mixer over `seqs` instead of
+  // attend; a gated attention layer scales attend's output by the sigmoid gate.
   template <class Attend>
   at::Tensor decoder_layer(const TargetLayerWeights& w, at::Tensor x, at::Tensor& pending,
                            const at::Tensor& cos, const at::Tensor& sin, bool fused,
-                           PrefillGemms gemms, const CacheRows& cache, Attend&& attend) const;
+                           PrefillGemms gemms, const CacheRows& cache, const Sequences& seqs,
+                           Attend&& attend) const;
 
   ModelConfig config_;
   Rotary rotary_;
@@ -164,8 +186,9 @@ class TargetModel {
 
 // Floating-point operations of one prefill through the first `layers` decoder layers (-1: all;
 // a forward for features alone stops after the last tapped layer): projections (of a sparse
-// layer, the router and the experts each token is routed to), causal attention (only the
-// unmasked half counted) and `logit_rows` rows of the LM head.
+// layer, the router, the shared expert and the experts each token is routed to), causal
+// attention (only the unmasked half counted), a linear-attention layer's conv and chunked delta
+// rule, and `logit_rows` rows of the LM head.
 double prefill_flops(const ModelConfig& config, const std::vector<int64_t>& lengths,
                      int64_t logit_rows, int64_t layers = -1);
 

@@ -1,4 +1,5 @@
 """What the CLI tests share: running a command with the test environment."""
+import json
 import os
 import pathlib
 import subprocess
@@ -31,3 +32,11 @@ def run_case(cases, setup, prefix):
     with tempfile.TemporaryDirectory(prefix=f"dflash_{prefix}_{case}_") as tmp:
         cases[case](setup(dflash, pathlib.Path(tmp)))
     print(f"ok: {case} in {time.monotonic() - t0:.1f} s")
+
+
+def write_chats(path, count=8):
+    """A tiny chat JSONL (OpenAI messages) of `count` arithmetic questions and answers."""
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}: how many is {i} + {i}?"},
+                          {"role": "assistant", "content": f"It is {2 * i}. " * 6}]}
+            for i in range(count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))

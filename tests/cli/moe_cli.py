@@ -14,7 +14,7 @@ import pathlib
 import sys
 import tempfile
 
-from cli_util import run
+from cli_util import run, write_chats
 
 
 def check_transformers_loads(target):
@@ -40,10 +40,7 @@ def main():
         check_transformers_loads(target)
 
         chats = work / "chats.jsonl"
-        rows = [{"messages": [{"role": "user", "content": f"Question {i}: how many is {i} + {i}?"},
-                              {"role": "assistant", "content": f"It is {2 * i}. " * 6}]}
-                for i in range(8)]
-        chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_chats(chats)
         data = work / "data"
         run([dflash, "prepare", "--tokenizer", target, "--data", chats, "--out", data, "--quiet"])
         train = work / "train"

@@ -1,4 +1,6 @@
-// config.json parsing: supported families, rope scaling, and the errors for everything else.
+// config.json parsing: supported families (the hybrids Qwen3.5 / Qwen3.6 / Qwen3-Next too: layer
+// types, partial rotary, mrope, linear-attention shapes, the multimodal text_config), rope
+// scaling, and the errors for everything else.
 #include "models/config.h"
 
 #include <gmock/gmock.h>
@@ -16,6 +18,8 @@
 namespace dflash {
 namespace {
 
+using models::Architecture;
+using models::LayerType;
 using models::parse_model_config;
 using nlohmann::json;
 using ::testing::HasSubstr;
@@ -192,6 +196,143 @@ TEST(TargetModelErrors, MissingTensor) {
   auto error =
       load_error_with_config("missing_tensor", [](json& j) { j["tie_word_embeddings"] = false; });
   EXPECT_THAT(error, HasSubstr("tensor lm_head.weight is missing"));
+}
+
+json qwen3_5_text() {
+  return json{{"model_type", "qwen3_5_text"},
+              {"vocab_size", 100},
+              {"hidden_size", 32},
+              {"intermediate_size", 64},
+              {"num_hidden_layers", 8},
+              {"num_attention_heads", 4},
+              {"num_key_value_heads", 2},
+              {"head_dim", 16},
+              {"linear_num_key_heads", 2},
+              {"linear_num_value_heads", 4},
+              {"linear_key_head_dim", 8},
+              {"linear_value_head_dim", 8},
+              {"rope_parameters",
+               {{"rope_type", "default"},
+                {"rope_theta", 1e7},
+                {"partial_rotary_factor", 0.25},
+                {"mrope_section", {1, 1, 0}},
+                {"mrope_interleaved", true}}}};
+}
+
+TEST(Qwen35Config, ParsesTheTextForm) {
+  auto c = parse_model_config(qwen3_5_text(), "config.json");
+  EXPECT_EQ(c.arch, Architecture::kQwen35);
+  EXPECT_TRUE(c.is_hybrid());
+  EXPECT_FALSE(c.multimodal);
+  EXPECT_EQ(c.weight_prefix(), "model.");
+  // full_attention_interval's default (4): layers 3 and 7 full.
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(c.is_linear_layer(i), i % 4 != 3) << i;
+  EXPECT_EQ(c.rotary_dim(), 4);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e7);
+  EXPECT_TRUE(c.norm_plus_one && c.qk_norm && c.attn_output_gate);
+  EXPECT_EQ(c.linear.conv_kernel_dim, 4);
+  EXPECT_EQ(c.linear.conv_dim(), 2 * 16 + 32);
+  EXPECT_EQ(c.num_experts, 0);
+}
+
+TEST(Qwen35Config, MultimodalFormReadsTextConfigAndTopLevelTying) {
+  json top = {{"model_type", "qwen3_5"},
+              {"text_config", qwen3_5_text()},
+              {"vision_config", {{"depth", 27}}},
+              {"tie_word_embeddings", true}};
+  top["text_config"]["tie_word_embeddings"] = false;  // the top level is what ties
+  auto c = parse_model_config(top, "config.json");
+  EXPECT_EQ(c.arch, Architecture::kQwen35);
+  EXPECT_TRUE(c.multimodal);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.weight_prefix(), "model.language_model.");
+  EXPECT_EQ(c.hidden_size, 32);
+
+  top.erase("text_config");
+  EXPECT_THAT(error_of(top), HasSubstr("needs a \"text_config\" object"));
+  top["text_config"] = qwen3_5_text();
+  top["text_config"].erase("hidden_size");
+  EXPECT_THAT(error_of(top), HasSubstr("dir/config.json: text_config: missing required field "
+                                       "\"hidden_size\""));
+}
+
+TEST(Qwen35Config, MoeFormsAndQwen3Next) {
+  json moe = qwen3_5_text();
+  moe["model_type"] = "qwen3_5_moe_text";
+  moe.erase("intermediate_size");  // Qwen3_5MoeTextConfig has none
+  moe["num_experts"] = 8;
+  moe["num_experts_per_tok"] = 2;
+  moe["moe_intermediate_size"] = 16;
+  moe["shared_expert_intermediate_size"] = 24;
+  auto c = parse_model_config(moe, "config.json");
+  EXPECT_EQ(c.arch, Architecture::kQwen35Moe);
+  EXPECT_EQ(c.intermediate_size, 3 * 32);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 24);
+  for (int64_t i = 0; i < 8; ++i) EXPECT_TRUE(c.is_moe_layer(i));
+
+  json next = qwen3_5_text();
+  next["model_type"] = "qwen3_next";
+  next.erase("rope_parameters");
+  next["rope_theta"] = 5e6;
+  next["partial_rotary_factor"] = 0.5;  // top level, as Qwen3-Next's config.json
+  next["layer_types"] = {"linear_attention", "full_attention", "linear_attention",
+                         "linear_attention", "full_attention", "linear_attention",
+                         "linear_attention", "full_attention"};
+  next["norm_topk_prob"] = false;
+  next["mlp_only_layers"] = {2};
+  auto n = parse_model_config(next, "config.json");
+  EXPECT_EQ(n.arch, Architecture::kQwen3Next);
+  EXPECT_EQ(n.rotary_dim(), 8);
+  EXPECT_DOUBLE_EQ(n.rope_theta, 5e6);
+  EXPECT_EQ(n.layer_types[1], LayerType::kFullAttention);
+  EXPECT_EQ(n.layer_types[2], LayerType::kLinearAttention);
+  EXPECT_FALSE(n.norm_topk_prob);
+  EXPECT_EQ(n.num_experts, 512);  // Qwen3NextConfig's defaults
+  EXPECT_EQ(n.num_experts_per_tok, 10);
+  EXPECT_EQ(n.shared_expert_intermediate_size, 512);
+  EXPECT_FALSE(n.is_moe_layer(2));
+  EXPECT_TRUE(n.is_moe_layer(1));
+}
+
+TEST(Qwen35Config, BadValuesNameTheField) {
+  auto with = [](const char* key, json value) {
+    json j = qwen3_5_text();
+    j[key] = std::move(value);
+    return error_of(j);
+  };
+  EXPECT_THAT(with("layer_types", {"linear_attention"}),
+              HasSubstr("layer_types has 1 entries, num_hidden_layers is 8"));
+  json types(8, "full_attention");
+  types[2] = "sliding_attention";
+  EXPECT_THAT(with("layer_types", types),
+              HasSubstr("layer_types[2] is \"sliding_attention\" (expected linear_attention or "
+                        "full_attention)"));
+  EXPECT_THAT(with("full_attention_interval", 0),
+              HasSubstr("full_attention_interval must be positive"));
+  EXPECT_THAT(
+      with("linear_num_value_heads", 3),
+      HasSubstr("linear_num_value_heads (3) must be a multiple of linear_num_key_heads (2)"));
+  EXPECT_THAT(with("linear_conv_kernel_dim", 0),
+              HasSubstr("linear_conv_kernel_dim must be positive"));
+  EXPECT_THAT(with("linear_key_head_dim", "wide"),
+              HasSubstr("field \"linear_key_head_dim\" has the wrong type"));
+  EXPECT_THAT(with("attn_output_gate", false),
+              HasSubstr("attn_output_gate = false is not supported"));
+  EXPECT_THAT(with("attention_bias", true), HasSubstr("attention_bias = true is not supported"));
+  json rope = qwen3_5_text()["rope_parameters"];
+  rope["partial_rotary_factor"] = 1.5;
+  EXPECT_THAT(with("rope_parameters", rope), HasSubstr("partial_rotary_factor must be in (0, 1]"));
+  rope["partial_rotary_factor"] = 0.1;  // 16 * 0.1 = 1 rotary dim
+  EXPECT_THAT(with("rope_parameters", rope), HasSubstr("gives 1 rotary dims, must be even"));
+  rope["partial_rotary_factor"] = 0.25;
+  rope["mrope_section"] = {1, -1, 0};
+  EXPECT_THAT(with("rope_parameters", rope),
+              HasSubstr("mrope_section entries must not be negative"));
+  rope["mrope_section"] = "x";
+  EXPECT_THAT(with("rope_parameters", rope),
+              HasSubstr("field \"mrope_section\" has the wrong type"));
+  EXPECT_THAT(with("model_type", "qwen3_6"), HasSubstr("model_type \"qwen3_6\" is not supported"));
 }
 
 }  // namespace

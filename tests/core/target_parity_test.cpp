@@ -1,7 +1,9 @@
 // Target decoders against transformers: logits and every decoder layer's output, fp32, for
 // packed multi-sequence batches and single sequences; Qwen3 MoE with top-2 and top-4 routing,
 // with and without norm_topk_prob, dense layers by mlp_only_layers and decoder_sparse_step,
-// experts stored per expert (sharded too) and fused.
+// experts stored per expert (sharded too) and fused; the hybrids (Qwen3.5 / Qwen3.6 dense and
+// MoE in both checkpoint layouts, Qwen3-Next), whose packed rows restart the conv window and the
+// recurrent state at each sequence.
 #include <gtest/gtest.h>
 
 #include "io/safetensors.h"
@@ -16,10 +18,11 @@ using models::PackedBatch;
 using models::TargetModel;
 using testing::fixture;
 
+// The parameter is the fixture directory relative to the fixtures root.
 class TargetParity : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    dir_ = fixture("models/" + GetParam());
+    dir_ = fixture(GetParam());
     ref_ = io::SafetensorsFile::open(dir_ / "reference.safetensors");
   }
   at::Tensor ref(const std::string& name) const { return ref_->tensor(name); }
@@ -64,12 +67,26 @@ TEST_P(TargetParity, LastLogitsAndSingleSequence) {
   EXPECT_CLOSE(single.logits, all.narrow(0, lens[0], lens[1]), 1e-4);
 }
 
+// Test names are the directory names.
+std::string model_name(const ::testing::TestParamInfo<std::string>& info) {
+  return info.param.substr(info.param.find('/') + 1);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, TargetParity,
-                         ::testing::Values("qwen3_tied", "qwen3_untied_sharded", "qwen2_untied",
-                                           "llama3_scaled_sharded", "llama_tied",
-                                           "qwen3_moe_top2_tied", "qwen3_moe_top4_mlp_only_sharded",
-                                           "qwen3_moe_step2_fused"),
-                         [](const auto& info) { return info.param; });
+                         ::testing::Values("models/qwen3_tied", "models/qwen3_untied_sharded",
+                                           "models/qwen2_untied", "models/llama3_scaled_sharded",
+                                           "models/llama_tied", "models/qwen3_moe_top2_tied",
+                                           "models/qwen3_moe_top4_mlp_only_sharded",
+                                           "models/qwen3_moe_step2_fused"),
+                         model_name);
+
+// tests/python/fixtures_qwen35.py: fp32, one sequence longer than the delta rule's chunk.
+INSTANTIATE_TEST_SUITE_P(Hybrids, TargetParity,
+                         ::testing::Values("qwen35/qwen3_5_multimodal",
+                                           "qwen35/qwen3_5_text_tied_sharded",
+                                           "qwen35/qwen3_5_moe_multimodal",
+                                           "qwen35/qwen3_5_moe_text", "qwen35/qwen3_next"),
+                         model_name);
 
 TEST(TargetModel, TiedModelSharesEmbeddingWithLmHead) {
   auto model = TargetModel::load(fixture("models/qwen3_tied"), at::kCPU, at::kFloat);

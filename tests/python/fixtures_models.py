@@ -55,10 +55,13 @@ LENGTHS = [9, 17, 4]
 
 def reference(model, tokens, lengths):
     layer_out = {}
+    # A multimodal wrapper (Qwen3.5's released layout) holds the decoder in language_model.
+    inner = model.model
+    layers = inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
     hooks = [layer.register_forward_hook(
         lambda mod, args, out, i=i: layer_out.setdefault(i, []).append(
             (out[0] if isinstance(out, tuple) else out)[0].detach().clone()))
-        for i, layer in enumerate(model.model.layers)]
+        for i, layer in enumerate(layers)]
     logits = []
     start = 0
     with torch.no_grad():

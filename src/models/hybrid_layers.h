@@ -1,0 +1,61 @@
+// models: the layers only the hybrid targets have (Qwen3.5 / Qwen3.6, Qwen3-Next): the Gated
+// DeltaNet token mixer over packed sequences, gated attention's pieces (partial rotary, the
+// sigmoid output gate) and the sparse MLP's shared expert. Inference only; each is checked
+// against transformers through the target parity tests (tests/core/qwen35_test.cpp).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <functional>
+
+#include "models/config.h"
+
+namespace dflash::models {
+
+// A Gated DeltaNet layer's weights, in Qwen3.5's split layout: in_proj_qkv, in_proj_z,
+// in_proj_b and in_proj_a fused into one matmul (Qwen3-Next's grouped in_proj_qkvz / in_proj_ba
+// are reordered into it at load, see qwen3_next_in_proj).
+struct LinearAttentionWeights {
+  at::Tensor w_in;     // [conv_dim + value_dim + 2 Hv, H]: q, k, v, z, b, a rows
+  at::Tensor conv;     // [conv_dim, W]: conv1d.weight without its middle dimension
+  at::Tensor a_log;    // [Hv]
+  at::Tensor dt_bias;  // [Hv]
+  at::Tensor norm;     // [Dv]: the gated RMSNorm's weight (plain w, not 1 + w)
+  at::Tensor w_out;    // [H, value_dim]
+};
+
+// Qwen3-Next's in_proj_qkvz [Hk * (2 Dk + 2 (Hv/Hk) Dv), H] and in_proj_ba [2 Hv, H] hold, per
+// key head, its q, k, then its value heads' v and z (and b then a); transformers'
+// fix_query_key_value_ordering regroups the outputs. The same rows in the split layout's order
+// (LinearAttentionWeights::w_in), and back.
+at::Tensor qwen3_next_in_proj(const at::Tensor& qkvz, const at::Tensor& ba,
+                              const LinearAttentionShape& s);
+std::pair<at::Tensor, at::Tensor> qwen3_next_in_proj_inverse(const at::Tensor& w_in,
+                                                             const LinearAttentionShape& s);
+
+// A projection without bias (x [T, K], weight [N, K] -> [T, N]): the target's choice of GEMM.
+using Projection = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+
+// The Gated DeltaNet mixer on x [T, H] (already normed) of the packed sequences cu_seqlens
+// (int32 [N+1] on x's device) / lengths (the same on the host): projections, causal conv1d +
+// SiLU over q, k, v, decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) in
+// fp32, the chunked gated delta rule (q and k L2-normalised inside), the gated RMSNorm
+// (norm(o) w silu(z)), out_proj. Conv window and recurrent state start at zero in every
+// sequence. Returns [T, H].
+at::Tensor gated_delta_net(const at::Tensor& x, const LinearAttentionWeights& w,
+                           const LinearAttentionShape& s, double eps, const at::Tensor& cu_seqlens,
+                           c10::ArrayRef<int64_t> lengths, const Projection& linear);
+
+// Rotary over the first cos.size(-1) dims of each head of x [T, heads, D], the rest passed
+// through (transformers' apply_rotary_pos_emb with partial_rotary_factor < 1).
+at::Tensor partial_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// RMSNorm with the (1 + w) convention folded into the weight at load: the weight a checkpoint's
+// w becomes (1 + w in fp32, then cast), and back for writing.
+at::Tensor norm_weight_from_file(const at::Tensor& w);
+at::Tensor norm_weight_to_file(const at::Tensor& w);
+
+// The shared expert of a sparse layer: sigmoid(x gate^T) * SwiGLU(x), gate [1, H].
+at::Tensor shared_expert(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down,
+                         const at::Tensor& gate);
+
+}  // namespace dflash::models

@@ -1,0 +1,95 @@
+"""A hybrid (Qwen3.5-shaped) target through the CLI on the CPU with tiny shapes.
+
+Usage: qwen35_cli.py DFLASH_BINARY FIXTURE_MODEL_DIR
+
+FIXTURE_MODEL_DIR is the released-layout tiny Qwen3.5 model transformers wrote for the parity
+tests (tests/python/fixtures_qwen35.py: model.language_model.*, a vision tower and an mtp.*
+tensor beside it, vocabulary 512). `dflash info` describes it; `random-model --preset
+tiny-qwen3.5` writes a text-only directory transformers loads as Qwen3_5ForCausalLM with no
+missing or unexpected tensor, and whose tokenizer (vocabulary 512) `prepare` uses; `train` trains
+a drafter on the fixture target for two steps (prefill with hidden-state capture); `generate` and
+`eval` (the fixture with that tokenizer), which need the hybrid decode not built yet, refuse with
+a message instead of crashing;
+`bench-target` takes the hybrid presets.
+"""
+import json
+import pathlib
+import shutil
+import sys
+import tempfile
+
+from cli_util import run, write_chats
+
+
+def check_transformers_loads(target):
+    from transformers import Qwen3_5ForCausalLM
+    model, info = Qwen3_5ForCausalLM.from_pretrained(target, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v}
+    assert not bad, bad
+    config = model.config
+    assert config.layer_types.count("full_attention") == 2, config.layer_types
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25, config.rope_parameters
+    assert config.linear_num_value_heads == 4, config
+
+
+def refused(result, what):
+    text = result.stdout + result.stderr
+    assert result.returncode == 1, f"{what}: exit {result.returncode}\n{text}"
+    assert "no decode path yet" in text, f"{what}:\n{text}"
+
+
+def main():
+    dflash, fixture = sys.argv[1], pathlib.Path(sys.argv[2])
+    text = run([dflash, "info", fixture]).stdout
+    for needle in ["architecture: qwen3_5_text", "released multimodal layout",
+                   "linear attention: 3 of 5 layers", "rotary 8 of 32 dims"]:
+        assert needle in text, f"{needle!r} missing from:\n{text}"
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp)
+        random_target = work / "random"
+        run([dflash, "random-model", "--preset", "tiny-qwen3.5", "--out", random_target,
+             "--seed", "1"])
+        config = json.loads((random_target / "config.json").read_text())
+        assert config["model_type"] == "qwen3_5_text", config
+        check_transformers_loads(random_target)
+
+        chats = work / "chats.jsonl"
+        write_chats(chats)
+        data = work / "data"
+        run([dflash, "prepare", "--tokenizer", random_target, "--data", chats, "--out", data,
+             "--quiet"])
+        train = work / "train"
+        out = run([dflash, "train", "--target", fixture, "--data", data, "--out", train,
+                   "--steps", 2, "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", 64,
+                   "--drafter-layers", 2, "--block-size", 8, "--max-anchors", 4, "--device", "cpu",
+                   "--log-seconds", 0])
+        assert "mtp.* tensors (multi-token prediction) are not loaded" in out.stderr, out.stderr
+        export = work / "export"
+        run([dflash, "export", train, export])
+        drafter = json.loads((export / "config.json").read_text())
+        assert drafter["model_type"] == "qwen3" and "linear_num_key_heads" not in drafter, drafter
+        assert drafter["head_dim"] == 32 and "partial_rotary_factor" not in drafter, drafter
+
+        prompts = work / "prompts.jsonl"
+        prompts.write_text('{"question": "What is 3 plus 4?"}\n')
+        # The fixture with the random model's tokenizer (the fixture has none), for the
+        # commands that read one.
+        target = work / "target"
+        shutil.copytree(fixture, target)
+        for f in random_target.iterdir():
+            if f.name != "config.json" and not f.name.startswith("model"):
+                shutil.copy(f, target / f.name)
+        refused(run([dflash, "eval", "--drafter", export, "--target", target, "--prompts",
+                     prompts, "--max-new-tokens", 8, "--device", "cpu"], expect=None), "eval")
+        refused(run([dflash, "generate", "--target", target, "--data", chats,
+                     "--out", work / "gen.jsonl", "--max-new-tokens", 8, "--device", "cpu"],
+                    expect=None), "generate")
+
+        text = run([dflash, "bench-target", "--preset", "tiny-qwen3.5-moe", "--device", "cpu",
+                    "--seq-len", 64, "--batches", "1,2", "--warmup", 0, "--iters", 1]).stdout
+        assert "B active per token" in text, text
+    print("qwen35_cli: OK")
+
+
+if __name__ == "__main__":
+    main()
