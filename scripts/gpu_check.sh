@@ -5,7 +5,7 @@
 # Stages: build test target load drafter decode kernels prefill spec train pipeline overlap cudnn
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
-# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER) fp8target gdn
+# gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER) fp8target gdn hybrid
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -179,6 +179,27 @@ if has gtest; then
   fixtures gtest dflash models
   fixtures gtest_rope rope
   gtests gtest "${GTEST_FILTER:-*Gpu*}"
+fi
+if has hybrid; then
+  # Issue 35: the hybrid targets on the GPU (bf16 against the fp32 reference: Qwen35Gpu), then
+  # bench-target at the published shapes beside the dense qwen3-8b and the transformers + fla-core
+  # peer (bench/qwen35_peer.py; carry ".whl") in the same call.
+  step hybrid
+  fixtures hybrid qwen35
+  gtests hybrid '*Qwen35*:*Hybrid*'
+  for preset in qwen3-8b qwen3.5-27b qwen3.5-35b-a3b; do
+    "$dflash" bench-target --preset "$preset" --device cuda --seq-len 2048 --batches 1,4 \
+      --warmup 3 --iters 10 --json "$out/bench_target_$preset.json" 2>&1 \
+      | tee "$out/bench_target_$preset.txt" | tail -8
+  done
+  if ls "$root"/.whl/fla_core-*.whl > /dev/null 2>&1; then
+    pip install --no-index --no-deps "$root"/.whl/*.whl --target /tmp/gdn_peer \
+      > "$out/hybrid_peer_install.log" 2>&1 || tail -5 "$out/hybrid_peer_install.log"
+    for preset in qwen3.5-27b qwen3.5-35b-a3b; do
+      PYTHONPATH=/tmp/gdn_peer python3 "$root/bench/qwen35_peer.py" --preset "$preset" --rows 1 2>&1 \
+        | tee "$out/qwen35_peer_$preset.txt" | tail -6
+    done
+  fi
 fi
 if has gdn; then
   # Issue 35: Gated DeltaNet's kernels (kernels/gated_delta_rule.h, kernels/causal_conv1d.h)
