@@ -208,6 +208,26 @@ std::string python_json(const json& v, int indent = 0) {
   return out;
 }
 
+// OpenAI's content parts, [{"type": "text", "text": ...}...], joined; other part types (images,
+// audio) have no text to train a text drafter on.
+std::string text_parts(const json& parts, size_t index) {
+  std::string out;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const json& part = parts[k];
+    auto type = part.is_object() ? part.find("type") : part.end();
+    if (!part.is_object() || type == part.end() || !type->is_string()) {
+      bad(fmt::format("message {} content part {} is not an object with a \"type\"", index, k));
+    }
+    auto text = part.find("text");
+    if (*type != "text" || text == part.end() || !text->is_string()) {
+      bad(fmt::format("message {} content part {} is of type {}: only text parts (a \"text\" "
+                      "string) are supported", index, k, type->dump()));
+    }
+    out += text->get_ref<const std::string&>();
+  }
+  return out;
+}
+
 std::vector<ToolCall> parse_tool_calls(const json& calls, size_t index) {
   std::vector<ToolCall> out;
   if (calls.is_null()) return out;
@@ -290,8 +310,11 @@ Conversation parse_conversation(std::string_view line) {
       msg.tool_calls = parse_tool_calls(*calls, i);
     }
     // OpenAI's assistant turns that only call tools have "content": null.
-    if (!content.is_string() && !(content.is_null() && !msg.tool_calls.empty())) {
-      bad(fmt::format("message {} content is not a string", i));
+    if (content.is_array() && !sharegpt) {
+      msg.content = text_parts(content, i);
+    } else if (!content.is_string() && !(content.is_null() && !msg.tool_calls.empty())) {
+      bad(fmt::format("message {} content is not a string{}", i,
+                      sharegpt ? "" : " or a list of text parts"));
     }
     if (content.is_string()) msg.content = content.get<std::string>();
     // transformers reads the first of these that is set as reasoning_content.
@@ -310,6 +333,9 @@ Conversation parse_conversation(std::string_view line) {
           extra[k] = v;
         }
       }
+      // Templates get content parts as the list they are (most join the text parts, some
+      // render nothing for a list); the built-in renderers render the joined text.
+      if (content.is_array()) extra["content"] = content;
       if (!extra.empty()) msg.extra = extra.dump();
     }
     if (msg.role == Role::kAssistant) {

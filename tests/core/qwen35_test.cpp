@@ -152,9 +152,11 @@ class Qwen35Gpu : public ::testing::Test {
   void SetUp() override {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   }
-  static void compare(const std::filesystem::path& dir, std::vector<int64_t> lengths) {
+  // `dtype` on the GPU against fp32 on the CPU within `tolerance` (relative, per tap).
+  static void compare(const std::filesystem::path& dir, std::vector<int64_t> lengths,
+                      at::ScalarType dtype = at::kBFloat16, double tolerance = 3e-2) {
     auto cpu = TargetModel::load(dir, at::kCPU, at::kFloat);
-    auto gpu = TargetModel::load(dir, at::kCUDA, at::kBFloat16);
+    auto gpu = TargetModel::load(dir, at::kCUDA, dtype);
     const int64_t layers = cpu.config().num_layers;
     std::vector<int64_t> taps(layers);
     for (int64_t i = 0; i < layers; ++i) taps[i] = i;
@@ -167,9 +169,9 @@ class Qwen35Gpu : public ::testing::Test {
                          {taps, Logits::kAll});
     for (int64_t i = 0; i < layers; ++i) {
       SCOPED_TRACE("layer " + std::to_string(i));
-      EXPECT_CLOSE(b.taps[i].cpu().to(at::kFloat), a.taps[i], 3e-2);
+      EXPECT_CLOSE(b.taps[i].cpu().to(at::kFloat), a.taps[i], tolerance);
     }
-    EXPECT_CLOSE(b.logits.cpu().to(at::kFloat), a.logits, 3e-2);
+    EXPECT_CLOSE(b.logits.cpu().to(at::kFloat), a.logits, tolerance);
   }
 };
 
@@ -180,17 +182,32 @@ TEST_F(Qwen35Gpu, FixturesMatchTheCpuReference) {
   }
 }
 
+// A preset with heads of 128 written as a checkpoint.
+std::filesystem::path heads_of_128(const std::string& preset) {
+  auto c = models::preset_config(preset);
+  c.linear = {2, 4, 128, 128, 4};
+  c.head_dim = 128;
+  auto dir = testing::fresh_temp_dir("qwen35_gpu_" + preset);
+  auto model = TargetModel::random(c, at::kCPU, at::kFloat, 5);
+  io::write_checkpoint(dir, model.hf_state_dict());
+  write_file_atomic(dir / "config.json", models::to_hf_json(c).dump(2));
+  return dir;
+}
+
 TEST_F(Qwen35Gpu, HeadsOf128MatchTheCpuReference) {
+  // In bf16 the MoE's near-tied router logits of random weights pick other experts for some
+  // tokens, and those tokens drift further each layer (measured on the H200: 0.032 at layer 3 to
+  // 0.052 at the logits), so its bound is looser; the fp32 test below holds both tight.
+  for (auto [name, tolerance] : {std::pair{"tiny-qwen3.5", 3e-2}, {"tiny-qwen3.5-moe", 8e-2}}) {
+    SCOPED_TRACE(name);
+    compare(heads_of_128(name), {200, 1, 67, 64}, at::kBFloat16, tolerance);
+  }
+}
+
+TEST_F(Qwen35Gpu, HeadsOf128InFp32MatchTheCpuReferenceClosely) {
   for (const char* name : {"tiny-qwen3.5", "tiny-qwen3.5-moe"}) {
     SCOPED_TRACE(name);
-    auto c = models::preset_config(name);
-    c.linear = {2, 4, 128, 128, 4};
-    c.head_dim = 128;
-    auto dir = testing::fresh_temp_dir(std::string("qwen35_gpu_") + name);
-    auto model = TargetModel::random(c, at::kCPU, at::kFloat, 5);
-    io::write_checkpoint(dir, model.hf_state_dict());
-    write_file_atomic(dir / "config.json", models::to_hf_json(c).dump(2));
-    compare(dir, {200, 1, 67, 64});
+    compare(heads_of_128(name), {200, 1, 67, 64}, at::kFloat, 2e-3);
   }
 }
 

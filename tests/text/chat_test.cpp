@@ -162,7 +162,12 @@ TEST(ChatParse, BadLinesSayWhy) {
   EXPECT_EQ(reason(R"({"conversations": [{"from": "bot", "value": "x"}]})"),
             "message 0 has unknown role \"bot\"");
   EXPECT_EQ(reason(R"({"messages": [{"role": "user", "content": ["x"]}]})"),
-            "message 0 content is not a string");
+            "message 0 content part 0 is not an object with a \"type\"");
+  EXPECT_EQ(reason(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})"),
+            "message 0 content part 0 is of type \"image_url\": only text parts (a \"text\" "
+            "string) are supported");
+  EXPECT_EQ(reason(R"({"messages": [{"role": "user", "content": 3}]})"),
+            "message 0 content is not a string or a list of text parts");
   EXPECT_EQ(reason(R"({"messages": [{"content": "x"}]})"), "message 0 has no \"role\"");
   EXPECT_EQ(reason("{\"messages\": \"\xC3(\"}"), "invalid UTF-8 at byte 14");
   // nlohmann reports a number beyond double's range as out_of_range, not parse_error.
@@ -185,7 +190,8 @@ TEST(ChatParse, ToolLinesSayWhatIsWrong) {
   auto with = [&](const std::string& assistant) {
     return reason(R"({"messages": [)" + user + assistant + "]}");
   };
-  EXPECT_EQ(with(R"({"role": "assistant", "content": null})"), "message 1 content is not a string");
+  EXPECT_EQ(with(R"({"role": "assistant", "content": null})"),
+            "message 1 content is not a string or a list of text parts");
   EXPECT_EQ(with(R"({"role": "assistant", "content": "", "tool_calls": []})"),
             "message 1: empty assistant turn");
   EXPECT_EQ(with(R"({"role": "assistant", "content": null, "tool_calls": [{"name": "f"}]})"),
