@@ -2,12 +2,14 @@
 # Builds the tokenizer, chat and chat-template libFuzzer targets with clang++-14 (ASan + UBSan) straight from
 # the dflash_text sources, then runs each for SECONDS (default 600) on one core, seeded from
 # the test fixtures. Logs and crash files land in $OUT (default build-fuzz-text/).
+# FUZZ_TARGETS picks some of them (default: all three).
 # Usage: scripts/fuzz_text.sh [SECONDS]   (in a configured build whose make_fixtures test has run:
 # build-text/, or DFLASH_TEXT_BUILD=DIR)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 secs=${1:-600}
+targets=${FUZZ_TARGETS:-tokenizer_fuzz chat_fuzz chat_template_fuzz}
 out=${OUT:-$root/build-fuzz-text}
 text_build=${DFLASH_TEXT_BUILD:-$root/build-text}
 fixtures=${DFLASH_FUZZ_FIXTURES:-$text_build/fixtures/tokenizer}
@@ -24,7 +26,7 @@ flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recov
   -I"$root/src" -I"$generated" $(pkg-config --cflags libpcre2-8 2>/dev/null || true))
 libs=(-lfmt -lpcre2-8)
 srcs=("$root"/src/tokenizer/*.cpp "$root"/src/data/*.cpp "$root"/src/chat/*.cpp "$root"/src/common/*.cpp)
-for target in tokenizer_fuzz chat_fuzz chat_template_fuzz; do
+for target in $targets; do
   if [ ! -x "$out/$target" ] || [ -n "$(find "$root/src/tokenizer" "$root/src/data" "$root/src/chat" \
       "$root/tests/fuzz/$target.cpp" -newer "$out/$target" -print -quit)" ]; then
     echo "building $target"
@@ -47,7 +49,7 @@ for i, line in enumerate(chat["lines"] + chat.get("tool_lines", [])):
 for t in sorted((pathlib.Path(sys.argv[3]) / "tests" / "data" / "chat_templates").glob("*.jinja")):
     (out / "chat_template_seeds" / t.stem).write_bytes(t.read_bytes())
 PY
-for target in tokenizer_fuzz chat_fuzz chat_template_fuzz; do
+for target in $targets; do
   seeds=$out/${target%_fuzz}_seeds
   mkdir -p "$out/${target}_corpus" "$out/${target}_crashes"
   echo "running $target for ${secs}s"
