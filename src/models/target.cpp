@@ -298,6 +298,27 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
     TargetLayerWeights l;
     l.input_norm = ones(h);
     l.post_attention_norm = ones(h);
+    // The token mixer's weights, then the MLP's: the order the generator fills them in is what
+    // a seed means (random-model's checkpoints stay the same across versions).
+    if (c.is_linear_layer(i)) {
+      const auto& s = c.linear;
+      const int64_t nv = s.num_value_heads;
+      l.linear.w_in = normal({s.conv_dim() + s.value_dim() + 2 * nv, h});
+      l.linear.conv = normal({s.conv_dim(), s.conv_kernel_dim}) * 10;  // std 0.2
+      // transformers' init: A uniform in [1, 16) (decays exp(-A softplus(.))), dt_bias 1.
+      l.linear.a_log = (at::rand({nv}, gen, opts) * 15 + 1).log();
+      l.linear.dt_bias = ones(nv);
+      l.linear.norm = ones(s.value_head_dim);
+      l.linear.w_out = normal({h, s.value_dim()});
+    } else {
+      l.w_qkv = normal({(c.attn_output_gate ? 2 * q : q) + 2 * kv, h});
+      if (c.attention_bias) l.b_qkv = normal({q + 2 * kv});
+      if (c.qk_norm) {
+        l.q_norm = ones(c.head_dim);
+        l.k_norm = ones(c.head_dim);
+      }
+      l.w_o = normal({h, q});
+    }
     if (c.is_moe_layer(i)) {
       const int64_t e = c.num_experts, f = c.moe_intermediate_size;
       l.router = normal({e, h});
@@ -312,26 +333,6 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
       l.w_gate_up = normal({2 * c.intermediate_size, h});
       l.w_down = normal({h, c.intermediate_size});
     }
-    if (c.is_linear_layer(i)) {
-      const auto& s = c.linear;
-      const int64_t nv = s.num_value_heads;
-      l.linear.w_in = normal({s.conv_dim() + s.value_dim() + 2 * nv, h});
-      l.linear.conv = normal({s.conv_dim(), s.conv_kernel_dim}) * 10;  // std 0.2
-      // transformers' init: A uniform in [1, 16) (decays exp(-A softplus(.))), dt_bias 1.
-      l.linear.a_log = (at::rand({nv}, gen, opts) * 15 + 1).log();
-      l.linear.dt_bias = ones(nv);
-      l.linear.norm = ones(s.value_head_dim);
-      l.linear.w_out = normal({h, s.value_dim()});
-      m.layers_.push_back(std::move(l));
-      continue;
-    }
-    l.w_qkv = normal({(c.attn_output_gate ? 2 * q : q) + 2 * kv, h});
-    if (c.attention_bias) l.b_qkv = normal({q + 2 * kv});
-    if (c.qk_norm) {
-      l.q_norm = ones(c.head_dim);
-      l.k_norm = ones(c.head_dim);
-    }
-    l.w_o = normal({h, q});
     m.layers_.push_back(std::move(l));
   }
   m.norm_ = ones(h);
