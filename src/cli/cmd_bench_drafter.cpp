@@ -5,7 +5,6 @@
 // each step waited for), achieved TFLOP/s (models::drafter_step_flops), the
 // online step (target prefill + drafter step) and peak GPU memory with the target resident.
 // --profile adds where the drafter step's GPU time goes (obs::profile_device).
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -165,15 +164,11 @@ void run_bench(const BenchDrafterOptions& o) {
       drafter.num_parameters() / 1e9, fmt::join(config.target_layer_ids, ","), seq, sampled.size(),
       config.block_size, c10::toString(dtype), o.device, train::head_grad_name(trainer.head_grad()),
       train::drafter_gemms_name(trainer.drafter_gemms()), o.warmup, o.iters);
-  const int dev = device.index() < 0 ? 0 : device.index();
-  // Peaks of live tensors (allocated) and of what the caching allocator holds (reserved, what
-  // the process takes from the device); a gap between them is fragmentation.
   auto peak_gib = [&](bool reserved) {
-    if (!device.is_cuda()) return 0.0;
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev);
-    return (reserved ? stats.reserved_bytes : stats.allocated_bytes)[0].peak / double(1 << 30);
+    const auto m = obs::gpu_memory(device);
+    return obs::gib(reserved ? m.reserved_peak : m.allocated_peak);
   };
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(dev);
+  obs::reset_gpu_memory_peaks(device);
   train::StepLog last;
   auto step = [&] {
     trainer.train_step();

@@ -1,6 +1,5 @@
 // `dflash bench-target`: prefill throughput of a random-weight target (no files needed), and
 // `dflash random-model`: writes such a model as a Hugging Face directory, with a tokenizer.
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -76,8 +75,7 @@ void run_bench(const BenchOptions& o) {
         auto batch = models::PackedBatch::from_lengths(lengths, device);
         auto tokens = at::randint(config.vocab_size, {batch.total},
                                   at::TensorOptions().dtype(at::kLong).device(device));
-        if (device.is_cuda())
-          c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+        obs::reset_gpu_memory_peaks(device);
         auto prefill = [&] { model.forward(tokens, batch, request); };
         // Queued back to back, as training queues its prefills; then each one waited for (the GPU
         // idles at each start while the host launches the first kernels).
@@ -86,12 +84,7 @@ void run_bench(const BenchOptions& o) {
         const double ms = obs::median(times) * 1e3, synced_ms = obs::median(synced_times) * 1e3;
         const double tps = batch.total / (ms / 1e3);
         const double tflops = models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12;
-        double peak_gib = 0;
-        if (device.is_cuda()) {
-          auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
-              device.index() < 0 ? 0 : device.index());
-          peak_gib = stats.allocated_bytes[0].peak / double(1 << 30);
-        }
+        const double peak_gib = obs::gib(obs::gpu_memory(device).allocated_peak);
         fmt::print("{:>6} {:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b, gemm, ms,
                    tps, tflops, peak_gib, synced_ms);
         rows.push_back({{"batch", b},

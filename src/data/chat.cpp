@@ -220,8 +220,10 @@ std::string text_parts(const json& parts, size_t index) {
     }
     auto text = part.find("text");
     if (*type != "text" || text == part.end() || !text->is_string()) {
-      bad(fmt::format("message {} content part {} is of type {}: only text parts (a \"text\" "
-                      "string) are supported", index, k, type->dump()));
+      bad(
+          fmt::format("message {} content part {} is of type {}: only text parts (a \"text\" "
+                      "string) are supported",
+                      index, k, type->dump()));
     }
     out += text->get_ref<const std::string&>();
   }

@@ -15,11 +15,10 @@
 #include <exception>
 #include <utility>
 
+#include "common/clock.h"
 #include "common/error.h"
 
 namespace dflash::dist {
-
-using Clock = std::chrono::steady_clock;
 
 struct Comm::Impl {
   World world;
@@ -40,10 +39,6 @@ std::string message_of(const std::exception& e) {
     return c10_error->what_without_backtrace();
   }
   return e.what();
-}
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 // Runs one c10d step and turns whatever it throws into a dflash::Error that says which rank,

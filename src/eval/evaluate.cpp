@@ -9,6 +9,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "eval/progress.h"
 
@@ -17,10 +18,6 @@ namespace {
 
 using nlohmann::json;
 namespace fs = std::filesystem;
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // A chat line's system message and user turns; the assistant turns are what eval generates.
 void read_chat_turns(const json& list, bool sharegpt, EvalPrompt& p) {

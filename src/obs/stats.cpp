@@ -1,7 +1,10 @@
 #include "obs/stats.h"
 
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <chrono>
@@ -24,6 +27,28 @@ int64_t status_kib(const std::string& key) {
 
 int64_t peak_rss_bytes() { return status_kib("VmHWM:"); }
 int64_t current_rss_bytes() { return status_kib("VmRSS:"); }
+
+GpuMemory gpu_memory(at::Device device) {
+  GpuMemory m;
+  if (!device.is_cuda()) return m;
+  c10::cuda::CUDAGuard guard(device);
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+    m.in_use = static_cast<int64_t>(total_bytes - free_bytes);
+  }
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(guard.current_device().index());
+  using c10::CachingAllocator::StatType;
+  m.allocated_peak = stats.allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak;
+  m.reserved_peak = stats.reserved_bytes[static_cast<size_t>(StatType::AGGREGATE)].peak;
+  return m;
+}
+
+void reset_gpu_memory_peaks(at::Device device) {
+  if (!device.is_cuda()) return;
+  c10::cuda::CUDAGuard guard(device);
+  c10::cuda::CUDACachingAllocator::resetPeakStats(guard.current_device().index());
+}
 
 void synchronize(at::Device device) {
   if (device.is_cuda()) c10::cuda::device_synchronize();

@@ -13,6 +13,19 @@ namespace dflash::obs {
 int64_t peak_rss_bytes();
 int64_t current_rss_bytes();
 
+// This process's GPU memory: the caching allocator's peaks of live tensors and of what it
+// holds (a gap between them is fragmentation), and what the device has in use
+// (cudaMemGetInfo: allocator pools, CUDA context, NCCL buffers), as nvidia-smi counts it; one
+// process per GPU, so it is this process's. Zeros off CUDA. Host calls only.
+struct GpuMemory {
+  int64_t allocated_peak = 0, reserved_peak = 0, in_use = 0;
+};
+GpuMemory gpu_memory(at::Device device);
+// Starts the peaks over (no-op off CUDA).
+void reset_gpu_memory_peaks(at::Device device);
+
+inline double gib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
 // Waits for all work queued on `device` (no-op on CPU), so a host clock can time it.
 void synchronize(at::Device device);
 

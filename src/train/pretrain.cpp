@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/file.h"
 #include "common/progress_text.h"
@@ -23,12 +24,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
 // Fisher-Yates with the platform-independent generator: the same order everywhere.
 std::vector<int64_t> shuffled(int64_t n, uint64_t& state) {
   std::vector<int64_t> order(n);

@@ -1,0 +1,116 @@
+#include "pipeline/job.h"
+
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/error.h"
+
+namespace dflash::pipeline {
+namespace {
+
+constexpr int64_t kQwen3MaskToken = 151669;
+
+}  // namespace
+
+Rank join(const RunConfig& c) {
+  Rank r;
+  r.world = dist::world_from_env();
+  r.device = dist::device_for(r.world, c.device);
+  r.dtype = models::parse_dtype(c.dtype, r.device);
+  if (c.topology == "colocated") {
+    r.topology = {r.world.world_size, 0};
+  } else if (c.topology == "disaggregated") {
+    if (c.target_ranks < 1 || c.target_ranks >= r.world.world_size) {
+      fail("--topology disaggregated needs 1 <= --target-ranks < world size ({}), got {}",
+           r.world.world_size, c.target_ranks);
+    }
+    r.topology = {r.world.world_size - static_cast<int>(c.target_ranks),
+                  static_cast<int>(c.target_ranks)};
+  } else {
+    fail("--topology must be colocated or disaggregated, got \"{}\"", c.topology);
+  }
+  if (c.batch_size < r.topology.trainers) {
+    fail(
+        "--batch-size {} gives some of the {} trainer ranks no sequence (it counts sequences "
+        "per micro-batch over all ranks)",
+        c.batch_size, r.topology.trainers);
+  }
+  dist::CommOptions co;
+  co.timeout = std::chrono::milliseconds(static_cast<int64_t>(c.timeout_s * 1000));
+  r.comm = dist::Comm::create(r.world, r.device, co);
+  if (r.topology.disaggregated() && r.trains()) {
+    std::vector<int> ranks;
+    for (int i = 0; i < r.topology.trainers; ++i) ranks.push_back(i);
+    r.trainers = r.comm->subgroup(ranks, "trainers");
+  }
+  return r;
+}
+
+models::DrafterConfig drafter_config(const RunConfig& c, const models::ModelConfig& tc,
+                                     bool announce) {
+  models::DrafterOptions o;
+  o.num_layers = c.drafter_layers;
+  o.target_layer_ids = c.target_layer_ids;
+  o.block_size = c.block_size;
+  o.gamma = models::default_gamma(c.block_size);
+  o.mask_token_id = c.mask_token_id;
+  if (o.mask_token_id < 0) {
+    o.mask_token_id = kQwen3MaskToken < tc.vocab_size ? kQwen3MaskToken : tc.vocab_size - 1;
+    if (o.mask_token_id != kQwen3MaskToken && announce) {
+      fmt::print(
+          "train: note: the target's vocabulary ({}) has no token {} (Qwen3's MASK); using the "
+          "last id, {}, as the mask token (set --mask-token-id to choose)\n",
+          tc.vocab_size, kQwen3MaskToken, o.mask_token_id);
+    }
+  }
+  return models::make_drafter_config(tc, o);
+}
+
+models::Drafter make_drafter(const Job& job, bool resuming) {
+  const RunConfig& c = job.config;
+  if (!c.init_from.empty()) {
+    if (!c.init_from_target_layers.empty()) {
+      fail("--init-from and --init-from-target-layers exclude each other");
+    }
+    return models::Drafter::load(c.init_from, job.target_config, job.rank.device);
+  }
+  const auto config = drafter_config(c, job.target_config, job.rank.leads());
+  if (!c.init_from_target_layers.empty() && !resuming) {
+    if (!job.target) {
+      fail("--init-from-target-layers needs the target on the trainer rank (colocated)");
+    }
+    return models::Drafter::from_target_layers(config, *job.target, c.init_from_target_layers,
+                                               static_cast<uint64_t>(c.seed));
+  }
+  return models::Drafter::random(config, job.rank.device, static_cast<uint64_t>(c.seed));
+}
+
+void broadcast_drafter(Job& job) {
+  if (job.rank.data_parallel().size() <= 1) return;
+  auto params = job.drafter->parameters();
+  c10::NoGradGuard no_grad;
+  job.rank.data_parallel().broadcast(params, 0, "drafter_init_broadcast");
+}
+
+StreamOptions stream_options_of(const RunConfig& c) {
+  StreamOptions so;
+  so.batch_size = c.batch_size;
+  so.accumulation = c.accumulation;
+  so.max_seq_len = c.max_seq_len;
+  so.anchors.max_anchors = c.max_anchors;
+  so.anchors.seed = static_cast<uint64_t>(c.seed);
+  return so;
+}
+
+int64_t total_steps(const RunConfig& c, int64_t batches_per_epoch) {
+  if (c.steps > 0) return c.steps;
+  const double steps = std::ceil(c.epochs * static_cast<double>(batches_per_epoch) /
+                                 static_cast<double>(c.accumulation));
+  return std::max<int64_t>(static_cast<int64_t>(steps), 1);
+}
+
+}  // namespace dflash::pipeline
