@@ -86,6 +86,14 @@ void run_prepare(const PrepareArgs& a) {
              s.input_bytes / 1e6 / std::max(s.seconds, 1e-9));
   fmt::print("  truncated to {} tokens: {}; skipped lines: {}\n", a.max_length, s.truncated,
              s.skipped);
+  if (s.unlocated_turns > 0) {
+    fmt::print(
+        "  note: {} assistant turn(s) are context only, not learned: the chat template renders "
+        "them differently once later turns follow (e.g. it drops their reasoning), so they "
+        "cannot be located by prefix renders; add {{% generation %}} tags to a copy of the "
+        "template to supervise them (docs/CHAT_TEMPLATES.md)\n",
+        s.unlocated_turns);
+  }
   for (const auto& src : s.sources) {
     fmt::print("  {}: {} lines, {} samples", src.path, src.lines, src.samples);
     for (const auto& [reason, n] : src.skipped) fmt::print(", {} {}", n, reason);

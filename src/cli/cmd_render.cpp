@@ -90,6 +90,7 @@ void run_render(const RenderCliOptions& o) {
       const data::RenderedChat r = data::render_chat(data::parse_conversation(line), config);
       j["text"] = r.text;
       j["spans"] = r.assistant_spans;
+      if (r.unlocated_turns > 0) j["unsupervised_assistant_turns"] = r.unlocated_turns;
       data::TokenizedChat t;
       if (tokenizer) {
         data::tokenize_chat(*tokenizer, r, t);

@@ -780,6 +780,8 @@ void prefix_spans(const json& msgs, const json& tools, const ChatConfig& config,
     if (turn.size() > prompt.size() && turn.compare(0, prompt.size(), prompt) == 0 &&
         r.text.compare(0, turn.size(), turn) == 0) {
       r.assistant_spans.emplace_back(prompt.size(), turn.size());
+    } else {
+      ++r.unlocated_turns;
     }
   }
   if (assistants > 0 && r.assistant_spans.empty()) {

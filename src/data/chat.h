@@ -129,6 +129,9 @@ ChatConfig detect_chat_config(const std::filesystem::path& model_dir,
 struct RenderedChat {
   std::string text;
   std::vector<std::pair<size_t, size_t>> assistant_spans;
+  // Assistant turns that stay in the text as context only: the template renders them otherwise
+  // once later turns follow, so prefix renders cannot locate them.
+  size_t unlocated_turns = 0;
 };
 RenderedChat render_chat(const Conversation& conv, const ChatConfig& config);
 

@@ -32,6 +32,7 @@ struct Chunk {
 struct LineResult {
   enum Kind : uint8_t { kSample, kBlank, kBad } kind = kBlank;
   bool truncated = false;
+  size_t unlocated_turns = 0;
   std::string category, reason;
   TokenizedChat sample;
 };
@@ -68,6 +69,7 @@ void process_line(const std::string& line, const tok::Tokenizer& tokenizer, cons
     Conversation conv = parse_conversation(line);
     RenderedChat rendered = render_chat(conv, chat);
     tokenize_chat(tokenizer, rendered, r.sample);
+    r.unlocated_turns = rendered.unlocated_turns;
   } catch (const ParseError& e) {
     r.reason = e.what();
     r.category = category_of(r.reason);
@@ -307,6 +309,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
         ++summary.samples;
         src.truncated += lr.truncated;
         summary.truncated += lr.truncated;
+        summary.unlocated_turns += lr.unlocated_turns;
         summary.tokens += s.ids.size();
         for (uint8_t m : s.mask) summary.loss_tokens += m;
         size_t b = std::upper_bound(hist_edges.begin(), hist_edges.end(), s.ids.size()) -
@@ -376,7 +379,8 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
         {"tokens", summary.tokens},
         {"loss_tokens", summary.loss_tokens},
         {"truncated", summary.truncated},
-        {"skipped", summary.skipped}}},
+        {"skipped", summary.skipped},
+        {"unsupervised_assistant_turns", summary.unlocated_turns}}},
       {"length_histogram", histogram}};
   summary.shards = writer->finish(std::move(fields));
   summary.seconds = std::chrono::duration<double>(Clock::now() - t0).count();

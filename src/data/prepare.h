@@ -54,6 +54,8 @@ struct PrepareSummary {
   };
   std::vector<Source> sources;
   uint64_t samples = 0, tokens = 0, loss_tokens = 0, truncated = 0, skipped = 0, shards = 0;
+  // Assistant turns kept as context, not learned (RenderedChat::unlocated_turns).
+  uint64_t unlocated_turns = 0;
   uint64_t input_bytes = 0;
   double seconds = 0;
   std::vector<uint64_t> length_histogram;  // counts per bucket of histogram_edges

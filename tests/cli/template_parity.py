@@ -50,7 +50,8 @@ def text_of(message):
 
 
 def reference(hf, source, conv, kwargs):
-    """(text, ids, mask) from transformers and HF tokenizers, or None if the template raises."""
+    """(text, ids, mask, turns left unsupervised) from transformers and HF tokenizers, or None
+    if the template raises."""
     from transformers.utils.chat_template_utils import _normalize_chat_messages
     msgs = json.loads(json.dumps(conv["messages"]))
     for m in msgs:
@@ -75,8 +76,8 @@ def reference(hf, source, conv, kwargs):
             enc = hf.apply_chat_template(msgs, tools=tools, chat_template=source, tokenize=True,
                                          return_dict=True, return_assistant_tokens_mask=True,
                                          **kwargs)
-            return text, list(enc["input_ids"]), list(enc["assistant_masks"])
-        spans = []
+            return text, list(enc["input_ids"]), list(enc["assistant_masks"]), 0
+        spans, unlocated = [], 0
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
@@ -84,13 +85,15 @@ def reference(hf, source, conv, kwargs):
             turn = render(msgs[: i + 1], False)
             if len(turn) > len(prompt) and turn.startswith(prompt) and text.startswith(turn):
                 spans.append((len(prompt), len(turn)))
+            else:
+                unlocated += 1
     except Exception:  # noqa: BLE001 (any template error: dflash must refuse the line too)
         return None
     if any(m["role"] == "assistant" for m in msgs) and not spans:
         return None  # no turn can be located: dflash refuses the conversation
     enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(s < e and b < t for b, e in spans)) for s, t in enc["offset_mapping"]]
-    return text, enc["input_ids"], mask
+    return text, enc["input_ids"], mask, unlocated
 
 
 def main():
@@ -125,12 +128,13 @@ def main():
                         refused += 1
                         continue
                     assert "error" not in out, f"{where}: {out.get('error')}"
-                    text, ids, mask = want
+                    text, ids, mask, unlocated = want
                     assert out["text"] == text, f"{where}: text differs"
                     assert out["ids"] == ids, f"{where}: ids differ from HF tokenizers"
                     assert out["mask"] == mask, (
                         f"{where}: mask differs at tokens "
                         f"{[i for i, (a, b) in enumerate(zip(out['mask'], mask)) if a != b][:10]}")
+                    assert out.get("unsupervised_assistant_turns", 0) == unlocated, where
                     compared += 1
     assert compared > 0.6 * (compared + refused), (compared, refused)
     print(f"template_parity: ok: {compared} conversations equal in text, ids and mask, "
