@@ -11,7 +11,9 @@
 
 namespace dflash::models {
 
-enum class Architecture { kQwen3, kQwen2, kLlama, kQwen3Moe };
+// kGptOss: gpt-oss (models/gpt_oss.h): sliding-window and full attention layers with sinks,
+// every layer an MoE of biased experts with a clamped SwiGLU.
+enum class Architecture { kQwen3, kQwen2, kLlama, kQwen3Moe, kGptOss };
 const char* architecture_name(Architecture arch);
 
 // RoPE frequency scalings, computed as transformers' modeling_rope_utils does.
@@ -39,6 +41,26 @@ struct YarnRopeScaling {
 };
 
 using RopeScaling = std::variant<Llama3RopeScaling, YarnRopeScaling>;
+
+// What gpt-oss adds to the shared fields (transformers' GptOssConfig). Its MoE uses them too:
+// num_experts = num_local_experts, moe_intermediate_size = intermediate_size, every layer
+// sparse; the router, the experts and all four attention projections carry biases.
+struct GptOssFields {
+  // Per layer: true for "sliding_attention" (keys within the last sliding_window positions,
+  // the query's own included), false for "full_attention".
+  std::vector<bool> sliding_layers;
+  int64_t sliding_window = 128;
+  // The experts' activation on gate_up's interleaved columns (gate 2j, up 2j + 1):
+  // gate' = min(gate, limit), up' = clamp(up, -limit, limit), (up' + 1) * gate' sigmoid(alpha
+  // gate').
+  double swiglu_alpha = 1.702;
+  double swiglu_limit = 7.0;
+  // config.json's quantization_config names quant_method "mxfp4": the experts' weights are
+  // stored as *_blocks (e2m1 pairs) and *_scales (e8m0), kernels/mxfp4.h.
+  bool mxfp4 = false;
+
+  bool sliding(int64_t layer) const { return sliding_layers.at(static_cast<size_t>(layer)); }
+};
 
 struct ModelConfig {
   Architecture arch = Architecture::kQwen3;
@@ -69,6 +91,8 @@ struct ModelConfig {
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
 
+  GptOssFields gpt_oss;  // arch == kGptOss only
+
   // Whether decoder layer `layer` has a sparse (expert) MLP, as transformers decides it.
   bool is_moe_layer(int64_t layer) const;
   // The weights of layer `layer`'s MLP (a sparse one's router included): all of them, or
@@ -94,7 +118,8 @@ nlohmann::json to_hf_json(const ModelConfig& config);
 
 // Named shapes for runs and benchmarks that need no files: "qwen3-8b", "qwen3-30b-a3b" (Qwen3
 // MoE, 128 experts, 8 active), "tiny" (a Qwen3-shaped model small enough for CPU tests and the
-// default demo) and "tiny-moe" (its MoE counterpart, with one dense layer).
+// default demo) and "tiny-moe" (its MoE counterpart, with one dense layer); "gpt-oss-20b",
+// "gpt-oss-120b" (experts in MXFP4) and "tiny-gpt-oss".
 ModelConfig preset_config(const std::string& name);
 
 // The Qwen3-8B shape, used by benchmarks that need no files.

@@ -214,6 +214,7 @@ DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOption
   c.layers.num_experts_per_tok = 0;
   c.layers.moe_intermediate_size = 0;
   c.layers.mlp_only_layers.clear();
+  c.layers.gpt_oss = {};
   c.layers.qk_norm = true;
   c.layers.attention_bias = false;
   c.layers.tie_word_embeddings = false;
@@ -438,6 +439,9 @@ Drafter Drafter::from_target_layers(const DrafterConfig& config, const TargetMod
     const int64_t src = source_layers[i];
     if (src < 0 || src >= t.num_layers) {
       fail("drafter init: source layer {} is out of range [0, {})", src, t.num_layers);
+    }
+    if (target.gpt_oss() != nullptr) {
+      fail("drafter init: gpt-oss layers (sinks, MoE) cannot be copied into drafter layers");
     }
     const TargetLayerWeights& s = target.layers()[src];
     if (!s.w_gate_up.defined()) {

@@ -15,6 +15,7 @@
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
 #include "kernels/tuned_gemm.h"
+#include "models/gpt_oss.h"
 
 namespace dflash::models {
 namespace {
@@ -76,7 +77,11 @@ Shapes expected_tensors(const ModelConfig& c, FusedExperts&& fused_experts) {
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   Shapes out;
   out.push_back({"model.embed_tokens.weight", {c.vocab_size, h}});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  if (c.arch == Architecture::kGptOss) {
+    auto layers = GptOssDecoder::expected_tensors(c, c.gpt_oss.mxfp4);
+    out.insert(out.end(), layers.begin(), layers.end());
+  }
+  for (int64_t i = 0; i < c.num_layers && c.arch != Architecture::kGptOss; ++i) {
     const std::string p = layer_prefix(i);
     out.push_back({p + "input_layernorm.weight", {h}});
     out.push_back({p + "post_attention_layernorm.weight", {h}});
@@ -133,14 +138,21 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
   TargetModel m(load_model_config(dir / "config.json"), device);
   const ModelConfig& c = m.config_;
   auto ckpt = io::Checkpoint::open(dir);
-  auto w = ckpt.load(checked_tensors(ckpt, c, dir), device, dtype);
+  auto names = checked_tensors(ckpt, c, dir);
+  const bool gpt_oss = c.arch == Architecture::kGptOss;
+  if (gpt_oss) {  // the decoder layers load themselves (MXFP4 blocks stay uint8)
+    m.gpt_oss_ = GptOssDecoder::load(ckpt, c, device, dtype);
+    names = {"model.embed_tokens.weight", "model.norm.weight"};
+    if (!c.tie_word_embeddings) names.push_back("lm_head.weight");
+  }
+  auto w = ckpt.load(names, device, dtype);
   auto fused = [&](int64_t i) { return has_fused_experts(ckpt, i); };
   auto take = [&](const std::string& name) {
     auto node = w.extract(name);
     return node.mapped();
   };
   m.embed_ = take("model.embed_tokens.weight");
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  for (int64_t i = 0; i < c.num_layers && !gpt_oss; ++i) {
     const std::string p = layer_prefix(i);
     TargetLayerWeights l;
     l.input_norm = take(p + "input_layernorm.weight");
@@ -207,7 +219,8 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   m.embed_ = normal({c.vocab_size, h});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  if (c.arch == Architecture::kGptOss) m.gpt_oss_ = GptOssDecoder::random(c, gen, opts);
+  for (int64_t i = 0; i < c.num_layers && !m.gpt_oss_; ++i) {
     TargetLayerWeights l;
     l.input_norm = ones(h);
     l.post_attention_norm = ones(h);
@@ -245,6 +258,7 @@ int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
   if (layers < 0 || layers > config_.num_layers) {
     fail("quantize_weights_fp8: {} layers asked of a target with {}", layers, config_.num_layers);
   }
+  if (gpt_oss_) fail("--prefill-gemms fp8 is not implemented for gpt-oss targets");
   if (auto why = kernels::fp8_gemm_unsupported(device(), dtype()); !why.empty()) {
     fail("--prefill-gemms fp8 cannot run here: {}", why);
   }
@@ -449,6 +463,7 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
     fail("target forward: tokens must be [{}] (the packed batch), got [{}]", batch.total,
          fmt::join(tokens.sizes(), ", "));
   }
+  if (gpt_oss_) return gpt_oss_->forward(*this, tokens, batch, request);
   return run(tokens, batch.positions, batch.cu_seqlens, request, nullptr, {},
              [&](int64_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                return packed_causal_attention(q, k, v, batch, request.attention);
@@ -457,6 +472,11 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
 
 ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const AppendBatch& batch,
                                           KVCache& cache, const ForwardRequest& request) const {
+  if (gpt_oss_) {
+    fail(
+        "gpt-oss target: decoding (generate, eval, tau during training) is not implemented yet: "
+        "its KV cache needs sliding windows and sinks; prefill (train, info, bench-target) runs");
+  }
   if (tokens.dim() != 1 || tokens.size(0) != batch.total) {
     fail("target cached forward: tokens must be [{}] (the append batch), got [{}]", batch.total,
          fmt::join(tokens.sizes(), ", "));
@@ -492,7 +512,11 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
   const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.push_back({"model.embed_tokens.weight", embed_});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  if (gpt_oss_) {
+    auto layers = gpt_oss_->hf_state_dict();
+    out.insert(out.end(), layers.begin(), layers.end());
+  }
+  for (int64_t i = 0; i < c.num_layers && !gpt_oss_; ++i) {
     const auto& l = layers_[i];
     const std::string p = layer_prefix(i);
     out.push_back({p + "input_layernorm.weight", l.input_norm});
@@ -533,6 +557,7 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
 }
 
 std::vector<at::Tensor> TargetModel::parameters() const {
+  if (gpt_oss_) fail("gpt-oss target: it is frozen here; its parameters are not trainable");
   std::vector<at::Tensor> out = {embed_};
   for (const auto& l : layers_) {
     for (const at::Tensor& t :
@@ -547,6 +572,8 @@ std::vector<at::Tensor> TargetModel::parameters() const {
 }
 
 TargetModel TargetModel::cast(at::ScalarType dtype) const {
+  if (gpt_oss_)
+    fail("gpt-oss target: cast is not implemented (it is a frozen, prefill-only target)");
   TargetModel m(*this);
   auto to = [&](at::Tensor& t) {
     if (t.defined()) t = t.to(dtype);
