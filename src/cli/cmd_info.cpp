@@ -96,8 +96,8 @@ void run_info(const InfoOptions& o) {
                std::count(config.gpt_oss.sliding_layers.begin(),
                           config.gpt_oss.sliding_layers.end(), false));
     fmt::print(
-        "experts:      {} weights: {} in MXFP4 ({}), {} in bf16; on a GPU the rest in bf16 "
-        "takes {}\n",
+        "mxfp4:        the experts' {} weights take {} in MXFP4 ({}), {} in bf16; the rest "
+        "in bf16 {}\n",
         experts, human_bytes(mxfp4), config.gpt_oss.mxfp4 ? "as stored" : "stored in bf16",
         human_bytes(experts * 2.0), human_bytes((params - experts) * 2.0));
   }
