@@ -27,26 +27,40 @@ bool cuda_half(const at::Tensor& t) {
   return t.is_cuda() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
 }
 
-// transformers' eager_attention_forward for one sequence: [L, Hq, D] queries against [L, Hkv,
-// D] keys and values, the sink logit appended to every row's scores before the softmax and
-// dropped after it.
+// transformers' eager_attention_forward for one sequence: [L, Hq, D] queries at positions
+// first..first+L-1 against [K, Hkv, D] keys and values at positions 0..K-1 (prefill: first 0,
+// K = L; a cached forward: the slot's cache), the sink logit appended to every row's scores
+// before the softmax and dropped after it.
 at::Tensor sink_attention_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& sinks, int64_t window) {
-  const int64_t len = q.size(0), heads = q.size(1), groups = heads / k.size(1);
+                              const at::Tensor& sinks, int64_t window, int64_t first) {
+  const int64_t len = q.size(0), keys = k.size(0), heads = q.size(1), groups = heads / k.size(1);
   auto qh = q.transpose(0, 1);                               // [Hq, L, D]
-  auto kh = k.transpose(0, 1).repeat_interleave(groups, 0);  // [Hq, L, D]
+  auto kh = k.transpose(0, 1).repeat_interleave(groups, 0);  // [Hq, K, D]
   auto vh = v.transpose(0, 1).repeat_interleave(groups, 0);
   auto scores = at::matmul(qh, kh.transpose(1, 2)) * (1.0 / std::sqrt(double(q.size(2))));
-  auto i = at::arange(len, q.options().dtype(at::kLong)).unsqueeze(1);
-  auto j = at::arange(len, q.options().dtype(at::kLong)).unsqueeze(0);
+  auto i = at::arange(first, first + len, q.options().dtype(at::kLong)).unsqueeze(1);
+  auto j = at::arange(keys, q.options().dtype(at::kLong)).unsqueeze(0);
   auto allowed = j <= i;
   if (window > 0) allowed = allowed & (j > i - window);
   scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
   auto sink = sinks.to(scores.scalar_type()).view({heads, 1, 1}).expand({heads, len, 1});
   auto logits = at::cat({scores, sink}, -1);
   logits = logits - std::get<0>(logits.max(-1, /*keepdim=*/true));
-  auto probs = at::softmax(logits, -1).narrow(-1, 0, len).to(v.scalar_type());
+  auto probs = at::softmax(logits, -1).narrow(-1, 0, keys).to(v.scalar_type());
   return at::matmul(probs, vh).transpose(0, 1);  // [L, Hq, D]
+}
+
+// Flash's window keeps keys j with i - left <= j <= i: `window` keys is left = window - 1.
+std::optional<int64_t> flash_left(int64_t window) {
+  if (window > 0) return window - 1;
+  return std::nullopt;
+}
+
+// A softmax with the sink's logit in its denominator from flash's output and log-sum-exp
+// (fp32 [Hq, T]): out * S / (S + e^sink) with S = e^lse, i.e. out * sigmoid(lse - sink).
+at::Tensor fold_sinks(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
+  auto keep = at::sigmoid(lse - sinks.to(at::kFloat).unsqueeze(1)).transpose(0, 1).unsqueeze(-1);
+  return (out.to(at::kFloat) * keep).to(out.scalar_type());
 }
 
 }  // namespace
@@ -85,23 +99,43 @@ at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, con
 at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& sinks, int64_t window, const PackedBatch& batch) {
   if (cuda_half(q)) {
-    // Flash's window keeps keys j with i - left <= j <= i: `window` keys is left = window - 1.
-    std::optional<int64_t> left;
-    if (window > 0) left = window - 1;
     auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
         q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_length, batch.max_length, 0.0,
-        /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, left, 0);
-    // softmax with the sink's logit in the denominator = flash's output * S / (S + e^sink),
-    // S = e^lse: sigmoid(lse - sink). lse is fp32 [Hq, T].
-    auto keep = at::sigmoid(lse - sinks.to(at::kFloat).unsqueeze(1)).transpose(0, 1).unsqueeze(-1);
-    return (out.to(at::kFloat) * keep).to(q.scalar_type());
+        /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_left(window), 0);
+    return fold_sinks(out, lse, sinks);
   }
   std::vector<at::Tensor> outs;
   int64_t start = 0;
   for (int64_t len : batch.lengths) {
     outs.push_back(sink_attention_one(q.narrow(0, start, len), k.narrow(0, start, len),
-                                      v.narrow(0, start, len), sinks, window));
+                                      v.narrow(0, start, len), sinks, window, 0));
     start += len;
+  }
+  return at::cat(outs, 0);
+}
+
+at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
+                                 const AppendBatch& batch, const at::Tensor& sinks,
+                                 int64_t window) {
+  const at::Tensor& k = cache.keys(layer);
+  const at::Tensor& v = cache.values(layer);
+  if (cuda_half(q)) {
+    // cu_seqlens_k = each slot's first row, seqused_k = start + count: flash aligns the
+    // causal mask and the window to the end of each slot's keys.
+    auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
+        q, k, v, batch.cu_seqlens, batch.key_starts, batch.max_count, batch.max_seen, 0.0,
+        /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_left(window), 0,
+        batch.seen);
+    return fold_sinks(out, lse, sinks);
+  }
+  std::vector<at::Tensor> outs;
+  int64_t offset = 0;
+  for (int64_t i = 0; i < batch.size(); ++i) {
+    const int64_t n = batch.counts[i], start = batch.starts[i];
+    const int64_t first_row = batch.slots[i] * cache.capacity();
+    outs.push_back(sink_attention_one(q.narrow(0, offset, n), k.narrow(0, first_row, start + n),
+                                      v.narrow(0, first_row, start + n), sinks, window, start));
+    offset += n;
   }
   return at::cat(outs, 0);
 }
@@ -254,7 +288,7 @@ std::shared_ptr<GptOssDecoder> GptOssDecoder::random(const ModelConfig& c, at::G
 }
 
 at::Tensor GptOssDecoder::layer(int64_t i, const at::Tensor& x, const at::Tensor& cos,
-                                const at::Tensor& sin, const PackedBatch& batch) const {
+                                const at::Tensor& sin, const Attend& attend) const {
   const ModelConfig& c = config_;
   const GptOssLayerWeights& w = layers_[i];
   const double eps = c.rms_norm_eps;
@@ -264,8 +298,7 @@ at::Tensor GptOssDecoder::layer(int64_t i, const at::Tensor& x, const at::Tensor
   auto q = kernels::rotary(qkv.narrow(1, 0, nq).view({t, c.num_heads, d}), cos, sin);
   auto k = kernels::rotary(qkv.narrow(1, nq, nkv).view({t, c.num_kv_heads, d}), cos, sin);
   auto v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
-  const int64_t window = c.gpt_oss.sliding(i) ? c.gpt_oss.sliding_window : 0;
-  auto attn = sink_attention(q, k, v, w.sinks, window, batch).reshape({t, nq});
+  auto attn = attend(i, q, k, v).reshape({t, nq});
   auto x1 = x + at::linear(attn, w.w_o, w.b_o);
   auto h1 = rms_norm(x1, w.post_attention_norm, eps);
   if (w.gate_up.defined()) return x1 + gpt_oss_experts(h1, w, c, w.gate_up, w.down);
@@ -283,6 +316,26 @@ at::Tensor GptOssDecoder::layer(int64_t i, const at::Tensor& x, const at::Tensor
 ForwardResult GptOssDecoder::forward(const TargetModel& target, const at::Tensor& tokens,
                                      const PackedBatch& batch,
                                      const ForwardRequest& request) const {
+  return run(target, tokens, batch.positions, batch.cu_seqlens, request, /*all_layers=*/false,
+             [&](int64_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+               return sink_attention(q, k, v, layers_[i].sinks, window(i), batch);
+             });
+}
+
+ForwardResult GptOssDecoder::forward_cached(const TargetModel& target, const at::Tensor& tokens,
+                                            const AppendBatch& batch, KVCache& cache,
+                                            const ForwardRequest& request) const {
+  return run(target, tokens, batch.positions, batch.cu_seqlens, request, /*all_layers=*/true,
+             [&](int64_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+               cache.update(i, batch.rows, k, v);
+               return cached_sink_attention(q, cache, i, batch, layers_[i].sinks, window(i));
+             });
+}
+
+ForwardResult GptOssDecoder::run(const TargetModel& target, const at::Tensor& tokens,
+                                 const at::Tensor& positions, const at::Tensor& cu_seqlens,
+                                 const ForwardRequest& request, bool all_layers,
+                                 const Attend& attend) const {
   if (request.grad) fail("gpt-oss target: the forward is inference only (no autograd)");
   if (request.gemms == PrefillGemms::kFp8) {
     fail("gpt-oss target: --prefill-gemms fp8 is not implemented (aten or tuned)");
@@ -296,19 +349,20 @@ ForwardResult GptOssDecoder::forward(const TargetModel& target, const at::Tensor
   ForwardResult result;
   result.taps.resize(request.tap_layers.size());
   auto x = target.embed(tokens);
-  auto [cos, sin] = rotary_.tables(batch.positions, x.scalar_type());
-  const int64_t layers = request.logits == Logits::kNone && !request.tap_layers.empty()
-                             ? layers_for_taps(request.tap_layers)
-                             : config_.num_layers;
+  auto [cos, sin] = rotary_.tables(positions, x.scalar_type());
+  const int64_t layers =
+      !all_layers && request.logits == Logits::kNone && !request.tap_layers.empty()
+          ? layers_for_taps(request.tap_layers)
+          : config_.num_layers;
   for (int64_t i = 0; i < layers; ++i) {
-    x = layer(i, x, cos, sin, batch);
+    x = layer(i, x, cos, sin, attend);
     for (size_t j = 0; j < request.tap_layers.size(); ++j) {
       if (request.tap_layers[j] == i) result.taps[j] = x;
     }
   }
   if (request.logits == Logits::kNone) return result;
   if (request.logits == Logits::kLast) {
-    x = x.index_select(0, batch.cu_seqlens.narrow(0, 1, batch.size()).to(at::kLong) - 1);
+    x = x.index_select(0, cu_seqlens.narrow(0, 1, cu_seqlens.size(0) - 1).to(at::kLong) - 1);
   }
   result.logits = target.lm_head(rms_norm(x, target.final_norm(), config_.rms_norm_eps));
   return result;

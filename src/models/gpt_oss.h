@@ -8,18 +8,22 @@
 //   experts with biases and a clamped SwiGLU on gate_up's interleaved columns (gate 2j, up
 //   2j + 1): (clamp(up, -l, l) + 1) * g sigmoid(alpha g), g = min(gate, l);
 // - experts published in MXFP4 (kernels/mxfp4.h) or in the bf16 layout transformers 5 holds.
-// TargetModel (target.h) owns one of these for a gpt_oss config and hands it its prefill;
-// decoding with a KV cache (window-trimmed caches, sinks in the decode kernels) is not built.
+// TargetModel (target.h) owns one of these for a gpt_oss config and hands it its prefill and
+// its cached forward (decode and verify over a KVCache: every layer caches the slot's whole
+// length, a sliding layer's attention reads only its window of it; the sinks join the cached
+// attention's softmax as they join prefill's).
 #pragma once
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "models/config.h"
+#include "models/kv_cache.h"
 #include "models/layers.h"
 
 namespace dflash::io {
@@ -64,6 +68,15 @@ at::Tensor gpt_oss_swiglu(const at::Tensor& gate_up, double alpha, double limit)
 at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& sinks, int64_t window, const PackedBatch& batch);
 
+// sink_attention over a KV cache: the batch's new queries q [total, Hq, D] against their
+// slots' cached keys and values in `layer` of `cache` (the new tokens' rows already written),
+// causal, keys limited to the last `window` positions (0: no limit), the per-head sinks in the
+// softmax's denominator. CUDA bf16/fp16: one variable-length flash call reading the cache in
+// place (as cached_causal_attention), the sinks folded in through its log-sum-exp; elsewhere
+// the eager softmax per entry, as transformers computes it.
+at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
+                                 const AppendBatch& batch, const at::Tensor& sinks, int64_t window);
+
 class GptOssDecoder {
  public:
   // The decoder layers of a gpt-oss checkpoint. MXFP4 experts stay MXFP4 on CUDA (dequantised
@@ -83,6 +96,11 @@ class GptOssDecoder {
   // The prefill of TargetModel::forward: embedding, lm head and final norm are the target's.
   ForwardResult forward(const TargetModel& target, const at::Tensor& tokens,
                         const PackedBatch& batch, const ForwardRequest& request) const;
+  // The layers of TargetModel::forward_cached, which checks the cache and counts the new
+  // tokens in it afterwards: the new tokens' K/V go into `cache`, their attention reads it.
+  ForwardResult forward_cached(const TargetModel& target, const at::Tensor& tokens,
+                               const AppendBatch& batch, KVCache& cache,
+                               const ForwardRequest& request) const;
 
   // Decoder-layer tensors in the checkpoint's naming (MXFP4 where the blocks are held).
   std::vector<std::pair<std::string, at::Tensor>> hf_state_dict() const;
@@ -95,8 +113,21 @@ class GptOssDecoder {
 
  private:
   GptOssDecoder(ModelConfig config, at::Device device);
+  // attend(layer, q, k, v): q [T, Hq, D], k / v [T, Hkv, D] after rotary, returning [T, Hq, D].
+  using Attend =
+      std::function<at::Tensor(int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
+  // The body both forwards share. cu_seqlens (int32 [n+1]) gives each sequence's last token
+  // for Logits::kLast; `all_layers` runs every layer even where the taps end earlier (a cached
+  // forward must fill every layer's cache).
+  ForwardResult run(const TargetModel& target, const at::Tensor& tokens,
+                    const at::Tensor& positions, const at::Tensor& cu_seqlens,
+                    const ForwardRequest& request, bool all_layers, const Attend& attend) const;
   at::Tensor layer(int64_t i, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                   const PackedBatch& batch) const;
+                   const Attend& attend) const;
+  // Layer i's window for sink_attention (0: full attention).
+  int64_t window(int64_t i) const {
+    return config_.gpt_oss.sliding(i) ? config_.gpt_oss.sliding_window : 0;
+  }
 
   ModelConfig config_;
   Rotary rotary_;

@@ -604,11 +604,6 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
         "generate, eval and speculative decoding cannot run them (training's prefill can)",
         architecture_name(config_.arch));
   }
-  if (gpt_oss_) {
-    fail(
-        "gpt-oss target: decoding (generate, eval, tau during training) is not implemented yet: "
-        "its KV cache needs sliding windows and sinks; prefill (train, info, bench-target) runs");
-  }
   if (tokens.dim() != 1 || tokens.size(0) != batch.total) {
     fail("target cached forward: tokens must be [{}] (the append batch), got [{}]", batch.total,
          fmt::join(tokens.sizes(), ", "));
@@ -630,11 +625,13 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
     }
   }
   auto result =
-      run(tokens, batch.positions, {batch.cu_seqlens, {}}, request, &cache, batch.rows,
-          [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-            if (k.defined()) cache.update(layer, batch.rows, k, v);  // else the layer wrote them
-            return cached_causal_attention(q, cache, layer, batch);
-          });
+      gpt_oss_
+          ? gpt_oss_->forward_cached(*this, tokens, batch, cache, request)
+          : run(tokens, batch.positions, {batch.cu_seqlens, {}}, request, &cache, batch.rows,
+                [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+                  if (k.defined()) cache.update(layer, batch.rows, k, v);  // else already there
+                  return cached_causal_attention(q, cache, layer, batch);
+                });
   for (int64_t i = 0; i < batch.size(); ++i) cache.extend(batch.slots[i], batch.counts[i]);
   return result;
 }

@@ -11,6 +11,10 @@ sequence, sinks far from zero, and a swiglu_limit small enough that the clamps b
 - gpt_oss_bf16_sharded: transformers 5's layout (gate_up_proj [E, H, 2F] with interleaved
   gate/up columns), sharded, its own layer_types and swiglu_alpha, gpt-oss' default YaRN;
 - gpt_oss_nobias_tied: attention_bias false and a tied LM head.
+Each model directory also holds generate.safetensors: transformers' greedy generate (its own
+sliding-window cache) of GENERATE_NEW tokens after each of GENERATE_PROMPTS, the longest
+prompts longer than the sliding window: prompt_{i}, output_{i} (the new tokens), and
+min_margin, the smallest top-1 / top-2 logit gap of any step (far above fp32 noise).
 """
 import json
 import pathlib
@@ -29,6 +33,9 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_lay
 
 YARN = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
             original_max_position_embeddings=128, rope_theta=150000.0)
+
+GENERATE_PROMPTS = [21, 12, 3]
+GENERATE_NEW = 14
 
 MODELS = {
     # name: (extra config, layout)
@@ -84,6 +91,24 @@ def random_model(extra, seed):
     return config, model
 
 
+def greedy_reference(model, vocab_size):
+    g = torch.Generator().manual_seed(5)
+    ref, margins = {}, []
+    for i, n in enumerate(GENERATE_PROMPTS):
+        ids = torch.randint(0, vocab_size, (1, n), generator=g)
+        # An explicit mask: without one generate masks the prompt's pad_token_id tokens out.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
+                             max_new_tokens=GENERATE_NEW, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+        top = torch.stack(out.scores)[:, 0].topk(2, -1).values
+        margins.append(float((top[:, 0] - top[:, 1]).min()))
+        ref[f"prompt_{i}"] = ids[0].clone()
+        ref[f"output_{i}"] = out.sequences[0, n:].clone()
+    ref["min_margin"] = torch.tensor(min(margins))
+    assert min(margins) > 1e-4, margins
+    return ref
+
+
 def make_models(out: pathlib.Path):
     for idx, (name, (extra, layout)) in enumerate(MODELS.items()):
         config, model = random_model(extra, 4321 + idx)
@@ -116,6 +141,7 @@ def make_models(out: pathlib.Path):
             model.save_pretrained(d, max_shard_size="40KB" if layout == "sharded" else "1GB")
         tokens = torch.randint(0, config.vocab_size, (sum(LENGTHS),), dtype=torch.int64)
         save_file(reference(model, tokens, LENGTHS), str(d / "reference.safetensors"))
+        save_file(greedy_reference(model, config.vocab_size), str(d / "generate.safetensors"))
 
 
 def make(out: pathlib.Path):
