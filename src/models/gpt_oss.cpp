@@ -72,14 +72,23 @@ at::Tensor gpt_oss_swiglu(const at::Tensor& gate_up, double alpha, double limit)
   return (up + 1) * (gate * at::sigmoid(gate * alpha));
 }
 
+namespace {
+
+// gpt-oss' router: the top-k of x W^T + b, softmax over those k logits.
+std::pair<ExpertRoutes, at::Tensor> route(const at::Tensor& x, const GptOssLayerWeights& w,
+                                          const ModelConfig& c) {
+  auto logits = at::linear(x, w.router, w.router_bias);
+  auto [top, chosen] = at::topk(logits, c.num_experts_per_tok, -1);
+  return {ExpertRoutes(x, chosen, c.num_experts), at::softmax(top, -1)};
+}
+
+}  // namespace
+
 at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, const ModelConfig& c,
                            const at::Tensor& gate_up, const at::Tensor& down) {
   const int64_t f = c.moe_intermediate_size;
   const double alpha = c.gpt_oss.swiglu_alpha, limit = c.gpt_oss.swiglu_limit;
-  auto logits = at::linear(x, w.router, w.router_bias);
-  auto [top, chosen] = at::topk(logits, c.num_experts_per_tok, -1);
-  auto weights = at::softmax(top, -1);
-  const ExpertRoutes routes(x, chosen, c.num_experts);
+  const auto [routes, weights] = route(x, w, c);
   at::Tensor y;
   if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && grouped_mm_aligned(x, f)) {
     auto offsets = routes.offsets();
@@ -93,6 +102,26 @@ at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, con
       return at::linear(gpt_oss_swiglu(gu, alpha, limit), down[e], w.down_bias[e]);
     });
   }
+  return routes.combine(y, weights);
+}
+
+at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWeights& w,
+                                        const ModelConfig& c) {
+  const auto [routes, weights] = route(x, w, c);
+  const auto& e = routes.experts;
+  auto dequantize = [&](const at::Tensor& blocks, const at::Tensor& scales) {
+    return kernels::mxfp4_dequantize(blocks.index_select(0, e), scales.index_select(0, e),
+                                     x.scalar_type());
+  };
+  // [R, 1, in] x [R, in, out] per pair.
+  auto gu = at::bmm(routes.rows.unsqueeze(1),
+                    dequantize(w.gate_up_blocks, w.gate_up_scales).transpose(1, 2))
+                .squeeze(1) +
+            w.gate_up_bias.index_select(0, e);
+  auto act = gpt_oss_swiglu(gu, c.gpt_oss.swiglu_alpha, c.gpt_oss.swiglu_limit);
+  auto y = at::bmm(act.unsqueeze(1), dequantize(w.down_blocks, w.down_scales).transpose(1, 2))
+               .squeeze(1) +
+           w.down_bias.index_select(0, e);
   return routes.combine(y, weights);
 }
 
@@ -302,7 +331,11 @@ at::Tensor GptOssDecoder::layer(int64_t i, const at::Tensor& x, const at::Tensor
   auto x1 = x + at::linear(attn, w.w_o, w.b_o);
   auto h1 = rms_norm(x1, w.post_attention_norm, eps);
   if (w.gate_up.defined()) return x1 + gpt_oss_experts(h1, w, c, w.gate_up, w.down);
-  // MXFP4 on CUDA: this layer's experts dequantised into the shared buffers first.
+  // MXFP4 on CUDA: fewer routed pairs than experts (decode, verify) dequantise only theirs;
+  // else this layer's experts are dequantised into the shared buffers first.
+  if (t * c.num_experts_per_tok < c.num_experts) {
+    return x1 + gpt_oss_routed_mxfp4_experts(h1, w, c);
+  }
   if (!gate_up_buffer_.defined()) {
     gate_up_buffer_ =
         at::empty({c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size}, x.options());

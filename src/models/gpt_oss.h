@@ -58,6 +58,14 @@ struct GptOssLayerWeights {
 at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, const ModelConfig& c,
                            const at::Tensor& gate_up, const at::Tensor& down);
 
+// The same for MXFP4 experts (w's blocks and scales) without dequantising whole experts: each
+// of the T * K routed (token, expert) pairs gets its expert's rows dequantised and multiplied
+// alone (batched GEMVs). Decode and verify route far fewer pairs than there are experts
+// (gpt-oss-120b: 4 pairs a token against 128 experts, each 50 MB in bf16), where dequantising
+// every expert of a layer per step would dominate; no host sync (CUDA graphs).
+at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWeights& w,
+                                        const ModelConfig& c);
+
 // The clamped SwiGLU of [R, 2F] interleaved gate/up rows: [R, F].
 at::Tensor gpt_oss_swiglu(const at::Tensor& gate_up, double alpha, double limit);
 

@@ -370,6 +370,23 @@ TEST(GptOss, TrainingAndCastAreRefusedClearly) {
   EXPECT_THROW(model.cast(at::kBFloat16), Error);
 }
 
+// The routed MXFP4 path (the GPU's decode and verify: only the routed pairs' experts
+// dequantised) against the experts dequantised whole, on the random preset's first layer: one
+// token, and as many pairs as experts.
+TEST(GptOss, RoutedMxfp4ExpertsMatchWholeDequantisation) {
+  const auto config = models::preset_config("tiny-gpt-oss");
+  auto model = TargetModel::random(config, at::kCPU, at::kFloat, 5);
+  const auto& w = model.gpt_oss()->layers()[0];
+  ASSERT_TRUE(w.gate_up_blocks.defined() && w.gate_up.defined());
+  auto gen = models::seeded_generator(at::kCPU, 11);
+  for (int64_t tokens : {1, 4}) {
+    SCOPED_TRACE(std::to_string(tokens) + " tokens");
+    auto x = at::randn({tokens, config.hidden_size}, gen, at::kFloat);
+    EXPECT_CLOSE(models::gpt_oss_routed_mxfp4_experts(x, w, config),
+                 models::gpt_oss_experts(x, w, config, w.gate_up, w.down), 1e-5);
+  }
+}
+
 // transformers' _apply_gate on interleaved columns, written out per element.
 TEST(GptOss, ClampedSwigluOnInterleavedColumns) {
   auto gu = at::tensor({-9.0f, 9.0f, 0.5f, -0.25f, 8.0f, -8.0f}).view({1, 6});
