@@ -5,10 +5,10 @@ Usage: gpt_oss_cli.py DFLASH_BINARY FIXTURES_DIR
 `dflash info` on the MXFP4 fixture model (written by tests/python/fixtures_gpt_oss.py) counts
 its weights as the config implies and states the experts' MXFP4 memory; `dflash random-model
 --preset tiny-gpt-oss` writes the published MXFP4 layout; `dflash train` trains a drafter on
-random data against both the fixture and the random model; `generate` (greedy) writes its
-answers, and `eval` with the trained drafter decodes past the 16-token window with speculative
-output equal to the target's greedy output (eval checks every turn); `bench-target` takes the
-preset.
+random data against both the fixture and the random model, the latter with tau measured at the
+end (--eval-prompts); `generate` (greedy) writes its answers, and `eval` with the trained
+drafter decodes past the 16-token window with speculative output equal to the target's greedy
+output (eval checks every turn); `bench-target` and `bench-decode` take the preset.
 """
 import json
 import pathlib
@@ -28,15 +28,16 @@ def check_info(dflash, model):
     assert "sliding-window" in text and "with sinks" in text, text
 
 
-def train(dflash, target, data, out):
+def train(dflash, target, data, out, extra=()):
     run([dflash, "train", "--target", target, "--data", data, "--out", out, "--steps", 2,
          "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", 64, "--drafter-layers", 2,
          "--target-layer-ids", "0,2", "--block-size", 4, "--max-anchors", 4,
          "--mask-token-id", 3, "--device", "cpu",
-         "--log-seconds", 0])
+         "--log-seconds", 0, *extra])
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [s["loss"] for s in steps if "loss" in s]
     assert len(losses) == 2 and all(l == l and l > 0 for l in losses), steps
+    return steps
 
 
 def main():
@@ -65,14 +66,18 @@ def main():
         data = work / "data"
         run([dflash, "random-data", "--out", data, "--samples", 8, "--length", 48,
              "--prompt", 8, "--vocab", 300])
+        prompts = work / "prompts.jsonl"
+        prompts.write_text('{"question": "What is 3 plus 4?"}\n{"prompt": "Count to five."}\n')
         train(dflash, mxfp4, data, work / "train_fixture")
-        train(dflash, target, data, work / "train_random")
+        steps = train(dflash, target, data, work / "train_random",
+                      ["--eval-prompts", prompts, "--eval-max-new-tokens", 24])
+        evals = [s for s in steps if "eval_tau" in s]
+        assert len(evals) == 1 and evals[0]["eval_mismatches"] == 0, steps
+        assert 1 <= evals[0]["eval_tau"] <= 4 and evals[0]["eval_verify_steps"] > 0, evals
 
         chats = work / "chats.jsonl"
         chats.write_text(json.dumps({"messages": [{"role": "user", "content": "3 plus 4?"},
                                                   {"role": "assistant", "content": "7"}]}) + "\n")
-        prompts = work / "prompts.jsonl"
-        prompts.write_text('{"question": "What is 3 plus 4?"}\n{"prompt": "Count to five."}\n')
         out = work / "g.jsonl"
         run([dflash, "generate", "--target", target, "--data", chats, "--out", out,
              "--max-new-tokens", 24, "--device", "cpu"])
@@ -93,6 +98,10 @@ def main():
         text = run([dflash, "bench-target", "--preset", "tiny-gpt-oss", "--device", "cpu",
                     "--seq-len", 48, "--batches", "1,2", "--warmup", 0, "--iters", 1]).stdout
         assert "gpt-oss: experts hold" in text and "B active per token" in text, text
+        text = run([dflash, "bench-decode", "--preset", "tiny-gpt-oss", "--device", "cpu",
+                    "--prompt-len", 40, "--new-tokens", 4, "--batches", "1,3",
+                    "--verify-tokens", 4, "--warmup", 0, "--iters", 1]).stdout
+        assert "speculative, batch 1 at 40 cached tokens" in text, text
     print("gpt_oss_cli: OK")
 
 
