@@ -80,7 +80,7 @@ if has test; then
   # The LibTorch tests, GPU ones included (they skip on CPU CI). Tokenizer fixtures need the
   # GSM8K data in ../shared, which does not travel to this machine; CI runs those.
   step test
-  fixtures test models dflash safetensors pretrain
+  fixtures test models dflash safetensors pretrain gpt_oss
   fixtures rope rope
   gtests core '*'
 fi
@@ -186,6 +186,7 @@ if has gtest; then
   step gtest
   fixtures gtest dflash models
   fixtures gtest_rope rope
+  fixtures gtest_gpt_oss gpt_oss
   gtests gtest "${GTEST_FILTER:-*Gpu*}"
 fi
 if has hybrid; then

@@ -13,6 +13,7 @@
 #include "io/safetensors.h"
 #include "kernels/tuned_gemm.h"
 #include "models/drafter.h"
+#include "models/gpt_oss.h"
 #include "models/target.h"
 #include "obs/profile.h"
 #include "obs/stats.h"
@@ -53,6 +54,14 @@ void run_bench(const BenchOptions& o) {
       o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
       c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
       o.warmup, o.iters);
+  if (const auto* g = model.gpt_oss()) {
+    fmt::print(
+        "gpt-oss: experts hold {:.2f} GiB on {} ({}); per-layer bf16 dequantisation buffers "
+        "{:.2f} GiB\n",
+        g->expert_bytes() / double(1 << 30), o.device,
+        config.gpt_oss.mxfp4 ? "MXFP4 blocks and scales" : "bf16",
+        g->dequant_buffer_bytes() / double(1 << 30));
+  }
   double fp8_weights_gib = 0;
   for (const auto& g : o.gemms) {
     if (models::parse_prefill_gemms(g) != models::PrefillGemms::kFp8 || fp8_weights_gib > 0) {

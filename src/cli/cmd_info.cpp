@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <optional>
@@ -10,6 +11,7 @@
 #include "common/error.h"
 #include "dist/world.h"
 #include "io/safetensors.h"
+#include "kernels/mxfp4.h"
 #include "models/config.h"
 #include "models/target.h"
 #include "obs/stats.h"
@@ -102,6 +104,9 @@ void run_info(const InfoOptions& o) {
     const auto& info = ckpt.info(name);
     int64_t n = 1;
     for (int64_t d : info.shape) n *= d;
+    // MXFP4 (gpt-oss experts): two weights a byte of blocks; the scales are no weights.
+    if (info.dtype == at::kByte && name.ends_with("_blocks")) n *= 2;
+    if (info.dtype == at::kByte && name.ends_with("_scales")) n = 0;
     params += n;
     dtypes[std::string(c10::toString(info.dtype))] += n;
   }
@@ -117,6 +122,22 @@ void run_info(const InfoOptions& o) {
   for (const auto& [dtype, n] : dtypes) fmt::print("dtype:        {} ({} parameters)\n", dtype, n);
   fmt::print("weights:      {} on disk; {} in bf16\n", human_bytes(ckpt.total_bytes()),
              human_bytes(params * 2.0));
+  if (config.arch == models::Architecture::kGptOss) {
+    const int64_t experts = config.num_layers * config.num_experts * 3 * config.hidden_size *
+                            config.moe_intermediate_size;
+    const double mxfp4 = static_cast<double>(kernels::mxfp4_bytes(experts));
+    fmt::print("attention:    {} sliding-window ({} positions) and {} full layers, with sinks\n",
+               std::count(config.gpt_oss.sliding_layers.begin(),
+                          config.gpt_oss.sliding_layers.end(), true),
+               config.gpt_oss.sliding_window,
+               std::count(config.gpt_oss.sliding_layers.begin(),
+                          config.gpt_oss.sliding_layers.end(), false));
+    fmt::print(
+        "mxfp4:        the experts' {} weights take {} in MXFP4 ({}), {} in bf16; the rest "
+        "in bf16 {}\n",
+        experts, human_bytes(mxfp4), config.gpt_oss.mxfp4 ? "as stored" : "stored in bf16",
+        human_bytes(experts * 2.0), human_bytes((params - experts) * 2.0));
+  }
   if (!load_device) return;
   const at::Device device = *load_device;
   auto t0 = std::chrono::steady_clock::now();

@@ -56,7 +56,8 @@ struct Rope {
 // is then ignored; the chosen dict's rope_theta wins over the top-level one; the type is
 // "rope_type", else the older "type"; original_max_position_embeddings comes from the top level
 // if there is one, else the dict, else max_position_embeddings.
-Rope parse_rope(const json& j, int64_t max_position_embeddings, const std::string& origin) {
+Rope parse_rope(const json& j, int64_t max_position_embeddings, double default_theta,
+                const std::string& origin) {
   const char* key = "rope_scaling";
   auto it = j.find(key);
   if (it == j.end() || it->is_null() || (it->is_object() && it->empty())) {
@@ -65,7 +66,7 @@ Rope parse_rope(const json& j, int64_t max_position_embeddings, const std::strin
   }
   const std::string where = origin + ": \"" + key + "\"";
   Rope rope;
-  rope.theta = optional_field<double>(j, "rope_theta", 10000.0, origin);
+  rope.theta = optional_field<double>(j, "rope_theta", default_theta, origin);
   if (it == j.end() || it->is_null()) return rope;
   if (!it->is_object()) fail("{} must be an object", where);
   const json& rs = *it;
@@ -216,7 +217,90 @@ void parse_hybrid(const json& j, ModelConfig& c, const std::string& origin) {
   }
 }
 
+// GptOssConfig's fields and defaults. Without any rope dict transformers gives gpt-oss its
+// published YaRN (x32 from 4096 positions, beta 32 / 1, not truncated).
+void parse_gpt_oss(const json& j, ModelConfig& c, const std::string& origin) {
+  c.num_experts = optional_field<int64_t>(
+      j, "num_local_experts", optional_field<int64_t>(j, "num_experts", 128, origin), origin);
+  c.num_experts_per_tok = optional_field<int64_t>(j, "num_experts_per_tok", 4, origin);
+  c.moe_intermediate_size = c.intermediate_size;
+  c.norm_topk_prob = true;  // the softmax runs over the top-k logits: the weights sum to one
+  GptOssFields& g = c.gpt_oss;
+  g.swiglu_alpha = optional_field<double>(j, "swiglu_alpha", 1.702, origin);
+  g.swiglu_limit = optional_field<double>(j, "swiglu_limit", 7.0, origin);
+  // A null sliding_window stays 0, which validate() refuses if any layer slides.
+  g.sliding_window =
+      j.contains("sliding_window") ? optional_field<int64_t>(j, "sliding_window", 0, origin) : 128;
+  auto types = optional_field<std::vector<std::string>>(j, "layer_types", {}, origin);
+  if (types.empty()) {
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+    }
+  }
+  for (size_t i = 0; i < types.size(); ++i) {
+    if (types[i] != "sliding_attention" && types[i] != "full_attention") {
+      fail("{}: layer_types[{}] is \"{}\" (gpt_oss supports sliding_attention, full_attention)",
+           origin, i, types[i]);
+    }
+    g.sliding_layers.push_back(types[i] == "sliding_attention");
+  }
+  if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
+    const std::string where = origin + ": \"quantization_config\"";
+    if (!q->is_object()) fail("{} must be an object", where);
+    const auto method = required<std::string>(*q, "quant_method", where);
+    if (method != "mxfp4") fail("{}: quant_method \"{}\" is not supported (mxfp4)", where, method);
+    g.mxfp4 = true;
+  }
+  const bool any_rope = [&] {
+    for (const char* key : {"rope_scaling", "rope_parameters"}) {
+      auto it = j.find(key);
+      if (it != j.end() && !it->is_null() && !(it->is_object() && it->empty())) return true;
+    }
+    return false;
+  }();
+  if (!any_rope) {
+    YarnRopeScaling s;
+    s.factor = 32.0;
+    s.original_max_position_embeddings = 4096;
+    s.beta_fast = 32.0;
+    s.beta_slow = 1.0;
+    s.truncate = false;
+    c.rope_scaling = s;
+  }
+}
+
+void validate_gpt_oss(const ModelConfig& c, const std::string& origin) {
+  const GptOssFields& g = c.gpt_oss;
+  if (static_cast<int64_t>(g.sliding_layers.size()) != c.num_layers) {
+    fail("{}: layer_types has {} entries for num_hidden_layers = {}", origin,
+         g.sliding_layers.size(), c.num_layers);
+  }
+  const bool slides =
+      std::find(g.sliding_layers.begin(), g.sliding_layers.end(), true) != g.sliding_layers.end();
+  if (slides && g.sliding_window <= 0) {
+    fail("{}: sliding_window must be a positive number of positions (layers slide), got {}", origin,
+         g.sliding_window);
+  }
+  if (!(g.swiglu_limit > 0)) {
+    fail("{}: swiglu_limit must be positive, got {}", origin, g.swiglu_limit);
+  }
+  if (c.num_experts <= 0) fail("{}: gpt_oss needs num_local_experts > 0", origin);
+  if (c.moe_intermediate_size != c.intermediate_size || c.decoder_sparse_step != 1 ||
+      !c.mlp_only_layers.empty()) {
+    fail("{}: gpt_oss layers are all sparse with experts of intermediate_size", origin);
+  }
+  // MXFP4 scales one exponent per 32 consecutive inputs of a row.
+  if (g.mxfp4 && (c.hidden_size % 32 != 0 || c.intermediate_size % 32 != 0)) {
+    fail("{}: mxfp4 experts need hidden_size and intermediate_size multiples of 32, got {} and {}",
+         origin, c.hidden_size, c.intermediate_size);
+  }
+}
+
 }  // namespace
+
+std::string ModelConfig::layer_prefix(int64_t layer) const {
+  return fmt::format("{}layers.{}.", weight_prefix(), layer);
+}
 
 int64_t ModelConfig::rotary_dim() const {
   // Python's int(head_dim * partial_rotary_factor), as transformers sizes inv_freq.
@@ -239,6 +323,8 @@ const char* architecture_name(Architecture arch) {
       return "qwen3_5_moe_text";
     case Architecture::kQwen3Next:
       return "qwen3_next";
+    case Architecture::kGptOss:
+      return "gpt_oss";
   }
   return "?";
 }
@@ -246,17 +332,19 @@ const char* architecture_name(Architecture arch) {
 namespace {
 
 void parse_text_fields(const json& j, ModelConfig& c, bool hybrid, const std::string& origin) {
+  const bool gpt_oss = c.arch == Architecture::kGptOss;
   // transformers' defaults per family.
   c.max_position_embeddings = optional_field<int64_t>(
-      j, "max_position_embeddings", c.arch == Architecture::kLlama ? 2048 : 32768, origin);
-  c.rms_norm_eps = optional_field<double>(j, "rms_norm_eps", 1e-6, origin);
-  Rope rope = parse_rope(j, c.max_position_embeddings, origin);
+      j, "max_position_embeddings",
+      c.arch == Architecture::kLlama ? 2048 : (gpt_oss ? 131072 : 32768), origin);
+  c.rms_norm_eps = optional_field<double>(j, "rms_norm_eps", gpt_oss ? 1e-5 : 1e-6, origin);
+  Rope rope = parse_rope(j, c.max_position_embeddings, gpt_oss ? 150000.0 : 10000.0, origin);
   c.rope_theta = rope.theta;
   c.rope_scaling = rope.scaling;
   c.tie_word_embeddings = optional_field<bool>(j, "tie_word_embeddings", false, origin);
   c.attention_bias = c.arch == Architecture::kQwen2
                          ? true
-                         : optional_field<bool>(j, "attention_bias", false, origin);
+                         : optional_field<bool>(j, "attention_bias", gpt_oss, origin);
   if (optional_field<bool>(j, "mlp_bias", false, origin)) {
     fail("{}: mlp_bias = true is not supported", origin);
   }
@@ -281,6 +369,7 @@ void parse_text_fields(const json& j, ModelConfig& c, bool hybrid, const std::st
         optional_field<int64_t>(j, "shared_expert_intermediate_size", 512, origin);
   }
   if (hybrid) parse_hybrid(j, c, origin);
+  if (gpt_oss) parse_gpt_oss(j, c, origin);
 }
 
 }  // namespace
@@ -313,10 +402,12 @@ ModelConfig parse_model_config(const json& top, const std::string& origin) {
     c.arch = Architecture::kQwen2;
   } else if (type == "llama") {
     c.arch = Architecture::kLlama;
+  } else if (type == "gpt_oss") {
+    c.arch = Architecture::kGptOss;
   } else {
     fail(
         "{}: model_type \"{}\" is not supported (supported: qwen3, qwen3_moe, qwen2, llama, "
-        "qwen3_5, qwen3_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next)",
+        "qwen3_5, qwen3_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, gpt_oss)",
         origin, type);
   }
   const bool hybrid = c.arch == Architecture::kQwen35 || c.arch == Architecture::kQwen35Moe ||
@@ -334,8 +425,11 @@ ModelConfig parse_model_config(const json& top, const std::string& origin) {
   c.num_heads = required<int64_t>(j, "num_attention_heads", where);
   c.num_kv_heads = optional_field<int64_t>(j, "num_key_value_heads", c.num_heads, where);
   if (c.num_heads <= 0) fail("{}: num_attention_heads must be positive", where);
-  c.head_dim =
-      optional_field<int64_t>(j, "head_dim", hybrid ? 256 : c.hidden_size / c.num_heads, where);
+  // transformers' defaults per family.
+  const int64_t default_head_dim = hybrid                            ? 256
+                                   : c.arch == Architecture::kGptOss ? 64
+                                                                     : c.hidden_size / c.num_heads;
+  c.head_dim = optional_field<int64_t>(j, "head_dim", default_head_dim, where);
   parse_text_fields(j, c, hybrid, where);
   if (multimodal) {
     c.tie_word_embeddings = optional_field<bool>(top, "tie_word_embeddings", false, origin);
@@ -382,6 +476,7 @@ void ModelConfig::validate(const std::string& origin) const {
            origin, linear.num_value_heads, linear.num_key_heads);
     }
   }
+  if (arch == Architecture::kGptOss) validate_gpt_oss(*this, origin);
   if (num_experts == 0) return;
   if (num_experts < 0) fail("{}: num_experts must not be negative, got {}", origin, num_experts);
   positive(moe_intermediate_size, "moe_intermediate_size");
@@ -401,10 +496,14 @@ int64_t ModelConfig::mlp_parameters(int64_t layer, bool active) const {
   const int64_t h = hidden_size;
   if (!is_moe_layer(layer)) return 3 * h * intermediate_size;
   const int64_t experts = active ? num_experts_per_tok : num_experts;
+  const int64_t f = moe_intermediate_size;
+  if (arch == Architecture::kGptOss) {  // router and experts with biases
+    return (h + 1) * num_experts + experts * (3 * h * f + 2 * f + h);
+  }
   // The shared expert and its gate, where there is one, every token takes.
   const int64_t shared =
       shared_expert_intermediate_size > 0 ? 3 * h * shared_expert_intermediate_size + h : 0;
-  return h * num_experts + experts * 3 * h * moe_intermediate_size + shared;
+  return h * num_experts + experts * 3 * h * f + shared;
 }
 
 namespace {
@@ -424,6 +523,9 @@ int64_t layer_parameters(const ModelConfig& c, int64_t i, bool active) {
   int64_t attn = h * q * (c.attn_output_gate ? 2 : 1) + 2 * h * kv + q * h;
   if (c.attention_bias) attn += q + 2 * kv;
   if (c.qk_norm) attn += 2 * c.head_dim;
+  if (c.arch == Architecture::kGptOss) {
+    attn += c.num_heads + (c.attention_bias ? h : 0);  // sinks, o bias
+  }
   return attn + mlp + 2 * h;
 }
 
@@ -461,11 +563,34 @@ ModelConfig qwen3_8b_config() {
   return c;
 }
 
+namespace {
+
+void put_gpt_oss(const ModelConfig& c, json& j) {
+  const GptOssFields& g = c.gpt_oss;
+  j["num_local_experts"] = c.num_experts;
+  j["num_experts_per_tok"] = c.num_experts_per_tok;
+  j["sliding_window"] = g.sliding_window;
+  json types = json::array();
+  for (bool s : g.sliding_layers) types.push_back(s ? "sliding_attention" : "full_attention");
+  j["layer_types"] = types;
+  j["swiglu_alpha"] = g.swiglu_alpha;
+  j["swiglu_limit"] = g.swiglu_limit;
+  if (g.mxfp4) {
+    // What the published checkpoints carry: only the experts are in MXFP4.
+    j["quantization_config"] = {{"quant_method", "mxfp4"},
+                                {"modules_to_not_convert",
+                                 {"model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                  "model.embed_tokens", "lm_head"}}};
+  }
+}
+
+}  // namespace
+
 json to_hf_json(const ModelConfig& c) {
   // Hybrids are written in their text-only form (what hf_state_dict's names match).
   static const char* const kArchitectures[] = {
-      "Qwen3ForCausalLM",   "Qwen2ForCausalLM",      "LlamaForCausalLM",    "Qwen3MoeForCausalLM",
-      "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"};
+      "Qwen3ForCausalLM",   "Qwen2ForCausalLM",      "LlamaForCausalLM",     "Qwen3MoeForCausalLM",
+      "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "GptOssForCausalLM"};
   json j = {{"architectures", {kArchitectures[static_cast<int>(c.arch)]}},
             {"model_type", architecture_name(c.arch)},
             {"vocab_size", c.vocab_size},
@@ -490,6 +615,7 @@ json to_hf_json(const ModelConfig& c) {
     j["decoder_sparse_step"] = c.decoder_sparse_step;
     j["mlp_only_layers"] = c.mlp_only_layers;
   }
+  if (c.arch == Architecture::kGptOss) put_gpt_oss(c, j);
   if (c.shared_expert_intermediate_size > 0) {
     j["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size;
   }
@@ -585,13 +711,52 @@ void set_hybrid_moe(ModelConfig& c, int64_t experts, int64_t top_k, int64_t widt
   c.norm_topk_prob = true;
 }
 
+// The published gpt-oss configs' shapes (experts in MXFP4), and a tiny one for tests whose
+// 16-token window is shorter than their sequences.
+ModelConfig gpt_oss_preset(const std::string& name) {
+  json j = {{"model_type", "gpt_oss"},
+            {"vocab_size", 201088},
+            {"hidden_size", 2880},
+            {"intermediate_size", 2880},
+            {"num_hidden_layers", name == "gpt-oss-20b" ? 24 : 36},
+            {"num_attention_heads", 64},
+            {"num_key_value_heads", 8},
+            {"head_dim", 64},
+            {"num_local_experts", name == "gpt-oss-20b" ? 32 : 128},
+            {"num_experts_per_tok", 4},
+            {"rope_theta", 150000},
+            {"quantization_config", {{"quant_method", "mxfp4"}}}};
+  if (name == "tiny-gpt-oss") {
+    j.update({{"vocab_size", 512},
+              {"hidden_size", 128},
+              {"intermediate_size", 64},
+              {"num_hidden_layers", 8},
+              {"num_attention_heads", 4},
+              {"num_key_value_heads", 2},
+              {"head_dim", 32},
+              {"num_local_experts", 8},
+              {"num_experts_per_tok", 2},
+              {"sliding_window", 16},
+              {"max_position_embeddings", 4096},
+              {"rope_scaling",
+               {{"rope_type", "yarn"},
+                {"factor", 4.0},
+                {"beta_fast", 32.0},
+                {"beta_slow", 1.0},
+                {"truncate", false},
+                {"original_max_position_embeddings", 1024}}}});
+  }
+  return parse_model_config(j, "preset " + name);
+}
+
 }  // namespace
 
 std::vector<std::string> preset_names() {
-  return {"qwen3-8b",        "qwen3-30b-a3b",      "tiny",
-          "tiny-moe",        "qwen3.5-9b",         "qwen3.5-27b",
-          "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "tiny-qwen3.5",
-          "tiny-qwen3.5-moe"};
+  return {"qwen3-8b",         "qwen3-30b-a3b",      "tiny",
+          "tiny-moe",         "qwen3.5-9b",         "qwen3.5-27b",
+          "qwen3.5-35b-a3b",  "qwen3-next-80b-a3b", "tiny-qwen3.5",
+          "tiny-qwen3.5-moe", "gpt-oss-20b",        "gpt-oss-120b",
+          "tiny-gpt-oss"};
 }
 
 ModelConfig preset_config(const std::string& name) {
@@ -665,6 +830,9 @@ ModelConfig preset_config(const std::string& name) {
     c.tie_word_embeddings = true;
     if (moe) set_hybrid_moe(c, 8, 2, 64);
     return c;
+  }
+  if (name == "gpt-oss-20b" || name == "gpt-oss-120b" || name == "tiny-gpt-oss") {
+    return gpt_oss_preset(name);
   }
   fail("unknown model preset \"{}\" (known: {})", name, fmt::join(preset_names(), ", "));
 }

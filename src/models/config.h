@@ -1,6 +1,6 @@
-// models: target decoders (Qwen3, Qwen3 MoE, Qwen2, Llama, and the hybrid Gated DeltaNet ones:
-// Qwen3.5 / Qwen3.6 dense and MoE, Qwen3-Next) as plain tensor code, their config.json, and the
-// layers the DFlash drafter shares with them.
+// models: target decoders (Qwen3, Qwen3 MoE, Qwen2, Llama, the hybrid Gated DeltaNet ones:
+// Qwen3.5 / Qwen3.6 dense and MoE, Qwen3-Next, and gpt-oss) as plain tensor code, their
+// config.json, and the layers the DFlash drafter shares with them.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -14,8 +14,19 @@ namespace dflash::models {
 
 // kQwen35 / kQwen35Moe: Qwen3.5 and Qwen3.6 (model_type qwen3_5 / qwen3_5_moe with a
 // text_config, or the *_text forms); kQwen3Next: Qwen3-Next. These three are hybrids: Gated
-// DeltaNet linear-attention layers between gated full-attention layers.
-enum class Architecture { kQwen3, kQwen2, kLlama, kQwen3Moe, kQwen35, kQwen35Moe, kQwen3Next };
+// DeltaNet linear-attention layers between gated full-attention layers. kGptOss: gpt-oss
+// (models/gpt_oss.h): sliding-window and full attention layers with sinks, every layer an MoE of
+// biased experts with a clamped SwiGLU.
+enum class Architecture {
+  kQwen3,
+  kQwen2,
+  kLlama,
+  kQwen3Moe,
+  kQwen35,
+  kQwen35Moe,
+  kQwen3Next,
+  kGptOss
+};
 // The text model's model_type ("qwen3_5_text" for both qwen3_5 forms).
 const char* architecture_name(Architecture arch);
 
@@ -60,6 +71,26 @@ struct YarnRopeScaling {
 };
 
 using RopeScaling = std::variant<Llama3RopeScaling, YarnRopeScaling>;
+
+// What gpt-oss adds to the shared fields (transformers' GptOssConfig). Its MoE uses them too:
+// num_experts = num_local_experts, moe_intermediate_size = intermediate_size, every layer
+// sparse; the router, the experts and all four attention projections carry biases.
+struct GptOssFields {
+  // Per layer: true for "sliding_attention" (keys within the last sliding_window positions,
+  // the query's own included), false for "full_attention".
+  std::vector<bool> sliding_layers;
+  int64_t sliding_window = 128;
+  // The experts' activation on gate_up's interleaved columns (gate 2j, up 2j + 1):
+  // gate' = min(gate, limit), up' = clamp(up, -limit, limit), (up' + 1) * gate' sigmoid(alpha
+  // gate').
+  double swiglu_alpha = 1.702;
+  double swiglu_limit = 7.0;
+  // config.json's quantization_config names quant_method "mxfp4": the experts' weights are
+  // stored as *_blocks (e2m1 pairs) and *_scales (e8m0), kernels/mxfp4.h.
+  bool mxfp4 = false;
+
+  bool sliding(int64_t layer) const { return sliding_layers.at(static_cast<size_t>(layer)); }
+};
 
 struct ModelConfig {
   Architecture arch = Architecture::kQwen3;
@@ -115,12 +146,15 @@ struct ModelConfig {
   int64_t rotary_dim() const;
   // "model.language_model." or "model.": where the decoder's tensors are named.
   std::string weight_prefix() const { return multimodal ? "model.language_model." : "model."; }
+  // Where decoder layer `layer`'s tensors are named: weight_prefix() + "layers.{layer}.".
+  std::string layer_prefix(int64_t layer) const;
+
+  GptOssFields gpt_oss;  // arch == kGptOss only
 
   // Whether decoder layer `layer` has a sparse (expert) MLP, as transformers decides it.
   bool is_moe_layer(int64_t layer) const;
   // The weights of layer `layer`'s MLP (a sparse one's router and shared expert included): all
-  // of them, or
-  // (`active`) those one token multiplies by.
+  // of them, or (`active`) those one token multiplies by.
   int64_t mlp_parameters(int64_t layer, bool active) const;
 
   // Number of parameters the weights hold (embedding and LM head counted once when tied).
@@ -144,7 +178,8 @@ nlohmann::json to_hf_json(const ModelConfig& config);
 // MoE, 128 experts, 8 active), "tiny" (a Qwen3-shaped model small enough for CPU tests and the
 // default demo) and "tiny-moe" (its MoE counterpart, with one dense layer); the hybrids
 // "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b" (the published
-// configs' shapes) and "tiny-qwen3.5", "tiny-qwen3.5-moe".
+// configs' shapes) and "tiny-qwen3.5", "tiny-qwen3.5-moe"; "gpt-oss-20b", "gpt-oss-120b" (experts
+// in MXFP4) and "tiny-gpt-oss".
 std::vector<std::string> preset_names();
 ModelConfig preset_config(const std::string& name);
 

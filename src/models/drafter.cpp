@@ -223,6 +223,8 @@ DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOption
   c.layers.attn_output_gate = false;
   c.layers.norm_plus_one = false;
   c.layers.multimodal = false;
+  // Nor are gpt-oss' windows, sinks and clamped experts.
+  c.layers.gpt_oss = {};
   c.layers.qk_norm = true;
   c.layers.attention_bias = false;
   c.layers.tie_word_embeddings = false;
@@ -447,6 +449,9 @@ Drafter Drafter::from_target_layers(const DrafterConfig& config, const TargetMod
     const int64_t src = source_layers[i];
     if (src < 0 || src >= t.num_layers) {
       fail("drafter init: source layer {} is out of range [0, {})", src, t.num_layers);
+    }
+    if (target.gpt_oss() != nullptr) {
+      fail("drafter init: gpt-oss layers (sinks, MoE) cannot be copied into drafter layers");
     }
     const TargetLayerWeights& s = target.layers()[src];
     if (!s.w_gate_up.defined()) {

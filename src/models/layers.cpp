@@ -237,34 +237,40 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at
   return at::linear(act, w_down);
 }
 
-namespace {
-
-// at::_grouped_mm reads every operand through 16-byte-aligned row strides: x's rows [H], the
-// transposed weights' columns [2F] and [F], and the activations' rows [F].
 bool grouped_mm_aligned(const at::Tensor& x, int64_t f) {
   const int64_t bytes = x.element_size();
   return (x.size(1) * bytes) % 16 == 0 && (f * bytes) % 16 == 0;
 }
 
-}  // namespace
+ExpertRoutes::ExpertRoutes(const at::Tensor& x, const at::Tensor& chosen, int64_t num_experts) {
+  const int64_t top_k = chosen.size(1);
+  auto flat = chosen.reshape(-1);
+  auto [sorted, order] = at::sort(flat, /*stable=*/true, 0, /*descending=*/false);
+  rows = x.index_select(0, at::floor_divide(order, top_k));
+  experts = sorted;
+  counts = at::zeros({num_experts}, flat.options()).scatter_add_(0, flat, at::ones_like(flat));
+  inverse = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
+}
+
+at::Tensor ExpertRoutes::combine(const at::Tensor& y, const at::Tensor& weights) const {
+  if (!c10::GradMode::is_enabled()) return kernels::moe_combine(y, inverse, weights);
+  const int64_t tokens = weights.size(0), top_k = weights.size(1);
+  return (y.index_select(0, inverse).view({tokens, top_k, y.size(1)}) *
+          weights.to(y.scalar_type()).unsqueeze(-1))
+      .sum(1);
+}
 
 at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tensor& experts_gate_up,
                    const at::Tensor& experts_down, int64_t top_k, bool norm_topk_prob,
                    ExpertGemm gemm) {
-  const int64_t t = x.size(0), h = x.size(1), experts = router.size(0);
   const int64_t f = experts_down.size(2);
   auto probs = at::softmax(at::linear(x, router), -1, at::kFloat);
   auto [weights, chosen] = at::topk(probs, top_k, -1);
   if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
-  // Without autograd (the frozen target's prefill and decode) the SwiGLU and the weighted sum
-  // take kernels: one pass each instead of three.
+  // Without autograd (the frozen target's prefill and decode) the SwiGLU takes a kernel: one
+  // pass instead of three.
   const bool frozen = !c10::GradMode::is_enabled();
-  // One row per (token, choice), sorted by expert; the stable sort keeps each expert's tokens in
-  // order.
-  auto flat = chosen.reshape(-1);
-  auto order = std::get<1>(at::sort(flat, /*stable=*/true, 0, /*descending=*/false));
-  auto rows = x.index_select(0, at::floor_divide(order, top_k));
-  auto counts = at::zeros({experts}, flat.options()).scatter_add_(0, flat, at::ones_like(flat));
+  const ExpertRoutes routes(x, chosen, router.size(0));
   if (gemm == ExpertGemm::kAuto) {
     gemm = x.is_cuda() && x.scalar_type() == at::kBFloat16 && grouped_mm_aligned(x, f)
                ? ExpertGemm::kGrouped
@@ -273,29 +279,17 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tens
   at::Tensor y;
   if (gemm == ExpertGemm::kGrouped) {
     // Offsets stay on the device: no host sync, so a CUDA graph can capture the layer.
-    auto offsets = counts.cumsum(0).to(at::kInt);
-    auto gate_up = at::_grouped_mm(rows, experts_gate_up.transpose(1, 2), offsets);
+    auto offsets = routes.offsets();
+    auto gate_up = at::_grouped_mm(routes.rows, experts_gate_up.transpose(1, 2), offsets);
     auto act = frozen ? kernels::silu_mul(gate_up)
                       : at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f);
     y = at::_grouped_mm(act, experts_down.transpose(1, 2), offsets);
   } else {
-    auto host = counts.cpu();
-    const int64_t* n = host.data_ptr<int64_t>();
-    std::vector<at::Tensor> outs;
-    for (int64_t e = 0, start = 0; e < experts; start += n[e++]) {
-      if (n[e] == 0) continue;
-      outs.push_back(
-          swiglu_mlp(rows.narrow(0, start, n[e]), experts_gate_up.select(0, e), experts_down[e]));
-    }
-    y = at::cat(outs);
+    y = routes.per_expert([&](int64_t e, const at::Tensor& rows) {
+      return swiglu_mlp(rows, experts_gate_up.select(0, e), experts_down[e]);
+    });
   }
-  // Back to (token, choice) order, then each token's weighted sum over its choices.
-  auto inverse =
-      at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
-  if (frozen) return kernels::moe_combine(y, inverse, weights);
-  return (y.index_select(0, inverse).view({t, top_k, h}) *
-          weights.to(x.scalar_type()).unsqueeze(-1))
-      .sum(1);
+  return routes.combine(y, weights);
 }
 
 }  // namespace dflash::models

@@ -82,6 +82,39 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at
 // bytes (the kernel's condition) and kLoop otherwise.
 enum class ExpertGemm { kAuto, kGrouped, kLoop };
 
+// at::_grouped_mm reads every operand through 16-byte-aligned row strides: x's rows [H], the
+// transposed weights' columns [2F] and [F], and the activations' rows [F].
+bool grouped_mm_aligned(const at::Tensor& x, int64_t f);
+
+// The tokens of x [T, H] routed to experts (chosen: int64 [T, K], each token's K experts) as
+// the experts' GEMMs read them: one row per (token, choice), sorted by expert (stable: each
+// expert's tokens in order), so each expert multiplies its rows at once.
+struct ExpertRoutes {
+  at::Tensor rows;     // [T * K, H]
+  at::Tensor experts;  // int64 [T * K]: each row's expert, ascending
+  at::Tensor counts;   // int64 [E]: rows per expert
+  at::Tensor inverse;  // int64 [T * K]: the row holding (token t, choice k) at t * K + k
+
+  ExpertRoutes(const at::Tensor& x, const at::Tensor& chosen, int64_t num_experts);
+  // at::_grouped_mm's offsets (int32 [E], on the device: no host sync).
+  at::Tensor offsets() const { return counts.cumsum(0).to(at::kInt); }
+  // f(e, rows of expert e) for each expert that has rows (one host read of the counts), the
+  // results concatenated in row order.
+  template <class F>
+  at::Tensor per_expert(F&& f) const {
+    auto host = counts.cpu();
+    const int64_t* n = host.data_ptr<int64_t>();
+    std::vector<at::Tensor> outs;
+    for (int64_t e = 0, start = 0; e < host.numel(); start += n[e++]) {
+      if (n[e] > 0) outs.push_back(f(e, rows.narrow(0, start, n[e])));
+    }
+    return at::cat(outs);
+  }
+  // y [T * K, H] (row order) -> [T, H]: each token's sum of weights[t, k] * its choices' rows.
+  // Without autograd one kernel (kernels::moe_combine), else ATen with weights in y's dtype.
+  at::Tensor combine(const at::Tensor& y, const at::Tensor& weights) const;
+};
+
 // Qwen3 MoE's sparse MLP on x [T, H]: router logits x router^T ([E, H] router), softmax over the
 // experts in fp32, the top_k experts per token with their probabilities (renormalised to sum to
 // one when norm_topk_prob) cast to x's dtype; the result is the weighted sum of each chosen

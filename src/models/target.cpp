@@ -15,13 +15,10 @@
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
 #include "kernels/tuned_gemm.h"
+#include "models/gpt_oss.h"
 
 namespace dflash::models {
 namespace {
-
-std::string layer_prefix(const ModelConfig& c, int64_t i) {
-  return fmt::format("{}layers.{}.", c.weight_prefix(), i);
-}
 
 // Whether a pass over x takes the fused kernels of kernels/decode_ops.h (one launch and one
 // read of the activations where ATen makes several), at any number of rows: prefill spends
@@ -39,7 +36,7 @@ using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 // with `fused_experts`, as the two 3-D tensors of transformers 5's Qwen3MoeExperts; its shared
 // expert where the config has one.
 void mlp_tensors(const ModelConfig& c, int64_t i, bool fused_experts, Shapes& out) {
-  const std::string p = layer_prefix(c, i) + "mlp.";
+  const std::string p = c.layer_prefix(i) + "mlp.";
   const int64_t h = c.hidden_size;
   if (!c.is_moe_layer(i)) {
     out.push_back({p + "gate_proj.weight", {c.intermediate_size, h}});
@@ -96,11 +93,10 @@ struct Layout {
   const io::Checkpoint* ckpt = nullptr;  // none (writing): per expert, split
   const ModelConfig& c;
   bool fused_experts(int64_t i) const {
-    return ckpt != nullptr && ckpt->contains(layer_prefix(c, i) + "mlp.experts.gate_up_proj");
+    return ckpt != nullptr && ckpt->contains(c.layer_prefix(i) + "mlp.experts.gate_up_proj");
   }
   bool grouped_in_proj(int64_t i) const {
-    return ckpt != nullptr &&
-           ckpt->contains(layer_prefix(c, i) + "linear_attn.in_proj_qkvz.weight");
+    return ckpt != nullptr && ckpt->contains(c.layer_prefix(i) + "linear_attn.in_proj_qkvz.weight");
   }
 };
 
@@ -117,8 +113,12 @@ Shapes expected_tensors(const ModelConfig& c, const Layout& layout) {
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   Shapes out;
   out.push_back({c.weight_prefix() + "embed_tokens.weight", {c.vocab_size, h}});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = layer_prefix(c, i);
+  if (c.arch == Architecture::kGptOss) {
+    auto layers = GptOssDecoder::expected_tensors(c, c.gpt_oss.mxfp4);
+    out.insert(out.end(), layers.begin(), layers.end());
+  }
+  for (int64_t i = 0; i < c.num_layers && c.arch != Architecture::kGptOss; ++i) {
+    const std::string p = c.layer_prefix(i);
     out.push_back({p + "input_layernorm.weight", {h}});
     out.push_back({p + "post_attention_layernorm.weight", {h}});
     if (c.is_linear_layer(i)) {
@@ -169,7 +169,7 @@ std::vector<std::string> checked_tensors(const io::Checkpoint& ckpt, const Model
 template <class Take>
 void load_mlp(const ModelConfig& c, int64_t i, const Layout& layout, Take&& take,
               TargetLayerWeights& l) {
-  const std::string p = layer_prefix(c, i) + "mlp.";
+  const std::string p = c.layer_prefix(i) + "mlp.";
   if (!c.is_moe_layer(i)) {
     l.w_gate_up = at::cat({take(p + "gate_proj.weight"), take(p + "up_proj.weight")});
     l.w_down = take(p + "down_proj.weight");
@@ -211,7 +211,14 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
   TargetModel m(load_model_config(dir / "config.json"), device);
   const ModelConfig& c = m.config_;
   auto ckpt = io::Checkpoint::open(dir);
-  auto w = ckpt.load(checked_tensors(ckpt, c, dir), device, dtype);
+  auto to_load = checked_tensors(ckpt, c, dir);
+  const bool gpt_oss = c.arch == Architecture::kGptOss;
+  if (gpt_oss) {  // the decoder layers load themselves (MXFP4 blocks stay uint8)
+    m.gpt_oss_ = GptOssDecoder::load(ckpt, c, device, dtype);
+    to_load = {"model.embed_tokens.weight", "model.norm.weight"};
+    if (!c.tie_word_embeddings) to_load.push_back("lm_head.weight");
+  }
+  auto w = ckpt.load(to_load, device, dtype);
   const Layout layout{&ckpt, c};
   auto take = [&](const std::string& name) {
     auto node = w.extract(name);
@@ -229,8 +236,8 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
                dir.string(), mtp);
   }
   m.embed_ = take(c.weight_prefix() + "embed_tokens.weight");
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = layer_prefix(c, i);
+  for (int64_t i = 0; i < c.num_layers && !gpt_oss; ++i) {
+    const std::string p = c.layer_prefix(i);
     TargetLayerWeights l;
     l.input_norm = take_norm(p + "input_layernorm.weight");
     l.post_attention_norm = take_norm(p + "post_attention_layernorm.weight");
@@ -294,7 +301,8 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   m.embed_ = normal({c.vocab_size, h});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  if (c.arch == Architecture::kGptOss) m.gpt_oss_ = GptOssDecoder::random(c, gen, opts);
+  for (int64_t i = 0; i < c.num_layers && !m.gpt_oss_; ++i) {
     TargetLayerWeights l;
     l.input_norm = ones(h);
     l.post_attention_norm = ones(h);
@@ -351,6 +359,7 @@ int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
   if (layers < 0 || layers > config_.num_layers) {
     fail("quantize_weights_fp8: {} layers asked of a target with {}", layers, config_.num_layers);
   }
+  if (gpt_oss_) fail("--prefill-gemms fp8 is not implemented for gpt-oss targets");
   if (auto why = kernels::fp8_gemm_unsupported(device(), dtype()); !why.empty()) {
     fail("--prefill-gemms fp8 cannot run here: {}", why);
   }
@@ -581,6 +590,7 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
     fail("target forward: tokens must be [{}] (the packed batch), got [{}]", batch.total,
          fmt::join(tokens.sizes(), ", "));
   }
+  if (gpt_oss_) return gpt_oss_->forward(*this, tokens, batch, request);
   return run(tokens, batch.positions, {batch.cu_seqlens, batch.lengths}, request, nullptr, {},
              [&](int64_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                return packed_causal_attention(q, k, v, batch, request.attention);
@@ -616,11 +626,13 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
     }
   }
   auto result =
-      run(tokens, batch.positions, {batch.cu_seqlens, {}}, request, &cache, batch.rows,
-          [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-            if (k.defined()) cache.update(layer, batch.rows, k, v);  // else the layer wrote them
-            return cached_causal_attention(q, cache, layer, batch);
-          });
+      gpt_oss_
+          ? gpt_oss_->forward_cached(*this, tokens, batch, cache, request)
+          : run(tokens, batch.positions, {batch.cu_seqlens, {}}, request, &cache, batch.rows,
+                [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+                  if (k.defined()) cache.update(layer, batch.rows, k, v);  // else already there
+                  return cached_causal_attention(q, cache, layer, batch);
+                });
   for (int64_t i = 0; i < batch.size(); ++i) cache.extend(batch.slots[i], batch.counts[i]);
   return result;
 }
@@ -634,9 +646,13 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
   auto norm = [&](const at::Tensor& w) { return c.norm_plus_one ? norm_weight_to_file(w) : w; };
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.push_back({"model.embed_tokens.weight", embed_});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  if (gpt_oss_) {
+    auto layers = gpt_oss_->hf_state_dict();
+    out.insert(out.end(), layers.begin(), layers.end());
+  }
+  for (int64_t i = 0; i < c.num_layers && !gpt_oss_; ++i) {
     const auto& l = layers_[i];
-    const std::string p = layer_prefix(c, i);
+    const std::string p = c.layer_prefix(i);
     out.push_back({p + "input_layernorm.weight", norm(l.input_norm)});
     out.push_back({p + "post_attention_layernorm.weight", norm(l.post_attention_norm)});
     if (l.linear.w_in.defined()) {
@@ -703,6 +719,7 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
 }
 
 std::vector<at::Tensor> TargetModel::parameters() const {
+  if (gpt_oss_) fail("gpt-oss target: it is frozen here; its parameters are not trainable");
   std::vector<at::Tensor> out = {embed_};
   for (const auto& l : layers_) {
     for (const at::Tensor& t : {l.input_norm,
@@ -735,6 +752,8 @@ std::vector<at::Tensor> TargetModel::parameters() const {
 }
 
 TargetModel TargetModel::cast(at::ScalarType dtype) const {
+  if (gpt_oss_)
+    fail("gpt-oss target: cast is not implemented (it is a frozen, prefill-only target)");
   TargetModel m(*this);
   auto to = [&](at::Tensor& t) {
     if (t.defined()) t = t.to(dtype);

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -15,6 +16,8 @@
 #include "models/layers.h"
 
 namespace dflash::models {
+
+class GptOssDecoder;  // models/gpt_oss.h
 
 // A generator for `device` (CPU or CUDA) seeded with `seed`, for random weights: the same seed
 // gives the same weights on a given device, and no other thread's draws interleave (reseeding
@@ -115,7 +118,10 @@ class TargetModel {
   const at::Tensor& embedding() const { return embed_; }
   const at::Tensor& lm_head_weight() const { return lm_head_; }
   const at::Tensor& final_norm() const { return norm_; }
+  // The decoder layers of the Qwen-family architectures; empty for gpt-oss (gpt_oss()).
   const std::vector<TargetLayerWeights>& layers() const { return layers_; }
+  // gpt-oss' decoder layers (null for every other architecture).
+  const GptOssDecoder* gpt_oss() const { return gpt_oss_.get(); }
   at::Device device() const { return embed_.device(); }
   at::ScalarType dtype() const { return embed_.scalar_type(); }
 
@@ -182,6 +188,9 @@ class TargetModel {
   Rotary rotary_;
   at::Tensor embed_, norm_, lm_head_;  // lm_head_ aliases embed_ when tied
   std::vector<TargetLayerWeights> layers_;
+  // model_type gpt_oss: its layers, run by GptOssDecoder (layers_ stays empty); shared by
+  // copies, like the tensors.
+  std::shared_ptr<const GptOssDecoder> gpt_oss_;
 };
 
 // Floating-point operations of one prefill through the first `layers` decoder layers (-1: all;

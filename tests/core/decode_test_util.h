@@ -1,5 +1,6 @@
 // Helpers shared by the decoding tests: tiny random target configs (Qwen3 with qk_norm and
-// GQA, Qwen3 MoE with a dense middle layer, Qwen2 with bias, Llama-3 with scaled RoPE) and the
+// GQA, Qwen3 MoE with a dense middle layer, Qwen2 with bias, Llama-3 with scaled RoPE, gpt-oss
+// with sinks and 5-position windows on layers 0 and 2) and the
 // plain greedy loop that re-runs the full forward at every step, the reference every cached
 // decoder is compared with.
 #pragma once
@@ -37,6 +38,16 @@ inline models::ModelConfig tiny_target_config(models::Architecture arch) {
     c.moe_intermediate_size = 16;
     c.norm_topk_prob = true;
     c.mlp_only_layers = {1};
+  } else if (arch == models::Architecture::kGptOss) {
+    // Windows shorter than most test sequences; every layer sparse with biased experts.
+    c.attention_bias = true;
+    c.rms_norm_eps = 1e-5;
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = c.intermediate_size;
+    c.norm_topk_prob = true;
+    c.gpt_oss.sliding_layers = {true, false, true};
+    c.gpt_oss.sliding_window = 5;
   } else if (arch == models::Architecture::kQwen2) {
     c.attention_bias = true;
     c.num_kv_heads = 4;  // plain multi-head attention

@@ -1,7 +1,8 @@
 // The target's incremental forward over a KV cache against its full packed forward (fp32,
 // CPU): logits and every layer's output for prefill-then-decode, chunked prefill, several
 // slots at different lengths, crop-then-reextend; and a cached greedy loop against a loop
-// that re-runs the full forward at each step.
+// that re-runs the full forward at each step. gpt-oss among the models: its sliding windows
+// (5 positions) are shorter than most sequences here, its sinks join every cached softmax.
 #include "models/kv_cache.h"
 
 #include <gtest/gtest.h>
@@ -35,7 +36,8 @@ std::vector<Variant> variants() {
   return {{"Qwen3QkNormGqa", testing::tiny_target_config(Architecture::kQwen3)},
           {"Qwen3MoeSparse", testing::tiny_target_config(Architecture::kQwen3Moe)},
           {"Qwen2BiasMha", testing::tiny_target_config(Architecture::kQwen2)},
-          {"Llama3ScaledMqa", testing::tiny_target_config(Architecture::kLlama)}};
+          {"Llama3ScaledMqa", testing::tiny_target_config(Architecture::kLlama)},
+          {"GptOssSinksWindow", testing::tiny_target_config(Architecture::kGptOss)}};
 }
 
 class KVCacheParity : public ::testing::TestWithParam<Variant> {

@@ -245,6 +245,36 @@ INSTANTIATE_TEST_SUITE_P(BlocksAndSlots, SpeculativeGreedy,
                                               info.param.block_size, info.param.slots);
                          });
 
+// gpt-oss (sinks, windows of 5 positions on two of three layers) verified in blocks of 8: the
+// cache's crops after rejected drafts and its re-extensions past the windows give the
+// target's own greedy output, with the DFlash drafter and with a scripted one.
+TEST(SpeculativeGptOss, EqualsPlainGreedyLoop) {
+  auto config = testing::tiny_target_config(models::Architecture::kGptOss);
+  auto target = testing::peaked_target(config, at::kCPU, at::kFloat, 3);
+  const int64_t context = 48, max_new = 20;
+  auto prompts = make_prompts({3, 17, 9, 40, 6}, 5);
+  auto want = greedy(target, prompts, max_new, {}, context);
+  auto dflash = make_drafter(target, 8);
+  eval::DFlashDraftSource dflash_source(dflash, target);
+  ScriptedDrafter scripted(8, references(prompts, want, -1), 0.7);
+  for (int64_t slots : {1, 3}) {
+    for (eval::DraftSource* drafter :
+         std::initializer_list<eval::DraftSource*>{&dflash_source, &scripted}) {
+      SCOPED_TRACE(fmt::format("slots {}, {}", slots,
+                               drafter == &scripted ? "scripted drafter" : "dflash drafter"));
+      SpeculativeOptions o;
+      o.max_new_tokens = max_new;
+      o.context = context;
+      o.slots = slots;
+      SpeculativeStats stats;
+      expect_same(SpeculativeDecoder(target, *drafter, o).generate(prompts, &stats), want);
+      if (drafter == &scripted) {
+        EXPECT_GT(stats.tau(), 1.5);
+      }
+    }
+  }
+}
+
 // Acceptance accounting with hand-made drafters, block size 4.
 class Accounting : public ::testing::Test {
  protected:
@@ -385,9 +415,7 @@ TEST(SpeculativeContext, DrafterSeesTheTargetTapsOfCommittedTokens) {
 // draft through the block attention), with the verify pass captured in a CUDA graph and
 // eager, give the tokens of the generator's CUDA-graph decode step (the target's margins are
 // wide against bf16 rounding).
-TEST(SpeculativeGpu, Bf16EqualsGeneratorGreedy) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  auto target = make_target(at::kCUDA, at::kBFloat16);
+void expect_bf16_speculative_equals_generator(const models::TargetModel& target) {
   auto prompts = make_prompts({3, 7, 1, 20, 5, 2, 11, 4}, 6);
   eval::GenerationOptions g;
   g.max_new_tokens = 24;
@@ -417,6 +445,23 @@ TEST(SpeculativeGpu, Bf16EqualsGeneratorGreedy) {
       }
     }
   }
+}
+
+TEST(SpeculativeGpu, Bf16EqualsGeneratorGreedy) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  expect_bf16_speculative_equals_generator(make_target(at::kCUDA, at::kBFloat16));
+}
+
+// The same for gpt-oss: flash over the cache with its window and the sinks folded in, the
+// grouped expert GEMMs, all captured in the verify graph.
+TEST(SpeculativeGpu, GptOssBf16EqualsGeneratorGreedy) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto config = testing::tiny_target_config(models::Architecture::kGptOss);
+  config.hidden_size = 128;  // rows the grouped GEMM takes (16-byte aligned), flash's head_dim
+  config.intermediate_size = config.moe_intermediate_size = 256;
+  config.head_dim = 32;
+  expect_bf16_speculative_equals_generator(
+      testing::peaked_target(config, at::kCUDA, at::kBFloat16, 3));
 }
 
 TEST(Speculative, RejectsADrafterForAnotherTarget) {

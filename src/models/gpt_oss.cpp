@@ -1,0 +1,461 @@
+#include "models/gpt_oss.h"
+
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+
+#include "common/error.h"
+#include "io/safetensors.h"
+#include "kernels/mxfp4.h"
+#include "kernels/rotary.h"
+#include "models/target.h"
+
+namespace dflash::models {
+namespace {
+
+using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+
+bool is_mxfp4_tensor(const std::string& name) {
+  return name.ends_with("_blocks") || name.ends_with("_scales");
+}
+
+bool cuda_half(const at::Tensor& t) {
+  return t.is_cuda() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
+}
+
+// transformers' eager_attention_forward for one sequence: [L, Hq, D] queries at positions
+// first..first+L-1 against [K, Hkv, D] keys and values at positions 0..K-1 (prefill: first 0,
+// K = L; a cached forward: the slot's cache), the sink logit appended to every row's scores
+// before the softmax and dropped after it.
+at::Tensor sink_attention_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& sinks, int64_t window, int64_t first) {
+  const int64_t len = q.size(0), keys = k.size(0), heads = q.size(1), groups = heads / k.size(1);
+  auto qh = q.transpose(0, 1);                               // [Hq, L, D]
+  auto kh = k.transpose(0, 1).repeat_interleave(groups, 0);  // [Hq, K, D]
+  auto vh = v.transpose(0, 1).repeat_interleave(groups, 0);
+  auto scores = at::matmul(qh, kh.transpose(1, 2)) * (1.0 / std::sqrt(double(q.size(2))));
+  auto i = at::arange(first, first + len, q.options().dtype(at::kLong)).unsqueeze(1);
+  auto j = at::arange(keys, q.options().dtype(at::kLong)).unsqueeze(0);
+  auto allowed = j <= i;
+  if (window > 0) allowed = allowed & (j > i - window);
+  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  auto sink = sinks.to(scores.scalar_type()).view({heads, 1, 1}).expand({heads, len, 1});
+  auto logits = at::cat({scores, sink}, -1);
+  logits = logits - std::get<0>(logits.max(-1, /*keepdim=*/true));
+  auto probs = at::softmax(logits, -1).narrow(-1, 0, keys).to(v.scalar_type());
+  return at::matmul(probs, vh).transpose(0, 1);  // [L, Hq, D]
+}
+
+// Flash's window keeps keys j with i - left <= j <= i: `window` keys is left = window - 1.
+std::optional<int64_t> flash_left(int64_t window) {
+  if (window > 0) return window - 1;
+  return std::nullopt;
+}
+
+// A softmax with the sink's logit in its denominator from flash's output and log-sum-exp
+// (fp32 [Hq, T]): out * S / (S + e^sink) with S = e^lse, i.e. out * sigmoid(lse - sink).
+at::Tensor fold_sinks(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
+  auto keep = at::sigmoid(lse - sinks.to(at::kFloat).unsqueeze(1)).transpose(0, 1).unsqueeze(-1);
+  return (out.to(at::kFloat) * keep).to(out.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor gpt_oss_swiglu(const at::Tensor& gate_up, double alpha, double limit) {
+  const int64_t f2 = gate_up.size(-1);
+  auto gate = gate_up.slice(-1, 0, f2, 2).clamp_max(limit);
+  auto up = gate_up.slice(-1, 1, f2, 2).clamp(-limit, limit);
+  return (up + 1) * (gate * at::sigmoid(gate * alpha));
+}
+
+namespace {
+
+// gpt-oss' router: the top-k of x W^T + b, softmax over those k logits.
+std::pair<ExpertRoutes, at::Tensor> route(const at::Tensor& x, const GptOssLayerWeights& w,
+                                          const ModelConfig& c) {
+  auto logits = at::linear(x, w.router, w.router_bias);
+  auto [top, chosen] = at::topk(logits, c.num_experts_per_tok, -1);
+  return {ExpertRoutes(x, chosen, c.num_experts), at::softmax(top, -1)};
+}
+
+}  // namespace
+
+at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, const ModelConfig& c,
+                           const at::Tensor& gate_up, const at::Tensor& down) {
+  const int64_t f = c.moe_intermediate_size;
+  const double alpha = c.gpt_oss.swiglu_alpha, limit = c.gpt_oss.swiglu_limit;
+  const auto [routes, weights] = route(x, w, c);
+  at::Tensor y;
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && grouped_mm_aligned(x, f)) {
+    auto offsets = routes.offsets();
+    auto gu = at::_grouped_mm(routes.rows, gate_up.transpose(1, 2), offsets) +
+              w.gate_up_bias.index_select(0, routes.experts);
+    y = at::_grouped_mm(gpt_oss_swiglu(gu, alpha, limit), down.transpose(1, 2), offsets) +
+        w.down_bias.index_select(0, routes.experts);
+  } else {
+    y = routes.per_expert([&](int64_t e, const at::Tensor& rows) {
+      auto gu = at::linear(rows, gate_up[e], w.gate_up_bias[e]);
+      return at::linear(gpt_oss_swiglu(gu, alpha, limit), down[e], w.down_bias[e]);
+    });
+  }
+  return routes.combine(y, weights);
+}
+
+at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWeights& w,
+                                        const ModelConfig& c) {
+  const auto [routes, weights] = route(x, w, c);
+  const auto& e = routes.experts;
+  auto dequantize = [&](const at::Tensor& blocks, const at::Tensor& scales) {
+    return kernels::mxfp4_dequantize(blocks.index_select(0, e), scales.index_select(0, e),
+                                     x.scalar_type());
+  };
+  // [R, 1, in] x [R, in, out] per pair.
+  auto gu = at::bmm(routes.rows.unsqueeze(1),
+                    dequantize(w.gate_up_blocks, w.gate_up_scales).transpose(1, 2))
+                .squeeze(1) +
+            w.gate_up_bias.index_select(0, e);
+  auto act = gpt_oss_swiglu(gu, c.gpt_oss.swiglu_alpha, c.gpt_oss.swiglu_limit);
+  auto y = at::bmm(act.unsqueeze(1), dequantize(w.down_blocks, w.down_scales).transpose(1, 2))
+               .squeeze(1) +
+           w.down_bias.index_select(0, e);
+  return routes.combine(y, weights);
+}
+
+at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& sinks, int64_t window, const PackedBatch& batch) {
+  if (cuda_half(q)) {
+    auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
+        q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_length, batch.max_length, 0.0,
+        /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_left(window), 0);
+    return fold_sinks(out, lse, sinks);
+  }
+  std::vector<at::Tensor> outs;
+  int64_t start = 0;
+  for (int64_t len : batch.lengths) {
+    outs.push_back(sink_attention_one(q.narrow(0, start, len), k.narrow(0, start, len),
+                                      v.narrow(0, start, len), sinks, window, 0));
+    start += len;
+  }
+  return at::cat(outs, 0);
+}
+
+at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
+                                 const AppendBatch& batch, const at::Tensor& sinks,
+                                 int64_t window) {
+  const at::Tensor& k = cache.keys(layer);
+  const at::Tensor& v = cache.values(layer);
+  if (cuda_half(q)) {
+    // cu_seqlens_k = each slot's first row, seqused_k = start + count: flash aligns the
+    // causal mask and the window to the end of each slot's keys.
+    auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
+        q, k, v, batch.cu_seqlens, batch.key_starts, batch.max_count, batch.max_seen, 0.0,
+        /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_left(window), 0,
+        batch.seen);
+    return fold_sinks(out, lse, sinks);
+  }
+  std::vector<at::Tensor> outs;
+  int64_t offset = 0;
+  for (int64_t i = 0; i < batch.size(); ++i) {
+    const int64_t n = batch.counts[i], start = batch.starts[i];
+    const int64_t first_row = batch.slots[i] * cache.capacity();
+    outs.push_back(sink_attention_one(q.narrow(0, offset, n), k.narrow(0, first_row, start + n),
+                                      v.narrow(0, first_row, start + n), sinks, window, start));
+    offset += n;
+  }
+  return at::cat(outs, 0);
+}
+
+GptOssDecoder::GptOssDecoder(ModelConfig config, at::Device device)
+    : config_(std::move(config)), rotary_(config_, device) {}
+
+Shapes GptOssDecoder::expected_tensors(const ModelConfig& c, bool mxfp4) {
+  const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  const int64_t e = c.num_experts, f = c.moe_intermediate_size;
+  Shapes out;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = c.layer_prefix(i);
+    out.push_back({p + "input_layernorm.weight", {h}});
+    out.push_back({p + "post_attention_layernorm.weight", {h}});
+    const std::pair<const char*, int64_t> projections[] = {{"q", q}, {"k", kv}, {"v", kv}};
+    for (const auto& [name, rows] : projections) {
+      out.push_back({fmt::format("{}self_attn.{}_proj.weight", p, name), {rows, h}});
+      if (c.attention_bias) {
+        out.push_back({fmt::format("{}self_attn.{}_proj.bias", p, name), {rows}});
+      }
+    }
+    out.push_back({p + "self_attn.o_proj.weight", {h, q}});
+    if (c.attention_bias) out.push_back({p + "self_attn.o_proj.bias", {h}});
+    out.push_back({p + "self_attn.sinks", {c.num_heads}});
+    out.push_back({p + "mlp.router.weight", {e, h}});
+    out.push_back({p + "mlp.router.bias", {e}});
+    const std::string x = p + "mlp.experts.";
+    if (mxfp4) {
+      out.push_back({x + "gate_up_proj_blocks", {e, 2 * f, h / 32, 16}});
+      out.push_back({x + "gate_up_proj_scales", {e, 2 * f, h / 32}});
+      out.push_back({x + "down_proj_blocks", {e, h, f / 32, 16}});
+      out.push_back({x + "down_proj_scales", {e, h, f / 32}});
+    } else {
+      out.push_back({x + "gate_up_proj", {e, h, 2 * f}});
+      out.push_back({x + "down_proj", {e, f, h}});
+    }
+    out.push_back({x + "gate_up_proj_bias", {e, 2 * f}});
+    out.push_back({x + "down_proj_bias", {e, h}});
+  }
+  return out;
+}
+
+std::shared_ptr<GptOssDecoder> GptOssDecoder::load(const io::Checkpoint& ckpt, const ModelConfig& c,
+                                                   at::Device device, at::ScalarType dtype) {
+  const bool mxfp4 = c.gpt_oss.mxfp4;
+  std::vector<std::string> values, packed;
+  for (const auto& [name, shape] : expected_tensors(c, mxfp4)) {
+    if (!is_mxfp4_tensor(name)) {
+      values.push_back(name);
+      continue;
+    }
+    if (ckpt.info(name).dtype != at::kByte) {
+      fail("{}: tensor {} must be uint8 (MXFP4 {}), got {}", ckpt.dir().string(), name,
+           name.ends_with("_blocks") ? "e2m1 pairs" : "e8m0 scales",
+           c10::toString(ckpt.info(name).dtype));
+    }
+    packed.push_back(name);
+  }
+  auto w = ckpt.load(values, device, dtype);
+  auto b = packed.empty() ? decltype(w){} : ckpt.load(packed, device, at::kByte);
+  auto take = [](auto& from, const std::string& name) { return from.extract(name).mapped(); };
+  std::shared_ptr<GptOssDecoder> d(new GptOssDecoder(c, device));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = c.layer_prefix(i), a = p + "self_attn.", x = p + "mlp.experts.";
+    GptOssLayerWeights l;
+    l.input_norm = take(w, p + "input_layernorm.weight");
+    l.post_attention_norm = take(w, p + "post_attention_layernorm.weight");
+    l.w_qkv = at::cat(
+        {take(w, a + "q_proj.weight"), take(w, a + "k_proj.weight"), take(w, a + "v_proj.weight")});
+    if (c.attention_bias) {
+      l.b_qkv = at::cat(
+          {take(w, a + "q_proj.bias"), take(w, a + "k_proj.bias"), take(w, a + "v_proj.bias")});
+      l.b_o = take(w, a + "o_proj.bias");
+    }
+    l.w_o = take(w, a + "o_proj.weight");
+    l.sinks = take(w, a + "sinks");
+    l.router = take(w, p + "mlp.router.weight");
+    l.router_bias = take(w, p + "mlp.router.bias");
+    l.gate_up_bias = take(w, x + "gate_up_proj_bias");
+    l.down_bias = take(w, x + "down_proj_bias");
+    if (mxfp4) {
+      l.gate_up_blocks = take(b, x + "gate_up_proj_blocks");
+      l.gate_up_scales = take(b, x + "gate_up_proj_scales");
+      l.down_blocks = take(b, x + "down_proj_blocks");
+      l.down_scales = take(b, x + "down_proj_scales");
+      if (!device.is_cuda()) {
+        l.gate_up = kernels::mxfp4_dequantize(l.gate_up_blocks, l.gate_up_scales, dtype);
+        l.down = kernels::mxfp4_dequantize(l.down_blocks, l.down_scales, dtype);
+      }
+    } else {
+      // transformers' [E, in, out] to the [E, out, in] rows the GEMMs read.
+      l.gate_up = take(w, x + "gate_up_proj").transpose(1, 2).contiguous();
+      l.down = take(w, x + "down_proj").transpose(1, 2).contiguous();
+    }
+    d->layers_.push_back(std::move(l));
+  }
+  return d;
+}
+
+std::shared_ptr<GptOssDecoder> GptOssDecoder::random(const ModelConfig& c, at::Generator& gen,
+                                                     at::TensorOptions opts) {
+  std::shared_ptr<GptOssDecoder> d(new GptOssDecoder(c, opts.device()));
+  auto normal = [&](std::vector<int64_t> shape) { return at::randn(shape, gen, opts) * 0.02; };
+  auto ones = [&](int64_t n) { return at::ones({n}, opts); };
+  const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  const int64_t e = c.num_experts, f = c.moe_intermediate_size;
+  auto bytes = opts.dtype(at::kByte);
+  // e2m1 values have an rms of about 2.9 over uniform nibbles; scales 2^-8..2^-6 put the
+  // weights near std 0.02 like the rest.
+  auto blocks = [&](int64_t rows, int64_t cols) {
+    return at::randint(0, 256, {e, rows, cols / 32, 16}, gen, bytes);
+  };
+  auto scales = [&](int64_t rows, int64_t cols) {
+    return at::randint(127 - 8, 127 - 5, {e, rows, cols / 32}, gen, bytes);
+  };
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    GptOssLayerWeights l;
+    l.input_norm = ones(h);
+    l.post_attention_norm = ones(h);
+    l.w_qkv = normal({q + 2 * kv, h});
+    l.w_o = normal({h, q});
+    if (c.attention_bias) {
+      l.b_qkv = normal({q + 2 * kv});
+      l.b_o = normal({h});
+    }
+    l.sinks = normal({c.num_heads});
+    l.router = normal({e, h});
+    l.router_bias = normal({e});
+    l.gate_up_bias = normal({e, 2 * f});
+    l.down_bias = normal({e, h});
+    if (c.gpt_oss.mxfp4) {
+      l.gate_up_blocks = blocks(2 * f, h);
+      l.gate_up_scales = scales(2 * f, h);
+      l.down_blocks = blocks(h, f);
+      l.down_scales = scales(h, f);
+      if (!opts.device().is_cuda()) {
+        l.gate_up = kernels::mxfp4_dequantize(l.gate_up_blocks, l.gate_up_scales,
+                                              opts.dtype().toScalarType());
+        l.down =
+            kernels::mxfp4_dequantize(l.down_blocks, l.down_scales, opts.dtype().toScalarType());
+      }
+    } else {
+      l.gate_up = normal({e, 2 * f, h});
+      l.down = normal({e, h, f});
+    }
+    d->layers_.push_back(std::move(l));
+  }
+  return d;
+}
+
+at::Tensor GptOssDecoder::layer(int64_t i, const at::Tensor& x, const at::Tensor& cos,
+                                const at::Tensor& sin, const Attend& attend) const {
+  const ModelConfig& c = config_;
+  const GptOssLayerWeights& w = layers_[i];
+  const double eps = c.rms_norm_eps;
+  const int64_t t = x.size(0), d = c.head_dim;
+  const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
+  auto qkv = at::linear(rms_norm(x, w.input_norm, eps), w.w_qkv, w.b_qkv);
+  auto q = kernels::rotary(qkv.narrow(1, 0, nq).view({t, c.num_heads, d}), cos, sin);
+  auto k = kernels::rotary(qkv.narrow(1, nq, nkv).view({t, c.num_kv_heads, d}), cos, sin);
+  auto v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
+  auto attn = attend(i, q, k, v).reshape({t, nq});
+  auto x1 = x + at::linear(attn, w.w_o, w.b_o);
+  auto h1 = rms_norm(x1, w.post_attention_norm, eps);
+  if (w.gate_up.defined()) return x1 + gpt_oss_experts(h1, w, c, w.gate_up, w.down);
+  // MXFP4 on CUDA: fewer routed pairs than experts (decode, verify) dequantise only theirs;
+  // else this layer's experts are dequantised into the shared buffers first.
+  if (t * c.num_experts_per_tok < c.num_experts) {
+    return x1 + gpt_oss_routed_mxfp4_experts(h1, w, c);
+  }
+  if (!gate_up_buffer_.defined()) {
+    gate_up_buffer_ =
+        at::empty({c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size}, x.options());
+    down_buffer_ = at::empty({c.num_experts, c.hidden_size, c.moe_intermediate_size}, x.options());
+  }
+  kernels::mxfp4_dequantize_out(gate_up_buffer_, w.gate_up_blocks, w.gate_up_scales);
+  kernels::mxfp4_dequantize_out(down_buffer_, w.down_blocks, w.down_scales);
+  return x1 + gpt_oss_experts(h1, w, c, gate_up_buffer_, down_buffer_);
+}
+
+ForwardResult GptOssDecoder::forward(const TargetModel& target, const at::Tensor& tokens,
+                                     const PackedBatch& batch,
+                                     const ForwardRequest& request) const {
+  return run(target, tokens, batch.positions, batch.cu_seqlens, request, /*all_layers=*/false,
+             [&](int64_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+               return sink_attention(q, k, v, layers_[i].sinks, window(i), batch);
+             });
+}
+
+ForwardResult GptOssDecoder::forward_cached(const TargetModel& target, const at::Tensor& tokens,
+                                            const AppendBatch& batch, KVCache& cache,
+                                            const ForwardRequest& request) const {
+  return run(target, tokens, batch.positions, batch.cu_seqlens, request, /*all_layers=*/true,
+             [&](int64_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+               cache.update(i, batch.rows, k, v);
+               return cached_sink_attention(q, cache, i, batch, layers_[i].sinks, window(i));
+             });
+}
+
+ForwardResult GptOssDecoder::run(const TargetModel& target, const at::Tensor& tokens,
+                                 const at::Tensor& positions, const at::Tensor& cu_seqlens,
+                                 const ForwardRequest& request, bool all_layers,
+                                 const Attend& attend) const {
+  if (request.grad) fail("gpt-oss target: the forward is inference only (no autograd)");
+  if (request.gemms == PrefillGemms::kFp8) {
+    fail("gpt-oss target: --prefill-gemms fp8 is not implemented (aten or tuned)");
+  }
+  c10::NoGradGuard no_grad;
+  for (int64_t id : request.tap_layers) {
+    if (id < 0 || id >= config_.num_layers) {
+      fail("target forward: tap layer {} is out of range [0, {})", id, config_.num_layers);
+    }
+  }
+  ForwardResult result;
+  result.taps.resize(request.tap_layers.size());
+  auto x = target.embed(tokens);
+  auto [cos, sin] = rotary_.tables(positions, x.scalar_type());
+  const int64_t layers =
+      !all_layers && request.logits == Logits::kNone && !request.tap_layers.empty()
+          ? layers_for_taps(request.tap_layers)
+          : config_.num_layers;
+  for (int64_t i = 0; i < layers; ++i) {
+    x = layer(i, x, cos, sin, attend);
+    for (size_t j = 0; j < request.tap_layers.size(); ++j) {
+      if (request.tap_layers[j] == i) result.taps[j] = x;
+    }
+  }
+  if (request.logits == Logits::kNone) return result;
+  if (request.logits == Logits::kLast) {
+    x = x.index_select(0, cu_seqlens.narrow(0, 1, cu_seqlens.size(0) - 1).to(at::kLong) - 1);
+  }
+  result.logits = target.lm_head(rms_norm(x, target.final_norm(), config_.rms_norm_eps));
+  return result;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> GptOssDecoder::hf_state_dict() const {
+  const ModelConfig& c = config_;
+  const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const GptOssLayerWeights& l = layers_[i];
+    const std::string p = c.layer_prefix(i), a = p + "self_attn.", x = p + "mlp.experts.";
+    out.push_back({p + "input_layernorm.weight", l.input_norm});
+    out.push_back({p + "post_attention_layernorm.weight", l.post_attention_norm});
+    const std::pair<const char*, std::pair<int64_t, int64_t>> parts[] = {
+        {"q", {0, q}}, {"k", {q, kv}}, {"v", {q + kv, kv}}};
+    for (const auto& [name, range] : parts) {
+      out.push_back(
+          {fmt::format("{}{}_proj.weight", a, name), l.w_qkv.narrow(0, range.first, range.second)});
+      if (l.b_qkv.defined()) {
+        out.push_back(
+            {fmt::format("{}{}_proj.bias", a, name), l.b_qkv.narrow(0, range.first, range.second)});
+      }
+    }
+    out.push_back({a + "o_proj.weight", l.w_o});
+    if (l.b_o.defined()) out.push_back({a + "o_proj.bias", l.b_o});
+    out.push_back({a + "sinks", l.sinks});
+    out.push_back({p + "mlp.router.weight", l.router});
+    out.push_back({p + "mlp.router.bias", l.router_bias});
+    if (l.gate_up_blocks.defined()) {
+      out.push_back({x + "gate_up_proj_blocks", l.gate_up_blocks});
+      out.push_back({x + "gate_up_proj_scales", l.gate_up_scales});
+      out.push_back({x + "down_proj_blocks", l.down_blocks});
+      out.push_back({x + "down_proj_scales", l.down_scales});
+    } else {
+      out.push_back({x + "gate_up_proj", l.gate_up.transpose(1, 2)});
+      out.push_back({x + "down_proj", l.down.transpose(1, 2)});
+    }
+    out.push_back({x + "gate_up_proj_bias", l.gate_up_bias});
+    out.push_back({x + "down_proj_bias", l.down_bias});
+  }
+  return out;
+}
+
+int64_t GptOssDecoder::expert_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& l : layers_) {
+    for (const at::Tensor* t : {&l.gate_up, &l.down, &l.gate_up_blocks, &l.gate_up_scales,
+                                &l.down_blocks, &l.down_scales, &l.gate_up_bias, &l.down_bias}) {
+      if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+    }
+  }
+  return bytes;
+}
+
+int64_t GptOssDecoder::dequant_buffer_bytes() const {
+  if (layers_.empty() || layers_[0].gate_up.defined()) return 0;
+  const ModelConfig& c = config_;
+  return 3 * c.num_experts * c.hidden_size * c.moe_intermediate_size *
+         static_cast<int64_t>(c10::elementSize(layers_[0].w_qkv.scalar_type()));
+}
+
+}  // namespace dflash::models
