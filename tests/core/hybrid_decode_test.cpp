@@ -148,24 +148,28 @@ void verify_rounds(const TargetModel& model, int64_t block,
   append(model, cache, truth, pos, {0, 1}, {1, 1}, ref, {}, tol);
 }
 
+// verify_rounds for every k in 0..block-1: the first round's slots accept k and block-1-k
+// drafts, the second's k+1 and k+2 (mod block), on random true sequences.
+void verify_every_k(const TargetModel& model, int64_t block, double tol) {
+  auto truth =
+      testing::random_prompts(model.config().vocab_size, {6 + 3 * block, 11 + 3 * block}, 12);
+  std::vector<at::Tensor> ref = {full_logits(model, truth[0]), full_logits(model, truth[1])};
+  for (int64_t k = 0; k < block; ++k) {
+    SCOPED_TRACE("drafts right: " + std::to_string(k));
+    verify_rounds(model, block, truth, ref, {k, block - 1 - k}, {(k + 1) % block, (k + 2) % block},
+                  tol);
+  }
+}
+
 // The pitfall of speculative decoding on a recurrent target: a verify block [last token, B-1
 // drafts] of which the first k drafts are right advances the state over all B tokens; after
 // the crop to the accepted prefix the state must be the one after exactly those k + 1 tokens,
 // or the next step's logits drift. Every k in 0..B-1, the two slots accepting different
 // lengths in each round.
 TEST(HybridDecode, VerifyKeepsTheStateOfTheAcceptedPrefixOnly) {
-  constexpr int64_t kBlock = 4;
   for (const auto& name : kFixtures) {
     SCOPED_TRACE(name);
-    auto model = load(name);
-    auto truth =
-        testing::random_prompts(model.config().vocab_size, {6 + 3 * kBlock, 11 + 3 * kBlock}, 12);
-    std::vector<at::Tensor> ref = {full_logits(model, truth[0]), full_logits(model, truth[1])};
-    for (int64_t k = 0; k < kBlock; ++k) {
-      SCOPED_TRACE("drafts right: " + std::to_string(k));
-      verify_rounds(model, kBlock, truth, ref, {k, kBlock - 1 - k},
-                    {(k + 1) % kBlock, (k + 2) % kBlock}, 1e-4);
-    }
+    verify_every_k(load(name), 4, 1e-4);
   }
 }
 
@@ -319,17 +323,9 @@ class HybridDecodeGpu : public ::testing::Test {
 };
 
 TEST_F(HybridDecodeGpu, CachedDecodeAndVerifyMatchPrefill) {
-  constexpr int64_t kBlock = 8;
   for (const char* preset : {"tiny-qwen3.5", "tiny-qwen3.5-moe"}) {
     SCOPED_TRACE(preset);
-    auto m = model(preset);
-    auto truth =
-        testing::random_prompts(m.config().vocab_size, {12 + 3 * kBlock, 12 + 3 * kBlock}, 21);
-    std::vector<at::Tensor> ref = {full_logits(m, truth[0]), full_logits(m, truth[1])};
-    for (int64_t k = 0; k < kBlock; ++k) {
-      SCOPED_TRACE("drafts right: " + std::to_string(k));
-      verify_rounds(m, kBlock, truth, ref, {k, kBlock - 1 - k}, {(k + 3) % kBlock, k}, 3e-2);
-    }
+    verify_every_k(model(preset), 8, 3e-2);
   }
 }
 
