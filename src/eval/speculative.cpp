@@ -121,7 +121,8 @@ void SpeculativeDecoder::capture_graph() {
   g->offsets = g->batch.positions.clone();
   g->base_rows = g->batch.rows - g->offsets;
   g->tokens = at::zeros({n * bs}, g->offsets.options());
-  const models::ForwardRequest request{drafter_.tap_layers(), Logits::kAll};
+  const models::ForwardRequest request{
+      .tap_layers = drafter_.tap_layers(), .logits = Logits::kAll, .keep_block_states = true};
   capture_cuda_graph(
       g->graph, target_.device(),
       [&] {
@@ -210,8 +211,8 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
   // allow.
   auto verify_eager = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
     const auto drafts = to_host(drafter_.draft(active, last));  // [n, B-1] row-major
-    // A hybrid runs whole blocks (commits still stop at the limits): equal blocks take the
-    // recurrent form, which keeps the per-token states a crop into the block needs.
+    // A hybrid runs whole blocks (commits still stop at the limits): a pass that keeps the
+    // per-token states a crop into the block needs takes equal blocks.
     const bool whole = target_.config().is_hybrid();
     Verified v;
     for (size_t i = 0; i < active.size(); ++i) {
@@ -224,8 +225,9 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     }
     auto batch = AppendBatch::make(cache_, active, v.counts);
     v.starts = batch.starts;
-    auto out = target_.forward_cached(upload(at::tensor(v.tokens, long_opts)), batch, cache_,
-                                      {taps, Logits::kAll});
+    auto out = target_.forward_cached(
+        upload(at::tensor(v.tokens, long_opts)), batch, cache_,
+        {.tap_layers = taps, .logits = Logits::kAll, .keep_block_states = true});
     v.choices = to_host(out.logits.argmax(-1));
     v.taps = std::move(out.taps);
     return v;

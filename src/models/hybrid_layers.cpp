@@ -65,13 +65,16 @@ at::Tensor per_token_states(const at::Tensor& state, const at::Tensor& block,
   return at::empty(sizes, state.options());
 }
 
-// The slot state becomes the one after the entry's last token; the block buffer (when kept)
-// receives every token's.
+// With block states kept, the block buffer receives every token's state and the slot state
+// stays the pre-block one until KVCache::crop commits the accepted length's; else the slot
+// state becomes the one after the entry's last token.
 void keep_states(const at::Tensor& state, const at::Tensor& block, const at::Tensor& states,
                  const LinearCacheStep& c) {
-  scatter(state, states.select(1, c.steps - 1), c);
-  if (!block.defined() || states.is_alias_of(block)) return;
-  scatter(block.narrow(1, 0, c.steps), states, c);
+  if (!block.defined()) {
+    scatter(state, states.select(1, c.steps - 1), c);
+  } else if (!states.is_alias_of(block)) {
+    scatter(block.narrow(1, 0, c.steps), states, c);
+  }
 }
 
 }  // namespace
@@ -89,11 +92,12 @@ at::Tensor gated_delta_net(const at::Tensor& x, const LinearAttentionWeights& w,
   auto conv_in = proj.narrow(1, 0, conv_dim);
   at::Tensor mixed;
   if (recurrent) {
-    auto states = per_token_states(cache->state.conv, cache->state.conv_block, *cache);
+    const at::Tensor block = cache->keep_block ? cache->state.conv_block : at::Tensor();
+    auto states = per_token_states(cache->state.conv, block, *cache);
     mixed = kernels::causal_conv1d_silu_step(conv_in.reshape({n, steps, conv_dim}), w.conv,
                                              gather(cache->state.conv, *cache), states)
                 .view({t, conv_dim});
-    keep_states(cache->state.conv, cache->state.conv_block, states, *cache);
+    keep_states(cache->state.conv, block, states, *cache);
   } else if (cache != nullptr) {
     auto r = kernels::causal_conv1d_silu(conv_in, w.conv, cu_seqlens, lengths,
                                          gather(cache->state.conv, *cache));
@@ -121,11 +125,12 @@ at::Tensor gated_delta_net(const at::Tensor& x, const LinearAttentionWeights& w,
       sizes.insert(sizes.begin(), n);
       return rows.view(sizes);
     };
-    auto states = per_token_states(cache->state.recurrent, cache->state.recurrent_block, *cache);
+    const at::Tensor block = cache->keep_block ? cache->state.recurrent_block : at::Tensor();
+    auto states = per_token_states(cache->state.recurrent, block, *cache);
     o = kernels::recurrent_gated_delta_rule(split(q), split(k), split(v), split(g), split(beta),
                                             gather(cache->state.recurrent, *cache), states)
             .view({t, nv, dv});
-    keep_states(cache->state.recurrent, cache->state.recurrent_block, states, *cache);
+    keep_states(cache->state.recurrent, block, states, *cache);
   } else if (cache != nullptr) {
     auto r = kernels::chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, lengths,
                                              gather(cache->state.recurrent, *cache));

@@ -38,14 +38,15 @@ using Projection = std::function<at::Tensor(const at::Tensor&, const at::Tensor&
 
 // A cached forward's linear-attention layer: its decode state and the entries of the batch.
 // steps > 0: every entry appends `steps` tokens and the layer runs the recurrent form (decode
-// steps, verify blocks, a CUDA graph's fixed shapes), writing the state after each token to
-// the block buffers when they are kept (a speculative verify); steps 0: the chunked form from
-// each slot's state (prefill), which keeps no per-token states.
+// steps, verify blocks, a CUDA graph's fixed shapes), with keep_block writing the state after
+// each token to the block buffers (a speculative verify; the slot state stays, see
+// LinearState); steps 0: the chunked form from each slot's state (prefill).
 struct LinearCacheStep {
   LinearState state;
   const AppendBatch* batch = nullptr;
   int64_t steps = 0;
   bool first_slots = false;  // the entries are slots 0..n-1 in order: views instead of gathers
+  bool keep_block = false;   // the recurrent form writes the block buffers, not the slot state
 };
 
 // The Gated DeltaNet mixer on x [T, H] (already normed) of the packed sequences cu_seqlens

@@ -68,19 +68,21 @@ void KVCache::rewind_linear_state(int64_t slot, int64_t length) {
     block_counts_[slot] = 0;
     return;
   }
-  if (back == 0) return;
-  if (back >= kept) {
+  if (kept == 0 && back == 0) return;
+  if (back > kept) {
     fail(
         "kv cache crop: slot {} holds {} tokens and linear-attention states for its last {} "
         "only; it cannot go back to {} tokens",
         slot, lengths_[slot], kept, length);
   }
-  // Block entry j is the state after the block's first j + 1 tokens; the block ends at the
-  // slot's length.
-  const int64_t j = kept - 1 - back;
-  conv_.select(1, slot).copy_(conv_block_.select(1, slot).select(1, j));
-  recurrent_.select(1, slot).copy_(recurrent_block_.select(1, slot).select(1, j));
-  block_counts_[slot] = kept - back;
+  // The slot state is still the one before the block (back == kept: what is kept); block
+  // entry j is the state after the block's first j + 1 tokens.
+  if (back < kept) {
+    const int64_t j = kept - 1 - back;
+    conv_.select(1, slot).copy_(conv_block_.select(1, slot).select(1, j));
+    recurrent_.select(1, slot).copy_(recurrent_block_.select(1, slot).select(1, j));
+  }
+  block_counts_[slot] = 0;
 }
 
 void KVCache::check_slot(int64_t slot, const char* what) const {
@@ -108,8 +110,11 @@ void KVCache::extend(int64_t slot, int64_t count) {
     fail("kv cache extend: slot {} holds {} tokens, {} more exceed the capacity {}", slot,
          lengths_[slot], count, capacity_);
   }
+  if (holds_block(slot)) {
+    fail("kv cache extend: slot {} holds an uncommitted block (crop it to the accepted length)",
+         slot);
+  }
   lengths_[slot] += count;
-  if (has_linear_state()) block_counts_[slot] = 0;
 }
 
 void KVCache::extend_block(int64_t slot, int64_t count) {
@@ -120,6 +125,11 @@ void KVCache::extend_block(int64_t slot, int64_t count) {
          count, slot, block_tokens());
   }
   block_counts_[slot] = count;
+}
+
+bool KVCache::holds_block(int64_t slot) const {
+  check_slot(slot, "holds_block");
+  return has_linear_state() && block_counts_[slot] > 0;
 }
 
 void KVCache::update(int64_t layer, const at::Tensor& rows, const at::Tensor& k,

@@ -4,8 +4,8 @@
 // drives every shape and index. Cropping (rejected draft tokens) and refilling a slot with a
 // new sequence only move that length: stale rows past it are never read.
 // Hybrid targets' Gated DeltaNet layers keep no K/V rows but a fixed-size state per slot (see
-// LinearState), which a crop can move back only within the block of tokens the latest forward
-// kept per-token states for (speculative verify).
+// LinearState), which a crop can move back only within a verify block whose per-token states
+// were kept.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -19,9 +19,11 @@ namespace dflash::models {
 // One Gated DeltaNet layer's decode state in a KVCache, views of its storage: per slot the
 // conv state (the last W-1 inputs of the conv channels, in the compute dtype, zero-padded on
 // the left), transformers' conv_states, and the recurrent state in fp32, its
-// recurrent_states. A slot's state is the one after its `length` tokens; an empty slot's is
-// zero. With KVCache::keep_block_states, the *_block buffers hold the states after each token of
-// the latest block a forward appended to the slot (index j: after its first j + 1 tokens).
+// recurrent_states. A slot's state is the one after its `length` tokens (an empty slot's is
+// zero), but for a block: with KVCache::keep_block_states, a forward of a block leaves the
+// slot state as it was before the block and writes the states after each block token to the
+// *_block buffers (index j: after its first j + 1 tokens), until a crop commits the one of the
+// accepted length.
 struct LinearState {
   at::Tensor conv;             // [slots, conv_dim, W-1], compute dtype
   at::Tensor recurrent;        // [slots, Hv, Dk, Dv] float32
@@ -40,19 +42,21 @@ class KVCache {
   int64_t length(int64_t slot) const;
   const std::vector<int64_t>& lengths() const { return lengths_; }
 
-  // Keeps the first `length` tokens of `slot` (at most its current length). A hybrid's linear
-  // state goes back to that of `length` tokens from the block buffers (two device copies, all
-  // layers at once), so `length` must be 0 or past the first token of the slot's latest block
-  // whose states are kept.
+  // Keeps the first `length` tokens of `slot` (at most its current length). For a hybrid slot
+  // that holds a block (holds_block), this commits the linear state of `length` tokens, any
+  // from the block's start to its end (a device copy from the block buffers, all layers at
+  // once); otherwise the linear state cannot go back, so `length` must be the slot's length or
+  // 0 (reset).
   void crop(int64_t slot, int64_t length);
   // Empties `slot` for a new sequence (a hybrid's linear state set to zero).
   void reset(int64_t slot) { crop(slot, 0); }
   // Counts `count` more tokens in `slot` once their K/V rows (and linear states) have been
-  // written. extend_block also records that the block buffers hold the linear states after
-  // each of these tokens (a forward in the recurrent form wrote them), so a crop may go back
-  // into the block; after extend, a hybrid slot cannot be cropped except to 0.
+  // written. extend_block: the linear states of these tokens went to the block buffers (a
+  // forward in the recurrent form with block states kept), and the slot holds the block until
+  // a crop commits it. Neither may follow a held block without a crop.
   void extend(int64_t slot, int64_t count);
   void extend_block(int64_t slot, int64_t count);
+  bool holds_block(int64_t slot) const;
 
   // Hybrids: allocates the block buffers for blocks of up to `tokens` tokens (speculative
   // verify); a no-op for a cache without linear-attention layers.
@@ -85,7 +89,7 @@ class KVCache {
   std::vector<at::Tensor> keys_, values_;
   // Hybrids: each layer's index among the linear-attention layers (-1: full attention); their
   // states stacked, [linear layers, slots, ...] (one copy moves a slot's state in all layers);
-  // per slot, how many tokens before its length the block buffers hold states for.
+  // per slot, the tokens of the block it holds (0: none).
   std::vector<int64_t> linear_index_;
   at::Tensor conv_, recurrent_, conv_block_, recurrent_block_;
   std::vector<int64_t> block_counts_;

@@ -619,14 +619,27 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
     first_slots = first_slots && batch.slots[i] == i;
     same_counts = same_counts && batch.counts[i] == batch.counts[0];
   }
-  // Hybrids: the recurrent form for equal blocks the cache keeps per-token states for (or
-  // single tokens), keeping them: a verify pass's state after a partially accepted block is
-  // then a copy from the block buffer (KVCache::crop), with fixed shapes and no host sync
-  // (what a CUDA graph needs); recomputing the accepted prefix from the pre-block state would
-  // cost a second pass. Anything else (prefill) takes the chunked form.
+  // Hybrids: the recurrent form for equal blocks (decode steps, verify passes), else the
+  // chunked one (prefill). A verify keeps the states after each block token: the state after a
+  // partially accepted block is then a copy from the block buffers (KVCache::crop), with fixed
+  // shapes and no host sync (what a CUDA graph needs); recomputing the accepted prefix from the
+  // pre-block state would cost a second pass.
   const int64_t steps = batch.counts[0];
   const bool recurrent = same_counts && steps <= std::max<int64_t>(1, cache.block_tokens());
-  const LinearCacheStep linear{{}, &batch, recurrent ? steps : 0, first_slots};
+  const bool keep = request.keep_block_states && cache.has_linear_state();
+  if (keep && (!recurrent || steps > cache.block_tokens())) {
+    fail(
+        "target cached forward: a verify pass keeping block states needs equal blocks of at most "
+        "{} tokens (KVCache::keep_block_states), got counts {}",
+        cache.block_tokens(), fmt::join(batch.counts, ", "));
+  }
+  for (int64_t slot : batch.slots) {
+    if (cache.holds_block(slot)) {
+      fail("target cached forward: slot {} holds an uncommitted verify block (crop it first)",
+           slot);
+    }
+  }
+  const LinearCacheStep linear{{}, &batch, recurrent ? steps : 0, first_slots, keep};
   auto result =
       run(tokens, batch.positions,
           {batch.cu_seqlens, batch.counts, config_.is_hybrid() ? &linear : nullptr}, request,
@@ -635,9 +648,8 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
             if (k.defined()) cache.update(layer, batch.rows, k, v);  // else the layer wrote them
             return cached_causal_attention(q, cache, layer, batch);
           });
-  const bool kept = recurrent && steps <= cache.block_tokens();
   for (int64_t i = 0; i < batch.size(); ++i) {
-    if (kept) {
+    if (keep) {
       cache.extend_block(batch.slots[i], batch.counts[i]);
     } else {
       cache.extend(batch.slots[i], batch.counts[i]);

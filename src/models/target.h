@@ -70,6 +70,9 @@ struct ForwardRequest {
   // forward's attention kernel (forward_cached has its own, over the cache).
   AttentionBackend attention = AttentionBackend::kFlash;
   PrefillGemms gemms = PrefillGemms::kAten;
+  // forward_cached of a hybrid: a verify pass whose slots keep their linear states per block
+  // token until a crop commits the accepted length's (KVCache::keep_block_states, crop).
+  bool keep_block_states = false;
 };
 
 struct ForwardResult {
@@ -105,9 +108,9 @@ class TargetModel {
   // tokens only (kLast: each entry's last new token). `cache` must be built for this model.
   // A hybrid's linear-attention layers advance their slots' conv and recurrent states (see
   // LinearState): in the recurrent form when every entry appends the same number of tokens S,
-  // S at most max(1, cache.block_tokens()) (decode steps and verify blocks, whose per-token
-  // states the cache then keeps: KVCache::extend_block, so a crop may go back into the block),
-  // else in the chunked form (prefill).
+  // S at most max(1, cache.block_tokens()) (decode steps and verify blocks), else in the
+  // chunked form (prefill). With request.keep_block_states (the recurrent form required) the
+  // slots hold the block (KVCache::extend_block) until a crop commits the accepted length.
   ForwardResult forward_cached(const at::Tensor& tokens, const AppendBatch& batch, KVCache& cache,
                                const ForwardRequest& request) const;
 

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <set>
 #include <span>
 
@@ -48,13 +49,14 @@ at::Tensor full_logits(const TargetModel& model, const std::vector<int64_t>& seq
       .to(at::kFloat);
 }
 
-// Appends tokens[s][pos[s] .. pos[s] + counts[i]) to slots[i] in one cached forward and checks
-// the logits of the first `checked[i]` of them (all by default) against `ref[s]` within `tol`.
+// Appends tokens[s][pos[s] .. pos[s] + counts[i]) to slots[i] in one cached forward (`verify`:
+// keeping block states) and checks the logits of the first `checked[i]` of them (all by
+// default) against `ref[s]` within `tol`.
 void append(const TargetModel& model, KVCache& cache,
             const std::vector<std::vector<int64_t>>& tokens, const std::vector<int64_t>& pos,
             const std::vector<int64_t>& slots, const std::vector<int64_t>& counts,
             const std::vector<at::Tensor>& ref, std::vector<int64_t> checked = {},
-            double tol = 1e-4) {
+            double tol = 1e-4, bool verify = false) {
   if (checked.empty()) checked = counts;
   std::vector<int64_t> flat;
   for (size_t i = 0; i < slots.size(); ++i) {
@@ -62,11 +64,12 @@ void append(const TargetModel& model, KVCache& cache,
     flat.insert(flat.end(), t.begin() + pos[slots[i]], t.begin() + pos[slots[i]] + counts[i]);
   }
   auto batch = AppendBatch::make(cache, slots, counts);
-  auto logits = model
-                    .forward_cached(at::tensor(flat, at::kLong).to(model.device()), batch, cache,
-                                    {{}, Logits::kAll})
-                    .logits.cpu()
-                    .to(at::kFloat);
+  auto logits =
+      model
+          .forward_cached(at::tensor(flat, at::kLong).to(model.device()), batch, cache,
+                          {.tap_layers = {}, .logits = Logits::kAll, .keep_block_states = verify})
+          .logits.cpu()
+          .to(at::kFloat);
   int64_t row = 0;
   for (size_t i = 0; i < slots.size(); ++i) {
     SCOPED_TRACE("slot " + std::to_string(slots[i]) + " at " + std::to_string(pos[slots[i]]));
@@ -136,7 +139,7 @@ void verify_rounds(const TargetModel& model, int64_t block,
       checked.push_back(right[i] + 1);
     }
     append(model, cache, blocks, pos, slots, std::vector<int64_t>(slots.size(), block), ref,
-           checked, tol);
+           checked, tol, /*verify=*/true);
     for (size_t i = 0; i < slots.size(); ++i) {
       EXPECT_EQ(cache.length(slots[i]), pos[slots[i]] + block);
       pos[slots[i]] += right[i] + 1;
@@ -173,32 +176,49 @@ TEST(HybridDecode, VerifyKeepsTheStateOfTheAcceptedPrefixOnly) {
   }
 }
 
-// A hybrid slot's state goes back only into the latest kept block: not to its start, not after
-// a step that kept no block; to zero always.
-TEST(HybridDecode, CropOutsideTheKeptBlockIsRefused) {
+// A hybrid slot's linear state goes back only within a verify block it holds: to any length
+// from the block's start (the state before it, what bench-decode's passes take) to its end,
+// once (the crop commits it); a block must be committed before the next forward; reset
+// zeroes the state.
+TEST(HybridDecode, CropsCommitAHeldBlockOnly) {
   auto model = load("qwen3_5_multimodal");
   KVCache cache(model.config(), 1, 32, at::kCPU, at::kFloat);
   cache.keep_block_states(4);
   EXPECT_EQ(cache.block_tokens(), 4);
   EXPECT_TRUE(cache.has_linear_state());
-  auto run = [&](int64_t count) {
+  auto run = [&](int64_t count, bool keep) {
     auto batch = AppendBatch::make(cache, {0}, {count});
-    model.forward_cached(at::arange(count, at::kLong), batch, cache, {{}, Logits::kLast});
+    model.forward_cached(at::arange(count, at::kLong), batch, cache,
+                         {.tap_layers = {}, .logits = Logits::kLast, .keep_block_states = keep});
   };
-  run(5);  // chunked: no block kept
-  EXPECT_THROW(cache.crop(0, 4), Error);
-  run(4);  // a block of 4
-  cache.crop(0, 8);
-  try {
-    cache.crop(0, 5);  // the block's start: the state before it is not kept
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("linear-attention states for its last 3 only"));
-  }
-  cache.crop(0, 6);
-  EXPECT_EQ(cache.length(0), 6);
+  auto state = [&] { return cache.linear_state(0).recurrent[0].clone(); };
+  auto expect_error = [](const std::function<void()>& f, const std::string& what) {
+    try {
+      f();
+      ADD_FAILURE() << "no error, expected " << what;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(what));
+    }
+  };
+  run(5, false);  // the chunked form: no block
+  expect_error([&] { cache.crop(0, 4); }, "states for its last 0 only");
+  const auto after5 = state();
+  run(4, true);
+  EXPECT_TRUE(cache.holds_block(0));
+  EXPECT_TRUE(at::equal(state(), after5));  // the pre-block state until a crop commits
+  expect_error([&] { run(1, false); }, "slot 0 holds an uncommitted verify block");
+  expect_error([&] { cache.crop(0, 4); }, "states for its last 4 only");
+  cache.crop(0, 5);  // the block's start
+  EXPECT_FALSE(cache.holds_block(0));
+  EXPECT_TRUE(at::equal(state(), after5));
+  run(4, true);
+  cache.crop(0, 7);
+  EXPECT_FALSE(at::equal(state(), after5));
+  expect_error([&] { cache.crop(0, 6); }, "states for its last 0 only");
+  expect_error([&] { run(5, true); }, "equal blocks of at most 4 tokens");
   cache.reset(0);
-  EXPECT_EQ(cache.linear_state(0).recurrent[0].abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(cache.length(0), 0);
+  EXPECT_EQ(state().abs().sum().item<double>(), 0.0);
   EXPECT_THROW(cache.linear_state(1), Error);  // a full-attention layer (layers 1 and 4)
 }
 
