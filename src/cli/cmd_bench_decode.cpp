@@ -116,13 +116,17 @@ void run_bench_decode(const BenchDecodeOptions& o) {
     fail("bench-decode: --verify-tokens must be in [1, --prompt-len]");
   }
   models::KVCache cache(config, 1, o.prompt_len + o.verify_tokens, device, dtype);
+  // A hybrid's linear states go back to the prompt's from the pass's block buffers.
+  cache.keep_block_states(o.verify_tokens);
   auto prompt = at::tensor(random_prompts(1, o.prompt_len, config.vocab_size, 2)[0]).to(device);
   model.forward_cached(prompt, models::AppendBatch::make(cache, {0}, {o.prompt_len}), cache, {});
+  const models::ForwardRequest verify{
+      .tap_layers = {}, .logits = models::Logits::kAll, .keep_block_states = true};
   auto pass_ms = [&](int64_t n) {
     auto tokens = prompt.narrow(0, 0, n);
     auto times = obs::time_steps(device, o.warmup + 2, o.iters * 5, [&] {
       auto batch = models::AppendBatch::make(cache, {0}, {n});
-      auto out = model.forward_cached(tokens, batch, cache, {{}, models::Logits::kAll});
+      auto out = model.forward_cached(tokens, batch, cache, verify);
       out.logits.argmax(-1);
       cache.crop(0, o.prompt_len);
     });
@@ -138,7 +142,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
         [&] {
           for (int i = 0; i < kProfiled; ++i) {
             auto batch = models::AppendBatch::make(cache, {0}, {1});
-            model.forward_cached(token, batch, cache, {{}, models::Logits::kAll}).logits.argmax(-1);
+            model.forward_cached(token, batch, cache, verify).logits.argmax(-1);
             cache.crop(0, o.prompt_len);
           }
           obs::synchronize(device);

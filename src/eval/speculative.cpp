@@ -102,6 +102,9 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
     fail("speculative: block size must be at least 2, got {}", drafter_.block_size());
   }
   options_.context = resolve_context(target, options_);
+  // A hybrid target's verify keeps the linear states after each block token, for the crop to
+  // the accepted prefix.
+  cache_.keep_block_states(drafter_.block_size());
   drafter_.start(options_.slots, options_.context);
   if (options_.cuda_graph && cuda_graph_capable(target_)) capture_graph();
 }
@@ -118,7 +121,8 @@ void SpeculativeDecoder::capture_graph() {
   g->offsets = g->batch.positions.clone();
   g->base_rows = g->batch.rows - g->offsets;
   g->tokens = at::zeros({n * bs}, g->offsets.options());
-  const models::ForwardRequest request{drafter_.tap_layers(), Logits::kAll};
+  const models::ForwardRequest request{
+      .tap_layers = drafter_.tap_layers(), .logits = Logits::kAll, .keep_block_states = true};
   capture_cuda_graph(
       g->graph, target_.device(),
       [&] {
@@ -207,9 +211,12 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
   // allow.
   auto verify_eager = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
     const auto drafts = to_host(drafter_.draft(active, last));  // [n, B-1] row-major
+    // A hybrid runs whole blocks (commits still stop at the limits): a pass that keeps the
+    // per-token states a crop into the block needs takes equal blocks.
+    const bool whole = target_.config().is_hybrid();
     Verified v;
     for (size_t i = 0; i < active.size(); ++i) {
-      const int64_t b = std::min(bs, slots.room(active[i]));
+      const int64_t b = whole ? bs : std::min(bs, slots.room(active[i]));
       v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
       v.counts.push_back(b);
       v.tokens.push_back(last_token[active[i]]);
@@ -218,15 +225,17 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     }
     auto batch = AppendBatch::make(cache_, active, v.counts);
     v.starts = batch.starts;
-    auto out = target_.forward_cached(upload(at::tensor(v.tokens, long_opts)), batch, cache_,
-                                      {taps, Logits::kAll});
+    auto out = target_.forward_cached(
+        upload(at::tensor(v.tokens, long_opts)), batch, cache_,
+        {.tap_layers = taps, .logits = Logits::kAll, .keep_block_states = true});
     v.choices = to_host(out.logits.argmax(-1));
     v.taps = std::move(out.taps);
     return v;
   };
   // The captured pass: every slot runs a whole block (commits still stop at the limits); the
   // drafts go into the graph's input on the device, and one copy brings tokens and choices
-  // back. The replay leaves the cache's host lengths as they were.
+  // back. The replay leaves the cache's host lengths as they were: they grow by the block here,
+  // as forward_cached's do.
   auto verify_graph = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
     Graph& g = *graph_;
     auto drafts = drafter_.draft(active, last).to(device, at::kLong);
@@ -244,6 +253,7 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     block.select(1, 0).copy_(upload(at::tensor(lasts, long_opts)));
     block.narrow(1, 1, bs - 1).index_copy_(0, upload(at::tensor(active, long_opts)), drafts);
     g.graph.replay();
+    for (int64_t slot : active) cache_.extend_block(slot, bs);
     const auto both = to_host(at::cat({g.tokens, g.choices}));
     Verified v;
     v.tokens.assign(both.begin(), both.begin() + n_slots * bs);
@@ -284,9 +294,9 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
       ++stats.committed[committed];
       if (going) {
         // The target ran the block's token and its accepted drafts with the right inputs:
-        // the cache keeps those, and their features are the drafter's new context.
-        cache_.crop(slot, std::min(cache_.length(slot), v.starts[i]));
-        cache_.extend(slot, accepted + 1);
+        // the cache keeps those (a hybrid's linear states those after them), and their
+        // features are the drafter's new context.
+        cache_.crop(slot, v.starts[i] + accepted + 1);
         extend_slots.push_back(slot);
         extend_tokens.emplace_back(v.tokens.data() + offset, accepted + 1);
         for (int64_t j = 0; j <= accepted; ++j) feature_rows.push_back(offset + j);

@@ -34,14 +34,78 @@ std::pair<at::Tensor, at::Tensor> qwen3_next_in_proj_inverse(const at::Tensor& w
   return {at::cat({q, k, v, z}, 1).reshape({-1, h}), at::cat({b, a}, 1).reshape({-1, h})};
 }
 
+namespace {
+
+// The rows of `all` ([slots, ...]) for the batch's entries, and writing them back: views when
+// the entries are slots 0..n-1 in order, else index_select / index_copy_ (device indices: no
+// host sync, capturable).
+at::Tensor gather(const at::Tensor& all, const LinearCacheStep& c) {
+  return c.first_slots ? all.narrow(0, 0, c.batch->size()) : all.index_select(0, c.batch->slot_ids);
+}
+
+void scatter(const at::Tensor& all, const at::Tensor& rows, const LinearCacheStep& c) {
+  if (c.first_slots) {
+    all.narrow(0, 0, c.batch->size()).copy_(rows);
+  } else {
+    all.index_copy_(0, c.batch->slot_ids, rows);
+  }
+}
+
+// The recurrent form's states after each of the S tokens, [n, S, ...]: the block buffer itself
+// when it holds exactly these (slots 0..n-1, S = its length: a captured verify pass writes
+// them in place), else a new tensor that keep_states copies out.
+at::Tensor per_token_states(const at::Tensor& state, const at::Tensor& block,
+                            const LinearCacheStep& c) {
+  if (block.defined() && c.first_slots && block.size(1) == c.steps) {
+    return block.narrow(0, 0, c.batch->size());
+  }
+  auto sizes = state.sizes().vec();
+  sizes[0] = c.batch->size();
+  sizes.insert(sizes.begin() + 1, c.steps);
+  return at::empty(sizes, state.options());
+}
+
+// With block states kept, the block buffer receives every token's state and the slot state
+// stays the pre-block one until KVCache::crop commits the accepted length's; else the slot
+// state becomes the one after the entry's last token.
+void keep_states(const at::Tensor& state, const at::Tensor& block, const at::Tensor& states,
+                 const LinearCacheStep& c) {
+  if (!block.defined()) {
+    scatter(state, states.select(1, c.steps - 1), c);
+  } else if (!states.is_alias_of(block)) {
+    scatter(block.narrow(1, 0, c.steps), states, c);
+  }
+}
+
+}  // namespace
+
 at::Tensor gated_delta_net(const at::Tensor& x, const LinearAttentionWeights& w,
                            const LinearAttentionShape& s, double eps, const at::Tensor& cu_seqlens,
-                           c10::ArrayRef<int64_t> lengths, const Projection& linear) {
+                           c10::ArrayRef<int64_t> lengths, const Projection& linear,
+                           const LinearCacheStep* cache) {
   const int64_t t = x.size(0), conv_dim = s.conv_dim(), vd = s.value_dim();
   const int64_t nv = s.num_value_heads, dv = s.value_head_dim;
   auto proj = linear(x, w.w_in);
-  auto mixed =
-      kernels::causal_conv1d_silu(proj.narrow(1, 0, conv_dim), w.conv, cu_seqlens, lengths).out;
+  const bool recurrent = cache != nullptr && cache->steps > 0;
+  const int64_t n = cache != nullptr ? cache->batch->size() : 0,
+                steps = recurrent ? cache->steps : 0;
+  auto conv_in = proj.narrow(1, 0, conv_dim);
+  at::Tensor mixed;
+  if (recurrent) {
+    const at::Tensor block = cache->keep_block ? cache->state.conv_block : at::Tensor();
+    auto states = per_token_states(cache->state.conv, block, *cache);
+    mixed = kernels::causal_conv1d_silu_step(conv_in.reshape({n, steps, conv_dim}), w.conv,
+                                             gather(cache->state.conv, *cache), states)
+                .view({t, conv_dim});
+    keep_states(cache->state.conv, block, states, *cache);
+  } else if (cache != nullptr) {
+    auto r = kernels::causal_conv1d_silu(conv_in, w.conv, cu_seqlens, lengths,
+                                         gather(cache->state.conv, *cache));
+    scatter(cache->state.conv, r.final_state, *cache);
+    mixed = r.out;
+  } else {
+    mixed = kernels::causal_conv1d_silu(conv_in, w.conv, cu_seqlens, lengths).out;
+  }
   auto z = proj.narrow(1, conv_dim, vd);
   auto b = proj.narrow(1, conv_dim + vd, nv);
   auto a = proj.narrow(1, conv_dim + vd + nv, nv);
@@ -52,7 +116,29 @@ at::Tensor gated_delta_net(const at::Tensor& x, const LinearAttentionWeights& w,
   auto g =
       -w.a_log.to(at::kFloat).exp() * at::softplus(a.to(at::kFloat) + w.dt_bias.to(at::kFloat));
   auto beta = b.sigmoid();
-  auto o = kernels::chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, lengths).out;
+  at::Tensor o;
+  if (recurrent) {
+    // The recurrent form over [n, S]: transformers' torch_recurrent_gated_delta_rule.
+    auto split = [&](const at::Tensor& rows) {
+      auto sizes = rows.sizes().vec();
+      sizes[0] = steps;
+      sizes.insert(sizes.begin(), n);
+      return rows.view(sizes);
+    };
+    const at::Tensor block = cache->keep_block ? cache->state.recurrent_block : at::Tensor();
+    auto states = per_token_states(cache->state.recurrent, block, *cache);
+    o = kernels::recurrent_gated_delta_rule(split(q), split(k), split(v), split(g), split(beta),
+                                            gather(cache->state.recurrent, *cache), states)
+            .view({t, nv, dv});
+    keep_states(cache->state.recurrent, block, states, *cache);
+  } else if (cache != nullptr) {
+    auto r = kernels::chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, lengths,
+                                             gather(cache->state.recurrent, *cache));
+    scatter(cache->state.recurrent, r.final_state, *cache);
+    o = r.out;
+  } else {
+    o = kernels::chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, lengths).out;
+  }
   // Qwen3NextRMSNormGated: normalised in fp32, rounded to the input dtype, times w, times
   // silu(z) in fp32, rounded again.
   auto of = o.to(at::kFloat);

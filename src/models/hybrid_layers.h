@@ -8,6 +8,7 @@
 #include <functional>
 
 #include "models/config.h"
+#include "models/kv_cache.h"
 
 namespace dflash::models {
 
@@ -35,15 +36,30 @@ std::pair<at::Tensor, at::Tensor> qwen3_next_in_proj_inverse(const at::Tensor& w
 // A projection without bias (x [T, K], weight [N, K] -> [T, N]): the target's choice of GEMM.
 using Projection = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
+// A cached forward's linear-attention layer: its decode state and the entries of the batch.
+// steps > 0: every entry appends `steps` tokens and the layer runs the recurrent form (decode
+// steps, verify blocks, a CUDA graph's fixed shapes), with keep_block writing the state after
+// each token to the block buffers (a speculative verify; the slot state stays, see
+// LinearState); steps 0: the chunked form from each slot's state (prefill).
+struct LinearCacheStep {
+  LinearState state;
+  const AppendBatch* batch = nullptr;
+  int64_t steps = 0;
+  bool first_slots = false;  // the entries are slots 0..n-1 in order: views instead of gathers
+  bool keep_block = false;   // the recurrent form writes the block buffers, not the slot state
+};
+
 // The Gated DeltaNet mixer on x [T, H] (already normed) of the packed sequences cu_seqlens
 // (int32 [N+1] on x's device) / lengths (the same on the host): projections, causal conv1d +
 // SiLU over q, k, v, decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) in
 // fp32, the chunked gated delta rule (q and k L2-normalised inside), the gated RMSNorm
-// (norm(o) w silu(z)), out_proj. Conv window and recurrent state start at zero in every
-// sequence. Returns [T, H].
+// (norm(o) w silu(z)), out_proj. Without `cache`, conv window and recurrent state start at
+// zero in every sequence; with it, at each entry's slot state, which they advance. Returns
+// [T, H].
 at::Tensor gated_delta_net(const at::Tensor& x, const LinearAttentionWeights& w,
                            const LinearAttentionShape& s, double eps, const at::Tensor& cu_seqlens,
-                           c10::ArrayRef<int64_t> lengths, const Projection& linear);
+                           c10::ArrayRef<int64_t> lengths, const Projection& linear,
+                           const LinearCacheStep* cache = nullptr);
 
 // Rotary over the first cos.size(-1) dims of each head of x [T, heads, D], the rest passed
 // through (transformers' apply_rotary_pos_emb with partial_rotary_factor < 1).

@@ -17,9 +17,72 @@ KVCache::KVCache(const ModelConfig& config, int64_t slots, int64_t capacity, at:
   }
   auto opts = at::TensorOptions().device(device).dtype(dtype);
   for (int64_t i = 0; i < config.num_layers; ++i) {
-    keys_.push_back(at::zeros({slots * capacity, config.num_kv_heads, config.head_dim}, opts));
+    // A linear-attention layer keeps no K/V rows (its state: init_linear_state).
+    const int64_t rows = config.is_linear_layer(i) ? 0 : slots * capacity;
+    keys_.push_back(at::zeros({rows, config.num_kv_heads, config.head_dim}, opts));
     values_.push_back(at::zeros_like(keys_.back()));
   }
+  init_linear_state(config, opts);
+}
+
+void KVCache::init_linear_state(const ModelConfig& config, at::TensorOptions opts) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    linear_index_.push_back(config.is_linear_layer(i) ? count++ : -1);
+  }
+  if (count == 0) return;
+  const auto& s = config.linear;
+  conv_ = at::zeros({count, slots(), s.conv_dim(), s.conv_kernel_dim - 1}, opts);
+  recurrent_ = at::zeros({count, slots(), s.num_value_heads, s.key_head_dim, s.value_head_dim},
+                         opts.dtype(at::kFloat));
+  block_counts_.assign(slots(), 0);
+}
+
+void KVCache::keep_block_states(int64_t tokens) {
+  if (!has_linear_state()) return;
+  if (tokens <= 0) fail("kv cache: block states for {} tokens (need a positive number)", tokens);
+  auto with_block = [&](const at::Tensor& t) {
+    auto sizes = t.sizes().vec();
+    sizes.insert(sizes.begin() + 2, tokens);
+    return at::empty(sizes, t.options());
+  };
+  conv_block_ = with_block(conv_);
+  recurrent_block_ = with_block(recurrent_);
+}
+
+LinearState KVCache::linear_state(int64_t layer) const {
+  if (layer < 0 || layer >= num_layers() || linear_index_[layer] < 0) {
+    fail("kv cache: layer {} is not a linear-attention layer", layer);
+  }
+  const int64_t i = linear_index_[layer];
+  return {conv_[i], recurrent_[i], conv_block_.defined() ? conv_block_[i] : at::Tensor(),
+          recurrent_block_.defined() ? recurrent_block_[i] : at::Tensor()};
+}
+
+void KVCache::rewind_linear_state(int64_t slot, int64_t length) {
+  const int64_t back = lengths_[slot] - length, kept = block_counts_[slot];
+  if (length == 0) {
+    // Always, not only when the length changes: a CUDA graph replay may have run an idle slot.
+    conv_.select(1, slot).zero_();
+    recurrent_.select(1, slot).zero_();
+    block_counts_[slot] = 0;
+    return;
+  }
+  if (kept == 0 && back == 0) return;
+  if (back > kept) {
+    fail(
+        "kv cache crop: slot {} holds {} tokens and linear-attention states for its last {} "
+        "only; it cannot go back to {} tokens",
+        slot, lengths_[slot], kept, length);
+  }
+  // The slot state is still the one before the block (back == kept: what is kept); block
+  // entry j is the state after the block's first j + 1 tokens.
+  if (back < kept) {
+    const int64_t j = kept - 1 - back;
+    conv_.select(1, slot).copy_(conv_block_.select(1, slot).select(1, j));
+    recurrent_.select(1, slot).copy_(recurrent_block_.select(1, slot).select(1, j));
+  }
+  block_counts_[slot] = 0;
 }
 
 void KVCache::check_slot(int64_t slot, const char* what) const {
@@ -37,6 +100,7 @@ void KVCache::crop(int64_t slot, int64_t length) {
   if (length < 0 || length > lengths_[slot]) {
     fail("kv cache crop: slot {} holds {} tokens, cannot crop to {}", slot, lengths_[slot], length);
   }
+  if (has_linear_state()) rewind_linear_state(slot, length);
   lengths_[slot] = length;
 }
 
@@ -46,7 +110,26 @@ void KVCache::extend(int64_t slot, int64_t count) {
     fail("kv cache extend: slot {} holds {} tokens, {} more exceed the capacity {}", slot,
          lengths_[slot], count, capacity_);
   }
+  if (holds_block(slot)) {
+    fail("kv cache extend: slot {} holds an uncommitted block (crop it to the accepted length)",
+         slot);
+  }
   lengths_[slot] += count;
+}
+
+void KVCache::extend_block(int64_t slot, int64_t count) {
+  extend(slot, count);
+  if (!has_linear_state()) return;
+  if (count > block_tokens()) {
+    fail("kv cache extend: a block of {} tokens in slot {}, but block states are kept for {}",
+         count, slot, block_tokens());
+  }
+  block_counts_[slot] = count;
+}
+
+bool KVCache::holds_block(int64_t slot) const {
+  check_slot(slot, "holds_block");
+  return has_linear_state() && block_counts_[slot] > 0;
 }
 
 void KVCache::update(int64_t layer, const at::Tensor& rows, const at::Tensor& k,
@@ -97,6 +180,7 @@ AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& 
   b.rows = to_device(at::tensor(rows, at::kLong));
   b.key_starts = to_device(at::tensor(key_starts, at::kInt));
   b.seen = to_device(at::tensor(seen, at::kInt));
+  b.slot_ids = to_device(at::tensor(slots, at::kLong));
   return b;
 }
 

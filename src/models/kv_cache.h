@@ -3,6 +3,9 @@
 // has fixed shapes (what a CUDA graph needs); each slot's length lives on the host, which
 // drives every shape and index. Cropping (rejected draft tokens) and refilling a slot with a
 // new sequence only move that length: stale rows past it are never read.
+// Hybrid targets' Gated DeltaNet layers keep no K/V rows but a fixed-size state per slot (see
+// LinearState), which a crop can move back only within a verify block whose per-token states
+// were kept.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -12,6 +15,21 @@
 #include "models/config.h"
 
 namespace dflash::models {
+
+// One Gated DeltaNet layer's decode state in a KVCache, views of its storage: per slot the
+// conv state (the last W-1 inputs of the conv channels, in the compute dtype, zero-padded on
+// the left), transformers' conv_states, and the recurrent state in fp32, its
+// recurrent_states. A slot's state is the one after its `length` tokens (an empty slot's is
+// zero), but for a block: with KVCache::keep_block_states, a forward of a block leaves the
+// slot state as it was before the block and writes the states after each block token to the
+// *_block buffers (index j: after its first j + 1 tokens), until a crop commits the one of the
+// accepted length.
+struct LinearState {
+  at::Tensor conv;             // [slots, conv_dim, W-1], compute dtype
+  at::Tensor recurrent;        // [slots, Hv, Dk, Dv] float32
+  at::Tensor conv_block;       // [slots, B, conv_dim, W-1], or undefined
+  at::Tensor recurrent_block;  // [slots, B, Hv, Dk, Dv] float32, or undefined
+};
 
 class KVCache {
  public:
@@ -24,15 +42,34 @@ class KVCache {
   int64_t length(int64_t slot) const;
   const std::vector<int64_t>& lengths() const { return lengths_; }
 
-  // Keeps the first `length` tokens of `slot` (at most its current length).
+  // Keeps the first `length` tokens of `slot` (at most its current length). For a hybrid slot
+  // that holds a block (holds_block), this commits the linear state of `length` tokens, any
+  // from the block's start to its end (a device copy from the block buffers, all layers at
+  // once); otherwise the linear state cannot go back, so `length` must be the slot's length or
+  // 0 (reset).
   void crop(int64_t slot, int64_t length);
-  // Empties `slot` for a new sequence.
+  // Empties `slot` for a new sequence (a hybrid's linear state set to zero).
   void reset(int64_t slot) { crop(slot, 0); }
-  // Counts `count` more tokens in `slot` once their K/V rows have been written.
+  // Counts `count` more tokens in `slot` once their K/V rows (and linear states) have been
+  // written. extend_block: the linear states of these tokens went to the block buffers (a
+  // forward in the recurrent form with block states kept), and the slot holds the block until
+  // a crop commits it. Neither may follow a held block without a crop.
   void extend(int64_t slot, int64_t count);
+  void extend_block(int64_t slot, int64_t count);
+  bool holds_block(int64_t slot) const;
+
+  // Hybrids: allocates the block buffers for blocks of up to `tokens` tokens (speculative
+  // verify); a no-op for a cache without linear-attention layers.
+  void keep_block_states(int64_t tokens);
+  // Longest block whose per-token states are kept (0: none).
+  int64_t block_tokens() const { return conv_block_.defined() ? conv_block_.size(2) : 0; }
+  bool has_linear_state() const { return conv_.defined(); }
+  // `layer`'s state; fails unless it is a linear-attention layer.
+  LinearState linear_state(int64_t layer) const;
 
   // One layer's keys or values, [slots * capacity, Hkv, D]: token p of slot s is row
   // s * capacity + p (flash attention reads a slot as one varlen sequence starting there).
+  // A linear-attention layer's are empty, [0, Hkv, D].
   const at::Tensor& keys(int64_t layer) const { return keys_[layer]; }
   const at::Tensor& values(int64_t layer) const { return values_[layer]; }
   at::Device device() const { return device_; }
@@ -43,11 +80,19 @@ class KVCache {
 
  private:
   void check_slot(int64_t slot, const char* what) const;
+  void init_linear_state(const ModelConfig& config, at::TensorOptions opts);
+  void rewind_linear_state(int64_t slot, int64_t length);
 
   at::Device device_;
   int64_t capacity_;
   std::vector<int64_t> lengths_;
   std::vector<at::Tensor> keys_, values_;
+  // Hybrids: each layer's index among the linear-attention layers (-1: full attention); their
+  // states stacked, [linear layers, slots, ...] (one copy moves a slot's state in all layers);
+  // per slot, the tokens of the block it holds (0: none).
+  std::vector<int64_t> linear_index_;
+  at::Tensor conv_, recurrent_, conv_block_, recurrent_block_;
+  std::vector<int64_t> block_counts_;
 };
 
 // New tokens for several slots of a KVCache, packed end to end: entry i appends counts[i]
@@ -64,6 +109,7 @@ struct AppendBatch {
   at::Tensor rows;        // int64 [total], cache rows the new K/V go to
   at::Tensor key_starts;  // int32 [n+1], first cache row of each entry's slot (last: S*capacity)
   at::Tensor seen;        // int32 [n], start + count
+  at::Tensor slot_ids;    // int64 [n], the entries' slots (a hybrid's linear states)
 
   // Reads the slots' starts from `cache`; fails when a slot is repeated or would overflow.
   static AppendBatch make(const KVCache& cache, const std::vector<int64_t>& slots,

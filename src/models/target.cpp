@@ -507,11 +507,13 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     return fp8 ? linear8(kernels::quantize_rows_e4m3(attn), w.o_fp8) : linear(attn, w.w_o, {});
   };
   auto o = w.linear.w_in.defined()
-               ? gated_delta_net(input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }),
-                                 w.linear, c.linear, eps, seqs.cu_seqlens, seqs.lengths,
-                                 [&](const at::Tensor& in, const at::Tensor& weight) {
-                                   return linear(in, weight, {});
-                                 })
+               ? gated_delta_net(
+                     input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }), w.linear,
+                     c.linear, eps, seqs.cu_seqlens, seqs.lengths,
+                     [&](const at::Tensor& in, const at::Tensor& weight) {
+                       return linear(in, weight, {});
+                     },
+                     seqs.linear)
                : attention();
   const bool dense_fp8 = fp8 && !w.router.defined();
   if (!fused) {
@@ -563,7 +565,13 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
   for (int64_t i = 0; i < layers; ++i) {
     const CacheRows rows =
         cache != nullptr ? CacheRows{cache->keys(i), cache->values(i), cache_rows} : CacheRows{};
-    x = decoder_layer(layers_[i], x, pending, cos, sin, fused, request.gemms, rows, seqs,
+    std::optional<LinearCacheStep> linear;
+    if (cache != nullptr && seqs.linear != nullptr && config_.is_linear_layer(i)) {
+      linear.emplace(*seqs.linear);
+      linear->state = cache->linear_state(i);
+    }
+    const Sequences layer_seqs{seqs.cu_seqlens, seqs.lengths, linear ? &*linear : nullptr};
+    x = decoder_layer(layers_[i], x, pending, cos, sin, fused, request.gemms, rows, layer_seqs,
                       [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                         return attend(i, q, k, v);
                       });
@@ -599,12 +607,6 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
 
 ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const AppendBatch& batch,
                                           KVCache& cache, const ForwardRequest& request) const {
-  if (config_.is_hybrid()) {
-    fail(
-        "target cached forward: {} targets (Gated DeltaNet layers) have no decode path yet; "
-        "generate, eval and speculative decoding cannot run them (training's prefill can)",
-        architecture_name(config_.arch));
-  }
   if (tokens.dim() != 1 || tokens.size(0) != batch.total) {
     fail("target cached forward: tokens must be [{}] (the append batch), got [{}]", batch.total,
          fmt::join(tokens.sizes(), ", "));
@@ -619,21 +621,53 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
         k0.device().str(), config_.num_layers, config_.num_kv_heads, config_.head_dim,
         c10::toString(dtype()), device().str());
   }
+  bool first_slots = true, same_counts = true;
   for (int64_t i = 0; i < batch.size(); ++i) {
     if (cache.length(batch.slots[i]) != batch.starts[i]) {
       fail("target cached forward: slot {} holds {} tokens but the batch appends at {}",
            batch.slots[i], cache.length(batch.slots[i]), batch.starts[i]);
     }
+    first_slots = first_slots && batch.slots[i] == i;
+    same_counts = same_counts && batch.counts[i] == batch.counts[0];
   }
+  // Hybrids: the recurrent form for equal blocks (decode steps, verify passes), else the
+  // chunked one (prefill). A verify keeps the states after each block token: the state after a
+  // partially accepted block is then a copy from the block buffers (KVCache::crop), with fixed
+  // shapes and no host sync (what a CUDA graph needs); recomputing the accepted prefix from the
+  // pre-block state would cost a second pass.
+  const int64_t steps = batch.counts[0];
+  const bool recurrent = same_counts && steps <= std::max<int64_t>(1, cache.block_tokens());
+  const bool keep = request.keep_block_states && cache.has_linear_state();
+  if (keep && (!recurrent || steps > cache.block_tokens())) {
+    fail(
+        "target cached forward: a verify pass keeping block states needs equal blocks of at most "
+        "{} tokens (KVCache::keep_block_states), got counts {}",
+        cache.block_tokens(), fmt::join(batch.counts, ", "));
+  }
+  for (int64_t slot : batch.slots) {
+    if (cache.holds_block(slot)) {
+      fail("target cached forward: slot {} holds an uncommitted verify block (crop it first)",
+           slot);
+    }
+  }
+  const LinearCacheStep linear{{}, &batch, recurrent ? steps : 0, first_slots, keep};
   auto result =
       gpt_oss_
           ? gpt_oss_->forward_cached(*this, tokens, batch, cache, request)
-          : run(tokens, batch.positions, {batch.cu_seqlens, {}}, request, &cache, batch.rows,
+          : run(tokens, batch.positions,
+                {batch.cu_seqlens, batch.counts, config_.is_hybrid() ? &linear : nullptr},
+                request, &cache, batch.rows,
                 [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                   if (k.defined()) cache.update(layer, batch.rows, k, v);  // else already there
                   return cached_causal_attention(q, cache, layer, batch);
                 });
-  for (int64_t i = 0; i < batch.size(); ++i) cache.extend(batch.slots[i], batch.counts[i]);
+  for (int64_t i = 0; i < batch.size(); ++i) {
+    if (keep) {
+      cache.extend_block(batch.slots[i], batch.counts[i]);
+    } else {
+      cache.extend(batch.slots[i], batch.counts[i]);
+    }
+  }
   return result;
 }
 

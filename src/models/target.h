@@ -1,5 +1,5 @@
 // models: the frozen target decoder (Qwen3, Qwen3 MoE, Qwen2, Llama; the hybrids Qwen3.5 /
-// Qwen3.6 dense and MoE and Qwen3-Next, prefill only). It owns its weights, runs packed
+// Qwen3.6 dense and MoE and Qwen3-Next). It owns its weights, runs packed
 // multi-sequence prefill and returns logits and the hidden states of requested layers.
 #pragma once
 #include <ATen/ATen.h>
@@ -73,6 +73,9 @@ struct ForwardRequest {
   // forward's attention kernel (forward_cached has its own, over the cache).
   AttentionBackend attention = AttentionBackend::kFlash;
   PrefillGemms gemms = PrefillGemms::kAten;
+  // forward_cached of a hybrid: a verify pass whose slots keep their linear states per block
+  // token until a crop commits the accepted length's (KVCache::keep_block_states, crop).
+  bool keep_block_states = false;
 };
 
 struct ForwardResult {
@@ -106,7 +109,11 @@ class TargetModel {
   // They attend causally to the slot's cached prefix and to each other; their K/V are written
   // into `cache` and the slots' lengths grow by the counts. Logits and taps are for the new
   // tokens only (kLast: each entry's last new token). `cache` must be built for this model.
-  // Hybrid targets fail here: their decode state (conv and recurrent) is not implemented.
+  // A hybrid's linear-attention layers advance their slots' conv and recurrent states (see
+  // LinearState): in the recurrent form when every entry appends the same number of tokens S,
+  // S at most max(1, cache.block_tokens()) (decode steps and verify blocks), else in the
+  // chunked form (prefill). With request.keep_block_states (the recurrent form required) the
+  // slots hold the block (KVCache::extend_block) until a crop commits the accepted length.
   ForwardResult forward_cached(const at::Tensor& tokens, const AppendBatch& batch, KVCache& cache,
                                const ForwardRequest& request) const;
 
@@ -155,10 +162,12 @@ class TargetModel {
     at::Tensor keys, values, rows;
   };
   // The packed sequences of a forward, for the linear-attention layers: cu_seqlens (int32
-  // [n+1], on the device) and the lengths on the host.
+  // [n+1], on the device) and the lengths on the host; in a cached forward of a hybrid, the
+  // batch's linear-state step (run fills in each layer's state).
   struct Sequences {
     const at::Tensor& cu_seqlens;
     c10::ArrayRef<int64_t> lengths;
+    const LinearCacheStep* linear = nullptr;
   };
   // The body both forwards share; only attention differs: attend(layer, q, k, v) with q
   // [tokens, Hq, D] and k, v [tokens, Hkv, D] after norms and rotary, returning [tokens, Hq, D];
