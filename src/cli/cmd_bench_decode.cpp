@@ -4,6 +4,7 @@
 // the speed-up of speculative decoding at a given acceptance length can be read off, with the
 // cost of one DFlash draft added to the verify pass.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
 
@@ -207,7 +208,9 @@ void add_bench_decode_command(CLI::App& app) {
   auto o = std::make_shared<BenchDecodeOptions>();
   auto* cmd = app.add_subcommand(
       "bench-decode", "Measure target decoding speed and the verify-pass cost (random weights)");
-  cmd->add_option("--preset", o->preset, "model shape: qwen3-8b or tiny")->capture_default_str();
+  cmd->add_option("--preset", o->preset,
+                  "model shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
+      ->capture_default_str();
   cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
   cmd->add_option("--prompt-len", o->prompt_len, "prompt tokens per sequence")
       ->capture_default_str()

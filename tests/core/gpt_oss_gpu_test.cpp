@@ -71,8 +71,12 @@ TEST_P(GptOssGpu, MatchesReferenceInFp32AndBf16) {
   auto bf16 = TargetModel::load(dir, at::kCUDA, at::kBFloat16);
   auto half = bf16.forward(tokens, batch, {{tap}, Logits::kAll});
   EXPECT_EQ(half.logits.scalar_type(), at::kBFloat16);
-  EXPECT_CLOSE(half.logits, ref->tensor("logits"), 3e-2);
-  EXPECT_CLOSE(half.taps[0], ref->tensor("layer_2"), 3e-2);
+  // Every gpt-oss layer is an MoE; in bf16 a random router's near-ties send some tokens to other
+  // experts, so bf16 lands ~0.1 from fp32 (transformers' own bf16 forward of such a model: 0.097
+  // at layer 3, 0.118 at the logits; ours on the H200: 0.034-0.118). The fp32 checks above and
+  // GptOssGpuAttention below hold the kernels tight; this bound catches a broken bf16 path.
+  EXPECT_CLOSE(half.logits, ref->tensor("logits"), 0.2);
+  EXPECT_CLOSE(half.taps[0], ref->tensor("layer_2"), 0.2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, GptOssGpu,
@@ -95,9 +99,33 @@ TEST(GptOssGpuPreset, Bf16PrefillMatchesTheCpuReference) {
   auto ref = cpu.forward(tokens, PackedBatch::from_lengths(lengths, at::kCPU), {{3}, Logits::kAll});
   auto out = gpu.forward(tokens.cuda(), PackedBatch::from_lengths(lengths, at::kCUDA),
                          {{3}, Logits::kAll});
-  EXPECT_CLOSE(out.logits, ref.logits, 3e-2);
-  EXPECT_CLOSE(out.taps[0], ref.taps[0], 3e-2);
+  // bf16 MoE routing drift as in MatchesReferenceInFp32AndBf16 (measured: 0.12 at the tap, 0.15
+  // at the logits).
+  EXPECT_CLOSE(out.logits, ref.logits, 0.25);
+  EXPECT_CLOSE(out.taps[0], ref.taps[0], 0.25);
   remove_tree(dir);
+}
+
+// The bf16 attention alone (FlashAttention-2 with the window, the sinks folded in through its
+// log-sum-exp) against the eager fp32 softmax with the sink logit appended, on the same values:
+// no MoE in the way, so bf16 rounding alone separates them.
+TEST(GptOssGpuAttention, FlashWithWindowAndSinksMatchesEagerFp32) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<int64_t> lengths = {100, 9, 64};
+  const int64_t total = 173, hq = 8, hkv = 2, d = 64;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto bf16 = [](const at::Tensor& t) { return t.to(at::kBFloat16).to(at::kFloat); };
+  auto q = bf16(at::randn({total, hq, d}, gen)), k = bf16(at::randn({total, hkv, d}, gen));
+  auto v = bf16(at::randn({total, hkv, d}, gen)), sinks = bf16(at::randn({hq}, gen) * 2);
+  for (int64_t window : {0, 16, 5}) {
+    SCOPED_TRACE("window " + std::to_string(window));
+    auto want = models::sink_attention(q, k, v, sinks, window,
+                                       PackedBatch::from_lengths(lengths, at::kCPU));
+    auto cuda = [](const at::Tensor& t) { return t.to(at::kCUDA, at::kBFloat16); };
+    auto got = models::sink_attention(cuda(q), cuda(k), cuda(v), cuda(sinks), window,
+                                      PackedBatch::from_lengths(lengths, at::kCUDA));
+    EXPECT_CLOSE(got.cpu().to(at::kFloat), want, 1e-2);
+  }
 }
 
 // The preset's cached forward (fp32: the eager per-entry path on the GPU; bf16: flash over the

@@ -333,20 +333,21 @@ class HybridDecodeGpu : public ::testing::Test {
   void SetUp() override {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   }
-  static TargetModel model(const char* preset) {
+  static TargetModel model(const char* preset, at::ScalarType dtype = at::kBFloat16) {
     auto c = models::preset_config(preset);
     c.linear = {2, 4, 128, 128, 4};
     c.head_dim = 128;
     c.tie_word_embeddings = false;
-    return testing::peaked_target(c, at::kCUDA, at::kBFloat16, 6);
+    return testing::peaked_target(c, at::kCUDA, dtype, 6);
   }
 };
 
 TEST_F(HybridDecodeGpu, CachedDecodeAndVerifyMatchPrefill) {
-  for (const char* preset : {"tiny-qwen3.5", "tiny-qwen3.5-moe"}) {
-    SCOPED_TRACE(preset);
-    verify_every_k(model(preset), 8, 3e-2);
-  }
+  // The MoE in fp32: in bf16 its random router's near-ties pick other experts in the recurrent
+  // (decode) and chunked (prefill) forms for some tokens (measured on the H200: 0.07-0.16 off),
+  // which says nothing about the state handling this test is for.
+  verify_every_k(model("tiny-qwen3.5"), 8, 3e-2);
+  verify_every_k(model("tiny-qwen3.5-moe", at::kFloat), 8, 1e-3);
 }
 
 TEST_F(HybridDecodeGpu, CapturedStepsEqualEager) {
