@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "common/error.h"
+#include "common/upload.h"
 #include "kernels/decode_ops.h"
 
 namespace dflash::models {
@@ -172,15 +173,13 @@ AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& 
   }
   key_starts.push_back(static_cast<int32_t>(cache.slots() * cap));
   const at::Device device = cache.device();
-  auto to_device = [&](at::Tensor t) {
-    return device.is_cpu() ? t : t.pin_memory().to(device, /*non_blocking=*/true);
-  };
-  b.cu_seqlens = to_device(at::tensor(cu, at::kInt));
-  b.positions = to_device(at::tensor(positions, at::kLong));
-  b.rows = to_device(at::tensor(rows, at::kLong));
-  b.key_starts = to_device(at::tensor(key_starts, at::kInt));
-  b.seen = to_device(at::tensor(seen, at::kInt));
-  b.slot_ids = to_device(at::tensor(slots, at::kLong));
+  b.cu_seqlens = upload_to(device, at::tensor(cu, at::kInt));
+  b.positions = upload_to(device, at::tensor(positions, at::kLong));
+  b.rows = upload_to(device, at::tensor(rows, at::kLong));
+  b.key_starts = upload_to(device, at::tensor(key_starts, at::kInt));
+  b.seen = upload_to(device, at::tensor(seen, at::kInt));
+  // Only a hybrid's linear-attention states are indexed by slot.
+  if (cache.has_linear_state()) b.slot_ids = upload_to(device, at::tensor(slots, at::kLong));
   return b;
 }
 

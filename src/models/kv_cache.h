@@ -109,7 +109,7 @@ struct AppendBatch {
   at::Tensor rows;        // int64 [total], cache rows the new K/V go to
   at::Tensor key_starts;  // int32 [n+1], first cache row of each entry's slot (last: S*capacity)
   at::Tensor seen;        // int32 [n], start + count
-  at::Tensor slot_ids;    // int64 [n], the entries' slots (a hybrid's linear states)
+  at::Tensor slot_ids;    // int64 [n], the entries' slots (caches with linear states only)
 
   // Reads the slots' starts from `cache`; fails when a slot is repeated or would overflow.
   static AppendBatch make(const KVCache& cache, const std::vector<int64_t>& slots,

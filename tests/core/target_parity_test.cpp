@@ -3,7 +3,7 @@
 // with and without norm_topk_prob, dense layers by mlp_only_layers and decoder_sparse_step,
 // experts stored per expert (sharded too) and fused; the hybrids (Qwen3.5 / Qwen3.6 dense and
 // MoE in both checkpoint layouts, Qwen3-Next), whose packed rows restart the conv window and the
-// recurrent state at each sequence.
+// recurrent state at each sequence; gpt-oss (windows shorter than the sequences, sinks, MXFP4).
 #include <gtest/gtest.h>
 
 #include "io/safetensors.h"
@@ -86,6 +86,12 @@ INSTANTIATE_TEST_SUITE_P(Hybrids, TargetParity,
                                            "qwen35/qwen3_5_text_tied_sharded",
                                            "qwen35/qwen3_5_moe_multimodal",
                                            "qwen35/qwen3_5_moe_text", "qwen35/qwen3_next"),
+                         model_name);
+
+// gpt-oss: sliding-window and full layers with sinks, MoE experts in MXFP4 or bf16.
+INSTANTIATE_TEST_SUITE_P(GptOss, TargetParity,
+                         ::testing::Values("gpt_oss/gpt_oss_mxfp4", "gpt_oss/gpt_oss_bf16_sharded",
+                                           "gpt_oss/gpt_oss_nobias_tied"),
                          model_name);
 
 TEST(TargetModel, TiedModelSharesEmbeddingWithLmHead) {
