@@ -196,10 +196,11 @@ if has hybrid; then
   step hybrid
   fixtures hybrid qwen35
   gtests hybrid '*Qwen35*:*Hybrid*'
+  # HYBRID_GEMMS: the prefill GEMMs bench-target alternates (tuned bf16 and fp8 by default).
   for preset in qwen3-8b qwen3.5-27b qwen3.5-35b-a3b; do
     "$dflash" bench-target --preset "$preset" --device cuda --seq-len 2048 --batches 1,4 \
-      --warmup 3 --iters 10 --json "$out/bench_target_$preset.json" 2>&1 \
-      | tee "$out/bench_target_$preset.txt" | tail -8
+      --gemm "${HYBRID_GEMMS:-tuned,fp8}" --warmup 3 --iters 10 \
+      --json "$out/bench_target_$preset.json" 2>&1 | tee "$out/bench_target_$preset.txt" | tail -8
   done
   if ls "$root"/.whl/fla_core-*.whl > /dev/null 2>&1; then
     pip install --no-index --no-deps "$root"/.whl/*.whl --target /tmp/gdn_peer \
@@ -543,14 +544,17 @@ if has gsm8k; then
   # GSM8K_STAGES=pretrain,generate then GSM8K_STAGES=prepare,train,eval.
   step gsm8k
   # GSM8K_TIMEOUT (seconds) stops it early enough that what it wrote still comes back.
+  # GSM8K_TARGET=qwen3_5: the hybrid target (issue 35).
+  gsm8k_target=${GSM8K_TARGET:-qwen3}
+  gsm8k_out=$root/runs/gsm8k-full-$gsm8k_target
   timeout "${GSM8K_TIMEOUT:-0}" bash "$root/examples/gsm8k/run.sh" --full \
-    --data "$root/.deps/gsm8k" --dflash "$dflash" \
-    --out "$root/runs/gsm8k-full" --stages "${GSM8K_STAGES:-pretrain,generate,prepare,train,eval}" \
+    --target "$gsm8k_target" --data "$root/.deps/gsm8k" --dflash "$dflash" \
+    --out "$gsm8k_out" --stages "${GSM8K_STAGES:-pretrain,generate,prepare,train,eval}" \
     > "$out/gsm8k_full.log" 2>&1
   echo "gsm8k exit $?"; grep -E "^(gsm8k|=== )" "$out/gsm8k_full.log"
   for f in summary.json eval.json seconds.txt pretrain.log generate.log train.log \
     drafter/metrics.jsonl drafter/best.json; do
-    cp "$root/runs/gsm8k-full/$f" "$out/gsm8k_${f//\//_}" 2>/dev/null
+    cp "$gsm8k_out/$f" "$out/gsm8k_${f//\//_}" 2>/dev/null
   done
 fi
 if has tokenizer && [ -d "$root/.deps/bench" ]; then

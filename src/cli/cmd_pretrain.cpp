@@ -1,6 +1,6 @@
 // `dflash pretrain --data train.jsonl --eval-data test.jsonl --out MODEL_DIR`: trains a small
-// Qwen3-architecture target from random weights on chat text (train::pretrain) and writes it as
-// a Hugging Face model directory with its tokenizer and chat template.
+// Qwen3 or Qwen3.5 (hybrid) target from random weights on chat text (train::pretrain) and writes it
+// as a Hugging Face model directory with its tokenizer and chat template.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -14,16 +14,21 @@ namespace dflash::cli {
 void add_pretrain_command(CLI::App& app) {
   auto o = std::make_shared<train::PretrainOptions>();
   auto loss_on = std::make_shared<std::string>("all");
-  auto* cmd = app.add_subcommand(
-      "pretrain",
-      "Train a small Qwen3 target from scratch on chat text (GSM8K question/answer, OpenAI or "
-      "ShareGPT JSONL) and write it as a Hugging Face model directory");
+  auto* cmd = app.add_subcommand("pretrain",
+                                 "Train a small Qwen3 or Qwen3.5 (hybrid Gated DeltaNet) target "
+                                 "from scratch on chat text (GSM8K question/answer, OpenAI or "
+                                 "ShareGPT JSONL) and write it as a Hugging Face model directory");
   cmd->add_option("--data", o->data, "training JSONL file(s)")->required();
   cmd->add_option("--eval-data", o->eval_data, "validation JSONL file(s): loss on answer tokens");
   cmd->add_option("--out", o->out, "output model directory")->required();
   cmd->add_option("--tokenizer", o->tokenizer,
                   "directory with tokenizer.json and tokenizer_config.json (default: the "
                   "built-in GSM8K tokenizer, examples/gsm8k)");
+  cmd->add_option("--arch", o->arch,
+                  "qwen3, or qwen3_5: Gated DeltaNet layers with gated full attention every "
+                  "--full-attention-interval layers")
+      ->check(CLI::IsMember({"qwen3", "qwen3_5"}))
+      ->capture_default_str();
   cmd->add_option("--layers", o->layers, "decoder layers")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
@@ -45,6 +50,28 @@ void add_pretrain_command(CLI::App& app) {
   cmd->add_option("--rope-theta", o->rope_theta, "RoPE base")
       ->capture_default_str()
       ->check(kPositive.validator());
+  cmd->add_option("--full-attention-interval", o->full_attention_interval,
+                  "qwen3_5: every N-th layer is full attention, the others Gated DeltaNet")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--linear-key-heads", o->linear_key_heads, "qwen3_5: Gated DeltaNet key heads")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--linear-value-heads", o->linear_value_heads,
+                  "qwen3_5: Gated DeltaNet value heads (a multiple of the key heads)")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--linear-head-dim", o->linear_head_dim,
+                  "qwen3_5: Gated DeltaNet key and value head size (128: the GPU kernels' size)")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--conv-kernel", o->conv_kernel, "qwen3_5: causal conv width")
+      ->capture_default_str()
+      ->check(at_least(2).validator());
+  cmd->add_option("--partial-rotary-factor", o->partial_rotary_factor,
+                  "qwen3_5: share of an attention head's dims that RoPE rotates")
+      ->capture_default_str()
+      ->check(kUnitInterval.validator());
   cmd->add_option("--epochs", o->epochs, "passes over --data (unless --steps)")
       ->capture_default_str()
       ->check(kPositive.validator());

@@ -1,6 +1,7 @@
 #include "kernels/causal_conv1d.h"
 
 #include "common/error.h"
+#include "kernels/autograd_records.h"
 
 namespace dflash::kernels {
 
@@ -102,20 +103,35 @@ CausalConvResult causal_conv1d_silu_reference(const at::Tensor& x, const at::Ten
                                               c10::ArrayRef<int64_t> lengths,
                                               const at::Tensor& initial_state) {
   const int64_t keep = check_prefill(x, weight, cu_seqlens, lengths, initial_state);
-  const int64_t c = x.size(1), n = static_cast<int64_t>(lengths.size());
-  auto out = at::empty(x.sizes(), x.options());
-  auto final_state = at::empty({n, c, keep}, x.options());
+  const int64_t c = x.size(1), n = static_cast<int64_t>(lengths.size()), total = x.size(0);
+  // One stream holding each sequence's W-1 state columns before its tokens, convolved at once
+  // (gathers instead of per-sequence copies, so autograd records a few ops for the batch):
+  // rows 0..T-1 of `source` are x, then each sequence's state as W-1 rows.
+  const auto state = initial_state.defined()
+                         ? initial_state.to(at::kFloat)
+                         : at::zeros({n, c, keep}, x.options().dtype(at::kFloat));
+  auto source = at::cat({x.to(at::kFloat), state.transpose(1, 2).reshape({n * keep, c})});
+  std::vector<int64_t> stream, outputs, finals;
   int64_t start = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t len = lengths[i];
-    auto before = initial_state.defined() ? initial_state[i].to(at::kFloat)
-                                          : at::zeros({c, keep}, x.options().dtype(at::kFloat));
-    auto window = at::cat({before, x.narrow(0, start, len).to(at::kFloat).t()}, 1);  // [C, W-1+L]
-    if (len > 0) out.narrow(0, start, len).copy_(conv_silu(window.unsqueeze(0), weight)[0].t());
-    final_state[i].copy_(window.narrow(1, len, keep));
-    start += len;
+    for (int64_t j = 0; j < keep; ++j) stream.push_back(total + i * keep + j);
+    for (int64_t p = 0; p < lengths[i]; ++p) {
+      outputs.push_back(static_cast<int64_t>(stream.size()) - keep);  // its window's first row
+      stream.push_back(start + p);
+    }
+    for (int64_t j = keep; j > 0; --j) finals.push_back(static_cast<int64_t>(stream.size()) - j);
+    start += lengths[i];
   }
-  return {out, final_state};
+  auto rows = [&](const std::vector<int64_t>& v) {
+    return at::tensor(v, at::kLong).to(x.device());
+  };
+  auto window = source.index_select(0, rows(stream));  // [S, C]
+  at::Tensor out = x.new_empty({0, c});
+  if (total > 0) {
+    out = conv_silu(window.t().unsqueeze(0), weight)[0].t().index_select(0, rows(outputs));
+  }
+  auto final_state = window.index_select(0, rows(finals)).view({n, keep, c}).transpose(1, 2);
+  return {out.to(x.scalar_type()), final_state.to(x.scalar_type()).contiguous()};
 }
 
 at::Tensor causal_conv1d_silu_step_reference(const at::Tensor& x, const at::Tensor& weight,
@@ -135,7 +151,7 @@ at::Tensor causal_conv1d_silu_step_reference(const at::Tensor& x, const at::Tens
 CausalConvResult causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weight,
                                     const at::Tensor& cu_seqlens, c10::ArrayRef<int64_t> lengths,
                                     const at::Tensor& initial_state) {
-  if (!on_cuda_kernel(x, weight)) {
+  if (!on_cuda_kernel(x, weight) || autograd_records({x, weight, initial_state})) {
     return causal_conv1d_silu_reference(x, weight, cu_seqlens, lengths, initial_state);
   }
   const int64_t keep = check_prefill(x, weight, cu_seqlens, lengths, initial_state);
@@ -151,7 +167,7 @@ CausalConvResult causal_conv1d_silu(const at::Tensor& x, const at::Tensor& weigh
 
 at::Tensor causal_conv1d_silu_step(const at::Tensor& x, const at::Tensor& weight,
                                    const at::Tensor& state, const at::Tensor& states_out) {
-  if (!on_cuda_kernel(x, weight)) {
+  if (!on_cuda_kernel(x, weight) || autograd_records({x, weight, state})) {
     return causal_conv1d_silu_step_reference(x, weight, state, states_out);
   }
   check_step(x, weight, state, states_out);

@@ -1,8 +1,9 @@
 // causal_conv1d: the depthwise causal conv1d + SiLU in front of Gated DeltaNet's q/k/v (Qwen3.5,
 // Qwen3-Next), over packed sequences (prefill) and for decode / verify steps. Each function has
 // an fp32 ATen reference (transformers' causal_conv1d_fn / causal_conv1d_update with SiLU), the
-// CPU path and the test oracle. On CUDA, for x in bf16, fp16 or fp32 and widths 2 to 4, the
-// kernels of causal_conv1d.cu run instead (fp32 math; the reference elsewhere).
+// CPU path, the test oracle and the path whenever autograd records (it is differentiable). On
+// CUDA, for x in bf16, fp16 or fp32 and widths 2 to 4, the inference-only kernels of
+// causal_conv1d.cu run instead (fp32 math).
 #pragma once
 #include <ATen/ATen.h>
 

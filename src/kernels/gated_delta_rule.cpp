@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "kernels/autograd_records.h"
 
 namespace dflash::kernels {
 
@@ -77,25 +78,68 @@ void check_state(const char* what, const char* name, const at::Tensor& s, c10::I
 // x * rsqrt(sum x^2 + 1e-6) over the last dimension, as transformers' l2norm (and FLA).
 at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); }
 
-// [L, H, D] (any dtype) -> [Hv, L, D] fp32, key heads repeated for their value heads.
+// Sequences of a packed batch side by side, [T, ...] rows <-> an [N, L, ...] grid (L a
+// multiple of the chunk): `to_grid` holds, for each grid cell, the packed row it takes (T, a
+// zero row, past a sequence's end), `from_grid` the cell of each packed row. Gathers, not
+// in-place copies, so autograd sees the whole batch as a few ops.
+struct Grid {
+  int64_t n = 0, len = 0;
+  at::Tensor to_grid, from_grid;
+
+  Grid(c10::ArrayRef<int64_t> lengths, int64_t total, int64_t multiple, const at::Device& device)
+      : n(static_cast<int64_t>(lengths.size())) {
+    for (int64_t l : lengths) len = std::max(len, (l + multiple - 1) / multiple * multiple);
+    std::vector<int64_t> to(n * len, total), from;
+    from.reserve(total);
+    int64_t start = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t p = 0; p < lengths[i]; ++p) {
+        to[i * len + p] = start + p;
+        from.push_back(i * len + p);
+      }
+      start += lengths[i];
+    }
+    to_grid = at::tensor(to, at::kLong).to(device);
+    from_grid = at::tensor(from, at::kLong).to(device);
+  }
+
+  // x [T, ...] -> [N, L, ...], zeros past each sequence's end.
+  at::Tensor gather(const at::Tensor& x) const {
+    auto rows = at::cat({x, at::zeros_like(x.narrow(0, 0, 1))}).index_select(0, to_grid);
+    auto sizes = x.sizes().vec();
+    sizes[0] = len;
+    sizes.insert(sizes.begin(), n);
+    return rows.view(sizes);
+  }
+
+  // y [N, L, ...] -> [T, ...].
+  at::Tensor scatter(const at::Tensor& y) const {
+    auto sizes = y.sizes().vec();
+    sizes.erase(sizes.begin());
+    sizes[0] = n * len;
+    return y.reshape(sizes).index_select(0, from_grid);
+  }
+};
+
+// [N, L, H, D] (any dtype) -> [N, Hv, L, D] fp32, key heads repeated for their value heads.
 at::Tensor heads_first(const at::Tensor& x, int64_t repeat) {
-  auto t = x.to(at::kFloat).transpose(0, 1);
-  return (repeat > 1 ? t.repeat_interleave(repeat, 0) : t).contiguous();
+  auto t = x.to(at::kFloat).transpose(1, 2);
+  return (repeat > 1 ? t.repeat_interleave(repeat, 1) : t).contiguous();
 }
 
-// One sequence: q, k [Hv, L, Dk] (normalised, q scaled), v [Hv, L, Dv], g, beta [Hv, L], state
-// [Hv, Dk, Dv], all fp32. Returns out [Hv, L, Dv] and advances `state`: transformers'
-// torch_chunk_gated_delta_rule step by step.
-at::Tensor chunk_one_sequence(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
-                              at::Tensor beta, at::Tensor& state) {
-  const int64_t h = q.size(0), len = q.size(1), dk = q.size(2), dv = v.size(2);
-  const int64_t pad = (kChunk - len % kChunk) % kChunk, chunks = (len + pad) / kChunk;
-  // Zero padding at the end: g 0 (no decay) and beta 0 (no write) leave the state unchanged.
-  q = at::constant_pad_nd(q, {0, 0, 0, pad}).view({h, chunks, kChunk, dk});
-  k = at::constant_pad_nd(k, {0, 0, 0, pad}).view({h, chunks, kChunk, dk});
-  v = at::constant_pad_nd(v, {0, 0, 0, pad}).view({h, chunks, kChunk, dv});
-  beta = at::constant_pad_nd(beta, {0, pad}).view({h, chunks, kChunk, 1});
-  g = at::constant_pad_nd(g, {0, pad}).view({h, chunks, kChunk});
+// All sequences at once, zero-padded to chunks: q, k [N, Hv, L, Dk] (normalised, q scaled),
+// v [N, Hv, L, Dv], g, beta [N, Hv, L], state [N, Hv, Dk, Dv], all fp32. Zero padding at a
+// sequence's end (g 0: no decay, beta 0: no write) leaves its state unchanged. Returns out
+// [N, Hv, L, Dv] and advances `state`: transformers' torch_chunk_gated_delta_rule step by step.
+at::Tensor chunk_sequences(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                           at::Tensor& state) {
+  const int64_t n = q.size(0), h = q.size(1), len = q.size(2), dk = q.size(3), dv = v.size(3);
+  const int64_t chunks = len / kChunk;
+  q = q.view({n, h, chunks, kChunk, dk});
+  k = k.view({n, h, chunks, kChunk, dk});
+  v = v.view({n, h, chunks, kChunk, dv});
+  beta = beta.view({n, h, chunks, kChunk, 1});
+  g = g.view({n, h, chunks, kChunk});
   auto v_beta = v * beta, k_beta = k * beta;
   auto upper = at::ones({kChunk, kChunk}, q.options().dtype(at::kBool)).triu(1);
   auto cum = g.cumsum(-1);
@@ -108,16 +152,16 @@ at::Tensor chunk_one_sequence(at::Tensor q, at::Tensor k, at::Tensor v, at::Tens
   auto k_cumdecay = at::linalg_solve_triangular(ut, decayed_k_beta, false, true, true);
   auto q_decayed = q * cum.exp().unsqueeze(-1);
   auto k_decayed = k * (cum.narrow(-1, kChunk - 1, 1) - cum).exp().unsqueeze(-1);
-  auto chunk_decay = cum.select(-1, kChunk - 1).exp();  // [h, chunks]
-  auto out = at::empty({h, chunks, kChunk, dv}, v.options());
+  auto chunk_decay = cum.select(-1, kChunk - 1).exp();  // [n, h, chunks]
+  std::vector<at::Tensor> out;
   for (int64_t c = 0; c < chunks; ++c) {
-    auto v_new = new_values.select(1, c) - at::matmul(k_cumdecay.select(1, c), state);
-    out.select(1, c).copy_(at::matmul(q_decayed.select(1, c), state) +
-                           at::matmul(intra.select(1, c), v_new));
-    state = state * chunk_decay.select(1, c).view({h, 1, 1}) +
-            at::matmul(k_decayed.select(1, c).transpose(-1, -2), v_new);
+    auto v_new = new_values.select(2, c) - at::matmul(k_cumdecay.select(2, c), state);
+    out.push_back(at::matmul(q_decayed.select(2, c), state) +
+                  at::matmul(intra.select(2, c), v_new));
+    state = state * chunk_decay.select(2, c).view({n, h, 1, 1}) +
+            at::matmul(k_decayed.select(2, c).transpose(-1, -2), v_new);
   }
-  return out.view({h, chunks * kChunk, dv}).narrow(1, 0, len);
+  return at::stack(out, 2).view({n, h, len, dv});
 }
 
 Dims check_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -199,26 +243,19 @@ GatedDeltaResult chunk_gated_delta_rule_reference(const at::Tensor& q, const at:
   const int64_t n = static_cast<int64_t>(lengths.size());
   const int64_t repeat = d.hv / d.hk;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
-  auto out = at::empty({q.size(0), d.hv, d.dv}, v.options());
-  auto final_state = at::empty({n, d.hv, d.dk, d.dv}, q.options().dtype(at::kFloat));
-  int64_t start = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t len = lengths[i];
-    auto state = initial_state.defined() ? initial_state[i].clone()
-                                         : at::zeros({d.hv, d.dk, d.dv}, final_state.options());
-    if (len > 0) {
-      auto qs = l2norm(heads_first(q.narrow(0, start, len), repeat)) * scale;
-      auto ks = l2norm(heads_first(k.narrow(0, start, len), repeat));
-      auto vs = heads_first(v.narrow(0, start, len), 1);
-      auto gs = g.narrow(0, start, len).to(at::kFloat).t().contiguous();
-      auto bs = beta.narrow(0, start, len).to(at::kFloat).t().contiguous();
-      auto o = chunk_one_sequence(qs, ks, vs, gs, bs, state);
-      out.narrow(0, start, len).copy_(o.transpose(0, 1));
-    }
-    final_state[i].copy_(state);
-    start += len;
-  }
-  return {out, final_state};
+  auto state = initial_state.defined()
+                   ? initial_state
+                   : at::zeros({n, d.hv, d.dk, d.dv}, q.options().dtype(at::kFloat));
+  const Grid grid(lengths, q.size(0), kChunk, q.device());
+  if (grid.len == 0) return {at::empty({q.size(0), d.hv, d.dv}, v.options()), state.clone()};
+  auto per_head = [&](const at::Tensor& x) {  // [T, Hv] -> [N, Hv, L] fp32
+    return grid.gather(x.to(at::kFloat)).transpose(1, 2).contiguous();
+  };
+  auto qs = l2norm(heads_first(grid.gather(q), repeat)) * scale;
+  auto ks = l2norm(heads_first(grid.gather(k), repeat));
+  auto o =
+      chunk_sequences(qs, ks, heads_first(grid.gather(v), 1), per_head(g), per_head(beta), state);
+  return {grid.scatter(o.transpose(1, 2)).to(v.scalar_type()), state};
 }
 
 at::Tensor recurrent_gated_delta_rule_reference(const at::Tensor& q, const at::Tensor& k,
@@ -229,13 +266,8 @@ at::Tensor recurrent_gated_delta_rule_reference(const at::Tensor& q, const at::T
   const int64_t n = q.size(0), steps = q.size(1);
   const int64_t repeat = d.hv / d.hk;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
-  // [N, S, H, D] -> [N, Hv, S, D] fp32, as heads_first per sequence.
-  auto per_head = [&](const at::Tensor& x, int64_t rep) {
-    auto t = x.to(at::kFloat).transpose(1, 2);
-    return (rep > 1 ? t.repeat_interleave(rep, 1) : t).contiguous();
-  };
-  auto qs = l2norm(per_head(q, repeat)) * scale, ks = l2norm(per_head(k, repeat));
-  auto vs = per_head(v, 1);
+  auto qs = l2norm(heads_first(q, repeat)) * scale, ks = l2norm(heads_first(k, repeat));
+  auto vs = heads_first(v, 1);
   auto decay = g.to(at::kFloat).exp(), bs = beta.to(at::kFloat);  // [N, S, Hv]
   auto s = state.clone();
   auto out = at::empty({n, steps, d.hv, d.dv}, v.options());
@@ -256,7 +288,7 @@ GatedDeltaResult chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& beta, const at::Tensor& cu_seqlens,
                                         c10::ArrayRef<int64_t> lengths,
                                         const at::Tensor& initial_state, ChunkKernel kernel) {
-  if (!on_cuda_kernel(q, k, v)) {
+  if (!on_cuda_kernel(q, k, v) || autograd_records({q, k, v, g, beta, initial_state})) {
     return chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
   }
   const auto d = check_chunk(q, k, v, g, beta, cu_seqlens, lengths, initial_state);
@@ -295,7 +327,7 @@ GatedDeltaResult chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k
 at::Tensor recurrent_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& g, const at::Tensor& beta,
                                       const at::Tensor& state, const at::Tensor& states_out) {
-  if (!on_cuda_kernel(q, k, v)) {
+  if (!on_cuda_kernel(q, k, v) || autograd_records({q, k, v, g, beta, state})) {
     return recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, states_out);
   }
   const auto d = check_recurrent(q, k, v, g, beta, state, states_out);

@@ -1,11 +1,13 @@
 // gated_delta_rule: Gated DeltaNet's gated delta rule (the linear-attention layers of Qwen3.5 and
-// Qwen3-Next) over packed sequences, inference only (no autograd). Each function has an fp32
-// ATen reference (transformers' torch_chunk_gated_delta_rule with chunk 64, and
-// torch_recurrent_gated_delta_rule), the CPU path and the test oracle. On CUDA, for heads of 128
-// (Dk = Dv = 128, as Qwen3.5 and Qwen3-Next) and q, k, v of one dtype (bf16, fp16 or fp32), the
-// kernels of gated_delta_rule.cu run instead (other shapes take the reference on the GPU). The
-// chunked form has two CUDA variants (ChunkKernel): tensor cores (scratch of about 0.5 KB per
-// token and value head during the call) and SIMT (about 1.3 KB).
+// Qwen3-Next) over packed sequences. Each function has an fp32 ATen reference (transformers'
+// torch_chunk_gated_delta_rule with chunk 64, all sequences at once, and
+// torch_recurrent_gated_delta_rule), the CPU path, the test oracle and, being differentiable,
+// the path whenever autograd records (training a hybrid target with `dflash pretrain`). On
+// CUDA, for heads of 128 (Dk = Dv = 128, as Qwen3.5 and Qwen3-Next) and q, k, v of one dtype
+// (bf16, fp16 or fp32), the inference-only kernels of gated_delta_rule.cu run instead (other
+// shapes take the reference on the GPU). The chunked form has two CUDA variants (ChunkKernel):
+// tensor cores (scratch of about 0.5 KB per token and value head during the call) and SIMT
+// (about 1.3 KB).
 #pragma once
 #include <ATen/ATen.h>
 

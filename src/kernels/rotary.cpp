@@ -120,8 +120,7 @@ at::Tensor norm_rotary(const at::Tensor& x, const at::Tensor& weight, const at::
   if (cos.requires_grad() || sin.requires_grad()) {
     fail("norm_rotary: the tables must be constants");
   }
-  return NormRotaryFunction::apply(x, weight.contiguous(), cos.contiguous(), sin.contiguous(),
-                                   eps);
+  return NormRotaryFunction::apply(x, weight.contiguous(), cos.contiguous(), sin.contiguous(), eps);
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

@@ -2,7 +2,6 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
-#include <c10/core/GradMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,6 +17,7 @@
 #include <type_traits>
 
 #include "common/error.h"
+#include "kernels/autograd_records.h"
 
 namespace dflash::kernels {
 namespace {
@@ -242,8 +242,7 @@ bool eligible(const at::Tensor& x, const at::Tensor& weight) {
          x.scalar_type() == weight.scalar_type() && x.size(0) >= kMinTunedRows &&
          x.size(1) == weight.size(1) && x.stride(1) == 1 && x.stride(0) >= x.size(1) &&
          weight.is_contiguous() && weight.device() == x.device() &&
-         !(c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) &&
-         lt_api().ok;
+         !autograd_records({x, weight}) && lt_api().ok;
 }
 
 }  // namespace

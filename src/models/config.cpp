@@ -183,14 +183,10 @@ void parse_hybrid(const json& j, ModelConfig& c, const std::string& origin) {
       }
     }
   } else {
-    // transformers: every full_attention_interval-th layer (1-based) is full attention.
     const auto interval = optional_field<int64_t>(j, "full_attention_interval", 4, origin);
     if (interval < 1)
       fail("{}: full_attention_interval must be positive, got {}", origin, interval);
-    for (int64_t i = 0; i < c.num_layers; ++i) {
-      c.layer_types.push_back((i + 1) % interval != 0 ? LayerType::kLinearAttention
-                                                      : LayerType::kFullAttention);
-    }
+    c.layer_types = interval_layer_types(c.num_layers, interval);
   }
   // partial_rotary_factor and mrope live in the rope dict; a top-level partial_rotary_factor
   // fills in where the dict has none (transformers' setdefault, default 0.25).
@@ -305,6 +301,15 @@ std::string ModelConfig::layer_prefix(int64_t layer) const {
 int64_t ModelConfig::rotary_dim() const {
   // Python's int(head_dim * partial_rotary_factor), as transformers sizes inv_freq.
   return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor);
+}
+
+std::vector<LayerType> interval_layer_types(int64_t layers, int64_t full_attention_interval) {
+  std::vector<LayerType> types;
+  for (int64_t i = 0; i < layers; ++i) {
+    types.push_back((i + 1) % full_attention_interval != 0 ? LayerType::kLinearAttention
+                                                           : LayerType::kFullAttention);
+  }
+  return types;
 }
 
 const char* architecture_name(Architecture arch) {
@@ -696,10 +701,7 @@ ModelConfig hybrid_config(Architecture arch, int64_t layers, int64_t value_heads
   c.attn_output_gate = true;
   c.partial_rotary_factor = 0.25;
   c.linear = {16, value_heads, 128, 128, 4};
-  for (int64_t i = 0; i < layers; ++i) {
-    c.layer_types.push_back((i + 1) % 4 != 0 ? LayerType::kLinearAttention
-                                             : LayerType::kFullAttention);
-  }
+  c.layer_types = interval_layer_types(layers, 4);
   return c;
 }
 

@@ -31,6 +31,9 @@ enum class Architecture {
 const char* architecture_name(Architecture arch);
 
 enum class LayerType { kFullAttention, kLinearAttention };
+// transformers' default layer_types: every full_attention_interval-th layer (1-based) is full
+// attention, the others linear.
+std::vector<LayerType> interval_layer_types(int64_t layers, int64_t full_attention_interval);
 
 // The Gated DeltaNet layers' shapes (transformers' linear_* fields).
 struct LinearAttentionShape {

@@ -79,13 +79,11 @@ void keep_states(const at::Tensor& state, const at::Tensor& block, const at::Ten
 
 }  // namespace
 
-at::Tensor gated_delta_net(const at::Tensor& x, const LinearAttentionWeights& w,
+at::Tensor gated_delta_net(const at::Tensor& proj, const LinearAttentionWeights& w,
                            const LinearAttentionShape& s, double eps, const at::Tensor& cu_seqlens,
-                           c10::ArrayRef<int64_t> lengths, const Projection& linear,
-                           const LinearCacheStep* cache) {
-  const int64_t t = x.size(0), conv_dim = s.conv_dim(), vd = s.value_dim();
+                           c10::ArrayRef<int64_t> lengths, const LinearCacheStep* cache) {
+  const int64_t t = proj.size(0), conv_dim = s.conv_dim(), vd = s.value_dim();
   const int64_t nv = s.num_value_heads, dv = s.value_head_dim;
-  auto proj = linear(x, w.w_in);
   const bool recurrent = cache != nullptr && cache->steps > 0;
   const int64_t n = cache != nullptr ? cache->batch->size() : 0,
                 steps = recurrent ? cache->steps : 0;
@@ -144,7 +142,7 @@ at::Tensor gated_delta_net(const at::Tensor& x, const LinearAttentionWeights& w,
   auto of = o.to(at::kFloat);
   auto normed = (of * at::rsqrt(of.pow(2).mean(-1, true) + eps)).to(o.scalar_type()) * w.norm;
   auto gated = (normed * at::silu(z.view({t, nv, dv}).to(at::kFloat))).to(o.scalar_type());
-  return linear(gated.view({t, vd}), w.w_out);
+  return gated.view({t, vd});
 }
 
 at::Tensor partial_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

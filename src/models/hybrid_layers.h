@@ -5,8 +5,6 @@
 #pragma once
 #include <ATen/ATen.h>
 
-#include <functional>
-
 #include "models/config.h"
 #include "models/kv_cache.h"
 
@@ -33,9 +31,6 @@ at::Tensor qwen3_next_in_proj(const at::Tensor& qkvz, const at::Tensor& ba,
 std::pair<at::Tensor, at::Tensor> qwen3_next_in_proj_inverse(const at::Tensor& w_in,
                                                              const LinearAttentionShape& s);
 
-// A projection without bias (x [T, K], weight [N, K] -> [T, N]): the target's choice of GEMM.
-using Projection = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
-
 // A cached forward's linear-attention layer: its decode state and the entries of the batch.
 // steps > 0: every entry appends `steps` tokens and the layer runs the recurrent form (decode
 // steps, verify blocks, a CUDA graph's fixed shapes), with keep_block writing the state after
@@ -49,17 +44,17 @@ struct LinearCacheStep {
   bool keep_block = false;   // the recurrent form writes the block buffers, not the slot state
 };
 
-// The Gated DeltaNet mixer on x [T, H] (already normed) of the packed sequences cu_seqlens
-// (int32 [N+1] on x's device) / lengths (the same on the host): projections, causal conv1d +
-// SiLU over q, k, v, decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) in
-// fp32, the chunked gated delta rule (q and k L2-normalised inside), the gated RMSNorm
-// (norm(o) w silu(z)), out_proj. Without `cache`, conv window and recurrent state start at
+// The Gated DeltaNet mixer between its two projections (the caller runs them with its choice
+// of GEMM, as it does attention's): on proj = in_proj(x) [T, conv_dim + value_dim + 2 Hv] of
+// the packed sequences cu_seqlens (int32 [N+1] on proj's device) / lengths (the same on the
+// host): causal conv1d + SiLU over q, k, v, decay g = -exp(A_log) softplus(a + dt_bias) and
+// beta = sigmoid(b) in fp32, the chunked gated delta rule (q and k L2-normalised inside), the
+// gated RMSNorm (norm(o) w silu(z)). Without `cache`, conv window and recurrent state start at
 // zero in every sequence; with it, at each entry's slot state, which they advance. Returns
-// [T, H].
-at::Tensor gated_delta_net(const at::Tensor& x, const LinearAttentionWeights& w,
+// out_proj's input [T, value_dim].
+at::Tensor gated_delta_net(const at::Tensor& proj, const LinearAttentionWeights& w,
                            const LinearAttentionShape& s, double eps, const at::Tensor& cu_seqlens,
-                           c10::ArrayRef<int64_t> lengths, const Projection& linear,
-                           const LinearCacheStep* cache = nullptr);
+                           c10::ArrayRef<int64_t> lengths, const LinearCacheStep* cache = nullptr);
 
 // Rotary over the first cos.size(-1) dims of each head of x [T, heads, D], the rest passed
 // through (transformers' apply_rotary_pos_emb with partial_rotary_factor < 1).

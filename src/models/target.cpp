@@ -363,10 +363,6 @@ int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
   if (auto why = kernels::fp8_gemm_unsupported(device(), dtype()); !why.empty()) {
     fail("--prefill-gemms fp8 cannot run here: {}", why);
   }
-  if (config_.is_hybrid()) {
-    fail("--prefill-gemms fp8 is not supported for {} targets (Gated DeltaNet layers) yet",
-         architecture_name(config_.arch));
-  }
   int64_t bytes = 0;
   auto quantize = [&](const at::Tensor& w, int64_t i, const char* name) {
     if (w.size(1) % 16 != 0) {
@@ -382,8 +378,13 @@ int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
   for (int64_t i = 0; i < layers; ++i) {
     auto& l = layers_[i];
     if (l.qkv_fp8.data.defined()) continue;
-    l.qkv_fp8 = quantize(l.w_qkv, i, "q/k/v projection");
-    l.o_fp8 = quantize(l.w_o, i, "o projection");
+    if (l.linear.conv.defined()) {
+      l.qkv_fp8 = quantize(l.linear.w_in, i, "linear-attention in_proj");
+      l.o_fp8 = quantize(l.linear.w_out, i, "linear-attention out_proj");
+    } else {
+      l.qkv_fp8 = quantize(l.w_qkv, i, "q/k/v projection");
+      l.o_fp8 = quantize(l.w_o, i, "o projection");
+    }
     if (l.router.defined()) continue;
     l.gate_up_fp8 = quantize(l.w_gate_up, i, "gate/up projection");
     l.down_fp8 = quantize(l.w_down, i, "down projection");
@@ -395,7 +396,7 @@ int64_t TargetModel::release_compute_projections() {
   int64_t bytes = 0;
   for (auto& l : layers_) {
     if (!l.qkv_fp8.data.defined()) continue;
-    std::vector<at::Tensor*> held = {&l.w_qkv, &l.w_o};
+    std::vector<at::Tensor*> held = {&l.w_qkv, &l.w_o, &l.linear.w_in, &l.linear.w_out};
     if (l.gate_up_fp8.data.defined()) held.insert(held.end(), {&l.w_gate_up, &l.w_down});
     for (at::Tensor* t : held) {
       if (!t->defined()) continue;
@@ -460,18 +461,28 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     x = r.sum;
     return r.normed;
   };
+  // The token mixer's projections: its input from the normed rows (e4m3 rows written by the
+  // norm for the FP8 GEMM), its output from the mixed rows.
+  auto mixer_in = [&](const at::Tensor& weight, const kernels::Fp8Rows& weight8,
+                      const at::Tensor& bias) {
+    if (!fp8) {
+      return linear(input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }), weight,
+                    bias);
+    }
+    auto out =
+        linear8(input_norm(kernels::add_rms_norm_e4m3,
+                           [](const at::Tensor& h) { return kernels::quantize_rows_e4m3(h); }),
+                weight8);
+    if (bias.defined()) out.add_(bias);
+    return out;
+  };
+  auto mixer_out = [&](const at::Tensor& in, const at::Tensor& weight,
+                       const kernels::Fp8Rows& weight8) {
+    return fp8 ? linear8(kernels::quantize_rows_e4m3(in), weight8) : linear(in, weight, {});
+  };
   // The token mixer's output: a linear-attention layer's Gated DeltaNet, else attention.
   auto attention = [&] {
-    at::Tensor qkv;
-    if (fp8) {
-      qkv = linear8(input_norm(kernels::add_rms_norm_e4m3,
-                               [](const at::Tensor& h) { return kernels::quantize_rows_e4m3(h); }),
-                    w.qkv_fp8);
-      if (w.b_qkv.defined()) qkv.add_(w.b_qkv);
-    } else {
-      qkv = linear(input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }), w.w_qkv,
-                   w.b_qkv);
-    }
+    at::Tensor qkv = mixer_in(w.w_qkv, w.qkv_fp8, w.b_qkv);
     at::Tensor q, k, v, gate;
     // The fused q/k norm + rotary kernels rotate whole heads of plain q rows; gated attention
     // (q and gate interleaved per head, partial rotary) takes the composition below.
@@ -504,17 +515,15 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     }
     auto attn = attend(q, k, v).reshape({t, nq});
     if (gate.defined()) attn = attn * at::sigmoid(gate);
-    return fp8 ? linear8(kernels::quantize_rows_e4m3(attn), w.o_fp8) : linear(attn, w.w_o, {});
+    return mixer_out(attn, w.w_o, w.o_fp8);
   };
-  auto o = w.linear.w_in.defined()
-               ? gated_delta_net(
-                     input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }), w.linear,
-                     c.linear, eps, seqs.cu_seqlens, seqs.lengths,
-                     [&](const at::Tensor& in, const at::Tensor& weight) {
-                       return linear(in, weight, {});
-                     },
-                     seqs.linear)
-               : attention();
+  // A linear-attention layer keeps its conv weight when its projections are released.
+  auto o =
+      w.linear.conv.defined()
+          ? mixer_out(gated_delta_net(mixer_in(w.linear.w_in, w.qkv_fp8, {}), w.linear, c.linear,
+                                      eps, seqs.cu_seqlens, seqs.lengths, seqs.linear),
+                      w.linear.w_out, w.o_fp8)
+          : attention();
   const bool dense_fp8 = fp8 && !w.router.defined();
   if (!fused) {
     auto x1 = x + o;
@@ -655,8 +664,8 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
       gpt_oss_
           ? gpt_oss_->forward_cached(*this, tokens, batch, cache, request)
           : run(tokens, batch.positions,
-                {batch.cu_seqlens, batch.counts, config_.is_hybrid() ? &linear : nullptr},
-                request, &cache, batch.rows,
+                {batch.cu_seqlens, batch.counts, config_.is_hybrid() ? &linear : nullptr}, request,
+                &cache, batch.rows,
                 [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                   if (k.defined()) cache.update(layer, batch.rows, k, v);  // else already there
                   return cached_causal_attention(q, cache, layer, batch);

@@ -48,6 +48,8 @@ struct TargetLayerWeights {
   LinearAttentionWeights linear;  // a hybrid's linear-attention layer; else undefined
   // PrefillGemms::kFp8's projections in e4m3, one scale per output row, written by
   // TargetModel::quantize_weights_fp8 (undefined before; a sparse layer's MLP stays bf16).
+  // qkv_fp8 and o_fp8 are the token mixer's input and output projections: w_qkv and w_o, or a
+  // linear-attention layer's linear.w_in and linear.w_out.
   kernels::Fp8Rows qkv_fp8, o_fp8, gate_up_fp8, down_fp8;
 };
 

@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -55,7 +56,10 @@ double eval_loss(const models::TargetModel& model, const std::vector<LmSample>& 
 
 models::ModelConfig model_config(const PretrainOptions& o, int64_t vocab_size) {
   models::ModelConfig c;
-  c.arch = models::Architecture::kQwen3;
+  if (o.arch != "qwen3" && o.arch != "qwen3_5") {
+    fail("pretrain: --arch {} is not one of qwen3, qwen3_5", o.arch);
+  }
+  c.arch = o.arch == "qwen3" ? models::Architecture::kQwen3 : models::Architecture::kQwen35;
   c.vocab_size = vocab_size;
   c.hidden_size = o.hidden;
   c.intermediate_size = o.ffn;
@@ -72,6 +76,20 @@ models::ModelConfig model_config(const PretrainOptions& o, int64_t vocab_size) {
   c.qk_norm = true;
   c.tie_word_embeddings = true;  // the embedding is a large share of a small model
   c.torch_dtype = "float32";
+  if (c.arch == models::Architecture::kQwen35) {
+    if (o.full_attention_interval < 1 || o.full_attention_interval > o.layers) {
+      fail(
+          "pretrain: --full-attention-interval {} must be in [1, --layers {}] (a hybrid needs a "
+          "full-attention layer)",
+          o.full_attention_interval, o.layers);
+    }
+    c.layer_types = models::interval_layer_types(o.layers, o.full_attention_interval);
+    c.linear = {o.linear_key_heads, o.linear_value_heads, o.linear_head_dim, o.linear_head_dim,
+                o.conv_kernel};
+    c.partial_rotary_factor = o.partial_rotary_factor;
+    c.attn_output_gate = true;
+    c.norm_plus_one = true;
+  }
   c.validate("pretrain");
   return c;
 }
@@ -208,12 +226,20 @@ PretrainSummary pretrain(const PretrainOptions& o) {
   AdamW opt_plain(plain, adam);
   fmt::print(
       stderr,
-      "pretrain: Qwen3 {} layers, hidden {}, FFN {}, heads {}/{} x {}: {:.2f}M params, "
+      "pretrain: {} {} layers{}, hidden {}, FFN {}, heads {}/{} x {}: {:.2f}M params, "
       "{} on {} ({} compute); {} steps of {} sequences ({:.2f} epochs), lr {:.1e}, loss "
       "on {} tokens\n",
-      config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
-      config.num_kv_heads, config.head_dim, config.num_parameters() / 1e6, "fp32", device.str(),
-      c10::toString(compute), steps, batch_size,
+      models::architecture_name(config.arch), config.num_layers,
+      config.is_hybrid()
+          ? fmt::format(" ({} Gated DeltaNet: {}/{} heads x {})",
+                        std::count(config.layer_types.begin(), config.layer_types.end(),
+                                   models::LayerType::kLinearAttention),
+                        config.linear.num_key_heads, config.linear.num_value_heads,
+                        config.linear.key_head_dim)
+          : std::string(),
+      config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
+      config.head_dim, config.num_parameters() / 1e6, "fp32", device.str(), c10::toString(compute),
+      steps, batch_size,
       static_cast<double>(steps) / static_cast<double>(std::max<int64_t>(1, steps_per_epoch)), o.lr,
       o.loss_on == LossOn::kAll ? "all" : "assistant");
 

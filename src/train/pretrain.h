@@ -1,9 +1,10 @@
-// train: `dflash pretrain`: trains a target decoder itself (not a drafter) from random weights on
-// chat text with next-token cross entropy, and writes it as a Hugging Face model directory with
-// its tokenizer. No pretrained weights can be downloaded here, so this is how the project gets a
-// real target to train and evaluate drafters on (the GSM8K example, docs/EXAMPLE_GSM8K.md).
-// The model is models::TargetModel itself: fp32 master weights, and on CUDA a bf16 cast of them
-// computes each step (TargetModel::cast), so the frozen-target code path is the trained one.
+// train: `dflash pretrain`: trains a target decoder itself (Qwen3, or Qwen3.5's hybrid) (not a
+// drafter) from random weights on chat text with next-token cross entropy, and writes it as a
+// Hugging Face model directory with its tokenizer. No pretrained weights can be downloaded here, so
+// this is how the project gets a real target to train and evaluate drafters on (the GSM8K example,
+// docs/EXAMPLE_GSM8K.md). The model is models::TargetModel itself: fp32 master weights, and on CUDA
+// a bf16 cast of them computes each step (TargetModel::cast), so the frozen-target code path is the
+// trained one.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -57,7 +58,10 @@ struct PretrainOptions {
   std::vector<std::string> eval_data;
   std::string out;
   std::string tokenizer;  // directory with tokenizer.json (+ tokenizer_config.json); "": built in
-  // Shape (Qwen3: q/k norms, tied embeddings); the vocabulary is the tokenizer's.
+  // Shape (q/k norms, tied embeddings); the vocabulary is the tokenizer's. "qwen3", or
+  // "qwen3_5": Qwen3.5's hybrid (Gated DeltaNet layers, every full_attention_interval-th layer
+  // gated attention with partial rotary, (1 + w) norms), written as qwen3_5_text.
+  std::string arch = "qwen3";
   int64_t layers = 4;
   int64_t hidden = 128;
   int64_t heads = 4;
@@ -65,6 +69,14 @@ struct PretrainOptions {
   int64_t head_dim = 0;  // 0: hidden / heads
   int64_t ffn = 384;
   double rope_theta = 10000.0;
+  // qwen3_5 only: the Gated DeltaNet layers' shape (key heads, value heads, head dim for both,
+  // conv width), where full attention sits, and the rotary share of an attention head.
+  int64_t full_attention_interval = 4;
+  int64_t linear_key_heads = 2;
+  int64_t linear_value_heads = 4;
+  int64_t linear_head_dim = 128;
+  int64_t conv_kernel = 4;
+  double partial_rotary_factor = 0.25;
   // Training.
   double epochs = 1.0;
   int64_t steps = 0;  // 0: from epochs
@@ -93,7 +105,8 @@ struct PretrainSummary {
 
 PretrainSummary pretrain(const PretrainOptions& options);
 
-// Writes `model`'s weights and config.json (Qwen3ForCausalLM, torch_dtype the model's) into a
+// Writes `model`'s weights and config.json (Qwen3ForCausalLM or Qwen3_5ForCausalLM, torch_dtype
+// the model's) into a
 // Hugging Face model directory; pretrain puts the tokenizer files beside them.
 void write_hf_model(const std::filesystem::path& dir, const models::TargetModel& model);
 

@@ -4,7 +4,8 @@ decoding on held-out GSM8K test questions. Asserts tau >= 1.5 and speculative ou
 target greedy output on every question (eval itself fails on a mismatch), and that train
 logged tau on held-out questions during training (--eval-every).
 
-Usage: gsm8k_mini.py DFLASH_BINARY   (GSM8K from ../shared/data/gsm8k, as run.sh finds it)
+Usage: gsm8k_mini.py DFLASH_BINARY [TARGET_ARCH]   (GSM8K from ../shared/data/gsm8k, as run.sh
+finds it; TARGET_ARCH qwen3 (default) or qwen3_5, the hybrid: run.sh --target)
 """
 import json
 import pathlib
@@ -16,13 +17,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def main():
+    arch = sys.argv[2] if len(sys.argv) > 2 else "qwen3"
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "gsm8k-mini"
         r = subprocess.run(["bash", str(ROOT / "examples" / "gsm8k" / "run.sh"), "--mini",
-                            "--dflash", sys.argv[1], "--out", str(out)])
+                            "--target", arch, "--dflash", sys.argv[1], "--out", str(out)])
         if r.returncode != 0:
             sys.exit(f"FAILED: run.sh --mini exited {r.returncode}")
         summary = json.loads((out / "summary.json").read_text())
+        want_type = {"qwen3": "qwen3", "qwen3_5": "qwen3_5_text"}[arch]
+        if summary["target_arch"] != want_type:
+            sys.exit(f"FAILED: the target is {summary['target_arch']}, not {want_type}")
         f = summary["eval"]["files"][0]
         print(f"tau {f['tau']:.3f} on {f['prompts']} held-out questions, {f['mismatches']} "
               f"mismatches, total {summary['total_seconds']:.0f} s")

@@ -1,5 +1,6 @@
 // `dflash pretrain` and the tokenizer that models made here ship with: the trainable target's
-// loss and every gradient against transformers, bf16 compute landing gradients on fp32 masters,
+// loss and every gradient against transformers (Qwen3, and Qwen3.5's hybrid through the
+// differentiable Gated DeltaNet references), bf16 compute landing gradients on fp32 masters,
 // the loss falling over a few CPU steps on GSM8K, the written directory loading in transformers
 // (AutoModelForCausalLM, AutoTokenizer) with the same logits, ids and chat rendering, and the
 // built-in tokenizer at any vocabulary size agreeing with HF tokenizers.
@@ -7,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
@@ -109,17 +111,36 @@ void expect_matches_transformers(const io::SafetensorsFile& ref, const std::stri
     EXPECT_CLOSE(model.lm_head_weight().grad(), grad("lm_head.weight"), tol);
   }
   for (int64_t i = 0; i < c.num_layers; ++i) {
+    SCOPED_TRACE(fmt::format("layer {}", i));
     const auto& l = model.layers()[i];
-    const std::string p = fmt::format("model.layers.{}.", i);
+    const std::string p = c.layer_prefix(i);
     EXPECT_CLOSE(l.input_norm.grad(), grad(p + "input_layernorm.weight"), tol);
     EXPECT_CLOSE(l.post_attention_norm.grad(), grad(p + "post_attention_layernorm.weight"), tol);
-    EXPECT_CLOSE(l.w_qkv.grad(),
-                 at::cat({grad(p + "self_attn.q_proj.weight"), grad(p + "self_attn.k_proj.weight"),
-                          grad(p + "self_attn.v_proj.weight")}),
-                 tol);
-    EXPECT_CLOSE(l.q_norm.grad(), grad(p + "self_attn.q_norm.weight"), tol);
-    EXPECT_CLOSE(l.k_norm.grad(), grad(p + "self_attn.k_norm.weight"), tol);
-    EXPECT_CLOSE(l.w_o.grad(), grad(p + "self_attn.o_proj.weight"), tol);
+    if (c.is_linear_layer(i)) {
+      const std::string a = p + "linear_attn.";
+      EXPECT_CLOSE(l.linear.w_in.grad(),
+                   at::cat({grad(a + "in_proj_qkv.weight"), grad(a + "in_proj_z.weight"),
+                            grad(a + "in_proj_b.weight"), grad(a + "in_proj_a.weight")}),
+                   tol);
+      EXPECT_CLOSE(l.linear.conv.grad(), grad(a + "conv1d.weight").squeeze(1), tol);
+      // transformers runs the delta rule in fp32 even in a float64 model, and the decay's two
+      // parameters sum every token's and channel's contribution with cancellation: their
+      // reference gradients carry fp32 error (measured 1.0e-4 to 2.2e-4 relative).
+      const double decay_tol = std::max(tol, 1e-3);
+      EXPECT_CLOSE(l.linear.a_log.grad(), grad(a + "A_log"), decay_tol);
+      EXPECT_CLOSE(l.linear.dt_bias.grad(), grad(a + "dt_bias"), decay_tol);
+      EXPECT_CLOSE(l.linear.norm.grad(), grad(a + "norm.weight"), tol);
+      EXPECT_CLOSE(l.linear.w_out.grad(), grad(a + "out_proj.weight"), tol);
+    } else {
+      EXPECT_CLOSE(
+          l.w_qkv.grad(),
+          at::cat({grad(p + "self_attn.q_proj.weight"), grad(p + "self_attn.k_proj.weight"),
+                   grad(p + "self_attn.v_proj.weight")}),
+          tol);
+      EXPECT_CLOSE(l.q_norm.grad(), grad(p + "self_attn.q_norm.weight"), tol);
+      EXPECT_CLOSE(l.k_norm.grad(), grad(p + "self_attn.k_norm.weight"), tol);
+      EXPECT_CLOSE(l.w_o.grad(), grad(p + "self_attn.o_proj.weight"), tol);
+    }
     EXPECT_CLOSE(l.w_gate_up.grad(),
                  at::cat({grad(p + "mlp.gate_proj.weight"), grad(p + "mlp.up_proj.weight")}), tol);
     EXPECT_CLOSE(l.w_down.grad(), grad(p + "mlp.down_proj.weight"), tol);
@@ -148,7 +169,7 @@ TEST_P(PretrainGradient, LossAndGradientsMatchTransformers) {
 // rounding of transformers'.
 TEST(PretrainGpu, Bf16GradientsMatchTransformers) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  for (const char* name : {"qwen3_tied", "qwen3_untied"}) {
+  for (const char* name : {"qwen3_tied", "qwen3_untied", "qwen3_5"}) {
     SCOPED_TRACE(name);
     const auto dir = testing::fixture(std::string("pretrain/") + name);
     auto ref = io::SafetensorsFile::open(dir / "reference.safetensors");
@@ -158,12 +179,11 @@ TEST(PretrainGpu, Bf16GradientsMatchTransformers) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, PretrainGradient,
-                         ::testing::Combine(::testing::Values("qwen3_tied", "qwen3_untied"),
-                                            ::testing::Values("assistant", "all")),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_" + std::get<1>(info.param);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Models, PretrainGradient,
+    ::testing::Combine(::testing::Values("qwen3_tied", "qwen3_untied", "qwen3_5"),
+                       ::testing::Values("assistant", "all")),
+    [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
 // Mixed precision as pretrain runs it on the GPU, here on the CPU: a bf16 cast of fp32 master
 // weights computes, and the gradients land on the masters in fp32, close to the fp32 ones.
@@ -199,10 +219,16 @@ TEST(Pretrain, Bf16CastSendsGradientsToFp32Masters) {
 
 // A few steps on GSM8K from random weights: the loss falls well below the uniform ln(V), and
 // the directory written loads in transformers with the same logits, ids and chat rendering.
-TEST(Pretrain, LossFallsAndTransformersLoadsTheModel) {
+// For each --arch: Qwen3, and Qwen3.5's hybrid (a Gated DeltaNet layer, then gated attention).
+class PretrainArch : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PretrainArch, LossFallsAndTransformersLoadsTheModel) {
   REQUIRE_GSM8K();
   const auto work = temp_dir("pretrain");
   train::PretrainOptions o;
+  o.arch = GetParam();
+  o.full_attention_interval = 2;
+  o.linear_head_dim = 16;
   o.data = {gsm8k("train").string()};
   o.eval_data = {gsm8k("test").string()};
   o.out = (work / "model").string();
@@ -271,6 +297,8 @@ TEST(Pretrain, LossFallsAndTransformersLoadsTheModel) {
     EXPECT_EQ(result["chat_texts"][i].get<std::string>(), rendered[i].text) << i;
     EXPECT_EQ(result["chat_ids"][i].get<std::vector<int32_t>>(), chat_ids[i]) << i;
   }
+  EXPECT_EQ(model.config().arch,
+            o.arch == "qwen3" ? models::Architecture::kQwen3 : models::Architecture::kQwen35);
   for (size_t i = 0; i < texts.size(); ++i) {
     EXPECT_EQ(result["ids"][dir.string()][i].get<std::vector<int32_t>>(),
               tokenizer.encode(texts[i], false))
@@ -278,6 +306,8 @@ TEST(Pretrain, LossFallsAndTransformersLoadsTheModel) {
   }
   remove_tree(work);
 }
+
+INSTANTIATE_TEST_SUITE_P(Archs, PretrainArch, ::testing::Values("qwen3", "qwen3_5"));
 
 // The built-in tokenizer cut (fewer merges), as trained, and padded: every size loads in HF
 // tokenizers with the same ids as ours on GSM8K and on the chat tokens, has exactly the ids
