@@ -21,3 +21,8 @@ find "$root/.deps/root" -type l | while read -r link; do
 done
 du -sh "$root/.deps/root"
 "$root/scripts/fetch_cudnn_frontend.sh"
+# GSM8K for the end-to-end run (gpu_check.sh's gsm8k stages read .deps/gsm8k).
+if [ -f "$root/../shared/data/gsm8k/train.jsonl" ]; then
+  mkdir -p "$root/.deps/gsm8k"
+  cp "$root/../shared/data/gsm8k/"{train,test}.jsonl "$root/.deps/gsm8k/"
+fi

@@ -187,6 +187,7 @@ if has gtest; then
   fixtures gtest dflash models
   fixtures gtest_rope rope
   fixtures gtest_gpt_oss gpt_oss
+  fixtures gtest_more pretrain qwen35 gated_delta
   gtests gtest "${GTEST_FILTER:-*Gpu*}"
 fi
 if has hybrid; then
