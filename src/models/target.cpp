@@ -365,11 +365,11 @@ int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
   }
   int64_t bytes = 0;
   auto quantize = [&](const at::Tensor& w, int64_t i, const char* name) {
-    if (w.size(1) % 16 != 0) {
+    if (w.size(0) % 16 != 0 || w.size(1) % 16 != 0) {
       fail(
-          "--prefill-gemms fp8: layer {}'s {} has inner width {}, the FP8 GEMM needs a multiple "
+          "--prefill-gemms fp8: layer {}'s {} is {}, the FP8 GEMM needs both sizes multiples "
           "of 16",
-          i, name, w.size(1));
+          i, name, w.sizes());
     }
     auto q = kernels::quantize_rows_e4m3(w);
     bytes += q.data.nbytes() + q.scale.nbytes();

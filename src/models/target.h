@@ -137,7 +137,7 @@ class TargetModel {
   // The projections of the first `layers` decoder layers in e4m3 for PrefillGemms::kFp8 (the
   // bf16 weights stay: generation and evaluation use them). Returns the bytes added. Fails on a
   // GPU that cannot run the FP8 GEMM (older than compute capability 9.0), in a dtype other
-  // than bf16 on a GPU, or where a GEMM's inner width is not a multiple of 16.
+  // than bf16 on a GPU, or where a weight's sizes are not multiples of 16.
   int64_t quantize_weights_fp8(int64_t layers);
   // Frees the compute-dtype projections of the layers quantize_weights_fp8 quantized, for a
   // process whose target runs only fp8 prefills (training's features without evaluation):

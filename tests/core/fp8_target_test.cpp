@@ -164,10 +164,13 @@ INSTANTIATE_TEST_SUITE_P(Models, Fp8TargetGpu, kArchitectures, kArchitectureName
 // e4m3 (its conv, decay and norm weights stay), released like attention's; the forward stays
 // near the compute dtype's through linear (taps 0-2), gated full-attention (3) and MoE layers.
 // Heads of 128 on a GPU (the GDN kernels' size), at 1,600 rows.
+// 8 value heads: in_proj's rows (q, k, v, z, then b and a, one each per value head) a multiple
+// of 16, as the FP8 GEMM needs (and every published Qwen3.5 / Qwen3-Next has).
 models::ModelConfig hybrid_config(const std::string& preset, bool gpu) {
   auto c = models::preset_config(preset);
+  c.linear = {2, 8, 32, 32, 4};
   if (gpu) {
-    c.linear = {2, 4, 128, 128, 4};
+    c.linear = {2, 8, 128, 128, 4};
     c.head_dim = 128;
   }
   return c;
