@@ -27,7 +27,7 @@ namespace {
 
 struct BenchDrafterOptions {
   std::string preset = "qwen3-8b";
-  std::string device = "cuda";
+  std::string device;    // add_device_option
   int64_t seq_len = -1;  // -1: preset default (256 for the tiny presets, else 2048)
   int64_t anchors = -1;  // -1: preset default (512, 32)
   int64_t block_size = 16;
@@ -66,7 +66,7 @@ class BenchBatch : public train::BatchSource {
 };
 
 void run_bench(const BenchDrafterOptions& o) {
-  const at::Device device(o.device);
+  const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-drafter: --profile needs a CUDA device");
   const bool tiny = o.preset.starts_with("tiny");
   const int64_t seq = o.seq_len > 0 ? o.seq_len : (tiny ? 256 : 2048);
@@ -162,7 +162,8 @@ void run_bench(const BenchDrafterOptions& o) {
       "iters {}\n",
       o.preset, target.num_layers, target.hidden_size, config.layers.num_layers,
       drafter.num_parameters() / 1e9, fmt::join(config.target_layer_ids, ","), seq, sampled.size(),
-      config.block_size, c10::toString(dtype), o.device, train::head_grad_name(trainer.head_grad()),
+      config.block_size, c10::toString(dtype), device.str(),
+      train::head_grad_name(trainer.head_grad()),
       train::drafter_gemms_name(trainer.drafter_gemms()), o.warmup, o.iters);
   auto peak_gib = [&](bool reserved) {
     const auto m = obs::gpu_memory(device);
@@ -227,7 +228,7 @@ void run_bench(const BenchDrafterOptions& o) {
   fmt::print("{:>16} {:>12.2f} {:>12.0f}\n", "  of it drafter", online_drafter_ms,
              seq / (online_drafter_ms / 1e3));
   nlohmann::json doc = {{"preset", o.preset},
-                        {"device", o.device},
+                        {"device", device.str()},
                         {"seq_len", seq},
                         {"anchors", sampled.size()},
                         {"block_size", o.block_size},
@@ -291,10 +292,8 @@ void add_bench_drafter_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench-drafter",
       "Measure one DFlash drafter training step on a random-weight target's features");
-  cmd->add_option("--preset", o->preset,
-                  "target shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
-      ->capture_default_str();
-  cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
+  add_preset_option(*cmd, o->preset, "target shape");
+  add_device_option(*cmd, o->device);
   cmd->add_option("--seq-len", o->seq_len, "tokens in the sequence (default 2048; tiny 256)")
       ->check(kAtLeastOne.validator());
   cmd->add_option("--anchors", o->anchors, "blocks per sequence (default 512; tiny 32)")
@@ -309,28 +308,27 @@ void add_bench_drafter_command(CLI::App& app) {
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
   cmd->add_option("--attention", o->attention,
-                  "auto, dense, gathered, gathered-cudnn-shared (the shared context's "
-                  "attention backward through cuDNN), gathered-cudnn-shared-fwd (its forward "
-                  "too) or gathered-cudnn (the tails' backward too); a comma-separated list "
-                  "alternates them first (3 rounds of --iters steps each), then runs the rest "
-                  "with the first")
+                  enum_choices(models::kDrafterAttentionNames, true) +
+                      "; a comma-separated list alternates them first (3 rounds of --iters "
+                      "steps each), then runs the rest with the first")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option(
          "--head-grad", o->head_grad,
-         "the LM head's input-gradient GEMM: auto, compute or fp8 (e4m3, Hopper or newer); a "
-         "comma-separated list alternates as --attention does (every pair of the two)")
+         "the LM head's input-gradient GEMM: " + enum_choices(train::kHeadGradNames, true) +
+             "; a comma-separated list alternates as --attention does (every pair of the two)")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--drafter-gemms", o->gemms,
-                  "the drafter layers' projections: auto, compute or fp8 (forward and "
-                  "input-gradient GEMMs in e4m3, Hopper or newer); a comma-separated list "
-                  "alternates as --attention does")
+  cmd->add_option(
+         "--drafter-gemms", o->gemms,
+         "the drafter layers' projections: " + enum_choices(train::kDrafterGemmsNames, true) +
+             "; a comma-separated list alternates as --attention does")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--prefill-gemms", o->prefill_gemms,
-                  "the online step's target prefill projections: tuned, aten or fp8 (e4m3, "
-                  "Hopper or newer), as `dflash train --prefill-gemms`")
+                  "the online step's target prefill projections, as `dflash train "
+                  "--prefill-gemms`: " +
+                      enum_choices(models::kPrefillGemmsNames))
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup, "untimed steps first")
       ->capture_default_str()
@@ -340,7 +338,7 @@ void add_bench_drafter_command(CLI::App& app) {
       ->check(kAtLeastOne.validator());
   cmd->add_flag("--fresh-anchors", o->fresh_anchors,
                 "draw new anchors every step, as training does (the gathered keys change size)");
-  cmd->add_option("--json", o->json_out, "also write the results here");
+  add_json_option(*cmd, o->json_out, "the results");
   cmd->add_option("--profile", o->profile,
                   "profile two drafter steps: GPU time per kernel, Chrome trace written here");
   cmd->callback([o] { run_bench(*o); });

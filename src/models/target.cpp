@@ -349,10 +349,8 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
 }
 
 PrefillGemms parse_prefill_gemms(const std::string& name) {
-  if (name == "aten") return PrefillGemms::kAten;
-  if (name == "tuned") return PrefillGemms::kTuned;
-  if (name == "fp8") return PrefillGemms::kFp8;
-  fail("prefill_gemms must be aten, tuned or fp8, got '{}'", name);
+  if (auto value = enum_value(kPrefillGemmsNames, name)) return *value;
+  fail("prefill_gemms must be {}, got '{}'", enum_choices(kPrefillGemmsNames), name);
 }
 
 int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
@@ -655,8 +653,8 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
       gpt_oss_
           ? gpt_oss_->forward_cached(*this, tokens, batch, cache, request)
           : run(tokens, batch.positions,
-                {batch.cu_seqlens, batch.counts, config_.is_hybrid() ? &linear : nullptr},
-                request, &cache, batch.rows,
+                {batch.cu_seqlens, batch.counts, config_.is_hybrid() ? &linear : nullptr}, request,
+                &cache, batch.rows,
                 [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                   if (k.defined()) cache.update(layer, batch.rows, k, v);  // else already there
                   return cached_causal_attention(q, cache, layer, batch);
