@@ -23,7 +23,7 @@ namespace {
 
 struct BenchDecodeOptions {
   std::string preset = "qwen3-8b";
-  std::string device = "cuda";
+  std::string device;  // add_device_option
   int64_t prompt_len = 512;
   int64_t new_tokens = 256;
   std::vector<int64_t> batches = {1, 128};
@@ -74,7 +74,8 @@ GenerationTiming time_generation(const models::TargetModel& model,
 }
 
 void run_bench_decode(const BenchDecodeOptions& o) {
-  at::Device device(o.device);
+  const at::Device device = device_option(o.device);
+  if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
   auto config = models::preset_config(o.preset);
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   auto model = models::TargetModel::random(config, device, dtype, 0);
@@ -83,7 +84,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   fmt::print(
       "bench-decode: {} ({:.2f} B params), {} on {}, prompt {} tokens, {} new tokens, warmup {}, "
       "iters {} (medians)\n",
-      o.preset, config.num_parameters() / 1e9, c10::toString(dtype), o.device, o.prompt_len,
+      o.preset, config.num_parameters() / 1e9, c10::toString(dtype), device.str(), o.prompt_len,
       o.new_tokens, o.warmup, o.iters);
   fmt::print("{:>6} {:>6} {:>12} {:>12} {:>14} {:>12} {:>16}\n", "batch", "graph", "prefill ms",
              "decode ms", "ms/step", "decode tok/s", "end-to-end tok/s");
@@ -185,7 +186,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
         7 * step_ms / spec_ms);
   }
   nlohmann::json doc = {{"preset", o.preset},
-                        {"device", o.device},
+                        {"device", device.str()},
                         {"prompt_len", o.prompt_len},
                         {"new_tokens", o.new_tokens},
                         {"generation", rows},
@@ -208,10 +209,8 @@ void add_bench_decode_command(CLI::App& app) {
   auto o = std::make_shared<BenchDecodeOptions>();
   auto* cmd = app.add_subcommand(
       "bench-decode", "Measure target decoding speed and the verify-pass cost (random weights)");
-  cmd->add_option("--preset", o->preset,
-                  "model shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
-      ->capture_default_str();
-  cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
+  add_preset_option(*cmd, o->preset, "model shape");
+  add_device_option(*cmd, o->device);
   cmd->add_option("--prompt-len", o->prompt_len, "prompt tokens per sequence")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
@@ -230,15 +229,10 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_option("--iters", o->iters, "timed runs; the median is reported")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
-  cmd->add_option("--json", o->json_out, "also write the results here");
+  add_json_option(*cmd, o->json_out, "the results");
   cmd->add_option("--profile", o->profile,
                   "profile the batch-1 decode step (CUDA) and write its Chrome trace here");
-  cmd->callback([o] {
-    if (!o->profile.empty() && o->device.rfind("cuda", 0) != 0) {
-      fail("bench-decode: --profile needs a CUDA device");
-    }
-    run_bench_decode(*o);
-  });
+  cmd->callback([o] { run_bench_decode(*o); });
 }
 
 }  // namespace dflash::cli

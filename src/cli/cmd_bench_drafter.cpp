@@ -27,7 +27,7 @@ namespace {
 
 struct BenchDrafterOptions {
   std::string preset = "qwen3-8b";
-  std::string device = "cuda";
+  std::string device;    // add_device_option
   int64_t seq_len = -1;  // -1: preset default (256 for the tiny presets, else 2048)
   int64_t anchors = -1;  // -1: preset default (512, 32)
   int64_t block_size = 16;
@@ -65,8 +65,101 @@ class BenchBatch : public train::BatchSource {
   std::function<train::MicroBatch(int64_t)> resample_;
 };
 
+// One setting of the step: attention, LM-head gradient and layer GEMMs, with their names.
+struct Setting {
+  std::string name, attention_name, head_grad_name, gemms_name;
+  models::DrafterAttention attention;
+  train::HeadGrad head_grad;
+  train::DrafterGemms gemms;
+};
+
+// Every --attention with every --head-grad and --drafter-gemms. The first runs everything;
+// before that, with several, all of them alternate (alternate()), so that the GPU's drift over
+// the run (it is power-capped, its clock follows its temperature) falls on every setting alike.
+std::vector<Setting> settings_of(const BenchDrafterOptions& o) {
+  if (o.attention.empty() || o.head_grad.empty() || o.gemms.empty()) {
+    fail("bench-drafter: --attention, --head-grad and --drafter-gemms need a setting each");
+  }
+  std::vector<Setting> settings;
+  for (const auto& a : o.attention) {
+    for (const auto& g : o.head_grad) {
+      for (const auto& m : o.gemms) {
+        std::string name = a;
+        if (o.head_grad.size() > 1) name += ", head grad " + g;
+        if (o.gemms.size() > 1) name += ", gemms " + m;
+        settings.push_back({name, a, g, m,
+                            models::parse_drafter_attention(a, "bench-drafter --attention"),
+                            train::parse_head_grad(g, "bench-drafter --head-grad"),
+                            train::parse_drafter_gemms(m, "bench-drafter --drafter-gemms")});
+      }
+    }
+  }
+  return settings;
+}
+
+// More than one setting: each in turn (`use`), a block of queued steps each per round over
+// kRounds rounds, then back to the first; prints and returns each one's median.
+nlohmann::json alternate(const BenchDrafterOptions& o, at::Device device,
+                         const std::vector<Setting>& settings,
+                         const std::function<void(const Setting&)>& use,
+                         const std::function<void()>& step) {
+  nlohmann::json alternating = nlohmann::json::array();
+  if (settings.size() < 2) return alternating;
+  constexpr int kRounds = 3;
+  std::vector<std::vector<double>> per(settings.size());
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t a = 0; a < settings.size(); ++a) {
+      use(settings[a]);
+      auto t = obs::time_queued_steps(device, o.warmup, o.iters, step);
+      per[a].insert(per[a].end(), t.begin(), t.end());
+    }
+  }
+  use(settings.front());
+  fmt::print("alternating, {} rounds of {} steps each (after {} warm-up):\n", kRounds, o.iters,
+             o.warmup);
+  for (size_t a = 0; a < settings.size(); ++a) {
+    fmt::print("{:>44} {:>10.2f} ms median\n", settings[a].name, obs::median(per[a]) * 1e3);
+    alternating.push_back({{"attention", settings[a].attention_name},
+                           {"head_grad", settings[a].head_grad_name},
+                           {"drafter_gemms", settings[a].gemms_name},
+                           {"median_ms", obs::median(per[a]) * 1e3},
+                           {"times_s", per[a]}});
+  }
+  return alternating;
+}
+
+// --profile: two drafter steps under the profiler (trace at `trace`), then two online steps
+// (`prefill` sets the features, then the step) beside it: their kernels against the drafter
+// step's alone show whether a slower online step is idle time or slower kernels.
+void profile_steps(const std::string& trace, at::Device device, const std::function<void()>& step,
+                   const std::function<void()>& prefill, nlohmann::json& doc) {
+  constexpr int kProfiledSteps = 2;
+  auto p = obs::profile_device(
+      [&] {
+        for (int i = 0; i < kProfiledSteps; ++i) step();
+        obs::synchronize(device);
+      },
+      kProfiledSteps, trace);
+  fmt::print("profile of the drafter step (trace: {}):\n{}", trace, obs::format_profile(p, 30));
+  doc["profile"] = obs::profile_json(p);
+  const std::string online_trace =
+      std::filesystem::path(trace).replace_extension(".online.json").string();
+  auto po = obs::profile_device(
+      [&] {
+        for (int i = 0; i < kProfiledSteps; ++i) {
+          prefill();
+          step();
+        }
+        obs::synchronize(device);
+      },
+      kProfiledSteps, online_trace);
+  fmt::print("profile of the online step (trace: {}):\n{}", online_trace,
+             obs::format_profile(po, 12));
+  doc["online_profile"] = obs::profile_json(po);
+}
+
 void run_bench(const BenchDrafterOptions& o) {
-  const at::Device device(o.device);
+  const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-drafter: --profile needs a CUDA device");
   const bool tiny = o.preset.starts_with("tiny");
   const int64_t seq = o.seq_len > 0 ? o.seq_len : (tiny ? 256 : 2048);
@@ -117,33 +210,7 @@ void run_bench(const BenchDrafterOptions& o) {
   topt.total_steps = 1000;
   topt.step.dtype = dtype;
   topt.step.head_chunk_rows = o.head_chunk;
-  // Several settings (every attention with every head gradient): the first runs everything
-  // below; before that all of them alternate, a block of steps each per round, so that the
-  // GPU's drift over the run (it is power-capped, its clock follows its temperature) falls on
-  // every setting alike.
-  if (o.attention.empty() || o.head_grad.empty() || o.gemms.empty()) {
-    fail("bench-drafter: --attention, --head-grad and --drafter-gemms need a setting each");
-  }
-  struct Setting {
-    std::string name, attention_name, head_grad_name, gemms_name;
-    models::DrafterAttention attention;
-    train::HeadGrad head_grad;
-    train::DrafterGemms gemms;
-  };
-  std::vector<Setting> settings;
-  for (const auto& a : o.attention) {
-    for (const auto& g : o.head_grad) {
-      for (const auto& m : o.gemms) {
-        std::string name = a;
-        if (o.head_grad.size() > 1) name += ", head grad " + g;
-        if (o.gemms.size() > 1) name += ", gemms " + m;
-        settings.push_back({name, a, g, m,
-                            models::parse_drafter_attention(a, "bench-drafter --attention"),
-                            train::parse_head_grad(g, "bench-drafter --head-grad"),
-                            train::parse_drafter_gemms(m, "bench-drafter --drafter-gemms")});
-      }
-    }
-  }
+  const std::vector<Setting> settings = settings_of(o);
   topt.step.attention = settings.front().attention;
   topt.step.head_grad = settings.front().head_grad;
   topt.step.drafter_gemms = settings.front().gemms;
@@ -162,7 +229,8 @@ void run_bench(const BenchDrafterOptions& o) {
       "iters {}\n",
       o.preset, target.num_layers, target.hidden_size, config.layers.num_layers,
       drafter.num_parameters() / 1e9, fmt::join(config.target_layer_ids, ","), seq, sampled.size(),
-      config.block_size, c10::toString(dtype), o.device, train::head_grad_name(trainer.head_grad()),
+      config.block_size, c10::toString(dtype), device.str(),
+      train::head_grad_name(trainer.head_grad()),
       train::drafter_gemms_name(trainer.drafter_gemms()), o.warmup, o.iters);
   auto peak_gib = [&](bool reserved) {
     const auto m = obs::gpu_memory(device);
@@ -174,29 +242,7 @@ void run_bench(const BenchDrafterOptions& o) {
     trainer.train_step();
     for (auto& l : trainer.take_logs(false)) last = l;
   };
-  nlohmann::json alternating = nlohmann::json::array();
-  if (settings.size() > 1) {
-    constexpr int kRounds = 3;
-    std::vector<std::vector<double>> per(settings.size());
-    for (int round = 0; round < kRounds; ++round) {
-      for (size_t a = 0; a < settings.size(); ++a) {
-        use(settings[a]);
-        auto t = obs::time_queued_steps(device, o.warmup, o.iters, step);
-        per[a].insert(per[a].end(), t.begin(), t.end());
-      }
-    }
-    use(settings.front());
-    fmt::print("alternating, {} rounds of {} steps each (after {} warm-up):\n", kRounds, o.iters,
-               o.warmup);
-    for (size_t a = 0; a < settings.size(); ++a) {
-      fmt::print("{:>44} {:>10.2f} ms median\n", settings[a].name, obs::median(per[a]) * 1e3);
-      alternating.push_back({{"attention", settings[a].attention_name},
-                             {"head_grad", settings[a].head_grad_name},
-                             {"drafter_gemms", settings[a].gemms_name},
-                             {"median_ms", obs::median(per[a]) * 1e3},
-                             {"times_s", per[a]}});
-    }
-  }
+  const nlohmann::json alternating = alternate(o, device, settings, use, step);
   // Queued back to back as `dflash train` runs its steps (no drain between them).
   auto times = obs::time_queued_steps(device, o.warmup, o.iters, step);
   const double ms = obs::median(times) * 1e3;
@@ -227,7 +273,7 @@ void run_bench(const BenchDrafterOptions& o) {
   fmt::print("{:>16} {:>12.2f} {:>12.0f}\n", "  of it drafter", online_drafter_ms,
              seq / (online_drafter_ms / 1e3));
   nlohmann::json doc = {{"preset", o.preset},
-                        {"device", o.device},
+                        {"device", device.str()},
                         {"seq_len", seq},
                         {"anchors", sampled.size()},
                         {"block_size", o.block_size},
@@ -254,32 +300,8 @@ void run_bench(const BenchDrafterOptions& o) {
                         {"prefill_gemms", o.prefill_gemms},
                         {"alternating", alternating}};
   if (!o.profile.empty()) {
-    constexpr int kProfiledSteps = 2;
-    auto p = obs::profile_device(
-        [&] {
-          for (int i = 0; i < kProfiledSteps; ++i) step();
-          obs::synchronize(device);
-        },
-        kProfiledSteps, o.profile);
-    fmt::print("profile of the drafter step (trace: {}):\n{}", o.profile,
-               obs::format_profile(p, 30));
-    doc["profile"] = obs::profile_json(p);
-    // The online step (prefill, then the drafter step) under the profiler: its kernels against
-    // the drafter step's alone show whether a slower online step is idle time or slower kernels.
-    const std::string online_trace =
-        std::filesystem::path(o.profile).replace_extension(".online.json").string();
-    auto po = obs::profile_device(
-        [&] {
-          for (int i = 0; i < kProfiledSteps; ++i) {
-            data.set_features(prefill());
-            step();
-          }
-          obs::synchronize(device);
-        },
-        kProfiledSteps, online_trace);
-    fmt::print("profile of the online step (trace: {}):\n{}", online_trace,
-               obs::format_profile(po, 12));
-    doc["online_profile"] = obs::profile_json(po);
+    profile_steps(
+        o.profile, device, step, [&] { data.set_features(prefill()); }, doc);
   }
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
@@ -291,10 +313,8 @@ void add_bench_drafter_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench-drafter",
       "Measure one DFlash drafter training step on a random-weight target's features");
-  cmd->add_option("--preset", o->preset,
-                  "target shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
-      ->capture_default_str();
-  cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
+  add_preset_option(*cmd, o->preset, "target shape");
+  add_device_option(*cmd, o->device);
   cmd->add_option("--seq-len", o->seq_len, "tokens in the sequence (default 2048; tiny 256)")
       ->check(kAtLeastOne.validator());
   cmd->add_option("--anchors", o->anchors, "blocks per sequence (default 512; tiny 32)")
@@ -309,28 +329,27 @@ void add_bench_drafter_command(CLI::App& app) {
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
   cmd->add_option("--attention", o->attention,
-                  "auto, dense, gathered, gathered-cudnn-shared (the shared context's "
-                  "attention backward through cuDNN), gathered-cudnn-shared-fwd (its forward "
-                  "too) or gathered-cudnn (the tails' backward too); a comma-separated list "
-                  "alternates them first (3 rounds of --iters steps each), then runs the rest "
-                  "with the first")
+                  enum_choices(models::kDrafterAttentionNames, true) +
+                      "; a comma-separated list alternates them first (3 rounds of --iters "
+                      "steps each), then runs the rest with the first")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option(
          "--head-grad", o->head_grad,
-         "the LM head's input-gradient GEMM: auto, compute or fp8 (e4m3, Hopper or newer); a "
-         "comma-separated list alternates as --attention does (every pair of the two)")
+         "the LM head's input-gradient GEMM: " + enum_choices(train::kHeadGradNames, true) +
+             "; a comma-separated list alternates as --attention does (every pair of the two)")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--drafter-gemms", o->gemms,
-                  "the drafter layers' projections: auto, compute or fp8 (forward and "
-                  "input-gradient GEMMs in e4m3, Hopper or newer); a comma-separated list "
-                  "alternates as --attention does")
+  cmd->add_option(
+         "--drafter-gemms", o->gemms,
+         "the drafter layers' projections: " + enum_choices(train::kDrafterGemmsNames, true) +
+             "; a comma-separated list alternates as --attention does")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--prefill-gemms", o->prefill_gemms,
-                  "the online step's target prefill projections: tuned, aten or fp8 (e4m3, "
-                  "Hopper or newer), as `dflash train --prefill-gemms`")
+                  "the online step's target prefill projections, as `dflash train "
+                  "--prefill-gemms`: " +
+                      enum_choices(models::kPrefillGemmsNames))
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup, "untimed steps first")
       ->capture_default_str()
@@ -340,7 +359,7 @@ void add_bench_drafter_command(CLI::App& app) {
       ->check(kAtLeastOne.validator());
   cmd->add_flag("--fresh-anchors", o->fresh_anchors,
                 "draw new anchors every step, as training does (the gathered keys change size)");
-  cmd->add_option("--json", o->json_out, "also write the results here");
+  add_json_option(*cmd, o->json_out, "the results");
   cmd->add_option("--profile", o->profile,
                   "profile two drafter steps: GPU time per kernel, Chrome trace written here");
   cmd->callback([o] { run_bench(*o); });

@@ -24,7 +24,7 @@ namespace {
 
 struct BenchOptions {
   std::string preset = "qwen3-8b";
-  std::string device = "cuda";
+  std::string device;  // add_device_option
   int64_t seq_len = 2048;
   std::vector<int64_t> batches = {1, 2, 4, 8};
   int warmup = 3;
@@ -37,7 +37,7 @@ struct BenchOptions {
 };
 
 void run_bench(const BenchOptions& o) {
-  at::Device device(o.device);
+  const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-target: --profile needs a CUDA device");
   auto config = models::preset_config(o.preset);
   auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
@@ -52,13 +52,13 @@ void run_bench(const BenchOptions& o) {
       "bench-target: {} ({:.2f} B params, {:.2f} B active per token), {} on {}, seq {}, taps "
       "[{}] (layers 0-{} run, no logits), {} attention, warmup {}, iters {}\n",
       o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
-      c10::toString(dtype), o.device, o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
+      c10::toString(dtype), device.str(), o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
       o.warmup, o.iters);
   if (const auto* g = model.gpt_oss()) {
     fmt::print(
         "gpt-oss: experts hold {:.2f} GiB on {} ({}); per-layer bf16 dequantisation buffers "
         "{:.2f} GiB\n",
-        g->expert_bytes() / double(1 << 30), o.device,
+        g->expert_bytes() / double(1 << 30), device.str(),
         config.gpt_oss.mxfp4 ? "MXFP4 blocks and scales" : "bf16",
         g->dequant_buffer_bytes() / double(1 << 30));
   }
@@ -125,7 +125,7 @@ void run_bench(const BenchOptions& o) {
                        {"uses_lt", t.uses_lt}});
   }
   nlohmann::json doc = {{"preset", o.preset},
-                        {"device", o.device},
+                        {"device", device.str()},
                         {"attention", o.attention},
                         {"fp8_weights_gib", fp8_weights_gib},
                         {"rows", rows},
@@ -181,10 +181,8 @@ void add_bench_target_command(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   auto* cmd =
       app.add_subcommand("bench-target", "Measure target prefill throughput (random weights)");
-  cmd->add_option("--preset", o->preset,
-                  "model shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
-      ->capture_default_str();
-  cmd->add_option("--device", o->device, "cuda, cuda:N or cpu")->capture_default_str();
+  add_preset_option(*cmd, o->preset, "model shape");
+  add_device_option(*cmd, o->device);
   cmd->add_option("--seq-len", o->seq_len, "tokens per sequence")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
@@ -197,17 +195,15 @@ void add_bench_target_command(CLI::App& app) {
   cmd->add_option("--iters", o->iters, "timed steps; the median is reported")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
-  cmd->add_option("--json", o->json_out, "also write the results here");
+  add_json_option(*cmd, o->json_out, "the results");
   cmd->add_option(
          "--attention", o->attention,
          "attention kernel: flash (FlashAttention-2), cudnn (cuDNN's fused attention) or auto "
          "(cudnn where the sequences share one length, as training's prefill runs)")
       ->capture_default_str();
   cmd->add_option("--gemm", o->gemms,
-                  "the projections' GEMMs: aten (at::linear) or tuned (cuBLASLt, the algorithm "
-                  "timed once per shape among those equal to at::linear's bit for bit) or fp8 "
-                  "(e4m3 with a scale per row, Hopper or newer); a list alternates them in each "
-                  "round")
+                  "the projections' GEMMs: " + enum_choices(models::kPrefillGemmsNames, true) +
+                      "; a list alternates them in each round")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--rounds", o->rounds, "rounds over the --gemm list per batch size")
@@ -220,10 +216,8 @@ void add_bench_target_command(CLI::App& app) {
   auto r = std::make_shared<RandomModelOptions>();
   auto* rm =
       app.add_subcommand("random-model", "Write a random-weight target as a HF model directory");
-  rm->add_option("--preset", r->preset,
-                 "model shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
-      ->capture_default_str();
-  rm->add_option("--out", r->out, "output directory")->required();
+  add_preset_option(*rm, r->preset, "model shape");
+  add_out_option(*rm, r->out, "output directory");
   rm->add_option("--seed", r->seed, "weights' seed (the same seed writes the same model)")
       ->capture_default_str();
   rm->add_option("--shard-gib", r->shard_gib, "maximum shard size")

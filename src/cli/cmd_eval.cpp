@@ -8,7 +8,6 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/option_range.h"
-#include "dist/world.h"
 #include "eval/evaluate.h"
 #include "eval/regenerate.h"
 #include "train/checkpoint.h"
@@ -22,8 +21,7 @@ struct EvalCliOptions {
   int64_t limit = 0;
   std::optional<std::string> chat_format;
   data::ChatTemplateChoice chat_template;
-  std::string device = "auto";
-  std::string dtype = "auto";
+  std::string device, dtype;  // add_device_option, add_dtype_option
   bool json = false;
   eval::EvalOptions eval = [] {
     eval::EvalOptions e;
@@ -34,7 +32,7 @@ struct EvalCliOptions {
 };
 
 void run_eval(const EvalCliOptions& o) {
-  const at::Device device = dist::device_for(dist::world_from_env(), o.device);
+  const at::Device device = device_option(o.device);
   const at::ScalarType dtype = models::parse_dtype(o.dtype, device);
   auto tokenizer = tok::Tokenizer::load(o.target);
   const data::ChatConfig chat = eval::chat_config(o.target, o.chat_format, "eval", o.chat_template);
@@ -116,12 +114,9 @@ void add_eval_command(CLI::App& app) {
                   "logit gap under which a divergence is a numerical tie, not a mismatch "
                   "(default: 1e-4 in fp32, 0.25 in bf16)")
       ->check(kNonNegative.validator());
-  cmd->add_option("--device", o->device, "auto (cuda:LOCAL_RANK or cpu), cuda:N or cpu")
-      ->capture_default_str();
-  cmd->add_option("--dtype", o->dtype,
-                  "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32: fp32 makes near-ties in the "
-                  "logits rare, bf16 is the serving setting")
-      ->capture_default_str();
+  add_device_option(*cmd, o->device);
+  add_dtype_option(*cmd, o->dtype,
+                   "fp32 makes near-ties in the logits rare, bf16 is the serving setting");
   cmd->add_flag("!--no-cuda-graph", o->eval.cuda_graph,
                 "run the decode step and the verify pass without CUDA graphs");
   cmd->add_flag("--json", o->json, "print the report as JSON");

@@ -16,8 +16,7 @@ void add_generate_command(CLI::App& app) {
       "one rank per GPU with --nproc-per-node, torchrun or srun)");
   cmd->add_option("--target", o->target, "Hugging Face model directory")->required();
   cmd->add_option("--data", o->data, "chat JSONL (OpenAI messages or ShareGPT)")->required();
-  cmd->add_option("--out", o->out, "output chat JSONL, in input order (what `prepare` reads)")
-      ->required();
+  add_out_option(*cmd, o->out, "output chat JSONL, in input order (what `prepare` reads)");
   cmd->add_option("--max-new-tokens", o->max_new_tokens, "tokens per assistant turn at most")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
@@ -54,10 +53,8 @@ void add_generate_command(CLI::App& app) {
                   "qwen3, llama3 or llama3.1 (force a built-in renderer) or template (default: "
                   "the model's chat template)");
   add_chat_template_options(*cmd, o->chat_template);
-  cmd->add_option("--device", o->device, "auto (cuda:LOCAL_RANK or cpu), cuda:N or cpu")
-      ->capture_default_str();
-  cmd->add_option("--dtype", o->dtype, "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
-      ->capture_default_str();
+  add_device_option(*cmd, o->device);
+  add_dtype_option(*cmd, o->dtype);
   cmd->add_flag("!--no-cuda-graph", o->cuda_graph, "run the decode step without a CUDA graph");
   cmd->add_option("--progress-s", o->progress_seconds,
                   "seconds between progress lines on stderr in a log (0: none; on a terminal the "

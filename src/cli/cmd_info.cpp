@@ -155,9 +155,7 @@ void add_info_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("info", "Describe a Hugging Face model directory");
   cmd->add_option("model_dir", opts->dir, "directory with config.json and *.safetensors")
       ->check(CLI::ExistingDirectory);
-  cmd->add_option(
-      "--preset", opts->preset,
-      fmt::format("describe a named shape instead: {}", fmt::join(models::preset_names(), ", ")));
+  add_preset_option(*cmd, opts->preset, "describe a named shape instead");
   cmd->add_option("--load", opts->load_device,
                   "also load the weights (bf16) onto this device (e.g. cuda, cpu) and time it");
   cmd->callback([opts] { run_info(*opts); });

@@ -119,10 +119,8 @@ void add_prepare_command(CLI::App& app) {
                   "[...]} (ShareGPT) or {\"question\", \"answer\"} (GSM8K)")
       ->required()
       ->expected(1, -1);
-  cmd->add_option("--out", args->out,
-                  "output directory: new, empty, or a prepared dataset (replaced with "
-                  "--overwrite)")
-      ->required();
+  add_out_option(*cmd, args->out,
+                 "output directory: new, empty, or a prepared dataset (replaced with --overwrite)");
   add_chat_template_options(*cmd, args->chat_template);
   cmd->add_option("--chat-format", args->chat_format,
                   "auto (the model's chat template, through a built-in renderer when it is an "

@@ -17,7 +17,7 @@ void add_random_data_command(CLI::App& app) {
   auto out = std::make_shared<std::string>();
   auto* cmd = app.add_subcommand("random-data",
                                  "Write a prepared dataset of random tokens (no tokenizer needed)");
-  cmd->add_option("--out", *out, "output directory")->required();
+  add_out_option(*cmd, *out, "output directory");
   cmd->add_option("--samples", o->samples, "number of samples")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());

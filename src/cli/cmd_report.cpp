@@ -26,7 +26,7 @@ void add_report_command(CLI::App& app) {
       "where a run's CPU and GPU time went (from `dflash train` or `dflash bench --out`), and "
       "what limits it");
   cmd->add_option("run_dir", a->run_dir, "the run directory")->required();
-  cmd->add_option("--json", a->json_out, "also write the analysis as JSON here ('-': stdout)");
+  add_json_option(*cmd, a->json_out, "the analysis ('-': stdout)");
   cmd->add_option("--start", a->start,
                   "which start of the run (the first, then one per --resume) to report "
                   "(default: the newest that trained steps)")

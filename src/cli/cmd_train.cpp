@@ -54,9 +54,7 @@ void add_bench_command(CLI::App& app) {
       "bench",
       "The whole training pipeline on a synthetic workload (random target of a preset, random "
       "tokens, no files): tokens/s per GPU, MFU, host CPU, memory");
-  cmd->add_option("--preset", a->bench.preset,
-                  "target shape: " + fmt::format("{}", fmt::join(models::preset_names(), ", ")))
-      ->capture_default_str();
+  add_preset_option(*cmd, a->bench.preset, "target shape");
   cmd->add_option("--seq-len", a->bench.seq_len, "tokens per sequence")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
@@ -66,7 +64,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--warmup", a->bench.warmup, "steps not timed")
       ->capture_default_str()
       ->check(kNonNegative.validator());
-  cmd->add_option("--json", a->bench.json_out, "write the figures as JSON here");
+  add_json_option(*cmd, a->bench.json_out, "the figures");
   pipeline::add_config_options(*cmd, a->config, a->config_file);
   add_nproc_option(*cmd);
   cmd->callback([a, cmd] {

@@ -1,7 +1,11 @@
 // cli: the `dflash` command line. Each subcommand lives in its own cmd_*.cpp and registers
 // itself here; main.cpp only wires them together.
 #pragma once
+#include <c10/core/Device.h>
+
 #include <CLI/CLI.hpp>
+#include <filesystem>
+#include <string>
 
 #include "common/stop_signal.h"
 
@@ -31,6 +35,20 @@ void add_render_command(CLI::App& app);
 // --chat-template FILE and --chat-template-arg KEY=VALUE (repeatable), for the commands that
 // render chat (prepare, generate, eval, render).
 void add_chat_template_options(CLI::App& cmd, data::ChatTemplateChoice& choice);
+
+// The options several commands share (cli/options.cpp), one help text each and one default
+// convention. --device and --dtype: "auto" (the default) and what dist::device_for and
+// models::parse_dtype accept; device_option() reads --device for this rank.
+void add_device_option(CLI::App& cmd, std::string& device);
+at::Device device_option(const std::string& device);
+void add_dtype_option(CLI::App& cmd, std::string& dtype, const std::string& why = "");
+// --preset NAME of models::preset_names(), `what` it shapes; `preset`'s value is the default.
+void add_preset_option(CLI::App& cmd, std::string& preset, const std::string& what);
+// --json FILE: also write `what` there as JSON.
+void add_json_option(CLI::App& cmd, std::string& path, const std::string& what);
+// --out (required), `what` it is.
+void add_out_option(CLI::App& cmd, std::string& out, const std::string& what);
+void add_out_option(CLI::App& cmd, std::filesystem::path& out, const std::string& what);
 
 // `--nproc-per-node N` in the command's --help. main() takes the option out before parsing
 // and starts N ranks of the command (dist/launch.h); a command without it refuses the option.

@@ -28,5 +28,8 @@ World world_from_env();
 // "auto": cuda:LOCAL_RANK when CUDA is available, else cpu; "cuda": cuda:LOCAL_RANK; anything
 // with an explicit index ("cuda:3") or "cpu" is kept as given.
 at::Device device_for(const World& world, const std::string& requested);
+// What a --device option accepts, for its help.
+inline constexpr const char* kDeviceHelp =
+    "auto (cuda:LOCAL_RANK when there is a GPU, else cpu), cpu, cuda or cuda:N";
 
 }  // namespace dflash::dist

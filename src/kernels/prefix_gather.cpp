@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/upload.h"
 
 namespace dflash::kernels {
 
@@ -66,18 +67,17 @@ PrefixGatherPlan PrefixGatherPlan::build(const std::vector<int64_t>& lengths,
   plan.keys = cu_k.back();
   plan.capacity = gathered_capacity(plan.keys);
   if (plan.capacity > INT32_MAX) fail("prefix gather: more than 2^31 gathered keys");
-  auto to = [&](at::Tensor t) { return device.is_cpu() ? t : t.pin_memory().to(device, true); };
   // The padding rows form one more segment, of block id n, so every index tensor below has the
   // capacity's fixed size.
   std::vector<int64_t> lens_padded = plan.key_lengths;
   lens_padded.push_back(plan.capacity - plan.keys);
-  auto lens = to(at::tensor(lens_padded, at::kLong));
-  plan.cu_keys = to(at::tensor(cu_k, at::kInt));
-  plan.seq_row_start = to(at::tensor(row_start, at::kLong));
-  plan.seq_block_start = to(at::tensor(block_start, at::kLong));
+  auto lens = upload_to(device, at::tensor(lens_padded, at::kLong));
+  plan.cu_keys = upload_to(device, at::tensor(cu_k, at::kInt));
+  plan.seq_row_start = upload_to(device, at::tensor(row_start, at::kLong));
+  plan.seq_block_start = upload_to(device, at::tensor(block_start, at::kLong));
   context_start[n] = static_cast<int32_t>(plan.context_rows);
-  plan.context_start = to(at::tensor(context_start, at::kInt));
-  plan.context_length = to(at::tensor(context_length, at::kInt));
+  plan.context_start = upload_to(device, at::tensor(context_start, at::kInt));
+  plan.context_length = upload_to(device, at::tensor(context_length, at::kInt));
   // The index on the device, no host loop over keys: block id and offset of every key. The
   // padding segment (block n) reads context_start[n] = T and length 0; its rows are zeroed.
   auto block = at::repeat_interleave(at::arange(n + 1, lens.options()), lens, 0, plan.capacity);

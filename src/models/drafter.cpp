@@ -331,16 +331,21 @@ at::Tensor block_positions(const std::vector<int64_t>& anchors, int64_t block_si
 }
 
 DrafterAttention parse_drafter_attention(const std::string& name, const std::string& what) {
-  if (name == "auto") return DrafterAttention::kAuto;
-  if (name == "dense") return DrafterAttention::kDense;
-  if (name == "gathered") return DrafterAttention::kGathered;
-  if (name == "gathered-cudnn-shared") return DrafterAttention::kGatheredCudnnShared;
-  if (name == "gathered-cudnn-shared-fwd") return DrafterAttention::kGatheredCudnnSharedForward;
-  if (name == "gathered-cudnn") return DrafterAttention::kGatheredCudnn;
-  fail(
-      "{}: the drafter's attention must be auto, dense, gathered, gathered-cudnn-shared, "
-      "gathered-cudnn-shared-fwd or gathered-cudnn, got '{}'",
-      what, name);
+  if (auto value = enum_value(kDrafterAttentionNames, name)) return *value;
+  fail("{}: the drafter's attention must be {}, got '{}'", what,
+       enum_choices(kDrafterAttentionNames), name);
+}
+
+DrafterAttention resolve_drafter_attention(DrafterAttention requested, at::Device device,
+                                           at::ScalarType dtype) {
+  if (requested != DrafterAttention::kAuto) return requested;
+  // Over the shared segments cuDNN's backward measured 1.6x flash's and its forward 1.6x
+  // (bench-kernels, H200); its tails' backward was slower than flash's, so they keep it.
+  const bool flash = device.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
+  return !flash ? DrafterAttention::kDense
+         : kernels::cudnn_attention_supported(device)
+             ? DrafterAttention::kGatheredCudnnSharedForward
+             : DrafterAttention::kGathered;
 }
 
 at::Tensor dense_block_mask(int64_t context_len, const std::vector<int64_t>& anchors,
@@ -652,15 +657,7 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
     fail("drafter: target embedding width {} differs from the drafter's {}", head.embedding.size(1),
          config_.layers.hidden_size);
   }
-  if (attention == DrafterAttention::kAuto) {
-    // Over the shared segments cuDNN's backward measured 1.6x flash's and its forward 1.6x
-    // (bench-kernels, H200); its tails' backward was slower than flash's, so they keep it.
-    const bool flash = features.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf);
-    attention = !flash ? DrafterAttention::kDense
-                : kernels::cudnn_attention_supported(features.device())
-                    ? DrafterAttention::kGatheredCudnnSharedForward
-                    : DrafterAttention::kGathered;
-  }
+  attention = resolve_drafter_attention(attention, features.device(), dtype);
   // A weight used twice (k_norm serves the block and the context) is read twice, so that its
   // two gradients reach the fp32 master separately, as two casts did.
   auto weight = [&](size_t i) { return compute_weight(i, dtype); };

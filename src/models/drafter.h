@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/enum_names.h"
+#include "common/mask_token.h"
 #include "kernels/fp8_rows.h"
 #include "kernels/prefix_gather.h"
 #include "models/config.h"
@@ -42,7 +44,7 @@ struct DrafterConfig {
   std::vector<int64_t> target_layer_ids;  // K tapped target decoder layers, in feature order
   int64_t num_target_layers = 0;          // L of the target these ids refer to
   int64_t block_size = 16;
-  int64_t mask_token_id = 151669;
+  int64_t mask_token_id = kQwen3MaskToken;
   // That id's text in the target's tokenizer (the export's mask_token); "" when not known.
   std::string mask_token;
   double gamma = 7.0;  // loss weight decay exp(-(k-1)/gamma); not part of the export
@@ -58,7 +60,7 @@ struct DrafterOptions {
   int64_t num_layers = 5;
   std::vector<int64_t> target_layer_ids;  // empty: default spread with K = num_layers
   int64_t block_size = 16;
-  int64_t mask_token_id = 151669;
+  int64_t mask_token_id = kQwen3MaskToken;
   double gamma = 7.0;
 };
 DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOptions& options);
@@ -125,9 +127,23 @@ enum class DrafterAttention {
   // kGatheredCudnnShared with the shared segments' forward through cuDNN too
   kGatheredCudnnSharedForward,
 };
-// "auto", "dense", "gathered", "gathered-cudnn-shared", "gathered-cudnn" or
-// "gathered-cudnn-shared-fwd"; anything else fails naming `what`.
+inline constexpr EnumName<DrafterAttention> kDrafterAttentionNames[] = {
+    {DrafterAttention::kAuto, "auto",
+     "gathered-cudnn-shared-fwd on CUDA bf16/fp16 where cuDNN runs: Hopper or newer, its probe "
+     "passing; gathered on other GPUs; dense on the CPU"},
+    {DrafterAttention::kDense, "dense"},
+    {DrafterAttention::kGathered, "gathered", "flash's backward throughout"},
+    {DrafterAttention::kGatheredCudnnShared, "gathered-cudnn-shared",
+     "the shared context's attention backward through cuDNN"},
+    {DrafterAttention::kGatheredCudnnSharedForward, "gathered-cudnn-shared-fwd", "its forward too"},
+    {DrafterAttention::kGatheredCudnn, "gathered-cudnn", "the tails' backward too"},
+};
+// A name of kDrafterAttentionNames; anything else fails naming `what`.
 DrafterAttention parse_drafter_attention(const std::string& name, const std::string& what);
+// kAuto made concrete for features on `device` in the compute dtype `dtype` (the others are
+// returned as they are).
+DrafterAttention resolve_drafter_attention(DrafterAttention requested, at::Device device,
+                                           at::ScalarType dtype);
 
 // The block rows Drafter::forward returns.
 enum class BlockRows {

@@ -10,6 +10,7 @@
 #include <numbers>
 
 #include "common/error.h"
+#include "common/upload.h"
 #include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
 #include "kernels/moe_combine.h"
@@ -67,11 +68,8 @@ PackedBatch PackedBatch::from_lengths(const std::vector<int64_t>& lengths, at::D
     for (int64_t p = 0; p < lengths[i]; ++p) pos.push_back(p);
   }
   b.total = cu.back();
-  auto to_device = [&](at::Tensor t) {
-    return device.is_cpu() ? t : t.pin_memory().to(device, true);
-  };
-  b.cu_seqlens = to_device(at::tensor(cu, at::kInt));
-  b.positions = to_device(at::tensor(pos, at::kLong));
+  b.cu_seqlens = upload_to(device, at::tensor(cu, at::kInt));
+  b.positions = upload_to(device, at::tensor(pos, at::kLong));
   return b;
 }
 

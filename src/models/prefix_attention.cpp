@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/upload.h"
 #include "kernels/attention_merge.h"
 #include "kernels/cudnn_attention.h"
 #include "kernels/tail_attention.h"
@@ -68,10 +69,9 @@ PrefixAttentionPlan PrefixAttentionPlan::build(const std::vector<int64_t>& lengt
       std::all_of(group_start.begin(), group_start.end(), [](int64_t s) { return s > 0; });
   plan.tail =
       kernels::PrefixGatherPlan::build(lengths, sequence, anchors, block_size, device, begins);
-  auto to = [&](at::Tensor t) { return device.is_cpu() ? t : t.pin_memory().to(device, true); };
-  plan.cu_group_blocks = to(at::tensor(cu_groups, at::kInt));
+  plan.cu_group_blocks = upload_to(device, at::tensor(cu_groups, at::kInt));
   std::vector<int32_t> shared_length(begins.begin(), begins.end());
-  plan.shared_length = to(at::tensor(shared_length, at::kInt));
+  plan.shared_length = upload_to(device, at::tensor(shared_length, at::kInt));
   if (plan.shared.keys + plan.tail.keys > chunk_keys) {
     const size_t groups = group_keys.size();
     for (size_t g = 0; g < groups;) {

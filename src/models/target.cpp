@@ -349,10 +349,8 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
 }
 
 PrefillGemms parse_prefill_gemms(const std::string& name) {
-  if (name == "aten") return PrefillGemms::kAten;
-  if (name == "tuned") return PrefillGemms::kTuned;
-  if (name == "fp8") return PrefillGemms::kFp8;
-  fail("prefill_gemms must be aten, tuned or fp8, got '{}'", name);
+  if (auto value = enum_value(kPrefillGemmsNames, name)) return *value;
+  fail("prefill_gemms must be {}, got '{}'", enum_choices(kPrefillGemmsNames), name);
 }
 
 int64_t TargetModel::quantize_weights_fp8(int64_t layers) {

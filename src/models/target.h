@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "common/enum_names.h"
 #include "kernels/fp8_rows.h"
 #include "models/config.h"
 #include "models/hybrid_layers.h"
@@ -26,6 +27,8 @@ at::Generator seeded_generator(at::Device device, uint64_t seed);
 
 // The compute dtype a --dtype option names: auto (bf16 on CUDA, fp32 elsewhere), bf16 or fp32.
 at::ScalarType parse_dtype(const std::string& name, at::Device device);
+// What a --dtype option accepts, for its help.
+inline constexpr const char* kDtypeHelp = "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32";
 
 struct TargetLayerWeights {
   // With norm_plus_one these (and q_norm, k_norm, the final norm) hold 1 + w.
@@ -66,7 +69,19 @@ enum class Logits { kNone, kLast, kAll };
 // quantize_weights_fp8 first. On the CPU (and in fp32) kFp8 takes the dequantizing reference,
 // the same arithmetic. Other passes always take ATen.
 enum class PrefillGemms { kAten, kTuned, kFp8 };
-PrefillGemms parse_prefill_gemms(const std::string& name);  // aten, tuned, fp8
+inline constexpr EnumName<PrefillGemms> kPrefillGemmsNames[] = {
+    {PrefillGemms::kAten, "aten", "at::linear"},
+    {PrefillGemms::kTuned, "tuned",
+     "cuBLASLt, the algorithm timed once per shape among those giving at::linear's bits"},
+    {PrefillGemms::kFp8, "fp8",
+     "e4m3 GEMMs with a scale per row on Hopper, about twice the bf16 rate; the features carry "
+     "e4m3's rounding, and the tapped layers' weights are held in e4m3 too, ~0.19 GB a layer of "
+     "Qwen3-8B; evaluation keeps the bf16 target"},
+};
+PrefillGemms parse_prefill_gemms(const std::string& name);  // a name of kPrefillGemmsNames
+inline const char* prefill_gemms_name(PrefillGemms gemms) {
+  return enum_name(kPrefillGemmsNames, gemms);
+}
 
 struct ForwardRequest {
   std::vector<int64_t> tap_layers;  // decoder layer ids whose output to return

@@ -36,6 +36,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   if (!c.eval_prompts.empty()) fail("bench: --eval-prompts is an option of `dflash train`");
   Job job;
   job.config = c;
+  job.requested = parse_choices(c);
   job.rank = join(c);
   Rank& r = job.rank;
   job.target_config = models::preset_config(bench.preset);
@@ -60,6 +61,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
     job.drafter.emplace(make_drafter(job, false));
     broadcast_drafter(job);
   }
+  resolve(job, {});
   // FLOPs of one global step: the target's prefill and the drafter's step for every sequence.
   const auto dc = drafter_config(c, tc, false);
   GlobalStream probe(samples, stream_options_of(c), dc);
@@ -82,7 +84,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   // with the final flush. On a GPU that is when each step finishes; where the device runs
   // eagerly (the CPU) step k's arrive after step k + 1 has run, and the last step's right after
   // them: every interval but the last is one step, so the last is not counted.
-  run_rank(job, {}, {}, [&](const train::StepLog& l) {
+  run_rank(job, {}, [&](const train::StepLog& l) {
     const auto now = Clock::now();
     if (l.step == bench.warmup) {
       cpu_at_warmup = cpu_seconds();

@@ -8,13 +8,9 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/mask_token.h"
 
 namespace dflash::pipeline {
-namespace {
-
-constexpr int64_t kQwen3MaskToken = 151669;
-
-}  // namespace
 
 Rank join(const RunConfig& c) {
   Rank r;
@@ -94,6 +90,45 @@ void broadcast_drafter(Job& job) {
   auto params = job.drafter->parameters();
   c10::NoGradGuard no_grad;
   job.rank.data_parallel().broadcast(params, 0, "drafter_init_broadcast");
+}
+
+Choices parse_choices(const RunConfig& c) {
+  Choices p;
+  p.attention = models::parse_drafter_attention(c.drafter_attention, "drafter_attention");
+  p.head_grad = train::parse_head_grad(c.head_grad, "head_grad");
+  p.drafter_gemms = train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms");
+  p.prefill_gemms = models::parse_prefill_gemms(c.prefill_gemms);
+  return p;
+}
+
+void resolve(Job& job, const std::filesystem::path& run_dir) {
+  const RunConfig& c = job.config;
+  const Rank& r = job.rank;
+  job.choices = job.requested;
+  if (!r.trains()) return;
+  Choices& d = job.choices;
+  d.attention = models::resolve_drafter_attention(d.attention, r.device, r.dtype);
+  d.head_grad = train::resolve_head_grad(d.head_grad, job.head.lm_head, r.dtype);
+  d.drafter_gemms =
+      train::resolve_drafter_gemms(d.drafter_gemms, job.drafter->config(), r.device, r.dtype);
+  train::TrainerOptions& to = job.trainer;
+  to.lr = c.lr;
+  to.min_lr = c.min_lr;
+  to.warmup_ratio = c.warmup_ratio;
+  to.total_steps = job.steps;
+  to.adamw.weight_decay = c.weight_decay;
+  to.clip_norm = c.clip_norm;
+  to.accumulation = c.accumulation;
+  to.seed = static_cast<uint64_t>(c.seed);
+  to.step.dtype = r.dtype;
+  to.step.attention = d.attention;
+  to.step.head_grad = d.head_grad;
+  to.step.drafter_gemms = d.drafter_gemms;
+  to.checkpoint_dir = run_dir;
+  to.write_checkpoints = r.leads();
+  to.checkpoint_every = c.checkpoint_every;
+  to.keep_last = c.keep_last;
+  to.allreduce_bucket_bytes = static_cast<int64_t>(c.allreduce_bucket_mb * (1 << 20));
 }
 
 StreamOptions stream_options_of(const RunConfig& c) {

@@ -3,6 +3,7 @@
 // that does not run it), the drafter, the sample source and the step count.
 #pragma once
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,6 +18,7 @@
 #include "pipeline/run_config.h"
 #include "pipeline/samples.h"
 #include "pipeline/stream.h"
+#include "train/trainer.h"
 
 namespace dflash::pipeline {
 
@@ -36,10 +38,26 @@ struct Rank {
 // Joins the job the launcher's environment describes, with the topology `c` asks for.
 Rank join(const RunConfig& c);
 
+// RunConfig's choices of kernels as typed values.
+struct Choices {
+  models::DrafterAttention attention = models::DrafterAttention::kAuto;
+  train::HeadGrad head_grad = train::HeadGrad::kAuto;
+  train::DrafterGemms drafter_gemms = train::DrafterGemms::kAuto;
+  models::PrefillGemms prefill_gemms = models::PrefillGemms::kTuned;
+};
+
+// The choices `c` names, "auto" kept; a bad name fails naming its key, before anything loads.
+Choices parse_choices(const RunConfig& c);
+
 // Everything a rank holds for the job.
 struct Job {
   Rank rank;
   RunConfig config;
+  Choices requested;  // parse_choices(config)
+  // resolve(): `requested` with every "auto" decided for this rank's device, dtype, head and
+  // drafter (the one place they are decided), and the trainer's options from both.
+  Choices choices;
+  train::TrainerOptions trainer;
   models::ModelConfig target_config;
   std::optional<models::TargetModel> target;  // ranks that run the target
   models::TargetHead head;                    // trainer ranks
@@ -62,6 +80,11 @@ models::Drafter make_drafter(const Job& job, bool resuming);
 
 // Trainer ranks start from rank 0's weights, whatever each initialised.
 void broadcast_drafter(Job& job);
+
+// Once the target (or its head), the drafter and the step count are in place: job.choices and
+// job.trainer (checkpoints in `run_dir`, none when empty). Trainer ranks only: a target rank
+// keeps `requested` (its prefill GEMMs have no "auto").
+void resolve(Job& job, const std::filesystem::path& run_dir);
 
 StreamOptions stream_options_of(const RunConfig& c);
 

@@ -22,7 +22,7 @@ namespace fs = std::filesystem;
 // --prefill-gemms fp8: the projections of the layers the features need, in e4m3, once before
 // the first prefill.
 void quantize_target_for_features(Job& job, const std::vector<int64_t>& taps) {
-  if (models::parse_prefill_gemms(job.config.prefill_gemms) != models::PrefillGemms::kFp8) return;
+  if (job.choices.prefill_gemms != models::PrefillGemms::kFp8) return;
   const auto t0 = Clock::now();
   const int64_t layers = models::layers_for_taps(taps);
   const int64_t bytes = job.target->quantize_weights_fp8(layers);
@@ -40,8 +40,8 @@ void quantize_target_for_features(Job& job, const std::vector<int64_t>& taps) {
 
 }  // namespace
 
-int64_t run_rank(Job& job, const fs::path& resume_from, const fs::path& run_dir,
-                 const StepCallback& on_step, const EvalCallback& on_eval) {
+int64_t run_rank(Job& job, const fs::path& resume_from, const StepCallback& on_step,
+                 const EvalCallback& on_eval) {
   const RunConfig& c = job.config;
   Rank& r = job.rank;
   const Topology topo = r.topology;
@@ -67,10 +67,9 @@ int64_t run_rank(Job& job, const fs::path& resume_from, const fs::path& run_dir,
           return stream.form(w.position, w.trainer, topo.trainers, pin);
         },
         static_cast<size_t>(c.prefetch), timeout);
-    serve_features(*r.comm, topo, *job.target, dc.target_layer_ids,
-                   models::parse_prefill_gemms(c.prefill_gemms), batches, start_position,
-                   job.steps * c.accumulation, c.accumulation, static_cast<size_t>(c.prefetch),
-                   [] { return stop_signal() != 0; });
+    serve_features(*r.comm, topo, *job.target, dc.target_layer_ids, job.choices.prefill_gemms,
+                   batches, start_position, job.steps * c.accumulation, c.accumulation,
+                   static_cast<size_t>(c.prefetch), [] { return stop_signal() != 0; });
     final_snapshot(r.device, job.steps);
     return job.steps;
   }
@@ -85,37 +84,19 @@ int64_t run_rank(Job& job, const fs::path& resume_from, const fs::path& run_dir,
         *r.comm, topo, trainer, dc.num_taps() * dc.layers.hidden_size, r.dtype, r.device, batches);
   } else {
     source = std::make_unique<ColocatedSource>(*job.target, dc.target_layer_ids, batches,
-                                               c.overlap_target,
-                                               models::parse_prefill_gemms(c.prefill_gemms));
+                                               c.overlap_target, job.choices.prefill_gemms);
   }
-  train::TrainerOptions to;
-  to.lr = c.lr;
-  to.min_lr = c.min_lr;
-  to.warmup_ratio = c.warmup_ratio;
-  to.total_steps = job.steps;
-  to.adamw.weight_decay = c.weight_decay;
-  to.clip_norm = c.clip_norm;
-  to.accumulation = c.accumulation;
-  to.seed = static_cast<uint64_t>(c.seed);
-  to.step.dtype = r.dtype;
-  to.step.attention = models::parse_drafter_attention(c.drafter_attention, "drafter_attention");
-  to.step.head_grad = train::parse_head_grad(c.head_grad, "head_grad");
-  to.step.drafter_gemms = train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms");
-  to.checkpoint_dir = run_dir;
-  to.write_checkpoints = r.leads();
-  to.checkpoint_every = c.checkpoint_every;
-  to.keep_last = c.keep_last;
-  to.allreduce_bucket_bytes = static_cast<int64_t>(c.allreduce_bucket_mb * (1 << 20));
-  train::Trainer loop(*job.drafter, job.head, to, *source, &r.data_parallel());
-  if (r.leads() && loop.head_grad() != to.step.head_grad) {
+  train::Trainer loop(*job.drafter, job.head, job.trainer, *source, &r.data_parallel());
+  if (r.leads() && job.choices.head_grad != job.requested.head_grad) {
     fmt::print("train: LM-head input gradient: {} (--head-grad {})\n",
-               train::head_grad_name(loop.head_grad()), c.head_grad);
+               train::head_grad_name(job.choices.head_grad),
+               train::head_grad_name(job.requested.head_grad));
   }
-  if (r.leads() && loop.drafter_gemms() == train::DrafterGemms::kFp8) {
+  if (r.leads() && job.choices.drafter_gemms == train::DrafterGemms::kFp8) {
     fmt::print(
         "train: drafter layer GEMMs: fp8 (forward and input gradients in e4m3, weight "
         "gradients in {}; --drafter-gemms {})\n",
-        c10::toString(r.dtype), c.drafter_gemms);
+        c10::toString(r.dtype), train::drafter_gemms_name(job.requested.drafter_gemms));
   }
   if (!resume_from.empty()) {
     loop.load_checkpoint(resume_from);

@@ -13,11 +13,11 @@ namespace dflash::pipeline {
 
 using StepCallback = std::function<void(const train::StepLog&)>;
 
-// `resume_from` (a step directory): trainer ranks continue from it, target ranks from the data
-// position rank 0 broadcasts. `on_step` sees each step's log as it arrives (one step late),
-// `on_eval` each evaluation during training. Returns the steps done.
-int64_t run_rank(Job& job, const std::filesystem::path& resume_from,
-                 const std::filesystem::path& run_dir, const StepCallback& on_step,
+// `job` resolved (pipeline::resolve). `resume_from` (a step directory): trainer ranks continue
+// from it, target ranks from the data position rank 0 broadcasts. `on_step` sees each step's log
+// as it arrives (one step late), `on_eval` each evaluation during training. Returns the steps
+// done.
+int64_t run_rank(Job& job, const std::filesystem::path& resume_from, const StepCallback& on_step,
                  const EvalCallback& on_eval = {});
 
 }  // namespace dflash::pipeline

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <string>
+#include <utility>
 
 #include "common/clock.h"
 #include "common/error.h"
@@ -28,17 +30,16 @@ namespace dflash::pipeline {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-void run_training(const RunConfig& c) {
-  if (c.target.empty() || c.data.empty() || c.out.empty()) {
-    fail("train: --target, --data and --out are required (on the command line or in --config)");
-  }
-  models::parse_prefill_gemms(c.prefill_gemms);  // a bad name fails before anything loads
-  Job job;
-  job.config = c;
-  job.rank = join(c);
-  Rank& r = job.rank;
-  check_eval_options(c, r.topology);
-  const fs::path run_dir = c.out;
+namespace {
+
+// Where the run starts: whether it resumes, and rank 0's verified checkpoint to resume from (the
+// others learn its step once rank 0's checks have passed, agree_on_run_start).
+struct Resume {
+  bool resuming = false;
+  train::ResumePoint point;
+};
+
+Resume find_resume(const RunConfig& c, const Rank& r, const fs::path& run_dir) {
   const bool existing = !train::list_checkpoints(run_dir).empty();
   if (existing && !c.resume) {
     fail(
@@ -49,20 +50,117 @@ void run_training(const RunConfig& c) {
   if (c.resume && !existing && r.leads()) {
     fmt::print("train: --resume: no checkpoint in {} yet, starting a new run\n", run_dir.string());
   }
-  const bool resuming = c.resume && existing;
-  // Rank 0 picks the newest checkpoint that verifies (reading only); the others learn its step
-  // once rank 0's checks have passed (agree_on_run_start).
-  train::ResumePoint point;
-  if (resuming && r.leads()) point = train::find_resume_point(run_dir);
-  const auto t0 = Clock::now();
-  const bool runs_target = !r.trains() || !r.topology.disaggregated();
+  Resume resume;
+  resume.resuming = c.resume && existing;
+  // Rank 0 picks the newest checkpoint that verifies (reading only).
+  if (resume.resuming && r.leads()) resume.point = train::find_resume_point(run_dir);
+  return resume;
+}
+
+// The target this rank runs, or only its head (a trainer rank of a disaggregated run).
+void load_target(Job& job) {
+  const RunConfig& c = job.config;
+  const Rank& r = job.rank;
   job.target_config = models::load_model_config(fs::path(c.target) / "config.json");
-  if (runs_target) {
+  if (!r.trains() || !r.topology.disaggregated()) {
     job.target.emplace(models::TargetModel::load(c.target, r.device, r.dtype));
     job.head = models::TargetHead::of(*job.target);
   } else {
     job.head = models::load_target_head(c.target, r.device, r.dtype);
   }
+}
+
+// Rank 0: the resume checked against the run directory, then (every check passed) the directory
+// changes (damaged checkpoints set aside, run_config written) and the run is described. Returns
+// the first step; `start_record` gets a --allow-data-change's change.
+int64_t open_run(const Job& job, const fs::path& run_dir, const Resume& resume,
+                 const data::Dataset& dataset, json& start_record) {
+  const RunConfig& c = job.config;
+  json run_config = run_config_json(job, data_fingerprint(dataset));
+  if (resume.resuming) {
+    const json change = check_resume(job, run_dir, resume.point, run_config);
+    if (!change.is_null()) start_record["data_change"] = change;
+  }
+  const auto moved = train::set_aside_damaged(resume.point);
+  for (size_t i = 0; i < moved.size(); ++i) {
+    fmt::print(stderr, "train: WARNING: checkpoint {} is damaged: {}; set aside as {}\n",
+               resume.point.damaged[i].first.string(), resume.point.damaged[i].second,
+               moved[i].filename().string());
+  }
+  write_run_config(run_dir, run_config, c);
+  const int64_t first_step = resume.resuming ? resume.point.step : 0;
+  const auto& d = job.drafter->config();
+  fmt::print(
+      "train: drafter {} layers, taps [{}], block {}, mask token {}, {:.2f} M parameters; "
+      "{} steps of {} x {} sequences ({} micro-batches per epoch), lr {:g}\n",
+      d.layers.num_layers, fmt::join(d.target_layer_ids, ","), d.block_size, d.mask_token_id,
+      static_cast<double>(job.drafter->num_parameters()) / 1e6, job.steps, c.accumulation,
+      c.batch_size, job.batches_per_epoch, c.lr);
+  if (first_step >= job.steps) {
+    fmt::print("train: the run is already at step {} of {}; nothing to train\n", first_step,
+               job.steps);
+  }
+  std::fflush(stdout);  // so that a log file shows these before the progress lines (stderr)
+  return first_step;
+}
+
+// Fault injection for the tests: DFLASH_KILL_AT=RANK:STEP makes that rank kill itself with
+// SIGKILL (no chance to clean up, as a crash or an OOM kill) once step STEP is logged.
+std::pair<int, int64_t> kill_point() {
+  int rank = -1;
+  int64_t step = -1;
+  if (const char* k = std::getenv("DFLASH_KILL_AT")) {
+    if (std::sscanf(k, "%d:%ld", &rank, &step) != 2) {
+      fail("DFLASH_KILL_AT must be RANK:STEP, got \"{}\"", k);
+    }
+  }
+  return {rank, step};
+}
+
+// Rank 0's last lines: the bottleneck, where the checkpoints, metrics and best export are, or how
+// to continue a stopped run.
+void print_outcome(const Job& job, const fs::path& run_dir, int64_t done, const std::string& report,
+                   const RunLog& log) {
+  if (!report.empty()) {
+    const auto line = report.find("bottleneck: ");
+    fmt::print("train: {}", report.substr(line, report.find('\n', line) + 1 - line));
+    fmt::print("  the full report: dflash report {}\n", run_dir.string());
+  }
+  const fs::path newest = train::resolve_checkpoint(run_dir);
+  if (stop_signal() != 0) {
+    fmt::print("train: stopped by {} at step {} of {}; checkpoint {} (exit status {})\n",
+               stop_signal_name(), done, job.steps, newest.string(), stop_exit_code());
+    fmt::print("  continue with the same command plus --resume\n");
+    return;
+  }
+  fmt::print("train: done, {} steps; checkpoints in {} (newest {})\n", done, run_dir.string(),
+             newest.filename().string());
+  fmt::print("  metrics: {}\n", log.metrics_path().string());
+  if (const fs::path best = run_dir / "best.json"; fs::exists(best)) {
+    const auto b = read_json_file(best);
+    fmt::print("  the highest eval tau, {:.3f} at step {}: {}\n", b.value("tau", 0.0),
+               b.value("step", int64_t{0}), (run_dir / "best").string());
+  }
+  fmt::print("  export for SGLang/vLLM: dflash export {} {}/export\n", run_dir.string(),
+             run_dir.string());
+}
+
+}  // namespace
+
+void run_training(const RunConfig& c) {
+  if (c.target.empty() || c.data.empty() || c.out.empty()) {
+    fail("train: --target, --data and --out are required (on the command line or in --config)");
+  }
+  Job job;
+  job.config = c;
+  job.requested = parse_choices(c);  // a bad name fails before anything loads
+  job.rank = join(c);
+  Rank& r = job.rank;
+  check_eval_options(c, r.topology);
+  const fs::path run_dir = c.out;
+  const Resume resume = find_resume(c, r, run_dir);
+  const auto t0 = Clock::now();
+  load_target(job);
   const auto& tc = job.target_config;
   auto dataset = data::Dataset::open(c.data);
   DatasetSamples samples(dataset);
@@ -79,65 +177,32 @@ void run_training(const RunConfig& c) {
     fmt::print("train: data {} ({} samples, {} tokens)\n", c.data, dataset.size(),
                dataset.tokens());
   }
-  const auto dc = drafter_config(c, tc, false);
-  GlobalStream probe(samples, stream_options_of(c), dc);
+  GlobalStream probe(samples, stream_options_of(c), drafter_config(c, tc, false));
   job.batches_per_epoch = probe.batches_per_epoch();
   job.steps = total_steps(c, job.batches_per_epoch);
   if (r.trains()) {
-    job.drafter.emplace(make_drafter(job, resuming));
+    job.drafter.emplace(make_drafter(job, resume.resuming));
     broadcast_drafter(job);
   }
+  resolve(job, run_dir);
   std::optional<RunLog> log;
   json start_record = json::object();
   if (r.leads()) {
-    json run_config = run_config_json(job, data_fingerprint(dataset));
-    if (resuming) {
-      const json change = check_resume(job, run_dir, point, run_config);
-      if (!change.is_null()) start_record["data_change"] = change;
-    }
-    // Every check has passed: from here on the run directory changes.
-    const auto moved = train::set_aside_damaged(point);
-    for (size_t i = 0; i < moved.size(); ++i) {
-      fmt::print(stderr, "train: WARNING: checkpoint {} is damaged: {}; set aside as {}\n",
-                 point.damaged[i].first.string(), point.damaged[i].second,
-                 moved[i].filename().string());
-    }
-    write_run_config(run_dir, run_config, c);
-    const int64_t first_step = resuming ? point.step : 0;
-    const auto& d = job.drafter->config();
-    fmt::print(
-        "train: drafter {} layers, taps [{}], block {}, mask token {}, {:.2f} M parameters; "
-        "{} steps of {} x {} sequences ({} micro-batches per epoch), lr {:g}\n",
-        d.layers.num_layers, fmt::join(d.target_layer_ids, ","), d.block_size, d.mask_token_id,
-        static_cast<double>(job.drafter->num_parameters()) / 1e6, job.steps, c.accumulation,
-        c.batch_size, job.batches_per_epoch, c.lr);
-    if (first_step >= job.steps) {
-      fmt::print("train: the run is already at step {} of {}; nothing to train\n", first_step,
-                 job.steps);
-    }
-    std::fflush(stdout);  // so that a log file shows these before the progress lines (stderr)
+    const int64_t first_step = open_run(job, run_dir, resume, dataset, start_record);
     log.emplace(run_dir, r.device, first_step, job.steps, c.log_seconds);
   }
-  // Fault injection for the tests: DFLASH_KILL_AT=RANK:STEP makes that rank kill itself with
-  // SIGKILL (no chance to clean up, as a crash or an OOM kill) once step STEP is logged.
-  int kill_rank = -1;
-  int64_t kill_step = -1;
-  if (const char* k = std::getenv("DFLASH_KILL_AT")) {
-    if (std::sscanf(k, "%d:%ld", &kill_rank, &kill_step) != 2) {
-      fail("DFLASH_KILL_AT must be RANK:STEP, got \"{}\"", k);
-    }
-  }
+  const auto [kill_rank, kill_step] = kill_point();
   install_stop_signals();
-  const Start start = agree_on_run_start(r, run_dir, resuming ? point.step : -1);
+  const Start start = agree_on_run_start(r, run_dir, resume.resuming ? resume.point.step : -1);
   start_obs(c, r, run_dir, /*warmup_steps=*/1, job.steps, start, start_record);
   prepare_eval(job);
   // Rank 0 resumes from the checkpoint it verified, the others from the one of the same step.
   const fs::path resume_from = start.resume_step < 0 ? fs::path()
                                : r.leads()
-                                   ? point.checkpoint
+                                   ? resume.point.checkpoint
                                    : run_dir / fmt::format("step-{:08d}", start.resume_step);
   const int64_t done = run_rank(
-      job, resume_from, run_dir,
+      job, resume_from,
       [&](const train::StepLog& l) {
         if (log) log->add(l);
         if (r.world.rank == kill_rank && l.step == kill_step) ::raise(SIGKILL);
@@ -148,29 +213,7 @@ void run_training(const RunConfig& c) {
       });
   const std::string report =
       finish_obs(c, r, run_dir, start, done > std::max<int64_t>(start.resume_step, 0));
-  if (!r.leads()) return;
-  if (!report.empty()) {
-    const auto line = report.find("bottleneck: ");
-    fmt::print("train: {}", report.substr(line, report.find('\n', line) + 1 - line));
-    fmt::print("  the full report: dflash report {}\n", run_dir.string());
-  }
-  const fs::path newest = train::resolve_checkpoint(run_dir);
-  if (stop_signal() != 0) {
-    fmt::print("train: stopped by {} at step {} of {}; checkpoint {} (exit status {})\n",
-               stop_signal_name(), done, job.steps, newest.string(), stop_exit_code());
-    fmt::print("  continue with the same command plus --resume\n");
-    return;
-  }
-  fmt::print("train: done, {} steps; checkpoints in {} (newest {})\n", done, run_dir.string(),
-             newest.filename().string());
-  fmt::print("  metrics: {}\n", log->metrics_path().string());
-  if (const fs::path best = run_dir / "best.json"; fs::exists(best)) {
-    const auto b = read_json_file(best);
-    fmt::print("  the highest eval tau, {:.3f} at step {}: {}\n", b.value("tau", 0.0),
-               b.value("step", int64_t{0}), (run_dir / "best").string());
-  }
-  fmt::print("  export for SGLang/vLLM: dflash export {} {}/export\n", run_dir.string(),
-             run_dir.string());
+  if (r.leads()) print_outcome(job, run_dir, done, report, *log);
 }
 
 }  // namespace dflash::pipeline

@@ -1,11 +1,19 @@
 #include "pipeline/run_config.h"
 
+#include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include <CLI/CLI.hpp>
 #include <sstream>
 
+#include "common/enum_names.h"
 #include "common/error.h"
+#include "common/mask_token.h"
+#include "dist/world.h"
+#include "models/drafter.h"
+#include "models/target.h"
+#include "train/loss.h"
+#include "train/step.h"
 
 namespace dflash::pipeline {
 namespace {
@@ -45,29 +53,18 @@ const std::vector<ConfigKey>& config_keys() {
        "tapped target layers (default: DFlash's spread, one per drafter layer)"},
       {"block_size", &RunConfig::block_size, "DFlash block size", at_least(2)},
       {"drafter_attention", &RunConfig::drafter_attention,
-       "the drafter's block attention: auto (gathered-cudnn-shared-fwd on CUDA bf16/fp16 where "
-       "cuDNN runs: Hopper or newer, its probe passing; gathered on other GPUs; dense on the "
-       "CPU), dense, gathered (flash's backward throughout), "
-       "gathered-cudnn-shared (the shared context's attention backward through "
-       "cuDNN), gathered-cudnn-shared-fwd (its forward too) or gathered-cudnn (the tails' "
-       "backward too)"},
+       "the drafter's block attention: " + enum_choices(models::kDrafterAttentionNames, true)},
       {"head_grad", &RunConfig::head_grad,
-       "the LM head's input-gradient GEMM: auto (fp8 where it runs: a GPU of compute "
-       "capability 9.0 or newer, bf16), compute (the compute dtype) or fp8 (e4m3 with a scale "
-       "per row, twice the bf16 GEMM rate; the logits and the loss stay in bf16 and fp32)"},
+       "the LM head's input-gradient GEMM: " + enum_choices(train::kHeadGradNames, true)},
       {"drafter_gemms", &RunConfig::drafter_gemms,
-       "the drafter layers' projections: auto (fp8 where it runs: a GPU of compute capability "
-       "9.0 or newer, bf16, widths that are multiples of 16), compute (the compute dtype) or "
-       "fp8 (their forward and input-gradient GEMMs in e4m3 with a scale per row, the weight "
-       "gradients in the compute dtype)"},
+       "the drafter layers' projections: " + enum_choices(train::kDrafterGemmsNames, true)},
       {"prefill_gemms", &RunConfig::prefill_gemms,
-       "the target prefill's projections on a GPU: tuned (cuBLASLt, the algorithm timed once "
-       "per shape among those giving at::linear's bits), aten (at::linear) or fp8 (e4m3 GEMMs "
-       "with a scale per row on Hopper, about twice the bf16 rate; the features carry e4m3's "
-       "rounding, and the tapped layers' weights are held in e4m3 too, ~0.19 GB a layer of "
-       "Qwen3-8B; evaluation keeps the bf16 target)"},
+       "the target prefill's projections on a GPU: " +
+           enum_choices(models::kPrefillGemmsNames, true)},
       {"mask_token_id", &RunConfig::mask_token_id,
-       "MASK token (default: 151669 if inside the vocabulary, else the last id)", at_least(-1)},
+       fmt::format("MASK token (default: {} if inside the vocabulary, else the last id)",
+                   kQwen3MaskToken),
+       at_least(-1)},
       {"init_from", &RunConfig::init_from,
        "initialise from a drafter export directory (its config defines the drafter)"},
       {"init_from_target_layers", &RunConfig::init_from_target_layers,
@@ -113,9 +110,8 @@ const std::vector<ConfigKey>& config_keys() {
        "evaluation prompts decoded together on each rank", kAtLeastOne},
       {"eval_enable_thinking", &RunConfig::eval_enable_thinking,
        "Qwen3: evaluation prompts open a think block (default: the empty think block)"},
-      {"device", &RunConfig::device,
-       "auto (cuda:LOCAL_RANK when there is a GPU, else cpu), cpu, cuda or cuda:N"},
-      {"dtype", &RunConfig::dtype, "compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp32"},
+      {"device", &RunConfig::device, dist::kDeviceHelp},
+      {"dtype", &RunConfig::dtype, std::string("compute dtype: ") + models::kDtypeHelp},
       {"topology", &RunConfig::topology,
        "colocated (every rank runs target and drafter) or disaggregated (target ranks feed "
        "trainer ranks)"},

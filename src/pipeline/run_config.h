@@ -30,8 +30,8 @@ struct RunConfig {
   std::string head_grad = "auto";          // train::parse_head_grad's names
   std::string drafter_gemms = "auto";      // train::parse_drafter_gemms's names
   std::string prefill_gemms = "tuned";     // models::parse_prefill_gemms's names
-  int64_t mask_token_id = -1;              // -1: 151669 if inside the vocabulary, else the last id
-  std::string init_from;                   // a drafter export directory
+  int64_t mask_token_id = -1;  // -1: kQwen3MaskToken if in the vocabulary, else the last
+  std::string init_from;       // a drafter export directory
   std::vector<int64_t> init_from_target_layers;
   // Data and schedule (a resumed run must keep these).
   int64_t steps = 0;  // 0: `epochs` worth
@@ -82,7 +82,7 @@ using ConfigField =
 struct ConfigKey {
   const char* name;
   ConfigField field;
-  const char* help;
+  std::string help;
   OptionRange range = {};
 };
 const std::vector<ConfigKey>& config_keys();

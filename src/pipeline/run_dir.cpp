@@ -72,13 +72,9 @@ json run_config_json(const Job& job, const json& fingerprint) {
           {"trainer_ranks", job.rank.topology.trainers},
           {"device", job.rank.device.str()},
           {"dtype", c10::toString(job.rank.dtype)},
-          {"head_grad", train::head_grad_name(train::resolve_head_grad(
-                            train::parse_head_grad(c.head_grad, "head_grad"), job.head.lm_head,
-                            job.rank.dtype))},
-          {"drafter_gemms", train::drafter_gemms_name(train::resolve_drafter_gemms(
-                                train::parse_drafter_gemms(c.drafter_gemms, "drafter_gemms"),
-                                job.drafter->config(), job.rank.device, job.rank.dtype))},
-          {"prefill_gemms", c.prefill_gemms},
+          {"head_grad", train::head_grad_name(job.choices.head_grad)},
+          {"drafter_gemms", train::drafter_gemms_name(job.choices.drafter_gemms)},
+          {"prefill_gemms", models::prefill_gemms_name(job.choices.prefill_gemms)},
           {"dflash_version", DFLASH_VERSION}};
 }
 

@@ -5,6 +5,7 @@
 
 #include "common/error.h"
 #include "common/random.h"
+#include "common/upload.h"
 
 namespace dflash::train {
 
@@ -94,13 +95,12 @@ BlockTargets build_blocks(const std::vector<std::vector<int64_t>>& tokens,
       }
     }
   }
-  auto to = [&](at::Tensor x) { return device.is_cpu() ? x : x.pin_memory().to(device, true); };
-  t.layout.anchor_ids = to(at::tensor(anchor_ids, at::kLong));
-  t.layout.positions = to(models::block_positions(t.layout.anchor, bs));
-  t.label_rows = to(at::tensor(rows, at::kLong));
-  t.labels = to(at::tensor(labels, at::kLong));
-  t.label_k = to(at::tensor(ks, at::kLong));
-  t.weights = to(at::tensor(weights, at::kFloat));
+  t.layout.anchor_ids = upload_to(device, at::tensor(anchor_ids, at::kLong));
+  t.layout.positions = upload_to(device, models::block_positions(t.layout.anchor, bs));
+  t.label_rows = upload_to(device, at::tensor(rows, at::kLong));
+  t.labels = upload_to(device, at::tensor(labels, at::kLong));
+  t.label_k = upload_to(device, at::tensor(ks, at::kLong));
+  t.weights = upload_to(device, at::tensor(weights, at::kFloat));
   t.num_labels = static_cast<int64_t>(rows.size());
   return t;
 }

@@ -9,35 +9,28 @@
 namespace dflash::train {
 
 HeadGrad parse_head_grad(const std::string& name, const std::string& what) {
-  if (name == "auto") return HeadGrad::kAuto;
-  if (name == "compute") return HeadGrad::kCompute;
-  if (name == "fp8") return HeadGrad::kFp8;
-  fail("{}: unknown LM-head gradient precision '{}' (expected auto, compute or fp8)", what, name);
+  if (auto value = enum_value(kHeadGradNames, name)) return *value;
+  fail("{}: unknown LM-head gradient precision '{}' (expected {})", what, name,
+       enum_choices(kHeadGradNames));
 }
 
-const char* head_grad_name(HeadGrad head_grad) {
-  switch (head_grad) {
-    case HeadGrad::kAuto:
-      return "auto";
-    case HeadGrad::kCompute:
-      return "compute";
-    case HeadGrad::kFp8:
-      return "fp8";
-  }
-  return "?";
-}
-
-HeadGrad resolve_head_grad(HeadGrad requested, const at::Tensor& head, at::ScalarType dtype) {
+HeadGrad resolve_head_grad(HeadGrad requested, at::Device device, int64_t vocab, int64_t hidden,
+                           at::ScalarType dtype) {
   if (requested == HeadGrad::kCompute) return requested;
-  const at::Device device = head.device();
   if (!device.is_cuda()) return requested == HeadGrad::kAuto ? HeadGrad::kCompute : requested;
   std::string why = kernels::fp8_gemm_unsupported(device, dtype);
-  if (why.empty() && (head.size(0) % 16 != 0 || head.size(1) % 16 != 0)) {
-    why = fmt::format("the head {} is not a multiple of 16 in both dimensions", head.sizes());
+  if (why.empty() && (vocab % 16 != 0 || hidden % 16 != 0)) {
+    why =
+        fmt::format("the head [{}, {}] is not a multiple of 16 in both dimensions", vocab, hidden);
   }
   if (why.empty()) return HeadGrad::kFp8;
   if (requested == HeadGrad::kAuto) return HeadGrad::kCompute;
   fail("the fp8 LM-head gradient cannot run: {}; use --head-grad compute", why);
+}
+
+HeadGrad resolve_head_grad(HeadGrad requested, const at::Tensor& head, at::ScalarType dtype) {
+  if (head.dim() != 2) fail("LM head: expected [vocab, hidden], got {}", head.sizes());
+  return resolve_head_grad(requested, head.device(), head.size(0), head.size(1), dtype);
 }
 
 kernels::Fp8Rows head_grad_fp8(const at::Tensor& lm_head) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/enum_names.h"
 #include "kernels/fp8_rows.h"
 
 namespace dflash::train {
@@ -28,11 +29,23 @@ struct HeadLoss {
 // the compute dtype and fp32 either way: e4m3 logits would perturb the softmax itself.
 // kAuto is fp8 where the FP8 GEMM runs (resolve_head_grad), else the compute dtype.
 enum class HeadGrad { kAuto, kCompute, kFp8 };
+inline constexpr EnumName<HeadGrad> kHeadGradNames[] = {
+    {HeadGrad::kAuto, "auto", "fp8 where it runs: a GPU of compute capability 9.0 or newer, bf16"},
+    {HeadGrad::kCompute, "compute", "the compute dtype"},
+    {HeadGrad::kFp8, "fp8",
+     "e4m3 with a scale per row, twice the bf16 GEMM rate; the logits and the loss stay in bf16 "
+     "and fp32"},
+};
 HeadGrad parse_head_grad(const std::string& name, const std::string& what);
-const char* head_grad_name(HeadGrad head_grad);
-// kAuto made concrete for a head on `head.device()` and a compute dtype: fp8 on a GPU of
-// compute capability 9.0 or newer in bf16 with both head dimensions multiples of 16, else
+inline const char* head_grad_name(HeadGrad head_grad) {
+  return enum_name(kHeadGradNames, head_grad);
+}
+// kAuto made concrete for a head [vocab, hidden] on `device` and a compute dtype: fp8 on a GPU
+// of compute capability 9.0 or newer in bf16 with both head dimensions multiples of 16, else
 // kCompute. An explicit kFp8 where the GEMM cannot run on that GPU is an error naming why.
+HeadGrad resolve_head_grad(HeadGrad requested, at::Device device, int64_t vocab, int64_t hidden,
+                           at::ScalarType dtype);
+// The same for the head tensor `head`.
 HeadGrad resolve_head_grad(HeadGrad requested, const at::Tensor& head, at::ScalarType dtype);
 
 // The frozen head [V, H] transposed to [H, V] and quantized to e4m3, one scale per hidden unit

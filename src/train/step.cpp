@@ -127,22 +127,8 @@ double label_weight_sum(std::span<const SampleView> samples, int64_t epoch, int6
 }
 
 DrafterGemms parse_drafter_gemms(const std::string& name, const std::string& what) {
-  if (name == "auto") return DrafterGemms::kAuto;
-  if (name == "compute") return DrafterGemms::kCompute;
-  if (name == "fp8") return DrafterGemms::kFp8;
-  fail("{} must be auto, compute or fp8, got \"{}\"", what, name);
-}
-
-const char* drafter_gemms_name(DrafterGemms gemms) {
-  switch (gemms) {
-    case DrafterGemms::kAuto:
-      return "auto";
-    case DrafterGemms::kCompute:
-      return "compute";
-    case DrafterGemms::kFp8:
-      return "fp8";
-  }
-  return "?";
+  if (auto value = enum_value(kDrafterGemmsNames, name)) return *value;
+  fail("{} must be {}, got \"{}\"", what, enum_choices(kDrafterGemmsNames), name);
 }
 
 DrafterGemms resolve_drafter_gemms(DrafterGemms requested, const models::DrafterConfig& config,

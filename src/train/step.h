@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "common/enum_names.h"
 #include "models/drafter.h"
 #include "train/blocks.h"
 #include "train/loss.h"
@@ -73,6 +74,15 @@ double label_weight_sum(std::span<const SampleView> samples, int64_t epoch, int6
 // compute dtype (11% off the drafter step at the paper's shape on an H200; tau level with compute
 // on GSM8K over two seeds); kAuto is fp8 where it runs on a GPU, compute on the CPU.
 enum class DrafterGemms { kAuto, kCompute, kFp8 };
+inline constexpr EnumName<DrafterGemms> kDrafterGemmsNames[] = {
+    {DrafterGemms::kAuto, "auto",
+     "fp8 where it runs: a GPU of compute capability 9.0 or newer, bf16, widths that are "
+     "multiples of 16"},
+    {DrafterGemms::kCompute, "compute", "the compute dtype"},
+    {DrafterGemms::kFp8, "fp8",
+     "their forward and input-gradient GEMMs in e4m3 with a scale per row, the weight gradients "
+     "in the compute dtype"},
+};
 
 struct StepOptions {
   at::ScalarType dtype = at::kFloat;  // compute dtype (bf16 on GPU)
@@ -85,7 +95,9 @@ struct StepOptions {
 };
 
 DrafterGemms parse_drafter_gemms(const std::string& name, const std::string& what);
-const char* drafter_gemms_name(DrafterGemms gemms);
+inline const char* drafter_gemms_name(DrafterGemms gemms) {
+  return enum_name(kDrafterGemmsNames, gemms);
+}
 // kAuto resolved, kFp8 checked, for `config`'s layers on `device` in `dtype`: the FP8 GEMMs need
 // kernels::fp8_gemm_unsupported's GPU and dtype, and widths that are multiples of 16 (the GEMM
 // reduces over them). kAuto becomes kFp8 where they run, else kCompute; kFp8 where they cannot

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from cli_util import run, run_case
+from cli_util import random_data, random_model, run, run_case, vocab_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -56,18 +56,13 @@ class Setup:
     @property
     def target(self):
         if self._target is None:
-            self._target = self.work / "target"
-            run([self.dflash, "random-model", "--preset", "tiny", "--out", self._target,
-                 "--seed", "1"])
+            self._target = random_model(self.dflash, self.work / "target")
         return self._target
 
     @property
     def data(self):
         if self._data is None:
-            vocab = json.loads((self.target / "config.json").read_text())["vocab_size"]
-            self._data = self.work / "data"
-            run([self.dflash, "random-data", "--out", self._data, "--samples", "8", "--length",
-                 "40", "--prompt", "4", "--vocab", vocab])
+            self._data = random_data(self.dflash, self.work / "data", vocab_of(self.target))
         return self._data
 
     def train_cmd(self, out, *extra):

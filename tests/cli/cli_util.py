@@ -40,3 +40,34 @@ def write_chats(path, count=8):
                           {"role": "assistant", "content": f"It is {2 * i}. " * 6}]}
             for i in range(count)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def random_model(dflash, out, preset="tiny", seed=1):
+    """`dflash random-model`: a random target of `preset` with its tokenizer at out."""
+    run([dflash, "random-model", "--preset", preset, "--out", out, "--seed", seed])
+    return out
+
+
+def vocab_of(target):
+    """The vocabulary size of the model directory `target`."""
+    return json.loads((pathlib.Path(target) / "config.json").read_text())["vocab_size"]
+
+
+def random_data(dflash, out, vocab, samples=8, length=40, prompt=4, jitter=None, seed=None):
+    """`dflash random-data`: a prepared dataset at out of `samples` random sequences of `length`
+    (+- jitter) tokens below `vocab`, the first `prompt` of each unsupervised."""
+    cmd = [dflash, "random-data", "--out", out, "--samples", samples, "--length", length,
+           "--prompt", prompt, "--vocab", vocab]
+    if jitter is not None:
+        cmd += ["--length-jitter", jitter]
+    if seed is not None:
+        cmd += ["--seed", seed]
+    run(cmd)
+    return out
+
+
+def random_inputs(dflash, work, seed=1, **data):
+    """The CLI tests' preamble: a tiny random target at work/target and random data of its
+    vocabulary at work/data (random_data's options in `data`); returns both paths."""
+    target = random_model(dflash, work / "target", seed=seed)
+    return target, random_data(dflash, work / "data", vocab_of(target), **data)

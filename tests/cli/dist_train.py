@@ -27,7 +27,7 @@ import tempfile
 import numpy as np
 from safetensors.numpy import load_file
 
-from cli_util import run
+from cli_util import random_data, random_model, run
 
 STEPS, EVERY = 6, 3
 REL = 2e-4
@@ -75,10 +75,9 @@ def same_state(a, b, what):
 
 def random_inputs(dflash, tmp, length, jitter):
     """A tiny random target and 40 random samples of length +- jitter tokens, under tmp."""
-    target, data = tmp / "target", tmp / "data"
-    run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "1"])
-    run([dflash, "random-data", "--out", data, "--samples", "40", "--length", length,
-         "--length-jitter", jitter, "--prompt", "6", "--vocab", "512"])
+    target = random_model(dflash, tmp / "target")
+    data = random_data(dflash, tmp / "data", 512, samples=40, length=length, jitter=jitter,
+                       prompt=6)
     return target, data
 
 

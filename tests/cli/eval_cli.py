@@ -15,7 +15,7 @@ import pathlib
 import sys
 import tempfile
 
-from cli_util import run
+from cli_util import random_inputs, run
 
 
 def write_jsonl(path, rows):
@@ -27,12 +27,7 @@ def main():
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
-        target = work / "target"
-        run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "1"])
-        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
-        data = work / "data"
-        run([dflash, "random-data", "--out", data, "--samples", "8", "--length", "40",
-             "--prompt", "4", "--vocab", vocab])
+        target, data = random_inputs(dflash, work)
         train = work / "train"
         run([dflash, "train", "--target", target, "--data", data, "--out", train, "--steps", 2,
              "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", 40,

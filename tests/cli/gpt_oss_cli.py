@@ -16,7 +16,7 @@ import re
 import sys
 import tempfile
 
-from cli_util import run
+from cli_util import random_data, run
 
 
 def check_info(dflash, model):
@@ -64,8 +64,7 @@ def main():
         check_info(dflash, target)
 
         data = work / "data"
-        run([dflash, "random-data", "--out", data, "--samples", 8, "--length", 48,
-             "--prompt", 8, "--vocab", 300])
+        random_data(dflash, data, 300, length=48, prompt=8)
         prompts = work / "prompts.jsonl"
         prompts.write_text('{"question": "What is 3 plus 4?"}\n{"prompt": "Count to five."}\n')
         train(dflash, mxfp4, data, work / "train_fixture")

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from cli_util import run
+from cli_util import random_inputs, run
 
 N = 4
 STEPS = 2 * N
@@ -129,12 +129,7 @@ def main():
     work = pathlib.Path(tempfile.mkdtemp(prefix="dflash_kill_resume_"))
     t0 = time.monotonic()
     try:
-        target = work / "target"
-        run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "1"])
-        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
-        data = work / "data"
-        run([dflash, "random-data", "--out", data, "--samples", "24", "--length", "65",
-             "--length-jitter", "25", "--prompt", "8", "--vocab", str(vocab)])
+        target, data = random_inputs(dflash, work, samples=24, length=65, jitter=25, prompt=8)
 
         def train(out, *extra):
             return [dflash, "train", "--target", target, "--data", data, "--out", out,

@@ -25,7 +25,7 @@ import shutil
 import sys
 
 from bad_input import Setup, refused
-from cli_util import run, run_case
+from cli_util import random_data, run, run_case, vocab_of
 
 STEPS = 6
 
@@ -48,11 +48,7 @@ class Run(Setup):
         return cmd + list(flags)
 
     def other_data(self, name="data2", seed=5):
-        vocab = json.loads((self.target / "config.json").read_text())["vocab_size"]
-        out = self.work / name
-        run([self.dflash, "random-data", "--out", out, "--samples", "8", "--length", "40",
-             "--prompt", "4", "--vocab", vocab, "--seed", seed])
-        return out
+        return random_data(self.dflash, self.work / name, vocab_of(self.target), seed=seed)
 
 
 def truncate(path):

@@ -166,9 +166,7 @@ TEST(ModelConfigErrors, MalformedJsonNamesTheFile) {
 std::string load_error_with_config(const std::string& name,
                                    const std::function<void(json&)>& edit) {
   auto src = testing::fixture("models/qwen3_tied");
-  auto dir = std::filesystem::temp_directory_path() / ("dflash_" + name);
-  remove_tree(dir);
-  std::filesystem::create_directories(dir);
+  auto dir = testing::fresh_temp_dir(name);
   std::filesystem::copy_file(src / "model.safetensors", dir / "model.safetensors");
   auto j = json::parse(std::ifstream(src / "config.json"));
   edit(j);

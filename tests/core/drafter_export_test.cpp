@@ -23,18 +23,9 @@ namespace {
 namespace fs = std::filesystem;
 using testing::DflashCase;
 
-fs::path temp_dir(const std::string& name) {
-  auto d =
-      fs::temp_directory_path() / fmt::format("dflash_{}_{}_{}", name, ::getpid(),
-                                              ::testing::UnitTest::GetInstance()->random_seed());
-  remove_tree(d);
-  fs::create_directories(d);
-  return d;
-}
-
 TEST(DrafterExport, ConfigAndTensorsAreWhatEnginesLoad) {
   DflashCase c("tied");
-  auto dir = temp_dir("export_fields");
+  auto dir = testing::fresh_temp_dir("export_fields");
   c.drafter->save(dir);
   auto j = nlohmann::json::parse(read_file(dir / "config.json"));
   const auto& cfg = c.drafter->config();
@@ -78,7 +69,7 @@ TEST(DrafterExport, ConfigAndTensorsAreWhatEnginesLoad) {
 
 TEST(DrafterExport, RoundTripIsBitwise) {
   DflashCase c("untied");
-  auto a = temp_dir("roundtrip_a"), b = temp_dir("roundtrip_b");
+  auto a = testing::fresh_temp_dir("roundtrip_a"), b = testing::fresh_temp_dir("roundtrip_b");
   c.drafter->save(a);
   auto loaded = models::Drafter::load(a, c.target->config(), at::kCPU);
   for (size_t i = 0; i < loaded.named_parameters().size(); ++i) {
@@ -96,7 +87,7 @@ TEST(DrafterExport, RoundTripIsBitwise) {
 
 TEST(DrafterExport, LoadRejectsDrafterOfAnotherTarget) {
   DflashCase c("tied");
-  auto dir = temp_dir("reject");
+  auto dir = testing::fresh_temp_dir("reject");
   c.drafter->save(dir);
   auto other = c.target->config();
   other.num_layers = 12;
@@ -126,7 +117,7 @@ TEST(DrafterExport, PythonReferenceLoadsExportAndAgrees) {
   const char* python = std::getenv("DFLASH_PYTHON");
   ASSERT_NE(python, nullptr) << "DFLASH_PYTHON is not set (ctest sets it)";
   DflashCase c("tied");
-  auto dir = temp_dir("pycheck");
+  auto dir = testing::fresh_temp_dir("pycheck");
   c.drafter->save(dir / "export");
   // Our side: the drafter as loaded back from the export (bf16 values, fp32 compute).
   auto loaded = models::Drafter::load(dir / "export", c.target->config(), at::kCPU);
@@ -156,7 +147,7 @@ TEST(DrafterExport, PythonReferenceLoadsExportAndAgrees) {
 // "<|MASK|>" for an id past the tokenizer's last (Qwen3's 151669 is one past its tokens).
 TEST(DrafterExport, MaskTokenIsTheTargetTokenizersText) {
   DflashCase c("tied");
-  auto dir = temp_dir("mask_token");
+  auto dir = testing::fresh_temp_dir("mask_token");
   const auto target = dir / "target";
   tok::write_builtin_tokenizer(target, 300);
   const auto tokenizer = tok::Tokenizer::load(target);

@@ -32,9 +32,7 @@ int64_t sample_length(size_t i) { return 6 + static_cast<int64_t>((i * 7) % 13);
 // A prepared dataset of kSamples samples in two shards; sample i's tokens are a function of i,
 // its first two tokens are the unsupervised "prompt".
 fs::path write_dataset(const std::string& name, int32_t bad_token = -1) {
-  auto dir = fs::temp_directory_path() / fmt::format("dflash_pipeline_{}_{}", name, ::getpid());
-  remove_tree(dir);
-  fs::create_directories(dir);
+  auto dir = testing::fresh_temp_dir("pipeline_" + name);
   nlohmann::json shards = nlohmann::json::array();
   data::ShardWriter writer;
   for (size_t i = 0; i < kSamples; ++i) {

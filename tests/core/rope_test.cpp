@@ -102,9 +102,7 @@ TEST(YarnDrafterExport, ConfigCarriesRopeScalingThatTransformersReadsBack) {
   options.target_layer_ids = {2};
   options.mask_token_id = 7;
   auto drafter = models::Drafter::random(models::make_drafter_config(target, options), at::kCPU, 3);
-  auto dir =
-      std::filesystem::temp_directory_path() / fmt::format("dflash_yarn_export_{}", ::getpid());
-  remove_tree(dir);
+  auto dir = testing::temp_path("yarn_export");
   drafter.save(dir);
 
   auto j = read_json_file(dir / "config.json");

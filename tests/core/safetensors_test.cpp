@@ -17,6 +17,7 @@
 
 #include "common/error.h"
 #include "common/file.h"
+#include "test_util.h"
 
 namespace dflash::io {
 namespace {
@@ -76,10 +77,7 @@ class safetensors : public ::testing::Test {
  protected:
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           fmt::format("dflash_safetensors_{}_{}", info->name(), static_cast<int>(::getpid()));
-    remove_tree(dir_);
-    fs::create_directories(dir_);
+    dir_ = testing::fresh_temp_dir(std::string("safetensors_") + info->name());
   }
   void TearDown() override { remove_tree(dir_); }
 

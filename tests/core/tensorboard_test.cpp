@@ -24,6 +24,7 @@
 
 #include "common/error.h"
 #include "common/file.h"
+#include "test_util.h"
 
 namespace {
 
@@ -61,8 +62,7 @@ class tensorboard : public ::testing::Test {
  protected:
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / fmt::format("dflash_tb_{}_{}", ::getpid(), info->name());
-    dflash::remove_tree(dir_);
+    dir_ = dflash::testing::temp_path(std::string("tb_") + info->name());
   }
   void TearDown() override { dflash::remove_tree(dir_); }
 

@@ -8,6 +8,7 @@
 #include <ostream>
 #include <string>
 
+#include "common/file.h"
 #include "models/config.h"
 
 namespace dflash::models {
@@ -21,10 +22,18 @@ inline std::filesystem::path fixture(const std::string& relative) {
   return std::filesystem::path(DFLASH_FIXTURES) / relative;
 }
 
-// An empty directory of this process under the system's temp directory.
+// A path of this process under the system's temp directory with nothing there (what an earlier
+// run of the same process id left is removed), for a test that creates it.
+inline std::filesystem::path temp_path(const std::string& name) {
+  auto path = std::filesystem::temp_directory_path() /
+              ("dflash_" + name + "_" + std::to_string(::getpid()));
+  remove_tree(path);
+  return path;
+}
+
+// The same as an empty directory.
 inline std::filesystem::path fresh_temp_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() /
-             ("dflash_" + name + "_" + std::to_string(::getpid()));
+  auto dir = temp_path(name);
   std::filesystem::create_directories(dir);
   return dir;
 }

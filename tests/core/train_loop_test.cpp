@@ -98,12 +98,6 @@ train::TrainerOptions options(const fs::path& dir) {
   return o;
 }
 
-fs::path temp_dir(const std::string& name) {
-  auto d = fs::temp_directory_path() / fmt::format("dflash_{}_{}", name, ::getpid());
-  remove_tree(d);
-  return d;
-}
-
 // fp32 with accumulation (gradients summed on the fp32 masters), and bf16 with one backward per
 // step (gradients left on the bf16 compute copies, which a resume must cast again from the
 // loaded masters).
@@ -120,7 +114,7 @@ class TrainLoopResume : public ::testing::TestWithParam<ResumeCase> {};
 TEST_P(TrainLoopResume, FromCheckpointIsBitwiseExact) {
   const ResumeCase c = GetParam();
   const int64_t n = 2;
-  auto dir_a = temp_dir("resume_a"), dir_b = temp_dir("resume_b");
+  auto dir_a = testing::temp_path("resume_a"), dir_b = testing::temp_path("resume_b");
   auto run_options = [&](const fs::path& dir) {
     auto o = options(dir);
     o.accumulation = c.accumulation;
@@ -174,7 +168,7 @@ TEST_P(TrainLoopResume, FromCheckpointIsBitwiseExact) {
     EXPECT_TRUE(sa->tensor(t.name).equal(sb->tensor(t.name))) << t.name;
   }
   // `dflash export` of a run directory takes its newest checkpoint.
-  auto out = temp_dir("resume_export");
+  auto out = testing::temp_path("resume_export");
   train::export_drafter(dir_a, out);
   auto exported = models::Drafter::load(out, straight.target->config(), at::kCPU);
   for (size_t i = 0; i < pa.size(); ++i) {
@@ -192,7 +186,7 @@ INSTANTIATE_TEST_SUITE_P(Routes, TrainLoopResume, kRoutes,
                          [](const auto& info) { return info.param.name; });
 
 TEST(TrainLoop, CheckpointFromAnotherConfigIsRejected) {
-  auto dir = temp_dir("other_config");
+  auto dir = testing::temp_path("other_config");
   {
     DflashCase c("tied");
     Pipeline pipe(c);
@@ -229,7 +223,7 @@ TEST(TrainLoop, Fp8GemmsNeedWidthsThatAreMultiplesOf16) {
   struct NoData : train::BatchSource {
     train::MicroBatch get(int64_t) override { return {}; }
   } data;
-  const auto dir = temp_dir("fp8_widths");
+  const auto dir = testing::temp_path("fp8_widths");
   auto o = options(dir);
   train::Trainer t(drafter, models::TargetHead::of(target), o, data);  // compute: fine
   t.set_drafter_gemms(train::DrafterGemms::kAuto);  // auto: compute where fp8 cannot run
@@ -278,7 +272,7 @@ TEST(DrafterGemms, AutoResolvesToWhereTheFp8GemmsRun) {
 }
 
 TEST(TrainLoop, StopSignalCheckpointsAndReturns) {
-  auto dir = temp_dir("signal");
+  auto dir = testing::temp_path("signal");
   DflashCase c("tied");
   Pipeline pipe(c);
   Source data(pipe);
