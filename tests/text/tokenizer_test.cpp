@@ -1,6 +1,7 @@
 // Parity of dflash::tok::Tokenizer with HF tokenizers: ids (with and without special tokens),
-// decoded text and round trips on GSM8K test and the stress corpus, for the Qwen3-, Llama-3-
-// and GPT-2-style tokenizers the fixture trains.
+// decoded text and round trips on GSM8K test, the stress corpus and text in the pre-tokenizers'
+// tricky classes, for the Qwen3-, Llama-3-, GPT-2- and gpt-oss-style (o200k_harmony) tokenizers
+// the fixture trains.
 #include "tokenizer/tokenizer.h"
 
 #include <gtest/gtest.h>
@@ -47,6 +48,28 @@ TEST_P(TokenizerParity, IdsMatchHfOnGsm8kAndStressCorpus) {
   EXPECT_EQ(mismatches, 0u) << "of " << texts.size() << " texts";
   EXPECT_GT(texts.size(), gsm + 1000);  // the stress corpus is really there
   EXPECT_GT(tokens, 100000u);
+}
+
+// The split regexes alone, word by word: a boundary the BPE vocabulary would hide (no merge
+// across it either way) still shows here.
+TEST_P(TokenizerParity, PreTokenizerSplitsLikeHf) {
+  auto dir = tokenizer_fixtures() / GetParam();
+  auto ref = load_fixture_json(dir / "parity.json");
+  ASSERT_FALSE(ref.is_null());
+  Tokenizer tok = Tokenizer::load(dir);
+  size_t mismatches = 0, words = 0;
+  for (size_t i = 0; i < ref["texts"].size(); ++i) {
+    auto text = ref["texts"][i].get<std::string>();
+    auto want = ref["pretokens"][i].get<std::vector<std::pair<size_t, size_t>>>();
+    auto got = tok.pre_tokenize(text);
+    words += got.size();
+    if (got != want && ++mismatches <= 5) {
+      ADD_FAILURE() << "text " << i << " " << show(text) << "\n got "
+                    << ::testing::PrintToString(got) << "\nwant " << ::testing::PrintToString(want);
+    }
+  }
+  EXPECT_EQ(mismatches, 0u) << "of " << ref["texts"].size() << " texts";
+  EXPECT_GT(words, 50000u);
 }
 
 TEST_P(TokenizerParity, DecodeMatchesHfAndRoundTrips) {
@@ -122,7 +145,28 @@ TEST_P(TokenizerParity, OffsetsTileTheText) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(tokenizer, TokenizerParity, ::testing::Values("qwen3", "llama3", "gpt2"));
+INSTANTIATE_TEST_SUITE_P(tokenizer, TokenizerParity,
+                         ::testing::Values("qwen3", "llama3", "gpt2", "o200k"));
+
+// gpt-oss's harmony tokens keep o200k_harmony's ids (the fixture pads the vocabulary to its
+// 199,998 BPE entries), and split out of text as single tokens.
+TEST(Tokenizer, HarmonyTokensHaveO200kHarmonyIds) {
+  Tokenizer tok = Tokenizer::load(tokenizer_fixtures() / "o200k");
+  const std::pair<const char*, int32_t> ids[] = {
+      {"<|startoftext|>", 199998}, {"<|endoftext|>", 199999}, {"<|return|>", 200002},
+      {"<|constrain|>", 200003},   {"<|channel|>", 200005},   {"<|start|>", 200006},
+      {"<|end|>", 200007},         {"<|message|>", 200008},   {"<|call|>", 200012}};
+  for (const auto& [token, id] : ids) {
+    EXPECT_EQ(tok.token_to_id(token), id) << token;
+    EXPECT_TRUE(tok.is_special(id)) << token;
+    EXPECT_EQ(tok.encode(token, false), std::vector<int32_t>{id}) << token;
+  }
+  EXPECT_EQ(tok.vocab_size(), 200019u);
+  const auto header = tok.encode("<|start|>assistant<|channel|>final<|message|>", false);
+  ASSERT_GE(header.size(), 4u);
+  EXPECT_EQ(header.front(), 200006);
+  EXPECT_EQ(header.back(), 200008);
+}
 
 TEST(Tokenizer, RejectsInvalidUtf8) {
   Tokenizer tok = Tokenizer::load(tokenizer_fixtures() / "qwen3");
