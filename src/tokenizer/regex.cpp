@@ -12,6 +12,20 @@ struct SplitRegex::Impl {
   bool jit = false;
 };
 
+namespace {
+
+struct PropertyExtra {
+  std::string_view name, members;
+};
+#include "tokenizer/regex_classes.inc"
+
+// Oniguruma's \s: Unicode's White_Space (PCRE2 10.42's \s lacks U+0085 and has U+180E).
+constexpr std::string_view kSpace =
+    "\\t\\n\\x{0B}\\f\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}"
+    "\\x{202F}\\x{205F}\\x{3000}";
+
+}  // namespace
+
 std::string SplitRegex::translate(std::string_view p) {
   std::string out;
   bool in_class = false;
@@ -20,11 +34,41 @@ std::string SplitRegex::translate(std::string_view p) {
     if (c == '\\' && i + 1 < p.size()) {
       char e = p[i + 1];
       ++i;
-      if (e == 's') {
-        out += in_class ? "\\s\\x{85}" : "[\\s\\x{85}]";
-      } else if (e == 'S') {
-        if (in_class) fail("regex {:?}: \\S inside a character class is not supported", p);
-        out += "[^\\s\\x{85}]";
+      if (e == 's' || e == 'S') {
+        if (e == 'S' && in_class)
+          fail("regex {:?}: \\S inside a character class is not supported", p);
+        out += in_class ? "" : e == 's' ? "[" : "[^";
+        out += kSpace;
+        out += in_class ? "" : "]";
+      } else if (e == 'p' || e == 'P') {
+        // \p{NAME} or \pN: the property plus what HF's tables have beyond PCRE2's.
+        std::string_view name;
+        if (i + 1 < p.size() && p[i + 1] == '{') {
+          const size_t close = p.find('}', i + 2);
+          if (close == std::string_view::npos) fail("regex {:?}: unterminated \\{}{{", p, e);
+          name = p.substr(i + 2, close - i - 2);
+          i = close;
+        } else if (i + 1 < p.size()) {
+          name = p.substr(++i, 1);
+        }
+        const PropertyExtra* extra = nullptr;
+        for (const PropertyExtra& x : kPropertyExtras) {
+          if (x.name == name) extra = &x;
+        }
+        if (!extra) {
+          fail(
+              "regex {:?}: \\{}{{{}}} is not supported (dflash matches HF's Unicode tables for "
+              "the general categories L, Lu, Ll, Lt, Lm, Lo, M, Mc, Me, N, Nd, Nl, No, P, S, Z "
+              "only)",
+              p, e, name);
+        }
+        if (e == 'P' && in_class) {
+          fail("regex {:?}: \\P{{{}}} inside a character class is not supported", p, name);
+        }
+        out += in_class ? "" : e == 'p' ? "[" : "[^";
+        out += fmt::format("\\p{{{}}}", name);
+        out += extra->members;
+        out += in_class ? "" : "]";
       } else {
         out += '\\';
         out += e;

@@ -21,8 +21,10 @@ class SplitRegex {
   // valid UTF-8 (not re-checked).
   bool find(std::string_view subject, size_t from, size_t& begin, size_t& end) const;
 
-  // Oniguruma's \s is PCRE2's (Unicode Z categories and \t\n\v\f\r) plus U+0085; this rewrites
-  // \s and \S so PCRE2 matches exactly what Oniguruma does. Exposed for tests.
+  // Rewrites the pattern so PCRE2 matches exactly what Oniguruma (in HF tokenizers) does: \s and
+  // \S as Unicode's White_Space (PCRE2 10.42 lacks U+0085 and has U+180E), and each \p{NAME}
+  // extended by the code points HF's newer Unicode tables have in it (regex_classes.inc, from
+  // gen_regex_classes.py); other Unicode properties are refused. Exposed for tests.
   static std::string translate(std::string_view pattern);
 
  private:

@@ -485,6 +485,31 @@ def pretoken_bytes(tok, text):
     return out
 
 
+def codepoint_probe(c):
+    """Text in which each code point's character classes show in the pre-tokenizer's splits:
+    after/before lowercase and uppercase letters and digits, among spaces, after a quote."""
+    ch = chr(c)
+    return f"a{ch}aA{ch}A1{ch}1 {ch} '{ch}"
+
+
+def codepoint_reference(tok, out):
+    """`codepoints.json`: for every code point (surrogates aside), the byte lengths of the words
+    HF's pre-tokenizer splits its probe into, run-length encoded as [first code point, lengths]
+    (the Unicode tables of HF's Oniguruma and dflash's PCRE2 must agree on every class the
+    split regex uses, including code points Python's own tables do not know yet)."""
+    runs, prev = [], None
+    for c in range(0x110000):
+        if 0xD800 <= c < 0xE000:
+            continue
+        probe = codepoint_probe(c)
+        lengths = [len(probe[s:e].encode("utf-8"))
+                   for _, (s, e) in tok.pre_tokenizer.pre_tokenize_str(probe)]
+        if lengths != prev:
+            runs.append([c, lengths])
+            prev = lengths
+    (out / "codepoints.json").write_text(json.dumps({"probe": codepoint_probe(0x7C), "runs": runs}))
+
+
 def tokenizer_config(kind):
     if kind == "o200k":  # gpt-oss's tokenizer_config.json: its special tokens and template
         return {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": GPT_OSS_TEMPLATE,
@@ -871,6 +896,8 @@ def make(out: pathlib.Path):
             cfg = dict(tokenizer_config(kind), chat_template=LLAMA31_TEMPLATE)
             (d31 / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
             dirs["llama31"] = d31
+        if kind in ("qwen3", "o200k"):  # the \p{L}/\p{N} patterns and o200k's case classes
+            codepoint_reference(tok, d)
         texts = test_texts + stress + TRICKY
         enc = tok.encode_batch(texts, add_special_tokens=False)
         enc_sp = tok.encode_batch(texts, add_special_tokens=True)

@@ -4,12 +4,14 @@
 // the fixture trains.
 #include "tokenizer/tokenizer.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string_view>
 
 #include "common/error.h"
 #include "text_fixtures.h"
+#include "tokenizer/regex.h"
 #include "tokenizer/unicode.h"
 
 namespace dflash::tok {
@@ -166,6 +168,48 @@ TEST(Tokenizer, HarmonyTokensHaveO200kHarmonyIds) {
   ASSERT_GE(header.size(), 4u);
   EXPECT_EQ(header.front(), 200006);
   EXPECT_EQ(header.back(), 200008);
+}
+
+// Every code point's character classes as the split regexes see them (Oniguruma's Unicode tables
+// in HF against PCRE2's here): the fixture's probe with each code point in place of '|' splits
+// into words of the same byte lengths as HF's; the fixture lists the lengths run-length encoded.
+TEST(Tokenizer, EveryCodePointSplitsLikeHf) {
+  for (const char* kind : {"qwen3", "o200k"}) {
+    auto dir = tokenizer_fixtures() / kind;
+    auto ref = load_fixture_json(dir / "codepoints.json");
+    ASSERT_FALSE(ref.is_null()) << kind;
+    Tokenizer tok = Tokenizer::load(dir);
+    const auto probe = ref["probe"].get<std::string>();
+    const auto& runs = ref["runs"];
+    size_t run = 0, mismatches = 0, checked = 0;
+    for (char32_t c = 0; c < 0x110000; ++c) {
+      if (c >= 0xD800 && c < 0xE000) continue;
+      while (run + 1 < runs.size() && runs[run + 1][0].get<char32_t>() <= c) ++run;
+      std::string ch, text;
+      append_utf8(ch, c);
+      for (char p : probe) p == '|' ? text += ch : text += p;
+      std::vector<size_t> lengths;
+      for (auto [b, e] : tok.pre_tokenize(text)) lengths.push_back(e - b);
+      ++checked;
+      if (lengths != runs[run][1].get<std::vector<size_t>>() && ++mismatches <= 5) {
+        ADD_FAILURE() << kind << ": U+" << std::hex << static_cast<uint32_t>(c) << std::dec
+                      << " splits into " << ::testing::PrintToString(lengths) << ", HF "
+                      << runs[run][1].dump();
+      }
+    }
+    EXPECT_EQ(mismatches, 0u) << kind << ": of " << checked << " code points";
+    EXPECT_EQ(checked, 0x110000u - 0x800u);
+  }
+}
+
+// Properties whose tables cannot be matched to HF's are refused by name, not run differently.
+TEST(Tokenizer, SplitRegexRefusesPropertiesItCannotMatch) {
+  EXPECT_NO_THROW(SplitRegex("[^\\s\\p{L}\\pN\\p{Lu}]+|\\P{M}"));
+  for (const char* pattern : {"\\p{Han}", "\\p{Mn}", "[\\P{L}]"}) {
+    EXPECT_THAT([&] { SplitRegex re(pattern); },
+                ::testing::ThrowsMessage<dflash::Error>(::testing::HasSubstr("not supported")))
+        << pattern;
+  }
 }
 
 TEST(Tokenizer, RejectsInvalidUtf8) {
