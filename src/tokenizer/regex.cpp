@@ -3,7 +3,11 @@
 
 #include <pcre2.h>
 
+#include <algorithm>
+#include <iterator>
+
 #include "common/error.h"
+#include "tokenizer/unicode.h"
 
 namespace dflash::tok {
 
@@ -14,8 +18,9 @@ struct SplitRegex::Impl {
 
 namespace {
 
-struct PropertyExtra {
-  std::string_view name, members;
+// Code points first..last are classed by HF's regex engine as stand_in is by PCRE2.
+struct StandIn {
+  char32_t first, last, stand_in;
 };
 #include "tokenizer/regex_classes.inc"
 
@@ -41,7 +46,8 @@ std::string SplitRegex::translate(std::string_view p) {
         out += kSpace;
         out += in_class ? "" : "]";
       } else if (e == 'p' || e == 'P') {
-        // \p{NAME} or \pN: the property plus what HF's tables have beyond PCRE2's.
+        // \p{NAME} or \pN: only general categories whose tables pcre2_view makes agree.
+        const size_t from = i - 1;
         std::string_view name;
         if (i + 1 < p.size() && p[i + 1] == '{') {
           const size_t close = p.find('}', i + 2);
@@ -51,24 +57,14 @@ std::string SplitRegex::translate(std::string_view p) {
         } else if (i + 1 < p.size()) {
           name = p.substr(++i, 1);
         }
-        const PropertyExtra* extra = nullptr;
-        for (const PropertyExtra& x : kPropertyExtras) {
-          if (x.name == name) extra = &x;
-        }
-        if (!extra) {
+        if (std::find(std::begin(kMatchedProperties), std::end(kMatchedProperties), name) ==
+            std::end(kMatchedProperties)) {
           fail(
               "regex {:?}: \\{}{{{}}} is not supported (dflash matches HF's Unicode tables for "
-              "the general categories L, Lu, Ll, Lt, Lm, Lo, M, Mc, Me, N, Nd, Nl, No, P, S, Z "
-              "only)",
-              p, e, name);
+              "the general categories {} only)",
+              p, e, name, fmt::join(kMatchedProperties, ", "));
         }
-        if (e == 'P' && in_class) {
-          fail("regex {:?}: \\P{{{}}} inside a character class is not supported", p, name);
-        }
-        out += in_class ? "" : e == 'p' ? "[" : "[^";
-        out += fmt::format("\\p{{{}}}", name);
-        out += extra->members;
-        out += in_class ? "" : "]";
+        out += p.substr(from, i + 1 - from);
       } else {
         out += '\\';
         out += e;
@@ -88,6 +84,28 @@ std::string SplitRegex::translate(std::string_view p) {
     out += c;
   }
   return out;
+}
+
+std::string_view SplitRegex::pcre2_view(std::string_view text, std::string& storage) {
+  bool copied = false;
+  for (size_t i = 0; i < text.size();) {
+    // Every stand-in replaces a code point of U+0800 or above: 3- and 4-byte sequences.
+    if (static_cast<unsigned char>(text[i]) < 0xE0) {
+      ++i;
+      continue;
+    }
+    const size_t at = i;
+    const char32_t c = next_code_point(text, i);
+    const auto* it = std::upper_bound(std::begin(kStandIns), std::end(kStandIns), c,
+                                      [](char32_t v, const StandIn& s) { return v < s.first; });
+    if (it == std::begin(kStandIns) || c > std::prev(it)->last) continue;
+    if (!copied) storage.assign(text);
+    copied = true;
+    std::string utf8;
+    append_utf8(utf8, std::prev(it)->stand_in);
+    storage.replace(at, utf8.size(), utf8);  // the same UTF-8 length (gen_regex_classes.py)
+  }
+  return copied ? std::string_view(storage) : text;
 }
 
 SplitRegex::SplitRegex(std::string_view pattern) : impl_(std::make_unique<Impl>()) {

@@ -227,11 +227,13 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) cons
 void Tokenizer::Impl::split_words(std::string_view piece,
                                   std::vector<std::pair<size_t, size_t>>& words) const {
   thread_local std::vector<std::pair<size_t, size_t>> next;
+  thread_local std::string storage;
+  const std::string_view subject = SplitRegex::pcre2_view(piece, storage);
   words.assign(1, {0, piece.size()});
   for (const auto& re : splits) {
     next.clear();
     for (auto [b, e] : words) {
-      std::string_view sub = piece.substr(b, e - b);
+      std::string_view sub = subject.substr(b, e - b);
       size_t pos = 0, mb, me;
       while (pos < sub.size() && re->find(sub, pos, mb, me)) {
         if (mb > pos) next.push_back({b + pos, b + mb});  // Isolated keeps the gaps too
