@@ -799,11 +799,11 @@ void prefix_spans(const json& msgs, const json& tools, const ChatConfig& config,
 // Harmony turns (gpt-oss). A located turn starts after the generation prompt
 // "<|start|>assistant" and holds one or more assistant messages "[ to=RECIPIENT]<|channel|>
 // CHANNEL[ TYPE]<|message|>BODY", each ended by <|end|>, <|return|> or <|call|>, later ones after
-// a new "<|start|>assistant". Kept: the bodies with their end token of final and commentary
-// messages (the answer and tool calls), and of analysis messages (the reasoning) with
-// supervise_reasoning; message headers stay prompt, as other templates' role headers do. A body
-// holding one of the end tokens as text cannot be told from its end (the tokenizer makes it that
-// token): such a turn is refused rather than split wrongly.
+// a new "<|start|>assistant". Kept: the bodies with their end token of messages on every channel
+// but analysis (final: the answer, commentary: tool calls), and of analysis messages (the
+// reasoning) with supervise_reasoning; message headers stay prompt, as other templates' role
+// headers do. A body holding one of the end tokens as text cannot be told from its end (the
+// tokenizer makes it that token): such a turn is refused rather than split wrongly.
 void narrow_harmony_spans(const ChatConfig& config, RenderedChat& r) {
   constexpr std::string_view kMessage = "<|message|>", kChannel = "<|channel|>";
   constexpr std::string_view kStart = "<|start|>", kAssistant = "<|start|>assistant";
