@@ -22,6 +22,7 @@ struct PrepareArgs {
   data::ChatTemplateChoice chat_template;
   bool enable_thinking = true;
   bool keep_history_reasoning = false;
+  bool supervise_reasoning = false;
   std::string overlong = "truncate";
   size_t max_length = 3072;
   size_t min_loss_tokens = 2;
@@ -44,6 +45,7 @@ void run_prepare(const PrepareArgs& a) {
   opt.chat_template = a.chat_template;
   opt.enable_thinking = a.enable_thinking;
   opt.keep_history_reasoning = a.keep_history_reasoning;
+  opt.supervise_reasoning = a.supervise_reasoning;
   opt.max_length = a.max_length;
   opt.overlong =
       a.overlong == "skip" ? data::OverlongPolicy::kSkip : data::OverlongPolicy::kTruncate;
@@ -136,6 +138,9 @@ void add_prepare_command(CLI::App& app) {
   cmd->add_flag("--keep-history-reasoning", args->keep_history_reasoning,
                 "qwen3: assistant turns before the last user query keep their reasoning (the "
                 "template drops it)");
+  cmd->add_flag("--supervise-reasoning", args->supervise_reasoning,
+                "harmony templates (gpt-oss): also learn the analysis channel, not only the "
+                "final answer and tool calls");
   cmd->add_option("--max-length", args->max_length, "maximum tokens per sample")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());

@@ -35,6 +35,7 @@ struct RenderCliOptions {
   std::optional<std::string> chat_format;
   data::ChatTemplateChoice chat_template;
   bool enable_thinking = true;
+  bool supervise_reasoning = false;
   int64_t limit = 0;
   bool json = false;
   bool ids = false;
@@ -65,6 +66,7 @@ void run_render(const RenderCliOptions& o) {
   }
   data::ChatConfig config = data::detect_chat_config(o.model, forced, o.chat_template);
   config.enable_thinking = o.enable_thinking;
+  config.supervise_reasoning = o.supervise_reasoning;
   config.validate();
   std::optional<tok::Tokenizer> tokenizer;
   if (o.ids) tokenizer = tok::Tokenizer::load(o.model);
@@ -141,6 +143,8 @@ void add_render_command(CLI::App& app) {
   cmd->add_option("--enable-thinking", o->enable_thinking,
                   "false renders as served with enable_thinking=False")
       ->capture_default_str();
+  cmd->add_flag("--supervise-reasoning", o->supervise_reasoning,
+                "harmony templates (gpt-oss): also learn the analysis channel");
   cmd->add_option("--limit", o->limit, "render at most N conversations (0: all)")
       ->capture_default_str();
   cmd->add_flag("--json", o->json,

@@ -505,6 +505,8 @@ ChatConfig detect_chat_config(const std::filesystem::path& model_dir,
     fail("{} (pass --chat-template FILE with a template this renderer supports, or --chat-format)",
          e.what());
   }
+  // The final channel's header, which every harmony template writes and no other does.
+  c.harmony = tmpl.find("<|channel|>final<|message|>") != std::string::npos;
   // apply_chat_template passes the tokenizer's special tokens map, then the kwargs.
   for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                           "cls_token", "mask_token"}) {
@@ -794,9 +796,66 @@ void prefix_spans(const json& msgs, const json& tools, const ChatConfig& config,
   }
 }
 
+// Harmony turns (gpt-oss). A located turn starts after the generation prompt
+// "<|start|>assistant" and holds one or more assistant messages "[ to=RECIPIENT]<|channel|>
+// CHANNEL[ TYPE]<|message|>BODY", each ended by <|end|>, <|return|> or <|call|>, later ones after
+// a new "<|start|>assistant". Kept: the bodies with their end token of messages on every channel
+// but analysis (final: the answer, commentary: tool calls), and of analysis messages (the
+// reasoning) with supervise_reasoning; message headers stay prompt, as other templates' role
+// headers do. A body holding one of the end tokens as text cannot be told from its end (the
+// tokenizer makes it that token): such a turn is refused rather than split wrongly.
+void narrow_harmony_spans(const ChatConfig& config, RenderedChat& r) {
+  constexpr std::string_view kMessage = "<|message|>", kChannel = "<|channel|>";
+  constexpr std::string_view kStart = "<|start|>", kAssistant = "<|start|>assistant";
+  std::vector<std::pair<size_t, size_t>> kept;
+  for (const auto& [begin, end] : r.assistant_spans) {
+    const std::string_view turn = std::string_view(r.text).substr(begin, end - begin);
+    for (size_t at = 0; at < turn.size();) {
+      const size_t header_end = turn.find(kMessage, at);
+      const std::string_view header = turn.substr(at, header_end - at);
+      const size_t channel_at = header.find(kChannel);
+      size_t stop = std::string_view::npos, stop_len = 0;
+      const bool assistant_header =
+          at == 0 ? header.find(kStart) == std::string_view::npos : starts_with(header, kAssistant);
+      if (header_end != std::string_view::npos && channel_at != std::string_view::npos &&
+          assistant_header) {
+        for (std::string_view e : {"<|end|>", "<|return|>", "<|call|>"}) {
+          if (const size_t p = turn.find(e, header_end); p < stop) {
+            stop = p;
+            stop_len = e.size();
+          }
+        }
+      }
+      if (stop == std::string_view::npos) {
+        bad(fmt::format(
+            "harmony chat template {}: the assistant turn at byte {} is not a run of assistant "
+            "messages <|channel|>...<|message|>... ended by <|end|>, <|return|> or <|call|> "
+            "(does its text hold one of these special tokens?)",
+            config.chat_template->name(), begin));
+      }
+      std::string_view channel = header.substr(channel_at + kChannel.size());
+      channel = channel.substr(0, channel.find(' '));
+      if (channel != "analysis" || config.supervise_reasoning) {
+        kept.emplace_back(begin + header_end + kMessage.size(), begin + stop + stop_len);
+      }
+      at = stop + stop_len;
+    }
+  }
+  r.assistant_spans = std::move(kept);
+}
+
 }  // namespace
 
 void ChatConfig::validate() const {
+  if (supervise_reasoning && !(format == ChatFormat::kTemplate && chat_template && harmony &&
+                               !chat_template->has_generation())) {
+    fail(
+        "chat: supervising reasoning is an option of harmony chat templates (gpt-oss), which "
+        "learn only the final answer by default; {} already learns the reasoning it renders as "
+        "part of the assistant turn",
+        chat_template ? "the template " + chat_template->name()
+                      : std::string("the built-in ") + std::string(chat_format_name(format)));
+  }
   if (format == ChatFormat::kTemplate) {
     if (!chat_template) fail("chat: the template format needs a chat template");
     if (keep_history_reasoning) {
@@ -828,6 +887,7 @@ RenderedChat render_chat(const Conversation& conv, const ChatConfig& config) {
         r.assistant_spans = std::move(out.generation_spans);
       } else {
         prefix_spans(msgs, tools, config, r);
+        if (config.harmony) narrow_harmony_spans(config, r);
       }
       break;
     }

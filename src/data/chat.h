@@ -103,6 +103,13 @@ struct ChatConfig {
   // special tokens of tokenizer_config.json, then --chat-template-arg values).
   std::shared_ptr<const chat::Template> chat_template = nullptr;
   chat::Dict template_args = {};
+  // kTemplate: the template writes OpenAI's harmony format (gpt-oss: an assistant turn is
+  // messages "<|channel|>C<|message|>BODY" each ended by <|end|>, <|return|> or <|call|>), so a
+  // turn's span is narrowed to the message bodies the drafter learns (render_chat).
+  bool harmony = false;
+  // Harmony: also learn the analysis channel (the reasoning); by default only the final answer
+  // and tool calls are learned.
+  bool supervise_reasoning = false;
 
   // Throws if the options do not fit the format or each other.
   void validate() const;
@@ -121,7 +128,10 @@ ChatConfig detect_chat_config(const std::filesystem::path& model_dir,
 // assistant turn i what the render of messages[:i+1] adds to the render of messages[:i] with the
 // generation prompt, for the turns where both are prefixes of the full render (a template that
 // rewrites history leaves earlier turns unsupervised; none at all is a ParseError; see
-// docs/CHAT_TEMPLATES.md). Template errors (raise_exception included) are ParseErrors.
+// docs/CHAT_TEMPLATES.md). Harmony templates (config.harmony): within each such turn only the
+// bodies of its final and commentary (tool call) messages with their end tokens, and of its
+// analysis messages with supervise_reasoning. Template errors (raise_exception included) are
+// ParseErrors.
 // For Qwen3 the body of the assistant turn after the last user query includes the template's
 // empty "<think>\n\n</think>\n\n" block (with thinking on). Throws ParseError for what the
 // template cannot render (tool turns in the Llama-3 template, several calls in one Llama-3.1

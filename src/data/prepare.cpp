@@ -213,6 +213,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
   ChatConfig chat = detect_chat_config(opt.tokenizer_dir, opt.chat_format, opt.chat_template);
   chat.enable_thinking = opt.enable_thinking;
   chat.keep_history_reasoning = opt.keep_history_reasoning;
+  chat.supervise_reasoning = opt.supervise_reasoning;
   chat.validate();
   PrepareSummary summary;
   for (const auto& p : opt.inputs) {
@@ -370,6 +371,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
       {"chat_template", chat.chat_template ? chat.chat_template->name() : std::string()},
       {"enable_thinking", chat.enable_thinking},
       {"keep_history_reasoning", chat.keep_history_reasoning},
+      {"supervise_reasoning", chat.supervise_reasoning},
       {"max_length", opt.max_length},
       {"overlong", opt.overlong == OverlongPolicy::kTruncate ? "truncate" : "skip"},
       {"min_loss_tokens", opt.min_loss_tokens},

@@ -29,6 +29,8 @@ struct PrepareOptions {
   // reasoning dropped), and reasoning kept in the turns before the last user query.
   bool enable_thinking = true;
   bool keep_history_reasoning = false;
+  // Harmony templates (gpt-oss) only: also learn the analysis channel (see ChatConfig).
+  bool supervise_reasoning = false;
   size_t max_length = 3072;
   OverlongPolicy overlong = OverlongPolicy::kTruncate;
   // DFlash anchors need two consecutive supervised tokens; fewer cannot train anything.

@@ -3,7 +3,11 @@
 
 #include <pcre2.h>
 
+#include <algorithm>
+#include <iterator>
+
 #include "common/error.h"
+#include "tokenizer/unicode.h"
 
 namespace dflash::tok {
 
@@ -11,6 +15,21 @@ struct SplitRegex::Impl {
   pcre2_code* code = nullptr;
   bool jit = false;
 };
+
+namespace {
+
+// Code points first..last are classed by HF's regex engine as stand_in is by PCRE2.
+struct StandIn {
+  char32_t first, last, stand_in;
+};
+#include "tokenizer/regex_classes.inc"
+
+// Oniguruma's \s: Unicode's White_Space (PCRE2 10.42's \s lacks U+0085 and has U+180E).
+constexpr std::string_view kSpace =
+    "\\t\\n\\x{0B}\\f\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}"
+    "\\x{202F}\\x{205F}\\x{3000}";
+
+}  // namespace
 
 std::string SplitRegex::translate(std::string_view p) {
   std::string out;
@@ -20,11 +39,32 @@ std::string SplitRegex::translate(std::string_view p) {
     if (c == '\\' && i + 1 < p.size()) {
       char e = p[i + 1];
       ++i;
-      if (e == 's') {
-        out += in_class ? "\\s\\x{85}" : "[\\s\\x{85}]";
-      } else if (e == 'S') {
-        if (in_class) fail("regex {:?}: \\S inside a character class is not supported", p);
-        out += "[^\\s\\x{85}]";
+      if (e == 's' || e == 'S') {
+        if (e == 'S' && in_class)
+          fail("regex {:?}: \\S inside a character class is not supported", p);
+        out += in_class ? "" : e == 's' ? "[" : "[^";
+        out += kSpace;
+        out += in_class ? "" : "]";
+      } else if (e == 'p' || e == 'P') {
+        // \p{NAME} or \pN: only general categories whose tables pcre2_view makes agree.
+        const size_t from = i - 1;
+        std::string_view name;
+        if (i + 1 < p.size() && p[i + 1] == '{') {
+          const size_t close = p.find('}', i + 2);
+          if (close == std::string_view::npos) fail("regex {:?}: unterminated \\{}{{", p, e);
+          name = p.substr(i + 2, close - i - 2);
+          i = close;
+        } else if (i + 1 < p.size()) {
+          name = p.substr(++i, 1);
+        }
+        if (std::find(std::begin(kMatchedProperties), std::end(kMatchedProperties), name) ==
+            std::end(kMatchedProperties)) {
+          fail(
+              "regex {:?}: \\{}{{{}}} is not supported (dflash matches HF's Unicode tables for "
+              "the general categories {} only)",
+              p, e, name, fmt::join(kMatchedProperties, ", "));
+        }
+        out += p.substr(from, i + 1 - from);
       } else {
         out += '\\';
         out += e;
@@ -44,6 +84,28 @@ std::string SplitRegex::translate(std::string_view p) {
     out += c;
   }
   return out;
+}
+
+std::string_view SplitRegex::pcre2_view(std::string_view text, std::string& storage) {
+  bool copied = false;
+  for (size_t i = 0; i < text.size();) {
+    // Every stand-in replaces a code point of U+0800 or above: 3- and 4-byte sequences.
+    if (static_cast<unsigned char>(text[i]) < 0xE0) {
+      ++i;
+      continue;
+    }
+    const size_t at = i;
+    const char32_t c = next_code_point(text, i);
+    const auto* it = std::upper_bound(std::begin(kStandIns), std::end(kStandIns), c,
+                                      [](char32_t v, const StandIn& s) { return v < s.first; });
+    if (it == std::begin(kStandIns) || c > std::prev(it)->last) continue;
+    if (!copied) storage.assign(text);
+    copied = true;
+    std::string utf8;
+    append_utf8(utf8, std::prev(it)->stand_in);
+    storage.replace(at, utf8.size(), utf8);  // the same UTF-8 length (gen_regex_classes.py)
+  }
+  return copied ? std::string_view(storage) : text;
 }
 
 SplitRegex::SplitRegex(std::string_view pattern) : impl_(std::make_unique<Impl>()) {

@@ -127,6 +127,8 @@ struct Tokenizer::Impl {
   std::vector<int32_t> prefix, suffix;
 
   void bpe(std::string_view word, std::vector<int32_t>& out) const;
+  // The pre-tokenizer's words of `piece` as byte ranges (each Split in order, Isolated).
+  void split_words(std::string_view piece, std::vector<std::pair<size_t, size_t>>& words) const;
   void encode_piece(std::string_view piece, size_t base, std::vector<int32_t>& ids,
                     std::vector<uint32_t>* offsets) const;
   void encode_text_segment(std::string_view raw, size_t raw_begin, std::vector<int32_t>& ids,
@@ -222,17 +224,16 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) cons
   }
 }
 
-// Pre-tokenizes one piece of normalized text and runs BPE over each word. Offsets are pushed
-// in normalized coordinates (`base` + position in the piece).
-void Tokenizer::Impl::encode_piece(std::string_view piece, size_t base, std::vector<int32_t>& ids,
-                                   std::vector<uint32_t>* offsets) const {
-  if (piece.empty()) return;
-  thread_local std::vector<std::pair<size_t, size_t>> words, next;
+void Tokenizer::Impl::split_words(std::string_view piece,
+                                  std::vector<std::pair<size_t, size_t>>& words) const {
+  thread_local std::vector<std::pair<size_t, size_t>> next;
+  thread_local std::string storage;
+  const std::string_view subject = SplitRegex::pcre2_view(piece, storage);
   words.assign(1, {0, piece.size()});
   for (const auto& re : splits) {
     next.clear();
     for (auto [b, e] : words) {
-      std::string_view sub = piece.substr(b, e - b);
+      std::string_view sub = subject.substr(b, e - b);
       size_t pos = 0, mb, me;
       while (pos < sub.size() && re->find(sub, pos, mb, me)) {
         if (mb > pos) next.push_back({b + pos, b + mb});  // Isolated keeps the gaps too
@@ -243,6 +244,15 @@ void Tokenizer::Impl::encode_piece(std::string_view piece, size_t base, std::vec
     }
     words.swap(next);
   }
+}
+
+// Pre-tokenizes one piece of normalized text and runs BPE over each word. Offsets are pushed
+// in normalized coordinates (`base` + position in the piece).
+void Tokenizer::Impl::encode_piece(std::string_view piece, size_t base, std::vector<int32_t>& ids,
+                                   std::vector<uint32_t>* offsets) const {
+  if (piece.empty()) return;
+  thread_local std::vector<std::pair<size_t, size_t>> words;
+  split_words(piece, words);
   for (auto [b, e] : words) {
     size_t first = ids.size();
     bpe(piece.substr(b, e - b), ids);
@@ -371,6 +381,15 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
     bytes += m.decode_bytes[id];
   }
   return utf8_lossy(bytes);
+}
+
+std::vector<std::pair<size_t, size_t>> Tokenizer::pre_tokenize(std::string_view text) const {
+  if (size_t bad = find_invalid_utf8(text); bad != std::string_view::npos) {
+    fail("cannot pre-tokenize text: invalid UTF-8 at byte {}", bad);
+  }
+  std::vector<std::pair<size_t, size_t>> words;
+  if (!text.empty()) impl_->split_words(text, words);
+  return words;
 }
 
 int32_t Tokenizer::token_to_id(std::string_view token) const {

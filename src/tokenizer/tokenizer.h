@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace dflash::tok {
@@ -36,6 +37,11 @@ class Tokenizer {
   // HF's `Tokenizer.decode`: invalid UTF-8 from partial byte tokens becomes U+FFFD.
   // Ids outside the vocabulary are skipped, as HF does.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens) const;
+
+  // The words the pre-tokenizer alone splits `text` into, as [begin, end) byte ranges: what HF's
+  // `pre_tokenizer.pre_tokenize_str(text)` returns (no normalizer, no added tokens). Lets tests
+  // check the split regexes directly, where BPE over a small vocabulary would hide a boundary.
+  std::vector<std::pair<size_t, size_t>> pre_tokenize(std::string_view text) const;
 
   int32_t token_to_id(std::string_view token) const;  // -1 when absent
   std::string id_to_token(int32_t id) const;          // "" when absent

@@ -6,6 +6,11 @@ give on it, and the loss mask computed here from transformers' renders alone:
 - the others: assistant turn i is what render(messages[:i+1]) adds to
   render(messages[:i], add_generation_prompt=True), kept where both are prefixes of the full
   render, and a token is supervised when it overlaps such a turn (docs/CHAT_TEMPLATES.md).
+Harmony templates (gpt-oss) narrow each located turn to the messages learned: located here with a
+regex over the rendered turn, the body of every final and commentary (tool call) message through
+its end token (<|return|>, <|end|> or <|call|>), and of analysis messages with
+--supervise-reasoning; they also run with reasoning_effort and on extra conversations (reasoning
+before a last tool call, tool calls whose analysis a later final drops, an end token as text).
 A conversation transformers cannot render (the template raises) must fail in dflash too.
 Three rules of dflash's data come first, as the reference applies them: tool-call arguments
 given as a JSON string are parsed into the object and a null content (an assistant turn that only
@@ -20,6 +25,7 @@ Usage: template_parity.py DFLASH
 """
 import json
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -32,6 +38,49 @@ from fixtures_chat_templates import CONVERSATIONS  # noqa: E402
 MODEL = ROOT / "examples" / "gsm8k"
 TEMPLATES = ROOT / "tests" / "data" / "chat_templates"
 KWARGS = {"default": {}, "no_thinking": {"enable_thinking": False}}
+# Harmony templates also get these; "supervise_reasoning" is dflash's option, not a kwarg.
+HARMONY_KWARGS = {"effort_high": {"reasoning_effort": "high"},
+                  "supervise_reasoning": {"supervise_reasoning": True},
+                  "low_supervise_reasoning": {"reasoning_effort": "low",
+                                              "supervise_reasoning": True}}
+HARMONY_MESSAGE = re.compile(
+    r"(?:<\|start\|>assistant)?( to=[^<]*)?<\|channel\|>(\w+)[^<]*<\|message\|>"
+    r"(.*?)(<\|end\|>|<\|return\|>|<\|call\|>)", re.S)
+
+
+def call(name, arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+WEATHER = CONVERSATIONS["tools"]["tools"]
+# Harmony's cases beyond the shared corpus: the analysis of a last tool call stays (learned with
+# --supervise-reasoning), the analysis of an earlier one goes once a final follows, and an end
+# token inside a body cannot be split from the real end (refused by both here).
+HARMONY_CONVERSATIONS = {
+    "harmony_last_call_reasoning": dict(tools=WEATHER, messages=[
+        {"role": "user", "content": "Weather in Lima?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I need the tool.\nCall it.",
+         "tool_calls": [call("get_weather", {"city": "Lima"})]}]),
+    "harmony_call_chain": dict(tools=WEATHER, messages=[
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Lima then Quito?"},
+        {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Lima"})]},
+        {"role": "tool", "content": "18 C"},
+        {"role": "assistant", "content": "", "thinking": "Now Quito.",
+         "tool_calls": [call("get_weather", {"city": "Quito", "days": 1})]},
+        {"role": "tool", "content": "{\"t\": 14}"},
+        {"role": "assistant", "content": "Lima 18 C, Quito 14 C.", "thinking": "Both known."}]),
+    "harmony_reasoning_three_turns": dict(messages=[
+        {"role": "user", "content": "2*3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "Easy."},
+        {"role": "user", "content": "3*4?"},
+        {"role": "assistant", "content": "12"},
+        {"role": "user", "content": "Sum?"},
+        {"role": "assistant", "content": "18.\n\nDone.", "reasoning_content": "6 + 12 = 18\n"}]),
+    "harmony_end_token_in_text": dict(messages=[
+        {"role": "user", "content": "Print the token."},
+        {"role": "assistant", "content": "It is <|end|> here."}]),
+}
 
 # A ChatML template that marks what the model learns with {% generation %}, as a user would add
 # to a copy of their model's template.
@@ -49,9 +98,28 @@ def text_of(message):
     return content if isinstance(content, str) else "".join(p["text"] for p in content)
 
 
+def harmony_spans(text, spans, supervise_reasoning):
+    """The learned parts of located harmony turns, or None when a turn is not a run of harmony
+    messages (dflash refuses such a conversation)."""
+    out = []
+    for b, e in spans:
+        turn, at = text[b:e], 0
+        for m in HARMONY_MESSAGE.finditer(turn):
+            if m.start() != at or m.group(0).startswith("<|start|>assistant") != (at > 0):
+                return None
+            if m.group(2) != "analysis" or supervise_reasoning:
+                out.append((b + m.start(3), b + m.end(4)))
+            at = m.end()
+        if at != len(turn):
+            return None
+    return out
+
+
 def reference(hf, source, conv, kwargs):
     """(text, ids, mask, turns left unsupervised) from transformers and HF tokenizers, or None
     if the template raises."""
+    kwargs = dict(kwargs)
+    supervise_reasoning = kwargs.pop("supervise_reasoning", False)
     from transformers.utils.chat_template_utils import _normalize_chat_messages
     msgs = json.loads(json.dumps(conv["messages"]))
     for m in msgs:
@@ -91,6 +159,10 @@ def reference(hf, source, conv, kwargs):
         return None
     if any(m["role"] == "assistant" for m in msgs) and not spans:
         return None  # no turn can be located: dflash refuses the conversation
+    if "<|channel|>final<|message|>" in source:
+        spans = harmony_spans(text, spans, supervise_reasoning)
+        if spans is None:
+            return None
     enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(s < e and b < t for b, e in spans)) for s, t in enc["offset_mapping"]]
     return text, enc["input_ids"], mask, unlocated
@@ -101,28 +173,36 @@ def main():
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(MODEL)
-    names = list(CONVERSATIONS)
-    compared = refused = 0
+    compared = refused = harmony_compared = 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        data = tmp / "chats.jsonl"
-        data.write_text("".join(json.dumps(CONVERSATIONS[n], ensure_ascii=False) + "\n"
-                                for n in names), encoding="utf-8")
+        corpus = {False: CONVERSATIONS, True: {**CONVERSATIONS, **HARMONY_CONVERSATIONS}}
+        data = {}
+        for harmony, convs in corpus.items():
+            data[harmony] = tmp / f"chats_{harmony}.jsonl"
+            data[harmony].write_text("".join(json.dumps(c, ensure_ascii=False) + "\n"
+                                             for c in convs.values()), encoding="utf-8")
         (tmp / "generation.jinja").write_text(GENERATION_TEMPLATE, encoding="utf-8")
         templates = sorted(TEMPLATES.glob("*.jinja")) + [tmp / "generation.jinja"]
         for path in templates:
             source = path.read_text(encoding="utf-8")
-            for kw_name, kwargs in KWARGS.items():
+            harmony = "<|channel|>final<|message|>" in source
+            convs = corpus[harmony]
+            names = list(convs)
+            for kw_name, kwargs in {**KWARGS, **(HARMONY_KWARGS if harmony else {})}.items():
                 args = ["--chat-template-arg", "dflash_parity_test=1"]
                 for k, v in kwargs.items():
-                    args += ["--chat-template-arg", f"{k}={json.dumps(v)}"]
-                r = run([dflash, "render", "--tokenizer", MODEL, "--messages", data,
+                    if k == "supervise_reasoning":
+                        args.append("--supervise-reasoning")
+                    else:
+                        args += ["--chat-template-arg", f"{k}={json.dumps(v)}"]
+                r = run([dflash, "render", "--tokenizer", MODEL, "--messages", data[harmony],
                          "--chat-template", path, "--json", "--ids", *args], expect=None)
                 outs = [json.loads(l) for l in r.stdout.splitlines()]
                 assert len(outs) == len(names), (path.name, kw_name, r.stdout[-500:], r.stderr)
                 for name, out in zip(names, outs):
                     where = f"{path.name} x {name} x {kw_name}"
-                    want = reference(hf, source, CONVERSATIONS[name], kwargs)
+                    want = reference(hf, source, convs[name], kwargs)
                     if want is None:
                         assert "error" in out, f"{where}: transformers refuses it, dflash rendered"
                         refused += 1
@@ -136,9 +216,16 @@ def main():
                         f"{[i for i, (a, b) in enumerate(zip(out['mask'], mask)) if a != b][:10]}")
                     assert out.get("unsupervised_assistant_turns", 0) == unlocated, where
                     compared += 1
+                    harmony_compared += harmony
+        # --supervise-reasoning belongs to harmony templates: refused for the others.
+        if not harmony:
+            r = run([dflash, "render", "--tokenizer", MODEL, "--messages", data[False],
+                     "--chat-template", path, "--supervise-reasoning"], expect=None)
+            assert r.returncode != 0 and "harmony" in r.stderr, (path.name, r.stderr[-500:])
     assert compared > 0.6 * (compared + refused), (compared, refused)
-    print(f"template_parity: ok: {compared} conversations equal in text, ids and mask, "
-          f"{refused} refused by both, {len(templates)} templates")
+    assert harmony_compared > 60, harmony_compared
+    print(f"template_parity: ok: {compared} conversations equal in text, ids and mask "
+          f"({harmony_compared} harmony), {refused} refused by both, {len(templates)} templates")
 
 
 if __name__ == "__main__":

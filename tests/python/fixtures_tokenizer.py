@@ -2,8 +2,9 @@
 
 No hub access here, so the tokenizers are trained on the spot with HF `tokenizers` on GSM8K text
 (plus a slice of the stress corpus, so merges exist for non-Latin scripts too), configured like the
-real Qwen3, Llama-3 and GPT-2 tokenizer.json files. For each one we write the tokenizer directory
-and `parity.json`: texts (GSM8K test + a stress corpus) with the ids and decoded text HF produces.
+real Qwen3, Llama-3, GPT-2 and gpt-oss (o200k_harmony) tokenizer.json files. For each one we
+write the tokenizer directory and `parity.json`: texts (GSM8K test + a stress corpus + the
+pre-tokenizers' tricky classes) with the ids and decoded text HF produces.
 `nfc.json` holds NFC references from the tokenizers crate itself (not Python's unicodedata), and
 `chat.json` holds rendered conversations, ids and assistant masks from transformers.
 """
@@ -22,6 +23,23 @@ if not GSM8K.exists():
 
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (gpt-oss's o200k_harmony, as transformers' TikTokenConverter writes it into tokenizer.json):
+# upper/titlecase runs split from lowercase ones, contractions attached case-insensitively, digits
+# in groups of 1-3, "/" and newlines kept after punctuation.
+O200K_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k_harmony's added tokens and their ids (the BPE vocabulary is ids 0..199997); the ids
+# between are <|reserved_N|>.
+HARMONY_SPECIALS = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>",
+                    200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>",
+                    200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>",
+                    200018: "<|endofprompt|>"}
+O200K_BPE_SIZE = 199998
+GPT_OSS_TEMPLATE = (ROOT / "tests" / "data" / "chat_templates" /
+                    "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8")
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -350,6 +368,40 @@ def stress_corpus(seed, n_random):
     return cases
 
 
+# Text in the pre-tokenizers' tricky classes, for every tokenizer's parity (not trained on).
+TRICKY = [
+    # numbers: long digit runs (groups of 3 from the left), decimals, signs, other digit scripts
+    "1234567890123 12345 1234 123 12 1 0 007 3.14159265358979 0.000001 -0.5e-10 +42 1,234,567.89",
+    "v1.2.3 12ab34 a1b22c333d4444 2024-12-04T13:55:00Z 10^100 ١٢٣٤٥٦٧ १२३४५ ²³¹ ⅫⅩ 三千 ①②",
+    "$1,000,000.00 (USD) 50% 7/8 1/2/3 #1 no.42 1st 2nd 3rd 4th 99problems",
+    # contractions in mixed case, after upper/lowercase runs and non-Latin letters
+    "I'LL she'S THEY'RE We'Ve it'D DON'T you'Re I'm I'M o'neill rock'n'roll McDonald's iPhone's",
+    "CamelCase'S HTTPServer's XMLHttpRequest'LL 'S 'll' 'Re ''s ' s 'x NAÏVE'S naïve's ΣΑΣ'S",
+    "été'S ÉCOLE'd Straße'LL ǅungla'S ǄEMAL ʰʲ'm 'ſ 'K 中文'S 日本'll",
+    # CJK, kana, hangul, mixed with digits and Latin
+    "日本語のテキスト、漢字とカタカナ。東京2024年 中文文本，标点符号！한국어 텍스트 ㄱㅏ",
+    "ＡＢＣ全角ａｂｃ１２３ 半角ｶﾀｶﾅ 漢字abc漢字 abc日本語def",
+    # emoji, ZWJ sequences, flags, keycaps, skin tones, variation selectors
+    "👨‍👩‍👧‍👦 🏳️‍🌈 👍🏽 🇺🇸🇯🇵 1️⃣ ❤️ 🧑🏿‍🚀 🫠 a👍b 😀😃😄 ✌︎ #️⃣",
+    "\U0001f469\u200d\u2764\ufe0f\u200d\U0001f468 x\u200dy \u200b\u2060\ufeff",
+    # combining marks: alone, stacked, at word starts, Indic and Thai clusters
+    "e\u0301 A\u030a \u0301abc a\u0300\u0316\u0317 Z\u0351\u036b\u0343 q\u0307\u0323 \u20dd",
+    "क्षत्रिय नमस्ते हिन्दी สวัสดีครับ ภาษาไทย \u0e49\u0e49 ಕನ್ನಡ தமிழ் ꯃꯩꯇꯩ",
+    # mixed scripts and case classes (Lu, Ll, Lt, Lm, Lo, M) inside one word
+    "helloМир abcαβγ ПриветWorld StraßeSTRASSE ǅǆǄ ʻOkina ﬁﬂ ßẞ İstanbul ıI ǈǉ ᾈᾀ",
+    "mixedCASEWords lowerUPPERlower UPPERlowerUPPER aBcDeF ABCdef abcDEF Ⓐⓑ 𝔘𝔫𝔦 𝐀𝐁𝐂",
+    # whitespace runs and newlines, slashes after punctuation, Unicode spaces
+    "  \n\n  \t\t\n a  b   c\r\n\r\nd\n \n \u00a0 \u3000x\u2003y\u2028z\u0085w",
+    "path/to/file /usr/bin/ ./a.out ../x\n// comment\n/* c */\n<-- arrow -->/\n\n\n",
+    "end.\n\n  \n", "   ", "\n", " \n", "\t", "x\n\n\ny", "a \n b",
+    # harmony's special tokens inside text, whole and broken
+    "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>final<|message|>ok<|return|>",
+    "<|start|>assistant to=functions.f<|channel|>commentary <|constrain|>json<|message|>{}<|call|>",
+    "<|start| <|end|>> <<|message|>> <|channel||> text<|endoftext|>more<|startoftext|> <|END|>",
+    "<|reserved_200010|> <|reserved_200000|><|endofprompt|> <|start|>\u0301 x<|end|>\n\n",
+]
+
+
 def train(kind, texts):
     specials_by_kind = {
         "qwen3": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
@@ -357,6 +409,8 @@ def train(kind, texts):
                    "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         "gpt2": ["<|endoftext|>"],
     }
+    if kind == "o200k":
+        return train_o200k(texts)
     tok = Tokenizer(models.BPE(ignore_merges=(kind == "llama3")))
     if kind == "qwen3":
         tok.normalizer = normalizers.NFC()
@@ -393,7 +447,74 @@ def train(kind, texts):
     return tok
 
 
+def train_o200k(texts):
+    """gpt-oss's tokenizer.json layout (TikTokenConverter): BPE with ignore_merges (tiktoken looks
+    a whole piece up first), no normalizer, the o200k Split then ByteLevel without its regex,
+    ByteLevel decoder and post-processor. The trained vocabulary is padded to o200k's 199,998
+    entries with tokens BPE over bytes can never produce (they hold a non-byte character), so the
+    harmony tokens get their real ids (200006 for <|start|>...)."""
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=6000, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    j = json.loads(tok.to_str())
+    vocab = j["model"]["vocab"]
+    for k in range(len(vocab), O200K_BPE_SIZE):
+        vocab[f"\u3400pad{k}"] = k
+    j["added_tokens"] = [
+        {"id": i, "content": HARMONY_SPECIALS.get(i, f"<|reserved_{i}|>"), "single_word": False,
+         "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        for i in range(O200K_BPE_SIZE, 200019)]
+    tok = Tokenizer.from_str(json.dumps(j, ensure_ascii=False))
+    assert tok.token_to_id("<|start|>") == 200006 and tok.token_to_id("<|call|>") == 200012
+    return tok
+
+
+def pretoken_bytes(tok, text):
+    """[begin, end) byte ranges of the words HF's pre-tokenizer alone splits text into (its
+    offsets count code points)."""
+    out = []
+    for _, (s, e) in tok.pre_tokenizer.pre_tokenize_str(text):
+        b = len(text[:s].encode("utf-8"))
+        out.append([b, b + len(text[s:e].encode("utf-8"))])
+    return out
+
+
+def codepoint_probe(c):
+    """Text in which each code point's character classes show in the pre-tokenizer's splits:
+    after/before lowercase and uppercase letters and digits, among spaces, after a quote."""
+    ch = chr(c)
+    return f"a{ch}aA{ch}A1{ch}1 {ch} '{ch}"
+
+
+def codepoint_reference(tok, out):
+    """`codepoints.json`: for every code point (surrogates aside), the byte lengths of the words
+    HF's pre-tokenizer splits its probe into, run-length encoded as [first code point, lengths]
+    (the Unicode tables of HF's Oniguruma and dflash's PCRE2 must agree on every class the
+    split regex uses, including code points Python's own tables do not know yet)."""
+    runs, prev = [], None
+    for c in range(0x110000):
+        if 0xD800 <= c < 0xE000:
+            continue
+        probe = codepoint_probe(c)
+        lengths = [len(probe[s:e].encode("utf-8"))
+                   for _, (s, e) in tok.pre_tokenizer.pre_tokenize_str(probe)]
+        if lengths != prev:
+            runs.append([c, lengths])
+            prev = lengths
+    (out / "codepoints.json").write_text(json.dumps({"probe": codepoint_probe(0x7C), "runs": runs}))
+
+
 def tokenizer_config(kind):
+    if kind == "o200k":  # gpt-oss's tokenizer_config.json: its special tokens and template
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": GPT_OSS_TEMPLATE,
+                "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+                "pad_token": "<|endoftext|>", "model_max_length": 131072}
     if kind == "qwen3":
         return {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": QWEN3_TEMPLATE,
                 "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
@@ -759,10 +880,12 @@ def make(out: pathlib.Path):
     test_texts = [r["question"] + "\n" + r["answer"] for r in test_rows]
     stress = stress_corpus(seed=2, n_random=600)
     dirs = {}
-    for kind in ("qwen3", "llama3", "gpt2"):
+    for kind in ("qwen3", "llama3", "gpt2", "o200k"):
         d = out / kind
         d.mkdir(parents=True, exist_ok=True)
-        tok = train(kind, train_texts)
+        # o200k also learns the tricky texts' words, so a pre-tokenizer boundary that differs
+        # from HF's changes ids (merges never cross a pre-token) instead of hiding in bytes.
+        tok = train(kind, train_texts + TRICKY * 20 if kind == "o200k" else train_texts)
         tok.save(str(d / "tokenizer.json"))
         (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(kind), indent=2))
         dirs[kind] = d
@@ -773,15 +896,22 @@ def make(out: pathlib.Path):
             cfg = dict(tokenizer_config(kind), chat_template=LLAMA31_TEMPLATE)
             (d31 / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
             dirs["llama31"] = d31
-        texts = test_texts + stress
+        if kind in ("qwen3", "o200k"):  # the \p{L}/\p{N} patterns and o200k's case classes
+            codepoint_reference(tok, d)
+        texts = test_texts + stress + TRICKY
         enc = tok.encode_batch(texts, add_special_tokens=False)
         enc_sp = tok.encode_batch(texts, add_special_tokens=True)
         ids = [e.ids for e in enc]
         rng = random.Random(11)
         vocab = tok.get_vocab_size()
-        random_ids = [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(500)]
+        if kind == "o200k":  # mostly trained tokens and the added ones, a few padding tokens
+            pool = [*range(6000), *range(O200K_BPE_SIZE, vocab), *range(6000, O200K_BPE_SIZE, 997)]
+        else:
+            pool = range(vocab)
+        random_ids = [[rng.choice(pool) for _ in range(rng.randint(1, 12))] for _ in range(500)]
         (d / "parity.json").write_text(json.dumps({
             "texts": texts, "ids": ids, "ids_special": [e.ids for e in enc_sp],
+            "pretokens": [pretoken_bytes(tok, t) for t in texts],
             "decoded": tok.decode_batch(ids, skip_special_tokens=False),
             "decoded_skip": tok.decode_batch(ids, skip_special_tokens=True),
             "random_ids": random_ids,

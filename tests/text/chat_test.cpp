@@ -271,6 +271,62 @@ TEST(ChatRender, Qwen3ThinkBlockConvention) {
             "a1<|im_end|>");
 }
 
+constexpr const char* kTwoTurns =
+    R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},)"
+    R"( {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]})";
+
+// gpt-oss's harmony template (the o200k fixture's tokenizer_config.json): only the bodies of
+// final and commentary messages with their end tokens are learned, analysis with
+// supervise_reasoning; template_parity checks the same against transformers on a corpus.
+TEST(ChatRender, HarmonyLearnsMessageBodies) {
+  ChatConfig config = detect_chat_config(tokenizer_fixtures() / "o200k");
+  ASSERT_EQ(config.format, ChatFormat::kTemplate);
+  EXPECT_TRUE(config.harmony);
+  auto learned = [&](const char* line) {
+    const RenderedChat r = render_chat(parse_conversation(line), config);
+    std::vector<std::string> out;
+    for (const auto& [b, e] : r.assistant_spans) out.push_back(r.text.substr(b, e - b));
+    return out;
+  };
+  const char* reasoning = R"({"messages": [{"role": "user", "content": "q"},
+      {"role": "assistant", "content": "a", "reasoning_content": "r"}]})";
+  const char* call = R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant",
+      "content": "", "thinking": "t", "tool_calls": [{"type": "function", "function": {
+      "name": "f", "arguments": {"x": 1}}}]}]})";
+  using V = std::vector<std::string>;
+  EXPECT_EQ(learned(reasoning), V{"a<|return|>"});
+  EXPECT_EQ(learned(call), V{"{\"x\": 1}<|call|>"});
+  config.supervise_reasoning = true;
+  config.validate();
+  EXPECT_EQ(learned(reasoning), (V{"r<|end|>", "a<|return|>"}));
+  EXPECT_EQ(learned(call), (V{"t<|end|>", "{\"x\": 1}<|call|>"}));
+  // The earlier turn ends with <|end|> once a later one follows: context only.
+  const RenderedChat two = render_chat(parse_conversation(kTwoTurns), config);
+  EXPECT_EQ(two.unlocated_turns, 1u);
+  ASSERT_EQ(two.assistant_spans.size(), 1u);
+  EXPECT_THAT(
+      [&] {
+        learned(R"({"messages": [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a<|end|>b"}]})");
+      },
+      ::testing::ThrowsMessage<ParseError>(::testing::HasSubstr("harmony chat template")));
+  // The mask covers the tokens of the learned text, the harmony tokens of the header do not.
+  const tok::Tokenizer tokenizer = tok::Tokenizer::load(tokenizer_fixtures() / "o200k");
+  TokenizedChat t;
+  tokenize_chat(tokenizer, render_chat(parse_conversation(reasoning), config), t);
+  std::vector<int32_t> learned_ids;
+  for (size_t k = 0; k < t.ids.size(); ++k) {
+    if (t.mask[k]) learned_ids.push_back(t.ids[k]);
+  }
+  std::vector<int32_t> want = tokenizer.encode("r<|end|>", false);
+  for (int32_t id : tokenizer.encode("a<|return|>", false)) want.push_back(id);
+  EXPECT_EQ(learned_ids, want);
+  // Other formats learn the reasoning they render already: the option is refused.
+  ChatConfig qwen{ChatFormat::kQwen3, ""};
+  qwen.supervise_reasoning = true;
+  EXPECT_THROW(qwen.validate(), dflash::Error);
+}
+
 TEST(ChatRender, ForcedFormatAndUnknownTemplate) {
   auto dir = tokenizer_fixtures() / "gpt2";  // its tokenizer_config.json has no chat template
   EXPECT_THROW(detect_chat_config(dir), dflash::Error);
@@ -280,10 +336,6 @@ TEST(ChatRender, ForcedFormatAndUnknownTemplate) {
   EXPECT_FALSE(chat_format_from_name("chatml").has_value());
   EXPECT_EQ(detect_chat_config(tokenizer_fixtures() / "llama31").format, ChatFormat::kLlama31);
 }
-
-constexpr const char* kTwoTurns =
-    R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},)"
-    R"( {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]})";
 
 TEST(ChatRender, Llama32TemplateRendersThroughTheInterpreter) {
   auto dir = dflash::testing::fresh_test_dir("llama32_");

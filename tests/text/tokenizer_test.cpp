@@ -1,14 +1,17 @@
 // Parity of dflash::tok::Tokenizer with HF tokenizers: ids (with and without special tokens),
-// decoded text and round trips on GSM8K test and the stress corpus, for the Qwen3-, Llama-3-
-// and GPT-2-style tokenizers the fixture trains.
+// decoded text and round trips on GSM8K test, the stress corpus and text in the pre-tokenizers'
+// tricky classes, for the Qwen3-, Llama-3-, GPT-2- and gpt-oss-style (o200k_harmony) tokenizers
+// the fixture trains.
 #include "tokenizer/tokenizer.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string_view>
 
 #include "common/error.h"
 #include "text_fixtures.h"
+#include "tokenizer/regex.h"
 #include "tokenizer/unicode.h"
 
 namespace dflash::tok {
@@ -47,6 +50,28 @@ TEST_P(TokenizerParity, IdsMatchHfOnGsm8kAndStressCorpus) {
   EXPECT_EQ(mismatches, 0u) << "of " << texts.size() << " texts";
   EXPECT_GT(texts.size(), gsm + 1000);  // the stress corpus is really there
   EXPECT_GT(tokens, 100000u);
+}
+
+// The split regexes alone, word by word: a boundary the BPE vocabulary would hide (no merge
+// across it either way) still shows here.
+TEST_P(TokenizerParity, PreTokenizerSplitsLikeHf) {
+  auto dir = tokenizer_fixtures() / GetParam();
+  auto ref = load_fixture_json(dir / "parity.json");
+  ASSERT_FALSE(ref.is_null());
+  Tokenizer tok = Tokenizer::load(dir);
+  size_t mismatches = 0, words = 0;
+  for (size_t i = 0; i < ref["texts"].size(); ++i) {
+    auto text = ref["texts"][i].get<std::string>();
+    auto want = ref["pretokens"][i].get<std::vector<std::pair<size_t, size_t>>>();
+    auto got = tok.pre_tokenize(text);
+    words += got.size();
+    if (got != want && ++mismatches <= 5) {
+      ADD_FAILURE() << "text " << i << " " << show(text) << "\n got "
+                    << ::testing::PrintToString(got) << "\nwant " << ::testing::PrintToString(want);
+    }
+  }
+  EXPECT_EQ(mismatches, 0u) << "of " << ref["texts"].size() << " texts";
+  EXPECT_GT(words, 50000u);
 }
 
 TEST_P(TokenizerParity, DecodeMatchesHfAndRoundTrips) {
@@ -122,7 +147,70 @@ TEST_P(TokenizerParity, OffsetsTileTheText) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(tokenizer, TokenizerParity, ::testing::Values("qwen3", "llama3", "gpt2"));
+INSTANTIATE_TEST_SUITE_P(tokenizer, TokenizerParity,
+                         ::testing::Values("qwen3", "llama3", "gpt2", "o200k"));
+
+// gpt-oss's harmony tokens keep o200k_harmony's ids (the fixture pads the vocabulary to its
+// 199,998 BPE entries), and split out of text as single tokens.
+TEST(Tokenizer, HarmonyTokensHaveO200kHarmonyIds) {
+  Tokenizer tok = Tokenizer::load(tokenizer_fixtures() / "o200k");
+  const std::pair<const char*, int32_t> ids[] = {
+      {"<|startoftext|>", 199998}, {"<|endoftext|>", 199999}, {"<|return|>", 200002},
+      {"<|constrain|>", 200003},   {"<|channel|>", 200005},   {"<|start|>", 200006},
+      {"<|end|>", 200007},         {"<|message|>", 200008},   {"<|call|>", 200012}};
+  for (const auto& [token, id] : ids) {
+    EXPECT_EQ(tok.token_to_id(token), id) << token;
+    EXPECT_TRUE(tok.is_special(id)) << token;
+    EXPECT_EQ(tok.encode(token, false), std::vector<int32_t>{id}) << token;
+  }
+  EXPECT_EQ(tok.vocab_size(), 200019u);
+  const auto header = tok.encode("<|start|>assistant<|channel|>final<|message|>", false);
+  ASSERT_GE(header.size(), 4u);
+  EXPECT_EQ(header.front(), 200006);
+  EXPECT_EQ(header.back(), 200008);
+}
+
+// Every code point's character classes as the split regexes see them (Oniguruma's Unicode tables
+// in HF against PCRE2's here): the fixture's probe with each code point in place of '|' splits
+// into words of the same byte lengths as HF's; the fixture lists the lengths run-length encoded.
+TEST(Tokenizer, EveryCodePointSplitsLikeHf) {
+  for (const char* kind : {"qwen3", "o200k"}) {
+    auto dir = tokenizer_fixtures() / kind;
+    auto ref = load_fixture_json(dir / "codepoints.json");
+    ASSERT_FALSE(ref.is_null()) << kind;
+    Tokenizer tok = Tokenizer::load(dir);
+    const auto probe = ref["probe"].get<std::string>();
+    const auto& runs = ref["runs"];
+    size_t run = 0, mismatches = 0, checked = 0;
+    for (char32_t c = 0; c < 0x110000; ++c) {
+      if (c >= 0xD800 && c < 0xE000) continue;
+      while (run + 1 < runs.size() && runs[run + 1][0].get<char32_t>() <= c) ++run;
+      std::string ch, text;
+      append_utf8(ch, c);
+      for (char p : probe) p == '|' ? text += ch : text += p;
+      std::vector<size_t> lengths;
+      for (auto [b, e] : tok.pre_tokenize(text)) lengths.push_back(e - b);
+      ++checked;
+      if (lengths != runs[run][1].get<std::vector<size_t>>() && ++mismatches <= 5) {
+        ADD_FAILURE() << kind << ": U+" << std::hex << static_cast<uint32_t>(c) << std::dec
+                      << " splits into " << ::testing::PrintToString(lengths) << ", HF "
+                      << runs[run][1].dump();
+      }
+    }
+    EXPECT_EQ(mismatches, 0u) << kind << ": of " << checked << " code points";
+    EXPECT_EQ(checked, 0x110000u - 0x800u);
+  }
+}
+
+// Properties whose tables cannot be matched to HF's are refused by name, not run differently.
+TEST(Tokenizer, SplitRegexRefusesPropertiesItCannotMatch) {
+  EXPECT_NO_THROW(SplitRegex("[^\\s\\p{L}\\pN\\p{Lu}]+|\\P{M}|[\\P{L}]"));
+  for (const char* pattern : {"\\p{Han}", "\\p{Mn}", "[\\P{Mc}]"}) {
+    EXPECT_THAT([&] { SplitRegex re(pattern); },
+                ::testing::ThrowsMessage<dflash::Error>(::testing::HasSubstr("not supported")))
+        << pattern;
+  }
+}
 
 TEST(Tokenizer, RejectsInvalidUtf8) {
   Tokenizer tok = Tokenizer::load(tokenizer_fixtures() / "qwen3");
