@@ -6,6 +6,7 @@
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
 # gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER) fp8target gdn hybrid
+# online (ONLINE_PRESETS, ONLINE_STEPS)
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -211,6 +212,17 @@ if has hybrid; then
         | tee "$out/qwen35_peer_$preset.txt" | tail -6
     done
   fi
+fi
+if has online; then
+  # The online step (`dflash bench`: random target of the preset, 5-layer drafter, 2048 tokens,
+  # 512 anchors) per preset in ONLINE_PRESETS: tokens/s, MFU, memory (issue 35's hybrids beside
+  # the dense Qwen3-8B).
+  step online
+  for preset in ${ONLINE_PRESETS:-qwen3-8b qwen3.5-27b qwen3.5-35b-a3b}; do
+    "$dflash" bench --preset "$preset" --steps "${ONLINE_STEPS:-20}" --warmup 5 \
+      --json "$out/online_$preset.json" 2>&1 | grep -v "^train:" | tee "$out/online_$preset.txt" \
+      | tail -12
+  done
 fi
 if has gdn; then
   # Issue 35: Gated DeltaNet's kernels (kernels/gated_delta_rule.h, kernels/causal_conv1d.h)

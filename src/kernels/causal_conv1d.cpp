@@ -1,6 +1,7 @@
 #include "kernels/causal_conv1d.h"
 
 #include "common/error.h"
+#include "common/upload.h"
 #include "kernels/autograd_records.h"
 
 namespace dflash::kernels {
@@ -123,7 +124,7 @@ CausalConvResult causal_conv1d_silu_reference(const at::Tensor& x, const at::Ten
     start += lengths[i];
   }
   auto rows = [&](const std::vector<int64_t>& v) {
-    return at::tensor(v, at::kLong).to(x.device());
+    return upload_to(x.device(), at::tensor(v, at::kLong));
   };
   auto window = source.index_select(0, rows(stream));  // [S, C]
   at::Tensor out = x.new_empty({0, c});

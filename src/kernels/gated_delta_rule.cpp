@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/upload.h"
 #include "kernels/autograd_records.h"
 
 namespace dflash::kernels {
@@ -99,8 +100,8 @@ struct Grid {
       }
       start += lengths[i];
     }
-    to_grid = at::tensor(to, at::kLong).to(device);
-    from_grid = at::tensor(from, at::kLong).to(device);
+    to_grid = upload_to(device, at::tensor(to, at::kLong));
+    from_grid = upload_to(device, at::tensor(from, at::kLong));
   }
 
   // x [T, ...] -> [N, L, ...], zeros past each sequence's end.
@@ -312,7 +313,7 @@ GatedDeltaResult chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k
   chunk_part.insert(chunk_part.end(), seq_part.begin(), seq_part.end());
   // Pinned and asynchronous: no wait for the GPU on the host (the caching host allocator keeps
   // the pinned block until the copy has run).
-  auto table = at::tensor(chunk_part, at::kInt).pin_memory().to(q.device(), /*non_blocking=*/true);
+  auto table = upload_to(q.device(), at::tensor(chunk_part, at::kInt));
   const bool tc = use_tensor_cores(kernel);
   auto rows = [&](const at::Tensor& t) { return tc ? aligned_rows(token_rows(t)) : token_rows(t); };
   auto scratch = at::empty({chunk_gated_delta_scratch_floats(chunks * d.hv, tc)},

@@ -236,7 +236,7 @@ DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOption
   c.num_target_layers = target.num_layers;
   c.block_size = o.block_size;
   c.mask_token_id = o.mask_token_id;
-  c.gamma = o.gamma;
+  c.gamma = o.gamma.value_or(default_gamma(o.block_size));
   c.validate(target);
   return c;
 }

@@ -61,7 +61,7 @@ struct DrafterOptions {
   std::vector<int64_t> target_layer_ids;  // empty: default spread with K = num_layers
   int64_t block_size = 16;
   int64_t mask_token_id = kQwen3MaskToken;
-  double gamma = 7.0;
+  std::optional<double> gamma;  // none: default_gamma(block_size)
 };
 DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOptions& options);
 

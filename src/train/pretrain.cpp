@@ -15,6 +15,7 @@
 #include "common/file.h"
 #include "common/progress_text.h"
 #include "common/random.h"
+#include "common/upload.h"
 #include "data/chat.h"
 #include "io/safetensors.h"
 #include "tokenizer/builtin.h"
@@ -153,12 +154,8 @@ LmBatch make_lm_batch(const std::vector<LmSample>& samples, const std::vector<in
     }
   }
   if (lengths.empty()) fail("pretrain: a batch without a sequence of two tokens or more");
-  auto to_device = [&](const std::vector<int64_t>& v) {
-    auto t = at::tensor(v, at::kLong);
-    return device.is_cpu() ? t : t.pin_memory().to(device, true);
-  };
-  b.tokens = to_device(tokens);
-  b.targets = to_device(targets);
+  b.tokens = upload_to(device, at::tensor(tokens, at::kLong));
+  b.targets = upload_to(device, at::tensor(targets, at::kLong));
   b.packed = models::PackedBatch::from_lengths(lengths, device);
   return b;
 }
