@@ -243,7 +243,8 @@ if has gdn; then
       tar xzf "$root"/.whl/causal_conv1d-1.7.0.tar.gz -C /tmp/gdn_cc1d
       sed -i 's/^    if FORCE_CXX11_ABI:/    cc_flag = ["-gencode", "arch=compute_90,code=sm_90"]\n&/' \
         /tmp/gdn_cc1d/causal_conv1d-1.7.0/setup.py
-      CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=16 pip install --no-index --no-deps \
+      # python3 -m pip: the pip on PATH may be another Python's, without torch to build against.
+      CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=16 python3 -m pip install --no-index --no-deps \
         --no-build-isolation /tmp/gdn_cc1d/causal_conv1d-1.7.0 --target /tmp/gdn_peer \
         > "$out/causal_conv1d_build.log" 2>&1 || tail -20 "$out/causal_conv1d_build.log"
     fi
