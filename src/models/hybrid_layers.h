@@ -1,7 +1,9 @@
 // models: the layers only the hybrid targets have (Qwen3.5 / Qwen3.6, Qwen3-Next): the Gated
 // DeltaNet token mixer over packed sequences, gated attention's pieces (partial rotary, the
-// sigmoid output gate) and the sparse MLP's shared expert. Inference only; each is checked
-// against transformers through the target parity tests (tests/core/qwen35_test.cpp).
+// sigmoid output gate) and the sparse MLP's shared expert. Each is checked against transformers
+// through the target parity tests (tests/core/qwen35_test.cpp); with autograd recording (`dflash
+// pretrain --arch qwen3_5`) the mixer runs the kernels' differentiable references, and its
+// gradients are checked too (tests/core/pretrain_test.cpp).
 #pragma once
 #include <ATen/ATen.h>
 
