@@ -32,6 +32,7 @@ struct BenchDrafterOptions {
   int64_t anchors = -1;  // -1: preset default (512, 32)
   int64_t block_size = 16;
   int64_t layers = 5;
+  int64_t sliding_window = 0;
   int64_t head_chunk = 2048;
   std::vector<std::string> attention = {"auto"};  // several: alternated (run_bench)
   std::vector<std::string> head_grad = {"auto"};  // likewise, crossed with attention
@@ -169,6 +170,7 @@ void run_bench(const BenchDrafterOptions& o) {
   models::DrafterOptions dopt;
   dopt.num_layers = o.layers;
   dopt.block_size = o.block_size;
+  dopt.sliding_window = o.sliding_window;
   dopt.mask_token_id = target.vocab_size - 1;
   auto config = models::make_drafter_config(target, dopt);
   auto drafter = models::Drafter::random(config, device, 0);
@@ -325,6 +327,10 @@ void add_bench_drafter_command(CLI::App& app) {
   cmd->add_option("--layers", o->layers, "drafter layers (= tapped layers)")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
+  cmd->add_option("--drafter-sliding-window", o->sliding_window,
+                  "> 0: every drafter layer but the last slides with this window (0: none)")
+      ->capture_default_str()
+      ->check(at_least(0).validator());
   cmd->add_option("--head-chunk", o->head_chunk, "LM-head rows per loss chunk")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());

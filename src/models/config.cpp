@@ -15,28 +15,6 @@ namespace {
 
 using nlohmann::json;
 
-template <class T>
-T required(const json& j, const char* key, const std::string& origin) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) fail("{}: missing required field \"{}\"", origin, key);
-  try {
-    return it->get<T>();
-  } catch (const json::exception& e) {
-    fail("{}: field \"{}\" has the wrong type ({})", origin, key, e.what());
-  }
-}
-
-template <class T>
-T optional_field(const json& j, const char* key, T fallback, const std::string& origin) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return fallback;
-  try {
-    return it->get<T>();
-  } catch (const json::exception& e) {
-    fail("{}: field \"{}\" has the wrong type ({})", origin, key, e.what());
-  }
-}
-
 // A number that may be written as an integer or a float (as Python reads it); nullopt when
 // absent or null.
 std::optional<double> number_field(const json& j, const char* key, const std::string& origin) {
@@ -86,15 +64,15 @@ Rope parse_rope(const json& j, int64_t max_position_embeddings, double default_t
   int64_t original = optional_field<int64_t>(rs, "original_max_position_embeddings",
                                              max_position_embeddings, where);
   if (j.contains("original_max_position_embeddings")) {
-    original = required<int64_t>(j, "original_max_position_embeddings", origin);
+    original = required_field<int64_t>(j, "original_max_position_embeddings", origin);
   }
   if (original <= 0) fail("{}: original_max_position_embeddings must be positive", where);
   if (!rs.contains("factor")) fail("{}: missing required field \"factor\"", where);
   if (type == "llama3") {
     Llama3RopeScaling s;
-    s.factor = required<double>(rs, "factor", where);
-    s.low_freq_factor = required<double>(rs, "low_freq_factor", where);
-    s.high_freq_factor = required<double>(rs, "high_freq_factor", where);
+    s.factor = required_field<double>(rs, "factor", where);
+    s.low_freq_factor = required_field<double>(rs, "low_freq_factor", where);
+    s.high_freq_factor = required_field<double>(rs, "high_freq_factor", where);
     s.original_max_position_embeddings = original;
     if (s.factor <= 0 || s.low_freq_factor <= 0 || s.high_freq_factor <= s.low_freq_factor) {
       fail("{}: llama3 needs factor > 0 and high_freq_factor > low_freq_factor > 0", where);
@@ -243,7 +221,7 @@ void parse_gpt_oss(const json& j, ModelConfig& c, const std::string& origin) {
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
     const std::string where = origin + ": \"quantization_config\"";
     if (!q->is_object()) fail("{} must be an object", where);
-    const auto method = required<std::string>(*q, "quant_method", where);
+    const auto method = required_field<std::string>(*q, "quant_method", where);
     if (method != "mxfp4") fail("{}: quant_method \"{}\" is not supported (mxfp4)", where, method);
     g.mxfp4 = true;
   }
@@ -382,7 +360,7 @@ void parse_text_fields(const json& j, ModelConfig& c, bool hybrid, const std::st
 ModelConfig parse_model_config(const json& top, const std::string& origin) {
   if (!top.is_object()) fail("{}: expected a JSON object", origin);
   ModelConfig c;
-  std::string type = required<std::string>(top, "model_type", origin);
+  std::string type = required_field<std::string>(top, "model_type", origin);
   // Qwen3.5's released (multimodal) config: the text model's fields under text_config, the
   // LM head's tying at the top level (what Qwen3_5ForConditionalGeneration ties by).
   const bool multimodal = type == "qwen3_5" || type == "qwen3_5_moe";
@@ -418,16 +396,16 @@ ModelConfig parse_model_config(const json& top, const std::string& origin) {
   const bool hybrid = c.arch == Architecture::kQwen35 || c.arch == Architecture::kQwen35Moe ||
                       c.arch == Architecture::kQwen3Next;
   // The text model's fields: their errors name text_config where there is one.
-  c.vocab_size = required<int64_t>(j, "vocab_size", where);
-  c.hidden_size = required<int64_t>(j, "hidden_size", where);
+  c.vocab_size = required_field<int64_t>(j, "vocab_size", where);
+  c.hidden_size = required_field<int64_t>(j, "hidden_size", where);
   // Qwen3_5MoeTextConfig has no dense FFN width; the drafter's layers (Qwen3-shaped) take
   // three times the hidden size, Qwen3's ratio.
   c.intermediate_size =
       c.arch == Architecture::kQwen35Moe
           ? optional_field<int64_t>(j, "intermediate_size", 3 * c.hidden_size, where)
-          : required<int64_t>(j, "intermediate_size", where);
-  c.num_layers = required<int64_t>(j, "num_hidden_layers", where);
-  c.num_heads = required<int64_t>(j, "num_attention_heads", where);
+          : required_field<int64_t>(j, "intermediate_size", where);
+  c.num_layers = required_field<int64_t>(j, "num_hidden_layers", where);
+  c.num_heads = required_field<int64_t>(j, "num_attention_heads", where);
   c.num_kv_heads = optional_field<int64_t>(j, "num_key_value_heads", c.num_heads, where);
   if (c.num_heads <= 0) fail("{}: num_attention_heads must be positive", where);
   // transformers' defaults per family.

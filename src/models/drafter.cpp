@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -202,6 +203,16 @@ void DrafterConfig::validate(const ModelConfig& target) const {
          target.vocab_size);
   }
   if (!(gamma > 0)) fail("{}: gamma must be positive, got {}", who, gamma);
+  if (!sliding_layers.empty()) {
+    if (static_cast<int64_t>(sliding_layers.size()) != layers.num_layers) {
+      fail("{}: {} sliding-layer flags for {} layers", who, sliding_layers.size(),
+           layers.num_layers);
+    }
+    if (sliding_window < 1) {
+      fail("{}: sliding_window must be a positive number of positions (layers slide), got {}", who,
+           sliding_window);
+    }
+  }
 }
 
 DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOptions& o) {
@@ -237,6 +248,18 @@ DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOption
   c.block_size = o.block_size;
   c.mask_token_id = o.mask_token_id;
   c.gamma = o.gamma.value_or(default_gamma(o.block_size));
+  if (o.sliding_window < 0) {
+    fail("drafter: the sliding window must be positive (0: none), got {}", o.sliding_window);
+  }
+  if (o.sliding_window > 0) {
+    if (o.num_layers < 2) {
+      fail("drafter: a sliding window needs at least 2 layers (the last one stays full), got {}",
+           o.num_layers);
+    }
+    c.sliding_layers.assign(o.num_layers, true);
+    c.sliding_layers.back() = false;
+    c.sliding_window = o.sliding_window;
+  }
   c.validate(target);
   return c;
 }
@@ -247,9 +270,17 @@ json drafter_config_json(const DrafterConfig& c) {
   j["model_type"] = "qwen3";
   j["attention_bias"] = false;
   j["tie_word_embeddings"] = false;
-  j["use_sliding_window"] = false;
   j["attention_dropout"] = 0.0;
-  j["layer_types"] = std::vector<std::string>(c.layers.num_layers, "full_attention");
+  std::vector<std::string> types;
+  for (int64_t i = 0; i < c.layers.num_layers; ++i) {
+    types.push_back(c.window(i) > 0 ? "sliding_attention" : "full_attention");
+  }
+  j["layer_types"] = types;
+  // transformers' Qwen3Config drops sliding_window unless use_sliding_window is set, and
+  // z-lab's DFlashDraftModel reads the window from that config.
+  const bool slides = !c.sliding_layers.empty();
+  j["use_sliding_window"] = slides;
+  if (slides) j["sliding_window"] = c.sliding_window;
   if (!j.contains("rope_scaling")) j["rope_scaling"] = nullptr;
   j["block_size"] = c.block_size;
   j["num_target_layers"] = c.num_target_layers;
@@ -267,7 +298,11 @@ DrafterConfig parse_drafter_config(const json& j, const std::string& origin) {
     fail("{}: architectures must be [\"DFlashDraftModel\"] (is this a DFlash drafter?)", origin);
   }
   DrafterConfig c;
-  c.layers = parse_model_config(j, origin);
+  // Sliding layers are the drafter's own fields here: parse_model_config refuses them for a
+  // target.
+  json layers_json = j;
+  layers_json.erase("use_sliding_window");
+  c.layers = parse_model_config(layers_json, origin);
   if (c.layers.arch != Architecture::kQwen3) {
     fail("{}: model_type must be \"qwen3\" for a DFlash drafter", origin);
   }
@@ -283,6 +318,34 @@ DrafterConfig parse_drafter_config(const json& j, const std::string& origin) {
         "{}: DFlash fields (block_size, num_target_layers, dflash_config.mask_token_id, "
         "dflash_config.target_layer_ids) missing or of the wrong type: {}",
         origin, e.what());
+  }
+  const auto types = optional_field<std::vector<std::string>>(j, "layer_types", {}, origin);
+  if (!types.empty() && static_cast<int64_t>(types.size()) != c.layers.num_layers) {
+    fail("{}: layer_types has {} entries, num_hidden_layers is {}", origin, types.size(),
+         c.layers.num_layers);
+  }
+  for (size_t i = 0; i < types.size(); ++i) {
+    if (types[i] != "sliding_attention" && types[i] != "full_attention") {
+      fail(
+          "{}: layer_types[{}] is \"{}\" (a DFlash drafter has sliding_attention or "
+          "full_attention layers)",
+          origin, i, types[i]);
+    }
+  }
+  if (std::find(types.begin(), types.end(), "sliding_attention") != types.end()) {
+    if (!optional_field<bool>(j, "use_sliding_window", false, origin)) {
+      fail(
+          "{}: layer_types has sliding_attention layers but use_sliding_window is false: "
+          "transformers then drops sliding_window and the layers would slide without a window; "
+          "set use_sliding_window to true",
+          origin);
+    }
+    for (const auto& t : types) c.sliding_layers.push_back(t == "sliding_attention");
+    c.sliding_window = optional_field<int64_t>(j, "sliding_window", 0, origin);
+    if (c.sliding_window < 1) {
+      fail("{}: sliding_window must be a positive number of positions (layers slide), got {}",
+           origin, c.sliding_window);
+    }
   }
   c.gamma = default_gamma(c.block_size);
   return c;
@@ -349,13 +412,21 @@ DrafterAttention resolve_drafter_attention(DrafterAttention requested, at::Devic
 }
 
 at::Tensor dense_block_mask(int64_t context_len, const std::vector<int64_t>& anchors,
-                            int64_t block_size, at::Device device) {
+                            int64_t block_size, at::Device device, int64_t window) {
   const int64_t n = static_cast<int64_t>(anchors.size()), rows = n * block_size;
   auto anchor = at::tensor(anchors, at::kLong).to(device).repeat_interleave(block_size);  // [rows]
   auto key = at::arange(context_len, at::TensorOptions().dtype(at::kLong).device(device));
   auto ctx = key.unsqueeze(0) < anchor.unsqueeze(1);  // strictly before the anchor
-  auto block_of_row = at::arange(rows, key.options()).div(block_size, "floor");
+  auto row = at::arange(rows, key.options());
+  auto block_of_row = row.div(block_size, "floor");
   auto own = block_of_row.unsqueeze(1) == block_of_row.unsqueeze(0);  // own block, both ways
+  if (window > 0) {
+    auto position = anchor + row.remainder(block_size);  // a + k
+    ctx = ctx & (key.unsqueeze(0) > (position - window).unsqueeze(1));
+    // Rows of one block are consecutive, so k - k' is the row distance.
+    auto back = row.unsqueeze(1) - row.unsqueeze(0);
+    own = own & (back >= 0) & (back < window);
+  }
   return at::cat({ctx, own}, 1);
 }
 
@@ -698,6 +769,16 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
                                                   layout.block_size, device);
     }
   }
+  // A sliding layer's keys per block where flash runs: context rows [a - W + 1, a), then the
+  // block (flash's causal window does the rest). Sliding layers take dense attention elsewhere.
+  std::optional<kernels::PrefixGatherPlan> windowed;
+  const int64_t window = config_.sliding_window;
+  if (in_place && window > 0) {
+    std::vector<int64_t> begins;
+    for (int64_t a : layout.anchor) begins.push_back(std::max<int64_t>(0, a - window + 1));
+    windowed = kernels::PrefixGatherPlan::build(batch.lengths, layout.sequence, layout.anchor,
+                                                layout.block_size, device, begins);
+  }
   for (size_t l = 0; l < layers_.size(); ++l) {
     const size_t first = 2 + l * kPerLayer;
     DrafterLayerWeights layer;
@@ -710,10 +791,11 @@ at::Tensor Drafter::forward(const at::Tensor& features, const PackedBatch& batch
     for (size_t f = 0; f < kPerLayer; ++f) *fields[f] = weight(first + f);
     const at::Tensor context_k_norm = weight(first + kContextKNorm);
     const bool predictions = rows == BlockRows::kPredictions && l + 1 == layers_.size();
-    stream =
-        layer_forward(layer, context_k_norm, stream, l == 0 ? distinct : at::Tensor(), predictions,
-                      ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch, layout, dtype,
-                      gathered ? &*gathered : nullptr, in_place ? &*in_place : nullptr, fp8_gemms);
+    stream = layer_forward(layer, context_k_norm, stream, l == 0 ? distinct : at::Tensor(),
+                           predictions, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, batch, layout,
+                           dtype, gathered ? &*gathered : nullptr, in_place ? &*in_place : nullptr,
+                           config_.window(static_cast<int64_t>(l)), windowed ? &*windowed : nullptr,
+                           fp8_gemms);
   }
   return add_and_norm(stream, weight(named_.size() - 1), config_.layers.rms_norm_eps).second;
 }
@@ -725,7 +807,8 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& 
                                 const at::Tensor& blk_sin, const PackedBatch& batch,
                                 const BlockLayout& layout, at::ScalarType dtype,
                                 const kernels::PrefixGatherPlan* gathered,
-                                const PrefixAttentionPlan* in_place, bool fp8_gemms) const {
+                                const PrefixAttentionPlan* in_place, int64_t window,
+                                const kernels::PrefixGatherPlan* windowed, bool fp8_gemms) const {
   const ModelConfig& c = config_.layers;
   const int64_t n = layout.num_blocks(), bs = layout.block_size, d = c.head_dim;
   const int64_t hkv = c.num_kv_heads, groups = c.num_heads / hkv;
@@ -748,8 +831,11 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& 
   // o_proj's columns permuted to that order make the fold, and the unfold of the output, free
   // views. Permuting the two weights copies 2 x Hq*D*H elements per layer, against four copies of
   // the [rows, Hq, D] activations (forward and backward).
+  // A sliding layer runs flash with its window over keys gathered per block (GQA unfolded: the
+  // fold would break the window's alignment of query rows to positions) or dense attention.
   DrafterLayerWeights wp = w;
-  const bool sparse = gathered != nullptr || in_place != nullptr;
+  const bool sparse = window == 0 && (gathered != nullptr || in_place != nullptr);
+  const bool sliding_flash = window > 0 && windowed != nullptr;
   if (sparse && groups > 1) {
     const int64_t h = c.hidden_size;
     wp.q_proj = swap_middle_dims(w.q_proj, 1, hkv, groups, d * h);
@@ -780,7 +866,21 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& 
   const at::Tensor &k_ctx = context.k, &v_ctx = context.v;
 
   at::Tensor attn;  // [rows, Hq, D], heads in wp's order
-  if (!sparse) {
+  if (sliding_flash) {
+    const kernels::PrefixGatherPlan& plan = *windowed;
+    const int64_t kv_width = hkv * d;
+    auto gather_rows = [&](const at::Tensor& ctx_part, const at::Tensor& blk_part) {
+      auto all = at::cat({ctx_part, blk_part}).view({-1, kv_width});
+      return kernels::prefix_gather(all, plan).view({-1, hkv, d});
+    };
+    auto cu_q = at::arange(0, (n + 1) * qb, qb, q.options().dtype(at::kInt));
+    // Flash aligns the causal window to the end of each segment: query k of a block (position
+    // a + k, its block's last rows when only the predicting rows run) meets its own row.
+    attn = std::get<0>(at::_flash_attention_forward(
+        q, gather_rows(k_ctx, k_blk), gather_rows(v_ctx, v_blk), cu_q, plan.cu_keys, qb,
+        plan.max_keys, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt,
+        flash_window_left(window), 0));
+  } else if (!sparse) {
     std::vector<at::Tensor> outs;
     int64_t ctx_start = 0, block = 0;
     for (int64_t s = 0; s < batch.size(); ++s) {
@@ -794,7 +894,7 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& 
         const int64_t blocks = static_cast<int64_t>(anchors.size()), nrows = blocks * bs;
         auto keys = at::cat({k_ctx.narrow(0, ctx_start, len), k_blk.narrow(0, first * bs, nrows)});
         auto vals = at::cat({v_ctx.narrow(0, ctx_start, len), v_blk.narrow(0, first * bs, nrows)});
-        auto mask = dense_block_mask(len, anchors, bs, x.device());
+        auto mask = dense_block_mask(len, anchors, bs, x.device(), window);
         if (predictions) mask = prediction_rows(mask, blocks, bs);
         auto view = [](const at::Tensor& a) { return a.transpose(0, 1).unsqueeze(0); };
         auto o = at::scaled_dot_product_attention(view(q.narrow(0, first * qb, blocks * qb)),
@@ -933,7 +1033,11 @@ at::Tensor DraftModel::hidden(KVCache& cache, const std::vector<int64_t>& slots,
     auto [x, h] = add_and_norm(stream, w.input_norm.to(dtype_), c.rms_norm_eps);
     auto [q, k, v] = block_qkv(w, c, h, cos, sin, dtype_);
     cache.update(static_cast<int64_t>(l), batch.rows, k, v);
-    auto attn = cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
+    // A sliding layer's block is causal with its window, a full layer's both ways.
+    const int64_t window = config_.window(static_cast<int64_t>(l));
+    auto attn = window > 0
+                    ? cached_causal_attention(q, cache, static_cast<int64_t>(l), batch, window)
+                    : cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
     stream = layer_output(w, c, x, attn, dtype_);
   }
   return add_and_norm(stream, norm_, c.rms_norm_eps).second.view({n, bs, c.hidden_size});
@@ -962,6 +1066,16 @@ double drafter_step_flops(const DrafterConfig& config, const std::vector<int64_t
   const double predicting = blocks * (bs - 1);
   double keys = 0;  // sum over a block's positions of the keys each attends to, over blocks
   for (int64_t a : anchors) keys += static_cast<double>(a) + bs;
+  // The same for a sliding layer (row k: context keys j > a + k - W, own rows k' <= k), per
+  // query position.
+  double sliding_keys = 0;
+  for (int64_t a : anchors) {
+    for (int64_t k = 0; k < config.block_size; ++k) {
+      const int64_t w = config.sliding_window;
+      sliding_keys +=
+          static_cast<double>(std::clamp<int64_t>(w - 1 - k, 0, a) + std::min<int64_t>(k + 1, w));
+    }
+  }
   // As the training step runs it: the first layer projects Q/K/V from its input's blocks + 1
   // distinct rows, and the last layer computes queries, attention, O and the MLP for the
   // predicting rows only (BlockRows::kPredictions).
@@ -970,9 +1084,10 @@ double drafter_step_flops(const DrafterConfig& config, const std::vector<int64_t
     const double qkv_rows = first ? blocks + 1 : block_rows;
     const double q_rows = first ? blocks + 1 : (last ? predicting : block_rows);
     const double post_rows = last ? predicting : block_rows, query_positions = last ? bs - 1 : bs;
+    const double attended = config.window(l) > 0 ? sliding_keys : query_positions * keys;
     return 2 * (q_rows * h * q + qkv_rows * h * 2 * kv + post_rows * (q * h + 3 * h * f)) +
-           2 * tokens * h * 2 * kv            // the context's K/V
-           + 4 * query_positions * keys * q;  // QK^T and PV
+           2 * tokens * h * 2 * kv  // the context's K/V
+           + 4 * attended * q;      // QK^T and PV
   };
   const double fc = 2 * tokens * config.num_taps() * h * h;
   double forward = fc;

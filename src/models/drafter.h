@@ -48,8 +48,18 @@ struct DrafterConfig {
   // That id's text in the target's tokenizer (the export's mask_token); "" when not known.
   std::string mask_token;
   double gamma = 7.0;  // loss weight decay exp(-(k-1)/gamma); not part of the export
+  // Sliding-window layers (the export's layer_types "sliding_attention", as z-lab's
+  // DFlashDraftModel and SGLang read them): a block query at position p sees context keys
+  // j > p - sliding_window and its own block causally (rows k' <= k), where a full layer sees
+  // all context keys before the anchor and its whole block both ways. Empty: no layer slides.
+  std::vector<bool> sliding_layers;
+  int64_t sliding_window = 0;  // positions a sliding layer's query sees, its own included
 
   int64_t num_taps() const { return static_cast<int64_t>(target_layer_ids.size()); }
+  // Layer i's window: sliding_window for a sliding layer, 0 for a full one.
+  int64_t window(int64_t layer) const {
+    return !sliding_layers.empty() && sliding_layers[layer] ? sliding_window : 0;
+  }
   // Throws naming the field if the config is inconsistent on its own or with `target`
   // (layer ids out of range or repeated, mask id outside the vocabulary, widths that differ).
   void validate(const ModelConfig& target) const;
@@ -62,6 +72,9 @@ struct DrafterOptions {
   int64_t block_size = 16;
   int64_t mask_token_id = kQwen3MaskToken;
   std::optional<double> gamma;  // none: default_gamma(block_size)
+  // > 0: every layer but the last slides with this window, the last stays full (the layout of
+  // z-lab's Qwen3.6-27B-DFlash: causal sliding layers, one bidirectional layer at the end).
+  int64_t sliding_window = 0;
 };
 DrafterConfig make_drafter_config(const ModelConfig& target, const DrafterOptions& options);
 
@@ -111,9 +124,11 @@ at::Tensor block_positions(const std::vector<int64_t>& anchors, int64_t block_si
 
 // Dense attention mask of one sequence with context length `context_len` and blocks at
 // `anchors`: [blocks*B, context_len + blocks*B], true = may attend. Block queries see context
-// keys j < a (strictly) and every token of their own block; nothing of other blocks.
+// keys j < a (strictly) and every token of their own block; nothing of other blocks. With a
+// `window` (a sliding layer, DrafterConfig) the query at position p = a + k sees context keys
+// a > j > p - window and its own block's rows k' with k - window < k' <= k.
 at::Tensor dense_block_mask(int64_t context_len, const std::vector<int64_t>& anchors,
-                            int64_t block_size, at::Device device);
+                            int64_t block_size, at::Device device, int64_t window = 0);
 
 enum class DrafterAttention {
   kAuto,      // on CUDA in bf16/fp16 gathered-cudnn-shared-fwd (gathered without cuDNN), else dense
@@ -239,7 +254,9 @@ class Drafter {
   // neither is dense attention. `distinct`, in the first layer only: the blocks + 1 distinct
   // rows of its input (each anchor's embedding, then the MASK's; input.x is them spread to the
   // blocks), which its norm and Q/K/V projections read instead of input.x. `predictions`:
-  // return the rows of block positions 1..B-1 only (BlockRows::kPredictions).
+  // return the rows of block positions 1..B-1 only (BlockRows::kPredictions). `window` > 0: a
+  // sliding layer, whose keys `windowed` holds per block where flash runs (dense attention with
+  // the windowed mask elsewhere).
   Residual layer_forward(const DrafterLayerWeights& w, const at::Tensor& context_k_norm,
                          const Residual& input, const at::Tensor& distinct, bool predictions,
                          const at::Tensor& ctx, const at::Tensor& ctx_cos,
@@ -247,7 +264,8 @@ class Drafter {
                          const at::Tensor& blk_sin, const PackedBatch& batch,
                          const BlockLayout& layout, at::ScalarType dtype,
                          const kernels::PrefixGatherPlan* gathered,
-                         const PrefixAttentionPlan* in_place, bool fp8_gemms) const;
+                         const PrefixAttentionPlan* in_place, int64_t window,
+                         const kernels::PrefixGatherPlan* windowed, bool fp8_gemms) const;
 
   // Parameter i (named_parameters order) as forward() in `dtype` reads it: its compute copy when
   // there is one, else a cast of the master.

@@ -50,12 +50,6 @@ at::Tensor sink_attention_one(const at::Tensor& q, const at::Tensor& k, const at
   return at::matmul(probs, vh).transpose(0, 1);  // [L, Hq, D]
 }
 
-// Flash's window keeps keys j with i - left <= j <= i: `window` keys is left = window - 1.
-std::optional<int64_t> flash_left(int64_t window) {
-  if (window > 0) return window - 1;
-  return std::nullopt;
-}
-
 // A softmax with the sink's logit in its denominator from flash's output and log-sum-exp
 // (fp32 [Hq, T]): out * S / (S + e^sink) with S = e^lse, i.e. out * sigmoid(lse - sink).
 at::Tensor fold_sinks(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
@@ -130,7 +124,8 @@ at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   if (cuda_half(q)) {
     auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
         q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_length, batch.max_length, 0.0,
-        /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_left(window), 0);
+        /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_window_left(window),
+        0);
     return fold_sinks(out, lse, sinks);
   }
   std::vector<at::Tensor> outs;
@@ -153,7 +148,7 @@ at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int6
     // causal mask and the window to the end of each slot's keys.
     auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
         q, k, v, batch.cu_seqlens, batch.key_starts, batch.max_count, batch.max_seen, 0.0,
-        /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_left(window), 0,
+        /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_window_left(window), 0,
         batch.seen);
     return fold_sinks(out, lse, sinks);
   }

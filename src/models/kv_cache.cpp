@@ -185,8 +185,9 @@ AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& 
 
 namespace {
 
+// `window` only with `causal`.
 at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                            const AppendBatch& batch, bool causal) {
+                            const AppendBatch& batch, bool causal, int64_t window) {
   const at::Tensor& k = cache.keys(layer);
   const at::Tensor& v = cache.values(layer);
   const bool flash =
@@ -194,7 +195,8 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
   if (flash) {
     auto out = at::_flash_attention_forward(
         q, k, v, batch.cu_seqlens, batch.key_starts, batch.max_count, batch.max_seen, 0.0, causal,
-        /*return_debug_mask=*/false, std::nullopt, std::nullopt, std::nullopt, batch.seen);
+        /*return_debug_mask=*/false, std::nullopt, flash_window_left(window),
+        window > 0 ? std::optional<int64_t>(0) : std::nullopt, batch.seen);
     return std::get<0>(out);
   }
   std::vector<at::Tensor> outs;
@@ -210,8 +212,10 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
     // would align the mask to the first key instead.
     std::optional<at::Tensor> mask;
     if (causal) {
-      mask = at::arange(seen, q.options().dtype(at::kLong)).unsqueeze(0) <=
-             at::arange(start, seen, q.options().dtype(at::kLong)).unsqueeze(1);
+      auto key = at::arange(seen, q.options().dtype(at::kLong)).unsqueeze(0);
+      auto query = at::arange(start, seen, q.options().dtype(at::kLong)).unsqueeze(1);
+      mask = key <= query;
+      if (window > 0) mask = *mask & (key > query - window);
     }
     auto o = at::scaled_dot_product_attention(view(q.narrow(0, offset, n)), view(keys),
                                               view(values), mask, 0.0, /*is_causal=*/false,
@@ -225,13 +229,13 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
 }  // namespace
 
 at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                                   const AppendBatch& batch) {
-  return cached_attention(q, cache, layer, batch, /*causal=*/true);
+                                   const AppendBatch& batch, int64_t window) {
+  return cached_attention(q, cache, layer, batch, /*causal=*/true, window);
 }
 
 at::Tensor cached_block_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
                                   const AppendBatch& batch) {
-  return cached_attention(q, cache, layer, batch, /*causal=*/false);
+  return cached_attention(q, cache, layer, batch, /*causal=*/false, /*window=*/0);
 }
 
 }  // namespace dflash::models

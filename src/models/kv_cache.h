@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "models/config.h"
@@ -117,13 +118,21 @@ struct AppendBatch {
   int64_t size() const { return static_cast<int64_t>(slots.size()); }
 };
 
+// Flash attention's window_size_left for a window of `window` keys (0: none): flash keeps keys
+// j with p - left <= j <= p for the query at p, so `window` keys is left = window - 1.
+inline std::optional<int64_t> flash_window_left(int64_t window) {
+  if (window > 0) return window - 1;
+  return std::nullopt;
+}
+
 // Attention of the batch's new queries, q [total, Hq, D], over their slots' keys and values
 // in `layer` of `cache` (the new tokens' rows already written), causal and grouped-query.
 // On CUDA in bf16/fp16 one variable-length flash-attention call reads the cache in place
 // (cu_seqlens_k = each slot's first row, seqused_k = start + count; flash aligns the causal
 // mask to the end of the keys); elsewhere one masked scaled_dot_product_attention per entry.
+// `window` > 0: a query at position p sees only keys j > p - window (flash's own window).
 at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                                   const AppendBatch& batch);
+                                   const AppendBatch& batch, int64_t window = 0);
 
 // The same without the causal mask: every new query of an entry sees all its slot's keys up to
 // start + count, its entry's new tokens in both directions (the DFlash drafter's block).

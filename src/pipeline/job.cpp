@@ -52,6 +52,7 @@ models::DrafterConfig drafter_config(const RunConfig& c, const models::ModelConf
   o.num_layers = c.drafter_layers;
   o.target_layer_ids = c.target_layer_ids;
   o.block_size = c.block_size;
+  o.sliding_window = c.drafter_sliding_window;
   o.mask_token_id = c.mask_token_id;
   if (o.mask_token_id < 0) {
     o.mask_token_id = kQwen3MaskToken < tc.vocab_size ? kQwen3MaskToken : tc.vocab_size - 1;

@@ -52,6 +52,10 @@ const std::vector<ConfigKey>& config_keys() {
       {"target_layer_ids", &RunConfig::target_layer_ids,
        "tapped target layers (default: DFlash's spread, one per drafter layer)"},
       {"block_size", &RunConfig::block_size, "DFlash block size", at_least(2)},
+      {"drafter_sliding_window", &RunConfig::drafter_sliding_window,
+       "> 0: every drafter layer but the last is a sliding-window layer of this many positions "
+       "(causal within the block; exported as layer_types sliding_attention); 0: none",
+       at_least(0)},
       {"drafter_attention", &RunConfig::drafter_attention,
        "the drafter's block attention: " + enum_choices(models::kDrafterAttentionNames, true)},
       {"head_grad", &RunConfig::head_grad,

@@ -26,6 +26,7 @@ struct RunConfig {
   int64_t drafter_layers = 5;
   std::vector<int64_t> target_layer_ids;  // empty: DFlash's spread
   int64_t block_size = 16;
+  int64_t drafter_sliding_window = 0;      // > 0: all drafter layers but the last slide
   std::string drafter_attention = "auto";  // models::parse_drafter_attention's names
   std::string head_grad = "auto";          // train::parse_head_grad's names
   std::string drafter_gemms = "auto";      // train::parse_drafter_gemms's names

@@ -2,9 +2,10 @@
 // draft for the block anchored at a, with the context of tokens 0..a-1 cached (in pieces, as
 // speculative decoding commits them), must give the training forward's hidden states and
 // logits for the block anchored at a of the same sequence. This pins the context mask (keys
-// < a), the block's bidirectional attention, the positions and the MASK inputs of inference to
-// the ones the drafter was trained with. Tiny random models, fp32 on the CPU; on a GPU also
-// fp32 (SDPA) and bf16 (the flash paths of both, within bf16 rounding), skipped elsewhere.
+// < a), the block's bidirectional attention (causal with a window in sliding layers), the
+// positions and the MASK inputs of inference to the ones the drafter was trained with. Tiny random
+// models, fp32 on the CPU; on a GPU also fp32 (SDPA) and bf16 (the flash paths of both, within bf16
+// rounding), skipped elsewhere.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -26,6 +27,7 @@ struct Shape {
   int64_t heads, kv_heads, head_dim, drafter_layers, block_size;
   at::Device device = at::kCPU;
   at::ScalarType dtype = at::kFloat;
+  int64_t window = 0;  // > 0: the drafter's layers but the last slide with this window
   // Relative tolerance of inference against training; fp32 on the CPU is the exact check.
   double tol() const {
     if (dtype != at::kFloat) return 3e-2;
@@ -55,6 +57,7 @@ Models make_models(const Shape& s, uint64_t seed) {
   models::DrafterOptions o;
   o.num_layers = s.drafter_layers;
   o.block_size = s.block_size;
+  o.sliding_window = s.window;
   o.mask_token_id = c.vocab_size - 1;
   auto drafter = Drafter::random(models::make_drafter_config(c, o), s.device, seed + 1);
   // Weights of std 0.02 leave attention almost uniform; sharper attention and norms away from
@@ -206,12 +209,19 @@ TEST_P(DraftModelVsTraining, BatchedSlotsEqualOneAtATime) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DraftModelVsTraining,
-    ::testing::Values(Shape{"gqa2_block4", 4, 2, 16, 2, 4}, Shape{"mha_block8", 2, 2, 24, 1, 8},
-                      Shape{"gqa4_block16", 4, 1, 12, 3, 16},
-                      // Flash needs head_dim % 8 == 0.
-                      Shape{"cuda_fp32_gqa2_block16", 4, 2, 16, 2, 16, at::kCUDA, at::kFloat},
-                      Shape{"cuda_bf16_gqa2_block16", 4, 2, 32, 2, 16, at::kCUDA, at::kBFloat16},
-                      Shape{"cuda_bf16_mha_block8", 2, 2, 16, 1, 8, at::kCUDA, at::kBFloat16}),
+    ::testing::Values(
+        Shape{"gqa2_block4", 4, 2, 16, 2, 4}, Shape{"mha_block8", 2, 2, 24, 1, 8},
+        Shape{"gqa4_block16", 4, 1, 12, 3, 16},
+        // Flash needs head_dim % 8 == 0.
+        Shape{"cuda_fp32_gqa2_block16", 4, 2, 16, 2, 16, at::kCUDA, at::kFloat},
+        Shape{"cuda_bf16_gqa2_block16", 4, 2, 32, 2, 16, at::kCUDA, at::kBFloat16},
+        Shape{"cuda_bf16_mha_block8", 2, 2, 16, 1, 8, at::kCUDA, at::kBFloat16},
+        // Sliding layers (causal block, context window): a window shorter than
+        // the contexts, and one shorter than the block.
+        Shape{"sliding_gqa2_block4", 4, 2, 16, 3, 4, at::kCPU, at::kFloat, 6},
+        Shape{"sliding_window3_block8", 2, 2, 24, 2, 8, at::kCPU, at::kFloat, 3},
+        Shape{"cuda_fp32_sliding_block16", 4, 2, 16, 3, 16, at::kCUDA, at::kFloat, 10},
+        Shape{"cuda_bf16_sliding_block16", 4, 2, 32, 3, 16, at::kCUDA, at::kBFloat16, 10}),
     [](const auto& info) { return info.param.name; });
 
 TEST(DraftModel, CacheKeepsRoomForTheBlock) {

@@ -113,10 +113,15 @@ TEST(DrafterExport, LoadRejectsDrafterOfAnotherTarget) {
   remove_tree(dir);
 }
 
-TEST(DrafterExport, PythonReferenceLoadsExportAndAgrees) {
+// Both layouts: full layers only, and sliding-window layers around a full one (the export's
+// layer_types and sliding_window, read back through transformers' Qwen3Config, decide the
+// reference's masks).
+class DrafterExportPython : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DrafterExportPython, ReferenceLoadsExportAndAgrees) {
   const char* python = std::getenv("DFLASH_PYTHON");
   ASSERT_NE(python, nullptr) << "DFLASH_PYTHON is not set (ctest sets it)";
-  DflashCase c("tied");
+  DflashCase c(GetParam());
   auto dir = testing::fresh_temp_dir("pycheck");
   c.drafter->save(dir / "export");
   // Our side: the drafter as loaded back from the export (bf16 values, fp32 compute).
@@ -140,6 +145,58 @@ TEST(DrafterExport, PythonReferenceLoadsExportAndAgrees) {
   auto theirs = io::SafetensorsFile::open(dir / "out.safetensors")->tensor("hidden");
   EXPECT_CLOSE(ours.detach(), theirs, 1e-4);
   remove_tree(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, DrafterExportPython, ::testing::Values("tied", "sliding"),
+                         [](const auto& info) { return info.param; });
+
+// Sliding layers survive the export: layer_types and the window written, read back, and what
+// transformers would read differently refused.
+TEST(DrafterExport, SlidingLayersRoundTrip) {
+  DflashCase c("sliding");
+  const auto& cfg = c.drafter->config();
+  ASSERT_EQ(cfg.sliding_layers, (std::vector<bool>{true, false, true}));
+  ASSERT_EQ(cfg.sliding_window, 7);
+  auto j = models::drafter_config_json(cfg);
+  EXPECT_EQ(j["layer_types"],
+            nlohmann::json::array({"sliding_attention", "full_attention", "sliding_attention"}));
+  EXPECT_EQ(j["use_sliding_window"], true);
+  EXPECT_EQ(j["sliding_window"], 7);
+  auto back = models::parse_drafter_config(j, "test");
+  EXPECT_EQ(back.sliding_layers, cfg.sliding_layers);
+  EXPECT_EQ(back.sliding_window, 7);
+  EXPECT_EQ(back.window(1), 0);
+  EXPECT_EQ(back.window(2), 7);
+  auto refused = [&](nlohmann::json bad, const std::string& words) {
+    try {
+      models::parse_drafter_config(bad, "cfg.json");
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  auto off = j;
+  off["use_sliding_window"] = false;  // transformers would drop the window
+  refused(off, "use_sliding_window");
+  auto other = j;
+  other["layer_types"][0] = "linear_attention";
+  refused(other, "layer_types[0]");
+  auto no_window = j;
+  no_window.erase("sliding_window");
+  refused(no_window, "sliding_window");
+  // The full-layer export says no layer slides.
+  auto full = models::drafter_config_json(DflashCase("tied").drafter->config());
+  EXPECT_EQ(full["use_sliding_window"], false);
+  EXPECT_FALSE(full.contains("sliding_window"));
+  // --drafter-sliding-window: all layers but the last.
+  models::DrafterOptions o;
+  o.num_layers = 4;
+  o.mask_token_id = 3;
+  o.sliding_window = 64;
+  auto made = models::make_drafter_config(c.target->config(), o);
+  EXPECT_EQ(made.sliding_layers, (std::vector<bool>{true, true, true, false}));
+  o.num_layers = 1;
+  EXPECT_THROW(models::make_drafter_config(c.target->config(), o), Error);
 }
 
 // dflash_config.mask_token is the text of the mask id in the target's tokenizer: found through

@@ -29,6 +29,7 @@ struct GpuCase {
   double loss_tol, grad_tol;
   train::HeadGrad head_grad;
   bool fp8_gemms = false;
+  const char* fixture = "untied";
 };
 
 // CTest names each case by this (GoogleTest would print the struct's bytes).
@@ -43,7 +44,7 @@ class DrafterGpu : public ::testing::TestWithParam<GpuCase> {
 
 TEST_P(DrafterGpu, GatheredStepMatchesReference) {
   const GpuCase g = GetParam();
-  DflashCase c("untied", at::kCUDA);
+  DflashCase c(g.fixture, at::kCUDA);
   train::StepOptions options;
   options.dtype = g.dtype;
   options.attention = g.attention;
@@ -93,7 +94,13 @@ INSTANTIATE_TEST_SUITE_P(
                       // itself is checked tightly in LinearGroup.Fp8GemmsAreTheQuantizedProducts;
                       // here a transposed or misplaced product would be off by 1 or more.
                       GpuCase{"bf16_fp8_gemms", at::kBFloat16, DrafterAttention::kGathered, 3e-2,
-                              0.6, train::HeadGrad::kFp8, true}),
+                              0.6, train::HeadGrad::kFp8, true},
+                      // Sliding-window layers: dense attention with the windowed mask in fp32,
+                      // flash with its causal window over keys gathered per block in bf16.
+                      GpuCase{"sliding_fp32", at::kFloat, DrafterAttention::kGathered, 1e-4, 1e-4,
+                              train::HeadGrad::kCompute, false, "sliding"},
+                      GpuCase{"sliding_bf16", at::kBFloat16, DrafterAttention::kGathered, 2e-2,
+                              5e-2, train::HeadGrad::kCompute, false, "sliding"}),
     [](const auto& info) { return info.param.name; });
 
 // The default bf16 step (auto: cuDNN's backward over the shared segments, flash's over the

@@ -1,5 +1,6 @@
 // The C++ DFlash training step against the plain-PyTorch reference (tests/python/
-// dflash_reference.py) on tiny Qwen3 targets (tied and untied), several sequences with
+// dflash_reference.py) on tiny Qwen3 targets (tied, untied, and a drafter with sliding-window
+// layers whose window is shorter than most sequences), several sequences with
 // different lengths and loss masks, the same anchors: loss, per-position accuracy,
 // predictions and every drafter parameter gradient, in fp32, for both attention paths.
 #include <gtest/gtest.h>
@@ -65,7 +66,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, DrafterParity,
                          ::testing::Values(ParityParam{"tied", DrafterAttention::kDense},
                                            ParityParam{"tied", DrafterAttention::kGathered},
                                            ParityParam{"untied", DrafterAttention::kDense},
-                                           ParityParam{"untied", DrafterAttention::kGathered}),
+                                           ParityParam{"untied", DrafterAttention::kGathered},
+                                           ParityParam{"sliding", DrafterAttention::kDense},
+                                           ParityParam{"sliding", DrafterAttention::kGathered}),
                          [](const auto& info) {
                            return info.param.fixture +
                                   (info.param.attention == DrafterAttention::kDense ? "_dense"

@@ -10,7 +10,7 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import dflash_reference as ref
 
@@ -18,6 +18,12 @@ import dflash_reference as ref
 def main():
     export_dir, target_dir, inputs_path, out_path = sys.argv[1:5]
     cfg, params = ref.load_export(export_dir)
+    # What z-lab's DFlashDraftModel and SGLang read: transformers' Qwen3Config of config.json
+    # (which drops sliding_window unless use_sliding_window is set).
+    hf = AutoConfig.from_pretrained(export_dir)
+    assert hf.layer_types == cfg["layer_types"], (hf.layer_types, cfg["layer_types"])
+    if "sliding_attention" in cfg["layer_types"]:
+        assert hf.sliding_window == cfg["sliding_window"], (hf.sliding_window, cfg)
     params = {k: v.double() for k, v in params.items()}
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
     assert cfg["num_target_layers"] == target.config.num_hidden_layers

@@ -81,14 +81,24 @@ def target_features(model, tokens, layer_ids):
     return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1)
 
 
-def block_mask(ctx_len, anchors, block_size):
-    """[n*B, ctx_len + n*B]: context key j visible iff j < anchor; own block fully visible."""
+def block_mask(ctx_len, anchors, block_size, window=None):
+    """[n*B, ctx_len + n*B]: context key j visible iff j < anchor; own block fully visible.
+
+    A sliding layer (window W, z-lab's DFlashDraftModel: layer_types "sliding_attention" are
+    causal with the window) is written here row by row in absolute positions: the query at
+    p = a + k sees context key j iff j < a and p - j < W, and its block's token at a + m iff
+    m <= k and k - m < W.
+    """
     n = len(anchors)
     mask = torch.zeros(n * block_size, ctx_len + n * block_size, dtype=torch.bool)
     for b, a in enumerate(anchors):
-        rows = slice(b * block_size, (b + 1) * block_size)
-        mask[rows, :a] = True
-        mask[rows, ctx_len + b * block_size: ctx_len + (b + 1) * block_size] = True
+        for k in range(block_size):
+            row = b * block_size + k
+            p = a + k
+            for j in range(a):
+                mask[row, j] = window is None or p - j < window
+            for m in range(block_size):
+                mask[row, ctx_len + b * block_size + m] = window is None or (m <= k and k - m < window)
     return mask
 
 
@@ -111,8 +121,10 @@ def drafter_sequence(params, cfg, features, tokens, anchors, embedding):
     theta = cfg["rope_theta"]
     ctx_cos, ctx_sin = rope_tables(torch.arange(T), d, theta, dtype)
     blk_cos, blk_sin = rope_tables(torch.tensor(pos), d, theta, dtype)
-    mask = block_mask(T, anchors, B)
+    layer_types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
     for i in range(cfg["num_hidden_layers"]):
+        window = cfg["sliding_window"] if layer_types[i] == "sliding_attention" else None
+        mask = block_mask(T, anchors, B, window)
         p = lambda name: params[f"layers.{i}.{name}"]  # noqa: E731
         h = rms_norm(x, p("input_layernorm.weight"), eps)
         q = rms_norm((h @ p("self_attn.q_proj.weight").T).view(n * B, hq, d),

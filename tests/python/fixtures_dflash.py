@@ -26,6 +26,9 @@ CASES = {
     "tied": dict(tie=True, layers=3, ids=None, block=8, mask=95),
     # Not the last layer: transformers' last hidden_states entry is after the final norm.
     "untied": dict(tie=False, layers=2, ids=[0, 4, 6], block=5, mask=3),
+    # Sliding-window layers around a full one (not the default layout, all but the last), a
+    # window shorter than most sequences.
+    "sliding": dict(tie=False, layers=3, ids=None, block=5, mask=3, window=7),
 }
 
 # (length, loss mask spans [start, end) supervised)
@@ -45,7 +48,10 @@ def drafter_config(target_cfg, case):
         "rms_norm_eps": target_cfg.rms_norm_eps, "rope_theta": TARGET["rope_theta"],
         "rope_scaling": None, "max_position_embeddings": target_cfg.max_position_embeddings,
         "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu",
-        "layer_types": ["full_attention"] * case["layers"],
+        "layer_types": (["sliding_attention", "full_attention", "sliding_attention"]
+                        if case.get("window") else ["full_attention"] * case["layers"]),
+        "use_sliding_window": bool(case.get("window")),
+        "sliding_window": case.get("window"),
         "block_size": case["block"], "num_target_layers": target_cfg.num_hidden_layers,
         "dflash_config": {"mask_token_id": case["mask"], "target_layer_ids": ids},
     }
