@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "io/safetensors.h"
+#include "kernels/gpt_oss_swiglu.h"
 #include "kernels/mxfp4.h"
 #include "kernels/rotary.h"
 #include "models/target.h"
@@ -86,9 +87,10 @@ at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, con
   at::Tensor y;
   if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && grouped_mm_aligned(x, f)) {
     auto offsets = routes.offsets();
-    auto gu = at::_grouped_mm(routes.rows, gate_up.transpose(1, 2), offsets) +
-              w.gate_up_bias.index_select(0, routes.experts);
-    y = at::_grouped_mm(gpt_oss_swiglu(gu, alpha, limit), down.transpose(1, 2), offsets) +
+    auto gu = at::_grouped_mm(routes.rows, gate_up.transpose(1, 2), offsets);
+    // The gate/up biases, the clamps and the gate in one pass (kernels/gpt_oss_swiglu.h).
+    auto act = kernels::gpt_oss_biased_swiglu(gu, w.gate_up_bias, routes.experts, alpha, limit);
+    y = at::_grouped_mm(act, down.transpose(1, 2), offsets) +
         w.down_bias.index_select(0, routes.experts);
   } else {
     y = routes.per_expert([&](int64_t e, const at::Tensor& rows) {
@@ -110,9 +112,10 @@ at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWe
   // [R, 1, in] x [R, in, out] per pair.
   auto gu = at::bmm(routes.rows.unsqueeze(1),
                     dequantize(w.gate_up_blocks, w.gate_up_scales).transpose(1, 2))
-                .squeeze(1) +
-            w.gate_up_bias.index_select(0, e);
-  auto act = gpt_oss_swiglu(gu, c.gpt_oss.swiglu_alpha, c.gpt_oss.swiglu_limit);
+                .squeeze(1);
+  // As the grouped path: decode and prefill round alike.
+  auto act = kernels::gpt_oss_biased_swiglu(gu, w.gate_up_bias, e, c.gpt_oss.swiglu_alpha,
+                                            c.gpt_oss.swiglu_limit);
   auto y = at::bmm(act.unsqueeze(1), dequantize(w.down_blocks, w.down_scales).transpose(1, 2))
                .squeeze(1) +
            w.down_bias.index_select(0, e);

@@ -12,6 +12,7 @@
 #include "common/file.h"
 #include "eval/generator.h"
 #include "io/safetensors.h"
+#include "kernels/gpt_oss_swiglu.h"
 #include "kernels/mxfp4.h"
 #include "models/gpt_oss.h"
 #include "models/kv_cache.h"
@@ -44,6 +45,32 @@ TEST_F(Mxfp4Gpu, MatchesTheCpuPathBitForBit) {
       return t.view(dtype == at::kFloat ? at::kInt : at::kShort);
     };
     EXPECT_TRUE(at::equal(as_bits(cpu), as_bits(gpu)));
+  }
+}
+
+// The experts' fused activation (biases, clamps, gate) against its fp32 reference, and that
+// reference against the model's own composition (gpt_oss_swiglu after the biases' add), with
+// values past the clamp limit on both sides.
+TEST_F(Mxfp4Gpu, BiasedSwigluKernelMatchesTheOps) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  const int64_t rows = 37, f = 64, experts = 5;
+  auto gate_up = at::randn({rows, 2 * f}, gen) * 6;
+  auto bias = at::randn({experts, 2 * f}, gen);
+  auto chosen = at::randint(0, experts, {rows}, gen, at::kLong);
+  const double alpha = 1.702, limit = 7.0;
+  auto reference = kernels::gpt_oss_biased_swiglu_reference(gate_up, bias, chosen, alpha, limit);
+  EXPECT_TRUE(at::allclose(
+      reference, models::gpt_oss_swiglu(gate_up + bias.index_select(0, chosen), alpha, limit), 1e-6,
+      1e-6));
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto gpu = kernels::gpt_oss_biased_swiglu(gate_up.to(dtype).cuda(), bias.to(dtype).cuda(),
+                                              chosen.cuda(), alpha, limit)
+                   .cpu();
+    auto ref = kernels::gpt_oss_biased_swiglu_reference(gate_up.to(dtype), bias.to(dtype), chosen,
+                                                        alpha, limit);
+    // The kernel rounds once from fp32 as the reference does; expf may differ by an ulp.
+    EXPECT_CLOSE(gpu.to(at::kFloat), ref.to(at::kFloat), dtype == at::kFloat ? 1e-6 : 1e-2);
   }
 }
 
