@@ -14,10 +14,10 @@ its MXFP4 experts are for; so this peer runs gpt-oss-20b only. On the CPU (--dev
 --preset tiny) it checks its own plumbing in seconds.
 """
 import argparse
-import statistics
-import time
 
 import torch
+
+from peer_timing import add_peer_options, last_tap, median_prefill_ms, peak_gib
 
 # Shapes of the published configs (openai/gpt-oss-20b), as dflash's presets.
 PRESETS = {
@@ -31,20 +31,11 @@ COMMON = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_a
               rope_theta=150000.0)
 
 
-def last_tap(layers, drafter_layers=5):
-    # DFlash's default taps: round(1 + i (L - 4) / (K - 1)); the last is L - 3.
-    return int(round(1 + (drafter_layers - 1) * (layers - 4) / (drafter_layers - 1)))
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default="gpt-oss-20b", choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--attn", default="eager", choices=["eager", "flex_attention"])
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--rows", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
+    add_peer_options(ap)
     args = ap.parse_args()
 
     from transformers import AutoModel, GptOssConfig
@@ -67,25 +58,9 @@ def main():
             p.normal_(0, 0.02)
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, config.vocab_size, (args.rows, args.seq_len), device=device)
-    times = []
-    with torch.no_grad():
-        for i in range(args.warmup + args.iters):
-            if device.type == "cuda":
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                model(input_ids=ids, use_cache=False)
-                stop.record()
-                stop.synchronize()
-                ms = start.elapsed_time(stop)
-            else:
-                t0 = time.perf_counter()
-                model(input_ids=ids, use_cache=False)
-                ms = (time.perf_counter() - t0) * 1e3
-            if i >= args.warmup:
-                times.append(ms)
-    ms = statistics.median(times)
+    ms = median_prefill_ms(model, ids, device, args.warmup, args.iters)
     tokens = args.rows * args.seq_len
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    peak = peak_gib(device)
     print(f"peer {args.preset}: transformers {__import__('transformers').__version__}, "
           f"attention {args.attn}, experts in {dtype}, {layers} of {full} layers "
           f"({params / 1e9:.2f} B params), {args.rows} x {args.seq_len}: median {ms:.2f} ms, "

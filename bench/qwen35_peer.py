@@ -11,9 +11,10 @@ transformers' own PyTorch path (said in the output). Median of --iters CUDA-even
 On the CPU (--device cpu --preset tiny) it checks its own plumbing in seconds.
 """
 import argparse
-import statistics
 
 import torch
+
+from peer_timing import add_peer_options, last_tap, median_prefill_ms, peak_gib
 
 # Shapes of the published configs (Qwen/Qwen3.5-27B, Qwen/Qwen3.5-35B-A3B), as dflash's presets.
 PRESETS = {
@@ -34,11 +35,6 @@ COMMON = dict(vocab_size=248320, head_dim=256, linear_num_key_heads=16, linear_k
               max_position_embeddings=262144,
               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                "partial_rotary_factor": 0.25})
-
-
-def last_tap(layers, drafter_layers=5):
-    # DFlash's default taps: round(1 + i (L - 4) / (K - 1)); the last is L - 3.
-    return int(round(1 + (drafter_layers - 1) * (layers - 4) / (drafter_layers - 1)))
 
 
 def use_fla(modules):
@@ -69,11 +65,7 @@ def use_fla(modules):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default="qwen3.5-27b", choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--rows", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
+    add_peer_options(ap)
     args = ap.parse_args()
 
     from transformers import AutoConfig, AutoModel
@@ -94,26 +86,9 @@ def main():
         model = AutoModel.from_config(config, dtype=dtype).eval()
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, config.vocab_size, (args.rows, args.seq_len), device=device)
-    times = []
-    with torch.no_grad():
-        for i in range(args.warmup + args.iters):
-            if device.type == "cuda":
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                model(input_ids=ids, use_cache=False)
-                stop.record()
-                stop.synchronize()
-                ms = start.elapsed_time(stop)
-            else:
-                import time
-                t0 = time.perf_counter()
-                model(input_ids=ids, use_cache=False)
-                ms = (time.perf_counter() - t0) * 1e3
-            if i >= args.warmup:
-                times.append(ms)
-    ms = statistics.median(times)
+    ms = median_prefill_ms(model, ids, device, args.warmup, args.iters)
     tokens = args.rows * args.seq_len
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    peak = peak_gib(device)
     print(f"peer {args.preset}: transformers {__import__('transformers').__version__}, "
           f"{'fla-core kernels' if fla else 'PyTorch Gated DeltaNet path (no fla)'}, "
           f"{layers} layers ({params / 1e9:.2f} B params), {dtype}, {args.rows} x {args.seq_len}: "

@@ -264,6 +264,8 @@ std::string string_repr(std::string_view s) {
   return out;
 }
 
+}  // namespace
+
 void json_string(std::string& out, std::string_view s) {
   out += '"';
   for (char ch : s) {
@@ -300,6 +302,8 @@ void json_string(std::string& out, std::string_view s) {
   }
   out += '"';
 }
+
+namespace {
 
 struct JsonWriter {
   int indent;

@@ -139,6 +139,8 @@ class Value {
 
 // Python's repr() of a float ("1.0", "1e-05", "1.5e+16", "inf", "nan").
 std::string python_float_repr(double d);
+// `s` as a JSON string the way Python's json.dumps(ensure_ascii=False) writes it, appended.
+void json_string(std::string& out, std::string_view s);
 // Unicode code points of a UTF-8 string (templates index and slice strings by code point).
 std::vector<std::string_view> code_points(std::string_view s);
 

@@ -19,6 +19,7 @@
 #include "models/target.h"
 #include "obs/profile.h"
 #include "obs/stats.h"
+#include "pipeline/job.h"
 #include "train/blocks.h"
 #include "train/trainer.h"
 
@@ -208,8 +209,8 @@ void run_bench(const BenchDrafterOptions& o) {
   BenchBatch data(micro, o.fresh_anchors ? std::function<train::MicroBatch(int64_t)>(form)
                                          : std::function<train::MicroBatch(int64_t)>());
 
-  train::TrainerOptions topt;
-  topt.total_steps = 1000;
+  // The optimizer and schedule of `dflash train`'s defaults (its lr does not change the cost).
+  train::TrainerOptions topt = pipeline::trainer_options(pipeline::RunConfig{}, 1000);
   topt.step.dtype = dtype;
   topt.step.head_chunk_rows = o.head_chunk;
   const std::vector<Setting> settings = settings_of(o);

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <map>
+#include <string>
 
 #include "cli/commands.h"
 #include "common/option_range.h"
@@ -24,11 +26,12 @@ void add_pretrain_command(CLI::App& app) {
   cmd->add_option("--tokenizer", o->tokenizer,
                   "directory with tokenizer.json and tokenizer_config.json (default: the "
                   "built-in GSM8K tokenizer, examples/gsm8k)");
+  std::map<std::string, models::Architecture> archs;
+  for (const auto& a : train::kPretrainArchNames) archs[a.name] = a.value;
   cmd->add_option("--arch", o->arch,
-                  "qwen3, or qwen3_5: Gated DeltaNet layers with gated full attention every "
-                  "--full-attention-interval layers")
-      ->check(CLI::IsMember({"qwen3", "qwen3_5"}))
-      ->capture_default_str();
+                  "the target's architecture: " + enum_choices(train::kPretrainArchNames, true) +
+                      " (default qwen3)")
+      ->transform(CLI::CheckedTransformer(archs));
   cmd->add_option("--layers", o->layers, "decoder layers")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());

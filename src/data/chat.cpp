@@ -1,8 +1,8 @@
 #include "data/chat.h"
 
-#include <charconv>
 #include <nlohmann/json.hpp>
 
+#include "chat/value.h"
 #include "common/file.h"
 #include "tokenizer/unicode.h"
 
@@ -79,79 +79,6 @@ bool only_python_space(std::string_view s) { return python_strip(s).empty(); }
 // Python's json.dumps(ensure_ascii=False) as the chat templates' `tojson` filter calls it:
 // separators ", " and ": " (compact) or "," and ": " with newlines (indent > 0), strings with
 // only quote, backslash and control characters escaped, floats as Python's repr.
-void python_json_string(std::string& out, std::string_view s) {
-  out += '"';
-  for (char ch : s) {
-    switch (ch) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      default:
-        if (static_cast<unsigned char>(ch) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<unsigned>(ch));
-        } else {
-          out += ch;
-        }
-    }
-  }
-  out += '"';
-}
-
-// float.__repr__: the shortest digits that round-trip; positional when the decimal exponent is
-// in [-4, 16), with ".0" on whole numbers, else as "1e+16" / "1.5e-05".
-void python_float(std::string& out, double v) {
-  char buf[64];
-  auto res = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::scientific);
-  std::string_view sci(buf, static_cast<size_t>(res.ptr - buf));
-  const size_t e = sci.find('e');
-  int exp = 0;
-  std::from_chars(sci.data() + e + (sci[e + 1] == '+' ? 2 : 1), sci.data() + sci.size(), exp);
-  if (exp < -4 || exp >= 16) {
-    out += sci;
-    return;
-  }
-  const bool negative = sci[0] == '-';
-  std::string digits;
-  for (char c : sci.substr(negative, e - negative)) {
-    if (c != '.') digits += c;
-  }
-  if (negative) out += '-';
-  if (exp < 0) {
-    out += "0.";
-    out.append(static_cast<size_t>(-exp - 1), '0');
-    out += digits;
-    return;
-  }
-  const size_t whole = static_cast<size_t>(exp) + 1;
-  if (digits.size() <= whole) {
-    out += digits;
-    out.append(whole - digits.size(), '0');
-    out += ".0";
-  } else {
-    out += digits.substr(0, whole);
-    out += '.';
-    out += digits.substr(whole);
-  }
-}
-
 void python_json(std::string& out, const json& v, int indent, int depth = 0) {
   auto newline = [&](int level) {
     out += '\n';
@@ -173,7 +100,7 @@ void python_json(std::string& out, const json& v, int indent, int depth = 0) {
         first = false;
         if (indent > 0) newline(depth + 1);
         if (object) {
-          python_json_string(out, it.key());
+          chat::json_string(out, it.key());
           out += ": ";
         }
         python_json(out, *it, indent, depth + 1);
@@ -183,7 +110,7 @@ void python_json(std::string& out, const json& v, int indent, int depth = 0) {
       return;
     }
     case json::value_t::string:
-      python_json_string(out, v.get_ref<const std::string&>());
+      chat::json_string(out, v.get_ref<const std::string&>());
       return;
     case json::value_t::boolean:
       out += v.get<bool>() ? "true" : "false";
@@ -195,7 +122,7 @@ void python_json(std::string& out, const json& v, int indent, int depth = 0) {
       out += std::to_string(v.get<uint64_t>());
       return;
     case json::value_t::number_float:
-      python_float(out, v.get<double>());
+      out += chat::python_float_repr(v.get<double>());
       return;
     default:
       out += "null";
@@ -601,7 +528,7 @@ void render_llama31(const Conversation& conv, const ChatConfig& config, Rendered
     if (m.role == Role::kTool) {
       // `message.content is iterable` holds for a string, so tool results are JSON-quoted.
       out += "<|start_header_id|>ipython<|end_header_id|>\n\n";
-      python_json_string(out, m.content);
+      chat::json_string(out, m.content);
       out += "<|eot_id|>";
       continue;
     }

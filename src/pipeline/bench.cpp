@@ -23,38 +23,22 @@ using obs::gib;
 // The bf16 matmul rate measured on the H200 here (BRIEF): MFU's denominator.
 constexpr double kH200BF16 = 792e12;
 
-}  // namespace
-
-void run_bench(const RunConfig& config, const BenchConfig& bench) {
-  RunConfig c = config;
-  if (c.steps < bench.warmup + 2) {
-    fail(
-        "bench: --steps must be at least --warmup + 2 ({}): one step timed and the last, whose "
-        "figures arrive with the final flush",
-        bench.warmup + 2);
-  }
-  if (!c.eval_prompts.empty()) fail("bench: --eval-prompts is an option of `dflash train`");
-  Job job;
-  job.config = c;
-  job.requested = parse_choices(c);
-  job.rank = join(c);
+// The run's parts for a bench: a random target of the preset (a trainer rank of a
+// disaggregated bench holds only a head of its shape), the synthetic samples, the drafter.
+void build_bench_job(Job& job, const SampleSource& samples) {
+  const RunConfig& c = job.config;
   Rank& r = job.rank;
-  job.target_config = models::preset_config(bench.preset);
   const auto& tc = job.target_config;
-  const bool runs_target = !r.trains() || !r.topology.disaggregated();
-  if (runs_target) {
+  if (!r.trains() || !r.topology.disaggregated()) {
     job.target.emplace(models::TargetModel::random(tc, r.device, r.dtype, 1));
     job.head = models::TargetHead::of(*job.target);
   } else {
-    // A trainer rank of a disaggregated bench needs only a head of the right shape.
     auto opts = at::TensorOptions().device(r.device).dtype(r.dtype);
     job.head.embedding = at::randn({tc.vocab_size, tc.hidden_size}, opts) * 0.02;
     job.head.lm_head = tc.tie_word_embeddings
                            ? job.head.embedding
                            : at::randn({tc.vocab_size, tc.hidden_size}, opts) * 0.02;
   }
-  SyntheticSamples samples(bench.samples, bench.seq_len, std::min<int64_t>(64, bench.seq_len / 4),
-                           tc.vocab_size, static_cast<uint64_t>(c.seed));
   job.samples = &samples;
   job.steps = c.steps;
   if (r.trains()) {
@@ -62,21 +46,35 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
     broadcast_drafter(job);
   }
   resolve(job, {});
-  // FLOPs of one global step: the target's prefill and the drafter's step for every sequence.
-  const auto dc = drafter_config(c, tc, false);
+}
+
+// FLOPs of one global step: the target's prefill and the drafter's step for every sequence.
+double bench_step_flops(const RunConfig& c, const models::ModelConfig& tc,
+                        const models::DrafterConfig& dc, const SampleSource& samples) {
   GlobalStream probe(samples, stream_options_of(c), dc);
   const auto one = probe.form(0, 0, static_cast<int>(c.batch_size), false);
   const double flops_per_sequence =
       models::prefill_flops(tc, one.lengths, 0, models::layers_for_taps(dc.target_layer_ids)) +
       models::drafter_step_flops(dc, one.lengths, one.blocks.layout.anchor, one.blocks.num_labels);
-  const double step_flops = flops_per_sequence * static_cast<double>(c.batch_size * c.accumulation);
+  return flops_per_sequence * static_cast<double>(c.batch_size * c.accumulation);
+}
 
-  std::vector<double> step_seconds;
+// What the timed steps of this rank gave.
+struct BenchTimes {
+  std::vector<double> step_seconds;  // the steps after the warm-up, the last excluded
+  double host_cores = 0;             // this process's CPU over them
+  int64_t tokens_per_step = 0;
+  std::string obs_report;
+};
+
+BenchTimes time_bench(Job& job, const BenchConfig& bench) {
+  const RunConfig& c = job.config;
+  const Rank& r = job.rank;
+  BenchTimes t;
   auto last = Clock::now();
   // Target ranks have no steps of their own: their CPU is measured over the whole run.
   double cpu_at_warmup = cpu_seconds();
   Clock::time_point wall_at_warmup = last;
-  int64_t tokens_per_step = 0;
   obs::reset_gpu_memory_peaks(r.device);
   const Start start = agree_on_run_start(r, c.out, -1);
   start_obs(c, r, c.out, bench.warmup, c.steps, start);
@@ -90,71 +88,36 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
       cpu_at_warmup = cpu_seconds();
       wall_at_warmup = now;
     } else if (l.step > bench.warmup && l.step < c.steps) {
-      step_seconds.push_back(std::chrono::duration<double>(now - last).count());
+      t.step_seconds.push_back(std::chrono::duration<double>(now - last).count());
     }
-    tokens_per_step = l.tokens;
+    t.tokens_per_step = l.tokens;
     last = now;
   });
-  // Every rank's host CPU and memory, gathered to rank 0.
-  const double cores =
-      (cpu_seconds() - cpu_at_warmup) / std::max(seconds_since(wall_at_warmup), 1e-9);
-  const std::string obs_report = finish_obs(c, r, c.out, start, /*trained=*/true);
-  const obs::GpuMemory memory = obs::gpu_memory(r.device);
-  const auto all =
-      r.comm->all_gather_int64({static_cast<int64_t>(cores * 1000), memory.allocated_peak,
-                                memory.reserved_peak, obs::peak_rss_bytes(), memory.in_use},
-                               "bench_report");
-  if (!r.leads()) return;
-  const double step_s = obs::median(step_seconds);
-  const double tokens_per_s = static_cast<double>(tokens_per_step) / step_s;
-  const int gpus = r.world.world_size;
-  json report = {{"preset", bench.preset},
-                 {"topology", c.topology},
-                 {"ranks", gpus},
-                 {"trainer_ranks", r.topology.trainers},
-                 {"seq_len", bench.seq_len},
-                 {"batch_size", c.batch_size},
-                 {"accumulation", c.accumulation},
-                 {"max_anchors", c.max_anchors},
-                 {"drafter_parameters", job.drafter->num_parameters()},
-                 {"timed_steps", step_seconds.size()},
-                 {"step_ms_median", step_s * 1e3},
-                 {"tokens_per_s", tokens_per_s},
-                 {"tokens_per_s_per_gpu", tokens_per_s / gpus},
-                 {"tflops_per_gpu", step_flops / step_s / gpus / 1e12},
-                 {"mfu", step_flops / step_s / gpus / kH200BF16},
-                 {"per_rank", json::array()}};
-  fmt::print(
-      "bench: {} x {} ({}), {} rank(s), {} training; global batch {} x {} sequences of {} tokens, "
-      "{} anchors, block {}\n",
-      bench.preset, dc.layers.num_layers, c.topology, gpus, r.topology.trainers, c.accumulation,
-      c.batch_size, bench.seq_len, c.max_anchors, dc.block_size);
-  // The MFU is against an H200's rate: a figure for GPU runs only.
-  const bool gpu = r.device.is_cuda();
-  fmt::print(
-      "bench: step {:.1f} ms (median of {}) = {:.0f} tokens/s, {:.0f} per {}, {:.{}f} TFLOP/s per "
-      "{} (target prefill + drafter step){}\n",
-      step_s * 1e3, step_seconds.size(), tokens_per_s, tokens_per_s / gpus, gpu ? "GPU" : "rank",
-      step_flops / step_s / gpus / 1e12, gpu ? 0 : 3, gpu ? "GPU" : "rank",
-      gpu ? fmt::format(", MFU {:.0f}% of an H200's measured {:.0f} TFLOP/s",
-                        100 * step_flops / step_s / gpus / kH200BF16, kH200BF16 / 1e12)
-          : std::string());
-  report["step_seconds"] = step_seconds;
-  // A power-capped GPU slows as it heats: on an H200 a run's first tens of seconds are a few
-  // percent faster than what it sustains. Long runs show how far the figure drifted.
+  t.host_cores = (cpu_seconds() - cpu_at_warmup) / std::max(seconds_since(wall_at_warmup), 1e-9);
+  t.obs_report = finish_obs(c, r, c.out, start, /*trained=*/true);
+  return t;
+}
+
+// A power-capped GPU slows as it heats: on an H200 a run's first tens of seconds are a few
+// percent faster than what it sustains. Long runs show how far the figure drifted.
+void report_drift(const BenchTimes& t, json& report) {
   constexpr size_t kDriftSteps = 40;
-  if (step_seconds.size() >= kDriftSteps) {
-    const size_t quarter = step_seconds.size() / 4;
-    const double first = obs::median({step_seconds.begin(), step_seconds.begin() + quarter});
-    const double final = obs::median({step_seconds.end() - quarter, step_seconds.end()});
-    report["step_ms_first_quarter"] = first * 1e3;
-    report["step_ms_last_quarter"] = final * 1e3;
-    fmt::print(
-        "bench: drift: the first quarter of the timed steps {:.1f} ms, the last {:.1f} ms "
-        "({:+.1f}%); the last quarter is {:.0f} tokens/s\n",
-        first * 1e3, final * 1e3, 100 * (final / first - 1),
-        static_cast<double>(tokens_per_step) / final);
-  }
+  if (t.step_seconds.size() < kDriftSteps) return;
+  const size_t quarter = t.step_seconds.size() / 4;
+  const double first = obs::median({t.step_seconds.begin(), t.step_seconds.begin() + quarter});
+  const double final = obs::median({t.step_seconds.end() - quarter, t.step_seconds.end()});
+  report["step_ms_first_quarter"] = first * 1e3;
+  report["step_ms_last_quarter"] = final * 1e3;
+  fmt::print(
+      "bench: drift: the first quarter of the timed steps {:.1f} ms, the last {:.1f} ms "
+      "({:+.1f}%); the last quarter is {:.0f} tokens/s\n",
+      first * 1e3, final * 1e3, 100 * (final / first - 1),
+      static_cast<double>(t.tokens_per_step) / final);
+}
+
+// Every rank's host CPU and memory (gathered to rank 0 by the caller), into the report and
+// printed.
+void report_ranks(const std::vector<std::vector<int64_t>>& all, bool gpu, json& report) {
   for (size_t i = 0; i < all.size(); ++i) {
     const auto& v = all[i];
     report["per_rank"].push_back({{"rank", i},
@@ -171,9 +134,78 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
                    : std::string(),
                gib(v[3]));
   }
+}
+
+}  // namespace
+
+void run_bench(const RunConfig& config, const BenchConfig& bench) {
+  const RunConfig& c = config;
+  if (c.steps < bench.warmup + 2) {
+    fail(
+        "bench: --steps must be at least --warmup + 2 ({}): one step timed and the last, whose "
+        "figures arrive with the final flush",
+        bench.warmup + 2);
+  }
+  if (!c.eval_prompts.empty()) fail("bench: --eval-prompts is an option of `dflash train`");
+  Job job;
+  job.config = c;
+  job.requested = parse_choices(c);
+  job.rank = join(c);
+  job.target_config = models::preset_config(bench.preset);
+  const auto& tc = job.target_config;
+  SyntheticSamples samples(bench.samples, bench.seq_len, std::min<int64_t>(64, bench.seq_len / 4),
+                           tc.vocab_size, static_cast<uint64_t>(c.seed));
+  build_bench_job(job, samples);
+  const Rank& r = job.rank;
+  const auto dc = drafter_config(c, tc, false);
+  const double step_flops = bench_step_flops(c, tc, dc, samples);
+  const BenchTimes t = time_bench(job, bench);
+  const obs::GpuMemory memory = obs::gpu_memory(r.device);
+  const auto all =
+      r.comm->all_gather_int64({static_cast<int64_t>(t.host_cores * 1000), memory.allocated_peak,
+                                memory.reserved_peak, obs::peak_rss_bytes(), memory.in_use},
+                               "bench_report");
+  if (!r.leads()) return;
+  const double step_s = obs::median(t.step_seconds);
+  const double tokens_per_s = static_cast<double>(t.tokens_per_step) / step_s;
+  const int gpus = r.world.world_size;
+  json report = {{"preset", bench.preset},
+                 {"topology", c.topology},
+                 {"ranks", gpus},
+                 {"trainer_ranks", r.topology.trainers},
+                 {"seq_len", bench.seq_len},
+                 {"batch_size", c.batch_size},
+                 {"accumulation", c.accumulation},
+                 {"max_anchors", c.max_anchors},
+                 {"drafter_parameters", job.drafter->num_parameters()},
+                 {"timed_steps", t.step_seconds.size()},
+                 {"step_ms_median", step_s * 1e3},
+                 {"tokens_per_s", tokens_per_s},
+                 {"tokens_per_s_per_gpu", tokens_per_s / gpus},
+                 {"tflops_per_gpu", step_flops / step_s / gpus / 1e12},
+                 {"mfu", step_flops / step_s / gpus / kH200BF16},
+                 {"per_rank", json::array()}};
+  fmt::print(
+      "bench: {} x {} ({}), {} rank(s), {} training; global batch {} x {} sequences of {} tokens, "
+      "{} anchors, block {}\n",
+      bench.preset, dc.layers.num_layers, c.topology, gpus, r.topology.trainers, c.accumulation,
+      c.batch_size, bench.seq_len, c.max_anchors, dc.block_size);
+  // The MFU is against an H200's rate: a figure for GPU runs only.
+  const bool gpu = r.device.is_cuda();
+  fmt::print(
+      "bench: step {:.1f} ms (median of {}) = {:.0f} tokens/s, {:.0f} per {}, {:.{}f} TFLOP/s per "
+      "{} (target prefill + drafter step){}\n",
+      step_s * 1e3, t.step_seconds.size(), tokens_per_s, tokens_per_s / gpus, gpu ? "GPU" : "rank",
+      step_flops / step_s / gpus / 1e12, gpu ? 0 : 3, gpu ? "GPU" : "rank",
+      gpu ? fmt::format(", MFU {:.0f}% of an H200's measured {:.0f} TFLOP/s",
+                        100 * step_flops / step_s / gpus / kH200BF16, kH200BF16 / 1e12)
+          : std::string());
+  report["step_seconds"] = t.step_seconds;
+  report_drift(t, report);
+  report_ranks(all, gpu, report);
   report["obs"] = c.obs;
   if (!bench.json_out.empty()) write_file_atomic(bench.json_out, report.dump(2) + "\n");
-  if (!obs_report.empty()) fmt::print("\n{}", obs_report);
+  if (!t.obs_report.empty()) fmt::print("\n{}", t.obs_report);
 }
 
 }  // namespace dflash::pipeline

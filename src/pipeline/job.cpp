@@ -112,14 +112,7 @@ void resolve(Job& job, const std::filesystem::path& run_dir) {
   d.drafter_gemms =
       train::resolve_drafter_gemms(d.drafter_gemms, job.drafter->config(), r.device, r.dtype);
   train::TrainerOptions& to = job.trainer;
-  to.lr = c.lr;
-  to.min_lr = c.min_lr;
-  to.warmup_ratio = c.warmup_ratio;
-  to.total_steps = job.steps;
-  to.adamw.weight_decay = c.weight_decay;
-  to.clip_norm = c.clip_norm;
-  to.accumulation = c.accumulation;
-  to.seed = static_cast<uint64_t>(c.seed);
+  to = trainer_options(c, job.steps);
   to.step.dtype = r.dtype;
   to.step.attention = d.attention;
   to.step.head_grad = d.head_grad;
@@ -129,6 +122,19 @@ void resolve(Job& job, const std::filesystem::path& run_dir) {
   to.checkpoint_every = c.checkpoint_every;
   to.keep_last = c.keep_last;
   to.allreduce_bucket_bytes = static_cast<int64_t>(c.allreduce_bucket_mb * (1 << 20));
+}
+
+train::TrainerOptions trainer_options(const RunConfig& c, int64_t total_steps) {
+  train::TrainerOptions to;
+  to.lr = c.lr;
+  to.min_lr = c.min_lr;
+  to.warmup_ratio = c.warmup_ratio;
+  to.total_steps = total_steps;
+  to.adamw.weight_decay = c.weight_decay;
+  to.clip_norm = c.clip_norm;
+  to.accumulation = c.accumulation;
+  to.seed = static_cast<uint64_t>(c.seed);
+  return to;
 }
 
 StreamOptions stream_options_of(const RunConfig& c) {

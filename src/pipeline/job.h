@@ -88,6 +88,11 @@ void resolve(Job& job, const std::filesystem::path& run_dir);
 
 StreamOptions stream_options_of(const RunConfig& c);
 
+// The optimizer and schedule of a run from its config (lr, its floor and warm-up, weight decay,
+// clipping, accumulation, seed) over `total_steps`: what `dflash train`, `dflash bench` and
+// `dflash bench-drafter` train with, so RunConfig holds their one set of defaults.
+train::TrainerOptions trainer_options(const RunConfig& c, int64_t total_steps);
+
 // The steps `c` asks for: --steps, or --epochs worth of optimizer steps.
 int64_t total_steps(const RunConfig& c, int64_t batches_per_epoch);
 

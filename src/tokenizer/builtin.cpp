@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/file.h"
+#include "common/mask_token.h"
 
 namespace dflash::tok {
 namespace {
@@ -17,8 +18,6 @@ namespace {
 
 using json = nlohmann::json;
 
-// `dflash train`'s default mask id when the vocabulary holds it (Qwen3's <|MASK|>).
-constexpr int64_t kQwen3MaskId = 151669;
 constexpr int64_t kByteSymbols = 256;
 
 }  // namespace
@@ -38,7 +37,7 @@ std::string builtin_tokenizer_json(int64_t vocab_size) {
     fail("tokenizer: a vocabulary of {} ids cannot hold the {} byte symbols and {} added tokens",
          vocab_size, kByteSymbols, n_added);
   }
-  const int64_t mask_id = std::min(vocab_size - 1, kQwen3MaskId);
+  const int64_t mask_id = std::min(vocab_size - 1, kQwen3MaskToken);
   const int64_t first_added = mask_id - n_added + 1;
   const int64_t bpe = std::min(static_cast<int64_t>(vocab.size()), first_added);
   json kept = json::object();

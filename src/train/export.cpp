@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "common/json_file.h"
+#include "common/mask_token.h"
 #include "io/safetensors.h"
 #include "models/drafter.h"
 #include "train/checkpoint.h"
@@ -16,7 +17,7 @@ namespace dflash::train {
 using nlohmann::json;
 
 std::string mask_token_text(const tok::Tokenizer& tokenizer, int64_t mask_token_id) {
-  if (mask_token_id >= static_cast<int64_t>(tokenizer.vocab_size())) return "<|MASK|>";
+  if (mask_token_id >= static_cast<int64_t>(tokenizer.vocab_size())) return kQwen3MaskText;
   std::string text = tokenizer.id_to_token(static_cast<int32_t>(mask_token_id));
   if (text.empty()) fail("the target's tokenizer has no token with the mask id {}", mask_token_id);
   return text;

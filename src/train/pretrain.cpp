@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <string_view>
 
 #include "common/clock.h"
 #include "common/error.h"
@@ -57,10 +58,11 @@ double eval_loss(const models::TargetModel& model, const std::vector<LmSample>& 
 
 models::ModelConfig model_config(const PretrainOptions& o, int64_t vocab_size) {
   models::ModelConfig c;
-  if (o.arch != "qwen3" && o.arch != "qwen3_5") {
-    fail("pretrain: --arch {} is not one of qwen3, qwen3_5", o.arch);
+  if (std::string_view(enum_name(kPretrainArchNames, o.arch)) == "?") {
+    fail("pretrain: the architecture must be {}, got {}", enum_choices(kPretrainArchNames),
+         models::architecture_name(o.arch));
   }
-  c.arch = o.arch == "qwen3" ? models::Architecture::kQwen3 : models::Architecture::kQwen35;
+  c.arch = o.arch;
   c.vocab_size = vocab_size;
   c.hidden_size = o.hidden;
   c.intermediate_size = o.ffn;

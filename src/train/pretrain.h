@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/enum_names.h"
 #include "data/chat.h"
 #include "models/config.h"
 #include "models/layers.h"
@@ -53,15 +54,22 @@ LmBatch make_lm_batch(const std::vector<LmSample>& samples, const std::vector<in
 // weights require grad: one training or validation forward.
 at::Tensor lm_loss_sum(const models::TargetModel& model, const LmBatch& batch);
 
+// The architectures pretrain writes: Qwen3, or Qwen3.5's hybrid (Gated DeltaNet layers, every
+// full_attention_interval-th layer gated attention with partial rotary, (1 + w) norms), written
+// as qwen3_5_text.
+inline constexpr EnumName<models::Architecture> kPretrainArchNames[] = {
+    {models::Architecture::kQwen3, "qwen3"},
+    {models::Architecture::kQwen35, "qwen3_5",
+     "Gated DeltaNet layers with gated full attention every --full-attention-interval layers"},
+};
+
 struct PretrainOptions {
   std::vector<std::string> data;
   std::vector<std::string> eval_data;
   std::string out;
   std::string tokenizer;  // directory with tokenizer.json (+ tokenizer_config.json); "": built in
-  // Shape (q/k norms, tied embeddings); the vocabulary is the tokenizer's. "qwen3", or
-  // "qwen3_5": Qwen3.5's hybrid (Gated DeltaNet layers, every full_attention_interval-th layer
-  // gated attention with partial rotary, (1 + w) norms), written as qwen3_5_text.
-  std::string arch = "qwen3";
+  // Shape (q/k norms, tied embeddings); the vocabulary is the tokenizer's. kPretrainArchNames.
+  models::Architecture arch = models::Architecture::kQwen3;
   int64_t layers = 4;
   int64_t hidden = 128;
   int64_t heads = 4;
