@@ -1,5 +1,6 @@
 // `dflash eval`: a drafter's real acceptance and speed-up by speculative decoding over prompt
-// files, checked token for token against the target's own greedy output (eval/evaluate.h).
+// files, checked token for token against the target's own greedy output (eval/evaluate.h); at
+// --temperature > 0 by speculative sampling, not compared.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -72,7 +73,8 @@ void add_eval_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "eval",
       "Speculative decoding with a drafter over prompt files: acceptance length, speed-up, and "
-      "exactness against the target's greedy output");
+      "exactness against the target's greedy output (at --temperature > 0: speculative "
+      "sampling, without the exactness check)");
   cmd->add_option("--target", o->target, "Hugging Face model directory (weights, tokenizer)")
       ->required();
   cmd->add_option("--drafter", o->drafter,
@@ -110,6 +112,8 @@ void add_eval_command(CLI::App& app) {
                   "qwen3, llama3 or llama3.1 (force a built-in renderer) or template (default: "
                   "the model's chat template)");
   add_chat_template_options(*cmd, o->chat_template);
+  // Temperature > 0: speculative sampling, whose output is the target's in distribution only.
+  add_sampling_options(*cmd, o->eval.sampling, "draws depend on the prompt and the turn");
   cmd->add_option("--tie-tolerance", o->eval.tie_tolerance,
                   "logit gap under which a divergence is a numerical tie, not a mismatch "
                   "(default: 1e-4 in fp32, 0.25 in bf16)")

@@ -13,6 +13,7 @@ void add_export_command(CLI::App& app) {
   auto out = std::make_shared<std::string>();
   auto target = std::make_shared<std::string>();
   auto overwrite = std::make_shared<bool>(false);
+  auto allow_last_layer_tap = std::make_shared<bool>(false);
   auto* cmd = app.add_subcommand(
       "export", "Write a drafter as config.json + model.safetensors for SGLang/vLLM/transformers");
   cmd->add_option("SOURCE", *source, "training run or step directory, or an export directory")
@@ -23,11 +24,15 @@ void add_export_command(CLI::App& app) {
       ->required();
   cmd->add_flag("--overwrite", *overwrite,
                 "write into a directory that holds other files (never a target model's)");
+  cmd->add_flag("--allow-last-layer-tap", *allow_last_layer_tap,
+                "export a drafter that taps the target's last decoder layer, which SGLang and "
+                "vLLM read differently (refused without this)");
   cmd->add_option("--target", *target,
                   "the target model directory, for the mask token's text (default: the target "
                   "in the run's run_config.json)");
-  cmd->callback([source, out, target, overwrite] {
-    const auto exported = train::export_drafter(*source, *out, *target, *overwrite);
+  cmd->callback([source, out, target, overwrite, allow_last_layer_tap] {
+    const auto exported =
+        train::export_drafter(*source, *out, *target, *overwrite, *allow_last_layer_tap);
     const auto& config = exported.config;
     fmt::print("export: wrote {}/config.json and {}/model.safetensors\n", *out, *out);
     if (config.mask_token.empty()) {
@@ -39,7 +44,7 @@ void add_export_command(CLI::App& app) {
       fmt::print("export: mask token {:?} (id {})\n", config.mask_token, config.mask_token_id);
     }
     if (const auto warning = train::last_layer_tap_warning(config); !warning.empty()) {
-      fmt::print(stderr, "export: WARNING: {}\n", warning);
+      fmt::print(stderr, "export: WARNING (--allow-last-layer-tap): {}\n", warning);
     }
     // vLLM needs a release with PR 40727 (the drafter's layer ids counted as SGLang counts them).
     fmt::print("export: serve it with SGLang or vLLM (vLLM with PR 40727's layer-id fix):\n{}",

@@ -31,19 +31,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--batch-size", o->batch_size, "sequences decoded together per GPU")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
-  cmd->add_option("--temperature", o->sampling.temperature, "0: greedy")
-      ->capture_default_str()
-      ->check(kNonNegative.validator());
-  cmd->add_option("--top-p", o->sampling.top_p,
-                  "nucleus sampling: draw from the most likely tokens whose probabilities add up "
-                  "to this (1: all)")
-      ->capture_default_str()
-      ->check(OptionRange{0, 1, true}.validator());
-  cmd->add_option("--top-k", o->sampling.top_k, "draw from the K most likely tokens (0: all)")
-      ->capture_default_str()
-      ->check(kNonNegative.validator());
-  cmd->add_option("--seed", o->sampling.seed, "sampling seed (draws depend on line and turn)")
-      ->capture_default_str();
+  add_sampling_options(*cmd, o->sampling, "draws depend on line and turn");
   cmd->add_option("--enable-thinking", o->enable_thinking,
                   "Qwen3: true prompts as served with thinking on (what `prepare` renders by "
                   "default); false prompts the empty think block (no reasoning), for "

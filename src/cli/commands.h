@@ -12,6 +12,9 @@
 namespace dflash::data {
 struct ChatTemplateChoice;
 }
+namespace dflash::eval {
+struct SamplingParams;
+}
 
 namespace dflash::cli {
 
@@ -44,6 +47,10 @@ at::Device device_option(const std::string& device);
 void add_dtype_option(CLI::App& cmd, std::string& dtype, const std::string& why = "");
 // --preset NAME of models::preset_names(), `what` it shapes; `preset`'s value is the default.
 void add_preset_option(CLI::App& cmd, std::string& preset, const std::string& what);
+// --temperature, --top-p, --top-k and --seed (`seed_help` says what the draws depend on), for
+// the commands that decode (generate, eval).
+void add_sampling_options(CLI::App& cmd, eval::SamplingParams& sampling,
+                          const std::string& seed_help);
 // --json FILE: also write `what` there as JSON.
 void add_json_option(CLI::App& cmd, std::string& path, const std::string& what);
 // --out (required), `what` it is.

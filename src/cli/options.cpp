@@ -5,7 +5,9 @@
 #include <fmt/ranges.h>
 
 #include "cli/commands.h"
+#include "common/option_range.h"
 #include "dist/world.h"
+#include "eval/sampling.h"
 #include "models/config.h"
 #include "models/target.h"
 
@@ -39,6 +41,23 @@ void add_preset_option(CLI::App& cmd, std::string& preset, const std::string& wh
   auto* option = cmd.add_option(
       "--preset", preset, fmt::format("{}: {}", what, fmt::join(models::preset_names(), ", ")));
   if (!preset.empty()) option->capture_default_str();
+}
+
+void add_sampling_options(CLI::App& cmd, eval::SamplingParams& sampling,
+                          const std::string& seed_help) {
+  cmd.add_option("--temperature", sampling.temperature, "0: greedy")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd.add_option("--top-p", sampling.top_p,
+                 "nucleus sampling: draw from the most likely tokens whose probabilities add up "
+                 "to this (1: all)")
+      ->capture_default_str()
+      ->check(OptionRange{0, 1, true}.validator());
+  cmd.add_option("--top-k", sampling.top_k, "draw from the K most likely tokens (0: all)")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
+  cmd.add_option("--seed", sampling.seed, "sampling seed (" + seed_help + ")")
+      ->capture_default_str();
 }
 
 void add_json_option(CLI::App& cmd, std::string& path, const std::string& what) {

@@ -3,7 +3,9 @@
 // verify step), speeds and exactness out. The target's own greedy answers are computed once
 // per Evaluator (they are the reference and the target-only speed); each evaluate() then
 // decodes the same prompts speculatively with a drafter and compares, token for token, so a
-// trainer can evaluate successive checkpoints against one reference.
+// trainer can evaluate successive checkpoints against one reference. At temperature > 0 both
+// runs sample (speculative sampling is exact in distribution, not token for token): tau and
+// the speed-up are reported, the outputs are not compared.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -40,6 +42,7 @@ struct PromptFile {
 PromptFile read_prompt_file(const std::filesystem::path& path, int64_t limit = 0);
 
 struct EvalOptions {
+  SamplingParams sampling;  // greedy by default; the target-only and the speculative run
   int64_t max_new_tokens = 256;
   int64_t slots = 1;    // prompts decoded together (1: the latency setting the paper reports)
   int64_t context = 0;  // prompt + answer tokens at most; 0: the target's max_position_embeddings
@@ -83,6 +86,7 @@ struct FileReport {
   SpeculativeStats speculative;
   std::vector<Divergence> divergences;
   std::vector<SkippedPrompt> skipped;  // --skip-overlong: not decoded, not compared
+  double temperature = 0;              // > 0: sampled, outputs not compared
   double wall_seconds = 0;             // both runs
 
   double target_tokens_per_s() const;

@@ -43,6 +43,22 @@ at::Tensor DFlashDraftSource::draft(const std::vector<int64_t>& slots,
   return model_.draft(*cache_, slots, upload_to(model_.device(), at::tensor(last, at::kLong)));
 }
 
+SampledDraft DraftSource::draft_sampled(const std::vector<int64_t>& slots,
+                                        const std::vector<int64_t>& last, const SamplingParams&,
+                                        const at::Tensor&) {
+  return {draft(slots, last), {}};
+}
+
+SampledDraft DFlashDraftSource::draft_sampled(const std::vector<int64_t>& slots,
+                                              const std::vector<int64_t>& last,
+                                              const SamplingParams& sampling,
+                                              const at::Tensor& uniforms) {
+  auto logits =
+      model_.logits(*cache_, slots, upload_to(model_.device(), at::tensor(last, at::kLong)));
+  auto probs = sampling_probs(logits, sampling);
+  return {sample_from_probs(probs, uniforms), probs};
+}
+
 double SpeculativeStats::tau() const {
   int64_t steps = 0, tokens = 0;
   for (size_t k = 0; k < committed.size(); ++k) {
@@ -83,7 +99,8 @@ struct SpeculativeDecoder::Graph {
   at::Tensor base_rows;          // int64 [slots*B]: slot * capacity
   at::Tensor offsets;            // int64 [slots*B]: 0..B-1 for each slot
   at::Tensor tokens;             // int64 [slots*B]: the input, [last token, drafts] per slot
-  at::Tensor choices;            // int64 [slots*B]: the target's argmax after each block token
+  at::Tensor logits;             // [slots*B, V]: the target's logits after each block token
+  at::Tensor choices;            // int64 [slots*B]: their argmax
   std::vector<at::Tensor> taps;  // [slots*B, H] each: the drafter's tapped layers
 };
 
@@ -101,6 +118,7 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
   if (drafter_.block_size() < 2) {
     fail("speculative: block size must be at least 2, got {}", drafter_.block_size());
   }
+  options_.sampling.validate();
   options_.context = resolve_context(target, options_);
   // A hybrid target's verify keeps the linear states after each block token, for the crop to
   // the accepted prefix.
@@ -127,6 +145,7 @@ void SpeculativeDecoder::capture_graph() {
       g->graph, target_.device(),
       [&] {
         auto out = target_.forward_cached(g->tokens, g->batch, cache_, request);
+        g->logits = out.logits;
         g->choices = out.logits.argmax(-1);
         g->taps = out.taps;
       },
@@ -149,6 +168,7 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
   if (device.is_cuda()) device_guard.emplace(device);
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   const std::vector<int64_t> taps = drafter_.tap_layers();
+  const SamplingParams& sampling = options_.sampling;
   SlotScheduler slots(
       n_slots,
       {options_.context, options_.max_new_tokens, options_.prefill_tokens, options_.stop_tokens},
@@ -176,6 +196,20 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     return slots.commit(slot, token);
   };
 
+  // Draws of `stream` for tokens first[i], first[i] + 1, ... (`count` of them) of active
+  // slot i's request: float64 [n, count] on the device.
+  auto draws = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& first,
+                   int64_t count, DrawStream stream) {
+    std::vector<double> u;
+    for (size_t i = 0; i < active.size(); ++i) {
+      for (int64_t j = 0; j < count; ++j) {
+        u.push_back(sampling_uniform(sampling.seed, slots[active[i]].request.id,
+                                     static_cast<uint64_t>(first[i] + j), stream));
+      }
+    }
+    return upload(at::tensor(u, at::kDouble).view({static_cast<int64_t>(active.size()), count}));
+  };
+
   // Prefill of newly admitted requests, packed up to prefill_tokens: their first tokens and
   // the drafter context of their prompts.
   auto prefill = [&](const std::vector<int64_t>& group) {
@@ -194,51 +228,127 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
         target_.forward_cached(upload(at::cat(prompts)), batch, cache_, {taps, Logits::kLast});
     ++stats.prefill_forwards;
     drafter_.extend(group, spans, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
-    const auto first = to_host(out.logits.argmax(-1));
+    // Token 0 as the plain decoder draws it.
+    const auto first =
+        to_host(sampling.greedy()
+                    ? out.logits.argmax(-1)
+                    : sample_tokens(
+                          out.logits, sampling,
+                          draws(group, std::vector<int64_t>(group.size(), 0), 1, DrawStream::kToken)
+                              .view(-1)));
     for (size_t i = 0; i < group.size(); ++i) commit(group[i], first[i]);
   };
   // Fills free slots; true if it took any request (which may have finished at once).
   auto admit = [&]() { return slots.admit([&](int64_t slot) { cache_.reset(slot); }, prefill); };
 
-  // One verify pass: host copies of the block tokens and the target's choice after each, the
-  // taps, and where each active slot's block sits among them.
+  // The drafts of the active slots (their newest committed tokens `last`), with their
+  // distributions when sampling.
+  auto draft = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
+    if (sampling.greedy()) return SampledDraft{drafter_.draft(active, last), {}};
+    // Draft j (1-based) of a slot with g committed tokens is its token g - 1 + j.
+    std::vector<int64_t> first;
+    for (int64_t slot : active) first.push_back(slots[slot].generated());
+    auto d = drafter_.draft_sampled(active, last, sampling,
+                                    draws(active, first, bs - 1, DrawStream::kDraft));
+    d.tokens = d.tokens.to(device, at::kLong);
+    d.probs = d.probs.defined() ? d.probs.to(device)
+                                : at::one_hot(d.tokens, target_.config().vocab_size).to(at::kFloat);
+    return d;
+  };
+
+  // One verify pass: host copies of the block tokens, where each active slot's block sits
+  // among them, and per active slot the drafts accepted and the target's token after them.
   struct Verified {
-    std::vector<int64_t> tokens, choices;
-    std::vector<int64_t> offsets, counts, starts;  // per active slot
+    std::vector<int64_t> tokens;
+    std::vector<int64_t> offsets, starts;  // per active slot
+    std::vector<int64_t> accepted, next;   // per active slot
     std::vector<at::Tensor> taps;
   };
+  // Greedy: draft j+1 is accepted while it equals the target's choice after block token j
+  // (choices[offsets[i] + j]); the choice after the accepted ones is the bonus token.
+  auto greedy_verdict = [](Verified& v, const std::vector<int64_t>& choices,
+                           const std::vector<int64_t>& counts) {
+    for (size_t i = 0; i < counts.size(); ++i) {
+      const int64_t offset = v.offsets[i];
+      int64_t accepted = 0;
+      while (accepted < counts[i] - 1 &&
+             v.tokens[offset + accepted + 1] == choices[offset + accepted]) {
+        ++accepted;
+      }
+      v.accepted.push_back(accepted);
+      v.next.push_back(choices[offset + accepted]);
+    }
+  };
+  // Sampling: speculative_verdict on the target's distributions after each block token
+  // (logits rows rows[i*B + j], B per slot: a block cut to b tokens repeats its last row) and
+  // the drafts' distributions. Returns accepted counts and next tokens, on the device.
+  auto sampled_verdict = [&](const std::vector<int64_t>& active, const at::Tensor& logits,
+                             const std::vector<int64_t>& rows, const std::vector<int64_t>& counts,
+                             const SampledDraft& d) {
+    const auto n = static_cast<int64_t>(active.size());
+    auto p = sampling_probs(logits.index_select(0, upload(at::tensor(rows, long_opts))), sampling)
+                 .view({n, bs, -1});
+    std::vector<int64_t> tested, first;
+    for (size_t i = 0; i < active.size(); ++i) {
+      tested.push_back(counts[i] - 1);
+      first.push_back(slots[active[i]].generated());
+    }
+    // Draft j (1-based) is token g - 1 + j of a slot with g committed tokens; the token after
+    // a accepted drafts is token g + a.
+    auto accept_u = draws(active, first, bs - 1, DrawStream::kAccept);
+    auto token_u = draws(active, first, bs, DrawStream::kToken);
+    auto verdict = speculative_verdict(p, d.probs, d.tokens, upload(at::tensor(tested, long_opts)),
+                                       accept_u, token_u);
+    return at::cat({verdict.accepted, verdict.next});
+  };
+  auto split_verdict = [](Verified& v, const std::vector<int64_t>& both) {
+    const auto n = static_cast<int64_t>(both.size() / 2);
+    v.accepted.assign(both.begin(), both.begin() + n);
+    v.next.assign(both.begin() + n, both.end());
+  };
+
   // Eager: one packed forward over the active slots, each block cut to what its limits still
   // allow.
   auto verify_eager = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
-    const auto drafts = to_host(drafter_.draft(active, last));  // [n, B-1] row-major
+    const SampledDraft d = draft(active, last);
+    const auto drafts = to_host(d.tokens);  // [n, B-1] row-major
     // A hybrid runs whole blocks (commits still stop at the limits): a pass that keeps the
     // per-token states a crop into the block needs takes equal blocks.
     const bool whole = target_.config().is_hybrid();
     Verified v;
+    std::vector<int64_t> counts;
     for (size_t i = 0; i < active.size(); ++i) {
       const int64_t b = whole ? bs : std::min(bs, slots.room(active[i]));
       v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
-      v.counts.push_back(b);
+      counts.push_back(b);
       v.tokens.push_back(last_token[active[i]]);
       v.tokens.insert(v.tokens.end(), drafts.begin() + i * (bs - 1),
                       drafts.begin() + i * (bs - 1) + (b - 1));
     }
-    auto batch = AppendBatch::make(cache_, active, v.counts);
+    auto batch = AppendBatch::make(cache_, active, counts);
     v.starts = batch.starts;
     auto out = target_.forward_cached(
         upload(at::tensor(v.tokens, long_opts)), batch, cache_,
         {.tap_layers = taps, .logits = Logits::kAll, .keep_block_states = true});
-    v.choices = to_host(out.logits.argmax(-1));
+    if (sampling.greedy()) {
+      greedy_verdict(v, to_host(out.logits.argmax(-1)), counts);
+    } else {
+      std::vector<int64_t> rows;
+      for (size_t i = 0; i < active.size(); ++i) {
+        for (int64_t j = 0; j < bs; ++j) rows.push_back(v.offsets[i] + std::min(j, counts[i] - 1));
+      }
+      split_verdict(v, to_host(sampled_verdict(active, out.logits, rows, counts, d)));
+    }
     v.taps = std::move(out.taps);
     return v;
   };
   // The captured pass: every slot runs a whole block (commits still stop at the limits); the
-  // drafts go into the graph's input on the device, and one copy brings tokens and choices
+  // drafts go into the graph's input on the device, and one copy brings tokens and verdicts
   // back. The replay leaves the cache's host lengths as they were: they grow by the block here,
   // as forward_cached's do.
   auto verify_graph = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
     Graph& g = *graph_;
-    auto drafts = drafter_.draft(active, last).to(device, at::kLong);
+    const SampledDraft d = draft(active, last);
     std::vector<int64_t> starts(n_slots, 0), lasts(n_slots, 0);
     for (size_t i = 0; i < active.size(); ++i) {
       starts[active[i]] = cache_.length(active[i]);
@@ -251,17 +361,29 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     g.batch.seen.copy_(starts_dev + bs);
     auto block = g.tokens.view({n_slots, bs});
     block.select(1, 0).copy_(upload(at::tensor(lasts, long_opts)));
-    block.narrow(1, 1, bs - 1).index_copy_(0, upload(at::tensor(active, long_opts)), drafts);
+    block.narrow(1, 1, bs - 1)
+        .index_copy_(0, upload(at::tensor(active, long_opts)), d.tokens.to(device, at::kLong));
     g.graph.replay();
     for (int64_t slot : active) cache_.extend_block(slot, bs);
-    const auto both = to_host(at::cat({g.tokens, g.choices}));
     Verified v;
-    v.tokens.assign(both.begin(), both.begin() + n_slots * bs);
-    v.choices.assign(both.begin() + n_slots * bs, both.end());
     for (int64_t slot : active) {
       v.offsets.push_back(slot * bs);
-      v.counts.push_back(bs);
       v.starts.push_back(starts[slot]);
+    }
+    const std::vector<int64_t> counts(active.size(), bs);
+    if (sampling.greedy()) {
+      const auto both = to_host(at::cat({g.tokens, g.choices}));
+      v.tokens.assign(both.begin(), both.begin() + n_slots * bs);
+      greedy_verdict(v, std::vector<int64_t>(both.begin() + n_slots * bs, both.end()), counts);
+    } else {
+      std::vector<int64_t> rows;
+      for (int64_t slot : active) {
+        for (int64_t j = 0; j < bs; ++j) rows.push_back(slot * bs + j);
+      }
+      const auto all =
+          to_host(at::cat({g.tokens, sampled_verdict(active, g.logits, rows, counts, d)}));
+      v.tokens.assign(all.begin(), all.begin() + n_slots * bs);
+      split_verdict(v, std::vector<int64_t>(all.begin() + n_slots * bs, all.end()));
     }
     v.taps = g.taps;
     return v;
@@ -277,18 +399,13 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     std::vector<int64_t> extend_slots, feature_rows;
     std::vector<std::span<const int64_t>> extend_tokens;
     for (size_t i = 0; i < active.size(); ++i) {
-      const int64_t slot = active[i], offset = v.offsets[i], b = v.counts[i];
-      // v.tokens[offset + j] is the block's token j; v.choices[offset + j] the target's token
-      // after it. Draft j+1 is accepted while it equals the target's choice after token j.
-      int64_t accepted = 0;
-      while (accepted < b - 1 && v.tokens[offset + accepted + 1] == v.choices[offset + accepted]) {
-        ++accepted;
-      }
+      const int64_t slot = active[i], offset = v.offsets[i], accepted = v.accepted[i];
+      // v.tokens[offset + j] is the block's token j: the accepted drafts are tokens 1..accepted.
       ++stats.verify_steps;
       int64_t committed = 0;
       bool going = true;
       for (int64_t j = 0; j <= accepted && going; ++j) {
-        going = commit(slot, v.choices[offset + j]);
+        going = commit(slot, j < accepted ? v.tokens[offset + j + 1] : v.next[i]);
         ++committed;
       }
       ++stats.committed[committed];

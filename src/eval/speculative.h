@@ -1,14 +1,18 @@
 // eval: generation and speculative decoding with the target and drafter. This file: DFlash
-// speculative decoding (BRIEF, inference), greedy. A slot's step: the drafter proposes B-1
-// tokens after the slot's newest committed token; the target runs once over that block (the
-// token and the drafts) with its KV cache; the longest prefix of drafts equal to the target's
-// own choices is accepted and the target's choice after it is the bonus token; the target
-// cache is cropped to the tokens it ran that were committed, and their tapped features extend
-// the drafter's context. Many slots step together, each with its own acceptance, and a slot is
-// refilled from the queue when its sequence finishes. The output is, token for token, the
-// target's own greedy output (Generator with greedy sampling). On CUDA in bf16/fp16 the verify
-// pass over all slots is one captured CUDA graph (every slot verifies a full block; the drafts
-// go from the drafter to the graph's input without a host round trip).
+// speculative decoding (BRIEF, inference). A slot's step: the drafter proposes B-1 tokens
+// after the slot's newest committed token; the target runs once over that block (the token and
+// the drafts) with its KV cache; some prefix of the drafts is accepted and the target supplies
+// the token after it; the target cache is cropped to the tokens it ran that were committed,
+// and their tapped features extend the drafter's context. Many slots step together, each with
+// its own acceptance, and a slot is refilled from the queue when its sequence finishes.
+// Greedy (temperature 0): the longest prefix of drafts equal to the target's own choices is
+// accepted and the target's choice after it is the bonus token, so the output is, token for
+// token, the target's own greedy output (Generator with greedy sampling). Temperature > 0:
+// speculative sampling (sampling.h, speculative_verdict) with the drafter's distributions
+// under the same temperature / top-k / top-p, so each output is distributed exactly as the
+// target's own sampled output; the draws depend on (seed, request, token index) only. On CUDA
+// in bf16/fp16 the verify pass over all slots is one captured CUDA graph (every slot verifies a
+// full block; the drafts go from the drafter to the graph's input without a host round trip).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -19,13 +23,24 @@
 #include <vector>
 
 #include "eval/generator.h"
+#include "eval/sampling.h"
 #include "models/drafter.h"
 #include "models/target.h"
 
 namespace dflash::eval {
 
+// Drafts for speculative sampling: the tokens and the distributions they were drawn from.
+struct SampledDraft {
+  at::Tensor tokens;  // int64 [n, B-1]
+  // float [n, B-1, V]: q of draft j given the block before it, under the decoder's sampling
+  // transform (sampling_probs). Undefined: each token is proposed with certainty (q one-hot),
+  // which keeps speculative sampling exact for a source without distributions.
+  at::Tensor probs;
+};
+
 // What proposes the drafts. DFlashDraftSource is the drafter; tests plug hand-made ones
-// (the target's own continuation, always wrong, right with some probability).
+// (the target's own continuation, always wrong, right with some probability, the target's
+// own distribution).
 class DraftSource {
  public:
   virtual ~DraftSource() = default;
@@ -44,6 +59,13 @@ class DraftSource {
   // B-1 draft tokens per slot after last[i], the slot's newest committed token (which the
   // target has not run yet): int64 [n, B-1] on any device.
   virtual at::Tensor draft(const std::vector<int64_t>& slots, const std::vector<int64_t>& last) = 0;
+  // Temperature > 0: B-1 drafts per slot drawn from the source's distributions under
+  // `sampling`, draft j of slot i with uniforms[i][j] (float64 [n, B-1] on the target's device;
+  // sample_from_probs) so that a draft depends on its request's draws only. The default
+  // proposes draft()'s tokens with certainty.
+  virtual SampledDraft draft_sampled(const std::vector<int64_t>& slots,
+                                     const std::vector<int64_t>& last,
+                                     const SamplingParams& sampling, const at::Tensor& uniforms);
 };
 
 // The DFlash drafter (models::DraftModel) with its context cache, in the target's dtype.
@@ -60,6 +82,9 @@ class DFlashDraftSource final : public DraftSource {
               const std::vector<std::span<const int64_t>>& tokens,
               const at::Tensor& features) override;
   at::Tensor draft(const std::vector<int64_t>& slots, const std::vector<int64_t>& last) override;
+  // Drafts from the drafter's logits under `sampling`, with those distributions.
+  SampledDraft draft_sampled(const std::vector<int64_t>& slots, const std::vector<int64_t>& last,
+                             const SamplingParams& sampling, const at::Tensor& uniforms) override;
 
  private:
   models::DraftModel model_;
@@ -67,13 +92,16 @@ class DFlashDraftSource final : public DraftSource {
 };
 
 struct SpeculativeOptions {
+  SamplingParams sampling;           // greedy by default
   int64_t max_new_tokens = 512;      // generated tokens per request, stop token included
   std::vector<int64_t> stop_tokens;  // a generated stop token ends its sequence
   int64_t slots = 1;                 // sequences decoded together
   int64_t context = 0;             // prompt + generated tokens at most; 0: max_position_embeddings
   int64_t prefill_tokens = 16384;  // prompt tokens per prefill forward (one prompt at least)
-  bool cuda_graph = true;          // capture the verify pass where the device and dtype allow
-  ProgressFn progress;             // if set, called after each verify step's commits
+  // Capture the verify pass where the device and dtype allow (sampling then draws from the
+  // captured logits).
+  bool cuda_graph = true;
+  ProgressFn progress;  // if set, called after each verify step's commits
 };
 
 struct SpeculativeStats {

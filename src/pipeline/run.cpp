@@ -24,6 +24,7 @@
 #include "pipeline/run_obs.h"
 #include "pipeline/train_eval.h"
 #include "train/checkpoint.h"
+#include "train/export.h"
 
 namespace dflash::pipeline {
 
@@ -183,6 +184,13 @@ void run_training(const RunConfig& c) {
   if (r.trains()) {
     job.drafter.emplace(make_drafter(job, resume.resuming));
     broadcast_drafter(job);
+    const auto warning = train::last_layer_tap_warning(job.drafter->config());
+    if (r.leads() && !warning.empty()) {
+      fmt::print(stderr,
+                 "train: WARNING: {}; `dflash export` refuses such a drafter unless "
+                 "--allow-last-layer-tap\n",
+                 warning);
+    }
   }
   resolve(job, run_dir);
   std::optional<RunLog> log;

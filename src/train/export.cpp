@@ -69,13 +69,19 @@ void check_out_dir(const fs::path& dir, bool overwrite) {
 }  // namespace
 
 Export export_drafter(const std::filesystem::path& source, const std::filesystem::path& out_dir,
-                      const std::filesystem::path& target_dir, bool overwrite) {
+                      const std::filesystem::path& target_dir, bool overwrite,
+                      bool allow_last_layer_tap) {
   check_out_dir(out_dir, overwrite);
   const bool is_export = fs::exists(source / "model.safetensors") ||
                          fs::exists(source / "model.safetensors.index.json");
   const fs::path dir = is_export ? source : resolve_whole_checkpoint(source);
   const json j = read_json_file(dir / "config.json");
   auto config = models::parse_drafter_config(j, (dir / "config.json").string());
+  if (const auto warning = last_layer_tap_warning(config);
+      !warning.empty() && !allow_last_layer_tap) {
+    fail("export: {}: {}. Refused; pass --allow-last-layer-tap to export it anyway", dir.string(),
+         warning);
+  }
   fs::path target = target_dir;
   if (target.empty() && !is_export) {
     // A step directory sits in its run directory, beside run_config.json.

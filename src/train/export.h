@@ -27,16 +27,19 @@ struct Export {
 // new, empty or another drafter export; one holding other files takes the export only with
 // `overwrite`, and one holding a target model (a config.json that is not a DFlash drafter's,
 // or safetensors with an embedding or LM head) never does. Checked before anything is read.
+// A drafter that taps the target's last layer (last_layer_tap_warning) is refused unless
+// `allow_last_layer_tap`, before anything is written.
 Export export_drafter(const std::filesystem::path& source, const std::filesystem::path& out_dir,
-                      const std::filesystem::path& target_dir = {}, bool overwrite = false);
+                      const std::filesystem::path& target_dir = {}, bool overwrite = false,
+                      bool allow_last_layer_tap = false);
 
 // The commands that serve `out_dir` with SGLang and vLLM beside `target` ("TARGET" when
 // unknown), one per line.
 std::string serving_commands(const Export& e, const std::filesystem::path& out_dir);
 
 // A warning when the drafter taps the target's last decoder layer, else empty: SGLang and vLLM
-// disagree on whether that hidden state is taken before or after the final norm, so such a
-// drafter may serve with a lower acceptance than eval measured.
+// disagree on what "after layer L-1" is (before or after the final norm), so such a drafter
+// may serve with a lower acceptance than eval measured.
 std::string last_layer_tap_warning(const models::DrafterConfig& config);
 
 }  // namespace dflash::train

@@ -7,8 +7,8 @@ steps on random data (`dflash train`) and its export. `dflash eval` over three p
 (questions, multi-turn, chat lines) must succeed with the run directory, a step directory and
 the export; print tau and the histogram; with --json print a report whose counts add up, with
 every turn checked and no mismatch (on the CPU, in fp32, no divergence at all; on a GPU, in
-bf16, divergences at numerical ties are allowed); and fail, naming file and line, on a bad
-prompt line.
+bf16, divergences at numerical ties are allowed); at --temperature 1 report tau and say that
+the outputs are not compared; and fail, naming file and line, on a bad prompt line.
 """
 import json
 import pathlib
@@ -84,6 +84,18 @@ def main():
                 assert f["target_tokens_per_s"] > 0 and f["speculative_tokens_per_s"] > 0, f
                 assert f["wall_seconds"] > 0 and f["mismatches"] == 0, f
                 assert device != "cpu" or f["divergences"] == [], f
+
+        # Speculative sampling: tau and speed-up, no exactness check (text and JSON say so).
+        sampled = ["--temperature", 1, "--top-k", 20, "--seed", 3]
+        text = run([dflash, "eval", "--drafter", export, *common, *sampled]).stdout
+        assert "outputs not compared" in text and "speed-up" in text, text
+        report = json.loads(
+            run([dflash, "eval", "--drafter", export, *common, *sampled, "--json"]).stdout)
+        for f in report["files"]:
+            assert f["temperature"] == 1 and not f["exactness_checked"], f
+            assert 1 <= f["tau"] <= 8 and f["divergences"] == [], f
+            hist = f["committed_histogram"]
+            assert f["generated_tokens"] == f["turns"] + sum(k * n for k, n in enumerate(hist)), f
 
         bad = work / "bad.jsonl"
         bad.write_text('{"question": "fine"}\n{"nothing": 1}\n')

@@ -131,6 +131,28 @@ TEST(Sampling, InverseCdfFollowsTheKeptDistribution) {
   EXPECT_CLOSE(share({0.5, 1.0, 0, 0}), sq / sq.sum(), 2e-3);
 }
 
+// sampling_probs is the distribution sample_tokens draws from (the cases above), over the
+// whole vocabulary; sample_from_probs follows it and never draws a token of probability 0,
+// even for a draw just below 1 (whose target rounds to the whole mass in float).
+TEST(Sampling, ProbsAreWhatSampleTokensDraws) {
+  auto logits = at::log(at::tensor({0.1, 0.5, 0.05, 0.3, 0.05}, at::kDouble)).to(at::kFloat);
+  auto probs = [&](const eval::SamplingParams& p) { return eval::sampling_probs(logits, p); };
+  EXPECT_CLOSE(probs({1.0, 1.0, 0, 0}), at::tensor({0.1, 0.5, 0.05, 0.3, 0.05}), 1e-6);
+  EXPECT_CLOSE(probs({1.0, 0.7, 0, 0}), at::tensor({0.0, 0.625, 0.0, 0.375, 0.0}), 1e-6);
+  EXPECT_CLOSE(probs({1.0, 1.0, 3, 0}), at::tensor({1.0, 5.0, 0.0, 3.0, 0.0}) / 9.0, 1e-6);
+  auto sq = at::tensor({0.01, 0.25, 0.0025, 0.09, 0.0025});
+  EXPECT_CLOSE(probs({0.5, 1.0, 0, 0}), sq / sq.sum(), 1e-6);
+  EXPECT_CLOSE(probs({}), at::tensor({0.0, 1.0, 0.0, 0.0, 0.0}), 0.0);  // greedy: one-hot
+  const int64_t n = 2000;
+  auto u = (at::arange(n, at::kDouble) + 0.5) / n;
+  auto kept = probs({1.0, 0.7, 0, 0}).unsqueeze(0).expand({n, 5});
+  EXPECT_CLOSE(at::bincount(eval::sample_from_probs(kept, u), {}, 5).to(at::kDouble) / n,
+               at::tensor({0.0, 0.625, 0.0, 0.375, 0.0}, at::kDouble), 2e-3);
+  auto edge = at::tensor({0.5f, 0.5f, 0.0f}).view({1, 3});
+  EXPECT_EQ(eval::sample_from_probs(edge, at::tensor({1.0 - 0x1.0p-53})).item<int64_t>(), 1);
+  EXPECT_EQ(eval::sample_from_probs(edge, at::tensor({0.0})).item<int64_t>(), 0);
+}
+
 class GeneratorSampling : public ::testing::Test {
  protected:
   std::vector<Completion> run(eval::SamplingParams s, int64_t slots) {

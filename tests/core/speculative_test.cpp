@@ -4,13 +4,18 @@
 // Acceptance accounting on hand-made drafters: the target's own continuation (all accepted),
 // always wrong (none), a stop token and the token limit inside a block, prompts at the
 // context limit; and the drafter's context features are the target's taps of the committed
-// tokens.
+// tokens. Speculative sampling at temperature > 0: the output's distribution is the target's
+// (chi-square against the exact one), a drafter equal to the target accepts every draft, and
+// the draws depend on seed and request only.
 #include "eval/speculative.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
+#include <iostream>
 #include <map>
 
 #include "common/error.h"
@@ -411,6 +416,356 @@ TEST(SpeculativeContext, DrafterSeesTheTargetTapsOfCommittedTokens) {
   }
 }
 
+// speculative_verdict on one draft over three tokens, with every combination of evenly spaced
+// draws for the draft (from q), its test and the next token (a 60^3 grid): the first committed
+// token is distributed as p[0] (accepted draft or residual), and the token after an accepted
+// draft as p[1] (the bonus), to the grid's resolution. A draft that is not tested is never
+// accepted and the next token follows p[0].
+TEST(SpeculativeVerdict, CommitsTheTargetsDistribution) {
+  const int64_t m = 60, n = m * m * m;
+  auto grid = (at::arange(m, at::kDouble) + 0.5) / m;
+  auto mesh = at::meshgrid({grid, grid, grid}, "ij");
+  auto draft_u = mesh[0].reshape({n}), accept_u = mesh[1].reshape({n, 1});
+  auto token_u = mesh[2].reshape({n, 1}).expand({n, 2});
+  auto p0 = at::tensor({0.5, 0.3, 0.2}, at::kDouble), p1 = at::tensor({0.1, 0.1, 0.8}, at::kDouble);
+  auto q = at::tensor({0.2, 0.5, 0.3}, at::kDouble);
+  auto p = at::stack({p0, p1}).to(at::kFloat).unsqueeze(0).expand({n, 2, 3});
+  auto qs = q.to(at::kFloat).view({1, 1, 3}).expand({n, 1, 3});
+  auto drafts = eval::sample_from_probs(qs.squeeze(1), draft_u).unsqueeze(1);
+  auto share = [&](const at::Tensor& tokens) {
+    return at::bincount(tokens, {}, 3).to(at::kDouble) / static_cast<double>(tokens.size(0));
+  };
+  EXPECT_CLOSE(share(drafts.squeeze(1)), q, 1e-3);
+  auto v = eval::speculative_verdict(p, qs, drafts, at::ones({n}, at::kLong), accept_u, token_u);
+  auto first = at::where(v.accepted == 1, drafts.squeeze(1), v.next);
+  EXPECT_CLOSE(share(first), p0, 0.02);
+  // Accepted with probability sum_x min(p0, q) = 0.2 + 0.3 + 0.2.
+  EXPECT_NEAR(v.accepted.to(at::kDouble).mean().item<double>(), 0.7, 0.02);
+  EXPECT_CLOSE(share(v.next.masked_select(v.accepted == 1)), p1, 0.02);
+  // Rejected: the residual max(0, p0 - q) = (0.3, 0, 0) is all on token 0.
+  EXPECT_TRUE(v.next.masked_select(v.accepted == 0).eq(0).all().item<bool>());
+  auto untested =
+      eval::speculative_verdict(p, qs, drafts, at::zeros({n}, at::kLong), accept_u, token_u);
+  EXPECT_EQ(untested.accepted.sum().item<int64_t>(), 0);
+  EXPECT_CLOSE(share(untested.next), p0, 0.02);
+}
+
+// Speculative sampling (temperature > 0). A drafter that draws from the target's own
+// distribution under its own sampling transform, autoregressively over its drafts (so q of
+// draft j is known exactly and may equal the target's p): with `one_hot`, it proposes its
+// greedy continuation with certainty (DraftSource's default draft_sampled).
+class TargetDrafter final : public eval::DraftSource {
+ public:
+  TargetDrafter(const models::TargetModel& target, int64_t block_size, eval::SamplingParams q,
+                bool one_hot = false)
+      : target_(target), block_size_(block_size), q_(q), one_hot_(one_hot) {}
+
+  int64_t block_size() const override { return block_size_; }
+  std::vector<int64_t> tap_layers() const override { return {}; }
+  void start(int64_t slots, int64_t) override { contexts_.assign(slots, {}); }
+  void reset(int64_t slot) override { contexts_[slot].clear(); }
+  void extend(const std::vector<int64_t>& slots,
+              const std::vector<std::span<const int64_t>>& tokens, const at::Tensor&) override {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      contexts_[slots[i]].insert(contexts_[slots[i]].end(), tokens[i].begin(), tokens[i].end());
+    }
+  }
+  at::Tensor draft(const std::vector<int64_t>& slots, const std::vector<int64_t>& last) override {
+    return run(slots, last, {}, {}).tokens;
+  }
+  eval::SampledDraft draft_sampled(const std::vector<int64_t>& slots,
+                                   const std::vector<int64_t>& last,
+                                   const eval::SamplingParams& sampling,
+                                   const at::Tensor& uniforms) override {
+    if (one_hot_) return DraftSource::draft_sampled(slots, last, sampling, uniforms);
+    return run(slots, last, q_, uniforms);
+  }
+
+ private:
+  // Draft j of every slot from one forward over each slot's context, last token and drafts
+  // 1..j-1; greedy when `uniforms` is undefined.
+  eval::SampledDraft run(const std::vector<int64_t>& slots, const std::vector<int64_t>& last,
+                         const eval::SamplingParams& q, const at::Tensor& uniforms) {
+    std::vector<std::vector<int64_t>> seqs;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      seqs.push_back(contexts_[slots[i]]);
+      seqs.back().push_back(last[i]);
+    }
+    std::vector<at::Tensor> tokens, probs;
+    for (int64_t j = 0; j + 1 < block_size_; ++j) {
+      std::vector<int64_t> flat, lengths;
+      for (const auto& s : seqs) {
+        flat.insert(flat.end(), s.begin(), s.end());
+        lengths.push_back(static_cast<int64_t>(s.size()));
+      }
+      auto batch = models::PackedBatch::from_lengths(lengths, target_.device());
+      auto logits = target_
+                        .forward(at::tensor(flat, at::kLong).to(target_.device()), batch,
+                                 {{}, models::Logits::kLast})
+                        .logits.to(at::kFloat);
+      at::Tensor next;
+      if (uniforms.defined()) {
+        probs.push_back(eval::sampling_probs(logits, q));
+        next = eval::sample_from_probs(probs.back(), uniforms.select(1, j).to(logits.device()));
+      } else {
+        next = logits.argmax(-1);
+      }
+      tokens.push_back(next);
+      auto host = next.cpu();
+      for (size_t i = 0; i < seqs.size(); ++i) seqs[i].push_back(host[i].item<int64_t>());
+    }
+    return {at::stack(tokens, 1), probs.empty() ? at::Tensor() : at::stack(probs, 1)};
+  }
+
+  const models::TargetModel& target_;
+  int64_t block_size_;
+  eval::SamplingParams q_;
+  bool one_hot_;
+  std::vector<std::vector<int64_t>> contexts_;
+};
+
+// The exact probability of each continuation of `prompt` by `length` tokens drawn one at a
+// time from the target under `sampling` (every continuation of non-zero probability).
+std::map<std::vector<int64_t>, double> exact_continuations(const models::TargetModel& target,
+                                                           const std::vector<int64_t>& prompt,
+                                                           int64_t length,
+                                                           const eval::SamplingParams& sampling) {
+  std::map<std::vector<int64_t>, double> out;
+  std::function<void(std::vector<int64_t>&, double)> expand = [&](std::vector<int64_t>& prefix,
+                                                                  double p) {
+    if (static_cast<int64_t>(prefix.size()) == length) {
+      out[prefix] = p;
+      return;
+    }
+    auto seq = prompt;
+    seq.insert(seq.end(), prefix.begin(), prefix.end());
+    auto batch =
+        models::PackedBatch::from_lengths({static_cast<int64_t>(seq.size())}, target.device());
+    auto logits = target
+                      .forward(at::tensor(seq, at::kLong).to(target.device()), batch,
+                               {{}, models::Logits::kLast})
+                      .logits.to(at::kCPU, at::kFloat);
+    auto probs = eval::sampling_probs(logits, sampling)[0].to(at::kDouble);
+    for (int64_t t = 0; t < probs.size(0); ++t) {
+      const double q = probs[t].item<double>();
+      if (q == 0) continue;
+      prefix.push_back(t);
+      expand(prefix, p * q);
+      prefix.pop_back();
+    }
+  };
+  std::vector<int64_t> prefix;
+  expand(prefix, 1.0);
+  return out;
+}
+
+struct GoodnessOfFit {
+  double chi_square = 0, total_variation = 0;
+  int64_t bins = 0;        // chi-square bins (degrees of freedom + 1)
+  int64_t impossible = 0;  // outputs of probability 0
+};
+
+// Pearson's chi-square of `counts` against `exact` (outcomes expected fewer than 5 times
+// lumped into one bin) and the total-variation distance.
+GoodnessOfFit goodness_of_fit(const std::map<std::vector<int64_t>, int64_t>& counts,
+                              const std::map<std::vector<int64_t>, double>& exact, int64_t n) {
+  GoodnessOfFit g;
+  double lumped_expected = 0, lumped_observed = 0;
+  auto add = [&](double observed, double expected) {
+    g.chi_square += (observed - expected) * (observed - expected) / expected;
+    ++g.bins;
+  };
+  for (const auto& [outcome, p] : exact) {
+    const auto it = counts.find(outcome);
+    const double observed = it == counts.end() ? 0.0 : static_cast<double>(it->second);
+    const double expected = p * static_cast<double>(n);
+    g.total_variation += std::abs(observed / static_cast<double>(n) - p) / 2;
+    if (expected >= 5) {
+      add(observed, expected);
+    } else {
+      lumped_expected += expected;
+      lumped_observed += observed;
+    }
+  }
+  if (lumped_expected > 0) add(lumped_observed, lumped_expected);
+  for (const auto& [outcome, c] : counts) {
+    if (!exact.contains(outcome)) {
+      g.impossible += c;
+      g.total_variation += static_cast<double>(c) / static_cast<double>(n) / 2;
+    }
+  }
+  return g;
+}
+
+struct SampledCase {
+  // "dflash"; "target_top4" (q: about uniform over the target's 4 most likely tokens, the
+  // target at temperature 100 and top-k 4: flatter than p over its top 3, and a fourth token
+  // p never draws); "one_hot" (the target's greedy continuation, proposed with certainty)
+  std::string drafter;
+  int64_t slots;
+};
+
+// Many requests of one prompt at temperature 1, top-k 3: the joint distribution of the first
+// four generated tokens (the prefill's, then a block of 4, cut to the 3 tokens still allowed
+// where the verify is eager: two drafts tested, then the residual or bonus token, and later
+// blocks after a rejection) against the target's exact one over its 81 continuations, by
+// Pearson's chi-square over 3000 requests (outcomes expected fewer than 5 times lumped), and
+// each token's marginal likewise.
+void expect_sampled_distribution(const SampledCase& c, at::Device device, at::ScalarType dtype,
+                                 bool cuda_graph) {
+  auto config = testing::tiny_target_config(models::Architecture::kQwen3);
+  config.tie_word_embeddings = false;
+  if (device.is_cuda()) config.head_dim = 32;  // flash attention's smallest tested shape
+  // Peaked less than make_target's: distinct, well-spread probabilities over the top 3.
+  auto target = models::TargetModel::random(config, device, dtype, 3);
+  target.final_norm().mul_(4.0);
+  const eval::SamplingParams sampling{1.0, 1.0, 3, 17};
+  const int64_t block = 4, length = 4, requests = 3000;
+  const auto prompt = make_prompts({5}, 8)[0];
+  std::optional<models::Drafter> dflash;
+  std::unique_ptr<eval::DraftSource> drafter;
+  if (c.drafter == "dflash") {
+    dflash.emplace(make_drafter(target, block));
+    drafter = std::make_unique<eval::DFlashDraftSource>(*dflash, target);
+  } else {
+    drafter = std::make_unique<TargetDrafter>(target, block, eval::SamplingParams{100.0, 1.0, 4, 0},
+                                              c.drafter == "one_hot");
+  }
+  SpeculativeOptions o;
+  o.sampling = sampling;
+  o.max_new_tokens = length;
+  o.context = 32;
+  o.slots = c.slots;
+  o.cuda_graph = cuda_graph;
+  SpeculativeDecoder decoder(target, *drafter, o);
+  EXPECT_EQ(decoder.uses_cuda_graph(), cuda_graph);
+  SpeculativeStats stats;
+  const auto got = decoder.generate(std::vector<std::vector<int64_t>>(requests, prompt), &stats);
+  std::map<std::vector<int64_t>, int64_t> counts;
+  for (const auto& g : got) {
+    ASSERT_EQ(g.tokens.size(), static_cast<size_t>(length));
+    ++counts[g.tokens];
+  }
+  const auto exact = exact_continuations(target, prompt, length, sampling);
+  ASSERT_EQ(exact.size(), 81u);
+  // The joint, then each token's marginal (where a wrong residual or acceptance shows with
+  // fewer degrees of freedom).
+  std::vector<
+      std::pair<std::map<std::vector<int64_t>, int64_t>, std::map<std::vector<int64_t>, double>>>
+      tables = {{counts, exact}};
+  for (int64_t k = 0; k < length; ++k) {
+    std::map<std::vector<int64_t>, int64_t> observed;
+    std::map<std::vector<int64_t>, double> expected;
+    for (const auto& [outcome, n] : counts) observed[{outcome[k]}] += n;
+    for (const auto& [outcome, p] : exact) expected[{outcome[k]}] += p;
+    tables.emplace_back(observed, expected);
+  }
+  std::string report =
+      fmt::format("{} slots {}, tau {:.3f}: chi-square", c.drafter, c.slots, stats.tau());
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const auto fit = goodness_of_fit(tables[t].first, tables[t].second, requests);
+    const double dof = static_cast<double>(fit.bins - 1);
+    report += fmt::format(" {}{:.1f}/{}", t == 0 ? "joint " : "", fit.chi_square, fit.bins - 1);
+    SCOPED_TRACE(t == 0 ? std::string("joint") : fmt::format("token {}", t - 1));
+    EXPECT_EQ(fit.impossible, 0);
+    EXPECT_GE(fit.bins, t == 0 ? 30 : 2);
+    // A correct sampler's statistic is chi-square with bins-1 degrees of freedom (mean dof, sd
+    // sqrt(2 dof)); dof + 8 sd + 10 fails by chance with probability below 1e-6.
+    EXPECT_LT(fit.chi_square, dof + 8 * std::sqrt(2 * dof) + 10);
+  }
+  std::cout << report << "\n";
+  // Some drafts were rejected; and accepted, but for the random DFlash drafter, whose top 3
+  // tokens are not the target's (every draft rejected, the residual is p).
+  EXPECT_GT(stats.committed[1], 0);
+  if (c.drafter != "dflash") {
+    EXPECT_GT(stats.tau(), 1.2);
+  }
+}
+
+class SpeculativeSampling : public ::testing::TestWithParam<SampledCase> {};
+
+// Measured (CPU, fp32), chi-square / degrees of freedom for the joint and tokens 0-3, against
+// bounds 191 (80), 28 (2), 50 (8), 76 (18), 122 (40):
+//   dflash       73.6/80  1.7/2  6.2/8  16.4/18  38.2/40   (tau 1.00: every draft rejected)
+//   target_top4  83.4/80  1.7/2  8.7/8   9.5/18  36.0/40   (tau 1.99)
+//   one_hot     109.8/80  1.7/2 15.6/8  45.5/18  61.3/40   (tau 1.34)
+// (seeds 1-4: at most 110.4 joint, 61.3 for token 3; at 20000 requests the joints were 65-108,
+// as chance has them). Mutations of speculative_verdict, measured:
+// - always accept (passed = in_test): dflash 3000 joint (every output impossible), target_top4
+//   710.9 joint / 288.4, 945.4, 904.3 for tokens 1-3, one_hot 18075.9 joint: all fail.
+// - residual p instead of max(0, p - q): target_top4 token 1 64.6/8 (joint 181.5 passes),
+//   one_hot 1529.1 joint / 713.5, 1103.3, 824.9: fail; dflash unchanged (its q and p are
+//   disjoint, so the residual is p anyway). SpeculativeVerdict.CommitsTheTargetsDistribution
+//   fails under both.
+TEST_P(SpeculativeSampling, OutputIsDistributedAsTheTargets) {
+  expect_sampled_distribution(GetParam(), at::kCPU, at::kFloat, false);
+}
+
+INSTANTIATE_TEST_SUITE_P(Drafters, SpeculativeSampling,
+                         ::testing::Values(SampledCase{"dflash", 64},
+                                           SampledCase{"target_top4", 32},
+                                           SampledCase{"one_hot", 64}),
+                         [](const auto& info) {
+                           return fmt::format("{}_slots{}", info.param.drafter, info.param.slots);
+                         });
+
+// A drafter whose q is the target's own p (the same transform of the same logits, up to
+// fp32 rounding between a full forward and the cached verify) has every draft accepted.
+TEST(SpeculativeSampling, DrafterEqualToTheTargetAcceptsWholeBlocks) {
+  auto target = make_target();
+  const int64_t block = 4;
+  const eval::SamplingParams sampling{0.9, 0.95, 0, 5};
+  TargetDrafter drafter(target, block, sampling);
+  SpeculativeOptions o;
+  o.sampling = sampling;
+  o.max_new_tokens = 1 + 3 * block;
+  o.context = 64;
+  o.slots = 3;
+  SpeculativeStats stats;
+  const auto got =
+      SpeculativeDecoder(target, drafter, o).generate(make_prompts({5, 9, 3, 7}, 2), &stats);
+  for (const auto& g : got) EXPECT_EQ(g.tokens.size(), static_cast<size_t>(1 + 3 * block));
+  EXPECT_EQ(stats.verify_steps, 4 * 3);
+  EXPECT_DOUBLE_EQ(stats.tau(), static_cast<double>(block));
+}
+
+// Sampled speculative output depends on the seed and request only: the same for any number of
+// slots; its first token is the plain sampled decoder's (the same draw of the same logits);
+// another seed draws other tokens.
+TEST(SpeculativeSampling, SeedReproducesWhateverTheBatch) {
+  auto target = make_target();
+  target.final_norm().div_(10.0);  // flatter: many plausible tokens
+  auto prompts = make_prompts({3, 7, 1, 12, 5, 9}, 3);
+  auto model = make_drafter(target, 4);
+  eval::DFlashDraftSource drafter(model, target);
+  const eval::SamplingParams sampling{1.0, 0.9, 0, 99};
+  auto run = [&](int64_t slots, uint64_t seed) {
+    SpeculativeOptions o;
+    o.sampling = sampling;
+    o.sampling.seed = seed;
+    o.max_new_tokens = 12;
+    o.context = 40;
+    o.slots = slots;
+    return SpeculativeDecoder(target, drafter, o).generate(prompts);
+  };
+  const auto a = run(1, 99);
+  expect_same(run(4, 99), a);
+  expect_same(run(6, 99), a);
+  eval::GenerationOptions g;
+  g.sampling = sampling;
+  g.max_new_tokens = 1;
+  g.context = 40;
+  const auto plain = eval::Generator(target, g).generate(prompts);
+  int differing = 0;
+  const auto b = run(2, 100);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_FALSE(a[i].tokens.empty());
+    EXPECT_EQ(a[i].tokens[0], plain[i].tokens[0]) << "prompt " << i;
+    differing += a[i].tokens != b[i].tokens;
+  }
+  EXPECT_GE(differing, 3) << "another seed should draw other tokens";
+}
+
 // On CUDA in bf16: the flash paths (the verify pass through the cached causal attention, the
 // draft through the block attention), with the verify pass captured in a CUDA graph and
 // eager, give the tokens of the generator's CUDA-graph decode step (the target's margins are
@@ -462,6 +817,18 @@ TEST(SpeculativeGpu, GptOssBf16EqualsGeneratorGreedy) {
   config.head_dim = 32;
   expect_bf16_speculative_equals_generator(
       testing::peaked_target(config, at::kCUDA, at::kBFloat16, 3));
+}
+
+// The sampled distribution through the captured verify (whole blocks, commits cut at the
+// token limit) and eager, in bf16 on CUDA.
+TEST(SpeculativeGpu, SampledDistributionBf16) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  for (bool graph : {true, false}) {
+    for (const auto& c : {SampledCase{"dflash", 64}, SampledCase{"target_top4", 32}}) {
+      SCOPED_TRACE(fmt::format("{}, graph {}", c.drafter, graph));
+      expect_sampled_distribution(c, at::kCUDA, at::kBFloat16, graph);
+    }
+  }
 }
 
 TEST(Speculative, RejectsADrafterForAnotherTarget) {
