@@ -43,8 +43,8 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   const auto& tc = job.target_config;
   const bool runs_target = !r.trains() || !r.topology.disaggregated();
   if (runs_target) {
-    job.target.emplace(models::TargetModel::random(tc, r.device, r.dtype, 1));
-    job.head = models::TargetHead::of(*job.target);
+    job.target.emplace(models::TargetModel::random(tc, r.device, r.dtype, 1, r.target_group.get()));
+    job.head = models::whole_target_head(*job.target);
   } else {
     // A trainer rank of a disaggregated bench needs only a head of the right shape.
     auto opts = at::TensorOptions().device(r.device).dtype(r.dtype);
