@@ -153,6 +153,27 @@ void run_bench(const BenchOptions& o) {
           fmt::print("{:>6} {:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b, gemm, ms,
                      tps, tflops, peak_gib, synced_ms);
         }
+        // The group's all-reduces alone, as many and as large as a prefill's (the embedding's
+        // and two a layer, each [tokens, hidden]; zeros, whose sums stay finite): the share of
+        // the prefill they take, which no other work hides (each one's result is the next
+        // layer's input).
+        double allreduce_ms = 0;
+        if (group) {
+          auto partial = at::zeros({batch.total, config.hidden_size},
+                                   at::TensorOptions().dtype(dtype).device(device));
+          auto reduces = [&] {
+            for (int64_t i = 0; i < 2 * layers + 1; ++i) {
+              group->all_reduce_sum(partial, "bench_target_allreduce");
+            }
+          };
+          allreduce_ms =
+              obs::median(obs::time_queued_steps(device, o.warmup, o.iters, reduces)) * 1e3;
+          if (lead) {
+            fmt::print("{:>6} {:>6} {} all-reduces of [{}, {}] alone: {:.2f} ms, {:.0f}% of it\n",
+                       "", "", 2 * layers + 1, batch.total, config.hidden_size, allreduce_ms,
+                       100 * allreduce_ms / ms);
+          }
+        }
         rows.push_back({{"batch", b},
                         {"gemm", gemm},
                         {"round", round},
@@ -163,7 +184,8 @@ void run_bench(const BenchOptions& o) {
                         {"peak_gpu_gib", peak_gib},
                         {"times_s", times},
                         {"synced_median_ms", synced_ms},
-                        {"synced_times_s", synced_times}});
+                        {"synced_times_s", synced_times},
+                        {"allreduce_ms", allreduce_ms}});
       }
     }
   }
