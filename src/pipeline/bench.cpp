@@ -112,6 +112,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
                  {"topology", c.topology},
                  {"ranks", gpus},
                  {"trainer_ranks", r.topology.trainers},
+                 {"target_tp", c.target_tp},
                  {"seq_len", bench.seq_len},
                  {"batch_size", c.batch_size},
                  {"accumulation", c.accumulation},
@@ -125,10 +126,11 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
                  {"mfu", step_flops / step_s / gpus / kH200BF16},
                  {"per_rank", json::array()}};
   fmt::print(
-      "bench: {} x {} ({}), {} rank(s), {} training; global batch {} x {} sequences of {} tokens, "
-      "{} anchors, block {}\n",
-      bench.preset, dc.layers.num_layers, c.topology, gpus, r.topology.trainers, c.accumulation,
-      c.batch_size, bench.seq_len, c.max_anchors, dc.block_size);
+      "bench: {} x {} ({}), {} rank(s), {} training{}; global batch {} x {} sequences of {} "
+      "tokens, {} anchors, block {}\n",
+      bench.preset, dc.layers.num_layers, c.topology, gpus, r.topology.trainers,
+      c.target_tp > 1 ? fmt::format(", the target split over groups of {}", c.target_tp) : "",
+      c.accumulation, c.batch_size, bench.seq_len, c.max_anchors, dc.block_size);
   // The MFU is against an H200's rate: a figure for GPU runs only.
   const bool gpu = r.device.is_cuda();
   fmt::print(

@@ -2,7 +2,7 @@
 ranks (a dense and an MoE preset; the vocabulary split too) equal one rank's within 1e-5;
 targets that cannot be split are refused, naming the config field and T; `dflash train` on 2
 colocated ranks whose target is split over both (each rank's micro-batch through the group's
-target in turn, the drafters data parallel) logs the losses of one rank.
+target in turn, the drafters data parallel) logs the losses of one rank; `dflash bench` runs so.
 
 Usage: target_tp_cli.py DFLASH_BINARY
 """
@@ -66,6 +66,14 @@ def main():
         same_figures(metrics(tmp / "train_one"), metrics(tmp / "train_tp2"),
                      "train, 2 colocated ranks with --target-tp 2")
         print("train: 2 colocated ranks with --target-tp 2 == 1 rank (3 steps)")
+
+        # `dflash bench` (random target) takes the same path and says so.
+        r = run([dflash, "bench", "--preset", "tiny", "--device", "cpu", "--dtype", "fp32",
+                 "--seq-len", 32, "--samples", 4, "--batch-size", 2, "--steps", 3, "--warmup", 1,
+                 "--max-anchors", 4, "--out", tmp / "bench", "--nproc-per-node", 2,
+                 "--target-tp", 2])
+        assert "2 training, the target split over groups of 2" in r.stdout, r.stdout
+        print("bench: 2 colocated ranks with --target-tp 2 run")
     print("ok")
 
 
