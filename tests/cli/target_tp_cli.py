@@ -4,7 +4,9 @@ targets that cannot be split are refused, naming the config field and T; `dflash
 colocated ranks whose target is split over both (each rank's micro-batch through the group's
 target in turn, the drafters data parallel) logs the losses of one rank; `dflash bench` runs so.
 
-Usage: target_tp_cli.py DFLASH_BINARY
+`dflash info` on the FP8 block-quantised fixture counts its e4m3 weights, not their scales.
+
+Usage: target_tp_cli.py DFLASH_BINARY FIXTURES_DIR
 """
 import json
 import pathlib
@@ -74,6 +76,12 @@ def main():
                  "--target-tp", 2])
         assert "2 training, the target split over groups of 2" in r.stdout, r.stdout
         print("bench: 2 colocated ranks with --target-tp 2 run")
+        fp8 = pathlib.Path(sys.argv[2]) / "fp8" / "qwen3_fp8"
+        r = run([dflash, "info", fp8])
+        # 2 layers x (q, k, v, o: 160x160, 80x160 x 2, 160x160; gate, up, down: 288x160 x 3)
+        e4m3 = 2 * (160 * 160 * 2 + 80 * 160 * 2 + 288 * 160 * 3)
+        assert f"fp8:          {e4m3} weights in e4m3" in r.stdout, r.stdout
+        print(f"info: {e4m3} e4m3 weights counted")
     print("ok")
 
 
