@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "common/option_range.h"
+#include "dist/comm.h"
 #include "io/safetensors.h"
 #include "kernels/tuned_gemm.h"
 #include "models/drafter.h"
@@ -34,7 +35,29 @@ struct BenchOptions {
   std::string attention = "flash";
   std::vector<std::string> gemms = {"tuned"};  // alternated in each round; tuned as training
   int rounds = 1;
+  int target_tp = 1;     // ranks of a tensor-parallel group; the world is groups of them
+  std::string taps_out;  // the taps of one prefill of the first batch size (safetensors)
 };
+
+// The tensor-parallel group of this rank (consecutive ranks of the world, --target-tp of them),
+// made after the target's shape is checked; null for --target-tp 1. `world` is kept alive
+// beside it: a group of fewer ranks than the world is a subgroup of it.
+std::unique_ptr<dist::Comm> tp_group(int tp, const models::ModelConfig& config, at::Device device,
+                                     std::unique_ptr<dist::Comm>& world) {
+  if (tp == 1) return nullptr;
+  models::check_tensor_parallel(config, tp);
+  const auto w = dist::world_from_env();
+  if (w.world_size % tp != 0) {
+    fail("bench-target: --target-tp {} must divide the {} ranks (--nproc-per-node, torchrun)", tp,
+         w.world_size);
+  }
+  world = dist::Comm::create(w, device);
+  if (w.world_size == tp) return std::move(world);
+  const int first = w.rank / tp * tp;
+  std::vector<int> ranks(tp);
+  for (int i = 0; i < tp; ++i) ranks[i] = first + i;
+  return world->subgroup(ranks, fmt::format("target_tp_{}", first / tp));
+}
 
 void run_bench(const BenchOptions& o) {
   const at::Device device = device_option(o.device);
@@ -42,18 +65,32 @@ void run_bench(const BenchOptions& o) {
   auto config = models::preset_config(o.preset);
   auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   const auto attention = models::parse_attention_backend(o.attention);
-  auto model = models::TargetModel::random(config, device, dtype, 0);
+  std::unique_ptr<dist::Comm> world;
+  const auto group = tp_group(o.target_tp, config, device, world);
+  // One rank of each group speaks for it; the first group's for the world.
+  const bool lead = dist::world_from_env().rank == 0;
+  auto model = models::TargetModel::random(config, device, dtype, 0, group.get());
   // The layers the default drafter taps, and no logits: the prefill training runs, which stops
   // after the last tapped layer.
   const auto taps =
       models::default_target_layer_ids(config.num_layers, models::DrafterOptions{}.num_layers);
   const int64_t layers = models::layers_for_taps(taps);
-  fmt::print(
-      "bench-target: {} ({:.2f} B params, {:.2f} B active per token), {} on {}, seq {}, taps "
-      "[{}] (layers 0-{} run, no logits), {} attention, warmup {}, iters {}\n",
-      o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
-      c10::toString(dtype), device.str(), o.seq_len, fmt::join(taps, ","), layers - 1, o.attention,
-      o.warmup, o.iters);
+  if (lead) {
+    fmt::print(
+        "bench-target: {} ({:.2f} B params, {:.2f} B active per token), {} on {}, seq {}, taps "
+        "[{}] (layers 0-{} run, no logits), {} attention, warmup {}, iters {}\n",
+        o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
+        c10::toString(dtype), device.str(), o.seq_len, fmt::join(taps, ","), layers - 1,
+        o.attention, o.warmup, o.iters);
+  }
+  if (lead && o.target_tp > 1) {
+    fmt::print(
+        "target-tp {}: each rank holds 1/{} of the heads, the MLPs and the vocabulary; tokens/s "
+        "are a group's, TFLOP/s and GiB one rank's\n",
+        o.target_tp, o.target_tp);
+  }
+  // The same tokens on every rank of a group (and in every run: --taps-out compares runs).
+  auto token_gen = models::seeded_generator(device, 1);
   if (const auto* g = model.gpt_oss()) {
     fmt::print(
         "gpt-oss: experts hold {:.2f} GiB on {} ({}); per-layer bf16 dequantisation buffers "
@@ -69,12 +106,29 @@ void run_bench(const BenchOptions& o) {
     }
     const auto t0 = std::chrono::steady_clock::now();
     fp8_weights_gib = model.quantize_weights_fp8(layers) / double(1 << 30);
-    fmt::print("fp8: layers 0-{} in e4m3 ({:.2f} GiB) in {:.1f} s\n", layers - 1, fp8_weights_gib,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (lead) {
+      fmt::print("fp8: layers 0-{} in e4m3 ({:.2f} GiB) in {:.1f} s\n", layers - 1, fp8_weights_gib,
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
   }
-  fmt::print("{:>6} {:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "gemm", "median ms",
-             "tokens/s", "TFLOP/s", "peak GPU GiB", "synced ms");
   models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
+  if (!o.taps_out.empty() && !o.batches.empty()) {
+    auto batch = models::PackedBatch::from_lengths(
+        std::vector<int64_t>(o.batches.front(), o.seq_len), device);
+    auto tokens = at::randint(config.vocab_size, {batch.total}, token_gen,
+                              at::TensorOptions().dtype(at::kLong).device(device));
+    request.gemms = models::parse_prefill_gemms(o.gemms.front());
+    auto out = model.forward(tokens, batch, request);
+    std::vector<std::pair<std::string, at::Tensor>> named = {{"tokens", tokens}};
+    for (size_t i = 0; i < taps.size(); ++i) {
+      named.push_back({fmt::format("tap_{}", taps[i]), out.taps[i]});
+    }
+    if (lead) io::write_safetensors(o.taps_out, named);
+  }
+  if (lead) {
+    fmt::print("{:>6} {:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "gemm", "median ms",
+               "tokens/s", "TFLOP/s", "peak GPU GiB", "synced ms");
+  }
   nlohmann::json rows = nlohmann::json::array();
   for (int64_t b : o.batches) {
     for (int round = 0; round < o.rounds; ++round) {
@@ -82,7 +136,7 @@ void run_bench(const BenchOptions& o) {
         request.gemms = models::parse_prefill_gemms(gemm);
         std::vector<int64_t> lengths(b, o.seq_len);
         auto batch = models::PackedBatch::from_lengths(lengths, device);
-        auto tokens = at::randint(config.vocab_size, {batch.total},
+        auto tokens = at::randint(config.vocab_size, {batch.total}, token_gen,
                                   at::TensorOptions().dtype(at::kLong).device(device));
         obs::reset_gpu_memory_peaks(device);
         auto prefill = [&] { model.forward(tokens, batch, request); };
@@ -92,10 +146,34 @@ void run_bench(const BenchOptions& o) {
         auto synced_times = obs::time_steps(device, 0, o.iters, prefill);
         const double ms = obs::median(times) * 1e3, synced_ms = obs::median(synced_times) * 1e3;
         const double tps = batch.total / (ms / 1e3);
-        const double tflops = models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12;
+        const double tflops =
+            models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12 / o.target_tp;
         const double peak_gib = obs::gib(obs::gpu_memory(device).allocated_peak);
-        fmt::print("{:>6} {:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b, gemm, ms,
-                   tps, tflops, peak_gib, synced_ms);
+        if (lead) {
+          fmt::print("{:>6} {:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b, gemm, ms,
+                     tps, tflops, peak_gib, synced_ms);
+        }
+        // The group's all-reduces alone, as many and as large as a prefill's (the embedding's
+        // and two a layer, each [tokens, hidden]; zeros, whose sums stay finite): the share of
+        // the prefill they take, which no other work hides (each one's result is the next
+        // layer's input).
+        double allreduce_ms = 0;
+        if (group) {
+          auto partial = at::zeros({batch.total, config.hidden_size},
+                                   at::TensorOptions().dtype(dtype).device(device));
+          auto reduces = [&] {
+            for (int64_t i = 0; i < 2 * layers + 1; ++i) {
+              group->all_reduce_sum(partial, "bench_target_allreduce");
+            }
+          };
+          allreduce_ms =
+              obs::median(obs::time_queued_steps(device, o.warmup, o.iters, reduces)) * 1e3;
+          if (lead) {
+            fmt::print("{:>6} {:>6} {} all-reduces of [{}, {}] alone: {:.2f} ms, {:.0f}% of it\n",
+                       "", "", 2 * layers + 1, batch.total, config.hidden_size, allreduce_ms,
+                       100 * allreduce_ms / ms);
+          }
+        }
         rows.push_back({{"batch", b},
                         {"gemm", gemm},
                         {"round", round},
@@ -106,14 +184,15 @@ void run_bench(const BenchOptions& o) {
                         {"peak_gpu_gib", peak_gib},
                         {"times_s", times},
                         {"synced_median_ms", synced_ms},
-                        {"synced_times_s", synced_times}});
+                        {"synced_times_s", synced_times},
+                        {"allreduce_ms", allreduce_ms}});
       }
     }
   }
   request.gemms = models::parse_prefill_gemms(o.gemms.front());  // the profile runs the first
   nlohmann::json tunings = nlohmann::json::array();
   for (const auto& t : kernels::gemm_tunings()) {
-    fmt::print("gemm tuning: {}\n", kernels::describe(t));
+    if (lead) fmt::print("gemm tuning: {}\n", kernels::describe(t));
     tunings.push_back({{"shape", t.shape},
                        {"candidates", t.candidates},
                        {"equal", t.equal},
@@ -124,17 +203,15 @@ void run_bench(const BenchOptions& o) {
                        {"tuning_ms", t.tuning_ms},
                        {"uses_lt", t.uses_lt}});
   }
-  nlohmann::json doc = {{"preset", o.preset},
-                        {"device", device.str()},
-                        {"attention", o.attention},
-                        {"fp8_weights_gib", fp8_weights_gib},
-                        {"rows", rows},
+  nlohmann::json doc = {{"preset", o.preset},       {"device", device.str()},
+                        {"attention", o.attention}, {"fp8_weights_gib", fp8_weights_gib},
+                        {"target_tp", o.target_tp}, {"rows", rows},
                         {"gemm_tunings", tunings}};
   if (!o.profile.empty() && !o.batches.empty()) {
     constexpr int kProfiled = 3;
     std::vector<int64_t> lengths(o.batches.front(), o.seq_len);
     auto batch = models::PackedBatch::from_lengths(lengths, device);
-    auto tokens = at::randint(config.vocab_size, {batch.total},
+    auto tokens = at::randint(config.vocab_size, {batch.total}, token_gen,
                               at::TensorOptions().dtype(at::kLong).device(device));
     auto p = obs::profile_device(
         [&] {
@@ -144,11 +221,13 @@ void run_bench(const BenchOptions& o) {
           obs::synchronize(device);
         },
         kProfiled, o.profile);
-    fmt::print("profile of a prefill of {} x {} tokens (trace: {}):\n{}", o.batches.front(),
-               o.seq_len, o.profile, obs::format_profile(p, 20));
+    if (lead) {
+      fmt::print("profile of a prefill of {} x {} tokens (trace: {}):\n{}", o.batches.front(),
+                 o.seq_len, o.profile, obs::format_profile(p, 20));
+    }
     doc["profile"] = obs::profile_json(p);
   }
-  if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
+  if (lead && !o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
 
 struct RandomModelOptions {
@@ -211,6 +290,16 @@ void add_bench_target_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--profile", o->profile,
                   "profile the first batch size: GPU time per kernel, Chrome trace written here");
+  cmd->add_option("--target-tp", o->target_tp,
+                  "split the target over groups of this many ranks (tensor parallel: heads, MLPs "
+                  "and vocabulary; Qwen3, Qwen2, Llama and Qwen3 MoE), each rank one GPU of "
+                  "--nproc-per-node")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--taps-out", o->taps_out,
+                  "write the tapped layers' outputs of one prefill of the first batch size "
+                  "here (safetensors), e.g. to compare --target-tp runs");
+  add_nproc_option(*cmd);
   cmd->callback([o] { run_bench(*o); });
 
   auto r = std::make_shared<RandomModelOptions>();

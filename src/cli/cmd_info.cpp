@@ -98,7 +98,7 @@ void run_info(const InfoOptions& o) {
       fail("--load {}: this process sees {} CUDA device(s)", o.load_device, at::getNumGPUs());
     }
   }
-  int64_t params = 0;
+  int64_t params = 0, fp8_params = 0;
   std::map<std::string, int64_t> dtypes;
   for (const auto& name : ckpt.names()) {
     const auto& info = ckpt.info(name);
@@ -107,8 +107,11 @@ void run_info(const InfoOptions& o) {
     // MXFP4 (gpt-oss experts): two weights a byte of blocks; the scales are no weights.
     if (info.dtype == at::kByte && name.ends_with("_blocks")) n *= 2;
     if (info.dtype == at::kByte && name.ends_with("_scales")) n = 0;
+    // FP8 block quantisation (Qwen3-*-FP8): e4m3 weights; their block scales are no weights.
+    if (name.ends_with(".weight_scale_inv")) n = 0;
+    if (info.dtype == at::kFloat8_e4m3fn) fp8_params += n;
     params += n;
-    dtypes[std::string(c10::toString(info.dtype))] += n;
+    if (n > 0) dtypes[std::string(c10::toString(info.dtype))] += n;
   }
   fmt::print("model:        {}\n", o.dir);
   if (config.multimodal) {
@@ -122,6 +125,12 @@ void run_info(const InfoOptions& o) {
   for (const auto& [dtype, n] : dtypes) fmt::print("dtype:        {} ({} parameters)\n", dtype, n);
   fmt::print("weights:      {} on disk; {} in bf16\n", human_bytes(ckpt.total_bytes()),
              human_bytes(params * 2.0));
+  if (fp8_params > 0) {
+    fmt::print(
+        "fp8:          {} weights in e4m3 with a scale per block ({} of them): dequantised at "
+        "load, {} in bf16 (--target-tp T: a rank holds about 1/T)\n",
+        fp8_params, human_bytes(static_cast<double>(fp8_params)), human_bytes(fp8_params * 2.0));
+  }
   if (config.arch == models::Architecture::kGptOss) {
     const int64_t experts = config.num_layers * config.num_experts * 3 * config.hidden_size *
                             config.moe_intermediate_size;

@@ -291,23 +291,28 @@ void Comm::barrier(std::string_view stage) {
   wait_all(impl, works, "barrier", stage, start);
 }
 
+std::vector<at::Tensor> Comm::all_gather(const at::Tensor& local, std::string_view stage) {
+  const Impl& impl = *impl_;
+  check_tensor(impl, local, "all_gather", stage);
+  if (!impl.group) return {local};
+  const auto start = Clock::now();
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < impl.world.world_size; ++r) outputs[0].push_back(at::empty_like(local));
+  std::vector<at::Tensor> inputs{local};
+  c10::intrusive_ptr<c10d::Work> work;
+  guarded(impl.world.rank, "all_gather", stage, kPeerHint,
+          [&] { work = impl.group->allgather(outputs, inputs); });
+  wait_all(impl, {work}, "all_gather", stage, start);
+  return outputs[0];
+}
+
 std::vector<std::vector<int64_t>> Comm::all_gather_int64(const std::vector<int64_t>& local,
                                                          std::string_view stage) {
   const Impl& impl = *impl_;
   const int n = impl.world.world_size;
   if (!impl.group) return {local};
-  const auto start = Clock::now();
   const auto on_device = at::TensorOptions().dtype(at::kLong).device(impl.device);
-  auto gather = [&](const at::Tensor& input) {
-    std::vector<std::vector<at::Tensor>> outputs(1);
-    for (int r = 0; r < n; ++r) outputs[0].push_back(at::empty_like(input));
-    std::vector<at::Tensor> inputs{input};
-    c10::intrusive_ptr<c10d::Work> work;
-    guarded(impl.world.rank, "all_gather", stage, kPeerHint,
-            [&] { work = impl.group->allgather(outputs, inputs); });
-    wait_all(impl, {work}, "all_gather", stage, start);
-    return at::stack(outputs[0]).cpu();
-  };
+  auto gather = [&](const at::Tensor& input) { return at::stack(all_gather(input, stage)).cpu(); };
   // Lengths first, so ranks may contribute different numbers of values.
   const at::Tensor lengths =
       gather(at::full({1}, static_cast<int64_t>(local.size()), on_device)).flatten();

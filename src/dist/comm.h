@@ -58,6 +58,9 @@ class Comm {
   void broadcast(std::vector<at::Tensor>& tensors, int root, std::string_view stage);
   void barrier(std::string_view stage);
 
+  // Every rank's `local` (contiguous, of the same shape and dtype on every rank), indexed by
+  // rank: e.g. the vocabulary slices of a tensor-parallel LM head's logits.
+  std::vector<at::Tensor> all_gather(const at::Tensor& local, std::string_view stage);
   // Every rank's `local` (its length may differ between ranks), indexed by rank. For checks that
   // all ranks agree (a config hash), not for bulk data.
   std::vector<std::vector<int64_t>> all_gather_int64(const std::vector<int64_t>& local,

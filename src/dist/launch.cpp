@@ -38,26 +38,6 @@ int parse_positive(std::string_view text, std::string_view what) {
   return value;
 }
 
-// The kernel hands out a port nobody is bound to; it is released again before rank 0 binds it,
-// which leaves a short window for another process to take it (as torchrun's standalone mode).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) fail("launcher: socket: {}", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int err = errno;
-    ::close(fd);
-    fail("launcher: finding a free port on 127.0.0.1: {}", std::strerror(err));
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 double kill_grace_seconds() {
   const char* text = std::getenv("DFLASH_KILL_GRACE_S");
   if (text == nullptr || *text == '\0') return 30.0;
@@ -133,6 +113,26 @@ class ForwardSignals {
 };
 
 }  // namespace
+
+// Released again before rank 0 binds it, which leaves a short window for another process to
+// take it (as torchrun's standalone mode).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) fail("launcher: socket: {}", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail("launcher: finding a free port on 127.0.0.1: {}", std::strerror(err));
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
 
 std::optional<int> take_nproc_option(std::vector<std::string>& argv) {
   static constexpr std::string_view kOption = "--nproc-per-node";

@@ -11,6 +11,9 @@ namespace dflash::dist {
 // returns N; nullopt when absent. A missing or non-positive N throws dflash::Error.
 std::optional<int> take_nproc_option(std::vector<std::string>& argv);
 
+// A TCP port on 127.0.0.1 that nobody is bound to now (the kernel's choice), for a rendezvous.
+int free_port();
+
 // Runs `program` (this executable by default) nproc times with `argv` (argv[0] included) and
 // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT (kept from
 // the environment if set, else a free port) and DFLASH_LAUNCHED=1 added to this environment.

@@ -6,9 +6,13 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <tuple>
 
 #include "common/error.h"
+#include "common/json_file.h"
+#include "dist/comm.h"
 #include "io/safetensors.h"
 #include "kernels/decode_ops.h"
 #include "kernels/fp8_prefill.h"
@@ -197,7 +201,138 @@ void load_mlp(const ModelConfig& c, int64_t i, const Layout& layout, Take&& take
   l.experts_down = at::stack(down);
 }
 
+// This rank's share of a tensor-parallel split: of a dimension of `size`, ceil(size / ranks)
+// elements a rank, the last rank fewer (sizes the split divides come out equal).
+struct Split {
+  int64_t rank = 0, ranks = 1;
+
+  std::pair<int64_t, int64_t> piece(int64_t size) const {
+    const int64_t n = (size + ranks - 1) / ranks;
+    const int64_t start = std::min(size, rank * n);
+    return {start, std::min(n, size - start)};
+  }
+  // This rank's piece of each of the consecutive `parts` of t along `dim` (q, k and v of a fused
+  // w_qkv; gate and up of a fused gate_up), side by side: views of t, not copies.
+  at::Tensor operator()(const at::Tensor& t, int64_t dim, const std::vector<int64_t>& parts) const {
+    std::vector<at::Tensor> pieces;
+    int64_t offset = 0;
+    for (int64_t part : parts) {
+      const auto [start, length] = piece(part);
+      pieces.push_back(t.narrow(dim, offset + start, length));
+      offset += part;
+    }
+    return pieces.size() == 1 ? pieces[0] : at::cat(pieces, dim);
+  }
+};
+
+// How a checkpoint tensor of a Qwen3 / Qwen2 / Llama / Qwen3 MoE target splits over a
+// tensor-parallel group: along `dim` (column-parallel weights and biases, the vocabulary: 0;
+// row-parallel weights: their input columns), in `halves` equal parts each split on its own (a
+// fused gate_up); dim -1: whole on every rank (norms, the router).
+struct TensorSplit {
+  int64_t dim = -1;
+  int64_t halves = 1;
+};
+TensorSplit tensor_split(const std::string& name) {
+  auto ends = [&](std::string_view suffix) { return name.ends_with(suffix); };
+  if (ends("embed_tokens.weight") || name == "lm_head.weight") return {0};
+  for (const char* column : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias",
+                             "k_proj.bias", "v_proj.bias", "gate_proj.weight", "up_proj.weight"}) {
+    if (ends(column)) return {0};
+  }
+  if (ends("o_proj.weight") || ends("down_proj.weight")) return {1};
+  if (ends("experts.gate_up_proj")) return {1, 2};
+  if (ends("experts.down_proj")) return {2};
+  return {};
+}
+
+// The [rows, columns] of the scale blocks of an FP8 block-quantised checkpoint as published
+// (Qwen3-*-FP8, DeepSeek-V3: config.json's quantization_config names quant_method "fp8", fmt
+// "e4m3" and weight_block_size), empty for an unquantised one. gpt-oss' MXFP4 experts are its
+// own (GptOssFields); any other quantisation is refused rather than read as plain weights.
+std::vector<int64_t> fp8_weight_block(const std::filesystem::path& dir, const ModelConfig& c) {
+  if (c.arch == Architecture::kGptOss) return {};
+  const auto config = read_json_file(dir / "config.json");
+  const auto q = config.find("quantization_config");
+  if (q == config.end() || q->is_null()) return {};
+  const std::string where = (dir / "config.json").string() + ": quantization_config";
+  if (!q->is_object() || q->value("quant_method", "") != "fp8" ||
+      q->value("fmt", "e4m3") != "e4m3") {
+    fail("{}: {} is not supported (FP8 block quantisation: quant_method \"fp8\", fmt \"e4m3\")",
+         where, q->dump());
+  }
+  const auto block = q->value("weight_block_size", std::vector<int64_t>{});
+  if (block.size() != 2 || block[0] <= 0 || block[1] <= 0) {
+    fail(
+        "{}: weight_block_size must be the [rows, columns] of a scale block, e.g. [128, 128]; got "
+        "{}",
+        where, q->value("weight_block_size", nlohmann::json()).dump());
+  }
+  return block;
+}
+
+// An FP8 block-quantised weight in fp32: w (e4m3, [out, in]) times its block's entry of
+// scale_inv ([ceil(out / block[0]), ceil(in / block[1])], fp32), as the published checkpoints
+// define it (transformers' FP8 dequantisation, DeepSeek's weight_dequant).
+at::Tensor dequantize_fp8_blocks(const at::Tensor& w, const at::Tensor& scale_inv,
+                                 const std::vector<int64_t>& block, const std::string& name) {
+  if (w.dim() != 2) fail("{}: an FP8 block-quantised weight must be 2-d, got {}", name, w.sizes());
+  const int64_t out = w.size(0), in = w.size(1);
+  const std::vector<int64_t> scales = {(out + block[0] - 1) / block[0],
+                                       (in + block[1] - 1) / block[1]};
+  if (scale_inv.sizes().vec() != scales) {
+    fail(
+        "{}: an FP8 weight of shape {} in blocks of [{}, {}] needs {}_scale_inv of shape [{}], got "
+        "{}",
+        name, w.sizes(), block[0], block[1], name, fmt::join(scales, ", "), scale_inv.sizes());
+  }
+  const auto s = scale_inv.to(at::kFloat)
+                     .repeat_interleave(block[0], 0)
+                     .repeat_interleave(block[1], 1)
+                     .narrow(0, 0, out)
+                     .narrow(1, 0, in);
+  return w.to(at::kFloat) * s;
+}
+
 }  // namespace
+
+void check_tensor_parallel(const ModelConfig& c, int64_t ranks) {
+  if (ranks < 1) fail("--target-tp must be at least 1, got {}", ranks);
+  if (ranks == 1) return;
+  const auto a = c.arch;
+  if (a != Architecture::kQwen3 && a != Architecture::kQwen2 && a != Architecture::kLlama &&
+      a != Architecture::kQwen3Moe) {
+    fail(
+        "--target-tp {}: {} targets cannot be split over ranks (tensor parallelism covers qwen3, "
+        "qwen2, llama and qwen3_moe); use --target-tp 1",
+        ranks, architecture_name(a));
+  }
+  auto divides = [&](int64_t value, const char* field) {
+    if (value % ranks != 0) {
+      fail(
+          "--target-tp {}: config.json's {} = {} is not a multiple of {} (each rank holds {} / {})",
+          ranks, field, value, ranks, field, ranks);
+    }
+  };
+  divides(c.num_heads, "num_attention_heads");
+  divides(c.num_kv_heads, "num_key_value_heads");
+  bool dense = false, sparse = false;
+  for (int64_t i = 0; i < c.num_layers; ++i) (c.is_moe_layer(i) ? sparse : dense) = true;
+  if (dense) divides(c.intermediate_size, "intermediate_size");
+  if (sparse) divides(c.moe_intermediate_size, "moe_intermediate_size");
+  if (Split{ranks - 1, ranks}.piece(c.vocab_size).second <= 0) {
+    fail("--target-tp {}: config.json's vocab_size = {} leaves the last rank no vocabulary rows",
+         ranks, c.vocab_size);
+  }
+}
+
+int64_t TargetModel::tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
+
+void TargetModel::tp_reduce(at::Tensor& partial, std::string_view stage) const {
+  if (tp_ == nullptr) return;
+  if (!partial.is_contiguous()) partial = partial.contiguous();
+  tp_->all_reduce_sum(partial, stage);
+}
 
 TargetModel::TargetModel(ModelConfig config, at::Device device)
     : config_(std::move(config)), rotary_(config_, device) {}
@@ -207,20 +342,60 @@ void TargetModel::check(const std::filesystem::path& dir) {
 }
 
 TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device device,
-                              at::ScalarType dtype) {
+                              at::ScalarType dtype, dist::Comm* tp) {
   TargetModel m(load_model_config(dir / "config.json"), device);
   const ModelConfig& c = m.config_;
+  if (tp != nullptr && tp->size() > 1) {
+    check_tensor_parallel(c, tp->size());
+    m.tp_ = tp;
+  }
   auto ckpt = io::Checkpoint::open(dir);
   auto to_load = checked_tensors(ckpt, c, dir);
+  // FP8 block-quantised weights (those with a weight_scale_inv beside them) are dequantised
+  // one at a time where they are read, not in the bulk load.
+  const auto block = fp8_weight_block(dir, c);
+  std::set<std::string> fp8;
+  for (const auto& name : to_load) {
+    const bool scaled = ckpt.contains(name + "_scale_inv");
+    if (scaled && block.empty()) {
+      fail("{}: tensor {}_scale_inv is there but config.json names no FP8 quantization_config",
+           dir.string(), name);
+    }
+    if (!scaled && ckpt.info(name).dtype == at::kFloat8_e4m3fn) {
+      fail("{}: tensor {} is e4m3 without a {}_scale_inv", dir.string(), name, name);
+    }
+    if (scaled) fp8.insert(name);
+  }
+  std::erase_if(to_load, [&](const std::string& name) { return fp8.contains(name); });
   const bool gpt_oss = c.arch == Architecture::kGptOss;
   if (gpt_oss) {  // the decoder layers load themselves (MXFP4 blocks stay uint8)
     m.gpt_oss_ = GptOssDecoder::load(ckpt, c, device, dtype);
     to_load = {"model.embed_tokens.weight", "model.norm.weight"};
     if (!c.tie_word_embeddings) to_load.push_back("lm_head.weight");
   }
-  auto w = ckpt.load(to_load, device, dtype);
+  // A tensor-parallel rank copies its slices out of the mapped files, one at a time.
+  const Split split{m.tp_ != nullptr ? tp->rank() : 0, m.tp_size()};
+  std::map<std::string, at::Tensor> w;
+  if (m.tp_ == nullptr) w = ckpt.load(to_load, device, dtype);
   const Layout layout{&ckpt, c};
   auto take = [&](const std::string& name) {
+    at::Tensor t;
+    if (fp8.contains(name)) {
+      const std::string scale = name + "_scale_inv";
+      auto both =
+          ckpt.load({name, scale}, m.tp_ != nullptr ? at::Device(at::kCPU) : device, at::kFloat);
+      t = dequantize_fp8_blocks(both.at(name), both.at(scale), block, dir.string() + ": " + name);
+    } else if (m.tp_ != nullptr) {
+      t = ckpt.tensor(name);
+    }
+    if (t.defined()) {
+      if (const auto s = tensor_split(name); m.tp_ != nullptr && s.dim >= 0) {
+        const int64_t part = t.size(s.dim) / s.halves;
+        t = split(t, s.dim, std::vector<int64_t>(s.halves, part));
+      }
+      return t.to(device, dtype, /*non_blocking=*/false, /*copy=*/true,
+                  at::MemoryFormat::Contiguous);
+    }
     auto node = w.extract(name);
     return node.mapped();
   };
@@ -272,6 +447,7 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
   }
   m.norm_ = take_norm(c.weight_prefix() + "norm.weight");
   m.lm_head_ = c.tie_word_embeddings ? m.embed_ : take("lm_head.weight");
+  m.vocab_start_ = split.piece(c.vocab_size).first;
   return m;
 }
 
@@ -292,15 +468,27 @@ at::Generator seeded_generator(at::Device device, uint64_t seed) {
 }
 
 TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::ScalarType dtype,
-                                uint64_t seed) {
+                                uint64_t seed, dist::Comm* tp) {
   c.validate("random target");
   TargetModel m(c, device);
+  if (tp != nullptr && tp->size() > 1) {
+    check_tensor_parallel(c, tp->size());
+    m.tp_ = tp;
+  }
   auto gen = seeded_generator(device, seed);
   auto opts = at::TensorOptions().device(device).dtype(dtype);
   auto normal = [&](std::vector<int64_t> shape) { return at::randn(shape, gen, opts) * 0.02; };
+  // A tensor-parallel rank draws every weight whole (the same numbers as one rank) and keeps
+  // its slice of the split ones: `parts` along `dim` as Split reads them.
+  const Split split{m.tp_ != nullptr ? tp->rank() : 0, m.tp_size()};
+  auto sliced = [&](std::vector<int64_t> shape, int64_t dim, std::vector<int64_t> parts) {
+    auto t = normal(std::move(shape));
+    return m.tp_ != nullptr ? split(t, dim, parts).clone(at::MemoryFormat::Contiguous) : t;
+  };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-  m.embed_ = normal({c.vocab_size, h});
+  m.embed_ = sliced({c.vocab_size, h}, 0, {c.vocab_size});
+  m.vocab_start_ = split.piece(c.vocab_size).first;
   if (c.arch == Architecture::kGptOss) m.gpt_oss_ = GptOssDecoder::random(c, gen, opts);
   for (int64_t i = 0; i < c.num_layers && !m.gpt_oss_; ++i) {
     TargetLayerWeights l;
@@ -319,32 +507,34 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
       l.linear.norm = ones(s.value_head_dim);
       l.linear.w_out = normal({h, s.value_dim()});
     } else {
-      l.w_qkv = normal({(c.attn_output_gate ? 2 * q : q) + 2 * kv, h});
-      if (c.attention_bias) l.b_qkv = normal({q + 2 * kv});
+      const int64_t q_rows = c.attn_output_gate ? 2 * q : q;
+      l.w_qkv = sliced({q_rows + 2 * kv, h}, 0, {q_rows, kv, kv});
+      if (c.attention_bias) l.b_qkv = sliced({q + 2 * kv}, 0, {q, kv, kv});
       if (c.qk_norm) {
         l.q_norm = ones(c.head_dim);
         l.k_norm = ones(c.head_dim);
       }
-      l.w_o = normal({h, q});
+      l.w_o = sliced({h, q}, 1, {q});
     }
     if (c.is_moe_layer(i)) {
       const int64_t e = c.num_experts, f = c.moe_intermediate_size;
       l.router = normal({e, h});
-      l.experts_gate_up = normal({e, 2 * f, h});
-      l.experts_down = normal({e, h, f});
+      l.experts_gate_up = sliced({e, 2 * f, h}, 1, {f, f});
+      l.experts_down = sliced({e, h, f}, 2, {f});
       if (const int64_t sf = c.shared_expert_intermediate_size; sf > 0) {
         l.shared_gate_up = normal({2 * sf, h});
         l.shared_down = normal({h, sf});
         l.shared_gate = normal({1, h});
       }
     } else {
-      l.w_gate_up = normal({2 * c.intermediate_size, h});
-      l.w_down = normal({h, c.intermediate_size});
+      const int64_t f = c.intermediate_size;
+      l.w_gate_up = sliced({2 * f, h}, 0, {f, f});
+      l.w_down = sliced({h, f}, 1, {f});
     }
     m.layers_.push_back(std::move(l));
   }
   m.norm_ = ones(h);
-  m.lm_head_ = c.tie_word_embeddings ? m.embed_ : normal({c.vocab_size, h});
+  m.lm_head_ = c.tie_word_embeddings ? m.embed_ : sliced({c.vocab_size, h}, 0, {c.vocab_size});
   return m;
 }
 
@@ -406,15 +596,39 @@ int64_t TargetModel::release_compute_projections() {
 }
 
 at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
-  return at::embedding(embed_, tokens);
+  if (tp_ == nullptr) return at::embedding(embed_, tokens);
+  // Each token's row is on one rank; the others add zeros (exact in any dtype).
+  const int64_t rows = embed_.size(0);
+  const auto local = tokens - vocab_start_;
+  const auto elsewhere = (local < 0).logical_or_(local >= rows).unsqueeze(-1);
+  auto x = at::embedding(embed_, local.clamp(0, rows - 1)).masked_fill_(elsewhere, 0);
+  tp_reduce(x, "target_tp_embedding");
+  return x;
 }
 
 at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const {
   const int64_t rows = hidden.numel() / std::max<int64_t>(hidden.size(-1), 1);
-  if (fused_kernels(hidden) && rows <= kernels::kSmallLinearFasterRows) {
-    return kernels::small_linear(hidden, lm_head_);
+  const bool small = fused_kernels(hidden) && rows <= kernels::kSmallLinearFasterRows;
+  auto logits = small ? kernels::small_linear(hidden, lm_head_) : at::linear(hidden, lm_head_);
+  return gather_vocab(logits, -1);
+}
+
+at::Tensor TargetModel::gather_vocab(const at::Tensor& slice, int64_t dim) const {
+  if (tp_ == nullptr) return slice;
+  // Every rank's slice padded to the first rank's size (all_gather's one shape), then cut back.
+  dim = dim < 0 ? dim + slice.dim() : dim;
+  const int64_t ranks = tp_->size(), width = Split{0, ranks}.piece(config_.vocab_size).second;
+  at::Tensor padded = slice;
+  if (slice.size(dim) < width) {
+    auto sizes = slice.sizes().vec();
+    sizes[dim] = width - slice.size(dim);
+    padded = at::cat({slice, at::zeros(sizes, slice.options())}, dim);
   }
-  return at::linear(hidden, lm_head_);
+  auto slices = tp_->all_gather(padded.contiguous(), "target_tp_vocab");
+  for (int64_t r = 0; r < ranks; ++r) {
+    slices[r] = slices[r].narrow(dim, 0, Split{r, ranks}.piece(config_.vocab_size).second);
+  }
+  return at::cat(slices, dim);
 }
 
 template <class Attend>
@@ -425,8 +639,10 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
                                       Attend&& attend) const {
   const ModelConfig& c = config_;
   const double eps = c.rms_norm_eps;
+  // This rank's heads (all of them without tensor parallelism).
   const int64_t t = x.size(0), d = c.head_dim;
-  const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
+  const int64_t heads = c.num_heads / tp_size(), kv_heads = c.num_kv_heads / tp_size();
+  const int64_t nq = heads * d, nkv = kv_heads * d;
   const bool small = fused && t <= kernels::kSmallLinearFasterRows;
   const bool tuned = fused && !small && gemms == PrefillGemms::kTuned;
   const bool fp8 = gemms == PrefillGemms::kFp8 && !c10::GradMode::is_enabled();
@@ -487,23 +703,23 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     const bool fused_qk = fused && c.qk_norm && !c.attn_output_gate && c.rotary_dim() == d;
     if (fused_qk && cache.keys.defined()) {
       // One launch instead of the two index_copy_ of KVCache::update (72 a step in Qwen3-8B).
-      q = kernels::qk_norm_rotary_into_cache(qkv, c.num_heads, c.num_kv_heads, w.q_norm, w.k_norm,
-                                             cos, sin, eps, cache.keys, cache.values, cache.rows);
+      q = kernels::qk_norm_rotary_into_cache(qkv, heads, kv_heads, w.q_norm, w.k_norm, cos, sin,
+                                             eps, cache.keys, cache.values, cache.rows);
     } else if (fused_qk) {
-      std::tie(q, k) = kernels::qk_norm_rotary(qkv, c.num_heads, c.num_kv_heads, w.q_norm, w.k_norm,
-                                               cos, sin, eps);
-      v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
+      std::tie(q, k) =
+          kernels::qk_norm_rotary(qkv, heads, kv_heads, w.q_norm, w.k_norm, cos, sin, eps);
+      v = qkv.narrow(1, nq + nkv, nkv).view({t, kv_heads, d});
     } else {
       const int64_t q_rows = c.attn_output_gate ? 2 * nq : nq;
       if (c.attn_output_gate) {
-        auto q_gate = qkv.narrow(1, 0, q_rows).view({t, c.num_heads, 2 * d});
+        auto q_gate = qkv.narrow(1, 0, q_rows).view({t, heads, 2 * d});
         q = q_gate.narrow(2, 0, d);
         gate = q_gate.narrow(2, d, d).reshape({t, nq});
       } else {
-        q = qkv.narrow(1, 0, nq).view({t, c.num_heads, d});
+        q = qkv.narrow(1, 0, nq).view({t, heads, d});
       }
-      k = qkv.narrow(1, q_rows, nkv).view({t, c.num_kv_heads, d});
-      v = qkv.narrow(1, q_rows + nkv, nkv).view({t, c.num_kv_heads, d});
+      k = qkv.narrow(1, q_rows, nkv).view({t, kv_heads, d});
+      v = qkv.narrow(1, q_rows + nkv, nkv).view({t, kv_heads, d});
       if (c.qk_norm) {
         q = rms_norm(q, w.q_norm, eps);
         k = rms_norm(k, w.k_norm, eps);
@@ -516,32 +732,39 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     return mixer_out(attn, w.w_o, w.o_fp8);
   };
   // A linear-attention layer keeps its conv weight when its projections are released.
-  auto o =
+  at::Tensor o =
       w.linear.conv.defined()
           ? mixer_out(gated_delta_net(mixer_in(w.linear.w_in, w.qkv_fp8, {}), w.linear, c.linear,
                                       eps, seqs.cu_seqlens, seqs.lengths, seqs.linear),
                       w.linear.w_out, w.o_fp8)
           : attention();
+  tp_reduce(o, "target_tp_attention");
   const bool dense_fp8 = fp8 && !w.router.defined();
   if (!fused) {
     auto x1 = x + o;
     auto h1 = rms_norm(x1, w.post_attention_norm, eps);
+    at::Tensor mlp;
     if (dense_fp8) {
       auto act = kernels::silu_mul(linear8(kernels::quantize_rows_e4m3(h1), w.gate_up_fp8));
-      return x1 + linear8(kernels::quantize_rows_e4m3(act), w.down_fp8);
+      mlp = linear8(kernels::quantize_rows_e4m3(act), w.down_fp8);
+    } else {
+      mlp = w.router.defined() ? sparse_mlp(c, w, h1) : swiglu_mlp(h1, w.w_gate_up, w.w_down);
     }
-    return x1 + (w.router.defined() ? sparse_mlp(c, w, h1) : swiglu_mlp(h1, w.w_gate_up, w.w_down));
+    tp_reduce(mlp, "target_tp_mlp");
+    return x1 + mlp;
   }
   if (dense_fp8) {
     // The norm and the activation write the e4m3 rows the next GEMMs read, in one pass each.
     auto r = kernels::add_rms_norm_e4m3(x, o, w.post_attention_norm, eps);
     pending = linear8(kernels::silu_mul_e4m3(linear8(r.normed, w.gate_up_fp8)), w.down_fp8);
+    tp_reduce(pending, "target_tp_mlp");
     return r.sum;
   }
   auto r = kernels::add_rms_norm(x, o, w.post_attention_norm, eps);
   pending = w.router.defined()
                 ? sparse_mlp(c, w, r.normed)
                 : linear(kernels::silu_mul(linear(r.normed, w.w_gate_up, {})), w.w_down, {});
+  tp_reduce(pending, "target_tp_mlp");
   return r.sum;
 }
 
@@ -618,6 +841,12 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
     fail("target cached forward: tokens must be [{}] (the append batch), got [{}]", batch.total,
          fmt::join(tokens.sizes(), ", "));
   }
+  if (tp_ != nullptr) {
+    fail(
+        "target cached forward: not implemented for a tensor-parallel target (--target-tp {}); "
+        "generation and evaluation need a whole target on one rank",
+        tp_size());
+  }
   const at::Tensor& k0 = cache.keys(0);
   if (cache.num_layers() != config_.num_layers || k0.size(1) != config_.num_kv_heads ||
       k0.size(2) != config_.head_dim || k0.scalar_type() != dtype() || k0.device() != device()) {
@@ -679,6 +908,8 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
 }
 
 std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() const {
+  if (tp_ != nullptr)
+    fail("target: a tensor-parallel rank holds slices; it cannot write the model");
   // The text-only layout (model.*) whatever was read, as to_hf_json writes the config.
   ModelConfig c = config_;
   c.multimodal = false;
@@ -761,6 +992,7 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
 
 std::vector<at::Tensor> TargetModel::parameters() const {
   if (gpt_oss_) fail("gpt-oss target: it is frozen here; its parameters are not trainable");
+  if (tp_ != nullptr) fail("target: a tensor-parallel target is frozen; it is not trainable");
   std::vector<at::Tensor> out = {embed_};
   for (const auto& l : layers_) {
     for (const at::Tensor& t : {l.input_norm,

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "common/enum_names.h"
@@ -16,9 +17,27 @@
 #include "models/kv_cache.h"
 #include "models/layers.h"
 
+namespace dflash::dist {
+class Comm;  // dist/comm.h
+}  // namespace dflash::dist
+
 namespace dflash::models {
 
 class GptOssDecoder;  // models/gpt_oss.h
+
+// Tensor parallelism (--target-tp T), Megatron-style, over the T ranks of a group (a dist::Comm):
+// q/k/v and gate/up are split by output rows (each rank holds num_attention_heads / T query
+// heads, num_key_value_heads / T KV heads and intermediate_size / T), o and down by input
+// columns, each followed by one all-reduce; the embedding and the LM head are split by
+// vocabulary rows (ceil(vocab_size / T) a rank, the last fewer): a masked lookup summed over
+// the group, and the logits gathered. Qwen3 MoE's sparse layers split every expert's
+// intermediate (moe_intermediate_size / T; the router is whole on every rank, so each rank
+// routes the same tokens to the same experts and one all-reduce sums the partial outputs, as
+// for a dense MLP; expert parallelism would need a token exchange before and after the experts).
+// Throws, naming the config field and T, when `config` cannot be split over `ranks`: an
+// architecture other than Qwen3, Qwen2, Llama and Qwen3 MoE, or a head count or intermediate
+// size that T does not divide.
+void check_tensor_parallel(const ModelConfig& config, int64_t ranks);
 
 // A generator for `device` (CPU or CUDA) seeded with `seed`, for random weights: the same seed
 // gives the same weights on a given device, and no other thread's draws interleave (reseeding
@@ -108,18 +127,24 @@ class TargetModel {
   // layer's experts are read per expert (mlp.experts.{e}.{gate,up,down}_proj.weight: published
   // checkpoints, transformers' save_pretrained) or fused (mlp.experts.gate_up_proj [E, 2F, H],
   // mlp.experts.down_proj [E, H, F]: transformers 5's state_dict).
-  static TargetModel load(const std::filesystem::path& dir, at::Device device,
-                          at::ScalarType dtype);
+  // With `tp` (a group of more than one rank, which must outlive the model) this rank reads
+  // only its slice of each split weight (check_tensor_parallel says which targets split).
+  static TargetModel load(const std::filesystem::path& dir, at::Device device, at::ScalarType dtype,
+                          dist::Comm* tp = nullptr);
   // What load() checks before it reads a byte of weights: every tensor config.json implies is
   // in the safetensors, of the implied shape (errors name the tensor and both shapes).
   static void check(const std::filesystem::path& dir);
   // Random weights (normal, std 0.02; norms at 1) for benchmarks that need no files.
+  // With `tp`, each rank keeps its slice of the weights one rank draws from `seed`.
   static TargetModel random(const ModelConfig& config, at::Device device, at::ScalarType dtype,
-                            uint64_t seed);
+                            uint64_t seed, dist::Comm* tp = nullptr);
 
   // tokens: int64 [batch.total]. No autograd state is kept unless request.grad.
   ForwardResult forward(const at::Tensor& tokens, const PackedBatch& batch,
                         const ForwardRequest& request) const;
+
+  // With tensor parallelism every rank of the group calls it with the same tokens and request,
+  // and every rank gets the whole taps and logits.
 
   // Incremental forward, for prefill and decode alike: tokens (int64 [batch.total]) are the
   // new tokens of each entry of `batch`, at positions [start, start + count) of their slot.
@@ -134,13 +159,23 @@ class TargetModel {
   ForwardResult forward_cached(const at::Tensor& tokens, const AppendBatch& batch, KVCache& cache,
                                const ForwardRequest& request) const;
 
-  // Transformer body only, for callers (the drafter) that share embedding and LM head.
+  // Transformer body only, for callers (the drafter) that share embedding and LM head. With
+  // tensor parallelism both are collectives of the group and return whole rows.
   at::Tensor embed(const at::Tensor& tokens) const;
   at::Tensor lm_head(const at::Tensor& hidden) const;  // hidden already normed
 
   const ModelConfig& config() const { return config_; }
+  // With tensor parallelism the weights (these two, and the layers' split projections) are
+  // this rank's slices.
   const at::Tensor& embedding() const { return embed_; }
   const at::Tensor& lm_head_weight() const { return lm_head_; }
+  // The tensor-parallel group (null for a whole model on one rank) and its size.
+  dist::Comm* tensor_parallel() const { return tp_; }
+  int64_t tp_size() const;
+  // This rank's vocabulary slice of `slice` along `dim` (the rows of embedding() or
+  // lm_head_weight(), the columns of logits) gathered whole from the group: a collective. Without
+  // tensor parallelism, `slice` itself.
+  at::Tensor gather_vocab(const at::Tensor& slice, int64_t dim) const;
   const at::Tensor& final_norm() const { return norm_; }
   // The decoder layers of the Qwen-family architectures; empty for gpt-oss (gpt_oss()).
   const std::vector<TargetLayerWeights>& layers() const { return layers_; }
@@ -194,6 +229,8 @@ class TargetModel {
   ForwardResult run(const at::Tensor& tokens, const at::Tensor& positions, const Sequences& seqs,
                     const ForwardRequest& request, KVCache* cache, const at::Tensor& cache_rows,
                     Attend&& attend) const;
+  // Sums a row-parallel product (o, down, a sparse MLP) over the tensor-parallel group, in place.
+  void tp_reduce(at::Tensor& partial, std::string_view stage) const;
   // One layer on the residual stream x, returning the stream after it. With `fused` (no
   // autograd, CUDA, half precision; prefill and decode alike) it runs the kernels of
   // kernels/decode_ops.h (and kernels/small_linear.h for the projections of a single row) and
@@ -217,6 +254,8 @@ class TargetModel {
   // model_type gpt_oss: its layers, run by GptOssDecoder (layers_ stays empty); shared by
   // copies, like the tensors.
   std::shared_ptr<const GptOssDecoder> gpt_oss_;
+  dist::Comm* tp_ = nullptr;  // the tensor-parallel group, when more than one rank
+  int64_t vocab_start_ = 0;   // the first vocabulary row this rank's embed_ and lm_head_ hold
 };
 
 // Floating-point operations of one prefill through the first `layers` decoder layers (-1: all;

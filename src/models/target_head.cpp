@@ -4,8 +4,18 @@
 
 #include "common/error.h"
 #include "io/safetensors.h"
+#include "models/target.h"
 
 namespace dflash::models {
+
+TargetHead whole_target_head(const TargetModel& target) {
+  if (target.tensor_parallel() == nullptr) return TargetHead::of(target);
+  TargetHead h;
+  h.embedding = target.gather_vocab(target.embedding(), 0);
+  h.lm_head = target.config().tie_word_embeddings ? h.embedding
+                                                  : target.gather_vocab(target.lm_head_weight(), 0);
+  return h;
+}
 
 TargetHead load_target_head(const std::filesystem::path& dir, at::Device device,
                             at::ScalarType dtype) {

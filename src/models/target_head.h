@@ -10,6 +10,10 @@
 
 namespace dflash::models {
 
+// A loaded target's embedding and LM head, whole: a tensor-parallel target's vocabulary slices
+// gathered from its group (a collective), for its colocated trainer.
+TargetHead whole_target_head(const TargetModel& target);
+
 // `dir`: the target's Hugging Face directory. A tied target's LM head is its embedding.
 TargetHead load_target_head(const std::filesystem::path& dir, at::Device device,
                             at::ScalarType dtype);

@@ -49,8 +49,19 @@ at::Tensor target_features(const models::TargetModel& target, const std::vector<
 }
 
 ColocatedSource::ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps,
-                                 Prefetcher& batches, bool overlap, models::PrefillGemms gemms)
-    : target_(target), taps_(std::move(taps)), gemms_(gemms), batches_(batches) {
+                                 Prefetcher& batches, bool overlap, models::PrefillGemms gemms,
+                                 std::optional<TargetGroup> group)
+    : target_(target),
+      taps_(std::move(taps)),
+      gemms_(gemms),
+      batches_(batches),
+      group_(std::move(group)) {
+  if (group_ && target.tensor_parallel() == nullptr) {
+    fail("colocated source: a target group needs a tensor-parallel target");
+  }
+  if (group_ && overlap) {
+    fail("--overlap-target is not implemented with --target-tp (the group's collectives)");
+  }
   const at::Device device = target.device();
   if (overlap && device.is_cuda()) {
     feature_stream_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
@@ -80,6 +91,20 @@ void record_stream(train::MicroBatch& mb, c10::Stream stream) {
 
 train::MicroBatch ColocatedSource::get(int64_t position) {
   const at::Device device = target_.device();
+  if (group_) {
+    const auto* group = target_.tensor_parallel();
+    const int me = group->rank();
+    train::MicroBatch mine;
+    for (int j = 0; j < group->size(); ++j) {
+      auto mb =
+          j == me ? batches_.get(position) : group_->form(position, group_->first_trainer + j);
+      mb = to_device(std::move(mb), device);
+      // Every member skips the same empty shares: each is a function of the position.
+      if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, gemms_, mb);
+      if (j == me) mine = std::move(mb);
+    }
+    return mine;
+  }
   if (!feature_stream_) {
     auto mb = to_device(batches_.get(position), device);
     if (!mb.lengths.empty()) mb.features = target_features(target_, taps_, gemms_, mb);

@@ -53,11 +53,20 @@ at::Tensor target_features(const models::TargetModel& target, const std::vector<
 // there), so it is off by default. The compute stream waits for the features with an event;
 // every tensor of the micro-batch is marked as used by it, so the caching allocator does not
 // hand its memory back to the feature stream early.
+//
+// A tensor-parallel target (--target-tp) is one forward of all the ranks of its group at a
+// time: for each micro-batch position every rank of the group runs each member's share through
+// it in turn (formed here by `form` alike on every member: the shares are a function of the
+// position) and keeps its own's features. The group holds the T trainers from `first_trainer`.
+struct TargetGroup {
+  int first_trainer = 0;
+  std::function<train::MicroBatch(int64_t position, int trainer)> form;
+};
 class ColocatedSource : public train::BatchSource {
  public:
   ColocatedSource(const models::TargetModel& target, std::vector<int64_t> taps, Prefetcher& batches,
-                  bool overlap = false,
-                  models::PrefillGemms gemms = models::ForwardRequest{}.gemms);
+                  bool overlap = false, models::PrefillGemms gemms = models::ForwardRequest{}.gemms,
+                  std::optional<TargetGroup> group = std::nullopt);
   train::MicroBatch get(int64_t position) override;
   // Whether the target runs on a stream of its own (overlap asked for, on a GPU).
   bool overlapping() const { return feature_stream_.has_value(); }
@@ -68,6 +77,7 @@ class ColocatedSource : public train::BatchSource {
   models::PrefillGemms gemms_;
   Prefetcher& batches_;
   std::optional<c10::Stream> feature_stream_;  // GPU with overlap
+  std::optional<TargetGroup> group_;           // a tensor-parallel target
 };
 
 // Disaggregated trainer rank `trainer`: its share formed by `batches` (item = position),

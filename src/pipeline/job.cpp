@@ -35,9 +35,31 @@ Rank join(const RunConfig& c) {
         "per micro-batch over all ranks)",
         c.batch_size, r.topology.trainers);
   }
+  const int tp = static_cast<int>(c.target_tp);
+  if (tp > 1) {
+    // What a tensor-parallel target does not do yet: each of these needs the whole target on
+    // a rank (or, disaggregated, target groups that send features to trainers).
+    if (r.topology.disaggregated()) {
+      fail("--target-tp {} is implemented for --topology colocated only", tp);
+    }
+    if (r.world.world_size % tp != 0) {
+      fail("--target-tp {} must divide the {} ranks (--nproc-per-node, torchrun)", tp,
+           r.world.world_size);
+    }
+    if (!c.eval_prompts.empty()) fail("--eval-prompts needs --target-tp 1 (generation)");
+    if (!c.init_from_target_layers.empty()) {
+      fail("--init-from-target-layers needs --target-tp 1 (whole target layers)");
+    }
+  }
   dist::CommOptions co;
   co.timeout = std::chrono::milliseconds(static_cast<int64_t>(c.timeout_s * 1000));
   r.comm = dist::Comm::create(r.world, r.device, co);
+  if (tp > 1) {
+    const int first = r.world.rank / tp * tp;
+    std::vector<int> ranks;
+    for (int i = first; i < first + tp; ++i) ranks.push_back(i);
+    r.target_group = r.comm->subgroup(ranks, fmt::format("target_tp_{}", first / tp));
+  }
   if (r.topology.disaggregated() && r.trains()) {
     std::vector<int> ranks;
     for (int i = 0; i < r.topology.trainers; ++i) ranks.push_back(i);

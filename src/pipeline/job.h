@@ -30,6 +30,8 @@ struct Rank {
   at::ScalarType dtype = at::kFloat;
   std::unique_ptr<dist::Comm> comm;      // every rank
   std::unique_ptr<dist::Comm> trainers;  // disaggregated: the trainer ranks' group
+  // --target-tp T > 1: the T consecutive ranks that run the target split between them.
+  std::unique_ptr<dist::Comm> target_group;
   bool trains() const { return world.rank < topology.trainers; }
   bool leads() const { return world.rank == 0; }
   dist::Comm& data_parallel() const { return trainers ? *trainers : *comm; }

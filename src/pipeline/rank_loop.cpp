@@ -83,8 +83,18 @@ int64_t run_rank(Job& job, const fs::path& resume_from, const StepCallback& on_s
     source = std::make_unique<ReceivedSource>(
         *r.comm, topo, trainer, dc.num_taps() * dc.layers.hidden_size, r.dtype, r.device, batches);
   } else {
+    // The other members' shares are formed on this thread: a stream of its own (a stream is
+    // not thread-safe; `batches` forms this rank's on its thread).
+    std::optional<TargetGroup> group;
+    if (r.target_group) {
+      auto members = std::make_shared<GlobalStream>(*job.samples, stream_options_of(c), dc);
+      group = TargetGroup{trainer - r.target_group->rank(), [=](int64_t position, int t) {
+                            return members->form(position, t, topo.trainers, pin);
+                          }};
+    }
     source = std::make_unique<ColocatedSource>(*job.target, dc.target_layer_ids, batches,
-                                               c.overlap_target, job.choices.prefill_gemms);
+                                               c.overlap_target, job.choices.prefill_gemms,
+                                               std::move(group));
   }
   train::Trainer loop(*job.drafter, job.head, job.trainer, *source, &r.data_parallel());
   if (r.leads() && job.choices.head_grad != job.requested.head_grad) {

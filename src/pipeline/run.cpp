@@ -64,8 +64,9 @@ void load_target(Job& job) {
   const Rank& r = job.rank;
   job.target_config = models::load_model_config(fs::path(c.target) / "config.json");
   if (!r.trains() || !r.topology.disaggregated()) {
-    job.target.emplace(models::TargetModel::load(c.target, r.device, r.dtype));
-    job.head = models::TargetHead::of(*job.target);
+    job.target.emplace(
+        models::TargetModel::load(c.target, r.device, r.dtype, r.target_group.get()));
+    job.head = models::whole_target_head(*job.target);
   } else {
     job.head = models::load_target_head(c.target, r.device, r.dtype);
   }

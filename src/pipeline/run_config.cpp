@@ -122,6 +122,11 @@ const std::vector<ConfigKey>& config_keys() {
       {"target_ranks", &RunConfig::target_ranks,
        "disaggregated: how many ranks only run the target (the first world-T ranks train)",
        kAtLeastOne},
+      {"target_tp", &RunConfig::target_tp,
+       "colocated: split the target over groups of this many consecutive ranks (tensor "
+       "parallel: heads, MLPs and vocabulary; Qwen3, Qwen2, Llama, Qwen3 MoE); each group runs "
+       "its members' micro-batches through it in turn, the drafters stay data parallel",
+       kAtLeastOne},
       {"prefetch", &RunConfig::prefetch, "micro-batches formed ahead / feature sends in flight",
        kAtLeastOne},
       {"overlap_target", &RunConfig::overlap_target,

@@ -79,9 +79,9 @@ def reference(model, tokens, lengths):
 
 
 def random_model(cfg_cls, model_cls, extra, seed):
-    """A random fp32 model of COMMON's shape plus `extra`, and its config."""
+    """A random fp32 model of COMMON's shape with `extra` added or overriding, and its config."""
     torch.manual_seed(seed)
-    config = cfg_cls(**COMMON, **extra)
+    config = cfg_cls(**{**COMMON, **extra})
     model = model_cls(config).to(torch.float32).eval()
     # Norm weights start at one; perturb them so a missing or misplaced norm shows.
     with torch.no_grad():

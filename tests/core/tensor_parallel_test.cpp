@@ -1,0 +1,199 @@
+// Tensor-parallel targets (models/target.h, --target-tp) against one rank, in fp32: T threads,
+// each a Gloo rank of its own group over a TCPStore on 127.0.0.1, load their slices of a tiny
+// transformers-written Qwen3, Llama and Qwen3 MoE model (tests/python/fixtures_tp.py; a
+// vocabulary that no T divides; and the FP8 block-quantised Qwen3 of fixtures_fp8.py) and must
+// return the taps of every layer and the logits of the
+// whole model, within 1e-5; splits the heads do not allow are refused, naming the config field
+// and T; random weights drawn on T ranks are the slices of one rank's.
+#include <gtest/gtest.h>
+
+#include <exception>
+#include <functional>
+#include <thread>
+
+#include "common/error.h"
+#include "dist/comm.h"
+#include "dist/launch.h"
+#include "io/safetensors.h"
+#include "models/target.h"
+#include "test_util.h"
+
+namespace dflash {
+namespace {
+
+using models::ForwardRequest;
+using models::ForwardResult;
+using models::Logits;
+using models::PackedBatch;
+using models::TargetModel;
+using testing::fixture;
+
+// f(comm) on each of `ranks` threads, each with its own Gloo group; the results by rank. A
+// rank's exception is rethrown here (the first by rank) after every thread has ended.
+std::vector<ForwardResult> on_ranks(int ranks, const std::function<ForwardResult(dist::Comm&)>& f) {
+  const int port = dist::free_port();
+  std::vector<ForwardResult> results(ranks);
+  std::vector<std::exception_ptr> errors(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        dist::World world{r, ranks, r, ranks, "127.0.0.1", port, "test"};
+        dist::CommOptions options;
+        options.timeout = std::chrono::seconds(60);
+        auto comm = dist::Comm::create(world, at::kCPU, options);
+        results[r] = f(*comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return results;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// Max |a - b| within 1e-5, and the shapes equal.
+void expect_within(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  EXPECT_LE((actual - expected).abs().max().item<double>(), 1e-5) << what;
+}
+
+void expect_same_outputs(const ForwardResult& actual, const ForwardResult& expected,
+                         const std::string& what) {
+  expect_within(actual.logits, expected.logits, what + ": logits");
+  ASSERT_EQ(actual.taps.size(), expected.taps.size());
+  for (size_t i = 0; i < actual.taps.size(); ++i) {
+    expect_within(actual.taps[i], expected.taps[i], what + ": tap " + std::to_string(i));
+  }
+}
+
+struct Case {
+  std::string model;
+  int ranks;
+  std::string refused;  // empty: splits; else what the error names
+};
+
+// CTest's listing names the case, not its bytes.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.model << " over " << c.ranks; }
+
+class TensorParallel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(TensorParallel, EqualsOneRank) {
+  const Case& c = GetParam();
+  const auto dir = fixture(c.model);
+  auto ref = io::SafetensorsFile::open(dir / "reference.safetensors");
+  auto l = ref->tensor("lengths");
+  const auto batch = PackedBatch::from_lengths(
+      std::vector<int64_t>(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel()), at::kCPU);
+  const auto tokens = ref->tensor("tokens");
+  auto one = TargetModel::load(dir, at::kCPU, at::kFloat);
+  const int64_t layers = one.config().num_layers;
+  std::vector<int64_t> taps(layers);
+  for (int64_t i = 0; i < layers; ++i) taps[i] = i;
+  const auto expected = one.forward(tokens, batch, {taps, Logits::kAll});
+  // The fixture itself is transformers' model.
+  EXPECT_CLOSE(expected.logits, ref->tensor("logits"), 1e-4);
+  auto run = [&](dist::Comm& comm) {
+    auto model = TargetModel::load(dir, at::kCPU, at::kFloat, &comm);
+    EXPECT_EQ(model.tp_size(), c.ranks);
+    // Each rank holds its slices only.
+    EXPECT_LT(model.layers()[0].w_qkv.size(0), one.layers()[0].w_qkv.size(0));
+    EXPECT_LT(model.embedding().size(0), one.embedding().size(0));
+    return model.forward(tokens, batch, {taps, Logits::kAll});
+  };
+  if (!c.refused.empty()) {
+    const std::string e = error_of([&] { on_ranks(c.ranks, run); });
+    EXPECT_NE(e.find(c.refused), std::string::npos) << e;
+    EXPECT_NE(e.find(fmt::format("--target-tp {}", c.ranks)), std::string::npos) << e;
+    return;
+  }
+  const auto results = on_ranks(c.ranks, run);
+  for (int r = 0; r < c.ranks; ++r) {
+    expect_same_outputs(results[r], expected, fmt::format("rank {} of {}", r, c.ranks));
+  }
+  // Logits of each sequence's last token alone, and features without logits (the training
+  // prefill, which stops after the last tapped layer).
+  const auto last = on_ranks(c.ranks, [&](dist::Comm& comm) {
+    auto model = TargetModel::load(dir, at::kCPU, at::kFloat, &comm);
+    auto out = model.forward(tokens, batch, {{1}, Logits::kLast});
+    out.taps.push_back(model.forward(tokens, batch, {{layers - 2}, Logits::kNone}).taps[0]);
+    return out;
+  });
+  const auto one_last = one.forward(tokens, batch, {{1}, Logits::kLast});
+  expect_within(last[c.ranks - 1].logits, one_last.logits, "last-token logits");
+  expect_within(last[0].taps[1], expected.taps[layers - 2], "features alone");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Targets, TensorParallel,
+    ::testing::Values(Case{"tp/qwen3_tp", 2, ""}, Case{"tp/qwen3_tp", 3, "num_attention_heads = 8"},
+                      Case{"tp/qwen3_tp", 4, ""}, Case{"tp/llama_tp", 2, ""},
+                      Case{"tp/llama_tp", 3, ""}, Case{"tp/llama_tp", 4, ""},
+                      Case{"tp/qwen3_moe_tp", 2, ""}, Case{"tp/qwen3_moe_tp", 3, ""},
+                      Case{"tp/qwen3_moe_tp", 4, ""},
+                      // An FP8 block-quantised checkpoint: each rank dequantises, then slices.
+                      Case{"fp8/qwen3_fp8", 2, ""}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const auto& m = info.param.model;
+      return m.substr(m.find('/') + 1) + "_tp" + std::to_string(info.param.ranks);
+    });
+
+TEST(TensorParallelConfig, RefusesWhatDoesNotSplit) {
+  auto c = models::preset_config("tiny-moe");
+  EXPECT_NO_THROW(models::check_tensor_parallel(c, 2));
+  // tiny's 2 KV heads do not split over 4 ranks; 4 do, which leaves the MLP widths to check.
+  EXPECT_NE(error_of([&] {
+              models::check_tensor_parallel(c, 4);
+            }).find("--target-tp 4: config.json's num_key_value_heads = 2 is not a multiple of 4"),
+            std::string::npos);
+  c.num_kv_heads = 4;
+  EXPECT_NO_THROW(models::check_tensor_parallel(c, 4));
+  c.moe_intermediate_size = 30;
+  EXPECT_NE(error_of([&] {
+              models::check_tensor_parallel(c, 4);
+            }).find("moe_intermediate_size = 30 is not a multiple of 4"),
+            std::string::npos);
+  c = models::preset_config("tiny");
+  c.num_kv_heads = 4;
+  c.intermediate_size = 250;
+  EXPECT_NE(error_of([&] { models::check_tensor_parallel(c, 4); }).find("intermediate_size = 250"),
+            std::string::npos);
+  for (const char* preset : {"tiny-qwen3.5", "tiny-gpt-oss"}) {
+    const std::string e =
+        error_of([&] { models::check_tensor_parallel(models::preset_config(preset), 2); });
+    EXPECT_NE(e.find("cannot be split over ranks"), std::string::npos) << preset << ": " << e;
+  }
+}
+
+// TargetModel::random on 2 ranks keeps the slices of the weights one rank draws (dense and
+// sparse layers).
+TEST(TensorParallelRandom, SlicesOfOneRanksWeights) {
+  for (const char* preset : {"tiny", "tiny-moe"}) {
+    const auto config = models::preset_config(preset);
+    const auto batch = PackedBatch::from_lengths({7, 5}, at::kCPU);
+    const auto tokens = at::randint(config.vocab_size, {12}, at::kLong);
+    const ForwardRequest request{{0, 3}, Logits::kAll};
+    auto one = TargetModel::random(config, at::kCPU, at::kFloat, 7);
+    const auto results = on_ranks(2, [&](dist::Comm& comm) {
+      return TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm)
+          .forward(tokens, batch, request);
+    });
+    const auto expected = one.forward(tokens, batch, request);
+    for (int r = 0; r < 2; ++r) expect_same_outputs(results[r], expected, preset);
+  }
+}
+
+}  // namespace
+}  // namespace dflash
