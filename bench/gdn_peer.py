@@ -5,9 +5,8 @@ tokens), and with --dflash runs that command for ours in the same call, printing
 
 Peers: fla-core 0.6.0 (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, its Triton
 causal_conv1d and causal_conv1d_update) and, when importable, causal-conv1d 1.7.0's
-causal_conv1d_fn / causal_conv1d_update (an sdist only: its extension is built for sm_90 by
-`scripts/gather_peers.sh --build-conv` into .whl/causal_conv1d_sm90, which the gdn stage of
-scripts/gpu_check.sh puts on PYTHONPATH).
+causal_conv1d_fn / causal_conv1d_update (an sdist only: it needs a build with nvcc first, as
+scripts/gpu_check.sh's gdn stage does with GDN_CAUSAL_CONV1D=1).
 Each figure: the median of --iters CUDA-event timings after --warmup calls (Triton autotunes
 during the warm-up).
 

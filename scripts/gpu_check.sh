@@ -228,7 +228,7 @@ if has gdn; then
   # Issue 35: Gated DeltaNet's kernels (kernels/gated_delta_rule.h, kernels/causal_conv1d.h)
   # against their references and the references against transformers, then each timed at
   # Qwen3.5-27B shapes: with the fla-core peer in the same process when its wheels travelled
-  # (carry ".whl"; bench/gdn_peer.py; causal-conv1d too when .whl holds its build),
+  # (carry ".whl"; bench/gdn_peer.py; GDN_CAUSAL_CONV1D=1 also builds causal-conv1d's sdist),
   # else ours alone.
   step gdn
   fixtures gdn gated_delta
@@ -236,10 +236,17 @@ if has gdn; then
   if ls "$root"/.whl/fla_core-*.whl > /dev/null 2>&1; then
     pip install --no-index --no-deps "$root"/.whl/*.whl --target /tmp/gdn_peer \
       > "$out/gdn_peer_install.log" 2>&1 || tail -5 "$out/gdn_peer_install.log"
-    # causal-conv1d 1.7.0's CUDA extension, built for sm_90 on the CPU machine
-    # (scripts/gather_peers.sh --build-conv; nvcc here took over 200 s of a call).
-    if [ -d "$root"/.whl/causal_conv1d_sm90 ]; then
-      cp -r "$root"/.whl/causal_conv1d_sm90/. /tmp/gdn_peer/
+    if [ -n "${GDN_CAUSAL_CONV1D:-}" ]; then
+      # causal-conv1d 1.7.0 is an sdist: built here for sm_90 alone (its setup.py lists nine
+      # architectures), minutes of nvcc, so only when asked.
+      rm -rf /tmp/gdn_cc1d && mkdir -p /tmp/gdn_cc1d
+      tar xzf "$root"/.whl/causal_conv1d-1.7.0.tar.gz -C /tmp/gdn_cc1d
+      sed -i 's/^    if FORCE_CXX11_ABI:/    cc_flag = ["-gencode", "arch=compute_90,code=sm_90"]\n&/' \
+        /tmp/gdn_cc1d/causal_conv1d-1.7.0/setup.py
+      # python3 -m pip: the pip on PATH may be another Python's, without torch to build against.
+      CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=16 python3 -m pip install --no-index --no-deps \
+        --no-build-isolation /tmp/gdn_cc1d/causal_conv1d-1.7.0 --target /tmp/gdn_peer \
+        > "$out/causal_conv1d_build.log" 2>&1 || tail -20 "$out/causal_conv1d_build.log"
     fi
     PYTHONPATH=/tmp/gdn_peer python3 "$root/bench/gdn_peer.py" --dflash "$dflash" 2>&1 \
       | tee "$out/gdn_peer.txt"
