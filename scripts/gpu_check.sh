@@ -81,7 +81,7 @@ if has test; then
   # The LibTorch tests, GPU ones included (they skip on CPU CI). Tokenizer fixtures need the
   # GSM8K data in ../shared, which does not travel to this machine; CI runs those.
   step test
-  fixtures test models dflash safetensors pretrain gpt_oss
+  fixtures test models dflash safetensors pretrain gpt_oss tp fp8
   fixtures rope rope
   gtests core '*'
 fi
@@ -188,7 +188,7 @@ if has gtest; then
   fixtures gtest dflash models
   fixtures gtest_rope rope
   fixtures gtest_gpt_oss gpt_oss
-  fixtures gtest_more pretrain qwen35 gated_delta
+  fixtures gtest_more pretrain qwen35 gated_delta tp fp8
   gtests gtest "${GTEST_FILTER:-*Gpu*}"
 fi
 if has hybrid; then
