@@ -94,6 +94,12 @@ double rate(int64_t tokens, double seconds) {
   return seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
 }
 
+// Turn k's requests (at most one per prompt) draw from ids k * prompts + j: every turn of a file
+// has streams of its own, the same for the target alone and for the speculative decoder.
+uint64_t turn_first_id(size_t turn, size_t prompts) {
+  return static_cast<uint64_t>(turn * prompts);
+}
+
 }  // namespace
 
 PromptFile read_prompt_file(const fs::path& path, int64_t limit) {
@@ -269,11 +275,12 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
       }
       Generator generator(target, g);
       std::vector<Completion> answers;
-      add_stats(f.target,
-                run_prompts(prompts, answers,
-                            [&](const Generator::NextFn& next, const Generator::DoneFn& done) {
-                              return generator.run(next, done);
-                            }));
+      add_stats(f.target, run_prompts(
+                              prompts, answers,
+                              [&](const Generator::NextFn& next, const Generator::DoneFn& done) {
+                                return generator.run(next, done);
+                              },
+                              turn_first_id(k, pf.prompts.size())));
       turns_done += static_cast<int64_t>(round.size());
       tokens_done = f.target.generated_tokens;
       for (size_t j = 0; j < round.size(); ++j) {
@@ -337,7 +344,8 @@ EvalReport Evaluator::evaluate(DraftSource& drafter) const {
       std::vector<std::vector<int64_t>> prompts;
       for (const Turn& t : round) prompts.push_back(t.tokens);
       SpeculativeStats stats;
-      const auto got = decoder.generate(prompts, &stats);
+      const auto got =
+          decoder.generate(prompts, &stats, turn_first_id(k, static_cast<size_t>(f.prompts)));
       r.speculative.add(stats);
       r.turns += static_cast<int64_t>(round.size());
       if (!options_.sampling.greedy()) continue;

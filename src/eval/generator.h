@@ -77,22 +77,23 @@ bool cuda_graph_capable(const models::TargetModel& model);
 void capture_cuda_graph(at::cuda::CUDAGraph& graph, at::Device device,
                         const std::function<void()>& forward, const std::function<void()>& reset);
 
-// Feeds `prompts` as requests 0, 1, ... to `run(next, done)` (Generator::run,
-// SpeculativeDecoder::run), puts their completions into `out` in input order and returns what
-// run returns (its stats).
+// Feeds `prompts` as requests first_id, first_id + 1, ... to `run(next, done)`
+// (Generator::run, SpeculativeDecoder::run), puts their completions into `out` in input order
+// and returns what run returns (its stats). The ids name the requests' sampling draws: callers
+// that decode several batches of prompts (eval's turns) give each batch its own range.
 template <class Run>
 auto run_prompts(const std::vector<std::vector<int64_t>>& prompts, std::vector<Completion>& out,
-                 Run&& run) {
+                 Run&& run, uint64_t first_id = 0) {
   out.assign(prompts.size(), Completion{});
   size_t next = 0;
   return run(
       [&]() -> std::optional<Request> {
         if (next == prompts.size()) return std::nullopt;
-        Request r{next, prompts[next]};
+        Request r{first_id + next, prompts[next]};
         ++next;
         return r;
       },
-      [&](const Request& r, Completion c) { out[r.id] = std::move(c); });
+      [&](const Request& r, Completion c) { out[r.id - first_id] = std::move(c); });
 }
 
 class Generator {

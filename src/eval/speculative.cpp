@@ -440,12 +440,12 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
 }
 
 std::vector<Completion> SpeculativeDecoder::generate(
-    const std::vector<std::vector<int64_t>>& prompts, SpeculativeStats* stats) {
+    const std::vector<std::vector<int64_t>>& prompts, SpeculativeStats* stats, uint64_t first_id) {
   std::vector<Completion> out;
-  auto s =
-      run_prompts(prompts, out, [&](const Generator::NextFn& next, const Generator::DoneFn& done) {
-        return run(next, done);
-      });
+  auto s = run_prompts(
+      prompts, out,
+      [&](const Generator::NextFn& next, const Generator::DoneFn& done) { return run(next, done); },
+      first_id);
   if (stats != nullptr) *stats = s;
   return out;
 }

@@ -131,9 +131,10 @@ class SpeculativeDecoder {
   // As Generator::run: pulls requests from `next` while slots are free, calls `done` as each
   // finishes (and `done` may make more requests available), returns when all are done.
   SpeculativeStats run(const Generator::NextFn& next, const Generator::DoneFn& done);
-  // All `prompts`, completions in input order.
+  // All `prompts` as requests first_id, first_id + 1, ... (run_prompts), completions in input
+  // order.
   std::vector<Completion> generate(const std::vector<std::vector<int64_t>>& prompts,
-                                   SpeculativeStats* stats = nullptr);
+                                   SpeculativeStats* stats = nullptr, uint64_t first_id = 0);
 
   const SpeculativeOptions& options() const { return options_; }
   bool uses_cuda_graph() const { return graph_ != nullptr; }

@@ -189,6 +189,30 @@ TEST_F(GeneratorSampling, SeedReproducesWhateverTheBatch) {
   EXPECT_GE(differing, 3);
 }
 
+// A request's draws follow its id, not its place in a batch: prompts fed from id 3 draw as
+// requests 3, 4, ... of a longer batch do, and the same prompt under another id draws other
+// tokens (eval gives each turn of a file its own ids for that reason).
+TEST_F(GeneratorSampling, DrawsFollowTheRequestId) {
+  GenerationOptions o;
+  o.slots = 2;
+  o.max_new_tokens = 12;
+  o.sampling = {0.8, 0.9, 40, 1234};
+  Generator gen(model_, o);
+  auto all = gen.generate(prompts_);
+  const std::vector<std::vector<int64_t>> tail(prompts_.begin() + 3, prompts_.end());
+  std::vector<Completion> from_three, same_ids_as_head;
+  auto run = [&](const Generator::NextFn& next, const Generator::DoneFn& done) {
+    return gen.run(next, done);
+  };
+  eval::run_prompts(tail, from_three, run, 3);
+  testing::expect_same_completions(from_three, {all.begin() + 3, all.end()});
+  eval::run_prompts(tail, same_ids_as_head, run, 0);
+  int differing = 0;
+  for (size_t i = 0; i < tail.size(); ++i)
+    differing += same_ids_as_head[i].tokens != all[3 + i].tokens;
+  EXPECT_EQ(differing, 2) << "the same prompts under other ids should draw other tokens";
+}
+
 TEST_F(GeneratorSampling, TopKOneIsGreedy) {
   testing::expect_same_completions(run({1.5, 1.0, 1, 77}, 3), run({}, 3));
 }
