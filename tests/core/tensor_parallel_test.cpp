@@ -7,8 +7,10 @@
 // and T; random weights drawn on T ranks are the slices of one rank's.
 #include <gtest/gtest.h>
 
+#include <barrier>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <thread>
 
 #include "common/error.h"
@@ -34,18 +36,23 @@ std::vector<ForwardResult> on_ranks(int ranks, const std::function<ForwardResult
   const int port = dist::free_port();
   std::vector<ForwardResult> results(ranks);
   std::vector<std::exception_ptr> errors(ranks);
+  // No rank tears its group down (rank 0's holds the TCPStore) while another may still be in a
+  // collective of it: a CI run crashed (SIGSEGV) once in the 4-rank case without this wait.
+  std::barrier finished(ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
+      std::unique_ptr<dist::Comm> comm;
       try {
         dist::World world{r, ranks, r, ranks, "127.0.0.1", port, "test"};
         dist::CommOptions options;
         options.timeout = std::chrono::seconds(60);
-        auto comm = dist::Comm::create(world, at::kCPU, options);
+        comm = dist::Comm::create(world, at::kCPU, options);
         results[r] = f(*comm);
       } catch (...) {
         errors[r] = std::current_exception();
       }
+      finished.arrive_and_wait();
     });
   }
   for (auto& t : threads) t.join();
