@@ -2,17 +2,21 @@
 // greedy generation with and without the CUDA graph, split into prefill and decode, and the
 // cost of one verify pass over a block of tokens against one plain decode step, from which
 // the speed-up of speculative decoding at a given acceptance length can be read off, with the
-// cost of one DFlash draft added to the verify pass.
+// cost of one DFlash draft added to the verify pass; then the speculative decoder itself, its
+// step measured at each batch against the plain step.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
 #include "common/option_range.h"
 #include "eval/generator.h"
+#include "eval/speculative.h"
 #include "models/drafter.h"
 #include "models/target.h"
 #include "obs/profile.h"
@@ -73,6 +77,37 @@ GenerationTiming time_generation(const models::TargetModel& model,
   return {obs::median(times), generator.uses_cuda_graph()};
 }
 
+// Milliseconds of one speculative step at batch `prompts.size()`: the decode of `max_new`
+// tokens per prompt less the prefill and first token alone, over the verify steps per slot.
+struct SpeculativeTiming {
+  double step_ms = 0, tau = 0;
+  bool whole_step_graph = false;
+};
+
+SpeculativeTiming time_speculative(const models::TargetModel& model, const models::Drafter& drafter,
+                                   const std::vector<std::vector<int64_t>>& prompts,
+                                   int64_t max_new, int64_t context, bool whole,
+                                   const BenchDecodeOptions& o) {
+  auto run = [&](int64_t tokens) {
+    eval::DFlashDraftSource source(drafter, model);
+    eval::SpeculativeOptions s;
+    s.slots = static_cast<int64_t>(prompts.size());
+    s.max_new_tokens = tokens;
+    s.context = context;
+    s.whole_step = whole;
+    eval::SpeculativeDecoder decoder(model, source, s);
+    eval::SpeculativeStats stats;
+    auto times = obs::time_steps(model.device(), o.warmup, o.iters,
+                                 [&] { decoder.generate(prompts, &stats); });
+    return std::tuple(obs::median(times), stats, decoder.captures_whole_step());
+  };
+  const double first_s = std::get<0>(run(1));
+  const auto [full_s, stats, captured] = run(max_new);
+  const double steps =
+      static_cast<double>(stats.verify_steps) / static_cast<double>(prompts.size());
+  return {(full_s - first_s) / steps * 1e3, stats.tau(), captured};
+}
+
 void run_bench_decode(const BenchDecodeOptions& o) {
   const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
@@ -86,6 +121,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
       "iters {} (medians)\n",
       o.preset, config.num_parameters() / 1e9, c10::toString(dtype), device.str(), o.prompt_len,
       o.new_tokens, o.warmup, o.iters);
+  std::map<int64_t, double> plain_step_ms;  // per batch, the fastest of graph and eager
   fmt::print("{:>6} {:>6} {:>12} {:>12} {:>14} {:>12} {:>16}\n", "batch", "graph", "prefill ms",
              "decode ms", "ms/step", "decode tok/s", "end-to-end tok/s");
   nlohmann::json rows = nlohmann::json::array();
@@ -98,6 +134,8 @@ void run_bench_decode(const BenchDecodeOptions& o) {
       auto full = time_generation(model, prompts, o.new_tokens, context, graph, o);
       const double decode_s = full.seconds - first.seconds;
       const int64_t steps = o.new_tokens - 1;
+      const double step_ms = decode_s / steps * 1e3;
+      if (!plain_step_ms.contains(b) || step_ms < plain_step_ms[b]) plain_step_ms[b] = step_ms;
       const double decode_tps = b * steps / decode_s;
       const double e2e_tps = b * o.new_tokens / full.seconds;
       fmt::print("{:>6} {:>6} {:>12.2f} {:>12.1f} {:>14.3f} {:>12.0f} {:>16.0f}\n", b,
@@ -185,6 +223,39 @@ void run_bench_decode(const BenchDecodeOptions& o) {
         spec_ms / step_ms, step_ms / spec_ms, 3 * step_ms / spec_ms, 5 * step_ms / spec_ms,
         7 * step_ms / spec_ms);
   }
+  // The speculative decoder itself at each batch, the same drafter: tau is about 1 with
+  // random weights, so each step drafts and verifies a whole block and commits one token, the
+  // plain decoder's rate; the whole step (one graph where captured) against the split one
+  // (the drafter eager, the verify captured).
+  nlohmann::json measured = nlohmann::json::array();
+  if (o.verify_tokens >= 2) {
+    models::DrafterOptions d;
+    d.block_size = o.verify_tokens;
+    d.mask_token_id = config.vocab_size - 1;
+    const auto drafter = models::Drafter::random(models::make_drafter_config(config, d), device, 3);
+    fmt::print(
+        "speculative decoder, measured ({} new tokens per prompt, blocks of {}, random drafter: "
+        "tau about 1):\n{:>6} {:>10} {:>14} {:>14} {:>14} {:>8}\n",
+        o.new_tokens, o.verify_tokens, "batch", "step", "ms/step", "plain ms/step", "x plain",
+        "tau");
+    for (int64_t b : o.batches) {
+      auto prompts = random_prompts(b, o.prompt_len, config.vocab_size, 1);
+      for (bool whole : {true, false}) {
+        const auto t = time_speculative(model, drafter, prompts, o.new_tokens,
+                                        context + o.verify_tokens, whole, o);
+        const double plain = plain_step_ms[b];
+        const char* kind = !whole ? "split" : t.whole_step_graph ? "graph" : "whole";
+        fmt::print("{:>6} {:>10} {:>14.3f} {:>14.3f} {:>14.2f} {:>8.2f}\n", b, kind, t.step_ms,
+                   plain, t.step_ms / plain, t.tau);
+        measured.push_back({{"batch", b},
+                            {"step", kind},
+                            {"speculative_step_ms", t.step_ms},
+                            {"plain_step_ms", plain},
+                            {"over_plain", t.step_ms / plain},
+                            {"tau", t.tau}});
+      }
+    }
+  }
   nlohmann::json doc = {{"preset", o.preset},
                         {"device", device.str()},
                         {"prompt_len", o.prompt_len},
@@ -199,6 +270,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
                           {"draft_ms", draft_ms},
                           {"speculative_step_ms", draft_ms + verify_ms},
                           {"speculative_step_over_step", (draft_ms + verify_ms) / step_ms}}}};
+  doc["speculative_measured"] = measured;
   if (!profile.is_null()) doc["decode_step_profile"] = profile;
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
