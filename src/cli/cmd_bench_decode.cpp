@@ -87,7 +87,7 @@ struct SpeculativeTiming {
 SpeculativeTiming time_speculative(const models::TargetModel& model, const models::Drafter& drafter,
                                    const std::vector<std::vector<int64_t>>& prompts,
                                    int64_t max_new, int64_t context, bool whole,
-                                   const BenchDecodeOptions& o) {
+                                   const BenchDecodeOptions& o, const std::string& trace = "") {
   auto run = [&](int64_t tokens) {
     eval::DFlashDraftSource source(drafter, model);
     eval::SpeculativeOptions s;
@@ -99,6 +99,17 @@ SpeculativeTiming time_speculative(const models::TargetModel& model, const model
     eval::SpeculativeStats stats;
     auto times = obs::time_steps(model.device(), o.warmup, o.iters,
                                  [&] { decoder.generate(prompts, &stats); });
+    if (!trace.empty() && tokens > 1) {
+      // Per step, the prefill included (it runs once per request).
+      const auto p = obs::profile_device(
+          [&] {
+            decoder.generate(prompts);
+            obs::synchronize(model.device());
+          },
+          static_cast<int>(stats.verify_steps / s.slots), trace);
+      fmt::print("profile of the speculative decoder at batch {}, per step (trace: {}):\n{}",
+                 s.slots, trace, obs::format_profile(p, 25));
+    }
     return std::tuple(obs::median(times), stats, decoder.captures_whole_step());
   };
   const double first_s = std::get<0>(run(1));
@@ -173,24 +184,30 @@ void run_bench_decode(const BenchDecodeOptions& o) {
     return obs::median(times) * 1e3;
   };
   const double step_ms = pass_ms(1), verify_ms = pass_ms(o.verify_tokens);
-  nlohmann::json profile;
+  nlohmann::json profile, verify_profile;
   if (!o.profile.empty()) {
     // Eager, so the kernels show; the graph replays the same kernels without the launch gaps.
-    constexpr int kProfiled = 10;
-    auto token = prompt.narrow(0, 0, 1);
-    auto p = obs::profile_device(
-        [&] {
-          for (int i = 0; i < kProfiled; ++i) {
-            auto batch = models::AppendBatch::make(cache, {0}, {1});
-            model.forward_cached(token, batch, cache, verify).logits.argmax(-1);
-            cache.crop(0, o.prompt_len);
-          }
-          obs::synchronize(device);
-        },
-        kProfiled, o.profile);
-    fmt::print("profile of one batch-1 decode step at {} cached tokens (eager; trace: {}):\n{}",
-               o.prompt_len, o.profile, obs::format_profile(p, 20));
-    profile = obs::profile_json(p);
+    // The plain step (trace at --profile) and the verify pass (trace beside it, ".verify").
+    auto profile_pass = [&](int64_t n, const std::string& trace) {
+      constexpr int kProfiled = 10;
+      auto tokens = prompt.narrow(0, 0, n);
+      auto p = obs::profile_device(
+          [&] {
+            for (int i = 0; i < kProfiled; ++i) {
+              auto batch = models::AppendBatch::make(cache, {0}, {n});
+              model.forward_cached(tokens, batch, cache, verify).logits.argmax(-1);
+              cache.crop(0, o.prompt_len);
+            }
+            obs::synchronize(device);
+          },
+          kProfiled, trace);
+      fmt::print(
+          "profile of one batch-1 pass of {} tokens at {} cached tokens (eager; trace: {}):\n{}", n,
+          o.prompt_len, trace, obs::format_profile(p, 20));
+      return obs::profile_json(p);
+    };
+    profile = profile_pass(1, o.profile);
+    if (o.verify_tokens > 1) verify_profile = profile_pass(o.verify_tokens, o.profile + ".verify");
   }
   fmt::print(
       "speculative, batch 1 at {} cached tokens (eager): plain decode step {:.3f} ms, verify of "
@@ -241,8 +258,10 @@ void run_bench_decode(const BenchDecodeOptions& o) {
     for (int64_t b : o.batches) {
       auto prompts = random_prompts(b, o.prompt_len, config.vocab_size, 1);
       for (bool whole : {true, false}) {
-        const auto t = time_speculative(model, drafter, prompts, o.new_tokens,
-                                        context + o.verify_tokens, whole, o);
+        const bool profiled = !o.profile.empty() && whole && b == o.batches.back();
+        const auto t =
+            time_speculative(model, drafter, prompts, o.new_tokens, context + o.verify_tokens,
+                             whole, o, profiled ? o.profile + ".speculative" : "");
         const double plain = plain_step_ms[b];
         const char* kind = !whole ? "split" : t.whole_step_graph ? "graph" : "whole";
         fmt::print("{:>6} {:>10} {:>14.3f} {:>14.3f} {:>14.2f} {:>8.2f}\n", b, kind, t.step_ms,
@@ -272,6 +291,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
                           {"speculative_step_over_step", (draft_ms + verify_ms) / step_ms}}}};
   doc["speculative_measured"] = measured;
   if (!profile.is_null()) doc["decode_step_profile"] = profile;
+  if (!verify_profile.is_null()) doc["verify_profile"] = verify_profile;
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
 
@@ -303,7 +323,8 @@ void add_bench_decode_command(CLI::App& app) {
       ->check(kAtLeastOne.validator());
   add_json_option(*cmd, o->json_out, "the results");
   cmd->add_option("--profile", o->profile,
-                  "profile the batch-1 decode step (CUDA) and write its Chrome trace here");
+                  "profile the batch-1 decode step and verify pass (CUDA) and write their Chrome "
+                  "traces here (the verify pass's with .verify added)");
   cmd->callback([o] { run_bench_decode(*o); });
 }
 
