@@ -235,10 +235,6 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     g.batch.positions.copy_(positions);
     at::add_out(g.batch.rows, g.base_rows, positions);
     g.batch.seen.copy_(starts_dev + bs);
-    if (g.batch.per_token_attention()) {
-      g.batch.token_seen.copy_(positions + 1);
-      g.batch.block_seen.copy_((starts_dev + bs).repeat_interleave(bs));
-    }
   };
   auto features_at = [&](const std::vector<at::Tensor>& tapped, const std::vector<int64_t>& rows) {
     if (tapped.empty() || rows.empty()) return at::Tensor();
