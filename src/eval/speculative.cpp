@@ -200,115 +200,16 @@ void SpeculativeDecoder::capture_graph() {
   graph_ = std::move(g);
 }
 
-SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
-                                         const Generator::DoneFn& done) {
-  c10::NoGradGuard no_grad;
-  const auto t0 = std::chrono::steady_clock::now();
-  const int64_t n_slots = cache_.slots();
-  const int64_t bs = drafter_.block_size();
-  const at::Device device = target_.device();
-  // The graph replays on the current device's stream: make it the model's (a rank's
-  // cuda:LOCAL_RANK need not be current).
-  std::optional<c10::cuda::CUDAGuard> device_guard;
-  if (device.is_cuda()) device_guard.emplace(device);
-  const auto long_opts = at::TensorOptions().dtype(at::kLong);
-  const std::vector<int64_t> taps = drafter_.tap_layers();
-  const SamplingParams& sampling = options_.sampling;
-  SlotScheduler slots(
-      n_slots,
-      {options_.context, options_.max_new_tokens, options_.prefill_tokens, options_.stop_tokens},
-      next, done, "speculative");
-  // Per slot: the newest committed token, which the target has not run yet.
-  std::vector<int64_t> last_token(n_slots, 0);
-  SpeculativeStats stats;
-  stats.committed.assign(bs + 1, 0);
+// One run(): the slots, each slot's newest committed token and the counts, with the steps it
+// takes (admission and prefill, drafts, the three step policies and their verdicts) over the
+// decoder's target, draft source and cache.
+class SpeculativeDecoder::Session {
+ public:
+  Session(SpeculativeDecoder& decoder, const Generator::NextFn& next,
+          const Generator::DoneFn& done);
+  SpeculativeStats run();
 
-  auto upload = [&](const at::Tensor& t) { return upload_to(device, t); };
-  auto to_host = [](const at::Tensor& t) {
-    auto h = t.to(at::kCPU, at::kLong).contiguous();
-    return std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel());
-  };
-  // Every slot's block at its cached length (starts, per slot) in the graph's batch.
-  auto place_block = [&](Graph& g, const std::vector<int64_t>& starts) {
-    auto starts_dev = upload(at::tensor(starts, long_opts));
-    auto positions = starts_dev.repeat_interleave(bs) + g.offsets;
-    g.batch.positions.copy_(positions);
-    at::add_out(g.batch.rows, g.base_rows, positions);
-    g.batch.seen.copy_(starts_dev + bs);
-  };
-  auto features_at = [&](const std::vector<at::Tensor>& tapped, const std::vector<int64_t>& rows) {
-    if (tapped.empty() || rows.empty()) return at::Tensor();
-    auto index = upload(at::tensor(rows, long_opts));
-    std::vector<at::Tensor> parts;
-    for (const auto& t : tapped) parts.push_back(t.index_select(0, index));
-    return at::cat(parts, 1);
-  };
-  // Commits one generated token; false once the sequence has finished.
-  auto commit = [&](int64_t slot, int64_t token) {
-    last_token[slot] = token;
-    return slots.commit(slot, token);
-  };
-
-  // Draws of `stream` for tokens first[i], first[i] + 1, ... (`count` of them) of active
-  // slot i's request: float64 [n, count] on the device.
-  auto draws = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& first,
-                   int64_t count, DrawStream stream) {
-    std::vector<double> u;
-    for (size_t i = 0; i < active.size(); ++i) {
-      for (int64_t j = 0; j < count; ++j) {
-        u.push_back(sampling_uniform(sampling.seed, slots[active[i]].request.id,
-                                     static_cast<uint64_t>(first[i] + j), stream));
-      }
-    }
-    return upload(at::tensor(u, at::kDouble).view({static_cast<int64_t>(active.size()), count}));
-  };
-
-  // Prefill of newly admitted requests, packed up to prefill_tokens: their first tokens and
-  // the drafter context of their prompts.
-  auto prefill = [&](const std::vector<int64_t>& group) {
-    std::vector<int64_t> counts;
-    std::vector<at::Tensor> prompts;
-    std::vector<std::span<const int64_t>> spans;
-    for (int64_t slot : group) {
-      const auto& p = slots[slot].request.prompt;
-      counts.push_back(static_cast<int64_t>(p.size()));
-      prompts.push_back(at::tensor(p, long_opts));
-      spans.emplace_back(p);
-      drafter_.reset(slot);
-    }
-    auto batch = AppendBatch::make(cache_, group, counts);
-    auto out =
-        target_.forward_cached(upload(at::cat(prompts)), batch, cache_, {taps, Logits::kLast});
-    ++stats.prefill_forwards;
-    drafter_.extend(group, spans, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
-    // Token 0 as the plain decoder draws it.
-    const auto first =
-        to_host(sampling.greedy()
-                    ? out.logits.argmax(-1)
-                    : sample_tokens(
-                          out.logits, sampling,
-                          draws(group, std::vector<int64_t>(group.size(), 0), 1, DrawStream::kToken)
-                              .view(-1)));
-    for (size_t i = 0; i < group.size(); ++i) commit(group[i], first[i]);
-  };
-  // Fills free slots; true if it took any request (which may have finished at once).
-  auto admit = [&]() { return slots.admit([&](int64_t slot) { cache_.reset(slot); }, prefill); };
-
-  // The drafts of the active slots (their newest committed tokens `last`), with their
-  // distributions when sampling.
-  auto draft = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
-    if (sampling.greedy()) return SampledDraft{drafter_.draft(active, last), {}};
-    // Draft j (1-based) of a slot with g committed tokens is its token g - 1 + j.
-    std::vector<int64_t> first;
-    for (int64_t slot : active) first.push_back(slots[slot].generated());
-    auto d = drafter_.draft_sampled(active, last, sampling,
-                                    draws(active, first, bs - 1, DrawStream::kDraft));
-    d.tokens = d.tokens.to(device, at::kLong);
-    d.probs = d.probs.defined() ? d.probs.to(device)
-                                : at::one_hot(d.tokens, target_.config().vocab_size).to(at::kFloat);
-    return d;
-  };
-
+ private:
   // One verify pass: host copies of the block tokens, where each active slot's block sits
   // among them, and per active slot the drafts accepted and the target's token after them.
   struct Verified {
@@ -318,225 +219,412 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     std::vector<at::Tensor> taps;
     bool context_written = false;  // the drafter holds the block's context, to be counted
   };
+
+  at::Tensor upload(const at::Tensor& t) const { return upload_to(device_, t); }
+  static std::vector<int64_t> to_host(const at::Tensor& t) {
+    auto h = t.to(at::kCPU, at::kLong).contiguous();
+    return std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel());
+  }
+  // Every slot's block at its cached length (starts, per slot) in the graph's batch.
+  void place_block(const std::vector<int64_t>& starts);
+  at::Tensor features_at(const std::vector<at::Tensor>& tapped,
+                         const std::vector<int64_t>& rows) const;
+  // Commits one generated token; false once the sequence has finished.
+  bool commit(int64_t slot, int64_t token);
+  // Draws of `stream` for tokens first[i], first[i] + 1, ... (`count` of them) of active
+  // slot i's request: float64 [n, count] on the device.
+  at::Tensor draws(const std::vector<int64_t>& active, const std::vector<int64_t>& first,
+                   int64_t count, DrawStream stream) const;
+  // Prefill of newly admitted requests, packed up to prefill_tokens: their first tokens and
+  // the drafter context of their prompts.
+  void prefill(const std::vector<int64_t>& group);
+  // Fills free slots; true if it took any request (which may have finished at once).
+  bool admit();
+  // The drafts of the active slots (their newest committed tokens `last`), with their
+  // distributions when sampling.
+  SampledDraft draft(const std::vector<int64_t>& active, const std::vector<int64_t>& last);
   // Greedy: draft j+1 is accepted while it equals the target's choice after block token j
   // (choices[offsets[i] + j]); the choice after the accepted ones is the bonus token.
-  auto greedy_verdict = [](Verified& v, const std::vector<int64_t>& choices,
-                           const std::vector<int64_t>& counts) {
-    for (size_t i = 0; i < counts.size(); ++i) {
-      const int64_t offset = v.offsets[i];
-      int64_t accepted = 0;
-      while (accepted < counts[i] - 1 &&
-             v.tokens[offset + accepted + 1] == choices[offset + accepted]) {
-        ++accepted;
-      }
-      v.accepted.push_back(accepted);
-      v.next.push_back(choices[offset + accepted]);
-    }
-  };
+  static void greedy_verdict(Verified& v, const std::vector<int64_t>& choices,
+                             const std::vector<int64_t>& counts);
   // Sampling: speculative_verdict on the target's distributions after each block token
   // (logits rows rows[i*B + j], B per slot: a block cut to b tokens repeats its last row) and
   // the drafts' distributions. Returns accepted counts and next tokens, on the device.
-  auto sampled_verdict = [&](const std::vector<int64_t>& active, const at::Tensor& logits,
+  at::Tensor sampled_verdict(const std::vector<int64_t>& active, const at::Tensor& logits,
                              const std::vector<int64_t>& rows, const std::vector<int64_t>& counts,
-                             const SampledDraft& d) {
-    const auto n = static_cast<int64_t>(active.size());
-    auto p = sampling_probs(logits.index_select(0, upload(at::tensor(rows, long_opts))), sampling)
-                 .view({n, bs, -1});
-    std::vector<int64_t> tested, first;
-    for (size_t i = 0; i < active.size(); ++i) {
-      tested.push_back(counts[i] - 1);
-      first.push_back(slots[active[i]].generated());
-    }
-    // Draft j (1-based) is token g - 1 + j of a slot with g committed tokens; the token after
-    // a accepted drafts is token g + a.
-    auto accept_u = draws(active, first, bs - 1, DrawStream::kAccept);
-    auto token_u = draws(active, first, bs, DrawStream::kToken);
-    auto verdict = speculative_verdict(p, d.probs, d.tokens, upload(at::tensor(tested, long_opts)),
-                                       accept_u, token_u);
-    return at::cat({verdict.accepted, verdict.next});
-  };
-  auto split_verdict = [](Verified& v, const std::vector<int64_t>& both) {
-    const auto n = static_cast<int64_t>(both.size() / 2);
-    v.accepted.assign(both.begin(), both.begin() + n);
-    v.next.assign(both.begin() + n, both.end());
-  };
-
+                             const SampledDraft& d) const;
+  static void split_verdict(Verified& v, const std::vector<int64_t>& both);
   // Eager: one packed forward over the active slots, each block cut to what its limits still
   // allow.
-  auto verify_eager = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
-    const SampledDraft d = draft(active, last);
-    const auto drafts = to_host(d.tokens);  // [n, B-1] row-major
-    // A hybrid runs whole blocks (commits still stop at the limits): a pass that keeps the
-    // per-token states a crop into the block needs takes equal blocks.
-    const bool whole = target_.config().is_hybrid();
-    Verified v;
-    std::vector<int64_t> counts;
-    for (size_t i = 0; i < active.size(); ++i) {
-      const int64_t b = whole ? bs : std::min(bs, slots.room(active[i]));
-      v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
-      counts.push_back(b);
-      v.tokens.push_back(last_token[active[i]]);
-      v.tokens.insert(v.tokens.end(), drafts.begin() + i * (bs - 1),
-                      drafts.begin() + i * (bs - 1) + (b - 1));
-    }
-    auto batch = AppendBatch::make(cache_, active, counts);
-    v.starts = batch.starts;
-    auto out = target_.forward_cached(
-        upload(at::tensor(v.tokens, long_opts)), batch, cache_,
-        {.tap_layers = taps, .logits = Logits::kAll, .keep_block_states = true});
-    if (sampling.greedy()) {
-      greedy_verdict(v, to_host(out.logits.argmax(-1)), counts);
-    } else {
-      std::vector<int64_t> rows;
-      for (size_t i = 0; i < active.size(); ++i) {
-        for (int64_t j = 0; j < bs; ++j) rows.push_back(v.offsets[i] + std::min(j, counts[i] - 1));
-      }
-      split_verdict(v, to_host(sampled_verdict(active, out.logits, rows, counts, d)));
-    }
-    v.taps = std::move(out.taps);
-    return v;
-  };
+  Verified verify_eager(const std::vector<int64_t>& active, const std::vector<int64_t>& last);
   // The captured pass: every slot runs a whole block (commits still stop at the limits); the
   // drafts go into the graph's input on the device, and one copy brings tokens and verdicts
   // back. The replay leaves the cache's host lengths as they were: they grow by the block here,
   // as forward_cached's do.
-  auto verify_graph = [&](const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
-    Graph& g = *graph_;
-    const SampledDraft d = draft(active, last);
-    std::vector<int64_t> starts(n_slots, 0), lasts(n_slots, 0);
-    for (size_t i = 0; i < active.size(); ++i) {
-      starts[active[i]] = cache_.length(active[i]);
-      lasts[active[i]] = last[i];
-    }
-    place_block(g, starts);
-    auto block = g.tokens.view({n_slots, bs});
-    block.select(1, 0).copy_(upload(at::tensor(lasts, long_opts)));
-    block.narrow(1, 1, bs - 1)
-        .index_copy_(0, upload(at::tensor(active, long_opts)), d.tokens.to(device, at::kLong));
-    g.graph.replay();
-    for (int64_t slot : active) cache_.extend_block(slot, bs);
-    Verified v;
-    for (int64_t slot : active) {
-      v.offsets.push_back(slot * bs);
-      v.starts.push_back(starts[slot]);
-    }
-    const std::vector<int64_t> counts(active.size(), bs);
-    if (sampling.greedy()) {
-      const auto both = to_host(at::cat({g.tokens, g.choices}));
-      v.tokens.assign(both.begin(), both.begin() + n_slots * bs);
-      greedy_verdict(v, std::vector<int64_t>(both.begin() + n_slots * bs, both.end()), counts);
-    } else {
-      std::vector<int64_t> rows;
-      for (int64_t slot : active) {
-        for (int64_t j = 0; j < bs; ++j) rows.push_back(slot * bs + j);
-      }
-      const auto all =
-          to_host(at::cat({g.tokens, sampled_verdict(active, g.logits, rows, counts, d)}));
-      v.tokens.assign(all.begin(), all.begin() + n_slots * bs);
-      split_verdict(v, std::vector<int64_t>(all.begin() + n_slots * bs, all.end()));
-    }
-    v.taps = g.taps;
-    return v;
-  };
+  Verified verify_graph(const std::vector<int64_t>& active, const std::vector<int64_t>& last);
+  // A whole step (SpeculativeDecoder::whole_step): captured, over every slot, the host writing
+  // each slot's last token and positions into the graph; else over the active slots. One copy
+  // brings the block tokens and verdicts back.
+  Verified step_whole(const std::vector<int64_t>& active);
+  // One draft and one verify pass for every occupied slot; false when none is occupied.
+  bool step();
 
-  // A whole step (whole_step()): captured, over every slot, the host writing each slot's last
-  // token and positions into the graph; else over the active slots. One copy brings the block
-  // tokens and verdicts back.
-  auto step_whole = [&](const std::vector<int64_t>& active) {
-    std::vector<int64_t> order = active;
-    if (graph_) {
-      order.resize(n_slots);
-      std::iota(order.begin(), order.end(), 0);
-    }
-    const auto n = static_cast<int64_t>(order.size());
-    std::vector<int64_t> starts, lasts;
-    for (int64_t slot : order) {
-      // An idle slot (captured) runs at position 0 of its rows, whatever its stale length.
-      const bool occupied = slots[slot].occupied;
-      starts.push_back(occupied ? cache_.length(slot) : 0);
-      lasts.push_back(occupied ? last_token[slot] : 0);
-    }
-    at::Tensor verdicts;
-    if (graph_) {
-      place_block(*graph_, starts);
-      graph_->tokens.view({n, bs}).select(1, 0).copy_(upload(at::tensor(lasts, long_opts)));
-      graph_->graph.replay();
-      for (int64_t slot : active) cache_.extend_block(slot, bs);
-      verdicts = graph_->verdicts;
-    } else {
-      auto tokens = at::zeros({n, bs}, long_opts.device(device));
-      tokens.select(1, 0).copy_(upload(at::tensor(lasts, long_opts)));
-      verdicts = whole_step(AppendBatch::make(cache_, order, std::vector<int64_t>(n, bs)),
-                            tokens.view(-1));
-    }
-    const auto all = to_host(verdicts);
-    Verified v;
-    v.tokens.assign(all.begin(), all.begin() + n * bs);
-    for (int64_t i = 0; i < n; ++i) {
-      if (!slots[order[i]].occupied) continue;
-      v.offsets.push_back(i * bs);
-      v.starts.push_back(starts[i]);
-      v.accepted.push_back(all[n * bs + i]);
-      v.next.push_back(all[n * bs + n + i]);
-    }
-    v.context_written = true;
-    return v;
-  };
+  SpeculativeDecoder& d_;
+  const models::TargetModel& target_;
+  DraftSource& drafter_;
+  models::KVCache& cache_;
+  const SamplingParams& sampling_;
+  const at::Device device_;
+  const at::TensorOptions long_opts_ = at::TensorOptions().dtype(at::kLong);
+  const int64_t n_slots_, bs_;
+  const std::vector<int64_t> taps_;
+  SlotScheduler slots_;
+  std::vector<int64_t> last_token_;  // per slot: the newest committed token, not run yet
+  SpeculativeStats stats_;
+};
 
-  // One draft and one verify pass for every occupied slot.
-  auto step = [&]() {
-    const std::vector<int64_t> active = slots.occupied();
-    if (active.empty()) return false;
-    std::vector<int64_t> last;
-    for (int64_t slot : active) last.push_back(last_token[slot]);
-    const Verified v = whole_step_ ? step_whole(active)
-                       : graph_    ? verify_graph(active, last)
-                                   : verify_eager(active, last);
-    std::vector<int64_t> extend_slots, feature_rows;
-    std::vector<std::span<const int64_t>> extend_tokens;
-    for (size_t i = 0; i < active.size(); ++i) {
-      const int64_t slot = active[i], offset = v.offsets[i], accepted = v.accepted[i];
-      // v.tokens[offset + j] is the block's token j: the accepted drafts are tokens 1..accepted.
-      ++stats.verify_steps;
-      int64_t committed = 0;
-      bool going = true;
-      for (int64_t j = 0; j <= accepted && going; ++j) {
-        going = commit(slot, j < accepted ? v.tokens[offset + j + 1] : v.next[i]);
-        ++committed;
-      }
-      ++stats.committed[committed];
-      if (going) {
-        // The target ran the block's token and its accepted drafts with the right inputs:
-        // the cache keeps those (a hybrid's linear states those after them), and their
-        // features are the drafter's new context.
-        cache_.crop(slot, v.starts[i] + accepted + 1);
-        if (v.context_written) {
-          drafter_.count_block(slot, accepted + 1);
-          continue;
-        }
-        extend_slots.push_back(slot);
-        extend_tokens.emplace_back(v.tokens.data() + offset, accepted + 1);
-        for (int64_t j = 0; j <= accepted; ++j) feature_rows.push_back(offset + j);
-      }
-    }
-    if (!extend_slots.empty()) {
-      drafter_.extend(extend_slots, extend_tokens, features_at(v.taps, feature_rows));
-    }
-    return true;
-  };
+SpeculativeDecoder::Session::Session(SpeculativeDecoder& decoder, const Generator::NextFn& next,
+                                     const Generator::DoneFn& done)
+    : d_(decoder),
+      target_(decoder.target_),
+      drafter_(decoder.drafter_),
+      cache_(decoder.cache_),
+      sampling_(decoder.options_.sampling),
+      device_(decoder.target_.device()),
+      n_slots_(decoder.cache_.slots()),
+      bs_(decoder.drafter_.block_size()),
+      taps_(decoder.drafter_.tap_layers()),
+      slots_(n_slots_,
+             {decoder.options_.context, decoder.options_.max_new_tokens,
+              decoder.options_.prefill_tokens, decoder.options_.stop_tokens},
+             next, done, "speculative"),
+      last_token_(n_slots_, 0) {
+  stats_.committed.assign(bs_ + 1, 0);
+}
 
+SpeculativeStats SpeculativeDecoder::Session::run() {
+  const auto t0 = std::chrono::steady_clock::now();
   for (;;) {
     // Requests that finish in their prefill leave their slots free for more at once.
     const bool took = admit();
     if (!step() && !took) break;
-    if (options_.progress) options_.progress(slots.progress());
+    if (d_.options_.progress) d_.options_.progress(slots_.progress());
   }
-  slots.check_all_finished();
-  stats.requests = slots.requests();
-  stats.prompt_tokens = slots.prompt_tokens();
-  stats.generated_tokens = slots.generated_tokens();
-  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return stats;
+  slots_.check_all_finished();
+  stats_.requests = slots_.requests();
+  stats_.prompt_tokens = slots_.prompt_tokens();
+  stats_.generated_tokens = slots_.generated_tokens();
+  stats_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return stats_;
+}
+
+// Every slot's block at its cached length (starts, per slot) in the graph's batch.
+void SpeculativeDecoder::Session::place_block(const std::vector<int64_t>& starts) {
+  Graph& g = *d_.graph_;
+  auto starts_dev = upload(at::tensor(starts, long_opts_));
+  auto positions = starts_dev.repeat_interleave(bs_) + g.offsets;
+  g.batch.positions.copy_(positions);
+  at::add_out(g.batch.rows, g.base_rows, positions);
+  g.batch.seen.copy_(starts_dev + bs_);
+}
+at::Tensor SpeculativeDecoder::Session::features_at(const std::vector<at::Tensor>& tapped,
+                                                    const std::vector<int64_t>& rows) const {
+  if (tapped.empty() || rows.empty()) return at::Tensor();
+  auto index = upload(at::tensor(rows, long_opts_));
+  std::vector<at::Tensor> parts;
+  for (const auto& t : tapped) parts.push_back(t.index_select(0, index));
+  return at::cat(parts, 1);
+}
+// Commits one generated token; false once the sequence has finished.
+bool SpeculativeDecoder::Session::commit(int64_t slot, int64_t token) {
+  last_token_[slot] = token;
+  return slots_.commit(slot, token);
+}
+
+// Draws of `stream` for tokens first[i], first[i] + 1, ... (`count` of them) of active
+// slot i's request: float64 [n, count] on the device.
+at::Tensor SpeculativeDecoder::Session::draws(const std::vector<int64_t>& active,
+                                              const std::vector<int64_t>& first, int64_t count,
+                                              DrawStream stream) const {
+  std::vector<double> u;
+  for (size_t i = 0; i < active.size(); ++i) {
+    for (int64_t j = 0; j < count; ++j) {
+      u.push_back(sampling_uniform(sampling_.seed, slots_[active[i]].request.id,
+                                   static_cast<uint64_t>(first[i] + j), stream));
+    }
+  }
+  return upload(at::tensor(u, at::kDouble).view({static_cast<int64_t>(active.size()), count}));
+}
+
+// Prefill of newly admitted requests, packed up to prefill_tokens: their first tokens and
+// the drafter context of their prompts.
+void SpeculativeDecoder::Session::prefill(const std::vector<int64_t>& group) {
+  std::vector<int64_t> counts;
+  std::vector<at::Tensor> prompts;
+  std::vector<std::span<const int64_t>> spans;
+  for (int64_t slot : group) {
+    const auto& p = slots_[slot].request.prompt;
+    counts.push_back(static_cast<int64_t>(p.size()));
+    prompts.push_back(at::tensor(p, long_opts_));
+    spans.emplace_back(p);
+    drafter_.reset(slot);
+  }
+  auto batch = AppendBatch::make(cache_, group, counts);
+  auto out =
+      target_.forward_cached(upload(at::cat(prompts)), batch, cache_, {taps_, Logits::kLast});
+  ++stats_.prefill_forwards;
+  drafter_.extend(group, spans, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
+  // Token 0 as the plain decoder draws it.
+  const auto first = to_host(
+      sampling_.greedy()
+          ? out.logits.argmax(-1)
+          : sample_tokens(out.logits, sampling_,
+                          draws(group, std::vector<int64_t>(group.size(), 0), 1, DrawStream::kToken)
+                              .view(-1)));
+  for (size_t i = 0; i < group.size(); ++i) commit(group[i], first[i]);
+}
+// Fills free slots_; true if it took any request (which may have finished at once).
+bool SpeculativeDecoder::Session::admit() {
+  return slots_.admit([&](int64_t slot) { cache_.reset(slot); },
+                      [&](const std::vector<int64_t>& group) { prefill(group); });
+}
+
+// The drafts of the active slots_ (their newest committed tokens `last`), with their
+// distributions when sampling.
+SampledDraft SpeculativeDecoder::Session::draft(const std::vector<int64_t>& active,
+                                                const std::vector<int64_t>& last) {
+  if (sampling_.greedy()) return SampledDraft{drafter_.draft(active, last), {}};
+  // Draft j (1-based) of a slot with g committed tokens is its token g - 1 + j.
+  std::vector<int64_t> first;
+  for (int64_t slot : active) first.push_back(slots_[slot].generated());
+  auto d = drafter_.draft_sampled(active, last, sampling_,
+                                  draws(active, first, bs_ - 1, DrawStream::kDraft));
+  d.tokens = d.tokens.to(device_, at::kLong);
+  d.probs = d.probs.defined() ? d.probs.to(device_)
+                              : at::one_hot(d.tokens, target_.config().vocab_size).to(at::kFloat);
+  return d;
+}
+
+// Greedy: draft j+1 is accepted while it equals the target's choice after block token j
+// (choices[offsets[i] + j]); the choice after the accepted ones is the bonus token.
+void SpeculativeDecoder::Session::greedy_verdict(Verified& v, const std::vector<int64_t>& choices,
+                                                 const std::vector<int64_t>& counts) {
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const int64_t offset = v.offsets[i];
+    int64_t accepted = 0;
+    while (accepted < counts[i] - 1 &&
+           v.tokens[offset + accepted + 1] == choices[offset + accepted]) {
+      ++accepted;
+    }
+    v.accepted.push_back(accepted);
+    v.next.push_back(choices[offset + accepted]);
+  }
+}
+// Sampling: speculative_verdict on the target's distributions after each block token
+// (logits rows rows[i*B + j], B per slot: a block cut to b tokens repeats its last row) and
+// the drafts' distributions. Returns accepted counts and next tokens, on the device.
+at::Tensor SpeculativeDecoder::Session::sampled_verdict(const std::vector<int64_t>& active,
+                                                        const at::Tensor& logits,
+                                                        const std::vector<int64_t>& rows,
+                                                        const std::vector<int64_t>& counts,
+                                                        const SampledDraft& d) const {
+  const auto n = static_cast<int64_t>(active.size());
+  auto p = sampling_probs(logits.index_select(0, upload(at::tensor(rows, long_opts_))), sampling_)
+               .view({n, bs_, -1});
+  std::vector<int64_t> tested, first;
+  for (size_t i = 0; i < active.size(); ++i) {
+    tested.push_back(counts[i] - 1);
+    first.push_back(slots_[active[i]].generated());
+  }
+  // Draft j (1-based) is token g - 1 + j of a slot with g committed tokens; the token after
+  // a accepted drafts is token g + a.
+  auto accept_u = draws(active, first, bs_ - 1, DrawStream::kAccept);
+  auto token_u = draws(active, first, bs_, DrawStream::kToken);
+  auto verdict = speculative_verdict(p, d.probs, d.tokens, upload(at::tensor(tested, long_opts_)),
+                                     accept_u, token_u);
+  return at::cat({verdict.accepted, verdict.next});
+}
+void SpeculativeDecoder::Session::split_verdict(Verified& v, const std::vector<int64_t>& both) {
+  const auto n = static_cast<int64_t>(both.size() / 2);
+  v.accepted.assign(both.begin(), both.begin() + n);
+  v.next.assign(both.begin() + n, both.end());
+}
+
+// Eager: one packed forward over the active slots_, each block cut to what its limits still
+// allow.
+SpeculativeDecoder::Session::Verified SpeculativeDecoder::Session::verify_eager(
+    const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
+  const SampledDraft d = draft(active, last);
+  const auto drafts = to_host(d.tokens);  // [n, B-1] row-major
+  // A hybrid runs whole blocks (commits still stop at the limits): a pass that keeps the
+  // per-token states a crop into the block needs takes equal blocks.
+  const bool whole = target_.config().is_hybrid();
+  Verified v;
+  std::vector<int64_t> counts;
+  for (size_t i = 0; i < active.size(); ++i) {
+    const int64_t b = whole ? bs_ : std::min(bs_, slots_.room(active[i]));
+    v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
+    counts.push_back(b);
+    v.tokens.push_back(last_token_[active[i]]);
+    v.tokens.insert(v.tokens.end(), drafts.begin() + i * (bs_ - 1),
+                    drafts.begin() + i * (bs_ - 1) + (b - 1));
+  }
+  auto batch = AppendBatch::make(cache_, active, counts);
+  v.starts = batch.starts;
+  auto out = target_.forward_cached(
+      upload(at::tensor(v.tokens, long_opts_)), batch, cache_,
+      {.tap_layers = taps_, .logits = Logits::kAll, .keep_block_states = true});
+  if (sampling_.greedy()) {
+    greedy_verdict(v, to_host(out.logits.argmax(-1)), counts);
+  } else {
+    std::vector<int64_t> rows;
+    for (size_t i = 0; i < active.size(); ++i) {
+      for (int64_t j = 0; j < bs_; ++j) rows.push_back(v.offsets[i] + std::min(j, counts[i] - 1));
+    }
+    split_verdict(v, to_host(sampled_verdict(active, out.logits, rows, counts, d)));
+  }
+  v.taps = std::move(out.taps);
+  return v;
+}
+// The captured pass: every slot runs a whole block (commits still stop at the limits); the
+// drafts go into the graph's input on the device, and one copy brings tokens and verdicts
+// back. The replay leaves the cache's host lengths as they were: they grow by the block here,
+// as forward_cached's do.
+SpeculativeDecoder::Session::Verified SpeculativeDecoder::Session::verify_graph(
+    const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
+  Graph& g = *d_.graph_;
+  const SampledDraft d = draft(active, last);
+  std::vector<int64_t> starts(n_slots_, 0), lasts(n_slots_, 0);
+  for (size_t i = 0; i < active.size(); ++i) {
+    starts[active[i]] = cache_.length(active[i]);
+    lasts[active[i]] = last[i];
+  }
+  place_block(starts);
+  auto block = g.tokens.view({n_slots_, bs_});
+  block.select(1, 0).copy_(upload(at::tensor(lasts, long_opts_)));
+  block.narrow(1, 1, bs_ - 1)
+      .index_copy_(0, upload(at::tensor(active, long_opts_)), d.tokens.to(device_, at::kLong));
+  g.graph.replay();
+  for (int64_t slot : active) cache_.extend_block(slot, bs_);
+  Verified v;
+  for (int64_t slot : active) {
+    v.offsets.push_back(slot * bs_);
+    v.starts.push_back(starts[slot]);
+  }
+  const std::vector<int64_t> counts(active.size(), bs_);
+  if (sampling_.greedy()) {
+    const auto both = to_host(at::cat({g.tokens, g.choices}));
+    v.tokens.assign(both.begin(), both.begin() + n_slots_ * bs_);
+    greedy_verdict(v, std::vector<int64_t>(both.begin() + n_slots_ * bs_, both.end()), counts);
+  } else {
+    std::vector<int64_t> rows;
+    for (int64_t slot : active) {
+      for (int64_t j = 0; j < bs_; ++j) rows.push_back(slot * bs_ + j);
+    }
+    const auto all =
+        to_host(at::cat({g.tokens, sampled_verdict(active, g.logits, rows, counts, d)}));
+    v.tokens.assign(all.begin(), all.begin() + n_slots_ * bs_);
+    split_verdict(v, std::vector<int64_t>(all.begin() + n_slots_ * bs_, all.end()));
+  }
+  v.taps = g.taps;
+  return v;
+}
+
+// A whole step (whole_step()): captured, over every slot, the host writing each slot's last
+// token and positions into the graph; else over the active slots. One copy brings the block
+// tokens and verdicts back.
+SpeculativeDecoder::Session::Verified SpeculativeDecoder::Session::step_whole(
+    const std::vector<int64_t>& active) {
+  std::vector<int64_t> order = active;
+  if (d_.graph_) {
+    order.resize(n_slots_);
+    std::iota(order.begin(), order.end(), 0);
+  }
+  const auto n = static_cast<int64_t>(order.size());
+  std::vector<int64_t> starts, lasts;
+  for (int64_t slot : order) {
+    // An idle slot (captured) runs at position 0 of its rows, whatever its stale length.
+    const bool occupied = slots_[slot].occupied;
+    starts.push_back(occupied ? cache_.length(slot) : 0);
+    lasts.push_back(occupied ? last_token_[slot] : 0);
+  }
+  at::Tensor verdicts;
+  if (d_.graph_) {
+    place_block(starts);
+    d_.graph_->tokens.view({n, bs_}).select(1, 0).copy_(upload(at::tensor(lasts, long_opts_)));
+    d_.graph_->graph.replay();
+    for (int64_t slot : active) cache_.extend_block(slot, bs_);
+    verdicts = d_.graph_->verdicts;
+  } else {
+    auto tokens = at::zeros({n, bs_}, long_opts_.device(device_));
+    tokens.select(1, 0).copy_(upload(at::tensor(lasts, long_opts_)));
+    verdicts = d_.whole_step(AppendBatch::make(cache_, order, std::vector<int64_t>(n, bs_)),
+                             tokens.view(-1));
+  }
+  const auto all = to_host(verdicts);
+  Verified v;
+  v.tokens.assign(all.begin(), all.begin() + n * bs_);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!slots_[order[i]].occupied) continue;
+    v.offsets.push_back(i * bs_);
+    v.starts.push_back(starts[i]);
+    v.accepted.push_back(all[n * bs_ + i]);
+    v.next.push_back(all[n * bs_ + n + i]);
+  }
+  v.context_written = true;
+  return v;
+}
+
+// One draft and one verify pass for every occupied slot.
+bool SpeculativeDecoder::Session::step() {
+  const std::vector<int64_t> active = slots_.occupied();
+  if (active.empty()) return false;
+  std::vector<int64_t> last;
+  for (int64_t slot : active) last.push_back(last_token_[slot]);
+  const Verified v = d_.whole_step_ ? step_whole(active)
+                     : d_.graph_    ? verify_graph(active, last)
+                                    : verify_eager(active, last);
+  std::vector<int64_t> extend_slots, feature_rows;
+  std::vector<std::span<const int64_t>> extend_tokens;
+  for (size_t i = 0; i < active.size(); ++i) {
+    const int64_t slot = active[i], offset = v.offsets[i], accepted = v.accepted[i];
+    // v.tokens[offset + j] is the block's token j: the accepted drafts are tokens 1..accepted.
+    ++stats_.verify_steps;
+    int64_t committed = 0;
+    bool going = true;
+    for (int64_t j = 0; j <= accepted && going; ++j) {
+      going = commit(slot, j < accepted ? v.tokens[offset + j + 1] : v.next[i]);
+      ++committed;
+    }
+    ++stats_.committed[committed];
+    if (going) {
+      // The target ran the block's token and its accepted drafts with the right inputs:
+      // the cache keeps those (a hybrid's linear states those after them), and their
+      // features are the drafter's new context.
+      cache_.crop(slot, v.starts[i] + accepted + 1);
+      if (v.context_written) {
+        drafter_.count_block(slot, accepted + 1);
+        continue;
+      }
+      extend_slots.push_back(slot);
+      extend_tokens.emplace_back(v.tokens.data() + offset, accepted + 1);
+      for (int64_t j = 0; j <= accepted; ++j) feature_rows.push_back(offset + j);
+    }
+  }
+  if (!extend_slots.empty()) {
+    drafter_.extend(extend_slots, extend_tokens, features_at(v.taps, feature_rows));
+  }
+  return true;
+}
+
+SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
+                                         const Generator::DoneFn& done) {
+  c10::NoGradGuard no_grad;
+  // The graph replays on the current device's stream: make it the model's (a rank's
+  // cuda:LOCAL_RANK need not be current).
+  std::optional<c10::cuda::CUDAGuard> device_guard;
+  if (target_.device().is_cuda()) device_guard.emplace(target_.device());
+  return Session(*this, next, done).run();
 }
 
 std::vector<Completion> SpeculativeDecoder::generate(

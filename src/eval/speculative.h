@@ -171,6 +171,7 @@ class SpeculativeDecoder {
 
  private:
   struct Graph;
+  class Session;
   void capture_graph();
   // The greedy step over `batch` (B tokens per slot at each slot's cached length; `tokens`
   // [n*B] holds each slot's last committed token at its block's start, the drafts are written
