@@ -74,7 +74,8 @@ def blank(text):
             j = n if j < 0 else j + 2
             wipe(i, j)
             i = j
-        elif c == "R" and text.startswith('"', i + 1) and not (i and (text[i - 1].isalnum() or text[i - 1] == "_")):
+        elif (c == "R" and text.startswith('"', i + 1)
+              and not (i and (text[i - 1].isalnum() or text[i - 1] == "_"))):
             m = re.match(r'R"([^(\s]*)\(', text[i:])
             end = text.find(")" + m.group(1) + '"', i) if m else -1
             j = n if end < 0 else end + len(m.group(1)) + 2
@@ -148,6 +149,12 @@ def assigned(head):
     return None
 
 
+def is_function(head):
+    """A head with a parenthesis: a function unless it assigns something other than a lambda."""
+    rhs = assigned(head)
+    return rhs is None or rhs.startswith("[")
+
+
 def name_of(head):
     lhs = assigned(head)
     if lhs is not None:  # a lambda: named by what it is bound to
@@ -160,8 +167,8 @@ def name_of(head):
     if close < 0:
         return "?"
     open_ = matching(sig, close, "(", ")")
-    m = re.search(r"((?:[A-Za-z_~]\w*\s*(?:<[^<>]*>)?\s*::\s*)*(?:operator\s*\S+?|~?[A-Za-z_]\w*))\s*$",
-                  sig[:open_])
+    qualified = r"(?:[A-Za-z_~]\w*\s*(?:<[^<>]*>)?\s*::\s*)*"
+    m = re.search(r"(" + qualified + r"(?:operator\s*\S+?|~?[A-Za-z_]\w*))\s*$", sig[:open_])
     return re.sub(r"\s+", "", m.group(1)) if m else "?"
 
 
@@ -184,7 +191,7 @@ def functions(text):
                 head_start = i + 1  # read the scope's contents the same way
             elif open_brackets(stripped):
                 i = matching(code, i, "{", "}")  # a default argument f(x = {}): still the head
-            elif "(" in stripped and (assigned(stripped) is None or assigned(stripped).startswith("[")):
+            elif "(" in stripped and is_function(stripped):
                 word = re.search(r"([\w>]+)$", stripped)
                 if (init_list_start(stripped) >= 0 and word and word.group(1) not in QUALIFIERS
                         and not stripped.endswith(")")):
@@ -231,13 +238,15 @@ const auto h = [](int x) {
 };
 }  // namespace a
 """
-SAMPLE_FUNCTIONS = [("f", 5, 9), ("C", 13, 15), ("get", 16, 16), ("operator==", 17, 17), ("h", 21, 23)]
+SAMPLE_FUNCTIONS = [("f", 5, 9), ("C", 13, 15), ("get", 16, 16), ("operator==", 17, 17),
+                    ("h", 21, 23)]
 
 
 def self_test():
     got = functions(SAMPLE)
     if got != SAMPLE_FUNCTIONS:
-        print(f"long_functions: the heuristic reads the sample as {got}, expected {SAMPLE_FUNCTIONS}")
+        print(f"long_functions: the heuristic reads the sample as {got}, "
+              f"expected {SAMPLE_FUNCTIONS}")
         return 1
     print(f"long_functions: the sample's {len(got)} functions found as expected")
     return 0
@@ -283,10 +292,12 @@ def main():
             print(f"{rel}:{first}: {name} is {length} lines (allowed by {args.allow.name})")
             del allow[key]
         else:
-            print(f"{rel}:{first}: {name} is {length} lines, over {args.limit}: split it into named steps")
+            print(f"{rel}:{first}: {name} is {length} lines, over {args.limit}: "
+                  "split it into named steps")
             problems += 1
     for key, n in allow.items():
-        print(f"{args.allow}:{n}: {key} is not over {args.limit} lines (or not found): remove it from the list")
+        print(f"{args.allow}:{n}: {key} is not over {args.limit} lines (or not found): "
+              "remove it from the list")
         problems += 1
     print(f"long_functions: {len(long)} over {args.limit} lines, {problems} problems")
     return 1 if problems else 0
