@@ -2,17 +2,21 @@
 // greedy generation with and without the CUDA graph, split into prefill and decode, and the
 // cost of one verify pass over a block of tokens against one plain decode step, from which
 // the speed-up of speculative decoding at a given acceptance length can be read off, with the
-// cost of one DFlash draft added to the verify pass.
+// cost of one DFlash draft added to the verify pass; then the speculative decoder itself, its
+// step measured at each batch against the plain step.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
 #include "common/option_range.h"
 #include "eval/generator.h"
+#include "eval/speculative.h"
 #include "models/drafter.h"
 #include "models/target.h"
 #include "obs/profile.h"
@@ -73,6 +77,48 @@ GenerationTiming time_generation(const models::TargetModel& model,
   return {obs::median(times), generator.uses_cuda_graph()};
 }
 
+// Milliseconds of one speculative step at batch `prompts.size()`: the decode of `max_new`
+// tokens per prompt less the prefill and first token alone, over the verify steps per slot.
+struct SpeculativeTiming {
+  double step_ms = 0, tau = 0;
+  bool whole_step_graph = false;
+};
+
+SpeculativeTiming time_speculative(const models::TargetModel& model, const models::Drafter& drafter,
+                                   const std::vector<std::vector<int64_t>>& prompts,
+                                   int64_t max_new, int64_t context, bool whole,
+                                   const BenchDecodeOptions& o, const std::string& trace = "") {
+  auto run = [&](int64_t tokens) {
+    eval::DFlashDraftSource source(drafter, model);
+    eval::SpeculativeOptions s;
+    s.slots = static_cast<int64_t>(prompts.size());
+    s.max_new_tokens = tokens;
+    s.context = context;
+    s.whole_step = whole;
+    eval::SpeculativeDecoder decoder(model, source, s);
+    eval::SpeculativeStats stats;
+    auto times = obs::time_steps(model.device(), o.warmup, o.iters,
+                                 [&] { decoder.generate(prompts, &stats); });
+    if (!trace.empty() && tokens > 1) {
+      // Per step, the prefill included (it runs once per request).
+      const auto p = obs::profile_device(
+          [&] {
+            decoder.generate(prompts);
+            obs::synchronize(model.device());
+          },
+          static_cast<int>(stats.verify_steps / s.slots), trace);
+      fmt::print("profile of the speculative decoder at batch {}, per step (trace: {}):\n{}",
+                 s.slots, trace, obs::format_profile(p, 25));
+    }
+    return std::tuple(obs::median(times), stats, decoder.captures_whole_step());
+  };
+  const double first_s = std::get<0>(run(1));
+  const auto [full_s, stats, captured] = run(max_new);
+  const double steps =
+      static_cast<double>(stats.verify_steps) / static_cast<double>(prompts.size());
+  return {(full_s - first_s) / steps * 1e3, stats.tau(), captured};
+}
+
 void run_bench_decode(const BenchDecodeOptions& o) {
   const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
@@ -86,6 +132,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
       "iters {} (medians)\n",
       o.preset, config.num_parameters() / 1e9, c10::toString(dtype), device.str(), o.prompt_len,
       o.new_tokens, o.warmup, o.iters);
+  std::map<int64_t, double> plain_step_ms;  // per batch, the fastest of graph and eager
   fmt::print("{:>6} {:>6} {:>12} {:>12} {:>14} {:>12} {:>16}\n", "batch", "graph", "prefill ms",
              "decode ms", "ms/step", "decode tok/s", "end-to-end tok/s");
   nlohmann::json rows = nlohmann::json::array();
@@ -98,6 +145,8 @@ void run_bench_decode(const BenchDecodeOptions& o) {
       auto full = time_generation(model, prompts, o.new_tokens, context, graph, o);
       const double decode_s = full.seconds - first.seconds;
       const int64_t steps = o.new_tokens - 1;
+      const double step_ms = decode_s / steps * 1e3;
+      if (!plain_step_ms.contains(b) || step_ms < plain_step_ms[b]) plain_step_ms[b] = step_ms;
       const double decode_tps = b * steps / decode_s;
       const double e2e_tps = b * o.new_tokens / full.seconds;
       fmt::print("{:>6} {:>6} {:>12.2f} {:>12.1f} {:>14.3f} {:>12.0f} {:>16.0f}\n", b,
@@ -135,24 +184,30 @@ void run_bench_decode(const BenchDecodeOptions& o) {
     return obs::median(times) * 1e3;
   };
   const double step_ms = pass_ms(1), verify_ms = pass_ms(o.verify_tokens);
-  nlohmann::json profile;
+  nlohmann::json profile, verify_profile;
   if (!o.profile.empty()) {
     // Eager, so the kernels show; the graph replays the same kernels without the launch gaps.
-    constexpr int kProfiled = 10;
-    auto token = prompt.narrow(0, 0, 1);
-    auto p = obs::profile_device(
-        [&] {
-          for (int i = 0; i < kProfiled; ++i) {
-            auto batch = models::AppendBatch::make(cache, {0}, {1});
-            model.forward_cached(token, batch, cache, verify).logits.argmax(-1);
-            cache.crop(0, o.prompt_len);
-          }
-          obs::synchronize(device);
-        },
-        kProfiled, o.profile);
-    fmt::print("profile of one batch-1 decode step at {} cached tokens (eager; trace: {}):\n{}",
-               o.prompt_len, o.profile, obs::format_profile(p, 20));
-    profile = obs::profile_json(p);
+    // The plain step (trace at --profile) and the verify pass (trace beside it, ".verify").
+    auto profile_pass = [&](int64_t n, const std::string& trace) {
+      constexpr int kProfiled = 10;
+      auto tokens = prompt.narrow(0, 0, n);
+      auto p = obs::profile_device(
+          [&] {
+            for (int i = 0; i < kProfiled; ++i) {
+              auto batch = models::AppendBatch::make(cache, {0}, {n});
+              model.forward_cached(tokens, batch, cache, verify).logits.argmax(-1);
+              cache.crop(0, o.prompt_len);
+            }
+            obs::synchronize(device);
+          },
+          kProfiled, trace);
+      fmt::print(
+          "profile of one batch-1 pass of {} tokens at {} cached tokens (eager; trace: {}):\n{}", n,
+          o.prompt_len, trace, obs::format_profile(p, 20));
+      return obs::profile_json(p);
+    };
+    profile = profile_pass(1, o.profile);
+    if (o.verify_tokens > 1) verify_profile = profile_pass(o.verify_tokens, o.profile + ".verify");
   }
   fmt::print(
       "speculative, batch 1 at {} cached tokens (eager): plain decode step {:.3f} ms, verify of "
@@ -185,6 +240,41 @@ void run_bench_decode(const BenchDecodeOptions& o) {
         spec_ms / step_ms, step_ms / spec_ms, 3 * step_ms / spec_ms, 5 * step_ms / spec_ms,
         7 * step_ms / spec_ms);
   }
+  // The speculative decoder itself at each batch, the same drafter: tau is about 1 with
+  // random weights, so each step drafts and verifies a whole block and commits one token, the
+  // plain decoder's rate; the whole step (one graph where captured) against the split one
+  // (the drafter eager, the verify captured).
+  nlohmann::json measured = nlohmann::json::array();
+  if (o.verify_tokens >= 2) {
+    models::DrafterOptions d;
+    d.block_size = o.verify_tokens;
+    d.mask_token_id = config.vocab_size - 1;
+    const auto drafter = models::Drafter::random(models::make_drafter_config(config, d), device, 3);
+    fmt::print(
+        "speculative decoder, measured ({} new tokens per prompt, blocks of {}, random drafter: "
+        "tau about 1):\n{:>6} {:>10} {:>14} {:>14} {:>14} {:>8}\n",
+        o.new_tokens, o.verify_tokens, "batch", "step", "ms/step", "plain ms/step", "x plain",
+        "tau");
+    for (int64_t b : o.batches) {
+      auto prompts = random_prompts(b, o.prompt_len, config.vocab_size, 1);
+      for (bool whole : {true, false}) {
+        const bool profiled = !o.profile.empty() && whole && b == o.batches.back();
+        const auto t =
+            time_speculative(model, drafter, prompts, o.new_tokens, context + o.verify_tokens,
+                             whole, o, profiled ? o.profile + ".speculative" : "");
+        const double plain = plain_step_ms[b];
+        const char* kind = !whole ? "split" : t.whole_step_graph ? "graph" : "whole";
+        fmt::print("{:>6} {:>10} {:>14.3f} {:>14.3f} {:>14.2f} {:>8.2f}\n", b, kind, t.step_ms,
+                   plain, t.step_ms / plain, t.tau);
+        measured.push_back({{"batch", b},
+                            {"step", kind},
+                            {"speculative_step_ms", t.step_ms},
+                            {"plain_step_ms", plain},
+                            {"over_plain", t.step_ms / plain},
+                            {"tau", t.tau}});
+      }
+    }
+  }
   nlohmann::json doc = {{"preset", o.preset},
                         {"device", device.str()},
                         {"prompt_len", o.prompt_len},
@@ -199,7 +289,9 @@ void run_bench_decode(const BenchDecodeOptions& o) {
                           {"draft_ms", draft_ms},
                           {"speculative_step_ms", draft_ms + verify_ms},
                           {"speculative_step_over_step", (draft_ms + verify_ms) / step_ms}}}};
+  doc["speculative_measured"] = measured;
   if (!profile.is_null()) doc["decode_step_profile"] = profile;
+  if (!verify_profile.is_null()) doc["verify_profile"] = verify_profile;
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
 
@@ -231,7 +323,8 @@ void add_bench_decode_command(CLI::App& app) {
       ->check(kAtLeastOne.validator());
   add_json_option(*cmd, o->json_out, "the results");
   cmd->add_option("--profile", o->profile,
-                  "profile the batch-1 decode step (CUDA) and write its Chrome trace here");
+                  "profile the batch-1 decode step and verify pass (CUDA) and write their Chrome "
+                  "traces here (the verify pass's with .verify added)");
   cmd->callback([o] { run_bench_decode(*o); });
 }
 

@@ -59,6 +59,25 @@ SampledDraft DFlashDraftSource::draft_sampled(const std::vector<int64_t>& slots,
   return {sample_from_probs(probs, uniforms), probs};
 }
 
+at::Tensor DraftSource::draft_at(const AppendBatch&, const at::Tensor&) {
+  fail("speculative: this draft source cannot draft inside a captured step");
+}
+void DraftSource::write_block(const AppendBatch&, const at::Tensor&, const at::Tensor&) {
+  fail("speculative: this draft source cannot extend its context inside a captured step");
+}
+void DraftSource::count_block(int64_t, int64_t) {
+  fail("speculative: this draft source cannot extend its context inside a captured step");
+}
+
+at::Tensor DFlashDraftSource::draft_at(const AppendBatch& batch, const at::Tensor& last) {
+  return model_.draft(*cache_, batch, last);
+}
+
+void DFlashDraftSource::write_block(const AppendBatch& batch, const at::Tensor&,
+                                    const at::Tensor& features) {
+  model_.write_context(*cache_, batch, features);
+}
+
 double SpeculativeStats::tau() const {
   int64_t steps = 0, tokens = 0;
   for (size_t k = 0; k < committed.size(); ++k) {
@@ -92,7 +111,8 @@ int64_t resolve_context(const models::TargetModel& target, const SpeculativeOpti
 // The verify pass over every slot, captured once: each slot runs a whole block. Its inputs are
 // static tensors rewritten in place before each replay (the block tokens and the batch's
 // positions, cache rows and seen keys); idle slots ride along at position 0 of their own rows,
-// which nothing reads before the slot's next prefill overwrites them.
+// which nothing reads before the slot's next prefill overwrites them. For a whole step
+// (whole_step()) the host writes only each slot's last token into `tokens`.
 struct SpeculativeDecoder::Graph {
   at::cuda::CUDAGraph graph;
   AppendBatch batch;             // all slots, B tokens each; max_seen = the cache capacity
@@ -102,7 +122,27 @@ struct SpeculativeDecoder::Graph {
   at::Tensor logits;             // [slots*B, V]: the target's logits after each block token
   at::Tensor choices;            // int64 [slots*B]: their argmax
   std::vector<at::Tensor> taps;  // [slots*B, H] each: the drafter's tapped layers
+  at::Tensor verdicts;           // a whole step's result (whole_step())
 };
+
+bool SpeculativeDecoder::captures_whole_step() const { return graph_ && whole_step_; }
+
+at::Tensor SpeculativeDecoder::whole_step(const AppendBatch& batch, const at::Tensor& tokens) {
+  const int64_t n = batch.size(), bs = drafter_.block_size();
+  auto block = tokens.view({n, bs});
+  auto drafts = drafter_.draft_at(batch, block.select(1, 0));
+  block.narrow(1, 1, bs - 1).copy_(drafts);
+  auto out = target_.forward_cached(
+      tokens, batch, cache_,
+      {.tap_layers = drafter_.tap_layers(), .logits = Logits::kAll, .keep_block_states = true});
+  // Draft j + 1 stands while it and every draft before it equal the target's choice after the
+  // token before; the choice after the accepted ones is the bonus token.
+  auto choices = out.logits.argmax(-1).view({n, bs});
+  auto accepted = drafts.eq(choices.narrow(1, 0, bs - 1)).to(at::kLong).cumprod(1).sum(1);
+  auto bonus = choices.gather(1, accepted.unsqueeze(1)).squeeze(1);
+  drafter_.write_block(batch, tokens, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
+  return at::cat({tokens, accepted, bonus});
+}
 
 SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftSource& drafter,
                                        SpeculativeOptions options)
@@ -124,6 +164,7 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
   // the accepted prefix.
   cache_.keep_block_states(drafter_.block_size());
   drafter_.start(options_.slots, options_.context);
+  whole_step_ = options_.whole_step && options_.sampling.greedy() && drafter_.capturable();
   if (options_.cuda_graph && cuda_graph_capable(target_)) capture_graph();
 }
 
@@ -144,6 +185,10 @@ void SpeculativeDecoder::capture_graph() {
   capture_cuda_graph(
       g->graph, target_.device(),
       [&] {
+        if (whole_step_) {
+          g->verdicts = whole_step(g->batch, g->tokens);
+          return;
+        }
         auto out = target_.forward_cached(g->tokens, g->batch, cache_, request);
         g->logits = out.logits;
         g->choices = out.logits.argmax(-1);
@@ -182,6 +227,18 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
   auto to_host = [](const at::Tensor& t) {
     auto h = t.to(at::kCPU, at::kLong).contiguous();
     return std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel());
+  };
+  // Every slot's block at its cached length (starts, per slot) in the graph's batch.
+  auto place_block = [&](Graph& g, const std::vector<int64_t>& starts) {
+    auto starts_dev = upload(at::tensor(starts, long_opts));
+    auto positions = starts_dev.repeat_interleave(bs) + g.offsets;
+    g.batch.positions.copy_(positions);
+    at::add_out(g.batch.rows, g.base_rows, positions);
+    g.batch.seen.copy_(starts_dev + bs);
+    if (g.batch.per_token_attention()) {
+      g.batch.token_seen.copy_(positions + 1);
+      g.batch.block_seen.copy_((starts_dev + bs).repeat_interleave(bs));
+    }
   };
   auto features_at = [&](const std::vector<at::Tensor>& tapped, const std::vector<int64_t>& rows) {
     if (tapped.empty() || rows.empty()) return at::Tensor();
@@ -263,6 +320,7 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     std::vector<int64_t> offsets, starts;  // per active slot
     std::vector<int64_t> accepted, next;   // per active slot
     std::vector<at::Tensor> taps;
+    bool context_written = false;  // the drafter holds the block's context, to be counted
   };
   // Greedy: draft j+1 is accepted while it equals the target's choice after block token j
   // (choices[offsets[i] + j]); the choice after the accepted ones is the bonus token.
@@ -354,11 +412,7 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
       starts[active[i]] = cache_.length(active[i]);
       lasts[active[i]] = last[i];
     }
-    auto starts_dev = upload(at::tensor(starts, long_opts));
-    auto positions = starts_dev.repeat_interleave(bs) + g.offsets;
-    g.batch.positions.copy_(positions);
-    at::add_out(g.batch.rows, g.base_rows, positions);
-    g.batch.seen.copy_(starts_dev + bs);
+    place_block(g, starts);
     auto block = g.tokens.view({n_slots, bs});
     block.select(1, 0).copy_(upload(at::tensor(lasts, long_opts)));
     block.narrow(1, 1, bs - 1)
@@ -389,13 +443,59 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
     return v;
   };
 
+  // A whole step (whole_step()): captured, over every slot, the host writing each slot's last
+  // token and positions into the graph; else over the active slots. One copy brings the block
+  // tokens and verdicts back.
+  auto step_whole = [&](const std::vector<int64_t>& active) {
+    std::vector<int64_t> order = active;
+    if (graph_) {
+      order.resize(n_slots);
+      std::iota(order.begin(), order.end(), 0);
+    }
+    const auto n = static_cast<int64_t>(order.size());
+    std::vector<int64_t> starts, lasts;
+    for (int64_t slot : order) {
+      // An idle slot (captured) runs at position 0 of its rows, whatever its stale length.
+      const bool occupied = slots[slot].occupied;
+      starts.push_back(occupied ? cache_.length(slot) : 0);
+      lasts.push_back(occupied ? last_token[slot] : 0);
+    }
+    at::Tensor verdicts;
+    if (graph_) {
+      place_block(*graph_, starts);
+      graph_->tokens.view({n, bs}).select(1, 0).copy_(upload(at::tensor(lasts, long_opts)));
+      graph_->graph.replay();
+      for (int64_t slot : active) cache_.extend_block(slot, bs);
+      verdicts = graph_->verdicts;
+    } else {
+      auto tokens = at::zeros({n, bs}, long_opts.device(device));
+      tokens.select(1, 0).copy_(upload(at::tensor(lasts, long_opts)));
+      verdicts = whole_step(AppendBatch::make(cache_, order, std::vector<int64_t>(n, bs)),
+                            tokens.view(-1));
+    }
+    const auto all = to_host(verdicts);
+    Verified v;
+    v.tokens.assign(all.begin(), all.begin() + n * bs);
+    for (int64_t i = 0; i < n; ++i) {
+      if (!slots[order[i]].occupied) continue;
+      v.offsets.push_back(i * bs);
+      v.starts.push_back(starts[i]);
+      v.accepted.push_back(all[n * bs + i]);
+      v.next.push_back(all[n * bs + n + i]);
+    }
+    v.context_written = true;
+    return v;
+  };
+
   // One draft and one verify pass for every occupied slot.
   auto step = [&]() {
     const std::vector<int64_t> active = slots.occupied();
     if (active.empty()) return false;
     std::vector<int64_t> last;
     for (int64_t slot : active) last.push_back(last_token[slot]);
-    const Verified v = graph_ ? verify_graph(active, last) : verify_eager(active, last);
+    const Verified v = whole_step_ ? step_whole(active)
+                       : graph_    ? verify_graph(active, last)
+                                   : verify_eager(active, last);
     std::vector<int64_t> extend_slots, feature_rows;
     std::vector<std::span<const int64_t>> extend_tokens;
     for (size_t i = 0; i < active.size(); ++i) {
@@ -414,6 +514,10 @@ SpeculativeStats SpeculativeDecoder::run(const Generator::NextFn& next,
         // the cache keeps those (a hybrid's linear states those after them), and their
         // features are the drafter's new context.
         cache_.crop(slot, v.starts[i] + accepted + 1);
+        if (v.context_written) {
+          drafter_.count_block(slot, accepted + 1);
+          continue;
+        }
         extend_slots.push_back(slot);
         extend_tokens.emplace_back(v.tokens.data() + offset, accepted + 1);
         for (int64_t j = 0; j <= accepted; ++j) feature_rows.push_back(offset + j);

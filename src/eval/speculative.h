@@ -12,7 +12,10 @@
 // under the same temperature / top-k / top-p, so each output is distributed exactly as the
 // target's own sampled output; the draws depend on (seed, request, token index) only. On CUDA
 // in bf16/fp16 the verify pass over all slots is one captured CUDA graph (every slot verifies a
-// full block; the drafts go from the drafter to the graph's input without a host round trip).
+// full block; the drafts go from the drafter to the graph's input without a host round trip);
+// greedy with the DFlash drafter, the graph holds the whole step: the draft, the verify, the
+// accepted lengths and bonus tokens, and the drafter's context of the verified block, so that
+// a step is one replay and one copy of its tokens and verdicts to the host.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -66,6 +69,22 @@ class DraftSource {
   virtual SampledDraft draft_sampled(const std::vector<int64_t>& slots,
                                      const std::vector<int64_t>& last,
                                      const SamplingParams& sampling, const at::Tensor& uniforms);
+
+  // Whether the source drafts and extends its context as device work over the verify pass's
+  // batch, with no host reads, so that the whole greedy step can be one captured CUDA graph.
+  // Such a source's start(slots, context) makes caches of `slots` x (context + B) rows, the
+  // decoder's target cache layout, so that one AppendBatch addresses both.
+  virtual bool capturable() const { return false; }
+  // Capturable sources. draft_at: the drafts of every slot of `batch` (B tokens per slot,
+  // starting where the slot's context ends) after `last` (int64 [n], device), int64 [n, B-1].
+  // write_block: the context of the whole verified block, its tokens int64 [n*B] and their
+  // features [n*B, K*H] (undefined with no taps), written at the batch's rows but not counted;
+  // count_block(slot, count) then counts its first `count` tokens (the committed ones; the rows
+  // past them are rewritten by the next block).
+  virtual at::Tensor draft_at(const models::AppendBatch& batch, const at::Tensor& last);
+  virtual void write_block(const models::AppendBatch& batch, const at::Tensor& tokens,
+                           const at::Tensor& features);
+  virtual void count_block(int64_t slot, int64_t count);
 };
 
 // The DFlash drafter (models::DraftModel) with its context cache, in the target's dtype.
@@ -85,6 +104,11 @@ class DFlashDraftSource final : public DraftSource {
   // Drafts from the drafter's logits under `sampling`, with those distributions.
   SampledDraft draft_sampled(const std::vector<int64_t>& slots, const std::vector<int64_t>& last,
                              const SamplingParams& sampling, const at::Tensor& uniforms) override;
+  bool capturable() const override { return true; }
+  at::Tensor draft_at(const models::AppendBatch& batch, const at::Tensor& last) override;
+  void write_block(const models::AppendBatch& batch, const at::Tensor& tokens,
+                   const at::Tensor& features) override;
+  void count_block(int64_t slot, int64_t count) override { cache_->extend(slot, count); }
 
  private:
   models::DraftModel model_;
@@ -101,6 +125,10 @@ struct SpeculativeOptions {
   // Capture the verify pass where the device and dtype allow (sampling then draws from the
   // captured logits).
   bool cuda_graph = true;
+  // Greedy with a capturable draft source: run each step as one pass on the device (draft,
+  // verify, verdicts, the drafter's context of the block), captured whole where cuda_graph
+  // allows, rather than drafting, verifying and extending the drafter's context apart.
+  bool whole_step = true;
   ProgressFn progress;  // if set, called after each verify step's commits
 };
 
@@ -138,10 +166,18 @@ class SpeculativeDecoder {
 
   const SpeculativeOptions& options() const { return options_; }
   bool uses_cuda_graph() const { return graph_ != nullptr; }
+  // Whether the captured graph holds the whole step (draft and verdict too).
+  bool captures_whole_step() const;
 
  private:
   struct Graph;
   void capture_graph();
+  // The greedy step over `batch` (B tokens per slot at each slot's cached length; `tokens`
+  // [n*B] holds each slot's last committed token at its block's start, the drafts are written
+  // after it): drafts, verify, verdicts, and the drafter's context of the whole block (to be
+  // counted, DraftSource::count_block). Returns int64 [n*B + 2n]: the block tokens, each
+  // slot's accepted drafts, and the target's token after them.
+  at::Tensor whole_step(const models::AppendBatch& batch, const at::Tensor& tokens);
 
   const models::TargetModel& target_;
   DraftSource& drafter_;
@@ -149,6 +185,7 @@ class SpeculativeDecoder {
   // Per slot: the context limit plus one block, so that a slot can always run a whole block
   // (the graph's fixed shape) past its committed tokens.
   models::KVCache cache_;
+  bool whole_step_ = false;
   std::shared_ptr<Graph> graph_;
 };
 

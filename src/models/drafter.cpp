@@ -1002,28 +1002,49 @@ void DraftModel::extend(KVCache& cache, const std::vector<int64_t>& slots,
   }
   if (rows == 0) return;
   auto batch = AppendBatch::make(cache, with_tokens, their_counts);
+  write_context(cache, batch, features);
+  for (int64_t i = 0; i < batch.size(); ++i) cache.extend(batch.slots[i], batch.counts[i]);
+}
+
+void DraftModel::write_context(KVCache& cache, const AppendBatch& batch,
+                               const at::Tensor& features) const {
+  c10::NoGradGuard no_grad;
+  if (features.dim() != 2 || features.size(0) != batch.total) {
+    fail("draft model: features must be [{}, K*H] (the batch's tokens), got {}", batch.total,
+         features.sizes());
+  }
   auto ctx = fused_context(config_, features.to(device()), fc_, hidden_norm_, dtype_);
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     auto [k, v] = context_kv(layers_[l], config_.layers, ctx, cos, sin, dtype_);
     cache.update(static_cast<int64_t>(l), batch.rows, k, v);
   }
-  for (int64_t i = 0; i < batch.size(); ++i) cache.extend(batch.slots[i], batch.counts[i]);
 }
 
 at::Tensor DraftModel::hidden(KVCache& cache, const std::vector<int64_t>& slots,
                               const at::Tensor& last_tokens) const {
+  if (slots.empty()) fail("draft model: no slots to draft for");
+  // The block's K/V go to the rows just past each slot's context, so that a slot's keys
+  // (context, then block) are one run of cache rows; the slot's length does not move, so
+  // the next extend overwrites them.
+  return hidden(
+      cache,
+      AppendBatch::make(cache, slots, std::vector<int64_t>(slots.size(), config_.block_size)),
+      last_tokens);
+}
+
+at::Tensor DraftModel::hidden(KVCache& cache, const AppendBatch& batch,
+                              const at::Tensor& last_tokens) const {
   c10::NoGradGuard no_grad;
-  const int64_t n = static_cast<int64_t>(slots.size()), bs = config_.block_size;
-  if (n == 0) fail("draft model: no slots to draft for");
+  const int64_t n = batch.size(), bs = config_.block_size;
+  if (batch.total != n * bs) {
+    fail("draft model: the batch must append one block of {} tokens per slot, got {} tokens for {}",
+         bs, batch.total, n);
+  }
   if (last_tokens.dim() != 1 || last_tokens.size(0) != n) {
     fail("draft model: last_tokens must be [{}] (one per slot), got {}", n, last_tokens.sizes());
   }
   const ModelConfig& c = config_.layers;
-  // The block's K/V go to the rows just past each slot's context, so that a slot's keys
-  // (context, then block) are one run of cache rows; the slot's length does not move, so
-  // the next extend overwrites them.
-  auto batch = AppendBatch::make(cache, slots, std::vector<int64_t>(slots.size(), bs));
   auto ids = at::full({n, bs}, config_.mask_token_id, batch.positions.options());
   ids.select(1, 0).copy_(last_tokens);
   Residual stream{at::embedding(head_.embedding, ids.view({n * bs})).to(dtype_), {}};
@@ -1045,14 +1066,27 @@ at::Tensor DraftModel::hidden(KVCache& cache, const std::vector<int64_t>& slots,
 
 at::Tensor DraftModel::logits(KVCache& cache, const std::vector<int64_t>& slots,
                               const at::Tensor& last_tokens) const {
-  auto h = hidden(cache, slots, last_tokens);
+  return predictions(hidden(cache, slots, last_tokens));
+}
+
+at::Tensor DraftModel::logits(KVCache& cache, const AppendBatch& batch,
+                              const at::Tensor& last_tokens) const {
+  return predictions(hidden(cache, batch, last_tokens));
+}
+
+at::Tensor DraftModel::predictions(const at::Tensor& hidden) const {
   c10::NoGradGuard no_grad;
-  return at::linear(h.narrow(1, 1, config_.block_size - 1), head_.lm_head);
+  return at::linear(hidden.narrow(1, 1, config_.block_size - 1), head_.lm_head);
 }
 
 at::Tensor DraftModel::draft(KVCache& cache, const std::vector<int64_t>& slots,
                              const at::Tensor& last_tokens) const {
   return logits(cache, slots, last_tokens).argmax(-1);
+}
+
+at::Tensor DraftModel::draft(KVCache& cache, const AppendBatch& batch,
+                             const at::Tensor& last_tokens) const {
+  return logits(cache, batch, last_tokens).argmax(-1);
 }
 
 double drafter_step_flops(const DrafterConfig& config, const std::vector<int64_t>& lengths,

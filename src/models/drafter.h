@@ -306,6 +306,11 @@ class DraftModel {
   // the slots in the order given.
   void extend(KVCache& cache, const std::vector<int64_t>& slots, const std::vector<int64_t>& counts,
               const at::Tensor& features) const;
+  // Writes the context K/V of the batch's tokens (features [batch.total, K*H]) at its rows and
+  // positions without counting them in the slots' lengths: a captured speculative step writes
+  // a whole verified block this way, and the host then counts the committed prefix
+  // (KVCache::extend); the rows past it are rewritten by the next block.
+  void write_context(KVCache& cache, const AppendBatch& batch, const at::Tensor& features) const;
 
   // One draft per slot: the block [last_tokens[i], MASK x (B-1)] at positions
   // [length(slot), length(slot) + B) attends to all of the slot's cached context and, in both
@@ -313,12 +318,17 @@ class DraftModel {
   // Hidden states after the final norm, [n, B, H].
   at::Tensor hidden(KVCache& cache, const std::vector<int64_t>& slots,
                     const at::Tensor& last_tokens) const;
+  // The same over a batch built by the caller, B tokens per slot at the positions where each
+  // slot's context ends (whose device tensors a CUDA graph rewrites before each replay).
+  at::Tensor hidden(KVCache& cache, const AppendBatch& batch, const at::Tensor& last_tokens) const;
   // Target-LM-head logits of block positions 1..B-1, [n, B-1, V].
   at::Tensor logits(KVCache& cache, const std::vector<int64_t>& slots,
                     const at::Tensor& last_tokens) const;
+  at::Tensor logits(KVCache& cache, const AppendBatch& batch, const at::Tensor& last_tokens) const;
   // Greedy draft: argmax of those logits, int64 [n, B-1].
   at::Tensor draft(KVCache& cache, const std::vector<int64_t>& slots,
                    const at::Tensor& last_tokens) const;
+  at::Tensor draft(KVCache& cache, const AppendBatch& batch, const at::Tensor& last_tokens) const;
 
   const DrafterConfig& config() const { return config_; }
   int64_t block_size() const { return config_.block_size; }
@@ -326,6 +336,9 @@ class DraftModel {
   at::Device device() const { return fc_.device(); }
 
  private:
+  // The LM head over hidden()'s block positions 1..B-1.
+  at::Tensor predictions(const at::Tensor& hidden) const;
+
   DrafterConfig config_;
   Rotary rotary_;
   TargetHead head_;

@@ -111,11 +111,20 @@ struct AppendBatch {
   at::Tensor key_starts;  // int32 [n+1], first cache row of each entry's slot (last: S*capacity)
   at::Tensor seen;        // int32 [n], start + count
   at::Tensor slot_ids;    // int64 [n], the entries' slots (caches with linear states only)
+  // Blocks of a few tokens on CUDA (per_token_attention()): each new token as a one-query
+  // sequence of its own, which flash runs with the decode step's split-KV kernel over the
+  // cache; in one tile per entry, a verify or draft block's few queries leave most of the GPU
+  // idle while the tile walks the keys.
+  at::Tensor token_cu;          // int32 [total+1]: 0..total
+  at::Tensor token_key_starts;  // int32 [total+1]: each token's slot's first row (last: S*cap)
+  at::Tensor token_seen;        // int32 [total]: position + 1, the causal mask
+  at::Tensor block_seen;        // int32 [total]: the entry's start + count, both directions
 
   // Reads the slots' starts from `cache`; fails when a slot is repeated or would overflow.
   static AppendBatch make(const KVCache& cache, const std::vector<int64_t>& slots,
                           const std::vector<int64_t>& counts);
   int64_t size() const { return static_cast<int64_t>(slots.size()); }
+  bool per_token_attention() const { return token_cu.defined(); }
 };
 
 // Flash attention's window_size_left for a window of `window` keys (0: none): flash keeps keys
@@ -125,11 +134,15 @@ inline std::optional<int64_t> flash_window_left(int64_t window) {
   return std::nullopt;
 }
 
+// Entries of at most this many new tokens (verify and draft blocks) take per-token attention.
+inline constexpr int64_t kPerTokenAttentionMaxCount = 64;
+
 // Attention of the batch's new queries, q [total, Hq, D], over their slots' keys and values
 // in `layer` of `cache` (the new tokens' rows already written), causal and grouped-query.
 // On CUDA in bf16/fp16 one variable-length flash-attention call reads the cache in place
 // (cu_seqlens_k = each slot's first row, seqused_k = start + count; flash aligns the causal
-// mask to the end of the keys); elsewhere one masked scaled_dot_product_attention per entry.
+// mask to the end of the keys; blocks of a few tokens as one-query sequences,
+// AppendBatch::token_*); elsewhere one masked scaled_dot_product_attention per entry.
 // `window` > 0: a query at position p sees only keys j > p - window (flash's own window).
 at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
                                    const AppendBatch& batch, int64_t window = 0);

@@ -70,19 +70,49 @@ void expect_same(const std::vector<Completion>& got, const std::vector<Completio
 // reference (prompt, greedy output, and the stop token that ended it), and each draft token
 // is that reference's next token with probability `p_right` (a fixed function of reference
 // and position, so every batch layout sees the same drafts), a wrong one otherwise. It keeps
-// each sequence's context (tokens and features) for the feature test.
+// each sequence's context (tokens and features) for the feature test. With `whole_step` it
+// also takes the decoder's whole-step calls (draft_at, write_block, count_block), reading the
+// batch on the host: eager only, which is how the decoder runs a whole step off CUDA.
 class ScriptedDrafter final : public eval::DraftSource {
  public:
   ScriptedDrafter(int64_t block_size, std::vector<std::vector<int64_t>> references, double p_right,
-                  std::vector<int64_t> taps = {})
+                  std::vector<int64_t> taps = {}, bool whole_step = false)
       : block_size_(block_size),
         references_(std::move(references)),
         p_right_(p_right),
-        taps_(std::move(taps)) {}
+        taps_(std::move(taps)),
+        whole_step_(whole_step) {}
+
+  bool capturable() const override { return whole_step_; }
+  at::Tensor draft_at(const models::AppendBatch& batch, const at::Tensor& last) override {
+    auto h = last.to(at::kCPU).contiguous();
+    return draft(batch.slots,
+                 std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel()))
+        .to(last.device());
+  }
+  void write_block(const models::AppendBatch& batch, const at::Tensor& tokens,
+                   const at::Tensor& features) override {
+    auto h = tokens.to(at::kCPU).contiguous();
+    for (int64_t i = 0; i < batch.size(); ++i) {
+      const int64_t* row = h.data_ptr<int64_t>() + i * block_size_;
+      auto& p = pending_[batch.slots[i]];
+      p.tokens.assign(row, row + block_size_);
+      p.features = features.defined() ? features.narrow(0, i * block_size_, block_size_).clone()
+                                      : at::Tensor();
+    }
+  }
+  void count_block(int64_t slot, int64_t count) override {
+    const auto& p = pending_[slot];
+    extend({slot}, {std::span<const int64_t>(p.tokens.data(), count)},
+           p.features.defined() ? p.features.narrow(0, 0, count) : at::Tensor());
+  }
 
   int64_t block_size() const override { return block_size_; }
   std::vector<int64_t> tap_layers() const override { return taps_; }
-  void start(int64_t slots, int64_t) override { contexts_.assign(slots, {}); }
+  void start(int64_t slots, int64_t) override {
+    contexts_.assign(slots, {});
+    pending_.assign(slots, {});
+  }
   void reset(int64_t slot) override {
     if (!contexts_[slot].tokens.empty()) finished_.push_back(std::move(contexts_[slot]));
     contexts_[slot] = {};
@@ -150,7 +180,13 @@ class ScriptedDrafter final : public eval::DraftSource {
   std::vector<std::vector<int64_t>> references_;
   double p_right_;
   std::vector<int64_t> taps_;
+  bool whole_step_;
   std::vector<Context> contexts_, finished_;
+  struct Pending {
+    std::vector<int64_t> tokens;
+    at::Tensor features;
+  };
+  std::vector<Pending> pending_;  // per slot: the block write_block wrote
 };
 
 std::vector<std::vector<int64_t>> references(const std::vector<std::vector<int64_t>>& prompts,
@@ -177,7 +213,9 @@ models::Drafter make_drafter(const models::TargetModel& target, int64_t block_si
 }
 
 struct Case {
-  std::string drafter;  // "dflash" or "scripted" (right with probability 0.7)
+  // "dflash" or "scripted" (right with probability 0.7); "_split": the decoder's step with
+  // the whole-step path off (dflash), "_whole": a scripted drafter taking the whole step.
+  std::string drafter;
   int64_t block_size, slots;
 };
 
@@ -211,13 +249,17 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {
 
   std::unique_ptr<eval::DraftSource> drafter;
   std::optional<models::Drafter> dflash;
-  if (c.drafter == "dflash") {
+  const bool scripted = c.drafter.starts_with("scripted");
+  if (!scripted) {
     dflash.emplace(make_drafter(target, c.block_size));
     drafter = std::make_unique<eval::DFlashDraftSource>(*dflash, target);
   } else {
-    drafter = std::make_unique<ScriptedDrafter>(c.block_size, references(prompts, want, stop), 0.7);
+    drafter =
+        std::make_unique<ScriptedDrafter>(c.block_size, references(prompts, want, stop), 0.7,
+                                          std::vector<int64_t>{}, c.drafter.ends_with("_whole"));
   }
   SpeculativeOptions o;
+  o.whole_step = !c.drafter.ends_with("_split");
   o.max_new_tokens = max_new;
   o.stop_tokens = {stop};
   o.context = context;
@@ -230,7 +272,7 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {
   EXPECT_GT(stats.verify_steps, 0);
   EXPECT_GE(stats.tau(), 1.0);
   EXPECT_LE(stats.tau(), static_cast<double>(c.block_size));
-  if (c.drafter == "scripted") {
+  if (scripted) {
     // Right 70% of the time: some blocks are accepted far, some not at all.
     EXPECT_GT(stats.committed[1], 0);
     EXPECT_GT(stats.tau(), 1.5);
@@ -242,9 +284,11 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {
 INSTANTIATE_TEST_SUITE_P(BlocksAndSlots, SpeculativeGreedy,
                          ::testing::Values(Case{"dflash", 4, 1}, Case{"dflash", 8, 3},
                                            Case{"dflash", 16, 1}, Case{"dflash", 16, 4},
-                                           Case{"scripted", 4, 1}, Case{"scripted", 4, 3},
-                                           Case{"scripted", 8, 1}, Case{"scripted", 8, 5},
-                                           Case{"scripted", 16, 1}, Case{"scripted", 16, 3}),
+                                           Case{"dflash_split", 8, 3}, Case{"scripted_whole", 4, 3},
+                                           Case{"scripted_whole", 16, 3}, Case{"scripted", 4, 1},
+                                           Case{"scripted", 4, 3}, Case{"scripted", 8, 1},
+                                           Case{"scripted", 8, 5}, Case{"scripted", 16, 1},
+                                           Case{"scripted", 16, 3}),
                          [](const auto& info) {
                            return fmt::format("{}_block{}_slots{}", info.param.drafter,
                                               info.param.block_size, info.param.slots);
@@ -280,8 +324,9 @@ TEST(SpeculativeGptOss, EqualsPlainGreedyLoop) {
   }
 }
 
-// Acceptance accounting with hand-made drafters, block size 4.
-class Accounting : public ::testing::Test {
+// Acceptance accounting with hand-made drafters, block size 4, the decoder's split step and
+// its whole step (the parameter): the same commits either way.
+class Accounting : public ::testing::TestWithParam<bool> {
  protected:
   static constexpr int64_t kBlock = 4;
   models::TargetModel target = make_target();
@@ -294,7 +339,7 @@ class Accounting : public ::testing::Test {
           std::vector<int64_t> stops, int64_t context, int64_t slots = 1) {
     const int64_t stop = stops.empty() ? -1 : stops[0];
     auto want = greedy(target, prompts, max_new, stops, context);
-    ScriptedDrafter drafter(kBlock, references(prompts, want, stop), p_right);
+    ScriptedDrafter drafter(kBlock, references(prompts, want, stop), p_right, {}, GetParam());
     SpeculativeOptions o;
     o.max_new_tokens = max_new;
     o.stop_tokens = stops;
@@ -313,7 +358,7 @@ class Accounting : public ::testing::Test {
   }
 };
 
-TEST_F(Accounting, OracleAcceptsWholeBlocks) {
+TEST_P(Accounting, OracleAcceptsWholeBlocks) {
   // 1 token from the prefill, then three full blocks.
   auto r = run(make_prompts({5}, 1), 1.0, 1 + 3 * kBlock, {}, 100);
   EXPECT_EQ(r.completions[0].tokens.size(), 1u + 3 * kBlock);
@@ -324,7 +369,7 @@ TEST_F(Accounting, OracleAcceptsWholeBlocks) {
   EXPECT_EQ(r.stats.generated_tokens, 1 + 3 * kBlock);
 }
 
-TEST_F(Accounting, AlwaysWrongCommitsOneTokenPerStep) {
+TEST_P(Accounting, AlwaysWrongCommitsOneTokenPerStep) {
   auto r = run(make_prompts({5}, 1), 0.0, 11, {}, 100);
   EXPECT_EQ(r.completions[0].tokens.size(), 11u);
   EXPECT_EQ(r.stats.verify_steps, 10);
@@ -332,7 +377,7 @@ TEST_F(Accounting, AlwaysWrongCommitsOneTokenPerStep) {
   EXPECT_DOUBLE_EQ(r.stats.tau(), 1.0);
 }
 
-TEST_F(Accounting, StopTokenInsideABlock) {
+TEST_P(Accounting, StopTokenInsideABlock) {
   // The stop token is the third token of the second block: tokens 1..4 come from the first
   // block, 5..7 from the second, 7 being the stop. A prompt whose greedy continuation has a
   // token there that does not occur before it:
@@ -355,7 +400,7 @@ TEST_F(Accounting, StopTokenInsideABlock) {
   EXPECT_EQ(r.stats.generated_tokens, static_cast<int64_t>(at) + 1);  // the stop token counts
 }
 
-TEST_F(Accounting, TokenLimitInsideABlock) {
+TEST_P(Accounting, TokenLimitInsideABlock) {
   auto r = run(make_prompts({5}, 1), 1.0, 1 + kBlock + 2, {}, 100);
   EXPECT_EQ(r.completions[0].finish, Finish::kLength);
   EXPECT_EQ(r.completions[0].tokens.size(), 1u + kBlock + 2);
@@ -363,7 +408,7 @@ TEST_F(Accounting, TokenLimitInsideABlock) {
   EXPECT_EQ(r.stats.committed, histogram({{kBlock, 1}, {2, 1}}));
 }
 
-TEST_F(Accounting, PromptsAtTheContextLimit) {
+TEST_P(Accounting, PromptsAtTheContextLimit) {
   const int64_t context = 16;
   auto prompts = make_prompts({15, 16, 10, 17}, 2);
   auto r = run(prompts, 1.0, 50, {}, context, /*slots=*/2);
@@ -382,37 +427,44 @@ TEST_F(Accounting, PromptsAtTheContextLimit) {
   EXPECT_EQ(r.stats.requests, 4);
 }
 
+INSTANTIATE_TEST_SUITE_P(Steps, Accounting, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "whole_step" : "split"; });
+
 TEST(SpeculativeContext, DrafterSeesTheTargetTapsOfCommittedTokens) {
   auto target = make_target();
   const std::vector<int64_t> taps = {0, 2};
   auto prompts = make_prompts({6, 3, 12, 8, 1}, 4);
   const int64_t max_new = 25, context = 64;
   auto want = greedy(target, prompts, max_new, {}, context);
-  ScriptedDrafter drafter(8, references(prompts, want, -1), 0.6, taps);
-  SpeculativeOptions o;
-  o.max_new_tokens = max_new;
-  o.context = context;
-  o.slots = 2;
-  SpeculativeDecoder decoder(target, drafter, o);
-  expect_same(decoder.generate(prompts), want);
-  auto contexts = drafter.contexts();
-  ASSERT_EQ(contexts.size(), prompts.size());
-  for (const auto& ctx : contexts) {
-    auto tokens = at::tensor(ctx.tokens, at::kLong);
-    auto batch = models::PackedBatch::from_lengths({tokens.size(0)}, at::kCPU);
-    auto full = at::cat(target.forward(tokens, batch, {taps, models::Logits::kNone}).taps, 1);
-    EXPECT_CLOSE(at::cat(ctx.features), full, 1e-5);
-    // It holds a prompt and generated tokens (up to the last block, after which the
-    // sequence ended and the drafter was not extended any more).
-    bool found = false;
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      auto seq = prompts[i];
-      seq.insert(seq.end(), want[i].tokens.begin(), want[i].tokens.end());
-      found =
-          found || (ctx.tokens.size() > prompts[i].size() + 1 && ctx.tokens.size() < seq.size() &&
-                    std::equal(ctx.tokens.begin(), ctx.tokens.end(), seq.begin()));
+  // Extended after each verify (split step) or written whole and counted (whole step).
+  for (bool whole : {false, true}) {
+    SCOPED_TRACE(whole ? "whole step" : "split step");
+    ScriptedDrafter drafter(8, references(prompts, want, -1), 0.6, taps, whole);
+    SpeculativeOptions o;
+    o.max_new_tokens = max_new;
+    o.context = context;
+    o.slots = 2;
+    SpeculativeDecoder decoder(target, drafter, o);
+    expect_same(decoder.generate(prompts), want);
+    auto contexts = drafter.contexts();
+    ASSERT_EQ(contexts.size(), prompts.size());
+    for (const auto& ctx : contexts) {
+      auto tokens = at::tensor(ctx.tokens, at::kLong);
+      auto batch = models::PackedBatch::from_lengths({tokens.size(0)}, at::kCPU);
+      auto full = at::cat(target.forward(tokens, batch, {taps, models::Logits::kNone}).taps, 1);
+      EXPECT_CLOSE(at::cat(ctx.features), full, 1e-5);
+      // It holds a prompt and generated tokens (up to the last block, after which the
+      // sequence ended and the drafter was not extended any more).
+      bool found = false;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        auto seq = prompts[i];
+        seq.insert(seq.end(), want[i].tokens.begin(), want[i].tokens.end());
+        found =
+            found || (ctx.tokens.size() > prompts[i].size() + 1 && ctx.tokens.size() < seq.size() &&
+                      std::equal(ctx.tokens.begin(), ctx.tokens.end(), seq.begin()));
+      }
+      EXPECT_TRUE(found) << "a context is not a prompt plus generated tokens";
     }
-    EXPECT_TRUE(found) << "a context is not a prompt plus generated tokens";
   }
 }
 
@@ -767,9 +819,9 @@ TEST(SpeculativeSampling, SeedReproducesWhateverTheBatch) {
 }
 
 // On CUDA in bf16: the flash paths (the verify pass through the cached causal attention, the
-// draft through the block attention), with the verify pass captured in a CUDA graph and
-// eager, give the tokens of the generator's CUDA-graph decode step (the target's margins are
-// wide against bf16 rounding).
+// draft through the block attention), with the verify pass (or, DFlash, the whole step)
+// captured in a CUDA graph and eager, give the tokens of the generator's CUDA-graph decode step
+// (the target's margins are wide against bf16 rounding).
 void expect_bf16_speculative_equals_generator(const models::TargetModel& target) {
   auto prompts = make_prompts({3, 7, 1, 20, 5, 2, 11, 4}, 6);
   eval::GenerationOptions g;
@@ -783,19 +835,25 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
   for (eval::DraftSource* source : std::vector<eval::DraftSource*>{&dflash, &scripted}) {
     for (int64_t slots : {1, 4}) {
       for (bool graph : {true, false}) {
-        SCOPED_TRACE(fmt::format("{} drafter, {} slots, graph {}",
-                                 source == &dflash ? "dflash" : "scripted", slots, graph));
-        SpeculativeOptions o;
-        o.max_new_tokens = g.max_new_tokens;
-        o.context = g.context;
-        o.slots = slots;
-        o.cuda_graph = graph;
-        SpeculativeDecoder decoder(target, *source, o);
-        EXPECT_EQ(decoder.uses_cuda_graph(), graph);
-        SpeculativeStats stats;
-        expect_same(decoder.generate(prompts, &stats), want);
-        if (source == &scripted) {
-          EXPECT_GT(stats.tau(), 1.5);
+        // The DFlash drafter's whole step (captured with the graph) and its split one.
+        for (bool whole :
+             source == &dflash ? std::vector<bool>{true, false} : std::vector<bool>{false}) {
+          SCOPED_TRACE(fmt::format("{} drafter, {} slots, graph {}, whole step {}",
+                                   source == &dflash ? "dflash" : "scripted", slots, graph, whole));
+          SpeculativeOptions o;
+          o.max_new_tokens = g.max_new_tokens;
+          o.context = g.context;
+          o.slots = slots;
+          o.cuda_graph = graph;
+          o.whole_step = whole;
+          SpeculativeDecoder decoder(target, *source, o);
+          EXPECT_EQ(decoder.uses_cuda_graph(), graph);
+          EXPECT_EQ(decoder.captures_whole_step(), graph && whole);
+          SpeculativeStats stats;
+          expect_same(decoder.generate(prompts, &stats), want);
+          if (source == &scripted) {
+            EXPECT_GT(stats.tau(), 1.5);
+          }
         }
       }
     }
