@@ -585,6 +585,117 @@ Value indent_filter(const Value& v, Args& a) {
   return Value(first ? ind + rv : rv);
 }
 
+// Filters longer than a few lines, out of the table in filters() so that it reads as a list.
+Value join_filter(const Value& v, Args& a) {
+  Binder b{a, "join"};
+  const std::string sep = b.get(0, "d", Value("")).str();
+  const Value attr = b.get(1, "attribute", Value::none());
+  std::string out;
+  bool first = true;
+  for (const auto& e : iterate(v)) {
+    if (!first) out += sep;
+    first = false;
+    out += (attr.is_none() ? e : attr_path(e, attr)).str();
+  }
+  return Value(std::move(out));
+}
+
+// map(attribute=name[, default=x]) or map(filter_name, args...), as Jinja2 reads them.
+Value map_filter(const Value& v, Args& a) {
+  List out;
+  for (const auto& kv : a.keyword) {
+    if (kv.first != "attribute") continue;
+    Value def;
+    for (const auto& kw : a.keyword) {
+      if (kw.first == "default") def = kw.second;
+    }
+    for (const auto& e : iterate(v)) {
+      Value x = attr_path(e, kv.second);
+      out.push_back(x.is_undefined() && !def.is_undefined() ? def : x);
+    }
+    return Value::list(std::move(out));
+  }
+  if (a.positional.empty()) throw EvalError("map needs a filter name or attribute=");
+  const std::string name = need_str(a.positional[0], "filter name");
+  for (const auto& e : iterate(v)) {
+    Args fa = rest_args(a, 1);
+    out.push_back(apply_filter(name, e, fa));
+  }
+  return Value::list(std::move(out));
+}
+
+Value reverse_filter(const Value& v, Args&) {
+  if (v.is_string()) {
+    auto cps = code_points(v.as_string());
+    std::string out;
+    for (auto it = cps.rbegin(); it != cps.rend(); ++it) out += *it;
+    return Value(std::move(out));
+  }
+  List items = iterate(v);
+  std::reverse(items.begin(), items.end());
+  return Value::list(std::move(items));
+}
+
+Value sort_filter(const Value& v, Args& a) {
+  Binder b{a, "sort"};
+  const bool reverse = b.get(0, "reverse", Value(false)).truthy();
+  const bool case_sensitive = b.get(1, "case_sensitive", Value(false)).truthy();
+  const Value attr = b.get(2, "attribute", Value::none());
+  List items = iterate(v);
+  auto key = [&](const Value& x) {
+    Value k = attr.is_none() ? x : attr_path(x, attr);
+    return !case_sensitive && k.is_string() ? Value(lower(k.as_string())) : k;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const Value& l, const Value& r) {
+    return reverse ? key(r).less(key(l)) : key(l).less(key(r));
+  });
+  return Value::list(std::move(items));
+}
+
+Value sum_filter(const Value& v, Args& a) {
+  Binder b{a, "sum"};
+  const Value attr = b.get(0, "attribute", Value::none());
+  Value total = b.get(1, "start", Value(0));
+  for (const auto& e : iterate(v)) {
+    const Value x = attr.is_none() ? e : attr_path(e, attr);
+    if (!x.is_number() || !total.is_number())
+      throw EvalError("sum: unsupported operand type " + x.type_name());
+    total = total.is_float() || x.is_float() ? Value(total.as_number() + x.as_number())
+                                             : Value(total.as_int() + x.as_int());
+  }
+  return total;
+}
+
+Value round_filter(const Value& v, Args& a) {
+  Binder b{a, "round"};
+  const int64_t precision = need_int(b.get(0, "precision", Value(0)), "round precision");
+  const std::string method = b.get(1, "method", Value("common")).str();
+  const double scale = std::pow(10.0, static_cast<double>(precision));
+  const double x = v.as_number() * scale;
+  const double r = method == "ceil"    ? std::ceil(x)
+                   : method == "floor" ? std::floor(x)
+                                       : std::round(x);
+  return Value(r / scale);
+}
+
+Value dictsort_filter(const Value& v, Args& a) {
+  Binder b{a, "dictsort"};
+  const bool case_sensitive = b.get(0, "case_sensitive", Value(false)).truthy();
+  const bool by_value = b.get(1, "by", Value("key")).str() == "value";
+  const bool reverse = b.get(2, "reverse", Value(false)).truthy();
+  if (!v.is_dict()) throw EvalError("dictsort: can only sort a mapping");
+  List items;
+  for (const auto& [k, x] : v.as_dict()) items.push_back(Value::list({Value(k), x}, true));
+  auto key = [&](const Value& p) {
+    Value k = p.as_list()[by_value ? 1 : 0];
+    return !case_sensitive && k.is_string() ? Value(lower(k.as_string())) : k;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const Value& l, const Value& r) {
+    return reverse ? key(r).less(key(l)) : key(l).less(key(r));
+  });
+  return Value::list(std::move(items));
+}
+
 const std::unordered_map<std::string, Filter>& filters() {
   static const std::unordered_map<std::string, Filter> kFilters = [] {
     std::unordered_map<std::string, Filter> f;
@@ -627,41 +738,8 @@ const std::unordered_map<std::string, Filter>& filters() {
       return Value(py_replace(v.str(), b.get(0, "old").str(), b.get(1, "new").str(),
                               count.is_none() ? -1 : need_int(count, "count")));
     };
-    f["join"] = [](const Value& v, Args& a) {
-      Binder b{a, "join"};
-      const std::string sep = b.get(0, "d", Value("")).str();
-      const Value attr = b.get(1, "attribute", Value::none());
-      std::string out;
-      bool first = true;
-      for (const auto& e : iterate(v)) {
-        if (!first) out += sep;
-        first = false;
-        out += (attr.is_none() ? e : attr_path(e, attr)).str();
-      }
-      return Value(std::move(out));
-    };
-    f["map"] = [](const Value& v, Args& a) {
-      List out;
-      for (const auto& kv : a.keyword) {
-        if (kv.first != "attribute") continue;
-        Value def;
-        for (const auto& kw : a.keyword) {
-          if (kw.first == "default") def = kw.second;
-        }
-        for (const auto& e : iterate(v)) {
-          Value x = attr_path(e, kv.second);
-          out.push_back(x.is_undefined() && !def.is_undefined() ? def : x);
-        }
-        return Value::list(std::move(out));
-      }
-      if (a.positional.empty()) throw EvalError("map needs a filter name or attribute=");
-      const std::string name = need_str(a.positional[0], "filter name");
-      for (const auto& e : iterate(v)) {
-        Args fa = rest_args(a, 1);
-        out.push_back(apply_filter(name, e, fa));
-      }
-      return Value::list(std::move(out));
-    };
+    f["join"] = join_filter;
+    f["map"] = map_filter;
     f["select"] = [](const Value& v, Args& a) { return select_impl(v, a, false, true); };
     f["reject"] = [](const Value& v, Args& a) { return select_impl(v, a, false, false); };
     f["selectattr"] = [](const Value& v, Args& a) { return select_impl(v, a, true, true); };
@@ -681,32 +759,8 @@ const std::unordered_map<std::string, Filter>& filters() {
       for (const auto& [k, x] : v.as_dict()) out.push_back(Value::list({Value(k), x}, true));
       return Value::list(std::move(out));
     };
-    f["reverse"] = [](const Value& v, Args&) {
-      if (v.is_string()) {
-        auto cps = code_points(v.as_string());
-        std::string out;
-        for (auto it = cps.rbegin(); it != cps.rend(); ++it) out += *it;
-        return Value(std::move(out));
-      }
-      List items = iterate(v);
-      std::reverse(items.begin(), items.end());
-      return Value::list(std::move(items));
-    };
-    f["sort"] = [](const Value& v, Args& a) {
-      Binder b{a, "sort"};
-      const bool reverse = b.get(0, "reverse", Value(false)).truthy();
-      const bool case_sensitive = b.get(1, "case_sensitive", Value(false)).truthy();
-      const Value attr = b.get(2, "attribute", Value::none());
-      List items = iterate(v);
-      auto key = [&](const Value& x) {
-        Value k = attr.is_none() ? x : attr_path(x, attr);
-        return !case_sensitive && k.is_string() ? Value(lower(k.as_string())) : k;
-      };
-      std::stable_sort(items.begin(), items.end(), [&](const Value& l, const Value& r) {
-        return reverse ? key(r).less(key(l)) : key(l).less(key(r));
-      });
-      return Value::list(std::move(items));
-    };
+    f["reverse"] = reverse_filter;
+    f["sort"] = sort_filter;
     f["unique"] = [](const Value& v, Args&) {
       List out;
       for (const auto& e : iterate(v)) {
@@ -727,52 +781,14 @@ const std::unordered_map<std::string, Filter>& filters() {
       return *std::max_element(items.begin(), items.end(),
                                [](const Value& l, const Value& r) { return l.less(r); });
     };
-    f["sum"] = [](const Value& v, Args& a) {
-      Binder b{a, "sum"};
-      const Value attr = b.get(0, "attribute", Value::none());
-      Value total = b.get(1, "start", Value(0));
-      for (const auto& e : iterate(v)) {
-        const Value x = attr.is_none() ? e : attr_path(e, attr);
-        if (!x.is_number() || !total.is_number())
-          throw EvalError("sum: unsupported operand type " + x.type_name());
-        total = total.is_float() || x.is_float() ? Value(total.as_number() + x.as_number())
-                                                 : Value(total.as_int() + x.as_int());
-      }
-      return total;
-    };
-    f["round"] = [](const Value& v, Args& a) {
-      Binder b{a, "round"};
-      const int64_t precision = need_int(b.get(0, "precision", Value(0)), "round precision");
-      const std::string method = b.get(1, "method", Value("common")).str();
-      const double scale = std::pow(10.0, static_cast<double>(precision));
-      const double x = v.as_number() * scale;
-      const double r = method == "ceil"    ? std::ceil(x)
-                       : method == "floor" ? std::floor(x)
-                                           : std::round(x);
-      return Value(r / scale);
-    };
+    f["sum"] = sum_filter;
+    f["round"] = round_filter;
     f["indent"] = indent_filter;
     f["tojson"] = tojson;
     f["attr"] = [](const Value& v, Args& a) {
       return get_attr(v, need_str(Binder{a, "attr"}.get(0, "name"), "attr name"));
     };
-    f["dictsort"] = [](const Value& v, Args& a) {
-      Binder b{a, "dictsort"};
-      const bool case_sensitive = b.get(0, "case_sensitive", Value(false)).truthy();
-      const bool by_value = b.get(1, "by", Value("key")).str() == "value";
-      const bool reverse = b.get(2, "reverse", Value(false)).truthy();
-      if (!v.is_dict()) throw EvalError("dictsort: can only sort a mapping");
-      List items;
-      for (const auto& [k, x] : v.as_dict()) items.push_back(Value::list({Value(k), x}, true));
-      auto key = [&](const Value& p) {
-        Value k = p.as_list()[by_value ? 1 : 0];
-        return !case_sensitive && k.is_string() ? Value(lower(k.as_string())) : k;
-      };
-      std::stable_sort(items.begin(), items.end(), [&](const Value& l, const Value& r) {
-        return reverse ? key(r).less(key(l)) : key(l).less(key(r));
-      });
-      return Value::list(std::move(items));
-    };
+    f["dictsort"] = dictsort_filter;
     return f;
   }();
   return kFilters;

@@ -59,137 +59,140 @@ std::unique_ptr<dist::Comm> tp_group(int tp, const models::ModelConfig& config, 
   return world->subgroup(ranks, fmt::format("target_tp_{}", first / tp));
 }
 
-void run_bench(const BenchOptions& o) {
-  const at::Device device = device_option(o.device);
-  if (!o.profile.empty() && !device.is_cuda()) fail("bench-target: --profile needs a CUDA device");
-  auto config = models::preset_config(o.preset);
-  auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
-  const auto attention = models::parse_attention_backend(o.attention);
-  std::unique_ptr<dist::Comm> world;
-  const auto group = tp_group(o.target_tp, config, device, world);
-  // One rank of each group speaks for it; the first group's for the world.
-  const bool lead = dist::world_from_env().rank == 0;
-  auto model = models::TargetModel::random(config, device, dtype, 0, group.get());
-  // The layers the default drafter taps, and no logits: the prefill training runs, which stops
-  // after the last tapped layer.
-  const auto taps =
-      models::default_target_layer_ids(config.num_layers, models::DrafterOptions{}.num_layers);
-  const int64_t layers = models::layers_for_taps(taps);
-  if (lead) {
+// What every measurement of a run shares: the options, the model and the token stream.
+struct Bench {
+  const BenchOptions& o;
+  at::Device device;
+  const models::ModelConfig& config;
+  at::ScalarType dtype;
+  models::TargetModel& model;
+  dist::Comm* group;  // the tensor-parallel group; null for --target-tp 1
+  bool lead;          // one rank of each group speaks for it; the first group's for the world
+  int64_t layers;     // run by each prefill: up to the last tapped one
+  // The same tokens on every rank of a group (and in every run: --taps-out compares runs).
+  at::Generator token_gen;
+
+  // `sequences` random sequences of --seq-len tokens, packed.
+  std::pair<models::PackedBatch, at::Tensor> random_batch(int64_t sequences) {
+    auto batch =
+        models::PackedBatch::from_lengths(std::vector<int64_t>(sequences, o.seq_len), device);
+    auto tokens = at::randint(config.vocab_size, {batch.total}, token_gen,
+                              at::TensorOptions().dtype(at::kLong).device(device));
+    return {std::move(batch), std::move(tokens)};
+  }
+};
+
+void print_header(const Bench& b, const std::vector<int64_t>& taps) {
+  const BenchOptions& o = b.o;
+  if (b.lead) {
     fmt::print(
         "bench-target: {} ({:.2f} B params, {:.2f} B active per token), {} on {}, seq {}, taps "
         "[{}] (layers 0-{} run, no logits), {} attention, warmup {}, iters {}\n",
-        o.preset, config.num_parameters() / 1e9, config.num_active_parameters() / 1e9,
-        c10::toString(dtype), device.str(), o.seq_len, fmt::join(taps, ","), layers - 1,
+        o.preset, b.config.num_parameters() / 1e9, b.config.num_active_parameters() / 1e9,
+        c10::toString(b.dtype), b.device.str(), o.seq_len, fmt::join(taps, ","), b.layers - 1,
         o.attention, o.warmup, o.iters);
   }
-  if (lead && o.target_tp > 1) {
+  if (b.lead && o.target_tp > 1) {
     fmt::print(
         "target-tp {}: each rank holds 1/{} of the heads, the MLPs and the vocabulary; tokens/s "
         "are a group's, TFLOP/s and GiB one rank's\n",
         o.target_tp, o.target_tp);
   }
-  // The same tokens on every rank of a group (and in every run: --taps-out compares runs).
-  auto token_gen = models::seeded_generator(device, 1);
-  if (const auto* g = model.gpt_oss()) {
+  if (const auto* g = b.model.gpt_oss()) {
     fmt::print(
         "gpt-oss: experts hold {:.2f} GiB on {} ({}); per-layer bf16 dequantisation buffers "
         "{:.2f} GiB\n",
-        g->expert_bytes() / double(1 << 30), device.str(),
-        config.gpt_oss.mxfp4 ? "MXFP4 blocks and scales" : "bf16",
+        g->expert_bytes() / double(1 << 30), b.device.str(),
+        b.config.gpt_oss.mxfp4 ? "MXFP4 blocks and scales" : "bf16",
         g->dequant_buffer_bytes() / double(1 << 30));
   }
-  double fp8_weights_gib = 0;
-  for (const auto& g : o.gemms) {
-    if (models::parse_prefill_gemms(g) != models::PrefillGemms::kFp8 || fp8_weights_gib > 0) {
-      continue;
-    }
+}
+
+// The run's layers in e4m3 once, when some --gemm is fp8; their GiB (0 when none is).
+double quantize_for_fp8(Bench& b) {
+  for (const auto& g : b.o.gemms) {
+    if (models::parse_prefill_gemms(g) != models::PrefillGemms::kFp8) continue;
     const auto t0 = std::chrono::steady_clock::now();
-    fp8_weights_gib = model.quantize_weights_fp8(layers) / double(1 << 30);
-    if (lead) {
-      fmt::print("fp8: layers 0-{} in e4m3 ({:.2f} GiB) in {:.1f} s\n", layers - 1, fp8_weights_gib,
+    const double gib = b.model.quantize_weights_fp8(b.layers) / double(1 << 30);
+    if (b.lead) {
+      fmt::print("fp8: layers 0-{} in e4m3 ({:.2f} GiB) in {:.1f} s\n", b.layers - 1, gib,
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
+    return gib;
   }
-  models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
-  if (!o.taps_out.empty() && !o.batches.empty()) {
-    auto batch = models::PackedBatch::from_lengths(
-        std::vector<int64_t>(o.batches.front(), o.seq_len), device);
-    auto tokens = at::randint(config.vocab_size, {batch.total}, token_gen,
-                              at::TensorOptions().dtype(at::kLong).device(device));
-    request.gemms = models::parse_prefill_gemms(o.gemms.front());
-    auto out = model.forward(tokens, batch, request);
-    std::vector<std::pair<std::string, at::Tensor>> named = {{"tokens", tokens}};
-    for (size_t i = 0; i < taps.size(); ++i) {
-      named.push_back({fmt::format("tap_{}", taps[i]), out.taps[i]});
+  return 0;
+}
+
+// --taps-out: the tokens and taps of one prefill of the first batch size, with the first --gemm.
+void write_taps(Bench& b, const std::vector<int64_t>& taps, models::ForwardRequest request) {
+  auto [batch, tokens] = b.random_batch(b.o.batches.front());
+  request.gemms = models::parse_prefill_gemms(b.o.gemms.front());
+  auto out = b.model.forward(tokens, batch, request);
+  std::vector<std::pair<std::string, at::Tensor>> named = {{"tokens", tokens}};
+  for (size_t i = 0; i < taps.size(); ++i) {
+    named.push_back({fmt::format("tap_{}", taps[i]), out.taps[i]});
+  }
+  if (b.lead) io::write_safetensors(b.o.taps_out, named);
+}
+
+// The group's all-reduces alone, as many and as large as a prefill's (the embedding's and two a
+// layer, each [tokens, hidden]; zeros, whose sums stay finite): the share of the prefill they
+// take, which no other work hides (each one's result is the next layer's input). Median ms.
+double time_allreduces(Bench& b, int64_t tokens, double prefill_ms) {
+  auto partial = at::zeros({tokens, b.config.hidden_size},
+                           at::TensorOptions().dtype(b.dtype).device(b.device));
+  auto reduces = [&] {
+    for (int64_t i = 0; i < 2 * b.layers + 1; ++i) {
+      b.group->all_reduce_sum(partial, "bench_target_allreduce");
     }
-    if (lead) io::write_safetensors(o.taps_out, named);
+  };
+  const double ms =
+      obs::median(obs::time_queued_steps(b.device, b.o.warmup, b.o.iters, reduces)) * 1e3;
+  if (b.lead) {
+    fmt::print("{:>6} {:>6} {} all-reduces of [{}, {}] alone: {:.2f} ms, {:.0f}% of it\n", "", "",
+               2 * b.layers + 1, tokens, b.config.hidden_size, ms, 100 * ms / prefill_ms);
   }
-  if (lead) {
-    fmt::print("{:>6} {:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "gemm", "median ms",
-               "tokens/s", "TFLOP/s", "peak GPU GiB", "synced ms");
+  return ms;
+}
+
+// One row of the table: prefills of `sequences` x --seq-len tokens with `gemm`, timed.
+nlohmann::json measure(Bench& b, int64_t sequences, const std::string& gemm, int round,
+                       models::ForwardRequest request) {
+  const BenchOptions& o = b.o;
+  request.gemms = models::parse_prefill_gemms(gemm);
+  auto [batch, tokens] = b.random_batch(sequences);
+  obs::reset_gpu_memory_peaks(b.device);
+  auto prefill = [&] { b.model.forward(tokens, batch, request); };
+  // Queued back to back, as training queues its prefills; then each one waited for (the GPU
+  // idles at each start while the host launches the first kernels).
+  auto times = obs::time_queued_steps(b.device, o.warmup, o.iters, prefill);
+  auto synced_times = obs::time_steps(b.device, 0, o.iters, prefill);
+  const double ms = obs::median(times) * 1e3, synced_ms = obs::median(synced_times) * 1e3;
+  const double tps = batch.total / (ms / 1e3);
+  const double tflops =
+      models::prefill_flops(b.config, batch.lengths, 0, b.layers) / (ms / 1e3) / 1e12 / o.target_tp;
+  const double peak_gib = obs::gib(obs::gpu_memory(b.device).allocated_peak);
+  if (b.lead) {
+    fmt::print("{:>6} {:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", sequences, gemm,
+               ms, tps, tflops, peak_gib, synced_ms);
   }
-  nlohmann::json rows = nlohmann::json::array();
-  for (int64_t b : o.batches) {
-    for (int round = 0; round < o.rounds; ++round) {
-      for (const auto& gemm : o.gemms) {
-        request.gemms = models::parse_prefill_gemms(gemm);
-        std::vector<int64_t> lengths(b, o.seq_len);
-        auto batch = models::PackedBatch::from_lengths(lengths, device);
-        auto tokens = at::randint(config.vocab_size, {batch.total}, token_gen,
-                                  at::TensorOptions().dtype(at::kLong).device(device));
-        obs::reset_gpu_memory_peaks(device);
-        auto prefill = [&] { model.forward(tokens, batch, request); };
-        // Queued back to back, as training queues its prefills; then each one waited for (the GPU
-        // idles at each start while the host launches the first kernels).
-        auto times = obs::time_queued_steps(device, o.warmup, o.iters, prefill);
-        auto synced_times = obs::time_steps(device, 0, o.iters, prefill);
-        const double ms = obs::median(times) * 1e3, synced_ms = obs::median(synced_times) * 1e3;
-        const double tps = batch.total / (ms / 1e3);
-        const double tflops =
-            models::prefill_flops(config, lengths, 0, layers) / (ms / 1e3) / 1e12 / o.target_tp;
-        const double peak_gib = obs::gib(obs::gpu_memory(device).allocated_peak);
-        if (lead) {
-          fmt::print("{:>6} {:>6} {:>10.2f} {:>12.0f} {:>10.1f} {:>14.2f} {:>10.2f}\n", b, gemm, ms,
-                     tps, tflops, peak_gib, synced_ms);
-        }
-        // The group's all-reduces alone, as many and as large as a prefill's (the embedding's
-        // and two a layer, each [tokens, hidden]; zeros, whose sums stay finite): the share of
-        // the prefill they take, which no other work hides (each one's result is the next
-        // layer's input).
-        double allreduce_ms = 0;
-        if (group) {
-          auto partial = at::zeros({batch.total, config.hidden_size},
-                                   at::TensorOptions().dtype(dtype).device(device));
-          auto reduces = [&] {
-            for (int64_t i = 0; i < 2 * layers + 1; ++i) {
-              group->all_reduce_sum(partial, "bench_target_allreduce");
-            }
-          };
-          allreduce_ms =
-              obs::median(obs::time_queued_steps(device, o.warmup, o.iters, reduces)) * 1e3;
-          if (lead) {
-            fmt::print("{:>6} {:>6} {} all-reduces of [{}, {}] alone: {:.2f} ms, {:.0f}% of it\n",
-                       "", "", 2 * layers + 1, batch.total, config.hidden_size, allreduce_ms,
-                       100 * allreduce_ms / ms);
-          }
-        }
-        rows.push_back({{"batch", b},
-                        {"gemm", gemm},
-                        {"round", round},
-                        {"seq_len", o.seq_len},
-                        {"median_ms", ms},
-                        {"tokens_per_s", tps},
-                        {"tflops", tflops},
-                        {"peak_gpu_gib", peak_gib},
-                        {"times_s", times},
-                        {"synced_median_ms", synced_ms},
-                        {"synced_times_s", synced_times},
-                        {"allreduce_ms", allreduce_ms}});
-      }
-    }
-  }
-  request.gemms = models::parse_prefill_gemms(o.gemms.front());  // the profile runs the first
+  const double allreduce_ms = b.group ? time_allreduces(b, batch.total, ms) : 0;
+  return {{"batch", sequences},
+          {"gemm", gemm},
+          {"round", round},
+          {"seq_len", o.seq_len},
+          {"median_ms", ms},
+          {"tokens_per_s", tps},
+          {"tflops", tflops},
+          {"peak_gpu_gib", peak_gib},
+          {"times_s", times},
+          {"synced_median_ms", synced_ms},
+          {"synced_times_s", synced_times},
+          {"allreduce_ms", allreduce_ms}};
+}
+
+// The GEMM tunings the run made (printed by the lead), for the JSON report.
+nlohmann::json gemm_tunings(bool lead) {
   nlohmann::json tunings = nlohmann::json::array();
   for (const auto& t : kernels::gemm_tunings()) {
     if (lead) fmt::print("gemm tuning: {}\n", kernels::describe(t));
@@ -203,31 +206,77 @@ void run_bench(const BenchOptions& o) {
                        {"tuning_ms", t.tuning_ms},
                        {"uses_lt", t.uses_lt}});
   }
-  nlohmann::json doc = {{"preset", o.preset},       {"device", device.str()},
-                        {"attention", o.attention}, {"fp8_weights_gib", fp8_weights_gib},
-                        {"target_tp", o.target_tp}, {"rows", rows},
-                        {"gemm_tunings", tunings}};
-  if (!o.profile.empty() && !o.batches.empty()) {
-    constexpr int kProfiled = 3;
-    std::vector<int64_t> lengths(o.batches.front(), o.seq_len);
-    auto batch = models::PackedBatch::from_lengths(lengths, device);
-    auto tokens = at::randint(config.vocab_size, {batch.total}, token_gen,
-                              at::TensorOptions().dtype(at::kLong).device(device));
-    auto p = obs::profile_device(
-        [&] {
-          for (int i = 0; i < kProfiled; ++i) {
-            model.forward(tokens, batch, request);
-          }
-          obs::synchronize(device);
-        },
-        kProfiled, o.profile);
-    if (lead) {
-      fmt::print("profile of a prefill of {} x {} tokens (trace: {}):\n{}", o.batches.front(),
-                 o.seq_len, o.profile, obs::format_profile(p, 20));
-    }
-    doc["profile"] = obs::profile_json(p);
+  return tunings;
+}
+
+// --profile: a few prefills of the first batch size under the device profiler.
+nlohmann::json profile_prefills(Bench& b, const models::ForwardRequest& request) {
+  constexpr int kProfiled = 3;
+  auto [batch, tokens] = b.random_batch(b.o.batches.front());
+  auto p = obs::profile_device(
+      [&] {
+        for (int i = 0; i < kProfiled; ++i) {
+          b.model.forward(tokens, batch, request);
+        }
+        obs::synchronize(b.device);
+      },
+      kProfiled, b.o.profile);
+  if (b.lead) {
+    fmt::print("profile of a prefill of {} x {} tokens (trace: {}):\n{}", b.o.batches.front(),
+               b.o.seq_len, b.o.profile, obs::format_profile(p, 20));
   }
-  if (lead && !o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
+  return obs::profile_json(p);
+}
+
+void run_bench(const BenchOptions& o) {
+  const at::Device device = device_option(o.device);
+  if (!o.profile.empty() && !device.is_cuda()) fail("bench-target: --profile needs a CUDA device");
+  auto config = models::preset_config(o.preset);
+  auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  const auto attention = models::parse_attention_backend(o.attention);
+  std::unique_ptr<dist::Comm> world;
+  const auto group = tp_group(o.target_tp, config, device, world);
+  auto model = models::TargetModel::random(config, device, dtype, 0, group.get());
+  // The layers the default drafter taps, and no logits: the prefill training runs, which stops
+  // after the last tapped layer.
+  const auto taps =
+      models::default_target_layer_ids(config.num_layers, models::DrafterOptions{}.num_layers);
+  Bench b{o,
+          device,
+          config,
+          dtype,
+          model,
+          group.get(),
+          dist::world_from_env().rank == 0,
+          models::layers_for_taps(taps),
+          models::seeded_generator(device, 1)};
+  print_header(b, taps);
+  const double fp8_weights_gib = quantize_for_fp8(b);
+  const models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
+  if (!o.taps_out.empty() && !o.batches.empty()) write_taps(b, taps, request);
+  if (b.lead) {
+    fmt::print("{:>6} {:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "gemm", "median ms",
+               "tokens/s", "TFLOP/s", "peak GPU GiB", "synced ms");
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  for (int64_t sequences : o.batches) {
+    for (int round = 0; round < o.rounds; ++round) {
+      for (const auto& gemm : o.gemms) rows.push_back(measure(b, sequences, gemm, round, request));
+    }
+  }
+  nlohmann::json doc = {{"preset", o.preset},
+                        {"device", device.str()},
+                        {"attention", o.attention},
+                        {"fp8_weights_gib", fp8_weights_gib},
+                        {"target_tp", o.target_tp},
+                        {"rows", rows},
+                        {"gemm_tunings", gemm_tunings(b.lead)}};
+  if (!o.profile.empty() && !o.batches.empty()) {
+    models::ForwardRequest first = request;  // the profile runs the first --gemm
+    first.gemms = models::parse_prefill_gemms(o.gemms.front());
+    doc["profile"] = profile_prefills(b, first);
+  }
+  if (b.lead && !o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
 }
 
 struct RandomModelOptions {

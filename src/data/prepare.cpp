@@ -200,6 +200,107 @@ void check_out_dir(const std::filesystem::path& dir, bool overwrite) {
   }
 }
 
+// One summary entry per input file, with its size (checked to exist before anything runs).
+void add_sources(const std::vector<std::filesystem::path>& inputs, PrepareSummary& summary) {
+  for (const auto& p : inputs) {
+    if (!std::filesystem::is_regular_file(p)) fail("{}: no such input file", p.string());
+    PrepareSummary::Source src;
+    src.path = p.string();
+    src.bytes = std::filesystem::file_size(p);
+    summary.sources.push_back(std::move(src));
+    summary.input_bytes += summary.sources.back().bytes;
+  }
+}
+
+// The writer's share of a chunk, in input order: bad lines reported (or fatal with --strict)
+// and counted, samples written (the dataset made at the first) and counted.
+void write_chunk(ChunkResult& r, const PrepareOptions& opt,
+                 const std::function<void(const std::string&)>& report,
+                 std::optional<DatasetWriter>& writer, PrepareSummary& summary) {
+  auto& src = summary.sources[r.source];
+  for (size_t i = 0; i < r.lines.size(); ++i) {
+    LineResult& lr = r.lines[i];
+    if (lr.kind == LineResult::kBlank) continue;
+    if (lr.kind == LineResult::kBad) {
+      std::string msg = fmt::format("{}:{}: {}", src.path, r.first_line + i, lr.reason);
+      if (opt.strict) fail("{} (--strict)", msg);
+      report(msg);
+      ++src.skipped[lr.category];
+      ++summary.skipped;
+      continue;
+    }
+    const auto& s = lr.sample;
+    if (!writer) writer.emplace(opt.out_dir, opt.shard_tokens, opt.overwrite);
+    writer->add(s.ids, s.mask);
+    ++src.samples;
+    ++summary.samples;
+    src.truncated += lr.truncated;
+    summary.truncated += lr.truncated;
+    summary.unlocated_turns += lr.unlocated_turns;
+    summary.tokens += s.ids.size();
+    for (uint8_t m : s.mask) summary.loss_tokens += m;
+    size_t b = std::upper_bound(summary.histogram_edges.begin(), summary.histogram_edges.end(),
+                                s.ids.size()) -
+               summary.histogram_edges.begin() - 1;
+    ++summary.length_histogram[std::min(b, summary.length_histogram.size() - 1)];
+  }
+}
+
+// Every line was blank or skipped: nothing is written, and the error says why per input.
+[[noreturn]] void fail_without_samples(const PrepareSummary& summary,
+                                       const std::filesystem::path& out_dir) {
+  std::string why;
+  for (const auto& src : summary.sources) {
+    why += fmt::format("\n  {}: {} lines", src.path, src.lines);
+    for (const auto& [reason, n] : src.skipped) why += fmt::format(", {} skipped: {}", n, reason);
+  }
+  fail("prepare: no sample to write ({} lines skipped; nothing written to {}):{}", summary.skipped,
+       out_dir.string(), why);
+}
+
+// What the manifest records beside the shards: the settings that made the samples and the
+// summary's counts.
+nlohmann::json manifest_fields(const PrepareOptions& opt, const PrepareSummary& summary,
+                               const tok::Tokenizer& tokenizer, const ChatConfig& chat) {
+  auto tok_path = std::filesystem::is_directory(opt.tokenizer_dir)
+                      ? opt.tokenizer_dir / "tokenizer.json"
+                      : opt.tokenizer_dir;
+  nlohmann::json sources = nlohmann::json::array();
+  for (const auto& s : summary.sources) {
+    sources.push_back({{"path", s.path},
+                       {"bytes", s.bytes},
+                       {"lines", s.lines},
+                       {"samples", s.samples},
+                       {"truncated", s.truncated},
+                       {"skipped", s.skipped}});
+  }
+  nlohmann::json histogram = nlohmann::json::array();
+  for (size_t i = 0; i < summary.length_histogram.size(); ++i) {
+    histogram.push_back({{"min", summary.histogram_edges[i]},
+                         {"max", summary.histogram_edges[i + 1] - 1},
+                         {"samples", summary.length_histogram[i]}});
+  }
+  return {{"tokenizer", {{"path", tok_path.string()}, {"vocab_size", tokenizer.vocab_size()}}},
+          {"chat_format", chat_format_name(chat.format)},
+          // Where the Jinja template came from (a file or tokenizer_config.json); "" for built-ins.
+          {"chat_template", chat.chat_template ? chat.chat_template->name() : std::string()},
+          {"enable_thinking", chat.enable_thinking},
+          {"keep_history_reasoning", chat.keep_history_reasoning},
+          {"supervise_reasoning", chat.supervise_reasoning},
+          {"max_length", opt.max_length},
+          {"overlong", opt.overlong == OverlongPolicy::kTruncate ? "truncate" : "skip"},
+          {"min_loss_tokens", opt.min_loss_tokens},
+          {"sources", sources},
+          {"totals",
+           {{"samples", summary.samples},
+            {"tokens", summary.tokens},
+            {"loss_tokens", summary.loss_tokens},
+            {"truncated", summary.truncated},
+            {"skipped", summary.skipped},
+            {"unsupervised_assistant_turns", summary.unlocated_turns}}},
+          {"length_histogram", histogram}};
+}
+
 }  // namespace
 
 PrepareSummary prepare_dataset(const PrepareOptions& opt,
@@ -216,14 +317,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
   chat.supervise_reasoning = opt.supervise_reasoning;
   chat.validate();
   PrepareSummary summary;
-  for (const auto& p : opt.inputs) {
-    if (!std::filesystem::is_regular_file(p)) fail("{}: no such input file", p.string());
-    PrepareSummary::Source src;
-    src.path = p.string();
-    src.bytes = std::filesystem::file_size(p);
-    summary.sources.push_back(std::move(src));
-    summary.input_bytes += summary.sources.back().bytes;
-  }
+  add_sources(opt.inputs, summary);
   check_out_dir(opt.out_dir, opt.overwrite);
   // Made at the first sample: an input with none leaves --out as it was.
   std::optional<DatasetWriter> writer;
@@ -249,9 +343,8 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
     }
   };
 
-  auto hist_edges = histogram_edges(opt.max_length);
-  summary.histogram_edges = hist_edges;
-  summary.length_histogram.assign(hist_edges.size() - 1, 0);
+  summary.histogram_edges = histogram_edges(opt.max_length);
+  summary.length_histogram.assign(summary.histogram_edges.size() - 1, 0);
   uint64_t bytes_done = 0, lines_done = 0;
   auto last_progress = Clock::now();
   try {
@@ -291,32 +384,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
       }
       auto node = early.extract(*next);
       ChunkResult& r = node.mapped();
-      auto& src = summary.sources[r.source];
-      for (size_t i = 0; i < r.lines.size(); ++i) {
-        LineResult& lr = r.lines[i];
-        if (lr.kind == LineResult::kBlank) continue;
-        if (lr.kind == LineResult::kBad) {
-          std::string msg = fmt::format("{}:{}: {}", src.path, r.first_line + i, lr.reason);
-          if (opt.strict) fail("{} (--strict)", msg);
-          report(msg);
-          ++src.skipped[lr.category];
-          ++summary.skipped;
-          continue;
-        }
-        const auto& s = lr.sample;
-        if (!writer) writer.emplace(opt.out_dir, opt.shard_tokens, opt.overwrite);
-        writer->add(s.ids, s.mask);
-        ++src.samples;
-        ++summary.samples;
-        src.truncated += lr.truncated;
-        summary.truncated += lr.truncated;
-        summary.unlocated_turns += lr.unlocated_turns;
-        summary.tokens += s.ids.size();
-        for (uint8_t m : s.mask) summary.loss_tokens += m;
-        size_t b = std::upper_bound(hist_edges.begin(), hist_edges.end(), s.ids.size()) -
-                   hist_edges.begin() - 1;
-        ++summary.length_histogram[std::min(b, summary.length_histogram.size() - 1)];
-      }
+      write_chunk(r, opt, report, writer, summary);
       bytes_done += r.bytes;
       lines_done += r.lines.size();
       auto now = Clock::now();
@@ -336,55 +404,9 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt,
     throw;
   }
   join_stages();
-  if (!writer) {
-    std::string why;
-    for (const auto& src : summary.sources) {
-      why += fmt::format("\n  {}: {} lines", src.path, src.lines);
-      for (const auto& [reason, n] : src.skipped) why += fmt::format(", {} skipped: {}", n, reason);
-    }
-    fail("prepare: no sample to write ({} lines skipped; nothing written to {}):{}",
-         summary.skipped, opt.out_dir.string(), why);
-  }
+  if (!writer) fail_without_samples(summary, opt.out_dir);
 
-  auto tok_path = std::filesystem::is_directory(opt.tokenizer_dir)
-                      ? opt.tokenizer_dir / "tokenizer.json"
-                      : opt.tokenizer_dir;
-  nlohmann::json sources = nlohmann::json::array();
-  for (const auto& s : summary.sources) {
-    sources.push_back({{"path", s.path},
-                       {"bytes", s.bytes},
-                       {"lines", s.lines},
-                       {"samples", s.samples},
-                       {"truncated", s.truncated},
-                       {"skipped", s.skipped}});
-  }
-  nlohmann::json histogram = nlohmann::json::array();
-  for (size_t i = 0; i < summary.length_histogram.size(); ++i) {
-    histogram.push_back({{"min", hist_edges[i]},
-                         {"max", hist_edges[i + 1] - 1},
-                         {"samples", summary.length_histogram[i]}});
-  }
-  nlohmann::json fields = {
-      {"tokenizer", {{"path", tok_path.string()}, {"vocab_size", tokenizer.vocab_size()}}},
-      {"chat_format", chat_format_name(chat.format)},
-      // Where the Jinja template came from (a file or tokenizer_config.json); "" for built-ins.
-      {"chat_template", chat.chat_template ? chat.chat_template->name() : std::string()},
-      {"enable_thinking", chat.enable_thinking},
-      {"keep_history_reasoning", chat.keep_history_reasoning},
-      {"supervise_reasoning", chat.supervise_reasoning},
-      {"max_length", opt.max_length},
-      {"overlong", opt.overlong == OverlongPolicy::kTruncate ? "truncate" : "skip"},
-      {"min_loss_tokens", opt.min_loss_tokens},
-      {"sources", sources},
-      {"totals",
-       {{"samples", summary.samples},
-        {"tokens", summary.tokens},
-        {"loss_tokens", summary.loss_tokens},
-        {"truncated", summary.truncated},
-        {"skipped", summary.skipped},
-        {"unsupervised_assistant_turns", summary.unlocated_turns}}},
-      {"length_histogram", histogram}};
-  summary.shards = writer->finish(std::move(fields));
+  summary.shards = writer->finish(manifest_fields(opt, summary, tokenizer, chat));
   summary.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (progress) {
     progress(

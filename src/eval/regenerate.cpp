@@ -172,6 +172,257 @@ struct Job {
 // Thrown out of the generation loop when a stop signal arrives.
 struct Stopped {};
 
+// The input lines this rank regenerates: its share (line i goes to rank i mod world size),
+// neither blank nor finished by an earlier run.
+std::deque<int64_t> lines_for_rank(const std::vector<std::string>& inputs,
+                                   const std::map<int64_t, Finished>& finished,
+                                   const dist::World& world) {
+  std::deque<int64_t> todo;
+  for (int64_t i = 0; i < static_cast<int64_t>(inputs.size()); ++i) {
+    if (i % world.world_size == world.rank && !blank(inputs[i]) && !finished.contains(i)) {
+      todo.push_back(i);
+    }
+  }
+  return todo;
+}
+
+// This rank's part file, opened for appending after a line a kill cut short is dropped.
+class PartFile {
+ public:
+  explicit PartFile(fs::path path) : path_(std::move(path)) {
+    if (fs::exists(path_)) {
+      std::vector<std::string> lines;
+      const size_t keep = read_complete_lines(path_, lines);
+      if (keep != fs::file_size(path_)) fs::resize_file(path_, keep);
+    }
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail("{}: cannot open for appending", path_.string());
+  }
+  ~PartFile() { close(); }
+  PartFile(const PartFile&) = delete;
+  PartFile& operator=(const PartFile&) = delete;
+
+  // One write per line: a kill leaves whole lines (and at most one cut tail, dropped above).
+  void write_line(const json& j) {
+    std::string line = j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
+    write_all(fd_, line.data(), line.size(), path_);
+  }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+  int fd_ = -1;
+};
+
+// The conversations of this rank's lines through the generator: next() hands it the next
+// turn to generate, done() takes its answer; each finished (or skipped) line goes to the part.
+class LineGeneration {
+ public:
+  LineGeneration(const RegenerateOptions& o, const std::vector<std::string>& inputs,
+                 std::deque<int64_t> todo, const tok::Tokenizer& tokenizer,
+                 const data::ChatConfig& chat, int64_t context, PartFile& part)
+      : o_(o),
+        inputs_(inputs),
+        todo_(std::move(todo)),
+        tokenizer_(tokenizer),
+        chat_(chat),
+        context_(context),
+        part_(part) {}
+
+  // The next turn of a conversation in flight, else the first turn of a new line; nullopt
+  // when nothing is left.
+  std::optional<Request> next() {
+    if (!ready_.empty()) {
+      Request r = std::move(ready_.front());
+      ready_.pop_front();
+      return r;
+    }
+    while (!todo_.empty()) {
+      const int64_t index = todo_.front();
+      todo_.pop_front();
+      Job job;
+      job.index = index;
+      try {
+        job.input = data::parse_conversation(inputs_[index]);
+      } catch (const data::ParseError& e) {
+        part_.write_line({{"index", index}, {"skipped", e.what()}});
+        ++skipped_;
+        continue;
+      }
+      // parse_conversation guarantees an assistant turn: no request means skipped.
+      auto request = prepare_turn(job);
+      if (!request) continue;
+      jobs_.emplace(index, std::move(job));
+      return request;
+    }
+    return std::nullopt;
+  }
+
+  void done(const Request& r, Completion c) {
+    Job& job = jobs_.at(static_cast<int64_t>(r.id >> kTurnBits));
+    std::vector<int32_t> ids(c.tokens.begin(), c.tokens.end());
+    job.history.messages.push_back(
+        {data::Role::kAssistant, tokenizer_.decode(ids, /*skip_special_tokens=*/true), {}});
+    job.finish.push_back(finish_name(c.finish));
+    ++job.next;
+    ++job.turn;
+    if (auto request = prepare_turn(job)) {
+      ready_.push_front(std::move(*request));
+    } else if (job.overlong) {
+      jobs_.erase(job.index);
+    } else {
+      finish_job(job);
+    }
+  }
+
+  int64_t handled() const { return lines_done_ + skipped_ + overlong_; }
+  int64_t skipped() const { return skipped_; }
+  int64_t overlong() const { return overlong_; }
+  size_t in_flight() const { return jobs_.size(); }
+
+ private:
+  // Copies input turns up to the next assistant turn and renders its prompt; nullopt when the
+  // conversation has no assistant turn left.
+  std::optional<Request> prepare_turn(Job& job) {
+    auto& msgs = job.input.messages;
+    while (job.next < msgs.size() && msgs[job.next].role != data::Role::kAssistant) {
+      job.history.messages.push_back(msgs[job.next++]);
+    }
+    if (job.next == msgs.size()) return std::nullopt;
+    const std::string prompt =
+        data::render_generation_prompt(job.history, chat_, o_.enable_thinking);
+    auto ids = tokenizer_.encode(prompt, /*add_special_tokens=*/false);
+    const auto n = static_cast<int64_t>(ids.size());
+    if (n >= context_) {
+      const std::string why = fmt::format(
+          "{}:{}: turn {}: the prompt has {} tokens and the context holds {} (--max-context, "
+          "at most the target's max_position_embeddings): no room for an answer",
+          o_.data.string(), job.index + 1, job.turn + 1, n, context_);
+      if (!o_.skip_overlong) {
+        fail("{}; raise --max-context, or pass --skip-overlong to skip such conversations", why);
+      }
+      part_.write_line({{"index", job.index}, {"skipped", why}});
+      ++overlong_;
+      job.overlong = true;
+      return std::nullopt;
+    }
+    Request r;
+    r.id = (static_cast<uint64_t>(job.index) << kTurnBits) | static_cast<uint64_t>(job.turn);
+    r.prompt.assign(ids.begin(), ids.end());
+    return r;
+  }
+
+  void finish_job(Job& job) {
+    json messages = json::array();
+    for (const auto& m : job.history.messages) {
+      messages.push_back({{"role", role_name(m.role)}, {"content", m.content}});
+    }
+    part_.write_line({{"index", job.index}, {"messages", messages}, {"finish", job.finish}});
+    ++lines_done_;
+    jobs_.erase(job.index);
+  }
+
+  const RegenerateOptions& o_;
+  const std::vector<std::string>& inputs_;
+  std::deque<int64_t> todo_;
+  const tok::Tokenizer& tokenizer_;
+  const data::ChatConfig& chat_;
+  const int64_t context_;
+  PartFile& part_;
+  std::unordered_map<int64_t, Job> jobs_;
+  std::deque<Request> ready_;  // next turns of conversations in flight, served first
+  int64_t lines_done_ = 0, skipped_ = 0, overlong_ = 0;
+};
+
+// Regenerates this rank's lines `todo` with the target into `part`; false when a stop signal
+// ended it (what is finished is kept, and said).
+bool generate_lines(const RegenerateOptions& o, const std::string& who, const dist::World& world,
+                    const at::Device device, const tok::Tokenizer& tokenizer,
+                    const data::ChatConfig& chat, const std::vector<std::string>& inputs,
+                    size_t finished_before, std::deque<int64_t> todo, PartFile& part) {
+  const auto todo_lines = static_cast<int64_t>(todo.size());
+  const at::ScalarType dtype = models::parse_dtype(o.dtype, device);
+  auto model = models::TargetModel::load(o.target, device, dtype);
+  GenerationOptions g;
+  g.sampling = o.sampling;
+  g.max_new_tokens = o.max_new_tokens;
+  g.stop_tokens = stop_tokens(o.target, tokenizer, chat.format);
+  g.slots = o.batch_size;
+  const int64_t max_position = model.config().max_position_embeddings;
+  g.context = max_position > 0 ? std::min(o.max_context, max_position) : o.max_context;
+  g.cuda_graph = o.cuda_graph;
+
+  LineGeneration lines(o, inputs, std::move(todo), tokenizer, chat, g.context, part);
+  ProgressLine progress(who, o.progress_seconds, world.rank == 0);
+  // Token by token: the ETA scales the time so far by the lines handled.
+  g.progress = [&](const DecodeProgress& d) {
+    if (stop_signal() != 0) throw Stopped{};
+    if (!progress.due()) return;
+    progress.update(
+        static_cast<double>(lines.handled()), static_cast<double>(todo_lines), d.generated_tokens,
+        fmt::format("{}/{} lines, {} in flight", lines.handled(), todo_lines, lines.in_flight()));
+  };
+  Generator generator(model, g);
+  GenerationStats stats;
+  try {
+    if (stop_signal() != 0) throw Stopped{};
+    stats = generator.run([&] { return lines.next(); },
+                          [&](const Request& r, Completion c) { lines.done(r, std::move(c)); });
+  } catch (const Stopped&) {
+    progress.close();
+    part.close();
+    fmt::print(
+        "{}: stopped by {}: {} lines finished in this run are kept in {} ({} of {} input "
+        "lines done in all; the {} in flight start over); rerun the same command to "
+        "continue\n",
+        who, stop_signal_name(), lines.handled(), part.path().string(),
+        static_cast<int64_t>(finished_before) + lines.handled(), inputs.size(), lines.in_flight());
+    return false;
+  }
+  progress.close();
+  fmt::print(
+      "{}: {} lines ({} skipped as invalid, {} as longer than the context), {} requests, {} "
+      "prompt + {} generated tokens in {:.1f} s ({:.0f} generated tokens/s, {} decode steps, "
+      "cuda graph {})\n",
+      who, lines.handled(), lines.skipped(), lines.overlong(), stats.requests, stats.prompt_tokens,
+      stats.generated_tokens, stats.seconds, stats.generated_tokens / std::max(stats.seconds, 1e-9),
+      stats.decode_steps, generator.uses_cuda_graph() ? "on" : "off");
+  return true;
+}
+
+// Rank 0, after every rank's barrier: every non-blank input line must be in some part (or
+// the earlier output); the lines are written in input order, the parts removed.
+void merge_parts(const fs::path& out, const std::vector<std::string>& inputs) {
+  const auto all = finished_lines(out);
+  int64_t missing = 0, written = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(inputs.size()); ++i) {
+    missing += !blank(inputs[i]) && !all.contains(i);
+  }
+  if (missing > 0) {
+    fail("generate: {} input lines have no output yet (a rank failed?); rerun to continue",
+         missing);
+  }
+  write_file_atomic(out, [&](int out_fd) {
+    for (const auto& [index, f] : all) {
+      if (f.skipped) continue;
+      write_all(out_fd, f.line.data(), f.line.size(), out);
+      write_all(out_fd, "\n", 1, out);
+      ++written;
+    }
+  });
+  const fs::path dir = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().filename().string().starts_with(part_prefix(out))) {
+      remove_tree(entry.path());
+    }
+  }
+  fmt::print("generate: wrote {} ({} conversations)\n", out.string(), written);
+}
+
 }  // namespace
 
 void regenerate(const RegenerateOptions& o) {
@@ -191,195 +442,19 @@ void regenerate(const RegenerateOptions& o) {
   const auto inputs = read_lines(o.data);
   if (!o.out.parent_path().empty()) fs::create_directories(o.out.parent_path());
   const auto finished = finished_lines(o.out);
-  std::deque<int64_t> todo;
-  for (int64_t i = 0; i < static_cast<int64_t>(inputs.size()); ++i) {
-    if (i % world.world_size == world.rank && !blank(inputs[i]) && !finished.contains(i)) {
-      todo.push_back(i);
-    }
-  }
-  const int64_t todo_lines = static_cast<int64_t>(todo.size());
+  std::deque<int64_t> todo = lines_for_rank(inputs, finished, world);
   fmt::print("{}: {} lines in {}, {} done before, {} for this rank\n", who, inputs.size(),
-             o.data.string(), finished.size(), todo_lines);
+             o.data.string(), finished.size(), todo.size());
 
-  // Appends go to this rank's part; a line a kill cut short is dropped first.
-  const fs::path part = part_path(o.out, world.rank);
-  if (fs::exists(part)) {
-    std::vector<std::string> lines;
-    const size_t keep = read_complete_lines(part, lines);
-    if (keep != fs::file_size(part)) fs::resize_file(part, keep);
+  PartFile part(part_path(o.out, world.rank));
+  if (!todo.empty() && !generate_lines(o, who, world, device, tokenizer, chat, inputs,
+                                       finished.size(), std::move(todo), part)) {
+    return;
   }
-  int fd = ::open(part.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-  if (fd < 0) fail("{}: cannot open for appending", part.string());
-  auto write_line = [&](const json& j) {
-    // One write per line: a kill leaves whole lines (and at most one cut tail, dropped above).
-    std::string line = j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
-    write_all(fd, line.data(), line.size(), part);
-  };
-
-  if (todo_lines > 0) {
-    const at::ScalarType dtype = models::parse_dtype(o.dtype, device);
-    auto model = models::TargetModel::load(o.target, device, dtype);
-    GenerationOptions g;
-    g.sampling = o.sampling;
-    g.max_new_tokens = o.max_new_tokens;
-    g.stop_tokens = stop_tokens(o.target, tokenizer, chat.format);
-    g.slots = o.batch_size;
-    const int64_t max_position = model.config().max_position_embeddings;
-    g.context = max_position > 0 ? std::min(o.max_context, max_position) : o.max_context;
-    g.cuda_graph = o.cuda_graph;
-
-    std::unordered_map<int64_t, Job> jobs;
-    std::deque<Request> ready;  // next turns of conversations in flight, served first
-    int64_t lines_done = 0, skipped = 0, overlong = 0;
-    ProgressLine progress(who, o.progress_seconds, world.rank == 0);
-
-    // Copies input turns up to the next assistant turn and renders its prompt; false when the
-    // conversation has no assistant turn left.
-    auto prepare_turn = [&](Job& job) -> std::optional<Request> {
-      auto& msgs = job.input.messages;
-      while (job.next < msgs.size() && msgs[job.next].role != data::Role::kAssistant) {
-        job.history.messages.push_back(msgs[job.next++]);
-      }
-      if (job.next == msgs.size()) return std::nullopt;
-      const std::string prompt =
-          data::render_generation_prompt(job.history, chat, o.enable_thinking);
-      auto ids = tokenizer.encode(prompt, /*add_special_tokens=*/false);
-      const auto n = static_cast<int64_t>(ids.size());
-      if (n >= g.context) {
-        const std::string why = fmt::format(
-            "{}:{}: turn {}: the prompt has {} tokens and the context holds {} (--max-context, "
-            "at most the target's max_position_embeddings): no room for an answer",
-            o.data.string(), job.index + 1, job.turn + 1, n, g.context);
-        if (!o.skip_overlong) {
-          fail("{}; raise --max-context, or pass --skip-overlong to skip such conversations", why);
-        }
-        write_line({{"index", job.index}, {"skipped", why}});
-        ++overlong;
-        job.overlong = true;
-        return std::nullopt;
-      }
-      Request r;
-      r.id = (static_cast<uint64_t>(job.index) << kTurnBits) | static_cast<uint64_t>(job.turn);
-      r.prompt.assign(ids.begin(), ids.end());
-      return r;
-    };
-    auto finish_job = [&](Job& job) {
-      json messages = json::array();
-      for (const auto& m : job.history.messages) {
-        messages.push_back({{"role", role_name(m.role)}, {"content", m.content}});
-      }
-      write_line({{"index", job.index}, {"messages", messages}, {"finish", job.finish}});
-      ++lines_done;
-      jobs.erase(job.index);
-    };
-    // Token by token: the ETA scales the time so far by the lines handled.
-    g.progress = [&](const DecodeProgress& d) {
-      if (stop_signal() != 0) throw Stopped{};
-      if (!progress.due()) return;
-      const int64_t handled = lines_done + skipped + overlong;
-      progress.update(static_cast<double>(handled), static_cast<double>(todo_lines),
-                      d.generated_tokens,
-                      fmt::format("{}/{} lines, {} in flight", handled, todo_lines, jobs.size()));
-    };
-    Generator generator(model, g);
-
-    auto next = [&]() -> std::optional<Request> {
-      if (!ready.empty()) {
-        Request r = std::move(ready.front());
-        ready.pop_front();
-        return r;
-      }
-      while (!todo.empty()) {
-        const int64_t index = todo.front();
-        todo.pop_front();
-        Job job;
-        job.index = index;
-        try {
-          job.input = data::parse_conversation(inputs[index]);
-        } catch (const data::ParseError& e) {
-          write_line({{"index", index}, {"skipped", e.what()}});
-          ++skipped;
-          continue;
-        }
-        // parse_conversation guarantees an assistant turn: no request means skipped.
-        auto request = prepare_turn(job);
-        if (!request) continue;
-        jobs.emplace(index, std::move(job));
-        return request;
-      }
-      return std::nullopt;
-    };
-    auto done = [&](const Request& r, Completion c) {
-      Job& job = jobs.at(static_cast<int64_t>(r.id >> kTurnBits));
-      std::vector<int32_t> ids(c.tokens.begin(), c.tokens.end());
-      job.history.messages.push_back(
-          {data::Role::kAssistant, tokenizer.decode(ids, /*skip_special_tokens=*/true), {}});
-      job.finish.push_back(finish_name(c.finish));
-      ++job.next;
-      ++job.turn;
-      if (auto request = prepare_turn(job)) {
-        ready.push_front(std::move(*request));
-      } else if (job.overlong) {
-        jobs.erase(job.index);
-      } else {
-        finish_job(job);
-      }
-    };
-    GenerationStats stats;
-    try {
-      if (stop_signal() != 0) throw Stopped{};
-      stats = generator.run(next, done);
-    } catch (const Stopped&) {
-      progress.close();
-      ::close(fd);
-      fmt::print(
-          "{}: stopped by {}: {} lines finished in this run are kept in {} ({} of {} input "
-          "lines done in all; the {} in flight start over); rerun the same command to "
-          "continue\n",
-          who, stop_signal_name(), lines_done + skipped + overlong, part.string(),
-          static_cast<int64_t>(finished.size()) + lines_done + skipped + overlong, inputs.size(),
-          jobs.size());
-      return;
-    }
-    progress.close();
-    fmt::print(
-        "{}: {} lines ({} skipped as invalid, {} as longer than the context), {} requests, {} "
-        "prompt + {} generated tokens in {:.1f} s ({:.0f} generated tokens/s, {} decode steps, "
-        "cuda graph {})\n",
-        who, lines_done + skipped + overlong, skipped, overlong, stats.requests,
-        stats.prompt_tokens, stats.generated_tokens, stats.seconds,
-        stats.generated_tokens / std::max(stats.seconds, 1e-9), stats.decode_steps,
-        generator.uses_cuda_graph() ? "on" : "off");
-  }
-  ::close(fd);
+  part.close();
 
   if (comm) comm->barrier("generate_done");
-  if (world.rank != 0) return;
-  // Merge: every non-blank input line must be in some part (or the earlier output).
-  const auto all = finished_lines(o.out);
-  int64_t missing = 0, written = 0;
-  for (int64_t i = 0; i < static_cast<int64_t>(inputs.size()); ++i) {
-    missing += !blank(inputs[i]) && !all.contains(i);
-  }
-  if (missing > 0) {
-    fail("generate: {} input lines have no output yet (a rank failed?); rerun to continue",
-         missing);
-  }
-  write_file_atomic(o.out, [&](int out_fd) {
-    for (const auto& [index, f] : all) {
-      if (f.skipped) continue;
-      write_all(out_fd, f.line.data(), f.line.size(), o.out);
-      write_all(out_fd, "\n", 1, o.out);
-      ++written;
-    }
-  });
-  const fs::path dir = o.out.parent_path().empty() ? fs::path(".") : o.out.parent_path();
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    if (entry.path().filename().string().starts_with(part_prefix(o.out))) {
-      remove_tree(entry.path());
-    }
-  }
-  fmt::print("generate: wrote {} ({} conversations)\n", o.out.string(), written);
+  if (world.rank == 0) merge_parts(o.out, inputs);
 }
 
 }  // namespace dflash::eval

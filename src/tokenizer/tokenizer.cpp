@@ -103,6 +103,13 @@ class AddedMatcher {
 
 std::atomic<uint64_t> next_tokenizer_serial{1};
 
+// An entry of tokenizer.json's added_tokens.
+struct AddedToken {
+  std::string content;
+  int32_t id;
+  bool special, normalized;
+};
+
 }  // namespace
 
 struct Tokenizer::Impl {
@@ -133,6 +140,15 @@ struct Tokenizer::Impl {
                     std::vector<uint32_t>* offsets) const;
   void encode_text_segment(std::string_view raw, size_t raw_begin, std::vector<int32_t>& ids,
                            std::vector<uint32_t>* offsets) const;
+
+  // from_json's steps, in its order (errors name `source`).
+  void add_vocab(const std::vector<std::pair<std::string, int32_t>>& entries,
+                 const std::vector<AddedToken>& added);
+  void read_merges(const json& model);
+  void add_added(const std::vector<AddedToken>& added);
+  void read_normalizer(const json& j);
+  void read_pre_tokenizer(const json& j);
+  void read_post_processor(const json& j);
 };
 
 namespace {
@@ -434,6 +450,197 @@ Tokenizer Tokenizer::load(const std::filesystem::path& path) {
   return from_json(read_file(file), file.string());
 }
 
+namespace {
+
+// Model: byte-level BPE only.
+void check_model(const std::string& src, const json& model) {
+  if (model.value("type", "BPE") != "BPE") unsupported(src, "model type", model.at("type"));
+  if (!is_null_or(model, "dropout", json(0.0)) && !is_null_or(model, "dropout", json(0))) {
+    unsupported(src, "BPE dropout", model["dropout"]);
+  }
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    if (!is_null_or(model, key, json(""))) unsupported(src, key, model[key]);
+  }
+  if (model.value("byte_fallback", false)) unsupported(src, "byte_fallback", true);
+  if (!is_null_or(model, "unk_token", json(nullptr))) {
+    unsupported(src, "BPE unk_token (byte-level BPE never needs one)", model["unk_token"]);
+  }
+}
+
+std::vector<std::pair<std::string, int32_t>> vocab_entries(const std::string& src,
+                                                           const json& model) {
+  std::vector<std::pair<std::string, int32_t>> entries;
+  for (const auto& [token, idj] : model.at("vocab").items()) {
+    int32_t id = idj.get<int32_t>();
+    if (id < 0) fail("{}: negative token id {} for {:?}", src, id, token);
+    entries.emplace_back(token, id);
+  }
+  return entries;
+}
+
+std::vector<AddedToken> added_tokens(const std::string& src, const json& j) {
+  std::vector<AddedToken> added;
+  for (const json& a : j.value("added_tokens", json::array())) {
+    AddedToken t{a.at("content").get<std::string>(), a.at("id").get<int32_t>(),
+                 a.value("special", false), a.value("normalized", false)};
+    if (t.content.empty()) fail("{}: empty added token (id {})", src, t.id);
+    if (t.id < 0) fail("{}: negative added token id {}", src, t.id);
+    for (const char* flag : {"single_word", "lstrip", "rstrip"}) {
+      if (a.value(flag, false)) {
+        unsupported(src, fmt::format("added token flag {} on {:?}", flag, t.content), true);
+      }
+    }
+    added.push_back(std::move(t));
+  }
+  return added;
+}
+
+// The parts of a component that may come alone or as a Sequence of them (`list` names the
+// Sequence's array).
+std::vector<json> sequence_parts(const json& component, const char* list) {
+  if (component.at("type") != "Sequence") return {component};
+  std::vector<json> parts;
+  for (const json& p : component.at(list)) parts.push_back(p);
+  return parts;
+}
+
+// Decoder: ByteLevel.
+void check_decoder(const std::string& src, const json& j) {
+  if (!j.contains("decoder") || j["decoder"].is_null() || j["decoder"].at("type") != "ByteLevel") {
+    unsupported(src, "decoder", j.value("decoder", json()));
+  }
+}
+
+}  // namespace
+
+// The id-indexed tables sized for the highest id, then the vocabulary's tokens.
+void Tokenizer::Impl::add_vocab(const std::vector<std::pair<std::string, int32_t>>& entries,
+                                const std::vector<AddedToken>& added) {
+  int32_t max_id = -1;
+  for (const auto& entry : entries) max_id = std::max(max_id, entry.second);
+  for (const AddedToken& t : added) max_id = std::max(max_id, t.id);
+  size_t n = static_cast<size_t>(max_id + 1);
+  decode_bytes.assign(n, {});
+  token_text.assign(n, {});
+  special.assign(n, 0);
+  known.assign(n, 0);
+  byte_id.fill(-1);
+  for (const auto& [token, id] : entries) {
+    // The ByteLevel decoder turns each token's characters back into bytes, or keeps the token's
+    // own UTF-8 when some character is not a byte character (HF's rule).
+    auto bytes = byte_level_to_bytes(token);
+    decode_bytes[id] = bytes ? *bytes : token;
+    token_text[id] = token;
+    known[id] = 1;
+    token_to_id[token] = id;
+    if (bytes) {
+      vocab.emplace(*bytes, id);
+      if (bytes->size() == 1) byte_id[static_cast<unsigned char>((*bytes)[0])] = id;
+    }
+  }
+}
+
+void Tokenizer::Impl::read_merges(const json& model) {
+  int32_t rank = 0;
+  for (const json& mj : model.at("merges")) {
+    std::string a, b;
+    if (mj.is_string()) {
+      auto s = mj.get<std::string>();
+      auto sp = s.find(' ');
+      if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
+        fail("{}: merge {:?} is not two tokens separated by one space", source, s);
+      }
+      a = s.substr(0, sp);
+      b = s.substr(sp + 1);
+    } else {
+      a = mj.at(0).get<std::string>();
+      b = mj.at(1).get<std::string>();
+    }
+    auto ia = token_to_id.find(a), ib = token_to_id.find(b), ic = token_to_id.find(a + b);
+    if (ia == token_to_id.end() || ib == token_to_id.end() || ic == token_to_id.end()) {
+      fail("{}: merge {:?} + {:?} refers to a token not in the vocabulary", source, a, b);
+    }
+    // First occurrence wins, as in HF (later duplicates keep the earlier rank).
+    merges.emplace(pair_key(ia->second, ib->second), std::make_pair(rank, ic->second));
+    ++rank;
+  }
+}
+
+// After the merges: a merge may only name vocabulary tokens.
+void Tokenizer::Impl::add_added(const std::vector<AddedToken>& added) {
+  for (const AddedToken& t : added) {
+    decode_bytes[t.id] = byte_level_to_bytes(t.content).value_or(t.content);
+    token_text[t.id] = t.content;
+    known[t.id] = 1;
+    special[t.id] = t.special;
+    token_to_id[t.content] = t.id;
+    (t.normalized ? added_normalized : added_raw).add(t.content, t.id);
+  }
+}
+
+// Normalizer: none, or NFC (alone or in a Sequence).
+void Tokenizer::Impl::read_normalizer(const json& j) {
+  if (!j.contains("normalizer") || j["normalizer"].is_null()) return;
+  for (const json& p : sequence_parts(j["normalizer"], "normalizers")) {
+    if (p.at("type") != "NFC") unsupported(source, "normalizer", p);
+    nfc = true;
+  }
+}
+
+// Pre-tokenizer: Split (Regex, Isolated) and ByteLevel steps, alone or in a Sequence.
+void Tokenizer::Impl::read_pre_tokenizer(const json& j) {
+  if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null()) {
+    unsupported(source, "missing pre_tokenizer", nullptr);
+  }
+  const json& pj = j["pre_tokenizer"];
+  bool byte_level = false;
+  for (const json& p : sequence_parts(pj, "pretokenizers")) {
+    std::string type = p.at("type").get<std::string>();
+    if (type == "Split") {
+      if (p.value("behavior", "") != "Isolated") unsupported(source, "Split behavior", p);
+      if (p.value("invert", false)) unsupported(source, "inverted Split", p);
+      const json& pat = p.at("pattern");
+      if (!pat.contains("Regex")) unsupported(source, "Split pattern (only Regex)", pat);
+      if (byte_level) unsupported(source, "Split after ByteLevel", p);
+      splits.push_back(std::make_unique<SplitRegex>(pat["Regex"].get<std::string>()));
+    } else if (type == "ByteLevel") {
+      if (p.value("add_prefix_space", false)) unsupported(source, "ByteLevel add_prefix_space", p);
+      if (p.value("use_regex", true)) splits.push_back(std::make_unique<SplitRegex>(kGpt2Pattern));
+      byte_level = true;
+    } else {
+      unsupported(source, "pre_tokenizer", p);
+    }
+  }
+  if (!byte_level) unsupported(source, "pre_tokenizer without ByteLevel", pj);
+}
+
+// Post-processor: ByteLevel (offsets only) and TemplateProcessing for the single case.
+void Tokenizer::Impl::read_post_processor(const json& j) {
+  if (!j.contains("post_processor") || j["post_processor"].is_null()) return;
+  for (const json& p : sequence_parts(j["post_processor"], "processors")) {
+    std::string type = p.at("type").get<std::string>();
+    if (type == "ByteLevel") continue;
+    if (type != "TemplateProcessing") unsupported(source, "post_processor", p);
+    bool seen_sequence = false;
+    prefix.clear();
+    suffix.clear();
+    for (const json& item : p.at("single")) {
+      if (item.contains("Sequence")) {
+        if (seen_sequence) unsupported(source, "template with two sequences", p);
+        seen_sequence = true;
+      } else if (item.contains("SpecialToken")) {
+        std::string name = item["SpecialToken"].at("id").get<std::string>();
+        const json& st = p.at("special_tokens").at(name);
+        auto& dst = seen_sequence ? suffix : prefix;
+        for (const json& id : st.at("ids")) dst.push_back(id.get<int32_t>());
+      } else {
+        unsupported(source, "template item", item);
+      }
+    }
+    if (!seen_sequence) unsupported(source, "template without $A", p);
+  }
+}
+
 Tokenizer Tokenizer::from_json(std::string_view text, std::string_view source_name) {
   auto m = std::make_shared<Impl>();
   m->source = std::string(source_name);
@@ -445,185 +652,18 @@ Tokenizer Tokenizer::from_json(std::string_view text, std::string_view source_na
     fail("{}: not valid JSON: {}", src, e.what());
   }
   try {
-    // Model: byte-level BPE only.
     const json& model = j.at("model");
-    if (model.value("type", "BPE") != "BPE") unsupported(src, "model type", model.at("type"));
-    if (!is_null_or(model, "dropout", json(0.0)) && !is_null_or(model, "dropout", json(0))) {
-      unsupported(src, "BPE dropout", model["dropout"]);
-    }
-    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-      if (!is_null_or(model, key, json(""))) unsupported(src, key, model[key]);
-    }
-    if (model.value("byte_fallback", false)) unsupported(src, "byte_fallback", true);
-    if (!is_null_or(model, "unk_token", json(nullptr))) {
-      unsupported(src, "BPE unk_token (byte-level BPE never needs one)", model["unk_token"]);
-    }
+    check_model(src, model);
     m->ignore_merges = model.value("ignore_merges", false);
-
-    int32_t max_id = -1;
-    std::vector<std::pair<std::string, int32_t>> vocab_entries;
-    for (const auto& [token, idj] : model.at("vocab").items()) {
-      int32_t id = idj.get<int32_t>();
-      if (id < 0) fail("{}: negative token id {} for {:?}", src, id, token);
-      vocab_entries.emplace_back(token, id);
-      max_id = std::max(max_id, id);
-    }
-    struct Added {
-      std::string content;
-      int32_t id;
-      bool special, normalized;
-    };
-    std::vector<Added> added;
-    for (const json& a : j.value("added_tokens", json::array())) {
-      Added t{a.at("content").get<std::string>(), a.at("id").get<int32_t>(),
-              a.value("special", false), a.value("normalized", false)};
-      if (t.content.empty()) fail("{}: empty added token (id {})", src, t.id);
-      if (t.id < 0) fail("{}: negative added token id {}", src, t.id);
-      for (const char* flag : {"single_word", "lstrip", "rstrip"}) {
-        if (a.value(flag, false)) {
-          unsupported(src, fmt::format("added token flag {} on {:?}", flag, t.content), true);
-        }
-      }
-      added.push_back(std::move(t));
-      max_id = std::max(max_id, added.back().id);
-    }
-    size_t n = static_cast<size_t>(max_id + 1);
-    m->decode_bytes.assign(n, {});
-    m->token_text.assign(n, {});
-    m->special.assign(n, 0);
-    m->known.assign(n, 0);
-    m->byte_id.fill(-1);
-    // The ByteLevel decoder turns each token's characters back into bytes, or keeps the token's
-    // own UTF-8 when some character is not a byte character (HF's rule).
-    auto set_token = [&](const std::string& token, int32_t id) {
-      auto bytes = byte_level_to_bytes(token);
-      m->decode_bytes[id] = bytes ? *bytes : token;
-      m->token_text[id] = token;
-      m->known[id] = 1;
-      m->token_to_id[token] = id;
-    };
-    for (const auto& [token, id] : vocab_entries) {
-      set_token(token, id);
-      if (auto bytes = byte_level_to_bytes(token)) {
-        m->vocab.emplace(*bytes, id);
-        if (bytes->size() == 1) m->byte_id[static_cast<unsigned char>((*bytes)[0])] = id;
-      }
-    }
-    int32_t rank = 0;
-    for (const json& mj : model.at("merges")) {
-      std::string a, b;
-      if (mj.is_string()) {
-        auto s = mj.get<std::string>();
-        auto sp = s.find(' ');
-        if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
-          fail("{}: merge {:?} is not two tokens separated by one space", src, s);
-        }
-        a = s.substr(0, sp);
-        b = s.substr(sp + 1);
-      } else {
-        a = mj.at(0).get<std::string>();
-        b = mj.at(1).get<std::string>();
-      }
-      auto ia = m->token_to_id.find(a), ib = m->token_to_id.find(b),
-           ic = m->token_to_id.find(a + b);
-      if (ia == m->token_to_id.end() || ib == m->token_to_id.end() || ic == m->token_to_id.end()) {
-        fail("{}: merge {:?} + {:?} refers to a token not in the vocabulary", src, a, b);
-      }
-      // First occurrence wins, as in HF (later duplicates keep the earlier rank).
-      m->merges.emplace(pair_key(ia->second, ib->second), std::make_pair(rank, ic->second));
-      ++rank;
-    }
-    for (const Added& t : added) {
-      m->decode_bytes[t.id] = byte_level_to_bytes(t.content).value_or(t.content);
-      m->token_text[t.id] = t.content;
-      m->known[t.id] = 1;
-      m->special[t.id] = t.special;
-      m->token_to_id[t.content] = t.id;
-      (t.normalized ? m->added_normalized : m->added_raw).add(t.content, t.id);
-    }
-
-    // Normalizer: none, or NFC (alone or in a Sequence).
-    if (j.contains("normalizer") && !j["normalizer"].is_null()) {
-      const json& nj = j["normalizer"];
-      std::vector<json> parts;
-      if (nj.at("type") == "Sequence") {
-        for (const json& p : nj.at("normalizers")) parts.push_back(p);
-      } else {
-        parts.push_back(nj);
-      }
-      for (const json& p : parts) {
-        if (p.at("type") != "NFC") unsupported(src, "normalizer", p);
-        m->nfc = true;
-      }
-    }
-    // Pre-tokenizer: Split (Regex, Isolated) and ByteLevel steps, alone or in a Sequence.
-    if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null()) {
-      unsupported(src, "missing pre_tokenizer", nullptr);
-    }
-    std::vector<json> steps;
-    const json& pj = j["pre_tokenizer"];
-    if (pj.at("type") == "Sequence") {
-      for (const json& p : pj.at("pretokenizers")) steps.push_back(p);
-    } else {
-      steps.push_back(pj);
-    }
-    bool byte_level = false;
-    for (const json& p : steps) {
-      std::string type = p.at("type").get<std::string>();
-      if (type == "Split") {
-        if (p.value("behavior", "") != "Isolated") unsupported(src, "Split behavior", p);
-        if (p.value("invert", false)) unsupported(src, "inverted Split", p);
-        const json& pat = p.at("pattern");
-        if (!pat.contains("Regex")) unsupported(src, "Split pattern (only Regex)", pat);
-        if (byte_level) unsupported(src, "Split after ByteLevel", p);
-        m->splits.push_back(std::make_unique<SplitRegex>(pat["Regex"].get<std::string>()));
-      } else if (type == "ByteLevel") {
-        if (p.value("add_prefix_space", false)) unsupported(src, "ByteLevel add_prefix_space", p);
-        if (p.value("use_regex", true))
-          m->splits.push_back(std::make_unique<SplitRegex>(kGpt2Pattern));
-        byte_level = true;
-      } else {
-        unsupported(src, "pre_tokenizer", p);
-      }
-    }
-    if (!byte_level) unsupported(src, "pre_tokenizer without ByteLevel", pj);
-    // Decoder: ByteLevel.
-    if (!j.contains("decoder") || j["decoder"].is_null() ||
-        j["decoder"].at("type") != "ByteLevel") {
-      unsupported(src, "decoder", j.value("decoder", json()));
-    }
-    // Post-processor: ByteLevel (offsets only) and TemplateProcessing for the single case.
-    if (j.contains("post_processor") && !j["post_processor"].is_null()) {
-      const json& pp = j["post_processor"];
-      std::vector<json> procs;
-      if (pp.at("type") == "Sequence") {
-        for (const json& p : pp.at("processors")) procs.push_back(p);
-      } else {
-        procs.push_back(pp);
-      }
-      for (const json& p : procs) {
-        std::string type = p.at("type").get<std::string>();
-        if (type == "ByteLevel") continue;
-        if (type != "TemplateProcessing") unsupported(src, "post_processor", p);
-        bool seen_sequence = false;
-        m->prefix.clear();
-        m->suffix.clear();
-        for (const json& item : p.at("single")) {
-          if (item.contains("Sequence")) {
-            if (seen_sequence) unsupported(src, "template with two sequences", p);
-            seen_sequence = true;
-          } else if (item.contains("SpecialToken")) {
-            std::string name = item["SpecialToken"].at("id").get<std::string>();
-            const json& st = p.at("special_tokens").at(name);
-            auto& dst = seen_sequence ? m->suffix : m->prefix;
-            for (const json& id : st.at("ids")) dst.push_back(id.get<int32_t>());
-          } else {
-            unsupported(src, "template item", item);
-          }
-        }
-        if (!seen_sequence) unsupported(src, "template without $A", p);
-      }
-    }
+    auto entries = vocab_entries(src, model);
+    auto added = added_tokens(src, j);
+    m->add_vocab(entries, added);
+    m->read_merges(model);
+    m->add_added(added);
+    m->read_normalizer(j);
+    m->read_pre_tokenizer(j);
+    check_decoder(src, j);
+    m->read_post_processor(j);
     for (int b = 0; b < 256; ++b) {
       if (m->byte_id[b] < 0) {
         fail("{}: the vocabulary has no token for byte 0x{:02X}; not a byte-level BPE vocabulary",

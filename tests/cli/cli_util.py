@@ -66,6 +66,15 @@ def random_data(dflash, out, vocab, samples=8, length=40, prompt=4, jitter=None,
     return out
 
 
+def train_tiny(dflash, target, data, out, device="cpu", max_seq_len=40, block_size=8, extra=()):
+    """`dflash train` of a 2-layer drafter for two steps, checkpointed at the end: the drafter the
+    CLI tests export, evaluate and serve; `extra` adds options. Returns run()'s result."""
+    return run([dflash, "train", "--target", target, "--data", data, "--out", out, "--steps", 2,
+                "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", max_seq_len,
+                "--drafter-layers", 2, "--block-size", block_size, "--max-anchors", 4,
+                "--device", device, "--log-seconds", 0, *extra])
+
+
 def random_inputs(dflash, work, seed=1, **data):
     """The CLI tests' preamble: a tiny random target at work/target and random data of its
     vocabulary at work/data (random_data's options in `data`); returns both paths."""

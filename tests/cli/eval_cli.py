@@ -15,7 +15,7 @@ import pathlib
 import sys
 import tempfile
 
-from cli_util import random_inputs, run
+from cli_util import random_inputs, run, train_tiny
 
 
 def write_jsonl(path, rows):
@@ -29,10 +29,7 @@ def main():
         work = pathlib.Path(tmp)
         target, data = random_inputs(dflash, work)
         train = work / "train"
-        run([dflash, "train", "--target", target, "--data", data, "--out", train, "--steps", 2,
-             "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", 40,
-             "--drafter-layers", 2, "--block-size", 8, "--max-anchors", 4, "--device", device,
-             "--log-seconds", 0])
+        train_tiny(dflash, target, data, train, device)
         export = work / "export"
         run([dflash, "export", train, export])
 

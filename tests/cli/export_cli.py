@@ -13,14 +13,11 @@ import pathlib
 import sys
 import tempfile
 
-from cli_util import random_inputs, run
+from cli_util import random_inputs, run, train_tiny
 
 
 def train(dflash, target, data, out, taps):
-    return run([dflash, "train", "--target", target, "--data", data, "--out", out, "--steps", 2,
-                "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", 40,
-                "--drafter-layers", 2, "--target-layer-ids", taps, "--block-size", 8,
-                "--max-anchors", 4, "--device", "cpu", "--log-seconds", 0])
+    return train_tiny(dflash, target, data, out, extra=["--target-layer-ids", taps])
 
 
 def main():

@@ -27,7 +27,7 @@ import time
 
 from safetensors.torch import load_file, save_file
 
-from cli_util import run
+from cli_util import random_model, run
 
 GEN_ARGS = ["--max-new-tokens", "24", "--max-context", "256", "--device", "cpu",
             "--progress-s", "0"]
@@ -92,8 +92,7 @@ def main():
     dflash = pathlib.Path(sys.argv[1])
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        model = tmp / "model"
-        run([dflash, "random-model", "--preset", "tiny", "--out", model, "--seed", "3"])
+        model = random_model(dflash, tmp / "model", seed=3)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             if not (model / f).exists():
                 sys.exit(f"random-model wrote no {f}")

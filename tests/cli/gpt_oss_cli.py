@@ -16,7 +16,7 @@ import re
 import sys
 import tempfile
 
-from cli_util import random_data, run
+from cli_util import random_data, random_model, run, train_tiny
 
 
 def check_info(dflash, model):
@@ -29,11 +29,8 @@ def check_info(dflash, model):
 
 
 def train(dflash, target, data, out, extra=()):
-    run([dflash, "train", "--target", target, "--data", data, "--out", out, "--steps", 2,
-         "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", 64, "--drafter-layers", 2,
-         "--target-layer-ids", "0,2", "--block-size", 4, "--max-anchors", 4,
-         "--mask-token-id", 3, "--device", "cpu",
-         "--log-seconds", 0, *extra])
+    train_tiny(dflash, target, data, out, max_seq_len=64, block_size=4,
+               extra=["--target-layer-ids", "0,2", "--mask-token-id", 3, *extra])
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [s["loss"] for s in steps if "loss" in s]
     assert len(losses) == 2 and all(l == l and l > 0 for l in losses), steps
@@ -46,8 +43,7 @@ def main():
     check_info(dflash, mxfp4)
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
-        target = work / "target"
-        run([dflash, "random-model", "--preset", "tiny-gpt-oss", "--out", target, "--seed", "1"])
+        target = random_model(dflash, work / "target", preset="tiny-gpt-oss")
         config = json.loads((target / "config.json").read_text())
         assert config["model_type"] == "gpt_oss", config
         assert config["quantization_config"]["quant_method"] == "mxfp4", config

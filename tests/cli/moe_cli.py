@@ -14,7 +14,7 @@ import pathlib
 import sys
 import tempfile
 
-from cli_util import run, write_chats
+from cli_util import random_model, run, train_tiny, write_chats
 
 
 def check_transformers_loads(target):
@@ -32,8 +32,7 @@ def main():
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
-        target = work / "target"
-        run([dflash, "random-model", "--preset", "tiny-moe", "--out", target, "--seed", "1"])
+        target = random_model(dflash, work / "target", preset="tiny-moe")
         config = json.loads((target / "config.json").read_text())
         assert config["model_type"] == "qwen3_moe", config
         assert config["architectures"] == ["Qwen3MoeForCausalLM"], config
@@ -44,10 +43,7 @@ def main():
         data = work / "data"
         run([dflash, "prepare", "--tokenizer", target, "--data", chats, "--out", data, "--quiet"])
         train = work / "train"
-        run([dflash, "train", "--target", target, "--data", data, "--out", train, "--steps", 2,
-             "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", 64,
-             "--drafter-layers", 2, "--block-size", 8, "--max-anchors", 4, "--device", device,
-             "--log-seconds", 0])
+        train_tiny(dflash, target, data, train, device, max_seq_len=64)
         export = work / "export"
         run([dflash, "export", train, export])
         drafter = json.loads((export / "config.json").read_text())

@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 
-from cli_util import run, write_chats
+from cli_util import random_model, run, train_tiny, write_chats
 
 
 def check_transformers_loads(target):
@@ -62,9 +62,7 @@ def main():
         assert needle in text, f"{needle!r} missing from:\n{text}"
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
-        random_target = work / "random"
-        run([dflash, "random-model", "--preset", "tiny-qwen3.5", "--out", random_target,
-             "--seed", "1"])
+        random_target = random_model(dflash, work / "random", preset="tiny-qwen3.5")
         config = json.loads((random_target / "config.json").read_text())
         assert config["model_type"] == "qwen3_5_text", config
         check_transformers_loads(random_target)
@@ -75,10 +73,7 @@ def main():
         run([dflash, "prepare", "--tokenizer", random_target, "--data", chats, "--out", data,
              "--quiet"])
         train = work / "train"
-        out = run([dflash, "train", "--target", fixture, "--data", data, "--out", train,
-                   "--steps", 2, "--checkpoint-every", 2, "--batch-size", 2, "--max-seq-len", 64,
-                   "--drafter-layers", 2, "--block-size", 8, "--max-anchors", 4, "--device", "cpu",
-                   "--log-seconds", 0])
+        out = train_tiny(dflash, fixture, data, train, max_seq_len=64)
         assert "mtp.* tensors (multi-token prediction) are not loaded" in out.stderr, out.stderr
         export = work / "export"
         run([dflash, "export", train, export])

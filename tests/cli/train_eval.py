@@ -26,7 +26,7 @@ import pathlib
 import sys
 import tempfile
 
-from cli_util import run
+from cli_util import random_model, run
 
 STEPS = 6
 LIMIT = 4
@@ -49,8 +49,7 @@ def main():
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
-        target = work / "target"
-        run([dflash, "random-model", "--preset", "tiny", "--out", target, "--seed", "0"])
+        target = random_model(dflash, work / "target", seed=0)
         chat = work / "chat.jsonl"
         chat.write_text("".join(json.dumps({"messages": [
             {"role": "user", "content": f"What is {i} plus {i + 3}?"},

@@ -151,7 +151,7 @@ TEST(ModelConfigErrors, UnsupportedRopeScaling) {
 }
 
 TEST(ModelConfigErrors, MalformedJsonNamesTheFile) {
-  auto path = std::filesystem::temp_directory_path() / "dflash_bad_config.json";
+  auto path = testing::temp_path("bad_config.json");
   std::ofstream(path) << "{\"model_type\": \"qwen3\", ";
   try {
     models::load_model_config(path);

@@ -29,13 +29,6 @@ using json = nlohmann::json;
 using train::LmSample;
 using train::LossOn;
 
-fs::path temp_dir(const std::string& name) {
-  auto d = fs::temp_directory_path() / fmt::format("dflash_{}_{}", name, ::getpid());
-  remove_tree(d);
-  fs::create_directories(d);
-  return d;
-}
-
 fs::path gsm8k(const std::string& split) {
   for (const fs::path& dir : {fs::path("/work/shared/data/gsm8k"),
                               fs::path(DFLASH_SOURCE_DIR) / ".." / "shared" / "data" / "gsm8k"}) {
@@ -224,7 +217,7 @@ class PretrainArch : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PretrainArch, LossFallsAndTransformersLoadsTheModel) {
   REQUIRE_GSM8K();
-  const auto work = temp_dir("pretrain");
+  const auto work = testing::fresh_temp_dir("pretrain");
   train::PretrainOptions o;
   o.arch = enum_value(train::kPretrainArchNames, GetParam()).value();
   o.full_attention_interval = 2;
@@ -313,7 +306,7 @@ INSTANTIATE_TEST_SUITE_P(Archs, PretrainArch, ::testing::Values("qwen3", "qwen3_
 // asked for, and keeps <|MASK|> where `dflash train` looks for it.
 TEST(BuiltinTokenizer, AnyVocabularyAgreesWithHfTokenizers) {
   REQUIRE_GSM8K();
-  const auto work = temp_dir("builtin_tokenizer");
+  const auto work = testing::fresh_temp_dir("builtin_tokenizer");
   auto texts = gsm8k_texts(300);
   texts.push_back(
       "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

@@ -2,12 +2,12 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <ostream>
 #include <string>
 
+#include "../temp_dir.h"
 #include "common/file.h"
 #include "models/config.h"
 
@@ -20,22 +20,6 @@ namespace dflash::testing {
 
 inline std::filesystem::path fixture(const std::string& relative) {
   return std::filesystem::path(DFLASH_FIXTURES) / relative;
-}
-
-// A path of this process under the system's temp directory with nothing there (what an earlier
-// run of the same process id left is removed), for a test that creates it.
-inline std::filesystem::path temp_path(const std::string& name) {
-  auto path = std::filesystem::temp_directory_path() /
-              ("dflash_" + name + "_" + std::to_string(::getpid()));
-  remove_tree(path);
-  return path;
-}
-
-// The same as an empty directory.
-inline std::filesystem::path fresh_temp_dir(const std::string& name) {
-  auto dir = temp_path(name);
-  std::filesystem::create_directories(dir);
-  return dir;
 }
 
 // ||actual - expected|| / ||expected||, in float64.

@@ -1,6 +1,7 @@
 """docs/ARCHITECTURE.md against the code: each src/ folder's "depends on" column must name
-exactly the project folders its files #include, every folder must have a row, and every
-function the docs cite as `name()` or `Type::name()` must exist in src/."""
+exactly the project folders its files #include, every folder must have a row, the layers
+picture must draw includes only and reach what they reach, and every function the docs cite as
+`name()` or `Type::name()` must exist in src/."""
 import pathlib
 import re
 import sys
@@ -17,12 +18,14 @@ for m in re.finditer(r"^\|\s*`([a-z_]+)/`\s*\|(.*?)\|([^|\n]*)\|\s*$", text, re.
     rows[m.group(1)] = m.group(3)
 
 include = re.compile(r'^\s*#\s*include\s+"([a-z_]+)/', re.M)
+includes = {}  # folder -> the project folders its files include
 for folder in folders:
     used = set()
     for f in (src / folder).rglob("*"):
         if f.suffix in (".h", ".cpp", ".cu", ".cuh"):
             used.update(include.findall(f.read_text(errors="replace")))
     used.discard(folder)
+    includes[folder] = used & set(folders)
     if folder not in rows:
         errors.append(f"src/{folder}/ has no row in docs/ARCHITECTURE.md")
         continue
@@ -37,6 +40,36 @@ for folder in folders:
             f"docs/ARCHITECTURE.md: {folder}/ depends on {sorted(used)} by its #includes, "
             f"the doc says {sorted(documented)} (missing: {sorted(used - documented)}, "
             f"stale: {sorted(documented - used)})")
+
+# The layers picture (a mermaid flowchart of `a --> b` arrows): each arrow an include, and the
+# arrows reach, folder by folder, what the includes reach.
+def reach(graph, start):
+    seen, todo = set(), [start]
+    while todo:
+        for b in graph.get(todo.pop(), ()):
+            if b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return seen
+
+
+picture = re.search(r"```mermaid\nflowchart TD\n(.*?)```", text, re.S)
+if not picture:
+    errors.append("docs/ARCHITECTURE.md has no layers picture (```mermaid flowchart TD)")
+else:
+    arrows = {}
+    for a, b in re.findall(r"^\s*([a-z_]+) --> ([a-z_]+)\s*$", picture.group(1), re.M):
+        arrows.setdefault(a, set()).add(b)
+        if b not in includes.get(a, ()):
+            errors.append(
+                f"docs/ARCHITECTURE.md picture: {a} --> {b}, but {a}/ includes nothing of {b}/")
+    for folder in folders:
+        drawn, real = reach(arrows, folder), reach(includes, folder)
+        if drawn != real:
+            errors.append(
+                f"docs/ARCHITECTURE.md picture: {folder}/ reaches {sorted(drawn)} by its arrows, "
+                f"{sorted(real)} by its includes (missing: {sorted(real - drawn)}, stale: "
+                f"{sorted(drawn - real)})")
 for folder in rows:
     if folder not in folders:
         errors.append(f"docs/ARCHITECTURE.md has a row for {folder}/, which src/ does not have")

@@ -182,6 +182,23 @@ TEST(ChatTemplate, FiltersTestsAndMethods) {
       "|b|x|2");
 }
 
+// The filters with bodies of their own in chat/builtins.cpp (sort, dictsort, sum, round,
+// reverse, map by filter name, join by attribute): what jinja2 renders.
+TEST(ChatTemplate, SortSumRoundReverseMapAndJoinFilters) {
+  EXPECT_EQ(
+      render(
+          "{{ [3, 1, 2] | sort }}|{{ ['b', 'A', 'c'] | sort(reverse=true) }}|"
+          "{{ x | sort(attribute='n') | map(attribute='n') | list }}|"
+          "{{ {'b': 1, 'a': 2} | dictsort }}|"
+          "{{ {'b': 1, 'a': 2} | dictsort(by='value', reverse=true) }}|{{ [1, 2, 3] | sum }}|"
+          "{{ x | sum(attribute='n', start=10) }}|{{ 2.567 | round(2) }}|"
+          "{{ 2.5 | round(method='floor') }}|{{ 'abc' | reverse }}|{{ [1, 2] | reverse | list }}|"
+          "{{ ['a', 'b'] | map('upper') | list }}|{{ x | join('-', attribute='n') }}",
+          {{"x", {{{"n", 2}}, {{"n", 1}}}}}),
+      "[1, 2, 3]|['c', 'b', 'A']|[1, 2]|[('a', 2), ('b', 1)]|[('a', 2), ('b', 1)]|6|13|2.57|2.0|"
+      "cba|[2, 1]|['A', 'B']|2-1");
+}
+
 TEST(ChatTemplate, StrftimeNowUsesTheGivenClock) {
   RenderOptions o;
   o.now = 1785067200;

@@ -338,8 +338,7 @@ TEST(ChatRender, ForcedFormatAndUnknownTemplate) {
 }
 
 TEST(ChatRender, Llama32TemplateRendersThroughTheInterpreter) {
-  auto dir = dflash::testing::fresh_test_dir("llama32_");
-  std::filesystem::create_directories(dir);
+  auto dir = dflash::testing::fresh_temp_dir("llama32");
   auto cfg = load_fixture_json(tokenizer_fixtures() / "llama31" / "tokenizer_config.json");
   std::string t = cfg["chat_template"];
   // Llama-3.2's template: the date from strftime_now when the renderer defines it.

@@ -17,8 +17,9 @@ namespace dflash::data {
 namespace {
 
 namespace fs = std::filesystem;
-using dflash::testing::fresh_test_dir;
+using dflash::testing::fresh_temp_dir;
 using dflash::testing::load_fixture_json;
+using dflash::testing::temp_path;
 using dflash::testing::tokenizer_fixtures;
 
 TEST(EpochSampler, PermutationsAreSeededDistinctAndResumable) {
@@ -50,8 +51,7 @@ TEST(EpochSampler, PermutationsAreSeededDistinctAndResumable) {
 class PrepareTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fresh_test_dir("dflash_prepare_");
-    fs::create_directories(dir_);
+    dir_ = fresh_temp_dir("prepare");
     auto ref = load_fixture_json(tokenizer_fixtures() / "chat.json");
     ASSERT_FALSE(ref.is_null());
     for (const auto& l : ref["lines"]) good_.push_back(l.get<std::string>());
@@ -261,7 +261,7 @@ TEST_F(PrepareTest, OpensManifestsWithTheOldTokenizerHash) {
 class RandomDatasetTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fresh_test_dir("dflash_random_");
+    dir_ = temp_path("random");
     opt_.out_dir = dir_ / "a";
     opt_.samples = 40;
     opt_.length = 30;

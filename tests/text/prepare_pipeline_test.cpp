@@ -25,11 +25,7 @@ constexpr char kMalformed[] = "{\"messages\": [";
 class PreparePipelineTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("dflash_prepare_pipeline_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = dflash::testing::fresh_temp_dir("prepare_pipeline");
     auto ref = load_fixture_json(tokenizer_fixtures() / "chat.json");
     ASSERT_FALSE(ref.is_null());
     for (const auto& l : ref["lines"]) good_.push_back(l.get<std::string>());
