@@ -119,20 +119,12 @@ SpeculativeTiming time_speculative(const models::TargetModel& model, const model
   return {(full_s - first_s) / steps * 1e3, stats.tau(), captured};
 }
 
-void run_bench_decode(const BenchDecodeOptions& o) {
-  const at::Device device = device_option(o.device);
-  if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
-  auto config = models::preset_config(o.preset);
-  const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
-  auto model = models::TargetModel::random(config, device, dtype, 0);
-  const int64_t context = o.prompt_len + o.new_tokens;
-  if (o.new_tokens < 2) fail("bench-decode: --new-tokens must be at least 2");
-  fmt::print(
-      "bench-decode: {} ({:.2f} B params), {} on {}, prompt {} tokens, {} new tokens, warmup {}, "
-      "iters {} (medians)\n",
-      o.preset, config.num_parameters() / 1e9, c10::toString(dtype), device.str(), o.prompt_len,
-      o.new_tokens, o.warmup, o.iters);
-  std::map<int64_t, double> plain_step_ms;  // per batch, the fastest of graph and eager
+// Generation at each batch with and without the CUDA graph: one JSON row each; the fastest
+// plain step per batch goes to `plain_step_ms`.
+nlohmann::json generation_table(const models::TargetModel& model, const BenchDecodeOptions& o,
+                                int64_t context, std::map<int64_t, double>& plain_step_ms) {
+  const auto& config = model.config();
+  const at::Device device = model.device();
   fmt::print("{:>6} {:>6} {:>12} {:>12} {:>14} {:>12} {:>16}\n", "batch", "graph", "prefill ms",
              "decode ms", "ms/step", "decode tok/s", "end-to-end tok/s");
   nlohmann::json rows = nlohmann::json::array();
@@ -161,6 +153,69 @@ void run_bench_decode(const BenchDecodeOptions& o) {
                       {"end_to_end_tokens_per_s", e2e_tps}});
     }
   }
+
+  return rows;
+}
+
+// The speculative decoder itself at each batch, one JSON row per batch and step kind.
+nlohmann::json measured_speculative(const models::TargetModel& model, const BenchDecodeOptions& o,
+                                    int64_t context,
+                                    const std::map<int64_t, double>& plain_step_ms) {
+  const auto& config = model.config();
+  const at::Device device = model.device();
+  // The speculative decoder itself at each batch, the same drafter: tau is about 1 with
+  // random weights, so each step drafts and verifies a whole block and commits one token, the
+  // plain decoder's rate; the whole step (one graph where captured) against the split one
+  // (the drafter eager, the verify captured).
+  nlohmann::json measured = nlohmann::json::array();
+  if (o.verify_tokens >= 2) {
+    models::DrafterOptions d;
+    d.block_size = o.verify_tokens;
+    d.mask_token_id = config.vocab_size - 1;
+    const auto drafter = models::Drafter::random(models::make_drafter_config(config, d), device, 3);
+    fmt::print(
+        "speculative decoder, measured ({} new tokens per prompt, blocks of {}, random drafter: "
+        "tau about 1):\n{:>6} {:>10} {:>14} {:>14} {:>14} {:>8}\n",
+        o.new_tokens, o.verify_tokens, "batch", "step", "ms/step", "plain ms/step", "x plain",
+        "tau");
+    for (int64_t b : o.batches) {
+      auto prompts = random_prompts(b, o.prompt_len, config.vocab_size, 1);
+      for (bool whole : {true, false}) {
+        const bool profiled = !o.profile.empty() && whole && b == o.batches.back();
+        const auto t =
+            time_speculative(model, drafter, prompts, o.new_tokens, context + o.verify_tokens,
+                             whole, o, profiled ? o.profile + ".speculative" : "");
+        const double plain = plain_step_ms.at(b);
+        const char* kind = !whole ? "split" : t.whole_step_graph ? "graph" : "whole";
+        fmt::print("{:>6} {:>10} {:>14.3f} {:>14.3f} {:>14.2f} {:>8.2f}\n", b, kind, t.step_ms,
+                   plain, t.step_ms / plain, t.tau);
+        measured.push_back({{"batch", b},
+                            {"step", kind},
+                            {"speculative_step_ms", t.step_ms},
+                            {"plain_step_ms", plain},
+                            {"over_plain", t.step_ms / plain},
+                            {"tau", t.tau}});
+      }
+    }
+  }
+  return measured;
+}
+
+void run_bench_decode(const BenchDecodeOptions& o) {
+  const at::Device device = device_option(o.device);
+  if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
+  auto config = models::preset_config(o.preset);
+  const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  auto model = models::TargetModel::random(config, device, dtype, 0);
+  const int64_t context = o.prompt_len + o.new_tokens;
+  if (o.new_tokens < 2) fail("bench-decode: --new-tokens must be at least 2");
+  fmt::print(
+      "bench-decode: {} ({:.2f} B params), {} on {}, prompt {} tokens, {} new tokens, warmup {}, "
+      "iters {} (medians)\n",
+      o.preset, config.num_parameters() / 1e9, c10::toString(dtype), device.str(), o.prompt_len,
+      o.new_tokens, o.warmup, o.iters);
+  std::map<int64_t, double> plain_step_ms;  // per batch, the fastest of graph and eager
+  const nlohmann::json rows = generation_table(model, o, context, plain_step_ms);
 
   // One slot holding the prompt; each timed pass appends tokens and is cropped away again.
   if (o.verify_tokens < 1 || o.verify_tokens > o.prompt_len) {
@@ -240,41 +295,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
         spec_ms / step_ms, step_ms / spec_ms, 3 * step_ms / spec_ms, 5 * step_ms / spec_ms,
         7 * step_ms / spec_ms);
   }
-  // The speculative decoder itself at each batch, the same drafter: tau is about 1 with
-  // random weights, so each step drafts and verifies a whole block and commits one token, the
-  // plain decoder's rate; the whole step (one graph where captured) against the split one
-  // (the drafter eager, the verify captured).
-  nlohmann::json measured = nlohmann::json::array();
-  if (o.verify_tokens >= 2) {
-    models::DrafterOptions d;
-    d.block_size = o.verify_tokens;
-    d.mask_token_id = config.vocab_size - 1;
-    const auto drafter = models::Drafter::random(models::make_drafter_config(config, d), device, 3);
-    fmt::print(
-        "speculative decoder, measured ({} new tokens per prompt, blocks of {}, random drafter: "
-        "tau about 1):\n{:>6} {:>10} {:>14} {:>14} {:>14} {:>8}\n",
-        o.new_tokens, o.verify_tokens, "batch", "step", "ms/step", "plain ms/step", "x plain",
-        "tau");
-    for (int64_t b : o.batches) {
-      auto prompts = random_prompts(b, o.prompt_len, config.vocab_size, 1);
-      for (bool whole : {true, false}) {
-        const bool profiled = !o.profile.empty() && whole && b == o.batches.back();
-        const auto t =
-            time_speculative(model, drafter, prompts, o.new_tokens, context + o.verify_tokens,
-                             whole, o, profiled ? o.profile + ".speculative" : "");
-        const double plain = plain_step_ms[b];
-        const char* kind = !whole ? "split" : t.whole_step_graph ? "graph" : "whole";
-        fmt::print("{:>6} {:>10} {:>14.3f} {:>14.3f} {:>14.2f} {:>8.2f}\n", b, kind, t.step_ms,
-                   plain, t.step_ms / plain, t.tau);
-        measured.push_back({{"batch", b},
-                            {"step", kind},
-                            {"speculative_step_ms", t.step_ms},
-                            {"plain_step_ms", plain},
-                            {"over_plain", t.step_ms / plain},
-                            {"tau", t.tau}});
-      }
-    }
-  }
+  const nlohmann::json measured = measured_speculative(model, o, context, plain_step_ms);
   nlohmann::json doc = {{"preset", o.preset},
                         {"device", device.str()},
                         {"prompt_len", o.prompt_len},

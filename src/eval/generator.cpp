@@ -53,6 +53,20 @@ struct Report {
   std::vector<std::pair<int64_t, uint64_t>> entries;  // (slot, serial); slot -1: ignore
   at::Tensor host;
   std::optional<at::cuda::CUDAEvent> event;
+
+  // Starts the copy of the tokens to the host (pinned, asynchronous on CUDA, with an event to
+  // wait on).
+  void send_to_host(at::Device device) {
+    auto all = this->device.size() == 1 ? this->device[0] : at::cat(this->device);
+    if (device.is_cpu()) {
+      host = all;
+      return;
+    }
+    host = at::empty({all.size(0)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    host.copy_(all, /*non_blocking=*/true);
+    event.emplace();
+    event->record();
+  }
 };
 
 int64_t resolve_context(const models::TargetModel& model, const GenerationOptions& o) {
@@ -244,17 +258,7 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
     admit(report);
     decode(report);
     const bool launched_any = !report.entries.empty();
-    if (launched_any) {
-      auto all = report.device.size() == 1 ? report.device[0] : at::cat(report.device);
-      if (device.is_cpu()) {
-        report.host = all;
-      } else {
-        report.host = at::empty({all.size(0)}, long_opts.pinned_memory(true));
-        report.host.copy_(all, /*non_blocking=*/true);
-        report.event.emplace();
-        report.event->record();
-      }
-    }
+    if (launched_any) report.send_to_host(device);
     // The previous iteration's tokens, read while the device works on this one.
     const bool processed = has_pending;
     if (has_pending) {
