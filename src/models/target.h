@@ -38,9 +38,9 @@ class GptOssDecoder;  // models/gpt_oss.h
 // every rank still routes every token with the whole router, runs the choices of its own
 // experts, and the same all-reduce sums the ranks' parts. Contiguous blocks rather than e % T:
 // a fused [E, 2F, H] checkpoint tensor is then one contiguous range of the file, the local
-// index is a subtraction, and it is how vLLM and SGLang place experts. (A token exchange
-// instead of routing everywhere would save the other ranks' gathers; at training's prefill
-// shapes the experts' GEMMs dominate.)
+// index is a subtraction, and it is how vLLM and SGLang place experts. Each rank still gathers
+// and sorts every routed row, then runs only its experts' GEMMs; a token exchange (all-to-all)
+// sending each rank only its rows is not built, nor measured against this.
 // Throws, naming the config field and T, when `config` cannot be split over `ranks`: an
 // architecture other than Qwen3, Qwen2, Llama and Qwen3 MoE, a head count or intermediate
 // size that T does not divide, or with `expert_parallel` a target without sparse layers or
