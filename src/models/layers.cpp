@@ -260,15 +260,22 @@ at::Tensor ExpertRoutes::combine(const at::Tensor& y, const at::Tensor& weights)
 
 at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tensor& experts_gate_up,
                    const at::Tensor& experts_down, int64_t top_k, bool norm_topk_prob,
-                   ExpertGemm gemm) {
-  const int64_t f = experts_down.size(2);
+                   ExpertGemm gemm, int64_t first_expert) {
+  const int64_t f = experts_down.size(2), held = experts_gate_up.size(0);
   auto probs = at::softmax(at::linear(x, router), -1, at::kFloat);
   auto [weights, chosen] = at::topk(probs, top_k, -1);
   if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  // Expert parallelism: a choice of an expert held elsewhere goes to one extra group, `held`,
+  // after this rank's (the routes sort it last); its rows contribute zero here.
+  const bool some = held < router.size(0);
+  if (some) {
+    auto local = chosen - first_expert;
+    chosen = at::where(local.ge(0).logical_and(local.lt(held)), local, held);
+  }
   // Without autograd (the frozen target's prefill and decode) the SwiGLU takes a kernel: one
   // pass instead of three.
   const bool frozen = !c10::GradMode::is_enabled();
-  const ExpertRoutes routes(x, chosen, router.size(0));
+  const ExpertRoutes routes(x, chosen, some ? held + 1 : held);
   if (gemm == ExpertGemm::kAuto) {
     gemm = x.is_cuda() && x.scalar_type() == at::kBFloat16 && grouped_mm_aligned(x, f)
                ? ExpertGemm::kGrouped
@@ -277,13 +284,19 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tens
   at::Tensor y;
   if (gemm == ExpertGemm::kGrouped) {
     // Offsets stay on the device: no host sync, so a CUDA graph can capture the layer.
-    auto offsets = routes.offsets();
+    auto offsets = routes.offsets().narrow(0, 0, held);
     auto gate_up = at::_grouped_mm(routes.rows, experts_gate_up.transpose(1, 2), offsets);
     auto act = frozen ? kernels::silu_mul(gate_up)
                       : at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f);
     y = at::_grouped_mm(act, experts_down.transpose(1, 2), offsets);
+    if (some) {
+      // The GEMMs leave the rows past the last offset (other ranks' experts) unwritten.
+      const auto row = at::arange(y.size(0), offsets.options().dtype(at::kLong));
+      y = y.masked_fill(row.ge(offsets.narrow(0, held - 1, 1)).unsqueeze(1), 0);
+    }
   } else {
     y = routes.per_expert([&](int64_t e, const at::Tensor& rows) {
+      if (e == held) return at::zeros({rows.size(0), x.size(1)}, x.options());
       return swiglu_mlp(rows, experts_gate_up.select(0, e), experts_down[e]);
     });
   }

@@ -120,8 +120,12 @@ struct ExpertRoutes {
 // one when norm_topk_prob) cast to x's dtype; the result is the weighted sum of each chosen
 // expert's SwiGLU, experts_gate_up [E, 2F, H] (gate rows first) and experts_down [E, H, F].
 // Token rows are sorted by expert so each expert multiplies its rows at once.
+// Expert parallelism (--target-ep): the experts tensors hold only experts [first_expert,
+// first_expert + experts_gate_up.size(0)) of the router's E; every token is routed over all E
+// and the result is the part of the sum those experts contribute (the group's all-reduce adds
+// the other ranks' parts).
 at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const at::Tensor& experts_gate_up,
                    const at::Tensor& experts_down, int64_t top_k, bool norm_topk_prob,
-                   ExpertGemm gemm = ExpertGemm::kAuto);
+                   ExpertGemm gemm = ExpertGemm::kAuto, int64_t first_expert = 0);
 
 }  // namespace dflash::models

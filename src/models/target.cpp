@@ -20,6 +20,7 @@
 #include "kernels/small_linear.h"
 #include "kernels/tuned_gemm.h"
 #include "models/gpt_oss.h"
+#include "obs/stages.h"
 
 namespace dflash::models {
 namespace {
@@ -104,9 +105,11 @@ struct Layout {
   }
 };
 
-at::Tensor sparse_mlp(const ModelConfig& c, const TargetLayerWeights& w, const at::Tensor& x) {
+// `first_expert`: the first of the experts `w` holds (expert parallelism; else 0).
+at::Tensor sparse_mlp(const ModelConfig& c, const TargetLayerWeights& w, const at::Tensor& x,
+                      int64_t first_expert) {
   auto out = moe_mlp(x, w.router, w.experts_gate_up, w.experts_down, c.num_experts_per_tok,
-                     c.norm_topk_prob);
+                     c.norm_topk_prob, ExpertGemm::kAuto, first_expert);
   if (!w.shared_gate.defined()) return out;
   return out + shared_expert(x, w.shared_gate_up, w.shared_down, w.shared_gate);
 }
@@ -169,10 +172,11 @@ std::vector<std::string> checked_tensors(const io::Checkpoint& ckpt, const Model
 }
 
 // Layer i's MLP weights into `l` (dense, or router, experts in either layout and the shared
-// expert), taken by name through `take`.
+// expert), taken by name through `take`; of the per-expert layout only `experts`' tensors are
+// taken (expert parallelism; `take` slices the fused layout itself).
 template <class Take>
-void load_mlp(const ModelConfig& c, int64_t i, const Layout& layout, Take&& take,
-              TargetLayerWeights& l) {
+void load_mlp(const ModelConfig& c, int64_t i, const Layout& layout, const ExpertRange& experts,
+              Take&& take, TargetLayerWeights& l) {
   const std::string p = c.layer_prefix(i) + "mlp.";
   if (!c.is_moe_layer(i)) {
     l.w_gate_up = at::cat({take(p + "gate_proj.weight"), take(p + "up_proj.weight")});
@@ -192,7 +196,7 @@ void load_mlp(const ModelConfig& c, int64_t i, const Layout& layout, Take&& take
     return;
   }
   std::vector<at::Tensor> gate_up, down;
-  for (int64_t e = 0; e < c.num_experts; ++e) {
+  for (int64_t e = experts.first; e < experts.first + experts.count; ++e) {
     const std::string x = fmt::format("{}experts.{}.", p, e);
     gate_up.push_back(at::cat({take(x + "gate_proj.weight"), take(x + "up_proj.weight")}));
     down.push_back(take(x + "down_proj.weight"));
@@ -296,8 +300,18 @@ at::Tensor dequantize_fp8_blocks(const at::Tensor& w, const at::Tensor& scale_in
 
 }  // namespace
 
-void check_tensor_parallel(const ModelConfig& c, int64_t ranks) {
+ExpertRange expert_range(int64_t num_experts, int64_t rank, int64_t ranks) {
+  const int64_t first = rank * num_experts / ranks;
+  return {first, (rank + 1) * num_experts / ranks - first};
+}
+
+void check_tensor_parallel(const ModelConfig& c, int64_t ranks, bool expert_parallel) {
   if (ranks < 1) fail("--target-tp must be at least 1, got {}", ranks);
+  if (expert_parallel && ranks == 1) {
+    fail(
+        "--target-ep splits the experts over a --target-tp group; with --target-tp 1 there is "
+        "none");
+  }
   if (ranks == 1) return;
   const auto a = c.arch;
   if (a != Architecture::kQwen3 && a != Architecture::kQwen2 && a != Architecture::kLlama &&
@@ -319,7 +333,15 @@ void check_tensor_parallel(const ModelConfig& c, int64_t ranks) {
   bool dense = false, sparse = false;
   for (int64_t i = 0; i < c.num_layers; ++i) (c.is_moe_layer(i) ? sparse : dense) = true;
   if (dense) divides(c.intermediate_size, "intermediate_size");
-  if (sparse) divides(c.moe_intermediate_size, "moe_intermediate_size");
+  if (expert_parallel && !sparse) {
+    fail("--target-ep: {} has no sparse (MoE) layers to split by experts",
+         architecture_name(c.arch));
+  }
+  if (expert_parallel && c.num_experts < ranks) {
+    fail("--target-tp {} --target-ep: config.json's num_experts = {} leaves some rank no expert",
+         ranks, c.num_experts);
+  }
+  if (sparse && !expert_parallel) divides(c.moe_intermediate_size, "moe_intermediate_size");
   if (Split{ranks - 1, ranks}.piece(c.vocab_size).second <= 0) {
     fail("--target-tp {}: config.json's vocab_size = {} leaves the last rank no vocabulary rows",
          ranks, c.vocab_size);
@@ -328,8 +350,24 @@ void check_tensor_parallel(const ModelConfig& c, int64_t ranks) {
 
 int64_t TargetModel::tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
 
+void TargetModel::split_over(dist::Comm* tp, bool expert_parallel) {
+  const int64_t ranks = tp != nullptr ? tp->size() : 1;
+  check_tensor_parallel(config_, ranks, expert_parallel);
+  if (ranks == 1) return;
+  tp_ = tp;
+  expert_parallel_ = expert_parallel;
+  if (expert_parallel) first_expert_ = experts().first;
+}
+
+ExpertRange TargetModel::experts() const {
+  if (!expert_parallel_) return {0, config_.num_experts};
+  return expert_range(config_.num_experts, tp_->rank(), tp_->size());
+}
+
 void TargetModel::tp_reduce(at::Tensor& partial, std::string_view stage) const {
   if (tp_ == nullptr) return;
+  // Its own stage in `dflash report`, GPU-timed too (inside the target forward's span).
+  obs::Scope scope(obs::Stage::kTargetAllReduce, partial.device());
   if (!partial.is_contiguous()) partial = partial.contiguous();
   tp_->all_reduce_sum(partial, stage);
 }
@@ -342,13 +380,10 @@ void TargetModel::check(const std::filesystem::path& dir) {
 }
 
 TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device device,
-                              at::ScalarType dtype, dist::Comm* tp) {
+                              at::ScalarType dtype, dist::Comm* tp, bool expert_parallel) {
   TargetModel m(load_model_config(dir / "config.json"), device);
   const ModelConfig& c = m.config_;
-  if (tp != nullptr && tp->size() > 1) {
-    check_tensor_parallel(c, tp->size());
-    m.tp_ = tp;
-  }
+  m.split_over(tp, expert_parallel);
   auto ckpt = io::Checkpoint::open(dir);
   auto to_load = checked_tensors(ckpt, c, dir);
   // FP8 block-quantised weights (those with a weight_scale_inv beside them) are dequantised
@@ -375,6 +410,7 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
   }
   // A tensor-parallel rank copies its slices out of the mapped files, one at a time.
   const Split split{m.tp_ != nullptr ? tp->rank() : 0, m.tp_size()};
+  const ExpertRange experts = m.experts();
   std::map<std::string, at::Tensor> w;
   if (m.tp_ == nullptr) w = ckpt.load(to_load, device, dtype);
   const Layout layout{&ckpt, c};
@@ -389,7 +425,10 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
       t = ckpt.tensor(name);
     }
     if (t.defined()) {
-      if (const auto s = tensor_split(name); m.tp_ != nullptr && s.dim >= 0) {
+      if (m.expert_parallel_ && name.find(".experts.") != std::string::npos) {
+        // Whole experts: of the fused layout this rank's range, the per-expert tensors as read.
+        if (name.ends_with("_proj")) t = t.narrow(0, experts.first, experts.count);
+      } else if (const auto s = tensor_split(name); m.tp_ != nullptr && s.dim >= 0) {
         const int64_t part = t.size(s.dim) / s.halves;
         t = split(t, s.dim, std::vector<int64_t>(s.halves, part));
       }
@@ -416,7 +455,7 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
     TargetLayerWeights l;
     l.input_norm = take_norm(p + "input_layernorm.weight");
     l.post_attention_norm = take_norm(p + "post_attention_layernorm.weight");
-    load_mlp(c, i, layout, take, l);
+    load_mlp(c, i, layout, experts, take, l);
     if (c.is_linear_layer(i)) {
       const std::string a = p + "linear_attn.";
       l.linear.w_in = layout.grouped_in_proj(i)
@@ -468,13 +507,10 @@ at::Generator seeded_generator(at::Device device, uint64_t seed) {
 }
 
 TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::ScalarType dtype,
-                                uint64_t seed, dist::Comm* tp) {
+                                uint64_t seed, dist::Comm* tp, bool expert_parallel) {
   c.validate("random target");
   TargetModel m(c, device);
-  if (tp != nullptr && tp->size() > 1) {
-    check_tensor_parallel(c, tp->size());
-    m.tp_ = tp;
-  }
+  m.split_over(tp, expert_parallel);
   auto gen = seeded_generator(device, seed);
   auto opts = at::TensorOptions().device(device).dtype(dtype);
   auto normal = [&](std::vector<int64_t> shape) { return at::randn(shape, gen, opts) * 0.02; };
@@ -519,8 +555,17 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
     if (c.is_moe_layer(i)) {
       const int64_t e = c.num_experts, f = c.moe_intermediate_size;
       l.router = normal({e, h});
-      l.experts_gate_up = sliced({e, 2 * f, h}, 1, {f, f});
-      l.experts_down = sliced({e, h, f}, 2, {f});
+      if (m.expert_parallel_) {
+        const ExpertRange mine = m.experts();
+        auto held = [&](std::vector<int64_t> shape) {
+          return normal(std::move(shape)).narrow(0, mine.first, mine.count).clone();
+        };
+        l.experts_gate_up = held({e, 2 * f, h});
+        l.experts_down = held({e, h, f});
+      } else {
+        l.experts_gate_up = sliced({e, 2 * f, h}, 1, {f, f});
+        l.experts_down = sliced({e, h, f}, 2, {f});
+      }
       if (const int64_t sf = c.shared_expert_intermediate_size; sf > 0) {
         l.shared_gate_up = normal({2 * sf, h});
         l.shared_down = normal({h, sf});
@@ -624,7 +669,11 @@ at::Tensor TargetModel::gather_vocab(const at::Tensor& slice, int64_t dim) const
     sizes[dim] = width - slice.size(dim);
     padded = at::cat({slice, at::zeros(sizes, slice.options())}, dim);
   }
-  auto slices = tp_->all_gather(padded.contiguous(), "target_tp_vocab");
+  std::vector<at::Tensor> slices;
+  {
+    obs::Scope scope(obs::Stage::kTargetAllReduce, slice.device());
+    slices = tp_->all_gather(padded.contiguous(), "target_tp_vocab");
+  }
   for (int64_t r = 0; r < ranks; ++r) {
     slices[r] = slices[r].narrow(dim, 0, Split{r, ranks}.piece(config_.vocab_size).second);
   }
@@ -748,7 +797,8 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
       auto act = kernels::silu_mul(linear8(kernels::quantize_rows_e4m3(h1), w.gate_up_fp8));
       mlp = linear8(kernels::quantize_rows_e4m3(act), w.down_fp8);
     } else {
-      mlp = w.router.defined() ? sparse_mlp(c, w, h1) : swiglu_mlp(h1, w.w_gate_up, w.w_down);
+      mlp = w.router.defined() ? sparse_mlp(c, w, h1, first_expert_)
+                               : swiglu_mlp(h1, w.w_gate_up, w.w_down);
     }
     tp_reduce(mlp, "target_tp_mlp");
     return x1 + mlp;
@@ -762,7 +812,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   }
   auto r = kernels::add_rms_norm(x, o, w.post_attention_norm, eps);
   pending = w.router.defined()
-                ? sparse_mlp(c, w, r.normed)
+                ? sparse_mlp(c, w, r.normed, first_expert_)
                 : linear(kernels::silu_mul(linear(r.normed, w.w_gate_up, {})), w.w_down, {});
   tp_reduce(pending, "target_tp_mlp");
   return r.sum;

@@ -33,11 +33,25 @@ class GptOssDecoder;  // models/gpt_oss.h
 // the group, and the logits gathered. Qwen3 MoE's sparse layers split every expert's
 // intermediate (moe_intermediate_size / T; the router is whole on every rank, so each rank
 // routes the same tokens to the same experts and one all-reduce sums the partial outputs, as
-// for a dense MLP; expert parallelism would need a token exchange before and after the experts).
+// for a dense MLP). With expert parallelism (--target-ep) the sparse layers split by experts
+// instead: rank r of T holds the whole experts [r E / T, (r + 1) E / T) and reads only theirs;
+// every rank still routes every token with the whole router, runs the choices of its own
+// experts, and the same all-reduce sums the ranks' parts. Contiguous blocks rather than e % T:
+// a fused [E, 2F, H] checkpoint tensor is then one contiguous range of the file, the local
+// index is a subtraction, and it is how vLLM and SGLang place experts. Each rank still gathers
+// and sorts every routed row, then runs only its experts' GEMMs; a token exchange (all-to-all)
+// sending each rank only its rows is not built, nor measured against this.
 // Throws, naming the config field and T, when `config` cannot be split over `ranks`: an
-// architecture other than Qwen3, Qwen2, Llama and Qwen3 MoE, or a head count or intermediate
-// size that T does not divide.
-void check_tensor_parallel(const ModelConfig& config, int64_t ranks);
+// architecture other than Qwen3, Qwen2, Llama and Qwen3 MoE, a head count or intermediate
+// size that T does not divide, or with `expert_parallel` a target without sparse layers or
+// fewer experts than ranks.
+void check_tensor_parallel(const ModelConfig& config, int64_t ranks, bool expert_parallel = false);
+
+// Expert parallelism: the first of the experts rank `rank` of `ranks` holds, and their count.
+struct ExpertRange {
+  int64_t first = 0, count = 0;
+};
+ExpertRange expert_range(int64_t num_experts, int64_t rank, int64_t ranks);
 
 // A generator for `device` (CPU or CUDA) seeded with `seed`, for random weights: the same seed
 // gives the same weights on a given device, and no other thread's draws interleave (reseeding
@@ -129,15 +143,18 @@ class TargetModel {
   // mlp.experts.down_proj [E, H, F]: transformers 5's state_dict).
   // With `tp` (a group of more than one rank, which must outlive the model) this rank reads
   // only its slice of each split weight (check_tensor_parallel says which targets split).
+  // With `expert_parallel` as well, its sparse layers hold this rank's whole experts instead
+  // (check_tensor_parallel) and it reads only those experts' tensors.
   static TargetModel load(const std::filesystem::path& dir, at::Device device, at::ScalarType dtype,
-                          dist::Comm* tp = nullptr);
+                          dist::Comm* tp = nullptr, bool expert_parallel = false);
   // What load() checks before it reads a byte of weights: every tensor config.json implies is
   // in the safetensors, of the implied shape (errors name the tensor and both shapes).
   static void check(const std::filesystem::path& dir);
   // Random weights (normal, std 0.02; norms at 1) for benchmarks that need no files.
-  // With `tp`, each rank keeps its slice of the weights one rank draws from `seed`.
+  // With `tp`, each rank keeps its slice of the weights one rank draws from `seed` (its
+  // experts with `expert_parallel`).
   static TargetModel random(const ModelConfig& config, at::Device device, at::ScalarType dtype,
-                            uint64_t seed, dist::Comm* tp = nullptr);
+                            uint64_t seed, dist::Comm* tp = nullptr, bool expert_parallel = false);
 
   // tokens: int64 [batch.total]. No autograd state is kept unless request.grad.
   ForwardResult forward(const at::Tensor& tokens, const PackedBatch& batch,
@@ -172,6 +189,10 @@ class TargetModel {
   // The tensor-parallel group (null for a whole model on one rank) and its size.
   dist::Comm* tensor_parallel() const { return tp_; }
   int64_t tp_size() const;
+  // Whether the sparse layers are split by experts (expert parallelism), and the first expert
+  // this rank holds (0 otherwise; the layers' experts tensors hold the count).
+  bool expert_parallel() const { return expert_parallel_; }
+  int64_t first_expert() const { return first_expert_; }
   // This rank's vocabulary slice of `slice` along `dim` (the rows of embedding() or
   // lm_head_weight(), the columns of logits) gathered whole from the group: a collective. Without
   // tensor parallelism, `slice` itself.
@@ -229,6 +250,11 @@ class TargetModel {
   ForwardResult run(const at::Tensor& tokens, const at::Tensor& positions, const Sequences& seqs,
                     const ForwardRequest& request, KVCache* cache, const at::Tensor& cache_rows,
                     Attend&& attend) const;
+  // Joins the tensor-parallel group `tp` (none, or one rank: a whole model) after
+  // check_tensor_parallel.
+  void split_over(dist::Comm* tp, bool expert_parallel);
+  // The experts this rank's sparse layers hold: all, or its range with expert parallelism.
+  ExpertRange experts() const;
   // Sums a row-parallel product (o, down, a sparse MLP) over the tensor-parallel group, in place.
   void tp_reduce(at::Tensor& partial, std::string_view stage) const;
   // One layer on the residual stream x, returning the stream after it. With `fused` (no
@@ -256,6 +282,8 @@ class TargetModel {
   std::shared_ptr<const GptOssDecoder> gpt_oss_;
   dist::Comm* tp_ = nullptr;  // the tensor-parallel group, when more than one rank
   int64_t vocab_start_ = 0;   // the first vocabulary row this rank's embed_ and lm_head_ hold
+  bool expert_parallel_ = false;
+  int64_t first_expert_ = 0;
 };
 
 // Floating-point operations of one prefill through the first `layers` decoder layers (-1: all;

@@ -333,8 +333,11 @@ json find_bottleneck(const json& job, const json& ranks) {
 }
 
 // Seconds per trainer share of a micro-batch on each side, excluding waits for the other side.
+// With tensor-parallel target groups (target_tp T) every rank of a group works on each of the
+// group's shares: a group is the unit the split counts, T GPUs at a time.
 json balance(const json& job, const json& ranks) {
   const int trainers = job.value("trainer_ranks", 1);
+  const int group = std::max(job.value("target_tp", 1), 1);
   const int64_t accumulation = job.value("accumulation", int64_t{1});
   double target_s = 0, trainer_s = 0;
   int nt = 0, nd = 0;
@@ -358,28 +361,61 @@ json balance(const json& job, const json& ranks) {
   target_s /= nt;
   trainer_s /= nd;
   const int world = static_cast<int>(ranks.size());
+  // The number of target GPUs (whole groups) of n that feeds the trainers fastest.
   auto best_split = [&](int n) {
-    int best = 1;
+    int best = group;
     double best_rate = 0;
-    for (int x = 1; x < n; ++x) {
-      const double rate = std::min(x / target_s, (n - x) / trainer_s);
+    for (int x = group; x < n; x += group) {
+      const double rate = std::min(x / group / target_s, (n - x) / trainer_s);
       if (rate > best_rate) best_rate = rate, best = x;
     }
     return best;
   };
-  const double frac = target_s / (target_s + trainer_s);
+  // GPU-seconds of target work per share against a trainer's.
+  const double frac = group * target_s / (group * target_s + trainer_s);
   const int now = best_split(world), eight = best_split(8);
-  return {
-      {"target_s_per_share", target_s},
-      {"trainer_s_per_share", trainer_s},
-      {"target_fraction", frac},
-      {"best_targets", now},
-      {"best_targets_of_8", eight},
-      {"line", fmt::format("balance: a target rank takes {:.1f} ms per trainer share, a trainer "
-                           "{:.1f} ms; the balanced split is {:.2f} target : {:.2f} trainer "
-                           "({} GPUs: {} + {}; 8 GPUs: {} + {})",
-                           1e3 * target_s, 1e3 * trainer_s, frac, 1 - frac, world, now, world - now,
-                           eight, 8 - eight)}};
+  const std::string who = group > 1
+                              ? fmt::format("a target group ({} ranks, tensor parallel)", group)
+                              : "a target rank";
+  return {{"target_s_per_share", target_s},
+          {"trainer_s_per_share", trainer_s},
+          {"target_group", group},
+          {"target_fraction", frac},
+          {"best_targets", now},
+          {"best_targets_of_8", eight},
+          {"line", fmt::format("balance: {} takes {:.1f} ms per trainer share, a trainer "
+                               "{:.1f} ms; the balanced split is {:.2f} target : {:.2f} trainer "
+                               "({} GPUs: {} + {}; 8 GPUs: {} + {}{})",
+                               who, 1e3 * target_s, 1e3 * trainer_s, frac, 1 - frac, world, now,
+                               world - now, eight, 8 - eight,
+                               group > 1 ? fmt::format(", targets in groups of {}", group) : "")}};
+}
+
+// A tensor-parallel target's all-reduces (their own stage, target_allreduce): their share of
+// each rank's time that runs the target, and of its target forward with them.
+json target_allreduce(const json& job, const json& ranks) {
+  const int group = job.value("target_tp", 1);
+  if (group <= 1) return nullptr;
+  json per_rank = json::array();
+  double sum = 0, of_forward = 0;
+  for (const auto& r : ranks) {
+    const json& t = r["timeline"];
+    const double reduce = share(t, "target_allreduce"), forward = share(t, "target_forward");
+    if (reduce + forward <= 0) continue;
+    per_rank.push_back({{"rank", r["rank"]}, {"share", reduce}});
+    sum += reduce;
+    of_forward += reduce / (reduce + forward);
+  }
+  if (per_rank.empty()) return nullptr;
+  const double n = static_cast<double>(per_rank.size());
+  return {{"group", group},
+          {"ranks", per_rank},
+          {"share", sum / n},
+          {"of_target", of_forward / n},
+          {"line", fmt::format("target all-reduce: the tensor-parallel groups of {} spend {:.1f}% "
+                               "of their ranks' time in the group's all-reduces ({:.1f}% of "
+                               "target forward + all-reduce; mean of {} ranks)",
+                               group, 100 * sum / n, 100 * of_forward / n, per_rank.size())}};
 }
 
 std::string pct(double x) { return fmt::format("{:5.1f}%", 100 * x); }
@@ -499,6 +535,7 @@ json analyze_run(const fs::path& run_dir, std::optional<int64_t> which) {
               {"starts", starts}};
   out["bottleneck"] = find_bottleneck(job, ranks);
   if (job.value("topology", std::string()) == "disaggregated") out["balance"] = balance(job, ranks);
+  out["target_allreduce"] = target_allreduce(job, ranks);
   return out;
 }
 
@@ -572,6 +609,9 @@ std::string format_report(const json& a) {
       "named stages\n",
       min_gpu <= 1 ? fmt::format("every GPU at least {}", pct(min_gpu)) : "no GPU",
       pct(std::min(min_thread, 1.0)));
+  if (a.contains("target_allreduce") && !a["target_allreduce"].is_null()) {
+    out += fmt::format("{}\n", a["target_allreduce"]["line"].get<std::string>());
+  }
   out += fmt::format("bottleneck: {}\n", a["bottleneck"]["line"].get<std::string>());
   if (a.contains("balance") && !a["balance"].is_null()) {
     out += fmt::format("{}\n", a["balance"]["line"].get<std::string>());

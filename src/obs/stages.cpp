@@ -32,10 +32,10 @@ using nlohmann::json;
 constexpr size_t kUnattributed = kNumStages;  // the slot of time in no stage
 
 constexpr std::array<std::string_view, kNumStages> kNames = {
-    "batch_forming", "queue_wait", "h2d",       "target_forward",
-    "post_process",  "send_wait",  "recv_wait", "drafter_forward",
-    "loss",          "backward",   "allreduce", "optimizer",
-    "gpu_wait",      "checkpoint", "log",       "eval"};
+    "batch_forming", "queue_wait", "h2d",       "target_forward",  "target_allreduce",
+    "post_process",  "send_wait",  "recv_wait", "drafter_forward", "loss",
+    "backward",      "allreduce",  "optimizer", "gpu_wait",        "checkpoint",
+    "log",           "eval"};
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -58,7 +58,9 @@ struct ThreadRecord {
   std::atomic<size_t> current{kUnattributed};  // the innermost open stage
   // Owner only.
   std::vector<uint8_t> stack;
-  int gpu_depth = 0;
+  // The GPU-timed stages open on this thread (innermost last) and their devices; only the
+  // innermost has an open span.
+  std::vector<std::pair<uint8_t, c10::DeviceIndex>> gpu_stack;
   std::mutex trace_mutex;
   std::vector<TraceEvent> trace;
 };
@@ -288,6 +290,27 @@ std::optional<Stage> parse_stage_or_fail(std::string_view name, std::string_view
   return s;
 }
 
+// A GPU span of `stage` from now on `device`'s current stream (caller holds gpu.mutex).
+void begin_span(Recorder& r, uint8_t stage, c10::DeviceIndex device) {
+  GpuSpan s;
+  s.stage = stage;
+  s.step = r.step.load(std::memory_order_relaxed);
+  s.begin = r.gpu.take();
+  cuda_ok(cudaEventRecord(s.begin, current_stream(device)), "cudaEventRecord");
+  r.gpu.pending.push_back(s);
+}
+
+// Ends the open span of `stage` (the newest one without an end; caller holds gpu.mutex).
+void end_span(Recorder& r, uint8_t stage, c10::DeviceIndex device) {
+  for (auto it = r.gpu.pending.rbegin(); it != r.gpu.pending.rend(); ++it) {
+    if (it->stage == stage && !it->end) {
+      it->end = r.gpu.take();
+      cuda_ok(cudaEventRecord(it->end, current_stream(device)), "cudaEventRecord");
+      return;
+    }
+  }
+}
+
 }  // namespace
 
 std::string_view stage_name(Stage stage) { return kNames.at(static_cast<size_t>(stage)); }
@@ -336,15 +359,12 @@ Scope::Scope(Stage stage, at::Device device) : stage_(stage), device_(device) {
   begin_ns_ = now_ns();
   switch_to(t, static_cast<size_t>(stage), begin_ns_);
   nvtxRangePushA(kNames[static_cast<size_t>(stage)].data());
-  if (device.is_cuda() && t.gpu_depth++ == 0 && !g_gpu_off.load(std::memory_order_relaxed)) {
+  if (device.is_cuda() && !g_gpu_off.load(std::memory_order_relaxed)) {
     gpu_ = true;
     std::lock_guard lock(r.gpu.mutex);
-    GpuSpan s;
-    s.stage = static_cast<int>(stage);
-    s.step = r.step.load(std::memory_order_relaxed);
-    s.begin = r.gpu.take();
-    cuda_ok(cudaEventRecord(s.begin, current_stream(device.index())), "cudaEventRecord");
-    r.gpu.pending.push_back(s);
+    if (!t.gpu_stack.empty()) end_span(r, t.gpu_stack.back().first, t.gpu_stack.back().second);
+    t.gpu_stack.emplace_back(static_cast<uint8_t>(stage), device.index());
+    begin_span(r, static_cast<uint8_t>(stage), device.index());
   }
   if (r.slow_stage == stage) std::this_thread::sleep_for(std::chrono::milliseconds(r.slow_ms));
 }
@@ -353,19 +373,11 @@ Scope::~Scope() {
   if (!active_) return;
   auto& r = recorder();
   ThreadRecord& t = this_thread();
-  if (device_.is_cuda()) {
-    --t.gpu_depth;
-    if (gpu_) {
-      std::lock_guard lock(r.gpu.mutex);
-      // The span this scope opened is the newest one without an end.
-      for (auto it = r.gpu.pending.rbegin(); it != r.gpu.pending.rend(); ++it) {
-        if (it->stage == static_cast<int>(stage_) && !it->end) {
-          it->end = r.gpu.take();
-          cuda_ok(cudaEventRecord(it->end, current_stream(device_.index())), "cudaEventRecord");
-          break;
-        }
-      }
-    }
+  if (gpu_) {
+    std::lock_guard lock(r.gpu.mutex);
+    end_span(r, static_cast<uint8_t>(stage_), device_.index());
+    t.gpu_stack.pop_back();
+    if (!t.gpu_stack.empty()) begin_span(r, t.gpu_stack.back().first, t.gpu_stack.back().second);
   }
   nvtxRangePop();
   const int64_t now = now_ns();

@@ -26,19 +26,20 @@
 namespace dflash::obs {
 
 enum class Stage : uint8_t {
-  kBatchForming,    // anchors, blocks, labels and packing on the host
-  kQueueWait,       // waiting on a bounded queue (empty for a consumer, full for a producer)
-  kH2D,             // host-to-device copy of a micro-batch
-  kTargetForward,   // the frozen target's prefill
-  kPostProcess,     // the taps concatenated into the features a trainer reads
-  kSendWait,        // a target rank waiting for its feature sends (trainers behind)
-  kRecvWait,        // a trainer rank waiting for features (targets behind)
-  kDrafterForward,  // the drafter's layers
-  kLoss,            // LM head, cross entropy and its input gradient, chunked
-  kBackward,        // the drafter's backward
-  kAllReduce,       // the exposed part of the gradient all-reduce
-  kOptimizer,       // grad norm, clipping, AdamW
-  kGpuWait,         // the host waiting for the device (a step's figures)
+  kBatchForming,     // anchors, blocks, labels and packing on the host
+  kQueueWait,        // waiting on a bounded queue (empty for a consumer, full for a producer)
+  kH2D,              // host-to-device copy of a micro-batch
+  kTargetForward,    // the frozen target's prefill
+  kTargetAllReduce,  // a tensor-parallel target group's all-reduces and gathers, inside its prefill
+  kPostProcess,      // the taps concatenated into the features a trainer reads
+  kSendWait,         // a target rank waiting for its feature sends (trainers behind)
+  kRecvWait,         // a trainer rank waiting for features (targets behind)
+  kDrafterForward,   // the drafter's layers
+  kLoss,             // LM head, cross entropy and its input gradient, chunked
+  kBackward,         // the drafter's backward
+  kAllReduce,        // the exposed part of the gradient all-reduce
+  kOptimizer,        // grad norm, clipping, AdamW
+  kGpuWait,          // the host waiting for the device (a step's figures)
   kCheckpoint,
   kLog,  // metrics, TensorBoard, the status line, snapshots
   kEval,
@@ -72,8 +73,10 @@ bool enabled();
 void register_thread(const std::string& name);
 
 // A stage of the calling thread, from construction to destruction. With a CUDA `device`, the
-// stage's work on that device's current stream is timed with events as well (outermost such
-// scope per thread only, so GPU stages never overlap).
+// stage's work on that device's current stream is timed with events as well. GPU time, like
+// host time, goes to the innermost open stage: a scope opened inside another's GPU span ends
+// that span, and a new one of the outer stage starts when it closes, so GPU stages never
+// overlap (the target's all-reduces inside its forward are their own stage).
 class Scope {
  public:
   explicit Scope(Stage stage, at::Device device = at::kCPU);

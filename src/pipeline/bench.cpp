@@ -30,8 +30,9 @@ void build_bench_job(Job& job, const SampleSource& samples) {
   Rank& r = job.rank;
   const auto& tc = job.target_config;
   if (!r.trains() || !r.topology.disaggregated()) {
-    job.target.emplace(models::TargetModel::random(tc, r.device, r.dtype, 1, r.target_group.get()));
-    job.head = models::whole_target_head(*job.target);
+    job.target.emplace(
+        models::TargetModel::random(tc, r.device, r.dtype, 1, r.target_group.get(), c.target_ep));
+    if (r.trains()) job.head = models::whole_target_head(*job.target);  // as in run.cpp
   } else {
     auto opts = at::TensorOptions().device(r.device).dtype(r.dtype);
     job.head.embedding = at::randn({tc.vocab_size, tc.hidden_size}, opts) * 0.02;
@@ -190,7 +191,9 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
       "bench: {} x {} ({}), {} rank(s), {} training{}; global batch {} x {} sequences of {} "
       "tokens, {} anchors, block {}\n",
       bench.preset, dc.layers.num_layers, c.topology, gpus, r.topology.trainers,
-      c.target_tp > 1 ? fmt::format(", the target split over groups of {}", c.target_tp) : "",
+      c.target_tp > 1 ? fmt::format(", the target split over groups of {}{}", c.target_tp,
+                                    c.target_ep ? " (MoE layers by experts)" : "")
+                      : "",
       c.accumulation, c.batch_size, bench.seq_len, c.max_anchors, dc.block_size);
   // The MFU is against an H200's rate: a figure for GPU runs only.
   const bool gpu = r.device.is_cuda();

@@ -18,15 +18,16 @@
 namespace dflash::pipeline {
 
 int Topology::feature_rank(int64_t position, int trainer) const {
-  return trainers + static_cast<int>((position * trainers + trainer) % targets);
+  return trainers + group * static_cast<int>((position * trainers + trainer) % groups());
 }
 
 Topology::Work Topology::target_work(int rank, int64_t start, int64_t item) const {
-  const int t = rank - trainers;
-  // Pair index i = position * trainers + trainer; this rank serves i = t (mod targets).
+  const int t = (rank - trainers) / group;
+  const int n = groups();
+  // Pair index i = position * trainers + trainer; this rank's group serves i = t (mod n).
   const int64_t first_pair = start * trainers;
-  const int64_t k0 = first_pair <= t ? 0 : (first_pair - t + targets - 1) / targets;
-  const int64_t pair = t + (k0 + item) * targets;
+  const int64_t k0 = first_pair <= t ? 0 : (first_pair - t + n - 1) / n;
+  const int64_t pair = t + (k0 + item) * n;
   return {pair / trainers, static_cast<int>(pair % trainers)};
 }
 
@@ -153,6 +154,7 @@ void serve_features(dist::Comm& world, Topology topology, const models::TargetMo
                     size_t in_flight, const std::function<bool()>& stop) {
   const int rank = world.rank();
   const at::Device device = target.device();
+  const bool sender = topology.sends(rank);
   std::deque<dist::Comm::Pending> sends;
   // GPU: an event after each item's forward. Before launching item i the host sleeps until
   // item i-1's forward is done. The stream also holds each item's wait for its send, which is
@@ -174,11 +176,13 @@ void serve_features(dist::Comm& world, Topology topology, const models::TargetMo
     auto mb = to_device(batches.get(item), device);
     if (mb.lengths.empty()) continue;
     auto features = target_features(target, taps, gemms, mb);
-    obs::Scope scope(obs::Stage::kSendWait, target.device());
     if (device.is_cuda()) {
       forwarded.emplace(device.type());
       forwarded->record(c10::Stream(c10::Stream::DEFAULT, device));
     }
+    // The group's first rank sends; the others (paced by the event too) drop the same features.
+    if (!sender) continue;
+    obs::Scope scope(obs::Stage::kSendWait, target.device());
     sends.push_back(
         world.isend(features, work.trainer, feature_tag(work.position), "feature_send"));
     // Backpressure: the oldest transfer must finish before more are started.

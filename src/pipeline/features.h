@@ -24,16 +24,24 @@ class Comm;
 namespace dflash::pipeline {
 
 // Ranks [0, trainers) train; ranks [trainers, trainers + targets) only run the target
-// (targets = 0: colocated, every rank does both).
+// (targets = 0: colocated, every rank does both). The target ranks form targets / group groups
+// of `group` consecutive ranks (--target-tp), each running one target split between its
+// members; a group is one feature source, and its first rank sends (the features are whole on
+// every member after the row-parallel all-reduce; the others drop their copy).
 struct Topology {
   int trainers = 1;
   int targets = 0;
+  int group = 1;
   bool disaggregated() const { return targets > 0; }
   int world() const { return trainers + targets; }
-  // The target rank that computes trainer `trainer`'s share of micro-batch `position`: the
-  // (position, trainer) pairs are dealt round-robin over the target ranks.
+  int groups() const { return targets / group; }
+  // Whether target rank `rank` is the first of its group (the one that sends).
+  bool sends(int rank) const { return (rank - trainers) % group == 0; }
+  // The target rank that sends trainer `trainer`'s share of micro-batch `position`: the
+  // (position, trainer) pairs are dealt round-robin over the target groups.
   int feature_rank(int64_t position, int trainer) const;
-  // Item `item` (0, 1, ...) of target rank `rank` from micro-batch `start` on.
+  // Item `item` (0, 1, ...) of target rank `rank` (every rank of a group has the same items)
+  // from micro-batch `start` on.
   struct Work {
     int64_t position = 0;
     int trainer = 0;
@@ -99,7 +107,8 @@ class ReceivedSource : public train::BatchSource {
 };
 
 // A target rank's loop: for its items from micro-batch `start` up to `end` (exclusive), the
-// target forward and a send to the trainer rank; at most `in_flight` sends outstanding.
+// target forward and, on the first rank of its group, a send to the trainer rank; at most
+// `in_flight` sends outstanding.
 // `batches` forms item i as Topology::target_work says; `accumulation` micro-batches make an
 // optimizer step (for the step numbers the timings carry). Returns early when `stop()` is true.
 void serve_features(dist::Comm& world, Topology topology, const models::TargetModel& target,

@@ -36,16 +36,18 @@ Rank join(const RunConfig& c) {
         c.batch_size, r.topology.trainers);
   }
   const int tp = static_cast<int>(c.target_tp);
+  if (c.target_ep && tp == 1) fail("--target-ep needs --target-tp T > 1 (the ranks to split over)");
   if (tp > 1) {
-    // What a tensor-parallel target does not do yet: each of these needs the whole target on
-    // a rank (or, disaggregated, target groups that send features to trainers).
-    if (r.topology.disaggregated()) {
-      fail("--target-tp {} is implemented for --topology colocated only", tp);
+    if (r.topology.disaggregated() && r.topology.targets % tp != 0) {
+      fail("--target-tp {} must divide --target-ranks {} (the target ranks form groups of {})", tp,
+           r.topology.targets, tp);
     }
-    if (r.world.world_size % tp != 0) {
+    if (!r.topology.disaggregated() && r.world.world_size % tp != 0) {
       fail("--target-tp {} must divide the {} ranks (--nproc-per-node, torchrun)", tp,
            r.world.world_size);
     }
+    // What a tensor-parallel target does not do yet: each of these needs the whole target on
+    // a rank.
     if (!c.eval_prompts.empty()) fail("--eval-prompts needs --target-tp 1 (generation)");
     if (!c.init_from_target_layers.empty()) {
       fail("--init-from-target-layers needs --target-tp 1 (whole target layers)");
@@ -54,11 +56,14 @@ Rank join(const RunConfig& c) {
   dist::CommOptions co;
   co.timeout = std::chrono::milliseconds(static_cast<int64_t>(c.timeout_s * 1000));
   r.comm = dist::Comm::create(r.world, r.device, co);
-  if (tp > 1) {
-    const int first = r.world.rank / tp * tp;
+  if (r.topology.disaggregated()) r.topology.group = tp;
+  // Groups of tp consecutive ranks: every rank colocated, the target ranks disaggregated.
+  const int grouped = r.topology.disaggregated() ? r.topology.trainers : 0;
+  if (tp > 1 && r.world.rank >= grouped) {
+    const int first = grouped + (r.world.rank - grouped) / tp * tp;
     std::vector<int> ranks;
     for (int i = first; i < first + tp; ++i) ranks.push_back(i);
-    r.target_group = r.comm->subgroup(ranks, fmt::format("target_tp_{}", first / tp));
+    r.target_group = r.comm->subgroup(ranks, fmt::format("target_tp_{}", (first - grouped) / tp));
   }
   if (r.topology.disaggregated() && r.trains()) {
     std::vector<int> ranks;

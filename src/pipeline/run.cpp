@@ -65,8 +65,10 @@ void load_target(Job& job) {
   job.target_config = models::load_model_config(fs::path(c.target) / "config.json");
   if (!r.trains() || !r.topology.disaggregated()) {
     job.target.emplace(
-        models::TargetModel::load(c.target, r.device, r.dtype, r.target_group.get()));
-    job.head = models::whole_target_head(*job.target);
+        models::TargetModel::load(c.target, r.device, r.dtype, r.target_group.get(), c.target_ep));
+    // A target-only rank needs no head (of a split target it is a gather: 2.5 GB for
+    // Qwen3-235B).
+    if (r.trains()) job.head = models::whole_target_head(*job.target);
   } else {
     job.head = models::load_target_head(c.target, r.device, r.dtype);
   }
@@ -173,8 +175,11 @@ void run_training(const RunConfig& c) {
         "{} rank(s) ({}: {} training{}), rank 0 on {}\n",
         c.target, tc.num_layers, tc.hidden_size, tc.vocab_size, c10::toString(r.dtype),
         seconds_since(t0), r.world.world_size, c.topology, r.topology.trainers,
-        r.topology.disaggregated() ? fmt::format(", {} running the target", r.topology.targets)
-                                   : std::string(),
+        r.topology.disaggregated()
+            ? fmt::format(", {} running the target{}", r.topology.targets,
+                          r.topology.group > 1 ? fmt::format(" in groups of {}", r.topology.group)
+                                               : std::string())
+            : std::string(),
         r.device.str());
     fmt::print("train: data {} ({} samples, {} tokens)\n", c.data, dataset.size(),
                dataset.tokens());

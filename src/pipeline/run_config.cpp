@@ -123,10 +123,17 @@ const std::vector<ConfigKey>& config_keys() {
        "disaggregated: how many ranks only run the target (the first world-T ranks train)",
        kAtLeastOne},
       {"target_tp", &RunConfig::target_tp,
-       "colocated: split the target over groups of this many consecutive ranks (tensor "
-       "parallel: heads, MLPs and vocabulary; Qwen3, Qwen2, Llama, Qwen3 MoE); each group runs "
-       "its members' micro-batches through it in turn, the drafters stay data parallel",
+       "split the target over groups of this many consecutive ranks (tensor parallel: heads, "
+       "MLPs and vocabulary; Qwen3, Qwen2, Llama, Qwen3 MoE). Colocated: each group runs its "
+       "members' micro-batches through it in turn, the drafters stay data parallel. "
+       "Disaggregated: the --target-ranks form groups of this many, each group one feature "
+       "source whose first rank sends to the trainers",
        kAtLeastOne},
+      {"target_ep", &RunConfig::target_ep,
+       "with --target-tp T: the MoE layers split by experts instead (expert parallel: each rank "
+       "holds E/T whole experts, a contiguous block, and reads only those; every rank routes "
+       "every token, the group sums the experts' outputs in the all-reduce the other layers use; "
+       "a shared expert stays split by its intermediate)"},
       {"prefetch", &RunConfig::prefetch, "micro-batches formed ahead / feature sends in flight",
        kAtLeastOne},
       {"overlap_target", &RunConfig::overlap_target,

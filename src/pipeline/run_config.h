@@ -65,7 +65,8 @@ struct RunConfig {
   std::string dtype = "auto";
   std::string topology = "colocated";  // or "disaggregated"
   int64_t target_ranks = 1;            // disaggregated: ranks that only run the target
-  int64_t target_tp = 1;               // colocated: ranks of a tensor-parallel target group
+  int64_t target_tp = 1;               // ranks of a tensor-parallel target group
+  bool target_ep = false;              // the group splits MoE layers by experts
   int64_t prefetch = 2;                // micro-batches formed / features in flight ahead
   bool overlap_target = false;         // colocated GPU: target forward on its own stream
   double timeout_s = 600;              // any wait between stages or ranks

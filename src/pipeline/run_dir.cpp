@@ -70,6 +70,7 @@ json run_config_json(const Job& job, const json& fingerprint) {
           {"world_size", job.rank.world.world_size},
           {"topology", c.topology},
           {"target_tp", c.target_tp},
+          {"target_ep", c.target_ep},
           {"trainer_ranks", job.rank.topology.trainers},
           {"device", job.rank.device.str()},
           {"dtype", c10::toString(job.rank.dtype)},
@@ -145,8 +146,8 @@ json check_resume(const Job& job, const fs::path& run_dir, const train::ResumePo
   }
   // The arithmetic too: an `auto` resolved otherwise (another GPU, another version's default)
   // changes the numerics from here on.
-  for (const char* key : {"target", "world_size", "topology", "target_tp", "dtype", "head_grad",
-                          "drafter_gemms", "prefill_gemms"}) {
+  for (const char* key : {"target", "world_size", "topology", "target_tp", "target_ep", "dtype",
+                          "head_grad", "drafter_gemms", "prefill_gemms"}) {
     if (saved.contains(key) && saved[key] != run_config[key]) {
       fmt::print("train: note: {} is {} (the run had {})\n", key, run_config[key].dump(),
                  saved[key].dump());

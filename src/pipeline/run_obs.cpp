@@ -56,6 +56,7 @@ void start_obs(const RunConfig& c, const Rank& r, const fs::path& run_dir, int64
       json job = {{"topology", c.topology},
                   {"ranks", r.world.world_size},
                   {"trainer_ranks", r.topology.trainers},
+                  {"target_tp", c.target_tp},
                   {"accumulation", c.accumulation},
                   {"batch_size", c.batch_size},
                   {"warmup_steps", warmup_steps},

@@ -1,8 +1,8 @@
 // Qwen3 MoE targets beyond the transformers parity of target_parity_test: the sparse MLP's two
 // expert GEMM paths against a per-token loop written from the math, the fused and per-expert
 // checkpoint layouts of the same weights, MoE configs (parsing, sparse-layer selection,
-// parameter counts), the dense drafter an MoE target gets, and on CUDA the grouped bf16 kernel
-// (skipped without a GPU).
+// parameter counts), the dense drafter an MoE target gets, the experts split over ranks
+// (--target-ep), and on CUDA the grouped bf16 kernel (skipped without a GPU).
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -83,6 +83,47 @@ INSTANTIATE_TEST_SUITE_P(
                       MoeCase{"Grouped64Top1", 64, 1, true, ExpertGemm::kGrouped},
                       MoeCase{"Auto64Top1", 64, 1, false, ExpertGemm::kAuto}),
     [](const auto& info) { return info.param.name; });
+
+// Expert parallelism (--target-ep): each of R ranks holds a contiguous block of the experts
+// (models::expert_range) and computes the part of every token's sum its experts contribute;
+// the parts add up to the whole layer, with both GEMM paths, with and without autograd.
+TEST(MoeMlpExpertParallel, PartsOfTheRanksSumToTheWhole) {
+  auto gen = models::seeded_generator(at::kCPU, 4);
+  const int64_t tokens = 23, h = 32, f = 12, experts = 6, top_k = 4;
+  auto x = at::randn({tokens, h}, gen);
+  auto router = at::randn({experts, h}, gen) * 0.5;
+  auto gate_up = at::randn({experts, 2 * f, h}, gen) * 0.2;
+  auto down = at::randn({experts, h, f}, gen) * 0.2;
+  const auto whole = per_token_reference(x, router, gate_up, down, top_k, true);
+  for (const auto gemm : {ExpertGemm::kLoop, ExpertGemm::kGrouped}) {
+    for (const bool grad : {false, true}) {
+      c10::AutoGradMode mode(grad);
+      for (int64_t ranks : {2, 3, 4}) {
+        SCOPED_TRACE(fmt::format("gemm {} grad {} ranks {}", static_cast<int>(gemm), grad, ranks));
+        auto sum = at::zeros_like(x);
+        for (int64_t r = 0; r < ranks; ++r) {
+          const auto mine = models::expert_range(experts, r, ranks);
+          ASSERT_GE(mine.count, 1);
+          sum += models::moe_mlp(x, router, gate_up.narrow(0, mine.first, mine.count),
+                                 down.narrow(0, mine.first, mine.count), top_k, true, gemm,
+                                 mine.first);
+        }
+        EXPECT_CLOSE(sum, whole, 1e-6);
+      }
+    }
+  }
+  // The blocks are contiguous, cover every expert once, and differ by at most one in size.
+  for (int64_t ranks : {1, 3, 4, 6}) {
+    int64_t next = 0;
+    for (int64_t r = 0; r < ranks; ++r) {
+      const auto mine = models::expert_range(experts, r, ranks);
+      EXPECT_EQ(mine.first, next);
+      EXPECT_LE(std::abs(mine.count - experts / ranks), 1);
+      next += mine.count;
+    }
+    EXPECT_EQ(next, experts);
+  }
+}
 
 // Expert outputs in a shuffled (sorted) order, the permutation back, and router weights.
 struct CombineInputs {
@@ -280,6 +321,30 @@ TEST_F(MoeGpu, GroupedBf16MatchesLoop) {
     auto grouped = models::moe_mlp(x, router, gate_up, down, 8, true, ExpertGemm::kAuto);
     auto loop = models::moe_mlp(x, router, gate_up, down, 8, true, ExpertGemm::kLoop);
     EXPECT_CLOSE(grouped, loop, 1e-2);
+  }
+}
+
+// Expert parallelism through the grouped bf16 kernel: the parts of 3 ranks (10, 11 and 11 of 32
+// experts; the other ranks' rows past the last offset are left unwritten by the GEMMs and must
+// come out zero) add up to the whole layer.
+TEST_F(MoeGpu, ExpertParallelPartsSumToTheWhole) {
+  c10::NoGradGuard no_grad;
+  auto gen = models::seeded_generator(at::kCUDA, 6);
+  const auto [router, gate_up, down] = gpu_experts(gen);
+  for (int64_t tokens : {5, 2048}) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens));
+    auto x = at::randn({tokens, kGpuHidden}, gen, router.options());
+    auto whole = models::moe_mlp(x, router, gate_up, down, 8, true, ExpertGemm::kAuto);
+    auto sum = at::zeros(x.sizes(), x.options().dtype(at::kFloat));
+    for (int64_t r = 0; r < 3; ++r) {
+      const auto mine = models::expert_range(router.size(0), r, 3);
+      auto part = models::moe_mlp(x, router, gate_up.narrow(0, mine.first, mine.count),
+                                  down.narrow(0, mine.first, mine.count), 8, true,
+                                  ExpertGemm::kAuto, mine.first);
+      ASSERT_TRUE(part.isfinite().all().item<bool>()) << "rank " << r;
+      sum += part.to(at::kFloat);
+    }
+    EXPECT_CLOSE(sum.to(whole.scalar_type()), whole, 2e-2);
   }
 }
 

@@ -11,6 +11,7 @@
 #include "common/file.h"
 #include "obs/report.h"
 #include "obs/stages.h"
+#include "obs/stats.h"
 #include "test_util.h"
 
 namespace dflash::obs {
@@ -67,6 +68,38 @@ TEST(ObsStages, HostTimeIsExclusiveAndAddsUp) {
     self |= os["tid"].get<int64_t>() == static_cast<int64_t>(::gettid());
   }
   EXPECT_TRUE(self) << snap["os_threads"].dump();
+}
+
+// GPU time, like host time, goes to the innermost open stage: a target forward with an
+// all-reduce scope inside it splits into the two, and they never overlap (issue 39).
+TEST(ObsStages, GpuTimeGoesToTheInnermostStage) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  configure({});
+  const at::Device cuda(at::kCUDA, 0);
+  auto a = at::randn({2048, 2048}, at::TensorOptions(cuda));
+  auto work = [&](int n) {
+    for (int i = 0; i < n; ++i) a = at::tanh(a.matmul(a) * 1e-3);
+  };
+  for (int64_t step = 1; step <= 4; ++step) {
+    begin_step(step, cuda);
+    Scope forward(Stage::kTargetForward, cuda);
+    work(4);
+    {
+      Scope reduce(Stage::kTargetAllReduce, cuda);
+      work(4);
+    }
+    work(4);
+  }
+  begin_step(5, cuda);  // steps 1-4 end at this boundary
+  synchronize(cuda);
+  const json gpu = snapshot(5)["gpu"];
+  const double forward = gpu["stages"].value("target_forward", 0.0);
+  const double reduce = gpu["stages"].value("target_allreduce", 0.0);
+  ASSERT_GT(forward, 0) << gpu.dump();
+  ASSERT_GT(reduce, 0) << gpu.dump();
+  // A third of the matmuls run inside the inner scope; the two add up to at most the wall.
+  EXPECT_NEAR(reduce / (forward + reduce), 1.0 / 3, 0.1) << gpu.dump();
+  EXPECT_LE(forward + reduce, gpu["wall_s"].get<double>() * 1.001) << gpu.dump();
 }
 
 // Two snapshots of one rank: a warm one and the last; stages in seconds of a 10 s window. With a
@@ -137,6 +170,50 @@ TEST(ObsReport, NamesTheTargetSideAndBalancesADisaggregatedRun) {
   // 8 GPUs: x targets give min(x / 0.5, (8 - x) / 0.3) shares/s, best at x = 5.
   EXPECT_EQ(b["best_targets_of_8"], 5);
   EXPECT_NE(format_report(a).find("bottleneck: targets"), std::string::npos) << format_report(a);
+  remove_tree(run);
+}
+
+// Disaggregated target groups (--target-tp 2): the balance counts a group of 2 ranks as the unit
+// (x target GPUs in multiples of 2 deliver x / 2 / t shares a second), and the report prints
+// the groups' all-reduce share of the target ranks' time.
+TEST(ObsReport, CountsTargetGroupsAndNamesTheirAllReduce) {
+  const fs::path run = testing::fresh_temp_dir("obs_report_groups");
+  fs::create_directories(run / "obs");
+  write_file_atomic(run / "obs" / "job.json", json{{"topology", "disaggregated"},
+                                                   {"ranks", 4},
+                                                   {"trainer_ranks", 2},
+                                                   {"target_tp", 2},
+                                                   {"accumulation", 1}}
+                                                  .dump());
+  // Trainers: 6 s busy of 10 for 20 shares -> 0.3 s a share.
+  for (int rank : {0, 1}) {
+    write_rank(run / "obs", rank, json{{"gpu_wait", 10.0}},
+               json{{"recv_wait", 4.0}, {"drafter_forward", 3.0}, {"backward", 3.0}}, 20);
+  }
+  // The group's two ranks: 5 s busy of 10 (2 of it in the all-reduce) for 20 shares -> 0.25 s.
+  for (int rank : {2, 3}) {
+    write_rank(run / "obs", rank, json{{"send_wait", 10.0}},
+               json{{"send_wait", 5.0}, {"target_forward", 3.0}, {"target_allreduce", 2.0}}, 20);
+  }
+  const json a = analyze_run(run);
+  const json& b = a["balance"];
+  EXPECT_EQ(b["target_group"], 2);
+  EXPECT_NEAR(b["target_s_per_share"].get<double>(), 0.25, 1e-9);
+  // Two GPUs of target per share: 2 x 0.25 against 0.3.
+  EXPECT_NEAR(b["target_fraction"].get<double>(), 0.5 / 0.8, 1e-9);
+  // 8 GPUs: x = 2, 4, 6 give min(x / 2 / 0.25, (8 - x) / 0.3) = 4, 8, 6.7 shares/s.
+  EXPECT_EQ(b["best_targets_of_8"], 4);
+  EXPECT_EQ(b["best_targets"], 2);
+  const json& r = a["target_allreduce"];
+  EXPECT_NEAR(r["share"].get<double>(), 0.2, 1e-9);
+  EXPECT_NEAR(r["of_target"].get<double>(), 0.4, 1e-9);
+  const std::string text = format_report(a);
+  for (const char* line :
+       {"target all-reduce: the tensor-parallel groups of 2 spend 20.0% of their ranks' time",
+        "balance: a target group (2 ranks, tensor parallel) takes 250.0 ms per trainer share",
+        "8 GPUs: 4 + 4, targets in groups of 2", "target_allreduce 20.0%"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << "\n" << text;
+  }
   remove_tree(run);
 }
 

@@ -3,8 +3,9 @@
 // transformers-written Qwen3, Llama and Qwen3 MoE model (tests/python/fixtures_tp.py; a
 // vocabulary that no T divides; and the FP8 block-quantised Qwen3 of fixtures_fp8.py) and must
 // return the taps of every layer and the logits of the
-// whole model, within 1e-5; splits the heads do not allow are refused, naming the config field
-// and T; random weights drawn on T ranks are the slices of one rank's.
+// whole model, within 1e-5, the Qwen3 MoE also split by experts (--target-ep); splits the heads
+// do not allow are refused, naming the config field and T; random weights drawn on T ranks are
+// the slices of one rank's.
 #include <gtest/gtest.h>
 
 #include <barrier>
@@ -90,10 +91,13 @@ struct Case {
   std::string model;
   int ranks;
   std::string refused;  // empty: splits; else what the error names
+  bool ep = false;      // the sparse layers split by experts
 };
 
 // CTest's listing names the case, not its bytes.
-void PrintTo(const Case& c, std::ostream* os) { *os << c.model << " over " << c.ranks; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.model << " over " << c.ranks << (c.ep ? " by experts" : "");
+}
 
 class TensorParallel : public ::testing::TestWithParam<Case> {};
 
@@ -113,11 +117,22 @@ TEST_P(TensorParallel, EqualsOneRank) {
   // The fixture itself is transformers' model.
   EXPECT_CLOSE(expected.logits, ref->tensor("logits"), 1e-4);
   auto run = [&](dist::Comm& comm) {
-    auto model = TargetModel::load(dir, at::kCPU, at::kFloat, &comm);
+    auto model = TargetModel::load(dir, at::kCPU, at::kFloat, &comm, c.ep);
     EXPECT_EQ(model.tp_size(), c.ranks);
-    // Each rank holds its slices only.
+    // Each rank holds its slices only: by experts, its whole experts and no other's.
     EXPECT_LT(model.layers()[0].w_qkv.size(0), one.layers()[0].w_qkv.size(0));
     EXPECT_LT(model.embedding().size(0), one.embedding().size(0));
+    if (c.ep) {
+      const auto mine = models::expert_range(one.config().num_experts, comm.rank(), c.ranks);
+      EXPECT_EQ(model.first_expert(), mine.first);
+      for (size_t i = 0; i < one.layers().size(); ++i) {
+        const auto& all = one.layers()[i].experts_gate_up;
+        if (!all.defined()) continue;
+        const auto& held = model.layers()[i].experts_gate_up;
+        EXPECT_EQ(held.sizes(), all.narrow(0, mine.first, mine.count).sizes()) << "layer " << i;
+        EXPECT_TRUE(at::equal(held, all.narrow(0, mine.first, mine.count))) << "layer " << i;
+      }
+    }
     return model.forward(tokens, batch, {taps, Logits::kAll});
   };
   if (!c.refused.empty()) {
@@ -133,7 +148,7 @@ TEST_P(TensorParallel, EqualsOneRank) {
   // Logits of each sequence's last token alone, and features without logits (the training
   // prefill, which stops after the last tapped layer).
   const auto last = on_ranks(c.ranks, [&](dist::Comm& comm) {
-    auto model = TargetModel::load(dir, at::kCPU, at::kFloat, &comm);
+    auto model = TargetModel::load(dir, at::kCPU, at::kFloat, &comm, c.ep);
     auto out = model.forward(tokens, batch, {{1}, Logits::kLast});
     out.taps.push_back(model.forward(tokens, batch, {{layers - 2}, Logits::kNone}).taps[0]);
     return out;
@@ -150,11 +165,15 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"tp/llama_tp", 3, ""}, Case{"tp/llama_tp", 4, ""},
                       Case{"tp/qwen3_moe_tp", 2, ""}, Case{"tp/qwen3_moe_tp", 3, ""},
                       Case{"tp/qwen3_moe_tp", 4, ""},
+                      // Expert parallel: 6 experts over 2, 3 and 4 ranks (1 or 2 each).
+                      Case{"tp/qwen3_moe_tp", 2, "", true}, Case{"tp/qwen3_moe_tp", 3, "", true},
+                      Case{"tp/qwen3_moe_tp", 4, "", true},
                       // An FP8 block-quantised checkpoint: each rank dequantises, then slices.
                       Case{"fp8/qwen3_fp8", 2, ""}),
     [](const ::testing::TestParamInfo<Case>& info) {
       const auto& m = info.param.model;
-      return m.substr(m.find('/') + 1) + "_tp" + std::to_string(info.param.ranks);
+      return m.substr(m.find('/') + 1) + "_tp" + std::to_string(info.param.ranks) +
+             (info.param.ep ? "_ep" : "");
     });
 
 TEST(TensorParallelConfig, RefusesWhatDoesNotSplit) {
@@ -177,6 +196,22 @@ TEST(TensorParallelConfig, RefusesWhatDoesNotSplit) {
   c.intermediate_size = 250;
   EXPECT_NE(error_of([&] { models::check_tensor_parallel(c, 4); }).find("intermediate_size = 250"),
             std::string::npos);
+  // By experts the experts' intermediate need not split, but every rank needs an expert.
+  c = models::preset_config("tiny-moe");
+  c.num_kv_heads = 4;
+  c.moe_intermediate_size = 30;
+  EXPECT_NO_THROW(models::check_tensor_parallel(c, 2, /*expert_parallel=*/true));
+  c.num_experts = 3;
+  EXPECT_NE(error_of([&] {
+              models::check_tensor_parallel(c, 4, true);
+            }).find("--target-tp 4 --target-ep: config.json's num_experts = 3 leaves some rank"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { models::check_tensor_parallel(c, 1, true); }).find("--target-tp 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              models::check_tensor_parallel(models::preset_config("tiny"), 2, true);
+            }).find("no sparse (MoE) layers"),
+            std::string::npos);
   for (const char* preset : {"tiny-qwen3.5", "tiny-gpt-oss"}) {
     const std::string e =
         error_of([&] { models::check_tensor_parallel(models::preset_config(preset), 2); });
@@ -185,7 +220,7 @@ TEST(TensorParallelConfig, RefusesWhatDoesNotSplit) {
 }
 
 // TargetModel::random on 2 ranks keeps the slices of the weights one rank draws (dense and
-// sparse layers).
+// sparse layers, the sparse ones by experts too).
 TEST(TensorParallelRandom, SlicesOfOneRanksWeights) {
   for (const char* preset : {"tiny", "tiny-moe"}) {
     const auto config = models::preset_config(preset);
@@ -193,12 +228,18 @@ TEST(TensorParallelRandom, SlicesOfOneRanksWeights) {
     const auto tokens = at::randint(config.vocab_size, {12}, at::kLong);
     const ForwardRequest request{{0, 3}, Logits::kAll};
     auto one = TargetModel::random(config, at::kCPU, at::kFloat, 7);
-    const auto results = on_ranks(2, [&](dist::Comm& comm) {
-      return TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm)
-          .forward(tokens, batch, request);
-    });
     const auto expected = one.forward(tokens, batch, request);
-    for (int r = 0; r < 2; ++r) expect_same_outputs(results[r], expected, preset);
+    for (const bool ep : {false, true}) {
+      if (ep && config.arch != models::Architecture::kQwen3Moe) continue;
+      const auto results = on_ranks(2, [&](dist::Comm& comm) {
+        return TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm, ep)
+            .forward(tokens, batch, request);
+      });
+      for (int r = 0; r < 2; ++r) {
+        expect_same_outputs(results[r], expected,
+                            fmt::format("{}{}", preset, ep ? " by experts" : ""));
+      }
+    }
   }
 }
 
