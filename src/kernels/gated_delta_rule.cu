@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -84,12 +85,6 @@ struct Scratch {
   float* fac;    // [.., 2, 64]: exp(c_i) |q_i|^-1 Dk^-0.5, exp(c_last - c_i) |k_i|^-1
   float* decay;  // [..]: exp(c_last)
 };
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 
 constexpr size_t kPrepareSmem =
     sizeof(float) * (2 * kChunk * kPad + kChunk * (kChunk + 1) + 5 * kChunk);
