@@ -22,7 +22,7 @@ void add_pretrain_command(CLI::App& app) {
                                  "ShareGPT JSONL) and write it as a Hugging Face model directory");
   cmd->add_option("--data", o->data, "training JSONL file(s)")->required();
   cmd->add_option("--eval-data", o->eval_data, "validation JSONL file(s): loss on answer tokens");
-  cmd->add_option("--out", o->out, "output model directory")->required();
+  add_out_option(*cmd, o->out, "output model directory");
   cmd->add_option("--tokenizer", o->tokenizer,
                   "directory with tokenizer.json and tokenizer_config.json (default: the "
                   "built-in GSM8K tokenizer, examples/gsm8k)");
@@ -117,8 +117,7 @@ void add_pretrain_command(CLI::App& app) {
       ->capture_default_str()
       ->check(kNonNegative.validator());
   cmd->add_option("--seed", o->seed, "weights and data order")->capture_default_str();
-  cmd->add_option("--device", o->device, "auto (CUDA when present), cpu, cuda, cuda:N")
-      ->capture_default_str();
+  add_device_option(*cmd, o->device);
   cmd->add_option("--log-seconds", o->log_seconds, "seconds between progress lines")
       ->capture_default_str()
       ->check(kNonNegative.validator());

@@ -18,6 +18,7 @@
 #include "common/random.h"
 #include "common/upload.h"
 #include "data/chat.h"
+#include "dist/world.h"
 #include "io/safetensors.h"
 #include "tokenizer/builtin.h"
 #include "train/optim.h"
@@ -181,7 +182,7 @@ void write_hf_model(const fs::path& dir, const models::TargetModel& model) {
 
 PretrainSummary pretrain(const PretrainOptions& o) {
   if (o.data.empty() || o.out.empty()) fail("pretrain: --data and --out are required");
-  const at::Device device(o.device == "auto" ? (at::hasCUDA() ? "cuda" : "cpu") : o.device);
+  const at::Device device = dist::device_for(dist::world_from_env(), o.device);
   // bf16 compute over fp32 master weights on the GPU; fp32 throughout on the CPU.
   const at::ScalarType compute = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   const fs::path out(o.out);

@@ -100,7 +100,7 @@ struct PretrainOptions {
   int64_t max_eval_samples = 0;  // of --eval-data; 0: all
   int64_t eval_every = 0;        // steps; 0: only at the end
   uint64_t seed = 0;
-  std::string device = "auto";  // auto: cuda if available
+  std::string device = "auto";  // as dist::device_for reads it (auto: cuda:LOCAL_RANK if present)
   double log_seconds = 10.0;
 };
 
