@@ -149,6 +149,48 @@ void print_outcome(const Job& job, const fs::path& run_dir, int64_t done, const 
              run_dir.string());
 }
 
+// Rank 0's lines on the loaded target, the ranks and the data.
+void print_loaded(const Job& job, const data::Dataset& dataset, double load_seconds) {
+  const RunConfig& c = job.config;
+  const Rank& r = job.rank;
+  const auto& tc = job.target_config;
+  fmt::print(
+      "train: target {} ({} layers, hidden {}, vocabulary {}) in {}, loaded in {:.1f} s; "
+      "{} rank(s) ({}: {} training{}), rank 0 on {}\n",
+      c.target, tc.num_layers, tc.hidden_size, tc.vocab_size, c10::toString(r.dtype), load_seconds,
+      r.world.world_size, c.topology, r.topology.trainers,
+      r.topology.disaggregated()
+          ? fmt::format(", {} running the target{}", r.topology.targets,
+                        r.topology.group > 1 ? fmt::format(" in groups of {}", r.topology.group)
+                                             : std::string())
+          : std::string(),
+      r.device.str());
+  fmt::print("train: data {} ({} samples, {} tokens)\n", c.data, dataset.size(), dataset.tokens());
+}
+
+// A trainer rank's drafter, the same on every rank (rank 0's broadcast), with the warning
+// about a tap of the target's last layer.
+void build_drafter(Job& job, bool resuming) {
+  job.drafter.emplace(make_drafter(job, resuming));
+  broadcast_drafter(job);
+  const auto warning = train::last_layer_tap_warning(job.drafter->config());
+  if (job.rank.leads() && !warning.empty()) {
+    fmt::print(stderr,
+               "train: WARNING: {}; `dflash export` refuses such a drafter unless "
+               "--allow-last-layer-tap\n",
+               warning);
+  }
+}
+
+// The checkpoint this rank resumes from (none for a fresh run): rank 0's the one it verified,
+// the others' the one of the same step.
+fs::path resume_checkpoint(const Rank& r, const fs::path& run_dir, const Resume& resume,
+                           const Start& start) {
+  if (start.resume_step < 0) return {};
+  if (r.leads()) return resume.point.checkpoint;
+  return run_dir / fmt::format("step-{:08d}", start.resume_step);
+}
+
 }  // namespace
 
 void run_training(const RunConfig& c) {
@@ -169,35 +211,11 @@ void run_training(const RunConfig& c) {
   auto dataset = data::Dataset::open(c.data);
   DatasetSamples samples(dataset);
   job.samples = &samples;
-  if (r.leads()) {
-    fmt::print(
-        "train: target {} ({} layers, hidden {}, vocabulary {}) in {}, loaded in {:.1f} s; "
-        "{} rank(s) ({}: {} training{}), rank 0 on {}\n",
-        c.target, tc.num_layers, tc.hidden_size, tc.vocab_size, c10::toString(r.dtype),
-        seconds_since(t0), r.world.world_size, c.topology, r.topology.trainers,
-        r.topology.disaggregated()
-            ? fmt::format(", {} running the target{}", r.topology.targets,
-                          r.topology.group > 1 ? fmt::format(" in groups of {}", r.topology.group)
-                                               : std::string())
-            : std::string(),
-        r.device.str());
-    fmt::print("train: data {} ({} samples, {} tokens)\n", c.data, dataset.size(),
-               dataset.tokens());
-  }
+  if (r.leads()) print_loaded(job, dataset, seconds_since(t0));
   GlobalStream probe(samples, stream_options_of(c), drafter_config(c, tc, false));
   job.batches_per_epoch = probe.batches_per_epoch();
   job.steps = total_steps(c, job.batches_per_epoch);
-  if (r.trains()) {
-    job.drafter.emplace(make_drafter(job, resume.resuming));
-    broadcast_drafter(job);
-    const auto warning = train::last_layer_tap_warning(job.drafter->config());
-    if (r.leads() && !warning.empty()) {
-      fmt::print(stderr,
-                 "train: WARNING: {}; `dflash export` refuses such a drafter unless "
-                 "--allow-last-layer-tap\n",
-                 warning);
-    }
-  }
+  if (r.trains()) build_drafter(job, resume.resuming);
   resolve(job, run_dir);
   std::optional<RunLog> log;
   json start_record = json::object();
@@ -210,13 +228,8 @@ void run_training(const RunConfig& c) {
   const Start start = agree_on_run_start(r, run_dir, resume.resuming ? resume.point.step : -1);
   start_obs(c, r, run_dir, /*warmup_steps=*/1, job.steps, start, start_record);
   prepare_eval(job);
-  // Rank 0 resumes from the checkpoint it verified, the others from the one of the same step.
-  const fs::path resume_from = start.resume_step < 0 ? fs::path()
-                               : r.leads()
-                                   ? resume.point.checkpoint
-                                   : run_dir / fmt::format("step-{:08d}", start.resume_step);
   const int64_t done = run_rank(
-      job, resume_from,
+      job, resume_checkpoint(r, run_dir, resume, start),
       [&](const train::StepLog& l) {
         if (log) log->add(l);
         if (r.world.rank == kill_rank && l.step == kill_step) ::raise(SIGKILL);
