@@ -1,6 +1,7 @@
 // `dflash eval`: a drafter's real acceptance and speed-up by speculative decoding over prompt
 // files, checked token for token against the target's own greedy output (eval/evaluate.h); at
-// --temperature > 0 by speculative sampling, not compared.
+// --temperature > 0 by speculative sampling, not compared; with --tree-budget also by tree
+// verification, side by side.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -89,6 +90,12 @@ void add_eval_command(CLI::App& app) {
       ->check(kAtLeastOne.validator());
   cmd->add_option("--block-size", o->eval.block_size, "drafted block (default: the drafter's)")
       ->check(at_least(2).validator());
+  cmd->add_option("--tree-budget", o->eval.tree_budget,
+                  "also decode with tree verification (DDTree): a tree of up to N drafted "
+                  "tokens per step from the drafter's distributions, reported beside the chain "
+                  "(0: chain only; not for hybrid targets)")
+      ->capture_default_str()
+      ->check(kNonNegative.validator());
   cmd->add_option("--limit", o->limit, "first N prompts of each file (0: all)")
       ->capture_default_str()
       ->check(kNonNegative.validator());

@@ -132,6 +132,11 @@ double FileReport::speedup() const {
   const double t = target_tokens_per_s();
   return t > 0 ? speculative_tokens_per_s() / t : 0.0;
 }
+double FileReport::tree_tokens_per_s() const { return rate(tree.generated_tokens, tree.seconds); }
+double FileReport::tree_speedup() const {
+  const double t = target_tokens_per_s();
+  return t > 0 ? tree_tokens_per_s() / t : 0.0;
+}
 int64_t FileReport::mismatches() const {
   return std::count_if(divergences.begin(), divergences.end(),
                        [](const Divergence& d) { return !d.tie; });
@@ -147,7 +152,8 @@ json FileReport::to_json() const {
                     {"target_token", d.target_token},
                     {"speculative_token", d.speculative_token},
                     {"logit_gap", std::isfinite(d.logit_gap) ? json(d.logit_gap) : json(nullptr)},
-                    {"tie", d.tie}});
+                    {"tie", d.tie},
+                    {"tree", d.tree}});
   }
   json skips = json::array();
   for (const auto& s : skipped) {
@@ -157,26 +163,37 @@ json FileReport::to_json() const {
                      {"tokens", s.tokens},
                      {"context", s.context}});
   }
-  return {{"file", name},
-          {"prompts", prompts},
-          {"skipped", skips},
-          {"turns", turns},
-          {"block_size", block_size},
-          {"tau", speculative.tau()},
-          {"committed_histogram", speculative.committed},
-          {"verify_steps", speculative.verify_steps},
-          {"generated_tokens", speculative.generated_tokens},
-          {"target_tokens_per_s", target_tokens_per_s()},
-          {"speculative_tokens_per_s", speculative_tokens_per_s()},
-          {"speedup", speedup()},
-          {"target_seconds", target.seconds},
-          {"speculative_seconds", speculative.seconds},
-          {"wall_seconds", wall_seconds},
-          {"temperature", temperature},
-          {"exactness_checked", temperature <= 0},
-          {"mismatches", mismatches()},
-          {"ties", ties()},
-          {"divergences", divs}};
+  json out = {{"file", name},
+              {"prompts", prompts},
+              {"skipped", skips},
+              {"turns", turns},
+              {"block_size", block_size},
+              {"tau", speculative.tau()},
+              {"committed_histogram", speculative.committed},
+              {"verify_steps", speculative.verify_steps},
+              {"generated_tokens", speculative.generated_tokens},
+              {"target_tokens_per_s", target_tokens_per_s()},
+              {"speculative_tokens_per_s", speculative_tokens_per_s()},
+              {"speedup", speedup()},
+              {"target_seconds", target.seconds},
+              {"speculative_seconds", speculative.seconds},
+              {"wall_seconds", wall_seconds},
+              {"temperature", temperature},
+              {"exactness_checked", temperature <= 0},
+              {"mismatches", mismatches()},
+              {"ties", ties()},
+              {"divergences", divs}};
+  if (tree_budget > 0) {
+    out["tree"] = {{"budget", tree_budget},
+                   {"tau", tree.tau()},
+                   {"committed_histogram", tree.committed},
+                   {"verify_steps", tree.verify_steps},
+                   {"generated_tokens", tree.generated_tokens},
+                   {"tokens_per_s", tree_tokens_per_s()},
+                   {"speedup", tree_speedup()},
+                   {"seconds", tree.seconds}};
+  }
+  return out;
 }
 
 int64_t EvalReport::mismatches() const {
@@ -306,7 +323,6 @@ EvalReport Evaluator::evaluate(const models::Drafter& drafter) const {
 
 EvalReport Evaluator::evaluate(DraftSource& drafter) const {
   EvalReport report;
-  const int64_t budget = options_.max_new_tokens;
   ProgressLine progress("eval", options_.progress_seconds, options_.progress_seconds > 0);
   for (const File& f : files_) {
     FileReport r;
@@ -316,50 +332,66 @@ EvalReport Evaluator::evaluate(DraftSource& drafter) const {
     r.target = f.target;
     r.skipped = f.skipped;
     r.temperature = options_.sampling.temperature;
+    for (const auto& round : f.rounds) r.turns += static_cast<int64_t>(round.size());
     const auto t0 = std::chrono::steady_clock::now();
-    progress.restart("eval");
-    int64_t total_turns = 0;
-    for (const auto& round : f.rounds) total_turns += static_cast<int64_t>(round.size());
-    for (size_t k = 0; k < f.rounds.size(); ++k) {
-      const auto& round = f.rounds[k];
-      SpeculativeOptions o;
-      o.sampling = options_.sampling;
-      o.max_new_tokens = options_.max_new_tokens;
-      o.stop_tokens = options_.stop_tokens;
-      o.slots = options_.slots;
-      o.context = f.contexts[k];
-      o.cuda_graph = options_.cuda_graph;
-      if (options_.progress_seconds > 0) {
-        o.progress = [&](const DecodeProgress& d) {
-          if (!progress.due()) return;
-          const int64_t turns = r.turns + d.finished;
-          progress.update(
-              static_cast<double>(turns * budget + d.generated_tokens - d.finished_tokens),
-              static_cast<double>(total_turns * budget),
-              r.speculative.generated_tokens + d.generated_tokens,
-              fmt::format("{}: speculative {}/{} turns", f.name, turns, total_turns));
-        };
-      }
-      SpeculativeDecoder decoder(target_, drafter, o);
-      std::vector<std::vector<int64_t>> prompts;
-      for (const Turn& t : round) prompts.push_back(t.tokens);
-      SpeculativeStats stats;
-      const auto got =
-          decoder.generate(prompts, &stats, turn_first_id(k, static_cast<size_t>(f.prompts)));
-      r.speculative.add(stats);
-      r.turns += static_cast<int64_t>(round.size());
-      if (!options_.sampling.greedy()) continue;
-      for (size_t j = 0; j < round.size(); ++j) {
-        if (got[j].tokens != round[j].answer.tokens || got[j].finish != round[j].answer.finish) {
-          r.divergences.push_back(compare(round[j], got[j]));
-        }
-      }
+    r.speculative = decode(f, drafter, 0, progress, r.divergences);
+    if (options_.tree_budget > 0) {
+      r.tree_budget = options_.tree_budget;
+      r.tree = decode(f, drafter, options_.tree_budget, progress, r.divergences);
     }
     r.wall_seconds = f.seconds + seconds_since(t0);
-    progress.close();
     report.files.push_back(std::move(r));
   }
   return report;
+}
+
+SpeculativeStats Evaluator::decode(const File& f, DraftSource& drafter, int64_t tree_budget,
+                                   ProgressLine& progress,
+                                   std::vector<Divergence>& divergences) const {
+  const int64_t budget = options_.max_new_tokens;
+  const std::string what = tree_budget > 0 ? fmt::format("tree of {}", tree_budget) : "speculative";
+  progress.restart("eval");
+  int64_t total_turns = 0, turns_done = 0;
+  for (const auto& round : f.rounds) total_turns += static_cast<int64_t>(round.size());
+  SpeculativeStats all;
+  for (size_t k = 0; k < f.rounds.size(); ++k) {
+    const auto& round = f.rounds[k];
+    SpeculativeOptions o;
+    o.sampling = options_.sampling;
+    o.max_new_tokens = options_.max_new_tokens;
+    o.stop_tokens = options_.stop_tokens;
+    o.slots = options_.slots;
+    o.context = f.contexts[k];
+    o.cuda_graph = options_.cuda_graph;
+    o.tree_budget = tree_budget;
+    if (options_.progress_seconds > 0) {
+      o.progress = [&](const DecodeProgress& d) {
+        if (!progress.due()) return;
+        const int64_t turns = turns_done + d.finished;
+        progress.update(
+            static_cast<double>(turns * budget + d.generated_tokens - d.finished_tokens),
+            static_cast<double>(total_turns * budget), all.generated_tokens + d.generated_tokens,
+            fmt::format("{}: {} {}/{} turns", f.name, what, turns, total_turns));
+      };
+    }
+    SpeculativeDecoder decoder(target_, drafter, o);
+    std::vector<std::vector<int64_t>> prompts;
+    for (const Turn& t : round) prompts.push_back(t.tokens);
+    SpeculativeStats stats;
+    const auto got =
+        decoder.generate(prompts, &stats, turn_first_id(k, static_cast<size_t>(f.prompts)));
+    all.add(stats);
+    turns_done += static_cast<int64_t>(round.size());
+    if (!options_.sampling.greedy()) continue;
+    for (size_t j = 0; j < round.size(); ++j) {
+      if (got[j].tokens != round[j].answer.tokens || got[j].finish != round[j].answer.finish) {
+        divergences.push_back(compare(round[j], got[j]));
+        divergences.back().tree = tree_budget > 0;
+      }
+    }
+  }
+  progress.close();
+  return all;
 }
 
 Divergence Evaluator::compare(const Turn& turn, const Completion& got) const {
@@ -421,8 +453,16 @@ std::string format_report(const EvalReport& report) {
     out += fmt::format(
         "\n  target-only {:.1f} tokens/s, speculative {:.1f} tokens/s, speed-up {:.2f}x\n",
         f.target_tokens_per_s(), f.speculative_tokens_per_s(), f.speedup());
-    out += fmt::format("  wall {:.2f} s (target-only {:.2f} s, speculative {:.2f} s)\n",
-                       f.wall_seconds, f.target.seconds, s.seconds);
+    if (f.tree_budget > 0) {
+      out += fmt::format(
+          "  tree of {} drafts: tau {:.3f} (chain {:.3f}), {:.1f} tokens/s, speed-up {:.2f}x "
+          "(chain {:.2f}x)\n",
+          f.tree_budget, f.tree.tau(), s.tau(), f.tree_tokens_per_s(), f.tree_speedup(),
+          f.speedup());
+    }
+    out += fmt::format("  wall {:.2f} s (target-only {:.2f} s, speculative {:.2f} s{})\n",
+                       f.wall_seconds, f.target.seconds, s.seconds,
+                       f.tree_budget > 0 ? fmt::format(", tree {:.2f} s", f.tree.seconds) : "");
     if (!f.skipped.empty()) {
       out += fmt::format("  {} prompt(s) SKIPPED, longer than the context (--skip-overlong):",
                          f.skipped.size());
@@ -437,16 +477,17 @@ std::string format_report(const EvalReport& report) {
           "target's output is for greedy decoding only)\n",
           f.temperature);
     } else if (f.divergences.empty()) {
-      out += fmt::format("  speculative output == target greedy output on all {} turns{}\n",
-                         f.turns, f.skipped.empty() ? "" : " decoded");
+      out += fmt::format("  speculative output{} == target greedy output on all {} turns{}\n",
+                         f.tree_budget > 0 ? " (chain and tree)" : "", f.turns,
+                         f.skipped.empty() ? "" : " decoded");
     } else {
       out += fmt::format("  {} MISMATCHES and {} numerical ties against target greedy output:\n",
                          f.mismatches(), f.ties());
       for (const auto& d : f.divergences) {
         out += fmt::format(
-            "    prompt {} turn {} token {}: target {} vs speculative {} (logit gap {:.4g}){}\n",
-            d.prompt, d.turn, d.position, d.target_token, d.speculative_token, d.logit_gap,
-            d.tie ? ", a tie" : "");
+            "    prompt {} turn {} token {}: target {} vs speculative{} {} (logit gap {:.4g}){}\n",
+            d.prompt, d.turn, d.position, d.target_token, d.tree ? " (tree)" : "",
+            d.speculative_token, d.logit_gap, d.tie ? ", a tie" : "");
       }
     }
   }

@@ -15,6 +15,7 @@
 
 #include "data/chat.h"
 #include "eval/generator.h"
+#include "eval/progress.h"
 #include "eval/speculative.h"
 #include "models/drafter.h"
 #include "models/target.h"
@@ -61,6 +62,9 @@ struct EvalOptions {
   bool skip_overlong = false;
   // Progress lines on stderr (eval/progress.h) every this many seconds in a log; 0: none.
   double progress_seconds = 0;
+  // > 0: each file is decoded a second time with tree verification (SpeculativeOptions::
+  // tree_budget) and reported beside the chain.
+  int64_t tree_budget = 0;
 };
 
 // A prompt left out because a turn of it does not fit the context (--skip-overlong).
@@ -76,6 +80,7 @@ struct Divergence {
   int64_t target_token = -1, speculative_token = -1;  // -1: that answer ended there
   double logit_gap = 0;  // |logit(target) - logit(speculative)| at that position
   bool tie = false;
+  bool tree = false;  // in the tree-verified run
 };
 
 struct FileReport {
@@ -84,14 +89,18 @@ struct FileReport {
   int64_t block_size = 0;
   GenerationStats target;  // target-only greedy
   SpeculativeStats speculative;
-  std::vector<Divergence> divergences;
-  std::vector<SkippedPrompt> skipped;  // --skip-overlong: not decoded, not compared
-  double temperature = 0;              // > 0: sampled, outputs not compared
-  double wall_seconds = 0;             // both runs
+  int64_t tree_budget = 0;  // > 0: decoded again with trees of that many drafts (EvalOptions)
+  SpeculativeStats tree;
+  std::vector<Divergence> divergences;  // of either run
+  std::vector<SkippedPrompt> skipped;   // --skip-overlong: not decoded, not compared
+  double temperature = 0;               // > 0: sampled, outputs not compared
+  double wall_seconds = 0;              // both runs
 
   double target_tokens_per_s() const;
   double speculative_tokens_per_s() const;
   double speedup() const;
+  double tree_tokens_per_s() const;
+  double tree_speedup() const;
   int64_t mismatches() const;  // divergences that are not ties
   int64_t ties() const;
   nlohmann::json to_json() const;
@@ -134,6 +143,10 @@ class Evaluator {
     double seconds = 0;
   };
   Divergence compare(const Turn& turn, const Completion& got) const;
+  // Decodes every round of `f` speculatively (tree_budget > 0: with tree verification),
+  // appending divergences from the target's answers (greedy only).
+  SpeculativeStats decode(const File& f, DraftSource& drafter, int64_t tree_budget,
+                          ProgressLine& progress, std::vector<Divergence>& divergences) const;
 
   const models::TargetModel& target_;
   EvalOptions options_;

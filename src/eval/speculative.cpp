@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/upload.h"
+#include "eval/draft_tree.h"
 #include "eval/slots.h"
 
 namespace dflash::eval {
@@ -59,6 +60,18 @@ SampledDraft DFlashDraftSource::draft_sampled(const std::vector<int64_t>& slots,
   return {sample_from_probs(probs, uniforms), probs};
 }
 
+at::Tensor DraftSource::draft_probs(const std::vector<int64_t>& slots,
+                                    const std::vector<int64_t>& last, int64_t vocab) {
+  return at::one_hot(draft(slots, last).to(at::kLong), vocab).to(at::kFloat);
+}
+
+at::Tensor DFlashDraftSource::draft_probs(const std::vector<int64_t>& slots,
+                                          const std::vector<int64_t>& last, int64_t) {
+  auto logits =
+      model_.logits(*cache_, slots, upload_to(model_.device(), at::tensor(last, at::kLong)));
+  return at::softmax(logits.to(at::kFloat), -1);
+}
+
 at::Tensor DraftSource::draft_at(const AppendBatch&, const at::Tensor&) {
   fail("speculative: this draft source cannot draft inside a captured step");
 }
@@ -106,6 +119,21 @@ int64_t resolve_context(const models::TargetModel& target, const SpeculativeOpti
   return context;
 }
 
+// Rows a verify pass appends past a slot's committed tokens at most: a block, or a tree's root
+// and drafted nodes.
+int64_t verify_rows(const models::TargetModel& target, const DraftSource& drafter,
+                    const SpeculativeOptions& o) {
+  if (o.tree_budget < 0)
+    fail("speculative: --tree-budget must be 0 or positive, got {}", o.tree_budget);
+  if (o.tree_budget > 0 && target.config().is_hybrid()) {
+    fail(
+        "speculative: --tree-budget {}: {}'s linear-attention layers keep one state per sequence, "
+        "which cannot follow a tree's branches; verify chains (--tree-budget 0)",
+        o.tree_budget, models::architecture_name(target.config().arch));
+  }
+  return std::max(drafter.block_size(), o.tree_budget + 1);
+}
+
 }  // namespace
 
 // The verify pass over every slot, captured once: each slot runs a whole block. Its inputs are
@@ -150,8 +178,8 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
       drafter_(drafter),
       options_(std::move(options)),
       cache_(target.config(), options_.slots,
-             resolve_context(target, options_) + drafter.block_size(), target.device(),
-             target.dtype()) {
+             resolve_context(target, options_) + verify_rows(target, drafter, options_),
+             target.device(), target.dtype()) {
   if (options_.max_new_tokens <= 0) {
     fail("speculative: --max-new-tokens must be positive, got {}", options_.max_new_tokens);
   }
@@ -164,8 +192,10 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
   // the accepted prefix.
   cache_.keep_block_states(drafter_.block_size());
   drafter_.start(options_.slots, options_.context);
-  whole_step_ = options_.whole_step && options_.sampling.greedy() && drafter_.capturable();
-  if (options_.cuda_graph && cuda_graph_capable(target_)) capture_graph();
+  const bool tree = options_.tree_budget > 0;
+  whole_step_ = options_.whole_step && options_.sampling.greedy() && drafter_.capturable() && !tree;
+  // A tree's shape changes with the drafter's distributions: its verify runs eagerly.
+  if (options_.cuda_graph && cuda_graph_capable(target_) && !tree) capture_graph();
 }
 
 void SpeculativeDecoder::capture_graph() {
@@ -216,6 +246,9 @@ class SpeculativeDecoder::Session {
     std::vector<int64_t> tokens;
     std::vector<int64_t> offsets, starts;  // per active slot
     std::vector<int64_t> accepted, next;   // per active slot
+    // Tree verification: per active slot, the accepted nodes (their indices in its block, the
+    // root being 0); empty for chains, whose accepted drafts are tokens 1..accepted.
+    std::vector<std::vector<int64_t>> paths;
     std::vector<at::Tensor> taps;
     bool context_written = false;  // the drafter holds the block's context, to be counted
   };
@@ -266,6 +299,10 @@ class SpeculativeDecoder::Session {
   // each slot's last token and positions into the graph; else over the active slots. One copy
   // brings the block tokens and verdicts back.
   Verified step_whole(const std::vector<int64_t>& active);
+  // Tree verification: a draft tree per active slot from the source's distributions, one target
+  // pass over all of them, and each slot's path walked by the target's own choices (greedy, or
+  // drawn with the token draws plain decoding uses at those indices).
+  Verified verify_tree(const std::vector<int64_t>& active, const std::vector<int64_t>& last);
   // One draft and one verify pass for every occupied slot; false when none is occupied.
   bool step();
 
@@ -575,41 +612,108 @@ SpeculativeDecoder::Session::Verified SpeculativeDecoder::Session::step_whole(
   return v;
 }
 
+SpeculativeDecoder::Session::Verified SpeculativeDecoder::Session::verify_tree(
+    const std::vector<int64_t>& active, const std::vector<int64_t>& last) {
+  const int64_t budget = d_.options_.tree_budget, vocab = target_.config().vocab_size;
+  auto probs = drafter_.draft_probs(active, last, vocab).to(at::kFloat);
+  auto [top_probs, top_tokens] = probs.topk(std::min(budget, vocab), -1);
+  top_probs = top_probs.cpu();
+  top_tokens = top_tokens.cpu();
+  Verified v;
+  std::vector<DraftTree> trees;
+  std::vector<std::vector<int64_t>> parents;
+  for (size_t i = 0; i < active.size(); ++i) {
+    const auto i64 = static_cast<int64_t>(i);
+    trees.push_back(build_draft_tree(last[i], top_probs[i64], top_tokens[i64], budget));
+    v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
+    v.tokens.insert(v.tokens.end(), trees.back().tokens.begin(), trees.back().tokens.end());
+    parents.push_back(trees.back().parents);
+  }
+  auto batch = AppendBatch::make_tree(cache_, active, parents);
+  v.starts = batch.starts;
+  auto out = target_.forward_cached(upload(at::tensor(v.tokens, long_opts_)), batch, cache_,
+                                    {.tap_layers = taps_, .logits = Logits::kAll});
+  at::Tensor choices;
+  if (sampling_.greedy()) {
+    choices = out.logits.argmax(-1);
+  } else {
+    // The token after a node at depth d is token generated + d of the request.
+    std::vector<double> u;
+    for (size_t i = 0; i < active.size(); ++i) {
+      const auto& s = slots_[active[i]];
+      for (int64_t depth : trees[i].depths) {
+        u.push_back(sampling_uniform(sampling_.seed, s.request.id,
+                                     static_cast<uint64_t>(s.generated() + depth),
+                                     DrawStream::kToken));
+      }
+    }
+    choices = sample_tokens(out.logits, sampling_, upload(at::tensor(u, at::kDouble)));
+  }
+  const auto chosen = to_host(choices);
+  for (size_t i = 0; i < active.size(); ++i) {
+    const int64_t offset = v.offsets[i];
+    auto path = trees[i].walk(std::span(chosen).subspan(offset, trees[i].size()));
+    v.accepted.push_back(static_cast<int64_t>(path.size()));
+    v.next.push_back(chosen[offset + (path.empty() ? 0 : path.back())]);
+    v.paths.push_back(std::move(path));
+  }
+  v.taps = std::move(out.taps);
+  return v;
+}
+
 // One draft and one verify pass for every occupied slot.
 bool SpeculativeDecoder::Session::step() {
   const std::vector<int64_t> active = slots_.occupied();
   if (active.empty()) return false;
   std::vector<int64_t> last;
   for (int64_t slot : active) last.push_back(last_token_[slot]);
-  const Verified v = d_.whole_step_ ? step_whole(active)
-                     : d_.graph_    ? verify_graph(active, last)
-                                    : verify_eager(active, last);
-  std::vector<int64_t> extend_slots, feature_rows;
+  const Verified v = d_.options_.tree_budget > 0 ? verify_tree(active, last)
+                     : d_.whole_step_            ? step_whole(active)
+                     : d_.graph_                 ? verify_graph(active, last)
+                                                 : verify_eager(active, last);
+  std::vector<int64_t> extend_slots, feature_rows, move_from, move_to;
+  // Per active slot, the tokens the target ran that are committed: the block's first token and
+  // the accepted drafts.
+  std::vector<std::vector<int64_t>> ran(active.size());
   std::vector<std::span<const int64_t>> extend_tokens;
   for (size_t i = 0; i < active.size(); ++i) {
     const int64_t slot = active[i], offset = v.offsets[i], accepted = v.accepted[i];
-    // v.tokens[offset + j] is the block's token j: the accepted drafts are tokens 1..accepted.
+    // Block index of the committed token j (0: the block's first; then the accepted drafts).
+    auto node = [&](int64_t j) { return j == 0 || v.paths.empty() ? j : v.paths[i][j - 1]; };
     ++stats_.verify_steps;
     int64_t committed = 0;
     bool going = true;
     for (int64_t j = 0; j <= accepted && going; ++j) {
-      going = commit(slot, j < accepted ? v.tokens[offset + j + 1] : v.next[i]);
+      going = commit(slot, j < accepted ? v.tokens[offset + node(j + 1)] : v.next[i]);
       ++committed;
     }
     ++stats_.committed[committed];
     if (going) {
       // The target ran the block's token and its accepted drafts with the right inputs:
-      // the cache keeps those (a hybrid's linear states those after them), and their
-      // features are the drafter's new context.
+      // the cache keeps those (a tree's moved to the rows after the root; a hybrid's linear
+      // states those after them), and their features are the drafter's new context.
+      const int64_t first_row = slot * cache_.capacity() + v.starts[i];
+      for (int64_t j = 1; j <= accepted; ++j) {
+        if (node(j) == j) continue;
+        move_from.push_back(first_row + node(j));
+        move_to.push_back(first_row + j);
+      }
       cache_.crop(slot, v.starts[i] + accepted + 1);
       if (v.context_written) {
         drafter_.count_block(slot, accepted + 1);
         continue;
       }
       extend_slots.push_back(slot);
-      extend_tokens.emplace_back(v.tokens.data() + offset, accepted + 1);
-      for (int64_t j = 0; j <= accepted; ++j) feature_rows.push_back(offset + j);
+      for (int64_t j = 0; j <= accepted; ++j) {
+        ran[i].push_back(v.tokens[offset + node(j)]);
+        feature_rows.push_back(offset + node(j));
+      }
+      extend_tokens.emplace_back(ran[i]);
     }
+  }
+  if (!move_from.empty()) {
+    cache_.move_rows(upload(at::tensor(move_from, long_opts_)),
+                     upload(at::tensor(move_to, long_opts_)));
   }
   if (!extend_slots.empty()) {
     drafter_.extend(extend_slots, extend_tokens, features_at(v.taps, feature_rows));

@@ -15,7 +15,8 @@
 // full block; the drafts go from the drafter to the graph's input without a host round trip);
 // greedy with the DFlash drafter, the graph holds the whole step: the draft, the verify, the
 // accepted lengths and bonus tokens, and the drafter's context of the verified block, so that
-// a step is one replay and one copy of its tokens and verdicts to the host.
+// a step is one replay and one copy of its tokens and verdicts to the host. With a tree budget
+// (SpeculativeOptions::tree_budget) a step verifies a tree of drafts instead (draft_tree.h).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -69,6 +70,11 @@ class DraftSource {
   virtual SampledDraft draft_sampled(const std::vector<int64_t>& slots,
                                      const std::vector<int64_t>& last,
                                      const SamplingParams& sampling, const at::Tensor& uniforms);
+  // Tree verification: the source's distribution at each of the B-1 draft positions after
+  // last[i], float [n, B-1, V] on any device. The default is certain of draft()'s tokens (a
+  // tree of them is the chain).
+  virtual at::Tensor draft_probs(const std::vector<int64_t>& slots,
+                                 const std::vector<int64_t>& last, int64_t vocab);
 
   // Whether the source drafts and extends its context as device work over the verify pass's
   // batch, with no host reads, so that the whole greedy step can be one captured CUDA graph.
@@ -104,6 +110,9 @@ class DFlashDraftSource final : public DraftSource {
   // Drafts from the drafter's logits under `sampling`, with those distributions.
   SampledDraft draft_sampled(const std::vector<int64_t>& slots, const std::vector<int64_t>& last,
                              const SamplingParams& sampling, const at::Tensor& uniforms) override;
+  // The softmax of the drafter's logits (temperature 1, whatever the decoder samples with).
+  at::Tensor draft_probs(const std::vector<int64_t>& slots, const std::vector<int64_t>& last,
+                         int64_t vocab) override;
   bool capturable() const override { return true; }
   at::Tensor draft_at(const models::AppendBatch& batch, const at::Tensor& last) override;
   void write_block(const models::AppendBatch& batch, const at::Tensor& tokens,
@@ -129,6 +138,12 @@ struct SpeculativeOptions {
   // verify, verdicts, the drafter's context of the block), captured whole where cuda_graph
   // allows, rather than drafting, verifying and extending the drafter's context apart.
   bool whole_step = true;
+  // > 0: tree verification (draft_tree.h): each step verifies a tree of up to this many drafted
+  // tokens from the source's draft_probs, eagerly, in one target pass; the committed tokens are
+  // the target's own choices along the tree (at temperature > 0 drawn as plain decoding draws
+  // them), so the output equals Generator's with the same options. Targets whose every layer
+  // is attention (no linear-attention layers) only.
+  int64_t tree_budget = 0;
   ProgressFn progress;  // if set, called after each verify step's commits
 };
 
@@ -139,7 +154,8 @@ struct SpeculativeStats {
   int64_t prefill_forwards = 0;
   int64_t verify_steps = 0;  // (slot, target forward over a draft block) pairs
   // committed[k]: verify steps that committed k tokens (accepted drafts + the bonus token,
-  // cut at a stop token or a limit), k = 1..B; [0] unused.
+  // cut at a stop token or a limit), k = 1..B (a tree's paths are no longer than a block);
+  // [0] unused.
   std::vector<int64_t> committed;
   double seconds = 0;
 
@@ -183,8 +199,8 @@ class SpeculativeDecoder {
   const models::TargetModel& target_;
   DraftSource& drafter_;
   SpeculativeOptions options_;
-  // Per slot: the context limit plus one block, so that a slot can always run a whole block
-  // (the graph's fixed shape) past its committed tokens.
+  // Per slot: the context limit plus one block (or one tree, whichever is larger), so that a
+  // slot can always run a whole block (the graph's fixed shape) past its committed tokens.
   models::KVCache cache_;
   bool whole_step_ = false;
   std::shared_ptr<Graph> graph_;

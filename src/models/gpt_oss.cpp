@@ -28,21 +28,17 @@ bool cuda_half(const at::Tensor& t) {
   return t.is_cuda() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
 }
 
-// transformers' eager_attention_forward for one sequence: [L, Hq, D] queries at positions
-// first..first+L-1 against [K, Hkv, D] keys and values at positions 0..K-1 (prefill: first 0,
-// K = L; a cached forward: the slot's cache), the sink logit appended to every row's scores
-// before the softmax and dropped after it.
+// transformers' eager_attention_forward for one sequence: [L, Hq, D] queries against
+// [K, Hkv, D] keys and values (prefill: the sequence's own; a cached forward: the slot's
+// cache), where `allowed` (bool [L, K]) lets them attend, the sink logit appended to every
+// row's scores before the softmax and dropped after it.
 at::Tensor sink_attention_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& sinks, int64_t window, int64_t first) {
+                              const at::Tensor& sinks, const at::Tensor& allowed) {
   const int64_t len = q.size(0), keys = k.size(0), heads = q.size(1), groups = heads / k.size(1);
   auto qh = q.transpose(0, 1);                               // [Hq, L, D]
   auto kh = k.transpose(0, 1).repeat_interleave(groups, 0);  // [Hq, K, D]
   auto vh = v.transpose(0, 1).repeat_interleave(groups, 0);
   auto scores = at::matmul(qh, kh.transpose(1, 2)) * (1.0 / std::sqrt(double(q.size(2))));
-  auto i = at::arange(first, first + len, q.options().dtype(at::kLong)).unsqueeze(1);
-  auto j = at::arange(keys, q.options().dtype(at::kLong)).unsqueeze(0);
-  auto allowed = j <= i;
-  if (window > 0) allowed = allowed & (j > i - window);
   scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
   auto sink = sinks.to(scores.scalar_type()).view({heads, 1, 1}).expand({heads, len, 1});
   auto logits = at::cat({scores, sink}, -1);
@@ -134,8 +130,12 @@ at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   std::vector<at::Tensor> outs;
   int64_t start = 0;
   for (int64_t len : batch.lengths) {
+    auto i = at::arange(len, q.options().dtype(at::kLong)).unsqueeze(1);
+    auto j = i.view({1, len});
+    auto allowed = j <= i;
+    if (window > 0) allowed = allowed & (j > i - window);
     outs.push_back(sink_attention_one(q.narrow(0, start, len), k.narrow(0, start, len),
-                                      v.narrow(0, start, len), sinks, window, 0));
+                                      v.narrow(0, start, len), sinks, allowed));
     start += len;
   }
   return at::cat(outs, 0);
@@ -146,7 +146,7 @@ at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int6
                                  int64_t window) {
   const at::Tensor& k = cache.keys(layer);
   const at::Tensor& v = cache.values(layer);
-  if (cuda_half(q)) {
+  if (cuda_half(q) && !batch.is_tree()) {
     // cu_seqlens_k = each slot's first row, seqused_k = start + count: flash aligns the
     // causal mask and the window to the end of each slot's keys.
     auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
@@ -161,7 +161,8 @@ at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int6
     const int64_t n = batch.counts[i], start = batch.starts[i];
     const int64_t first_row = batch.slots[i] * cache.capacity();
     outs.push_back(sink_attention_one(q.narrow(0, offset, n), k.narrow(0, first_row, start + n),
-                                      v.narrow(0, first_row, start + n), sinks, window, start));
+                                      v.narrow(0, first_row, start + n), sinks,
+                                      entry_mask(batch, i, offset, window)));
     offset += n;
   }
   return at::cat(outs, 0);

@@ -138,6 +138,14 @@ void KVCache::update(int64_t layer, const at::Tensor& rows, const at::Tensor& k,
   kernels::write_kv_rows(keys_[layer], values_[layer], rows, k, v);
 }
 
+void KVCache::move_rows(const at::Tensor& from, const at::Tensor& to) {
+  for (int64_t layer = 0; layer < num_layers(); ++layer) {
+    if (keys_[layer].size(0) == 0) continue;  // a linear-attention layer
+    keys_[layer].index_copy_(0, to, keys_[layer].index_select(0, from));
+    values_[layer].index_copy_(0, to, values_[layer].index_select(0, from));
+  }
+}
+
 AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& slots,
                               const std::vector<int64_t>& counts) {
   if (slots.size() != counts.size() || slots.empty()) {
@@ -183,6 +191,58 @@ AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& 
   return b;
 }
 
+AppendBatch AppendBatch::make_tree(const KVCache& cache, const std::vector<int64_t>& slots,
+                                   const std::vector<std::vector<int64_t>>& parents) {
+  if (parents.size() != slots.size()) {
+    fail("append batch: {} slots and {} trees (need one tree per slot)", slots.size(),
+         parents.size());
+  }
+  std::vector<int64_t> counts;
+  for (const auto& p : parents) counts.push_back(static_cast<int64_t>(p.size()));
+  AppendBatch b = make(cache, slots, counts);
+  std::vector<int64_t> positions;
+  std::vector<uint8_t> mask(b.total * b.max_count, 0);
+  int64_t row = 0;
+  for (size_t i = 0; i < parents.size(); ++i) {
+    const auto& p = parents[i];
+    std::vector<int64_t> depth(p.size(), 0);
+    for (size_t j = 0; j < p.size(); ++j, ++row) {
+      const bool root = j == 0;
+      if (root ? p[j] != -1 : (p[j] < 0 || p[j] >= static_cast<int64_t>(j))) {
+        fail(
+            "append batch: tree {} node {} has parent {} (the root's must be -1, every other "
+            "node's an earlier node)",
+            i, j, p[j]);
+      }
+      if (!root) depth[j] = depth[p[j]] + 1;
+      positions.push_back(b.starts[i] + depth[j]);
+      // Node j sees itself and, through its parent's row, every ancestor.
+      uint8_t* r = mask.data() + row * b.max_count;
+      if (!root) std::copy_n(mask.data() + (row - (j - p[j])) * b.max_count, b.max_count, r);
+      r[j] = 1;
+    }
+  }
+  const at::Device device = cache.device();
+  b.positions = upload_to(device, at::tensor(positions, at::kLong));
+  b.tree_mask = upload_to(
+      device, at::from_blob(mask.data(), {b.total, b.max_count}, at::kByte).to(at::kBool));
+  return b;
+}
+
+at::Tensor entry_mask(const AppendBatch& batch, int64_t i, int64_t offset, int64_t window) {
+  const int64_t n = batch.counts[i], start = batch.starts[i];
+  const auto longs = batch.positions.options();
+  auto query = batch.positions.narrow(0, offset, n);
+  auto key = at::cat({at::arange(start, longs), query});
+  auto mask = key.unsqueeze(0) <= query.unsqueeze(1);
+  if (batch.is_tree()) {
+    auto branch = batch.tree_mask.narrow(0, offset, n).narrow(1, 0, n);
+    mask = at::cat({mask.narrow(1, 0, start), branch}, 1);
+  }
+  if (window > 0) mask = mask & (key.unsqueeze(0) > query.unsqueeze(1) - window);
+  return mask;
+}
+
 namespace {
 
 // `window` only with `causal`.
@@ -190,8 +250,9 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
                             const AppendBatch& batch, bool causal, int64_t window) {
   const at::Tensor& k = cache.keys(layer);
   const at::Tensor& v = cache.values(layer);
-  const bool flash =
-      q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+  if (batch.is_tree() && !causal) fail("attention: a tree batch has no block (non-causal) form");
+  const bool flash = q.is_cuda() && !batch.is_tree() &&
+                     (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
   if (flash) {
     auto out = at::_flash_attention_forward(
         q, k, v, batch.cu_seqlens, batch.key_starts, batch.max_count, batch.max_seen, 0.0, causal,
@@ -208,15 +269,9 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
     auto view = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
     auto keys = k.narrow(0, batch.slots[i] * cache.capacity(), seen);
     auto values = v.narrow(0, batch.slots[i] * cache.capacity(), seen);
-    // New token j (position start + j) sees keys at positions <= start + j: SDPA's is_causal
-    // would align the mask to the first key instead.
+    // SDPA's is_causal would align the mask to the first key instead of the last.
     std::optional<at::Tensor> mask;
-    if (causal) {
-      auto key = at::arange(seen, q.options().dtype(at::kLong)).unsqueeze(0);
-      auto query = at::arange(start, seen, q.options().dtype(at::kLong)).unsqueeze(1);
-      mask = key <= query;
-      if (window > 0) mask = *mask & (key > query - window);
-    }
+    if (causal) mask = entry_mask(batch, i, offset, window);
     auto o = at::scaled_dot_product_attention(view(q.narrow(0, offset, n)), view(keys),
                                               view(values), mask, 0.0, /*is_causal=*/false,
                                               std::nullopt, /*enable_gqa=*/true);

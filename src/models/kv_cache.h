@@ -78,6 +78,10 @@ class KVCache {
   // KVCache.update(input_pos, k, v) with slot and position folded into one row index; on CUDA
   // in bf16/fp16 one kernel (kernels::write_kv_rows), elsewhere index_copy_.
   void update(int64_t layer, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v);
+  // Copies the K/V of rows `from` to rows `to` (int64 [n] each, on the cache's device) in every
+  // attention layer, all sources read before any is written: a tree verify's accepted path
+  // moved to the rows after its root. Lengths stay; crop() then counts the path.
+  void move_rows(const at::Tensor& from, const at::Tensor& to);
 
  private:
   void check_slot(int64_t slot, const char* what) const;
@@ -100,6 +104,9 @@ class KVCache {
 // tokens to slot slots[i] at positions [starts[i], starts[i] + counts[i]), where starts[i] is
 // the slot's cached length. Each new token attends causally to its slot's cached prefix and
 // the entry's new tokens before it. Host vectors drive shapes; device tensors feed kernels.
+// A tree batch (make_tree: speculative tree verification) appends each entry's nodes of a token
+// tree instead: node j goes to row start + j at position start + depth(j) and attends to the
+// cached prefix and its own ancestors only.
 struct AppendBatch {
   std::vector<int64_t> slots, counts, starts;
   int64_t total = 0;      // new tokens
@@ -111,12 +118,27 @@ struct AppendBatch {
   at::Tensor key_starts;  // int32 [n+1], first cache row of each entry's slot (last: S*capacity)
   at::Tensor seen;        // int32 [n], start + count
   at::Tensor slot_ids;    // int64 [n], the entries' slots (caches with linear states only)
+  // Tree batches: bool [total, max_count], row t (node j of entry i) true at column c when
+  // node c of the same entry is node j or one of its ancestors; undefined for a causal batch.
+  at::Tensor tree_mask;
 
   // Reads the slots' starts from `cache`; fails when a slot is repeated or would overflow.
   static AppendBatch make(const KVCache& cache, const std::vector<int64_t>& slots,
                           const std::vector<int64_t>& counts);
+  // parents[i][j]: the parent of node j of entry i's tree, -1 for node 0 (the root) only, and
+  // every other parent an earlier node (so counts[i] = parents[i].size()).
+  static AppendBatch make_tree(const KVCache& cache, const std::vector<int64_t>& slots,
+                               const std::vector<std::vector<int64_t>>& parents);
+  bool is_tree() const { return tree_mask.defined(); }
   int64_t size() const { return static_cast<int64_t>(slots.size()); }
 };
+
+// The keys the new tokens of entry i of `batch` (rows offset.. of the packed batch) may see,
+// bool [counts[i], starts[i] + counts[i]]: the slot's cached prefix and the entry's tokens up
+// to their own position, or along their own branch in a tree batch; with `window` > 0 only
+// keys within `window` positions. Attention paths that cannot take the batch's shape in a
+// fused kernel (other devices and dtypes, tree batches) mask with it.
+at::Tensor entry_mask(const AppendBatch& batch, int64_t i, int64_t offset, int64_t window);
 
 // Flash attention's window_size_left for a window of `window` keys (0: none): flash keeps keys
 // j with p - left <= j <= p for the query at p, so `window` keys is left = window - 1.

@@ -907,6 +907,12 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
         k0.device().str(), config_.num_layers, config_.num_kv_heads, config_.head_dim,
         c10::toString(dtype()), device().str());
   }
+  if (batch.is_tree() && config_.is_hybrid()) {
+    fail(
+        "target cached forward: a tree batch needs attention in every layer; {}'s linear-attention "
+        "layers keep one state per slot, which cannot follow the tree's branches",
+        architecture_name(config_.arch));
+  }
   bool first_slots = true, same_counts = true;
   for (int64_t i = 0; i < batch.size(); ++i) {
     if (cache.length(batch.slots[i]) != batch.starts[i]) {

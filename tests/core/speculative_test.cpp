@@ -6,10 +6,13 @@
 // context limit; and the drafter's context features are the target's taps of the committed
 // tokens. Speculative sampling at temperature > 0: the output's distribution is the target's
 // (chi-square against the exact one), a drafter equal to the target accepts every draft, and
-// the draws depend on seed and request only.
+// the draws depend on seed and request only. Tree verification: greedy output the target's,
+// sampled output the plain sampled decoder's, and a drafter whose runner-up tokens hold the
+// reference commits whole blocks.
 #include "eval/speculative.h"
 
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -134,21 +137,21 @@ class ScriptedDrafter final : public eval::DraftSource {
   }
   at::Tensor draft(const std::vector<int64_t>& slots, const std::vector<int64_t>& last) override {
     std::vector<int64_t> out;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      auto seq = contexts_[slots[i]].tokens;
-      seq.push_back(last[i]);
-      const int64_t ref = find_reference(seq);
-      for (int64_t j = 0; j + 1 < block_size_; ++j) {
-        const size_t pos = seq.size() + j;
-        const auto& r = references_[ref];
-        int64_t token = pos < r.size() ? r[pos] : 0;
-        uint64_t state = static_cast<uint64_t>(ref) * 1000003 + pos;
-        const double u = static_cast<double>(splitmix64(state) >> 11) * 0x1.0p-53;
-        if (u >= p_right_) token = (token + 1) % kVocab;
-        out.push_back(token);
-      }
-    }
+    for (const auto& [draft, runner_up] : proposals(slots, last)) out.push_back(draft);
     return at::tensor(out, at::kLong).view({static_cast<int64_t>(slots.size()), block_size_ - 1});
+  }
+  // Tree verification: 0.6 on the draft, 0.4 on a runner-up that is the reference's token
+  // where the draft is wrong, so a tree of the two best tokens at every position holds the
+  // whole reference continuation.
+  at::Tensor draft_probs(const std::vector<int64_t>& slots, const std::vector<int64_t>& last,
+                         int64_t vocab) override {
+    auto probs = at::zeros({static_cast<int64_t>(slots.size()) * (block_size_ - 1), vocab});
+    int64_t row = 0;
+    for (const auto& [draft, runner_up] : proposals(slots, last)) {
+      probs[row][draft] = 0.6;
+      probs[row++][runner_up] = 0.4;
+    }
+    return probs.view({static_cast<int64_t>(slots.size()), block_size_ - 1, vocab});
   }
 
   struct Context {
@@ -165,6 +168,27 @@ class ScriptedDrafter final : public eval::DraftSource {
   }
 
  private:
+  // Per slot and draft position: the draft (the reference's token with probability p_right,
+  // its successor otherwise) and the other of the two.
+  std::vector<std::pair<int64_t, int64_t>> proposals(const std::vector<int64_t>& slots,
+                                                     const std::vector<int64_t>& last) const {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      auto seq = contexts_[slots[i]].tokens;
+      seq.push_back(last[i]);
+      const int64_t ref = find_reference(seq);
+      for (int64_t j = 0; j + 1 < block_size_; ++j) {
+        const size_t pos = seq.size() + j;
+        const auto& r = references_[ref];
+        const int64_t right = pos < r.size() ? r[pos] : 0, wrong = (right + 1) % kVocab;
+        uint64_t state = static_cast<uint64_t>(ref) * 1000003 + pos;
+        const double u = static_cast<double>(splitmix64(state) >> 11) * 0x1.0p-53;
+        out.emplace_back(u < p_right_ ? right : wrong, u < p_right_ ? wrong : right);
+      }
+    }
+    return out;
+  }
+
   int64_t find_reference(const std::vector<int64_t>& seq) const {
     for (size_t r = 0; r < references_.size(); ++r) {
       const auto& ref = references_[r];
@@ -217,12 +241,15 @@ struct Case {
   // the whole-step path off (dflash), "_whole": a scripted drafter taking the whole step.
   std::string drafter;
   int64_t block_size, slots;
+  int64_t tree_budget = 0;  // > 0: tree verification with this many drafted nodes
 };
 
-// CTest names each case by this (GoogleTest would print the struct's bytes).
-void PrintTo(const Case& c, std::ostream* os) {
-  *os << c.drafter << "_block" << c.block_size << "_slots" << c.slots;
+std::string case_name(const Case& c) {
+  return fmt::format("{}_block{}_slots{}{}", c.drafter, c.block_size, c.slots,
+                     c.tree_budget > 0 ? fmt::format("_tree{}", c.tree_budget) : "");
 }
+// CTest names each case by this (GoogleTest would print the struct's bytes).
+void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
 class SpeculativeGreedy : public ::testing::TestWithParam<Case> {};
 
@@ -260,6 +287,7 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {
   }
   SpeculativeOptions o;
   o.whole_step = !c.drafter.ends_with("_split");
+  o.tree_budget = c.tree_budget;
   o.max_new_tokens = max_new;
   o.stop_tokens = {stop};
   o.context = context;
@@ -272,7 +300,16 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {
   EXPECT_GT(stats.verify_steps, 0);
   EXPECT_GE(stats.tau(), 1.0);
   EXPECT_LE(stats.tau(), static_cast<double>(c.block_size));
-  if (scripted) {
+  if (scripted && c.tree_budget > 0) {
+    // The runner-up tokens hold the reference where the drafts are wrong: a tree of the most
+    // likely paths commits more per step than the chain of drafts.
+    SpeculativeOptions chain = o;
+    chain.tree_budget = 0;
+    SpeculativeStats chain_stats;
+    SpeculativeDecoder(target, *drafter, chain).generate(prompts, &chain_stats);
+    EXPECT_GT(stats.tau(), chain_stats.tau());
+    EXPECT_LT(stats.verify_steps, chain_stats.verify_steps);
+  } else if (scripted) {
     // Right 70% of the time: some blocks are accepted far, some not at all.
     EXPECT_GT(stats.committed[1], 0);
     EXPECT_GT(stats.tau(), 1.5);
@@ -288,15 +325,16 @@ INSTANTIATE_TEST_SUITE_P(BlocksAndSlots, SpeculativeGreedy,
                                            Case{"scripted_whole", 16, 3}, Case{"scripted", 4, 1},
                                            Case{"scripted", 4, 3}, Case{"scripted", 8, 1},
                                            Case{"scripted", 8, 5}, Case{"scripted", 16, 1},
-                                           Case{"scripted", 16, 3}),
-                         [](const auto& info) {
-                           return fmt::format("{}_block{}_slots{}", info.param.drafter,
-                                              info.param.block_size, info.param.slots);
-                         });
+                                           Case{"scripted", 16, 3}, Case{"dflash", 4, 1, 1},
+                                           Case{"dflash", 8, 3, 20}, Case{"dflash", 16, 4, 64},
+                                           Case{"scripted", 4, 3, 6}, Case{"scripted", 8, 1, 14},
+                                           Case{"scripted", 16, 3, 40}),
+                         [](const auto& info) { return case_name(info.param); });
 
-// gpt-oss (sinks, windows of 5 positions on two of three layers) verified in blocks of 8: the
-// cache's crops after rejected drafts and its re-extensions past the windows give the
-// target's own greedy output, with the DFlash drafter and with a scripted one.
+// gpt-oss (sinks, windows of 5 positions on two of three layers) verified in blocks of 8 and
+// in trees of 14 drafts: the cache's crops after rejected drafts (a tree's accepted path moved
+// into place) and its re-extensions past the windows give the target's own greedy output, with
+// the DFlash drafter and with a scripted one.
 TEST(SpeculativeGptOss, EqualsPlainGreedyLoop) {
   auto config = testing::tiny_target_config(models::Architecture::kGptOss);
   auto target = testing::peaked_target(config, at::kCPU, at::kFloat, 3);
@@ -306,15 +344,16 @@ TEST(SpeculativeGptOss, EqualsPlainGreedyLoop) {
   auto dflash = make_drafter(target, 8);
   eval::DFlashDraftSource dflash_source(dflash, target);
   ScriptedDrafter scripted(8, references(prompts, want, -1), 0.7);
-  for (int64_t slots : {1, 3}) {
+  for (auto [slots, tree_budget] : {std::pair{1, 0}, {3, 0}, {3, 14}}) {
     for (eval::DraftSource* drafter :
          std::initializer_list<eval::DraftSource*>{&dflash_source, &scripted}) {
-      SCOPED_TRACE(fmt::format("slots {}, {}", slots,
+      SCOPED_TRACE(fmt::format("slots {}, tree budget {}, {}", slots, tree_budget,
                                drafter == &scripted ? "scripted drafter" : "dflash drafter"));
       SpeculativeOptions o;
       o.max_new_tokens = max_new;
       o.context = context;
       o.slots = slots;
+      o.tree_budget = tree_budget;
       SpeculativeStats stats;
       expect_same(SpeculativeDecoder(target, *drafter, o).generate(prompts, &stats), want);
       if (drafter == &scripted) {
@@ -818,6 +857,50 @@ TEST(SpeculativeSampling, SeedReproducesWhateverTheBatch) {
   EXPECT_GE(differing, 3) << "another seed should draw other tokens";
 }
 
+// Tree verification at temperature > 0 draws the target's token after each node with the
+// draw plain decoding uses at that token index, so its output is the plain sampled decoder's,
+// token for token, for any batch; a tree of one node per position is the chain.
+TEST(SpeculativeTree, SampledOutputIsThePlainSampledOutput) {
+  auto target = make_target();
+  target.final_norm().div_(10.0);  // flatter: many plausible tokens
+  auto prompts = make_prompts({3, 7, 1, 12, 5, 9}, 3);
+  auto model = make_drafter(target, 4);
+  eval::DFlashDraftSource drafter(model, target);
+  const eval::SamplingParams sampling{1.0, 0.9, 0, 99};
+  eval::GenerationOptions g;
+  g.sampling = sampling;
+  g.max_new_tokens = 12;
+  g.context = 40;
+  g.slots = 2;
+  const auto want = eval::Generator(target, g).generate(prompts);
+  for (auto [slots, budget] : {std::pair{1, 3}, {4, 3}, {3, 12}}) {
+    SCOPED_TRACE(fmt::format("slots {}, tree budget {}", slots, budget));
+    SpeculativeOptions o;
+    o.sampling = sampling;
+    o.max_new_tokens = 12;
+    o.context = 40;
+    o.slots = slots;
+    o.tree_budget = budget;
+    expect_same(SpeculativeDecoder(target, drafter, o).generate(prompts), want);
+  }
+}
+
+// A hybrid target's linear-attention state follows one sequence: a tree is refused up front.
+TEST(SpeculativeTree, RefusesAHybridTarget) {
+  auto target =
+      models::TargetModel::random(models::preset_config("tiny-qwen3.5"), at::kCPU, at::kFloat, 1);
+  ScriptedDrafter drafter(4, {}, 1.0);
+  SpeculativeOptions o;
+  o.context = 32;
+  o.tree_budget = 8;
+  try {
+    SpeculativeDecoder decoder(target, drafter, o);
+    ADD_FAILURE() << "a tree over a hybrid target was not refused";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("--tree-budget 8: qwen3_5_text's linear-attention"));
+  }
+}
+
 // On CUDA in bf16: the flash paths (the verify pass through the cached causal attention, the
 // draft through the block attention), with the verify pass (or, DFlash, the whole step)
 // captured in a CUDA graph and eager, give the tokens of the generator's CUDA-graph decode step
@@ -856,6 +939,18 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
           }
         }
       }
+    }
+    // Tree verification (eager; the tree's attention through the masked SDPA path).
+    SpeculativeOptions o;
+    o.max_new_tokens = g.max_new_tokens;
+    o.context = g.context;
+    o.slots = 4;
+    o.tree_budget = 20;
+    SCOPED_TRACE(source == &dflash ? "dflash drafter, tree of 20" : "scripted drafter, tree of 20");
+    SpeculativeStats stats;
+    expect_same(SpeculativeDecoder(target, *source, o).generate(prompts, &stats), want);
+    if (source == &scripted) {
+      EXPECT_GT(stats.tau(), 2.0);
     }
   }
 }
