@@ -2,19 +2,22 @@
 // greedy generation with and without the CUDA graph, split into prefill and decode, and the
 // cost of one verify pass over a block of tokens against one plain decode step, from which
 // the speed-up of speculative decoding at a given acceptance length can be read off, with the
-// cost of one DFlash draft added to the verify pass; then the speculative decoder itself, its
+// cost of one DFlash draft added to the verify pass; with --tree-budgets, tree verification's
+// passes and their tau under synthetic acceptance; then the speculative decoder itself, its
 // step measured at each batch against the plain step.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <tuple>
 
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
 #include "common/option_range.h"
+#include "eval/draft_tree.h"
 #include "eval/generator.h"
 #include "eval/speculative.h"
 #include "models/drafter.h"
@@ -35,7 +38,9 @@ struct BenchDecodeOptions {
   int warmup = 1;
   int iters = 3;
   std::string json_out;
-  std::string profile;  // Chrome trace of the batch-1 decode step; empty: no profile
+  std::string profile;                // Chrome trace of the batch-1 decode step; empty: no profile
+  std::vector<int64_t> tree_budgets;  // tree verification's budgets to estimate; empty: none
+  double synthetic_top1 = 0.8;        // their synthetic acceptance (tree_table)
 };
 
 std::vector<std::vector<int64_t>> random_prompts(int64_t n, int64_t length, int64_t vocab,
@@ -201,6 +206,75 @@ nlohmann::json measured_speculative(const models::TargetModel& model, const Benc
   return measured;
 }
 
+// Tree verification at this shape with synthetic acceptance (--tree-budgets): a calibrated
+// drafter whose ranked tokens carry probabilities p (1 - p)^r at every position (p:
+// --synthetic-top1) and a target whose token at each position is drawn from that same
+// distribution, positions independent. tau of the chain and of each budget's tree (the same
+// tree every step: build_draft_tree of those probabilities) comes from simulated steps; each
+// tree's verify pass is timed at batch 1 over `cache`'s prompt (eager, as the decoder runs
+// trees), so a budget's speed-up is estimated as tau x plain step / (draft + verify).
+nlohmann::json tree_table(const models::TargetModel& model, const BenchDecodeOptions& o,
+                          models::KVCache& cache, const at::Tensor& prompt, double step_ms,
+                          double draft_ms, double chain_verify_ms) {
+  const int64_t positions = o.verify_tokens - 1, steps = 20000;
+  const double p = o.synthetic_top1;
+  std::mt19937_64 gen(7);
+  std::geometric_distribution<int64_t> rank(p);
+  // Each simulated step's target tokens, as ranks under the drafter (0: its argmax).
+  std::vector<std::vector<int64_t>> truth(steps, std::vector<int64_t>(positions));
+  for (auto& t : truth) {
+    for (auto& r : t) r = rank(gen);
+  }
+  const models::ForwardRequest verify{.tap_layers = {}, .logits = models::Logits::kAll};
+  fmt::print(
+      "tree verification, batch 1 at {} cached tokens, synthetic acceptance (each position's "
+      "draft ranks r with probability p(1-p)^r, p = {}; the target's token drawn alike):\n"
+      "{:>8} {:>8} {:>8} {:>12} {:>12} {:>14}\n",
+      o.prompt_len, p, "budget", "nodes", "tau", "verify ms", "step ms", "est. speed-up");
+  nlohmann::json rows = nlohmann::json::array();
+  auto row = [&](int64_t budget, int64_t nodes, double tau, double verify_ms) {
+    const double spec_ms = draft_ms + verify_ms, speedup = tau * step_ms / spec_ms;
+    fmt::print("{:>8} {:>8} {:>8.3f} {:>12.3f} {:>12.3f} {:>13.2f}x\n",
+               budget > 0 ? std::to_string(budget) : "chain", nodes, tau, verify_ms, spec_ms,
+               speedup);
+    rows.push_back({{"tree_budget", budget},
+                    {"verified_tokens", nodes},
+                    {"tau", tau},
+                    {"verify_ms", verify_ms},
+                    {"speculative_step_ms", spec_ms},
+                    {"estimated_speedup", speedup}});
+  };
+  double chain_tokens = 0;
+  for (const auto& t : truth) {
+    int64_t a = 0;
+    while (a < positions && t[a] == 0) ++a;
+    chain_tokens += static_cast<double>(a + 1);
+  }
+  row(0, o.verify_tokens, chain_tokens / steps, chain_verify_ms);
+  for (int64_t budget : o.tree_budgets) {
+    const int64_t k = std::min(budget, model.config().vocab_size);
+    auto ranks = at::arange(k, at::kLong).expand({positions, k}).contiguous();
+    auto probs = p * at::pow(1.0 - p, ranks.to(at::kDouble));
+    const eval::DraftTree tree = eval::build_draft_tree(-1, probs, ranks, budget);
+    double tokens = 0;
+    std::vector<int64_t> choices(tree.size());
+    for (const auto& t : truth) {
+      for (int64_t j = 0; j < tree.size(); ++j) {
+        choices[j] = tree.depths[j] < positions ? t[tree.depths[j]] : -1;
+      }
+      tokens += static_cast<double>(tree.walk(choices).size() + 1);
+    }
+    auto node_tokens = prompt.narrow(0, 0, tree.size());
+    auto times = obs::time_steps(model.device(), o.warmup + 2, o.iters * 5, [&] {
+      auto batch = models::AppendBatch::make_tree(cache, {0}, {tree.parents});
+      model.forward_cached(node_tokens, batch, cache, verify).logits.argmax(-1);
+      cache.crop(0, o.prompt_len);
+    });
+    row(budget, tree.size(), tokens / steps, obs::median(times) * 1e3);
+  }
+  return rows;
+}
+
 void run_bench_decode(const BenchDecodeOptions& o) {
   const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
@@ -221,7 +295,21 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   if (o.verify_tokens < 1 || o.verify_tokens > o.prompt_len) {
     fail("bench-decode: --verify-tokens must be in [1, --prompt-len]");
   }
-  models::KVCache cache(config, 1, o.prompt_len + o.verify_tokens, device, dtype);
+  int64_t pass_rows = o.verify_tokens;
+  for (int64_t budget : o.tree_budgets) {
+    if (budget < 1 || budget + 1 > o.prompt_len || o.verify_tokens < 2) {
+      fail(
+          "bench-decode: --tree-budgets takes budgets in [1, --prompt-len - 1] with a block "
+          "(--verify-tokens) of at least 2, got {}",
+          budget);
+    }
+    pass_rows = std::max(pass_rows, budget + 1);
+  }
+  if (!o.tree_budgets.empty() && config.is_hybrid()) {
+    fail("bench-decode: --tree-budgets: {}'s linear-attention layers cannot verify trees",
+         o.preset);
+  }
+  models::KVCache cache(config, 1, o.prompt_len + pass_rows, device, dtype);
   // A hybrid's linear states go back to the prompt's from the pass's block buffers.
   cache.keep_block_states(o.verify_tokens);
   auto prompt = at::tensor(random_prompts(1, o.prompt_len, config.vocab_size, 2)[0]).to(device);
@@ -295,6 +383,9 @@ void run_bench_decode(const BenchDecodeOptions& o) {
         spec_ms / step_ms, step_ms / spec_ms, 3 * step_ms / spec_ms, 5 * step_ms / spec_ms,
         7 * step_ms / spec_ms);
   }
+  const nlohmann::json trees =
+      o.tree_budgets.empty() ? nlohmann::json()
+                             : tree_table(model, o, cache, prompt, step_ms, draft_ms, verify_ms);
   const nlohmann::json measured = measured_speculative(model, o, context, plain_step_ms);
   nlohmann::json doc = {{"preset", o.preset},
                         {"device", device.str()},
@@ -311,6 +402,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
                           {"speculative_step_ms", draft_ms + verify_ms},
                           {"speculative_step_over_step", (draft_ms + verify_ms) / step_ms}}}};
   doc["speculative_measured"] = measured;
+  if (!trees.is_null()) doc["tree_synthetic"] = trees;
   if (!profile.is_null()) doc["decode_step_profile"] = profile;
   if (!verify_profile.is_null()) doc["verify_profile"] = verify_profile;
   if (!o.json_out.empty()) write_file_atomic(o.json_out, doc.dump(2));
@@ -342,6 +434,14 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_option("--iters", o->iters, "timed runs; the median is reported")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
+  cmd->add_option("--tree-budgets", o->tree_budgets,
+                  "tree verification budgets whose tau (synthetic acceptance) and verify pass "
+                  "to measure against the chain's, e.g. 16,32,64 (default: none)")
+      ->delimiter(',');
+  cmd->add_option("--synthetic-top1", o->synthetic_top1,
+                  "the synthetic drafter's top-1 accuracy at every position for --tree-budgets")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 0.99));
   add_json_option(*cmd, o->json_out, "the results");
   cmd->add_option("--profile", o->profile,
                   "profile the batch-1 decode step and verify pass (CUDA) and write their Chrome "

@@ -272,11 +272,7 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
       break;
     }
   }
-  slots.check_all_finished();
-  stats.requests = slots.requests();
-  stats.prompt_tokens = slots.prompt_tokens();
-  stats.generated_tokens = slots.generated_tokens();
-  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  slots.close_run(stats, t0);
   return stats;
 }
 

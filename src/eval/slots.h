@@ -6,6 +6,7 @@
 // the slot for the next admit(). The step policy (Generator: one sampled token per slot, read
 // one step late; SpeculativeDecoder: a drafted block verified per slot) stays with its decoder.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -58,6 +59,16 @@ class SlotScheduler {
 
   // Fails naming a request that is still unfinished (a decoder that returned too early).
   void check_all_finished() const;
+  // The end of a decoder's run: check_all_finished, then the run's counts and its seconds since
+  // `start` into the decoder's stats (GenerationStats, SpeculativeStats).
+  template <class Stats>
+  void close_run(Stats& stats, std::chrono::steady_clock::time_point start) const {
+    check_all_finished();
+    stats.requests = requests_;
+    stats.prompt_tokens = prompt_tokens_;
+    stats.generated_tokens = generated_tokens_;
+    stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
 
   Slot& operator[](int64_t slot) { return slots_[slot]; }
   const Slot& operator[](int64_t slot) const { return slots_[slot]; }

@@ -347,11 +347,7 @@ SpeculativeStats SpeculativeDecoder::Session::run() {
     if (!step() && !took) break;
     if (d_.options_.progress) d_.options_.progress(slots_.progress());
   }
-  slots_.check_all_finished();
-  stats_.requests = slots_.requests();
-  stats_.prompt_tokens = slots_.prompt_tokens();
-  stats_.generated_tokens = slots_.generated_tokens();
-  stats_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  slots_.close_run(stats_, t0);
   return stats_;
 }
 

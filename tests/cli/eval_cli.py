@@ -7,7 +7,8 @@ steps on random data (`dflash train`) and its export. `dflash eval` over three p
 (questions, multi-turn, chat lines) must succeed with the run directory, a step directory and
 the export; print tau and the histogram; with --json print a report whose counts add up, with
 every turn checked and no mismatch (on the CPU, in fp32, no divergence at all; on a GPU, in
-bf16, divergences at numerical ties are allowed); at --temperature 1 report tau and say that
+bf16, divergences at numerical ties are allowed); with --tree-budget report the tree's tau and
+speed-up beside the chain's, both checked; at --temperature 1 report tau and say that
 the outputs are not compared; and fail, naming file and line, on a bad prompt line.
 """
 import json
@@ -81,6 +82,21 @@ def main():
                 assert f["target_tokens_per_s"] > 0 and f["speculative_tokens_per_s"] > 0, f
                 assert f["wall_seconds"] > 0 and f["mismatches"] == 0, f
                 assert device != "cpu" or f["divergences"] == [], f
+
+        # Tree verification beside the chain: both checked against the target's greedy output,
+        # the tree's histogram no longer than a block, its counts adding up like the chain's.
+        text = run([dflash, "eval", "--drafter", export, *common, "--tree-budget", 12]).stdout
+        assert "tree of 12 drafts: tau" in text and "(chain and tree)" in text, text
+        report = json.loads(run([dflash, "eval", "--drafter", export, *common,
+                                 "--tree-budget", 12, "--json"]).stdout)
+        assert report["mismatches"] == 0, report
+        for f in report["files"]:
+            tree = f["tree"]
+            assert tree["budget"] == 12 and len(tree["committed_histogram"]) == 9, f
+            assert tree["generated_tokens"] == f["turns"] + sum(
+                k * n for k, n in enumerate(tree["committed_histogram"])), f
+            assert 1 <= tree["tau"] <= 8 and tree["speedup"] > 0, f
+            assert device != "cpu" or f["divergences"] == [], f
 
         # Speculative sampling: tau and speed-up, no exactness check (text and JSON say so).
         sampled = ["--temperature", 1, "--top-k", 20, "--seed", 3]
