@@ -1,9 +1,12 @@
 #include "models/kv_cache.h"
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "common/error.h"
 #include "common/upload.h"
+#include "kernels/attention_merge.h"
 #include "kernels/decode_ops.h"
 
 namespace dflash::models {
@@ -245,12 +248,80 @@ at::Tensor entry_mask(const AppendBatch& batch, int64_t i, int64_t offset, int64
 
 namespace {
 
+// Softmax attention of queries [L, Hq, D] over keys and values [K, Hkv, D] (grouped), every key
+// visible, in fp32: {out [L, Hq, D] in q's dtype, lse fp32 [Hq, L]}.
+std::pair<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v) {
+  const int64_t groups = q.size(1) / k.size(1);
+  auto qh = q.to(at::kFloat).transpose(0, 1);                               // [Hq, L, D]
+  auto kh = k.to(at::kFloat).transpose(0, 1).repeat_interleave(groups, 0);  // [Hq, K, D]
+  auto vh = v.to(at::kFloat).transpose(0, 1).repeat_interleave(groups, 0);
+  auto scores = at::matmul(qh, kh.transpose(1, 2)) * (1.0 / std::sqrt(double(q.size(2))));
+  auto lse = at::logsumexp(scores, -1);  // [Hq, L]
+  auto out = at::matmul(at::exp(scores - lse.unsqueeze(-1)), vh).transpose(0, 1);
+  return {out.to(q.scalar_type()), lse};
+}
+
+// A tree batch whose entries all hold C nodes: attention over each slot's cached prefix (the
+// keys before its tree, all visible: one variable-length flash call on CUDA in half precision,
+// else per entry) and over its own tree (the nodes' K/V read back at the batch's rows, the
+// scores [n, Hq, C, C] masked by tree_mask), merged by their log-sum-exps
+// (kernels::attention_merge). The launches do not grow with the batch.
+at::Tensor tree_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
+                          const AppendBatch& batch) {
+  const at::Tensor& k = cache.keys(layer);
+  const at::Tensor& v = cache.values(layer);
+  const int64_t n = batch.size(), c = batch.max_count, hq = q.size(1), d = q.size(2);
+  const int64_t hkv = k.size(1);
+  auto prefix = batch.seen - static_cast<int32_t>(c);  // int32 [n]: each slot's start
+  at::Tensor out_ctx, lse_ctx;
+  if (q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf)) {
+    auto r = at::_flash_attention_forward(
+        q, k, v, batch.cu_seqlens, batch.key_starts, c, batch.max_seen, 0.0, /*is_causal=*/false,
+        /*return_debug_mask=*/false, std::nullopt, std::nullopt, std::nullopt, prefix);
+    out_ctx = std::get<0>(r);
+    lse_ctx = std::get<1>(r);
+  } else {
+    std::vector<at::Tensor> outs, lses;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t first = batch.slots[i] * cache.capacity(), start = batch.starts[i];
+      auto [o, lse] = attention_with_lse(q.narrow(0, i * c, c), k.narrow(0, first, start),
+                                         v.narrow(0, first, start));
+      outs.push_back(o);
+      lses.push_back(lse);
+    }
+    out_ctx = at::cat(outs, 0);
+    lse_ctx = at::cat(lses, 1);
+  }
+  // The tree part, all entries at once: [n, Hq, C, D] queries against [n, Hq, C, D] keys.
+  const int64_t groups = hq / hkv;
+  auto per_entry = [&](const at::Tensor& t, int64_t heads) {
+    return t.to(at::kFloat).view({n, c, heads, d}).transpose(1, 2);
+  };
+  auto qt = per_entry(q, hq);
+  auto kt = per_entry(k.index_select(0, batch.rows), hkv).repeat_interleave(groups, 1);
+  auto vt = per_entry(v.index_select(0, batch.rows), hkv).repeat_interleave(groups, 1);
+  auto scores = at::matmul(qt, kt.transpose(2, 3)) * (1.0 / std::sqrt(double(d)));
+  scores = scores.masked_fill(batch.tree_mask.view({n, 1, c, c}).logical_not(),
+                              -std::numeric_limits<float>::infinity());
+  auto lse_blk = at::logsumexp(scores, -1);  // [n, Hq, C]; every node sees itself
+  auto out_blk = at::matmul(at::exp(scores - lse_blk.unsqueeze(-1)), vt)
+                     .transpose(1, 2)
+                     .reshape({n * c, hq, d})
+                     .to(q.scalar_type());
+  lse_blk = lse_blk.permute({1, 0, 2}).reshape({hq, n * c});
+  return kernels::attention_merge(out_ctx, lse_ctx.contiguous(), prefix, out_blk, lse_blk).first;
+}
+
 // `window` only with `causal`.
 at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
                             const AppendBatch& batch, bool causal, int64_t window) {
   const at::Tensor& k = cache.keys(layer);
   const at::Tensor& v = cache.values(layer);
   if (batch.is_tree() && !causal) fail("attention: a tree batch has no block (non-causal) form");
+  const bool equal_trees = std::all_of(batch.counts.begin(), batch.counts.end(),
+                                       [&](int64_t c) { return c == batch.max_count; });
+  if (batch.is_tree() && window == 0 && equal_trees) return tree_attention(q, cache, layer, batch);
   const bool flash = q.is_cuda() && !batch.is_tree() &&
                      (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
   if (flash) {

@@ -94,6 +94,10 @@ TEST(DraftTree, WalkFollowsTheTargetsChoices) {
 // The tree: root 0 with children 1 and 2, 1 with 3 and 4, 4 with 5, 2 with 6.
 const std::vector<int64_t> kParents{-1, 0, 0, 1, 1, 4, 2};
 
+// Slot 1's tree as well, or a smaller one: trees of one size take the batched attention (the
+// cached prefix and the trees apart, merged), of different sizes the per-entry masked one.
+const std::vector<int64_t> kSmallParents{-1, 0, 1, 1};
+
 class TreeBatch : public ::testing::TestWithParam<models::Architecture> {};
 
 TEST_P(TreeBatch, EveryNodeSeesItsPathOnly) {
@@ -103,36 +107,40 @@ TEST_P(TreeBatch, EveryNodeSeesItsPathOnly) {
   // Two slots: prompts of 9 and 4 tokens (past gpt-oss' 5-position window, and within it).
   const std::vector<std::vector<int64_t>> prompts{{3, 14, 15, 92, 65, 35, 89, 79, 32},
                                                   {8, 46, 2, 6}};
-  const std::vector<std::vector<int64_t>> trees{{11, 12, 13, 14, 15, 16, 17},
-                                                {21, 22, 23, 24, 25, 26, 27}};
-  models::KVCache cache(config, 2, 32, at::kCPU, at::kFloat);
-  std::vector<int64_t> prompt_tokens;
-  for (const auto& p : prompts) prompt_tokens.insert(prompt_tokens.end(), p.begin(), p.end());
-  target.forward_cached(at::tensor(prompt_tokens, at::kLong),
-                        models::AppendBatch::make(cache, {0, 1}, {9, 4}), cache,
-                        {{}, models::Logits::kNone});
-  auto batch = models::AppendBatch::make_tree(cache, {0, 1}, {kParents, kParents});
-  std::vector<int64_t> tree_tokens = trees[0];
-  tree_tokens.insert(tree_tokens.end(), trees[1].begin(), trees[1].end());
-  auto out = target.forward_cached(at::tensor(tree_tokens, at::kLong), batch, cache,
-                                   {taps, models::Logits::kAll});
-  EXPECT_EQ(cache.length(0), 9 + 7);
-  EXPECT_EQ(cache.length(1), 4 + 7);
-  for (int64_t s = 0; s < 2; ++s) {
-    for (int64_t j = 0; j < 7; ++j) {
-      SCOPED_TRACE("slot " + std::to_string(s) + " node " + std::to_string(j));
-      std::vector<int64_t> seq, path;
-      for (int64_t n = j; n >= 0; n = kParents[n]) path.push_back(trees[s][n]);
-      seq = prompts[s];
-      seq.insert(seq.end(), path.rbegin(), path.rend());
-      auto ref = target.forward(
-          at::tensor(seq, at::kLong),
-          models::PackedBatch::from_lengths({static_cast<int64_t>(seq.size())}, at::kCPU),
-          {taps, models::Logits::kLast});
-      const int64_t row = s * 7 + j;
-      EXPECT_CLOSE(out.logits[row], ref.logits[0], 1e-4);
-      for (size_t k = 0; k < taps.size(); ++k) {
-        EXPECT_CLOSE(out.taps[k][row], ref.taps[k][static_cast<int64_t>(seq.size()) - 1], 1e-4);
+  const std::vector<int64_t> tokens{11, 12, 13, 14, 15, 16, 17};
+  for (const auto* second : {&kParents, &kSmallParents}) {
+    SCOPED_TRACE(second == &kParents ? "trees of one size" : "trees of two sizes");
+    const std::vector<std::vector<int64_t>> parents{kParents, *second};
+    models::KVCache cache(config, 2, 32, at::kCPU, at::kFloat);
+    std::vector<int64_t> prompt_tokens, tree_tokens;
+    for (const auto& p : prompts) prompt_tokens.insert(prompt_tokens.end(), p.begin(), p.end());
+    target.forward_cached(at::tensor(prompt_tokens, at::kLong),
+                          models::AppendBatch::make(cache, {0, 1}, {9, 4}), cache,
+                          {{}, models::Logits::kNone});
+    for (const auto& p : parents) {
+      tree_tokens.insert(tree_tokens.end(), tokens.begin(), tokens.begin() + p.size());
+    }
+    auto out = target.forward_cached(at::tensor(tree_tokens, at::kLong),
+                                     models::AppendBatch::make_tree(cache, {0, 1}, parents), cache,
+                                     {taps, models::Logits::kAll});
+    int64_t row = 0;
+    for (int64_t s = 0; s < 2; ++s) {
+      const auto nodes = static_cast<int64_t>(parents[s].size());
+      EXPECT_EQ(cache.length(s), static_cast<int64_t>(prompts[s].size()) + nodes);
+      for (int64_t j = 0; j < nodes; ++j, ++row) {
+        SCOPED_TRACE("slot " + std::to_string(s) + " node " + std::to_string(j));
+        std::vector<int64_t> path;
+        for (int64_t n = j; n >= 0; n = parents[s][n]) path.push_back(tokens[n]);
+        std::vector<int64_t> seq = prompts[s];
+        seq.insert(seq.end(), path.rbegin(), path.rend());
+        const auto len = static_cast<int64_t>(seq.size());
+        auto ref = target.forward(at::tensor(seq, at::kLong),
+                                  models::PackedBatch::from_lengths({len}, at::kCPU),
+                                  {taps, models::Logits::kLast});
+        EXPECT_CLOSE(out.logits[row], ref.logits[0], 1e-4);
+        for (size_t k = 0; k < taps.size(); ++k) {
+          EXPECT_CLOSE(out.taps[k][row], ref.taps[k][len - 1], 1e-4);
+        }
       }
     }
   }
