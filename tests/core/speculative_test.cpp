@@ -8,7 +8,7 @@
 // (chi-square against the exact one), a drafter equal to the target accepts every draft, and
 // the draws depend on seed and request only. Tree verification: greedy output the target's,
 // sampled output the plain sampled decoder's, and a drafter whose runner-up tokens hold the
-// reference commits whole blocks.
+// reference commits more per step than its chain.
 #include "eval/speculative.h"
 
 #include <fmt/format.h>
@@ -822,7 +822,9 @@ TEST(SpeculativeSampling, DrafterEqualToTheTargetAcceptsWholeBlocks) {
 
 // Sampled speculative output depends on the seed and request only: the same for any number of
 // slots; its first token is the plain sampled decoder's (the same draw of the same logits);
-// another seed draws other tokens.
+// another seed draws other tokens. Tree verification draws the target's token after each node
+// with the draw plain decoding uses at that token index, so its output is the plain sampled
+// decoder's, token for token, for any batch and budget.
 TEST(SpeculativeSampling, SeedReproducesWhateverTheBatch) {
   auto target = make_target();
   target.final_norm().div_(10.0);  // flatter: many plausible tokens
@@ -830,13 +832,14 @@ TEST(SpeculativeSampling, SeedReproducesWhateverTheBatch) {
   auto model = make_drafter(target, 4);
   eval::DFlashDraftSource drafter(model, target);
   const eval::SamplingParams sampling{1.0, 0.9, 0, 99};
-  auto run = [&](int64_t slots, uint64_t seed) {
+  auto run = [&](int64_t slots, uint64_t seed, int64_t tree_budget = 0) {
     SpeculativeOptions o;
     o.sampling = sampling;
     o.sampling.seed = seed;
     o.max_new_tokens = 12;
     o.context = 40;
     o.slots = slots;
+    o.tree_budget = tree_budget;
     return SpeculativeDecoder(target, drafter, o).generate(prompts);
   };
   const auto a = run(1, 99);
@@ -855,33 +858,12 @@ TEST(SpeculativeSampling, SeedReproducesWhateverTheBatch) {
     differing += a[i].tokens != b[i].tokens;
   }
   EXPECT_GE(differing, 3) << "another seed should draw other tokens";
-}
-
-// Tree verification at temperature > 0 draws the target's token after each node with the
-// draw plain decoding uses at that token index, so its output is the plain sampled decoder's,
-// token for token, for any batch; a tree of one node per position is the chain.
-TEST(SpeculativeTree, SampledOutputIsThePlainSampledOutput) {
-  auto target = make_target();
-  target.final_norm().div_(10.0);  // flatter: many plausible tokens
-  auto prompts = make_prompts({3, 7, 1, 12, 5, 9}, 3);
-  auto model = make_drafter(target, 4);
-  eval::DFlashDraftSource drafter(model, target);
-  const eval::SamplingParams sampling{1.0, 0.9, 0, 99};
-  eval::GenerationOptions g;
-  g.sampling = sampling;
   g.max_new_tokens = 12;
-  g.context = 40;
   g.slots = 2;
-  const auto want = eval::Generator(target, g).generate(prompts);
+  const auto whole = eval::Generator(target, g).generate(prompts);
   for (auto [slots, budget] : {std::pair{1, 3}, {4, 3}, {3, 12}}) {
     SCOPED_TRACE(fmt::format("slots {}, tree budget {}", slots, budget));
-    SpeculativeOptions o;
-    o.sampling = sampling;
-    o.max_new_tokens = 12;
-    o.context = 40;
-    o.slots = slots;
-    o.tree_budget = budget;
-    expect_same(SpeculativeDecoder(target, drafter, o).generate(prompts), want);
+    expect_same(run(slots, 99, budget), whole);
   }
 }
 
