@@ -136,14 +136,15 @@ int64_t verify_rows(const models::TargetModel& target, const DraftSource& drafte
 
 }  // namespace
 
-// The verify pass over every slot, captured once: each slot runs a whole block. Its inputs are
-// static tensors rewritten in place before each replay (the block tokens and the batch's
-// positions, cache rows and seen keys); idle slots ride along at position 0 of their own rows,
-// which nothing reads before the slot's next prefill overwrites them. For a whole step
-// (whole_step()) the host writes only each slot's last token into `tokens`.
+// The verify pass over every slot, captured once: each slot runs a whole block (or a tree of
+// tree_budget + 1 nodes). Its inputs are static tensors rewritten in place before each replay
+// (the block tokens and the batch's positions, cache rows and seen keys; a tree's mask); idle
+// slots ride along at position 0 of their own rows, which nothing reads before the slot's next
+// prefill overwrites them. For a whole step (whole_step()) the host writes only each slot's
+// last token into `tokens`.
 struct SpeculativeDecoder::Graph {
   at::cuda::CUDAGraph graph;
-  AppendBatch batch;             // all slots, B tokens each; max_seen = the cache capacity
+  AppendBatch batch;             // all slots, B tokens (nodes) each; max_seen = the capacity
   at::Tensor base_rows;          // int64 [slots*B]: slot * capacity
   at::Tensor offsets;            // int64 [slots*B]: 0..B-1 for each slot
   at::Tensor tokens;             // int64 [slots*B]: the input, [last token, drafts] per slot
@@ -192,18 +193,26 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
   // the accepted prefix.
   cache_.keep_block_states(drafter_.block_size());
   drafter_.start(options_.slots, options_.context);
-  const bool tree = options_.tree_budget > 0;
-  whole_step_ = options_.whole_step && options_.sampling.greedy() && drafter_.capturable() && !tree;
-  // A tree's shape changes with the drafter's distributions: its verify runs eagerly.
-  if (options_.cuda_graph && cuda_graph_capable(target_) && !tree) capture_graph();
+  whole_step_ = options_.whole_step && options_.sampling.greedy() && drafter_.capturable() &&
+                options_.tree_budget == 0;
+  if (options_.cuda_graph && cuda_graph_capable(target_)) capture_graph();
 }
 
 void SpeculativeDecoder::capture_graph() {
-  const int64_t n = cache_.slots(), bs = drafter_.block_size();
+  const int64_t n = cache_.slots(), budget = options_.tree_budget;
+  // Trees: every slot verifies budget + 1 nodes (the captured shape); their layout (positions,
+  // rows, mask) is rewritten before each replay, captured here as chains.
+  const int64_t bs = budget > 0 ? budget + 1 : drafter_.block_size();
   auto g = std::make_shared<Graph>();
   std::vector<int64_t> all(n);
   std::iota(all.begin(), all.end(), 0);
-  g->batch = AppendBatch::make(cache_, all, std::vector<int64_t>(n, bs));
+  if (budget > 0) {
+    std::vector<int64_t> chain(bs);
+    std::iota(chain.begin(), chain.end(), -1);
+    g->batch = AppendBatch::make_tree(cache_, all, std::vector(n, chain));
+  } else {
+    g->batch = AppendBatch::make(cache_, all, std::vector<int64_t>(n, bs));
+  }
   g->batch.max_seen = cache_.capacity();  // the kernel's bound for any length replayed later
   // Captured with every slot empty: positions are the offsets in the block, rows the slot's
   // first rows plus those.
@@ -615,45 +624,84 @@ SpeculativeDecoder::Session::Verified SpeculativeDecoder::Session::verify_tree(
   auto [top_probs, top_tokens] = probs.topk(std::min(budget, vocab), -1);
   top_probs = top_probs.cpu();
   top_tokens = top_tokens.cpu();
-  Verified v;
+  // Captured, every slot runs budget + 1 nodes: an idle slot (emptied, at position 0) a root,
+  // and a tree with fewer (zero-probability tokens) more children of its root, which the walk
+  // may take like any node: what it commits is the target's own choice either way.
+  const bool captured = d_.graph_ != nullptr;
+  std::vector<int64_t> order = active;
+  if (captured) {
+    order.resize(n_slots_);
+    std::iota(order.begin(), order.end(), 0);
+  }
   std::vector<DraftTree> trees;
   std::vector<std::vector<int64_t>> parents;
-  for (size_t i = 0; i < active.size(); ++i) {
-    const auto i64 = static_cast<int64_t>(i);
-    trees.push_back(build_draft_tree(last[i], top_probs[i64], top_tokens[i64], budget));
-    v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
-    v.tokens.insert(v.tokens.end(), trees.back().tokens.begin(), trees.back().tokens.end());
-    parents.push_back(trees.back().parents);
+  Verified v;
+  for (size_t i = 0, a = 0; i < order.size(); ++i) {
+    const bool occupied = a < active.size() && active[a] == order[i];
+    if (occupied) {
+      const auto at = static_cast<int64_t>(a);
+      trees.push_back(build_draft_tree(last[a++], top_probs[at], top_tokens[at], budget));
+      v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
+    } else {
+      cache_.reset(order[i]);
+      trees.push_back(DraftTree{{0}, {-1}, {0}});
+    }
+    DraftTree& t = trees.back();
+    while (captured && t.size() < budget + 1) {
+      t.tokens.push_back(0);
+      t.parents.push_back(0);
+      t.depths.push_back(1);
+    }
+    v.tokens.insert(v.tokens.end(), t.tokens.begin(), t.tokens.end());
+    parents.push_back(t.parents);
   }
-  auto batch = AppendBatch::make_tree(cache_, active, parents);
-  v.starts = batch.starts;
-  auto out = target_.forward_cached(upload(at::tensor(v.tokens, long_opts_)), batch, cache_,
-                                    {.tap_layers = taps_, .logits = Logits::kAll});
-  at::Tensor choices;
-  if (sampling_.greedy()) {
-    choices = out.logits.argmax(-1);
+  auto batch = AppendBatch::make_tree(cache_, order, parents);
+  auto tokens = upload(at::tensor(v.tokens, long_opts_));
+  at::Tensor logits, argmax;
+  if (captured) {
+    Graph& g = *d_.graph_;
+    g.tokens.copy_(tokens);
+    g.batch.positions.copy_(batch.positions);
+    g.batch.rows.copy_(batch.rows);
+    g.batch.seen.copy_(batch.seen);
+    g.batch.tree_mask.copy_(batch.tree_mask);
+    g.graph.replay();
+    for (int64_t slot : order) cache_.extend(slot, budget + 1);
+    logits = g.logits;
+    argmax = g.choices;
+    v.taps = g.taps;
   } else {
-    // The token after a node at depth d is token generated + d of the request.
+    auto out = target_.forward_cached(tokens, batch, cache_,
+                                      {.tap_layers = taps_, .logits = Logits::kAll});
+    logits = out.logits;
+    argmax = sampling_.greedy() ? logits.argmax(-1) : at::Tensor();
+    v.taps = std::move(out.taps);
+  }
+  at::Tensor choices = argmax;
+  if (!sampling_.greedy()) {
+    // The token after a node at depth d is token generated + d of the request (an idle slot
+    // draws for an empty request: nothing reads it).
     std::vector<double> u;
-    for (size_t i = 0; i < active.size(); ++i) {
-      const auto& s = slots_[active[i]];
+    for (size_t i = 0; i < order.size(); ++i) {
+      const auto& s = slots_[order[i]];
       for (int64_t depth : trees[i].depths) {
         u.push_back(sampling_uniform(sampling_.seed, s.request.id,
                                      static_cast<uint64_t>(s.generated() + depth),
                                      DrawStream::kToken));
       }
     }
-    choices = sample_tokens(out.logits, sampling_, upload(at::tensor(u, at::kDouble)));
+    choices = sample_tokens(logits, sampling_, upload(at::tensor(u, at::kDouble)));
   }
   const auto chosen = to_host(choices);
-  for (size_t i = 0; i < active.size(); ++i) {
-    const int64_t offset = v.offsets[i];
+  for (size_t i = 0, a = 0, offset = 0; i < order.size(); offset += trees[i++].size()) {
+    if (a == active.size() || active[a] != order[i]) continue;
     auto path = trees[i].walk(std::span(chosen).subspan(offset, trees[i].size()));
+    v.starts.push_back(batch.starts[i]);
     v.accepted.push_back(static_cast<int64_t>(path.size()));
     v.next.push_back(chosen[offset + (path.empty() ? 0 : path.back())]);
     v.paths.push_back(std::move(path));
+    ++a;
   }
-  v.taps = std::move(out.taps);
   return v;
 }
 

@@ -922,17 +922,24 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
         }
       }
     }
-    // Tree verification (eager; the tree's attention through the masked SDPA path).
-    SpeculativeOptions o;
-    o.max_new_tokens = g.max_new_tokens;
-    o.context = g.context;
-    o.slots = 4;
-    o.tree_budget = 20;
-    SCOPED_TRACE(source == &dflash ? "dflash drafter, tree of 20" : "scripted drafter, tree of 20");
-    SpeculativeStats stats;
-    expect_same(SpeculativeDecoder(target, *source, o).generate(prompts, &stats), want);
-    if (source == &scripted) {
-      EXPECT_GT(stats.tau(), 2.0);
+    // Tree verification, captured and eager (the batched tree attention: flash over the
+    // cached prefix, the trees apart, merged).
+    for (bool graph : {true, false}) {
+      SCOPED_TRACE(fmt::format("{} drafter, trees of 20, graph {}",
+                               source == &dflash ? "dflash" : "scripted", graph));
+      SpeculativeOptions o;
+      o.max_new_tokens = g.max_new_tokens;
+      o.context = g.context;
+      o.slots = 4;
+      o.tree_budget = 20;
+      o.cuda_graph = graph;
+      SpeculativeDecoder decoder(target, *source, o);
+      EXPECT_EQ(decoder.uses_cuda_graph(), graph);
+      SpeculativeStats stats;
+      expect_same(decoder.generate(prompts, &stats), want);
+      if (source == &scripted) {
+        EXPECT_GT(stats.tau(), 2.0);
+      }
     }
   }
 }
