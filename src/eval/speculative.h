@@ -139,11 +139,11 @@ struct SpeculativeOptions {
   // allows, rather than drafting, verifying and extending the drafter's context apart.
   bool whole_step = true;
   // > 0: tree verification (draft_tree.h): each step verifies a tree of up to this many drafted
-  // tokens from the source's draft_probs in one target pass (captured where cuda_graph
-  // allows; the draft and the tree eager); the committed tokens are
-  // the target's own choices along the tree (at temperature > 0 drawn as plain decoding draws
-  // them), so the output equals Generator's with the same options. Targets whose every layer
-  // is attention (no linear-attention layers) only.
+  // tokens from the source's draft_probs in one target pass (captured where cuda_graph allows;
+  // the draft and the tree eager); the committed tokens are the target's own choices along the
+  // tree (at temperature > 0 drawn as plain decoding draws them), so the output equals
+  // Generator's with the same options. Targets whose every layer is attention (no
+  // linear-attention layers) only.
   int64_t tree_budget = 0;
   ProgressFn progress;  // if set, called after each verify step's commits
 };
