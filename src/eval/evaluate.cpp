@@ -212,6 +212,8 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
                      const data::ChatConfig& chat, std::vector<PromptFile> files,
                      EvalOptions options)
     : target_(target), options_(std::move(options)) {
+  // Refused before the target-only pass rather than after it.
+  if (options_.tree_budget > 0) check_tree_verification(target.config(), options_.tree_budget);
   if (options_.tie_tolerance < 0) {
     options_.tie_tolerance = target.dtype() == at::kFloat ? 1e-4 : 0.25;
   }

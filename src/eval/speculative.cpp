@@ -111,6 +111,17 @@ void SpeculativeStats::add(const SpeculativeStats& o) {
   seconds += o.seconds;
 }
 
+void check_tree_verification(const models::ModelConfig& target, int64_t tree_budget) {
+  if (tree_budget < 0)
+    fail("speculative: --tree-budget must be 0 or positive, got {}", tree_budget);
+  if (tree_budget > 0 && target.is_hybrid()) {
+    fail(
+        "speculative: --tree-budget {}: {}'s linear-attention layers keep one state per sequence, "
+        "which cannot follow a tree's branches; verify chains (--tree-budget 0)",
+        tree_budget, models::architecture_name(target.arch));
+  }
+}
+
 namespace {
 
 int64_t resolve_context(const models::TargetModel& target, const SpeculativeOptions& o) {
@@ -123,14 +134,7 @@ int64_t resolve_context(const models::TargetModel& target, const SpeculativeOpti
 // and drafted nodes.
 int64_t verify_rows(const models::TargetModel& target, const DraftSource& drafter,
                     const SpeculativeOptions& o) {
-  if (o.tree_budget < 0)
-    fail("speculative: --tree-budget must be 0 or positive, got {}", o.tree_budget);
-  if (o.tree_budget > 0 && target.config().is_hybrid()) {
-    fail(
-        "speculative: --tree-budget {}: {}'s linear-attention layers keep one state per sequence, "
-        "which cannot follow a tree's branches; verify chains (--tree-budget 0)",
-        o.tree_budget, models::architecture_name(target.config().arch));
-  }
+  check_tree_verification(target.config(), o.tree_budget);
   return std::max(drafter.block_size(), o.tree_budget + 1);
 }
 

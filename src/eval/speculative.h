@@ -148,6 +148,10 @@ struct SpeculativeOptions {
   ProgressFn progress;  // if set, called after each verify step's commits
 };
 
+// Fails naming --tree-budget where `target` cannot verify trees of `tree_budget` drafts (a
+// negative budget; a hybrid target, whose linear-attention state cannot branch).
+void check_tree_verification(const models::ModelConfig& target, int64_t tree_budget);
+
 struct SpeculativeStats {
   int64_t requests = 0;
   int64_t prompt_tokens = 0;

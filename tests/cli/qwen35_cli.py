@@ -96,6 +96,10 @@ def main():
         assert report["mismatches"] == 0, report
         assert [f["verify_steps"] > 0 and f["divergences"] == [] for f in report["files"]] == [
             True], report
+        # Tree verification cannot follow a Gated DeltaNet state: refused before decoding.
+        r = run([dflash, "eval", "--drafter", export, "--target", target, "--prompts", prompts,
+                 "--device", "cpu", "--tree-budget", 8], expect="fail")
+        assert "--tree-budget 8: qwen3_5" in r.stderr and "linear-attention" in r.stderr, r.stderr
         gen = work / "gen.jsonl"
         run([dflash, "generate", "--target", target, "--data", chats, "--out", gen,
              "--max-new-tokens", 12, "--batch-size", 3, "--device", "cpu"])
