@@ -643,8 +643,8 @@ SpeculativeDecoder::Session::Verified SpeculativeDecoder::Session::verify_tree(
   for (size_t i = 0, a = 0; i < order.size(); ++i) {
     const bool occupied = a < active.size() && active[a] == order[i];
     if (occupied) {
-      const auto at = static_cast<int64_t>(a);
-      trees.push_back(build_draft_tree(last[a++], top_probs[at], top_tokens[at], budget));
+      const auto row = static_cast<int64_t>(a);
+      trees.push_back(build_draft_tree(last[a++], top_probs[row], top_tokens[row], budget));
       v.offsets.push_back(static_cast<int64_t>(v.tokens.size()));
     } else {
       cache_.reset(order[i]);
