@@ -90,12 +90,13 @@ void add_eval_command(CLI::App& app) {
       ->check(kAtLeastOne.validator());
   cmd->add_option("--block-size", o->eval.block_size, "drafted block (default: the drafter's)")
       ->check(at_least(2).validator());
-  cmd->add_option("--tree-budget", o->eval.tree_budget,
-                  "also decode with tree verification (DDTree): a tree of up to N drafted "
-                  "tokens per step from the drafter's distributions, reported beside the chain "
-                  "(0: chain only; not for hybrid targets)")
-      ->capture_default_str()
-      ->check(kNonNegative.validator());
+  cmd->add_option("--tree-budget", o->eval.tree_budgets,
+                  "also decode with tree verification (DDTree), once per budget given (e.g. "
+                  "16,32,64): trees of up to N drafted tokens per step from the drafter's "
+                  "distributions, reported beside the chain with the fastest named (not for "
+                  "hybrid targets)")
+      ->delimiter(',')
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--limit", o->limit, "first N prompts of each file (0: all)")
       ->capture_default_str()
       ->check(kNonNegative.validator());

@@ -132,10 +132,9 @@ double FileReport::speedup() const {
   const double t = target_tokens_per_s();
   return t > 0 ? speculative_tokens_per_s() / t : 0.0;
 }
-double FileReport::tree_tokens_per_s() const { return rate(tree.generated_tokens, tree.seconds); }
-double FileReport::tree_speedup() const {
+double FileReport::speedup(const SpeculativeStats& run) const {
   const double t = target_tokens_per_s();
-  return t > 0 ? tree_tokens_per_s() / t : 0.0;
+  return t > 0 ? rate(run.generated_tokens, run.seconds) / t : 0.0;
 }
 int64_t FileReport::mismatches() const {
   return std::count_if(divergences.begin(), divergences.end(),
@@ -153,7 +152,7 @@ json FileReport::to_json() const {
                     {"speculative_token", d.speculative_token},
                     {"logit_gap", std::isfinite(d.logit_gap) ? json(d.logit_gap) : json(nullptr)},
                     {"tie", d.tie},
-                    {"tree", d.tree}});
+                    {"tree_budget", d.tree_budget}});
   }
   json skips = json::array();
   for (const auto& s : skipped) {
@@ -183,15 +182,18 @@ json FileReport::to_json() const {
               {"mismatches", mismatches()},
               {"ties", ties()},
               {"divergences", divs}};
-  if (tree_budget > 0) {
-    out["tree"] = {{"budget", tree_budget},
-                   {"tau", tree.tau()},
-                   {"committed_histogram", tree.committed},
-                   {"verify_steps", tree.verify_steps},
-                   {"generated_tokens", tree.generated_tokens},
-                   {"tokens_per_s", tree_tokens_per_s()},
-                   {"speedup", tree_speedup()},
-                   {"seconds", tree.seconds}};
+  if (!trees.empty()) {
+    out["trees"] = json::array();
+    for (const auto& t : trees) {
+      out["trees"].push_back({{"budget", t.budget},
+                              {"tau", t.stats.tau()},
+                              {"committed_histogram", t.stats.committed},
+                              {"verify_steps", t.stats.verify_steps},
+                              {"generated_tokens", t.stats.generated_tokens},
+                              {"tokens_per_s", rate(t.stats.generated_tokens, t.stats.seconds)},
+                              {"speedup", speedup(t.stats)},
+                              {"seconds", t.stats.seconds}});
+    }
   }
   return out;
 }
@@ -213,7 +215,7 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
                      EvalOptions options)
     : target_(target), options_(std::move(options)) {
   // Refused before the target-only pass rather than after it.
-  if (options_.tree_budget > 0) check_tree_verification(target.config(), options_.tree_budget);
+  for (int64_t budget : options_.tree_budgets) check_tree_verification(target.config(), budget);
   if (options_.tie_tolerance < 0) {
     options_.tie_tolerance = target.dtype() == at::kFloat ? 1e-4 : 0.25;
   }
@@ -337,9 +339,8 @@ EvalReport Evaluator::evaluate(DraftSource& drafter) const {
     for (const auto& round : f.rounds) r.turns += static_cast<int64_t>(round.size());
     const auto t0 = std::chrono::steady_clock::now();
     r.speculative = decode(f, drafter, 0, progress, r.divergences);
-    if (options_.tree_budget > 0) {
-      r.tree_budget = options_.tree_budget;
-      r.tree = decode(f, drafter, options_.tree_budget, progress, r.divergences);
+    for (int64_t budget : options_.tree_budgets) {
+      r.trees.push_back({budget, decode(f, drafter, budget, progress, r.divergences)});
     }
     r.wall_seconds = f.seconds + seconds_since(t0);
     report.files.push_back(std::move(r));
@@ -388,7 +389,7 @@ SpeculativeStats Evaluator::decode(const File& f, DraftSource& drafter, int64_t 
     for (size_t j = 0; j < round.size(); ++j) {
       if (got[j].tokens != round[j].answer.tokens || got[j].finish != round[j].answer.finish) {
         divergences.push_back(compare(round[j], got[j]));
-        divergences.back().tree = tree_budget > 0;
+        divergences.back().tree_budget = tree_budget;
       }
     }
   }
@@ -455,16 +456,27 @@ std::string format_report(const EvalReport& report) {
     out += fmt::format(
         "\n  target-only {:.1f} tokens/s, speculative {:.1f} tokens/s, speed-up {:.2f}x\n",
         f.target_tokens_per_s(), f.speculative_tokens_per_s(), f.speedup());
-    if (f.tree_budget > 0) {
+    const FileReport::TreeRun* best = nullptr;
+    for (const auto& t : f.trees) {
       out += fmt::format(
-          "  tree of {} drafts: tau {:.3f} (chain {:.3f}), {:.1f} tokens/s, speed-up {:.2f}x "
+          "  trees of {} drafts: tau {:.3f} (chain {:.3f}), {:.1f} tokens/s, speed-up {:.2f}x "
           "(chain {:.2f}x)\n",
-          f.tree_budget, f.tree.tau(), s.tau(), f.tree_tokens_per_s(), f.tree_speedup(),
-          f.speedup());
+          t.budget, t.stats.tau(), s.tau(), rate(t.stats.generated_tokens, t.stats.seconds),
+          f.speedup(t.stats), f.speedup());
+      if (best == nullptr || f.speedup(t.stats) > f.speedup(best->stats)) best = &t;
     }
+    if (best != nullptr) {
+      out += fmt::format("  fastest: {} ({:.2f}x)\n",
+                         f.speedup(best->stats) > f.speedup()
+                             ? fmt::format("trees of {} drafts", best->budget)
+                             : std::string("the chain"),
+                         std::max(f.speedup(best->stats), f.speedup()));
+    }
+    double tree_seconds = 0;
+    for (const auto& t : f.trees) tree_seconds += t.stats.seconds;
     out += fmt::format("  wall {:.2f} s (target-only {:.2f} s, speculative {:.2f} s{})\n",
                        f.wall_seconds, f.target.seconds, s.seconds,
-                       f.tree_budget > 0 ? fmt::format(", tree {:.2f} s", f.tree.seconds) : "");
+                       f.trees.empty() ? "" : fmt::format(", trees {:.2f} s", tree_seconds));
     if (!f.skipped.empty()) {
       out += fmt::format("  {} prompt(s) SKIPPED, longer than the context (--skip-overlong):",
                          f.skipped.size());
@@ -480,7 +492,7 @@ std::string format_report(const EvalReport& report) {
           f.temperature);
     } else if (f.divergences.empty()) {
       out += fmt::format("  speculative output{} == target greedy output on all {} turns{}\n",
-                         f.tree_budget > 0 ? " (chain and tree)" : "", f.turns,
+                         f.trees.empty() ? "" : " (chain and trees)", f.turns,
                          f.skipped.empty() ? "" : " decoded");
     } else {
       out += fmt::format("  {} MISMATCHES and {} numerical ties against target greedy output:\n",
@@ -488,7 +500,8 @@ std::string format_report(const EvalReport& report) {
       for (const auto& d : f.divergences) {
         out += fmt::format(
             "    prompt {} turn {} token {}: target {} vs speculative{} {} (logit gap {:.4g}){}\n",
-            d.prompt, d.turn, d.position, d.target_token, d.tree ? " (tree)" : "",
+            d.prompt, d.turn, d.position, d.target_token,
+            d.tree_budget > 0 ? fmt::format(" (trees of {})", d.tree_budget) : "",
             d.speculative_token, d.logit_gap, d.tie ? ", a tie" : "");
       }
     }

@@ -62,9 +62,9 @@ struct EvalOptions {
   bool skip_overlong = false;
   // Progress lines on stderr (eval/progress.h) every this many seconds in a log; 0: none.
   double progress_seconds = 0;
-  // > 0: each file is decoded a second time with tree verification (SpeculativeOptions::
-  // tree_budget) and reported beside the chain.
-  int64_t tree_budget = 0;
+  // Each file is decoded again with tree verification at each of these budgets
+  // (SpeculativeOptions::tree_budget) and reported beside the chain.
+  std::vector<int64_t> tree_budgets;
 };
 
 // A prompt left out because a turn of it does not fit the context (--skip-overlong).
@@ -80,7 +80,7 @@ struct Divergence {
   int64_t target_token = -1, speculative_token = -1;  // -1: that answer ended there
   double logit_gap = 0;  // |logit(target) - logit(speculative)| at that position
   bool tie = false;
-  bool tree = false;  // in the tree-verified run
+  int64_t tree_budget = 0;  // the run it was in: 0 the chain, else trees of that budget
 };
 
 struct FileReport {
@@ -89,8 +89,12 @@ struct FileReport {
   int64_t block_size = 0;
   GenerationStats target;  // target-only greedy
   SpeculativeStats speculative;
-  int64_t tree_budget = 0;  // > 0: decoded again with trees of that many drafts (EvalOptions)
-  SpeculativeStats tree;
+  // The runs with tree verification (EvalOptions::tree_budgets), in order.
+  struct TreeRun {
+    int64_t budget = 0;
+    SpeculativeStats stats;
+  };
+  std::vector<TreeRun> trees;
   std::vector<Divergence> divergences;  // of either run
   std::vector<SkippedPrompt> skipped;   // --skip-overlong: not decoded, not compared
   double temperature = 0;               // > 0: sampled, outputs not compared
@@ -99,9 +103,8 @@ struct FileReport {
   double target_tokens_per_s() const;
   double speculative_tokens_per_s() const;
   double speedup() const;
-  double tree_tokens_per_s() const;
-  double tree_speedup() const;
-  int64_t mismatches() const;  // divergences that are not ties
+  double speedup(const SpeculativeStats& run) const;  // of any run against the target's
+  int64_t mismatches() const;                         // divergences that are not ties
   int64_t ties() const;
   nlohmann::json to_json() const;
 };

@@ -7,8 +7,9 @@ steps on random data (`dflash train`) and its export. `dflash eval` over three p
 (questions, multi-turn, chat lines) must succeed with the run directory, a step directory and
 the export; print tau and the histogram; with --json print a report whose counts add up, with
 every turn checked and no mismatch (on the CPU, in fp32, no divergence at all; on a GPU, in
-bf16, divergences at numerical ties are allowed); with --tree-budget report the tree's tau and
-speed-up beside the chain's, both checked; at --temperature 1 report tau and say that
+bf16, divergences at numerical ties are allowed); with --tree-budget 12,3 report each tree's tau
+and speed-up beside the chain's and the fastest, all checked; at --temperature 1 report tau and
+say that
 the outputs are not compared; and fail, naming file and line, on a bad prompt line.
 """
 import json
@@ -83,19 +84,23 @@ def main():
                 assert f["wall_seconds"] > 0 and f["mismatches"] == 0, f
                 assert device != "cpu" or f["divergences"] == [], f
 
-        # Tree verification beside the chain: both checked against the target's greedy output,
-        # the tree's histogram no longer than a block, its counts adding up like the chain's.
-        text = run([dflash, "eval", "--drafter", export, *common, "--tree-budget", 12]).stdout
-        assert "tree of 12 drafts: tau" in text and "(chain and tree)" in text, text
+        # Tree verification beside the chain, two budgets: every run checked against the
+        # target's greedy output, each tree's histogram no longer than a block, its counts
+        # adding up like the chain's, the fastest run named.
+        text = run([dflash, "eval", "--drafter", export, *common, "--tree-budget", "12,3"]).stdout
+        for needle in ["trees of 12 drafts: tau", "trees of 3 drafts: tau", "fastest: ",
+                       "(chain and trees)"]:
+            assert needle in text, f"{needle!r} missing from:\n{text}"
         report = json.loads(run([dflash, "eval", "--drafter", export, *common,
-                                 "--tree-budget", 12, "--json"]).stdout)
+                                 "--tree-budget", "12,3", "--json"]).stdout)
         assert report["mismatches"] == 0, report
         for f in report["files"]:
-            tree = f["tree"]
-            assert tree["budget"] == 12 and len(tree["committed_histogram"]) == 9, f
-            assert tree["generated_tokens"] == f["turns"] + sum(
-                k * n for k, n in enumerate(tree["committed_histogram"])), f
-            assert 1 <= tree["tau"] <= 8 and tree["speedup"] > 0, f
+            assert [t["budget"] for t in f["trees"]] == [12, 3], f
+            for tree in f["trees"]:
+                assert len(tree["committed_histogram"]) == 9, f
+                assert tree["generated_tokens"] == f["turns"] + sum(
+                    k * n for k, n in enumerate(tree["committed_histogram"])), f
+                assert 1 <= tree["tau"] <= 8 and tree["speedup"] > 0, f
             assert device != "cpu" or f["divergences"] == [], f
 
         # Speculative sampling: tau and speed-up, no exactness check (text and JSON say so).
