@@ -199,7 +199,10 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
   drafter_.start(options_.slots, options_.context);
   whole_step_ = options_.whole_step && options_.sampling.greedy() && drafter_.capturable() &&
                 options_.tree_budget == 0;
-  if (options_.cuda_graph && cuda_graph_capable(target_)) capture_graph();
+  // gpt-oss' sink attention over a tree takes the per-entry path, whose shapes follow the
+  // cache lengths: its trees verify eagerly.
+  const bool capturable = options_.tree_budget == 0 || target_.gpt_oss() == nullptr;
+  if (options_.cuda_graph && cuda_graph_capable(target_) && capturable) capture_graph();
 }
 
 void SpeculativeDecoder::capture_graph() {

@@ -934,7 +934,8 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
       o.tree_budget = 20;
       o.cuda_graph = graph;
       SpeculativeDecoder decoder(target, *source, o);
-      EXPECT_EQ(decoder.uses_cuda_graph(), graph);
+      // gpt-oss' trees verify eagerly (their sink attention's shapes follow the cache).
+      EXPECT_EQ(decoder.uses_cuda_graph(), graph && target.gpt_oss() == nullptr);
       SpeculativeStats stats;
       expect_same(decoder.generate(prompts, &stats), want);
       if (source == &scripted) {
