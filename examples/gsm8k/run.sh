@@ -10,7 +10,10 @@
 #   --mini (default)  CPU: a 1.4M-parameter target, part of the data (2-core machine)
 #   --full            one GPU: a 16.5M-parameter target on all of GSM8K, 500 held-out questions
 #   --target ARCH     qwen3 (default), or qwen3_5: a Qwen3.5-shaped hybrid target (Gated
-#                     DeltaNet layers, gated attention every 4th layer), same widths
+#                     DeltaNet layers, gated attention every 4th layer), same widths, or
+#                     gpt_oss: a gpt-oss-shaped target (sliding/full attention with sinks, 4
+#                     experts top 2) chatting in harmony (the template beside the data:
+#                     DIR/../chat_templates/openai-gpt-oss-120b.jinja); smaller in --mini
 #   --data DIR        holds GSM8K train.jsonl and test.jsonl (default: ../shared/data/gsm8k)
 #   --out DIR         work directory (default: runs/gsm8k-MODE); pretrain starts it afresh
 #   --dflash BINARY   default: $BUILD_DIR/src/dflash, else build/src/dflash
@@ -35,7 +38,7 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift ;;
     --dflash) dflash=$2; shift ;;
     --stages) stages=$2; shift ;;
-    *) sed -n '8,20p' "$0"; exit 2 ;;
+    *) sed -n '8,23p' "$0"; exit 2 ;;
   esac
   shift
 done
@@ -50,9 +53,14 @@ if [ ! -f "$data/train.jsonl" ] || [ ! -f "$data/test.jsonl" ]; then
 fi
 case "$target" in
   qwen3) out=${out:-$root/runs/gsm8k-$mode} ;;
-  qwen3_5) out=${out:-$root/runs/gsm8k-$mode-$target} ;;
-  *) echo "run.sh: --target must be qwen3 or qwen3_5, got '$target'" >&2; exit 2 ;;
+  qwen3_5 | gpt_oss) out=${out:-$root/runs/gsm8k-$mode-$target} ;;
+  *) echo "run.sh: --target must be qwen3, qwen3_5 or gpt_oss, got '$target'" >&2; exit 2 ;;
 esac
+harmony=$data/../chat_templates/openai-gpt-oss-120b.jinja
+if [ "$target" = gpt_oss ] && [ ! -f "$harmony" ]; then
+  echo "run.sh: --target gpt_oss needs gpt-oss' chat template at $harmony" >&2
+  exit 1
+fi
 has() { [[ ",$stages," == *",$1,"* ]]; }
 # A stage starts from nothing (generate resumes by itself: it skips the lines it has written).
 if has pretrain; then rm -rf "$out"; fi
@@ -109,6 +117,23 @@ if [ "$target" = qwen3_5 ]; then
   if [ "$mode" = mini ]; then head_dim=32; fi
   pretrain+=(--arch qwen3_5 --full-attention-interval 4 --linear-key-heads 2
              --linear-value-heads 4 --linear-head-dim "$head_dim")
+fi
+if [ "$target" = gpt_oss ]; then
+  # The harmony template and tokens (the built-in tokenizer plus harmony's specials); sliding
+  # windows of 32 against answers of ~100-200 tokens after a ~100-token system message.
+  if [ "$mode" = mini ]; then
+    # CI's budget (a few minutes on 2 cores; harmony's system message doubles the tokens of a
+    # chat, the experts loop on the CPU): a 3-layer target of width 64, fewer steps and
+    # questions; the drafter taps layers 0 and 1 (not the last).
+    pretrain=(--layers 3 --hidden 64 --heads 4 --kv-heads 2 --ffn 128 --steps 280
+              --batch-size 8 --lr 1e-2 --max-eval-samples 50)
+    questions=120
+    drafter=(--drafter-layers 2 --target-layer-ids 0,1 --steps 64 --batch-size 8
+             --max-anchors 64 --lr 3e-3)
+    train_eval=(--eval-every 32 --eval-max-new-tokens 160 --eval-batch-size 8)
+  fi
+  pretrain+=(--arch gpt_oss --experts 4 --experts-per-token 2 --sliding-window 32
+             --chat-template "$harmony")
 fi
 
 # Held out: the first `heldout` GSM8K test questions, for the final tau. The next `validation`

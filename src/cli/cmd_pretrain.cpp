@@ -1,6 +1,6 @@
 // `dflash pretrain --data train.jsonl --eval-data test.jsonl --out MODEL_DIR`: trains a small
-// Qwen3 or Qwen3.5 (hybrid) target from random weights on chat text (train::pretrain) and writes it
-// as a Hugging Face model directory with its tokenizer and chat template.
+// Qwen3, Qwen3.5 (hybrid) or gpt-oss target from random weights on chat text (train::pretrain) and
+// writes it as a Hugging Face model directory with its tokenizer and chat template.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -16,16 +16,22 @@ namespace dflash::cli {
 void add_pretrain_command(CLI::App& app) {
   auto o = std::make_shared<train::PretrainOptions>();
   auto loss_on = std::make_shared<std::string>("all");
-  auto* cmd = app.add_subcommand("pretrain",
-                                 "Train a small Qwen3 or Qwen3.5 (hybrid Gated DeltaNet) target "
-                                 "from scratch on chat text (GSM8K question/answer, OpenAI or "
-                                 "ShareGPT JSONL) and write it as a Hugging Face model directory");
+  auto* cmd =
+      app.add_subcommand("pretrain",
+                         "Train a small Qwen3, Qwen3.5 (hybrid Gated DeltaNet) or gpt-oss target "
+                         "from scratch on chat text (GSM8K question/answer, OpenAI or "
+                         "ShareGPT JSONL) and write it as a Hugging Face model directory");
   cmd->add_option("--data", o->data, "training JSONL file(s)")->required();
   cmd->add_option("--eval-data", o->eval_data, "validation JSONL file(s): loss on answer tokens");
   add_out_option(*cmd, o->out, "output model directory");
   cmd->add_option("--tokenizer", o->tokenizer,
                   "directory with tokenizer.json and tokenizer_config.json (default: the "
                   "built-in GSM8K tokenizer, examples/gsm8k)");
+  cmd->add_option("--chat-template", o->chat_template,
+                  "Jinja file: the chat template the model ships with (in tokenizer_config.json) "
+                  "and the data is rendered with; --arch gpt_oss with the built-in tokenizer "
+                  "needs one (the harmony template, whose special tokens it then adds)")
+      ->check(CLI::ExistingFile);
   std::map<std::string, models::Architecture> archs;
   for (const auto& a : train::kPretrainArchNames) archs[a.name] = a.value;
   cmd->add_option("--arch", o->arch,
@@ -75,6 +81,16 @@ void add_pretrain_command(CLI::App& app) {
                   "qwen3_5: share of an attention head's dims that RoPE rotates")
       ->capture_default_str()
       ->check(kUnitInterval.validator());
+  cmd->add_option("--experts", o->experts, "gpt_oss: experts per layer, each --ffn wide")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--experts-per-token", o->experts_per_token, "gpt_oss: experts each token uses")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd->add_option("--sliding-window", o->sliding_window,
+                  "gpt_oss: positions the sliding layers (every other one) attend to")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
   cmd->add_option("--epochs", o->epochs, "passes over --data (unless --steps)")
       ->capture_default_str()
       ->check(kPositive.validator());

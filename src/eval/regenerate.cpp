@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <string_view>
 #include <unordered_map>
 
 #include "common/error.h"
@@ -158,6 +159,26 @@ const char* role_name(data::Role role) {
   return role == data::Role::kAssistant ? "assistant" : "tool";
 }
 
+// A generated harmony turn (gpt-oss: "<|channel|>analysis<|message|>...<|end|><|start|>assistant
+// <|channel|>final<|message|>ANSWER<|return|>", the specials as text) as the message the
+// template renders back: the final channel's body (the reasoning is dropped, as the template
+// drops it from earlier turns); without a final channel (cut short), the last message's body.
+std::string harmony_answer(const std::string& text) {
+  constexpr std::string_view kFinal = "<|channel|>final<|message|>", kMessage = "<|message|>";
+  size_t body = text.rfind(kFinal);
+  if (body != std::string::npos) {
+    body += kFinal.size();
+  } else {
+    body = text.rfind(kMessage);
+    body = body == std::string::npos ? 0 : body + kMessage.size();
+  }
+  std::string out = text.substr(body);
+  for (const char* end : {"<|return|>", "<|end|>", "<|call|>", "<|endoftext|>"}) {
+    out = out.substr(0, out.find(end));
+  }
+  return out;
+}
+
 // One conversation being regenerated.
 struct Job {
   int64_t index = 0;
@@ -266,7 +287,10 @@ class LineGeneration {
     Job& job = jobs_.at(static_cast<int64_t>(r.id >> kTurnBits));
     std::vector<int32_t> ids(c.tokens.begin(), c.tokens.end());
     job.history.messages.push_back(
-        {data::Role::kAssistant, tokenizer_.decode(ids, /*skip_special_tokens=*/true), {}});
+        {data::Role::kAssistant,
+         chat_.harmony ? harmony_answer(tokenizer_.decode(ids, /*skip_special_tokens=*/false))
+                       : tokenizer_.decode(ids, /*skip_special_tokens=*/true),
+         {}});
     job.finish.push_back(finish_name(c.finish));
     ++job.next;
     ++job.turn;

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -81,7 +82,9 @@ at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, con
   const double alpha = c.gpt_oss.swiglu_alpha, limit = c.gpt_oss.swiglu_limit;
   const auto [routes, weights] = route(x, w, c);
   at::Tensor y;
-  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && grouped_mm_aligned(x, f)) {
+  // The fused activation kernel has no backward: training takes the per-expert ATen path.
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && grouped_mm_aligned(x, f) &&
+      !c10::GradMode::is_enabled()) {
     auto offsets = routes.offsets();
     auto gu = at::_grouped_mm(routes.rows, gate_up.transpose(1, 2), offsets);
     // The gate/up biases, the clamps and the gate in one pass (kernels/gpt_oss_swiglu.h).
@@ -120,7 +123,8 @@ at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWe
 
 at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& sinks, int64_t window, const PackedBatch& batch) {
-  if (cuda_half(q)) {
+  // Training differentiates the eager softmax (flash's log-sum-exp output has no gradient).
+  if (cuda_half(q) && !c10::GradMode::is_enabled()) {
     auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
         q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_length, batch.max_length, 0.0,
         /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_window_left(window),
@@ -315,6 +319,47 @@ std::shared_ptr<GptOssDecoder> GptOssDecoder::random(const ModelConfig& c, at::G
   return d;
 }
 
+namespace {
+
+// The floating-point weights of a layer (const or not), in one order for parameters() and
+// cast().
+template <class Layer>
+auto float_weights(Layer& l) {
+  return std::array{&l.input_norm,  &l.post_attention_norm,
+                    &l.w_qkv,       &l.b_qkv,
+                    &l.w_o,         &l.b_o,
+                    &l.sinks,       &l.router,
+                    &l.router_bias, &l.gate_up,
+                    &l.down,        &l.gate_up_bias,
+                    &l.down_bias};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> GptOssDecoder::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& l : layers_) {
+    if (l.gate_up_blocks.defined()) {
+      fail("gpt-oss target: MXFP4 experts are not trainable (write the bf16 layout to train)");
+    }
+    for (const at::Tensor* t : float_weights(l)) {
+      if (t->defined()) out.push_back(*t);
+    }
+  }
+  return out;
+}
+
+std::shared_ptr<GptOssDecoder> GptOssDecoder::cast(at::ScalarType dtype) const {
+  std::shared_ptr<GptOssDecoder> d(new GptOssDecoder(*this));
+  d->gate_up_buffer_ = d->down_buffer_ = at::Tensor();
+  for (auto& l : d->layers_) {
+    for (at::Tensor* t : float_weights(l)) {
+      if (t->defined()) *t = t->to(dtype);
+    }
+  }
+  return d;
+}
+
 at::Tensor GptOssDecoder::layer(int64_t i, const at::Tensor& x, const at::Tensor& cos,
                                 const at::Tensor& sin, const Attend& attend) const {
   const ModelConfig& c = config_;
@@ -368,11 +413,11 @@ ForwardResult GptOssDecoder::run(const TargetModel& target, const at::Tensor& to
                                  const at::Tensor& positions, const at::Tensor& cu_seqlens,
                                  const ForwardRequest& request, bool all_layers,
                                  const Attend& attend) const {
-  if (request.grad) fail("gpt-oss target: the forward is inference only (no autograd)");
   if (request.gemms == PrefillGemms::kFp8) {
     fail("gpt-oss target: --prefill-gemms fp8 is not implemented (aten or tuned)");
   }
-  c10::NoGradGuard no_grad;
+  std::optional<c10::NoGradGuard> no_grad;
+  if (!request.grad) no_grad.emplace();
   for (int64_t id : request.tap_layers) {
     if (id < 0 || id >= config_.num_layers) {
       fail("target forward: tap layer {} is out of range [0, {})", id, config_.num_layers);

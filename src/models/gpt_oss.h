@@ -101,7 +101,15 @@ class GptOssDecoder {
   static std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(
       const ModelConfig& c, bool mxfp4);
 
+  // Every floating-point weight once, for training (`dflash pretrain --arch gpt_oss`): the
+  // bf16 layout only (MXFP4 blocks are not trainable: an error).
+  std::vector<at::Tensor> parameters() const;
+  // The same layers computing in `dtype`: the weights are casts of these (gradients flow back
+  // to them under grad mode), the MXFP4 blocks and scales shared.
+  std::shared_ptr<GptOssDecoder> cast(at::ScalarType dtype) const;
+
   // The prefill of TargetModel::forward: embedding, lm head and final norm are the target's.
+  // With request.grad it keeps autograd state (the eager attention and experts, differentiable).
   ForwardResult forward(const TargetModel& target, const at::Tensor& tokens,
                         const PackedBatch& batch, const ForwardRequest& request) const;
   // The layers of TargetModel::forward_cached, which checks the cache and counts the new

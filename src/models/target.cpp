@@ -1047,9 +1047,11 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
 }
 
 std::vector<at::Tensor> TargetModel::parameters() const {
-  if (gpt_oss_) fail("gpt-oss target: it is frozen here; its parameters are not trainable");
   if (tp_ != nullptr) fail("target: a tensor-parallel target is frozen; it is not trainable");
   std::vector<at::Tensor> out = {embed_};
+  if (gpt_oss_) {
+    for (const auto& t : gpt_oss_->parameters()) out.push_back(t);
+  }
   for (const auto& l : layers_) {
     for (const at::Tensor& t : {l.input_norm,
                                 l.post_attention_norm,
@@ -1081,9 +1083,8 @@ std::vector<at::Tensor> TargetModel::parameters() const {
 }
 
 TargetModel TargetModel::cast(at::ScalarType dtype) const {
-  if (gpt_oss_)
-    fail("gpt-oss target: cast is not implemented (it is a frozen, prefill-only target)");
   TargetModel m(*this);
+  if (gpt_oss_) m.gpt_oss_ = gpt_oss_->cast(dtype);
   auto to = [&](at::Tensor& t) {
     if (t.defined()) t = t.to(dtype);
   };

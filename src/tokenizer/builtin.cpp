@@ -27,11 +27,17 @@ int64_t builtin_vocab_size() {
   return static_cast<int64_t>(j["model"]["vocab"].size() + j["added_tokens"].size());
 }
 
-std::string builtin_tokenizer_json(int64_t vocab_size) {
+std::string builtin_tokenizer_json(int64_t vocab_size,
+                                   const std::vector<std::string>& extra_tokens) {
   json j = json::parse(kTokenizerJson);
   json& vocab = j["model"]["vocab"];
   json& merges = j["model"]["merges"];
   json& added = j["added_tokens"];
+  for (const std::string& token : extra_tokens) {
+    json entry = added.back();  // <|MASK|>'s flags: special, matched whole
+    entry["content"] = token;
+    added.insert(added.end() - 1, entry);
+  }
   const auto n_added = static_cast<int64_t>(added.size());
   if (vocab_size < kByteSymbols + n_added) {
     fail("tokenizer: a vocabulary of {} ids cannot hold the {} byte symbols and {} added tokens",
@@ -60,6 +66,20 @@ void write_builtin_tokenizer(const std::filesystem::path& dir, int64_t vocab_siz
   std::filesystem::create_directories(dir);
   write_file_atomic(dir / "tokenizer.json", builtin_tokenizer_json(vocab_size));
   write_file_atomic(dir / "tokenizer_config.json", kTokenizerConfigJson);
+}
+
+void write_builtin_harmony_tokenizer(const std::filesystem::path& dir,
+                                     const std::string& chat_template) {
+  std::filesystem::create_directories(dir);
+  write_file_atomic(
+      dir / "tokenizer.json",
+      builtin_tokenizer_json(builtin_vocab_size() + static_cast<int64_t>(kHarmonyTokens.size()),
+                             kHarmonyTokens));
+  json config = json::parse(kTokenizerConfigJson);
+  config["chat_template"] = chat_template;
+  config["eos_token"] = "<|return|>";
+  config["pad_token"] = "<|endoftext|>";
+  write_file_atomic(dir / "tokenizer_config.json", config.dump(2));
 }
 
 }  // namespace dflash::tok

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace dflash::tok {
 
@@ -18,10 +19,24 @@ int64_t builtin_vocab_size();
 // the merges is a tokenizer). Larger: unused "<|pad_ID|>" entries that no text encodes to. The
 // added tokens stay together with <|MASK|> last, at id min(vocab_size - 1, 151669): the id
 // `dflash train` takes for the mask token by default (Qwen3's).
-std::string builtin_tokenizer_json(int64_t vocab_size);
+// `extra_tokens`: more special tokens, added before <|MASK|> (which stays last).
+std::string builtin_tokenizer_json(int64_t vocab_size,
+                                   const std::vector<std::string>& extra_tokens = {});
 
 // Writes tokenizer.json (sized as above) and tokenizer_config.json (Qwen3 chat template,
 // <|im_end|> as EOS) into `dir`, atomically each.
 void write_builtin_tokenizer(const std::filesystem::path& dir, int64_t vocab_size);
+
+// The special tokens of OpenAI's harmony chat format (gpt-oss) that its template writes.
+inline const std::vector<std::string> kHarmonyTokens = {
+    "<|start|>",     "<|end|>",    "<|message|>", "<|channel|>",
+    "<|constrain|>", "<|return|>", "<|call|>"};
+
+// The built-in tokenizer for a gpt-oss-shaped model: every BPE entry, the added tokens and
+// harmony's (kHarmonyTokens, before <|MASK|>), builtin_vocab_size() + 7 ids in all; its
+// tokenizer_config.json carries `chat_template` (the harmony template's text), with <|return|>
+// as EOS (the end of a final answer, gpt-oss' own) and <|endoftext|> as padding.
+void write_builtin_harmony_tokenizer(const std::filesystem::path& dir,
+                                     const std::string& chat_template);
 
 }  // namespace dflash::tok

@@ -57,12 +57,45 @@ double eval_loss(const models::TargetModel& model, const std::vector<LmSample>& 
   return counted > 0 ? sum.item<double>() / static_cast<double>(counted) : NAN;
 }
 
+// gpt-oss' config.json with the options' shape, read as transformers reads it: attention
+// biases, untied embeddings, rms_norm_eps 1e-5, layers alternating sliding and full attention
+// from a sliding one, and gpt-oss' own YaRN rope scaling.
+models::ModelConfig gpt_oss_config(const PretrainOptions& o, int64_t vocab_size) {
+  const json j = {{"model_type", "gpt_oss"},
+                  {"vocab_size", vocab_size},
+                  {"hidden_size", o.hidden},
+                  {"intermediate_size", o.ffn},
+                  {"num_hidden_layers", o.layers},
+                  {"num_attention_heads", o.heads},
+                  {"num_key_value_heads", o.kv_heads},
+                  {"head_dim", o.head_dim > 0 ? o.head_dim : o.hidden / o.heads},
+                  {"num_local_experts", o.experts},
+                  {"num_experts_per_tok", o.experts_per_token},
+                  {"sliding_window", o.sliding_window},
+                  {"rope_theta", o.rope_theta},
+                  {"max_position_embeddings", 131072},
+                  {"rope_scaling",
+                   {{"rope_type", "yarn"},
+                    {"factor", 32.0},
+                    {"beta_fast", 32.0},
+                    {"beta_slow", 1.0},
+                    {"truncate", false},
+                    {"original_max_position_embeddings", 4096}}},
+                  {"tie_word_embeddings", false},
+                  {"torch_dtype", "float32"}};
+  return models::parse_model_config(j, "pretrain --arch gpt_oss");
+}
+
 models::ModelConfig model_config(const PretrainOptions& o, int64_t vocab_size) {
   models::ModelConfig c;
   if (std::string_view(enum_name(kPretrainArchNames, o.arch)) == "?") {
     fail("pretrain: the architecture must be {}, got {}", enum_choices(kPretrainArchNames),
          models::architecture_name(o.arch));
   }
+  if (o.heads <= 0 || o.hidden % o.heads != 0) {
+    fail("pretrain: --hidden {} is not a multiple of --heads {}", o.hidden, o.heads);
+  }
+  if (o.arch == models::Architecture::kGptOss) return gpt_oss_config(o, vocab_size);
   c.arch = o.arch;
   c.vocab_size = vocab_size;
   c.hidden_size = o.hidden;
@@ -70,9 +103,6 @@ models::ModelConfig model_config(const PretrainOptions& o, int64_t vocab_size) {
   c.num_layers = o.layers;
   c.num_heads = o.heads;
   c.num_kv_heads = o.kv_heads;
-  if (o.heads <= 0 || o.hidden % o.heads != 0) {
-    fail("pretrain: --hidden {} is not a multiple of --heads {}", o.hidden, o.heads);
-  }
   c.head_dim = o.head_dim > 0 ? o.head_dim : o.hidden / o.heads;
   c.max_position_embeddings = std::max<int64_t>(o.max_length, 2048);
   c.rms_norm_eps = 1e-6;
@@ -98,17 +128,46 @@ models::ModelConfig model_config(const PretrainOptions& o, int64_t vocab_size) {
   return c;
 }
 
-// The tokenizer files the model ships with, copied (or the built-in ones written) into `out`.
-void install_tokenizer(const std::string& source, const fs::path& out) {
-  if (source.empty()) {
-    tok::write_builtin_tokenizer(out, tok::builtin_vocab_size());
+// The tokenizer files the model ships with, copied (or the built-in ones written) into `out`,
+// with --chat-template's text as their chat template when given.
+void install_tokenizer(const PretrainOptions& o, const fs::path& out) {
+  const std::string chat_template = o.chat_template.empty() ? "" : read_file(o.chat_template);
+  if (o.tokenizer.empty() && o.arch == models::Architecture::kGptOss) {
+    if (chat_template.empty()) {
+      fail(
+          "pretrain: --arch gpt_oss with the built-in tokenizer needs --chat-template (gpt-oss' "
+          "harmony template, e.g. ../shared/data/chat_templates/openai-gpt-oss-120b.jinja)");
+    }
+    tok::write_builtin_harmony_tokenizer(out, chat_template);
     return;
   }
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
-    const fs::path from = fs::path(source) / name;
-    if (!fs::exists(from)) fail("pretrain: --tokenizer {}: no {}", source, name);
-    write_file_atomic(out / name, read_file(from));
+  if (o.tokenizer.empty()) {
+    tok::write_builtin_tokenizer(out, tok::builtin_vocab_size());
+  } else {
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
+      const fs::path from = fs::path(o.tokenizer) / name;
+      if (!fs::exists(from)) fail("pretrain: --tokenizer {}: no {}", o.tokenizer, name);
+      write_file_atomic(out / name, read_file(from));
+    }
   }
+  if (chat_template.empty()) return;
+  json config = json::parse(read_file(out / "tokenizer_config.json"));
+  config["chat_template"] = chat_template;
+  write_file_atomic(out / "tokenizer_config.json", config.dump(2));
+}
+
+// config.json's eos_token_id and pad_token_id: the ids of tokenizer_config.json's tokens (what
+// transformers' generate stops on and pads with).
+void put_special_ids(const fs::path& dir, const tok::Tokenizer& tokenizer) {
+  json config = json::parse(read_file(dir / "config.json"));
+  const json tokens = json::parse(read_file(dir / "tokenizer_config.json"));
+  for (const auto& [key, id_key] :
+       {std::pair{"eos_token", "eos_token_id"}, std::pair{"pad_token", "pad_token_id"}}) {
+    if (!tokens.contains(key) || !tokens[key].is_string()) continue;
+    const int64_t id = tokenizer.token_to_id(tokens[key].get<std::string>());
+    if (id >= 0) config[id_key] = id;
+  }
+  write_file_atomic(dir / "config.json", config.dump(2));
 }
 
 }  // namespace
@@ -187,7 +246,7 @@ PretrainSummary pretrain(const PretrainOptions& o) {
   const at::ScalarType compute = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   const fs::path out(o.out);
   fs::create_directories(out);
-  install_tokenizer(o.tokenizer, out);
+  install_tokenizer(o, out);
   const auto tokenizer = tok::Tokenizer::load(out / "tokenizer.json");
   const auto config = model_config(o, static_cast<int64_t>(tokenizer.vocab_size()));
 
@@ -236,6 +295,9 @@ PretrainSummary pretrain(const PretrainOptions& o) {
                                    models::LayerType::kLinearAttention),
                         config.linear.num_key_heads, config.linear.num_value_heads,
                         config.linear.key_head_dim)
+      : config.arch == models::Architecture::kGptOss
+          ? fmt::format(" ({} experts, top {}; sliding window {})", config.num_experts,
+                        config.num_experts_per_tok, config.gpt_oss.sliding_window)
           : std::string(),
       config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
       config.head_dim, config.num_parameters() / 1e6, "fp32", device.str(), c10::toString(compute),
@@ -317,6 +379,7 @@ PretrainSummary pretrain(const PretrainOptions& o) {
   s.train_loss = tail_acc.item<double>() / static_cast<double>(steps - tail_from);
   s.eval_loss = eval;
   write_hf_model(out, master);
+  put_special_ids(out, tokenizer);
   write_file_atomic(out / "pretrain.json",
                     json{{"params", s.params},
                          {"steps", s.steps},

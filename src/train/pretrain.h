@@ -1,10 +1,10 @@
-// train: `dflash pretrain`: trains a target decoder itself (Qwen3, or Qwen3.5's hybrid) (not a
-// drafter) from random weights on chat text with next-token cross entropy, and writes it as a
-// Hugging Face model directory with its tokenizer. No pretrained weights can be downloaded here, so
-// this is how the project gets a real target to train and evaluate drafters on (the GSM8K example,
-// docs/EXAMPLE_GSM8K.md). The model is models::TargetModel itself: fp32 master weights, and on CUDA
-// a bf16 cast of them computes each step (TargetModel::cast), so the frozen-target code path is the
-// trained one.
+// train: `dflash pretrain`: trains a target decoder itself (Qwen3, Qwen3.5's hybrid or gpt-oss)
+// (not a drafter) from random weights on chat text with next-token cross entropy, and writes it as
+// a Hugging Face model directory with its tokenizer. No pretrained weights can be downloaded here,
+// so this is how the project gets a real target to train and evaluate drafters on (the GSM8K
+// example, docs/EXAMPLE_GSM8K.md). The model is models::TargetModel itself: fp32 master weights,
+// and on CUDA a bf16 cast of them computes each step (TargetModel::cast), so the frozen-target code
+// path is the trained one.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -54,13 +54,17 @@ LmBatch make_lm_batch(const std::vector<LmSample>& samples, const std::vector<in
 // weights require grad: one training or validation forward.
 at::Tensor lm_loss_sum(const models::TargetModel& model, const LmBatch& batch);
 
-// The architectures pretrain writes: Qwen3, or Qwen3.5's hybrid (Gated DeltaNet layers, every
+// The architectures pretrain writes: Qwen3, Qwen3.5's hybrid (Gated DeltaNet layers, every
 // full_attention_interval-th layer gated attention with partial rotary, (1 + w) norms), written
-// as qwen3_5_text.
+// as qwen3_5_text, or gpt-oss (sliding and full attention alternating, sinks, biases, MoE with
+// the clamped SwiGLU, YaRN rope as gpt-oss' config has it), written in the bf16 expert layout
+// of transformers' GptOssForCausalLM.
 inline constexpr EnumName<models::Architecture> kPretrainArchNames[] = {
     {models::Architecture::kQwen3, "qwen3"},
     {models::Architecture::kQwen35, "qwen3_5",
      "Gated DeltaNet layers with gated full attention every --full-attention-interval layers"},
+    {models::Architecture::kGptOss, "gpt_oss",
+     "sliding-window (--sliding-window) and full attention alternating, --experts MoE"},
 };
 
 struct PretrainOptions {
@@ -68,6 +72,10 @@ struct PretrainOptions {
   std::vector<std::string> eval_data;
   std::string out;
   std::string tokenizer;  // directory with tokenizer.json (+ tokenizer_config.json); "": built in
+  // A Jinja file: the chat template the model ships with (and the data is rendered with), in
+  // place of the tokenizer's. gpt_oss with the built-in tokenizer requires it (the harmony
+  // template; the tokenizer gets harmony's special tokens).
+  std::string chat_template;
   // Shape (q/k norms, tied embeddings); the vocabulary is the tokenizer's. kPretrainArchNames.
   models::Architecture arch = models::Architecture::kQwen3;
   int64_t layers = 4;
@@ -85,6 +93,11 @@ struct PretrainOptions {
   int64_t linear_head_dim = 128;
   int64_t conv_kernel = 4;
   double partial_rotary_factor = 0.25;
+  // gpt_oss only: experts per layer (each --ffn wide), experts per token, and the window of
+  // the sliding layers (even layers slide, odd ones attend fully, as gpt-oss).
+  int64_t experts = 4;
+  int64_t experts_per_token = 2;
+  int64_t sliding_window = 32;
   // Training.
   double epochs = 1.0;
   int64_t steps = 0;  // 0: from epochs
@@ -113,9 +126,9 @@ struct PretrainSummary {
 
 PretrainSummary pretrain(const PretrainOptions& options);
 
-// Writes `model`'s weights and config.json (Qwen3ForCausalLM or Qwen3_5ForCausalLM, torch_dtype
-// the model's) into a
-// Hugging Face model directory; pretrain puts the tokenizer files beside them.
+// Writes `model`'s weights and config.json (Qwen3ForCausalLM, Qwen3_5ForCausalLM or
+// GptOssForCausalLM, torch_dtype the model's) into a Hugging Face model directory; pretrain puts
+// the tokenizer files beside them (and config.json's eos_token_id / pad_token_id from them).
 void write_hf_model(const std::filesystem::path& dir, const models::TargetModel& model);
 
 }  // namespace dflash::train

@@ -337,13 +337,46 @@ TEST(GptOss, RandomMxfp4ModelRoundTripsThroughItsCheckpoint) {
   remove_tree(dir);
 }
 
-TEST(GptOss, TrainingAndCastAreRefusedClearly) {
-  auto model = TargetModel::random(models::preset_config("tiny-gpt-oss"), at::kCPU, at::kFloat, 1);
-  auto packed = PackedBatch::from_lengths({4}, at::kCPU);
-  models::ForwardRequest grad{{}, Logits::kLast};
+// Training (`dflash pretrain --arch gpt_oss`): MXFP4 blocks are refused as parameters; in the
+// bf16 layout every weight gets a gradient through the eager forward (the frozen forward records
+// nothing), also from a bf16 cast of the fp32 weights.
+TEST(GptOss, TrainsInTheBf16Layout) {
+  auto mxfp4 = TargetModel::random(models::preset_config("tiny-gpt-oss"), at::kCPU, at::kFloat, 1);
+  EXPECT_THROW(mxfp4.parameters(), Error);
+  auto config = models::preset_config("tiny-gpt-oss");
+  config.gpt_oss.mxfp4 = false;
+  auto model = TargetModel::random(config, at::kCPU, at::kFloat, 1);
+  auto params = model.parameters();
+  // Embedding, LM head, final norm and 13 tensors a layer (q/k/v/o biases and sinks included).
+  EXPECT_EQ(params.size(), 3 + 13 * static_cast<size_t>(config.num_layers));
+  for (auto& p : params) p.set_requires_grad(true);
+  auto packed = PackedBatch::from_lengths({40}, at::kCPU);  // longer than the 16-token window
+  auto tokens = at::arange(40, at::kLong) * 7 % config.vocab_size;
+  EXPECT_FALSE(model.forward(tokens, packed, {{}, Logits::kAll}).logits.requires_grad());
+  models::ForwardRequest grad{{}, Logits::kAll};
   grad.grad = true;
-  EXPECT_THROW(model.forward(at::arange(4, at::kLong), packed, grad), Error);
-  EXPECT_THROW(model.cast(at::kBFloat16), Error);
+  auto logits = model.forward(tokens, packed, grad).logits;
+  logits.square().sum().backward();
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(params[i].grad().defined()) << i;
+    EXPECT_GT(params[i].grad().abs().max().item<double>(), 0) << i;
+  }
+  // The bf16 cast: its gradients land on the fp32 masters; its logits are the fp32 ones within
+  // bf16 rounding (and the odd token routed to another expert by a rounded router logit).
+  auto bf16 = model.cast(at::kBFloat16);
+  EXPECT_EQ(bf16.dtype(), at::kBFloat16);
+  EXPECT_TRUE(model.cast(at::kFloat)
+                  .gpt_oss()
+                  ->layers()[0]
+                  .w_qkv.is_same(model.gpt_oss()->layers()[0].w_qkv));
+  for (auto& p : params) p.mutable_grad().zero_();
+  auto half = bf16.forward(tokens, packed, grad).logits;
+  EXPECT_CLOSE(half.detach().to(at::kFloat), logits.detach(), 0.15);
+  half.to(at::kFloat).square().sum().backward();
+  for (const auto& p : params) {
+    EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
+    EXPECT_GT(p.grad().abs().max().item<double>(), 0);
+  }
 }
 
 // The routed MXFP4 path (the GPU's decode and verify: only the routed pairs' experts

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "common/file.h"
 #include "common/json_file.h"
@@ -40,6 +41,12 @@ fs::path gsm8k(const std::string& split) {
 // GSM8K lives beside the repository (../shared/data), which CI has; the GPU machine does not.
 #define REQUIRE_GSM8K() \
   if (gsm8k("train").empty()) GTEST_SKIP() << "GSM8K not found (../shared/data/gsm8k)"
+
+// gpt-oss' harmony chat template, beside GSM8K (../shared/data/chat_templates).
+fs::path harmony_template() {
+  return gsm8k("train").parent_path().parent_path() / "chat_templates" /
+         "openai-gpt-oss-120b.jinja";
+}
 
 // Runs tests/python/pretrain_check.py on `request` and returns its result.
 json python_check(const json& request, const fs::path& work) {
@@ -211,8 +218,10 @@ TEST(Pretrain, Bf16CastSendsGradientsToFp32Masters) {
 }
 
 // A few steps on GSM8K from random weights: the loss falls well below the uniform ln(V), and
-// the directory written loads in transformers with the same logits, ids and chat rendering.
-// For each --arch: Qwen3, and Qwen3.5's hybrid (a Gated DeltaNet layer, then gated attention).
+// the directory written loads back (the same validation loss) and in transformers with the
+// same logits, ids and chat rendering. For each --arch: Qwen3, Qwen3.5's hybrid (a Gated
+// DeltaNet layer, then gated attention), and gpt-oss (a sliding layer with a window shorter
+// than the chats, then a full one; 4 experts, top 2; the harmony template and tokens).
 class PretrainArch : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PretrainArch, LossFallsAndTransformersLoadsTheModel) {
@@ -237,6 +246,8 @@ TEST_P(PretrainArch, LossFallsAndTransformersLoadsTheModel) {
   o.max_eval_samples = 16;
   o.device = "cpu";
   o.log_seconds = 1e9;
+  const bool gpt_oss = o.arch == models::Architecture::kGptOss;
+  if (gpt_oss) o.chat_template = harmony_template().string();
   const auto s = train::pretrain(o);
   const double uniform = std::log(static_cast<double>(tok::builtin_vocab_size()));
   EXPECT_LT(s.train_loss, uniform - 2.0) << "uniform " << uniform;
@@ -248,8 +259,17 @@ TEST_P(PretrainArch, LossFallsAndTransformersLoadsTheModel) {
                         "tokenizer_config.json", "pretrain.json"}) {
     EXPECT_TRUE(fs::exists(dir / f)) << f;
   }
-  EXPECT_EQ(data::detect_chat_config(dir).format, data::ChatFormat::kQwen3);
+  const auto chat = data::detect_chat_config(dir);
+  EXPECT_EQ(chat.format, gpt_oss ? data::ChatFormat::kTemplate : data::ChatFormat::kQwen3);
+  EXPECT_EQ(chat.harmony, gpt_oss);
   const auto tokenizer = tok::Tokenizer::load(dir);
+  if (gpt_oss) {
+    for (const auto& t : tok::kHarmonyTokens)
+      EXPECT_TRUE(tokenizer.is_special(tokenizer.token_to_id(t))) << t;
+    const json config = read_json_file(dir / "config.json");
+    EXPECT_EQ(config["eos_token_id"], tokenizer.token_to_id("<|return|>"));
+    EXPECT_EQ(config["pad_token_id"], tokenizer.token_to_id("<|endoftext|>"));
+  }
   const auto texts = gsm8k_texts(8);
   // Ours: the chat rendering and ids of three GSM8K conversations, and the model's logits.
   json chats = json::array();
@@ -264,7 +284,7 @@ TEST_P(PretrainArch, LossFallsAndTransformersLoadsTheModel) {
                              {data::Role::kAssistant, text.substr(cut + 1), std::nullopt}}};
     chats.push_back({{{"role", "user"}, {"content", conv.messages[0].content}},
                      {{"role", "assistant"}, {"content", conv.messages[1].content}}});
-    rendered.push_back(data::render_chat(conv, data::detect_chat_config(dir)));
+    rendered.push_back(data::render_chat(conv, chat));
     data::TokenizedChat t;
     data::tokenize_chat(tokenizer, rendered.back(), t);
     chat_ids.push_back(t.ids);
@@ -272,6 +292,15 @@ TEST_P(PretrainArch, LossFallsAndTransformersLoadsTheModel) {
     lengths.push_back(static_cast<int64_t>(t.ids.size()));
   }
   auto model = models::TargetModel::load(dir, at::kCPU, at::kFloat);
+  {  // The weights written are the ones trained: the validation loss again.
+    const auto evals =
+        train::load_lm_samples({gsm8k("test")}, tokenizer, chat, o.max_length, o.max_eval_samples);
+    std::vector<int64_t> all(evals.size());
+    std::iota(all.begin(), all.end(), 0);
+    const auto batch = train::make_lm_batch(evals, all, LossOn::kAssistant, at::kCPU);
+    EXPECT_NEAR(train::lm_loss_sum(model, batch).item<double>() / batch.counted, s.eval_loss,
+                1e-5 * s.eval_loss);
+  }
   auto tokens = at::tensor(std::vector<int64_t>(packed.begin(), packed.end()), at::kLong);
   auto ours = model.forward(tokens, models::PackedBatch::from_lengths(lengths, at::kCPU),
                             {{}, models::Logits::kAll});
@@ -299,7 +328,7 @@ TEST_P(PretrainArch, LossFallsAndTransformersLoadsTheModel) {
   remove_tree(work);
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, PretrainArch, ::testing::Values("qwen3", "qwen3_5"));
+INSTANTIATE_TEST_SUITE_P(Archs, PretrainArch, ::testing::Values("qwen3", "qwen3_5", "gpt_oss"));
 
 // The built-in tokenizer cut (fewer merges), as trained, and padded: every size loads in HF
 // tokenizers with the same ids as ours on GSM8K and on the chat tokens, has exactly the ids
