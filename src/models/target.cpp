@@ -229,10 +229,26 @@ struct Split {
   }
 };
 
+// The key/value heads rank `rank` of `ranks` holds, [first, first + count): an even share where
+// the ranks divide them; with fewer heads than ranks (ranks a multiple of them), the one head
+// its query heads [r Hq / T, (r + 1) Hq / T) read, head r Hkv / T, replicated on T / Hkv ranks
+// as Megatron and vLLM do (Llama-3.3-70B's 8 KV heads over 16 ranks, Qwen3.5's 2 over 4).
+std::pair<int64_t, int64_t> kv_heads_of(const ModelConfig& c, int64_t rank, int64_t ranks) {
+  return {rank * c.num_kv_heads / ranks, std::max<int64_t>(c.num_kv_heads / ranks, 1)};
+}
+
+// This rank's rows of a k or v projection (weight [Hkv D, H] or bias [Hkv D]): its key/value
+// heads' (kv_heads_of), a view of t.
+at::Tensor kv_share(const at::Tensor& t, const ModelConfig& c, const Split& split) {
+  const auto [first, count] = kv_heads_of(c, split.rank, split.ranks);
+  return t.narrow(0, first * c.head_dim, count * c.head_dim);
+}
+
 // How a checkpoint tensor of a Qwen3 / Qwen2 / Llama / Qwen3 MoE target splits over a
 // tensor-parallel group: along `dim` (column-parallel weights and biases, the vocabulary: 0;
 // row-parallel weights: their input columns), in `halves` equal parts each split on its own (a
-// fused gate_up); dim -1: whole on every rank (norms, the router).
+// fused gate_up); dim -1: whole on every rank (norms, the router) or split by heads (k and v,
+// kv_share).
 struct TensorSplit {
   int64_t dim = -1;
   int64_t halves = 1;
@@ -240,8 +256,8 @@ struct TensorSplit {
 TensorSplit tensor_split(const std::string& name) {
   auto ends = [&](std::string_view suffix) { return name.ends_with(suffix); };
   if (ends("embed_tokens.weight") || name == "lm_head.weight") return {0};
-  for (const char* column : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias",
-                             "k_proj.bias", "v_proj.bias", "gate_proj.weight", "up_proj.weight"}) {
+  for (const char* column :
+       {"q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight"}) {
     if (ends(column)) return {0};
   }
   if (ends("o_proj.weight") || ends("down_proj.weight")) return {1};
@@ -329,7 +345,13 @@ void check_tensor_parallel(const ModelConfig& c, int64_t ranks, bool expert_para
     }
   };
   divides(c.num_heads, "num_attention_heads");
-  divides(c.num_kv_heads, "num_key_value_heads");
+  if (c.num_kv_heads % ranks != 0 && ranks % c.num_kv_heads != 0) {
+    fail(
+        "--target-tp {}: config.json's num_key_value_heads = {} neither is a multiple of {} (each "
+        "rank holds num_key_value_heads / {}) nor divides it (each KV head replicated on {} / "
+        "num_key_value_heads ranks)",
+        ranks, c.num_kv_heads, ranks, ranks, ranks);
+  }
   bool dense = false, sparse = false;
   for (int64_t i = 0; i < c.num_layers; ++i) (c.is_moe_layer(i) ? sparse : dense) = true;
   if (dense) divides(c.intermediate_size, "intermediate_size");
@@ -428,6 +450,9 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
       if (m.expert_parallel_ && name.find(".experts.") != std::string::npos) {
         // Whole experts: of the fused layout this rank's range, the per-expert tensors as read.
         if (name.ends_with("_proj")) t = t.narrow(0, experts.first, experts.count);
+      } else if (m.tp_ != nullptr && (name.find("self_attn.k_proj.") != std::string::npos ||
+                                      name.find("self_attn.v_proj.") != std::string::npos)) {
+        t = kv_share(t, c, split);
       } else if (const auto s = tensor_split(name); m.tp_ != nullptr && s.dim >= 0) {
         const int64_t part = t.size(s.dim) / s.halves;
         t = split(t, s.dim, std::vector<int64_t>(s.halves, part));
@@ -521,6 +546,16 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
     auto t = normal(std::move(shape));
     return m.tp_ != nullptr ? split(t, dim, parts).clone(at::MemoryFormat::Contiguous) : t;
   };
+  // A fused [q; k; v] (weight or bias, q_rows of q): this rank's query rows, then its k and v
+  // heads' (kv_share).
+  auto qkv_sliced = [&](std::vector<int64_t> shape, int64_t q_rows) {
+    auto t = normal(std::move(shape));
+    if (m.tp_ == nullptr) return t;
+    const int64_t kv = c.num_kv_heads * c.head_dim;
+    return at::cat({split(t.narrow(0, 0, q_rows), 0, {q_rows}),
+                    kv_share(t.narrow(0, q_rows, kv), c, split),
+                    kv_share(t.narrow(0, q_rows + kv, kv), c, split)});
+  };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   m.embed_ = sliced({c.vocab_size, h}, 0, {c.vocab_size});
@@ -544,8 +579,8 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
       l.linear.w_out = normal({h, s.value_dim()});
     } else {
       const int64_t q_rows = c.attn_output_gate ? 2 * q : q;
-      l.w_qkv = sliced({q_rows + 2 * kv, h}, 0, {q_rows, kv, kv});
-      if (c.attention_bias) l.b_qkv = sliced({q + 2 * kv}, 0, {q, kv, kv});
+      l.w_qkv = qkv_sliced({q_rows + 2 * kv, h}, q_rows);
+      if (c.attention_bias) l.b_qkv = qkv_sliced({q + 2 * kv}, q);
       if (c.qk_norm) {
         l.q_norm = ones(c.head_dim);
         l.k_norm = ones(c.head_dim);
@@ -690,7 +725,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   const double eps = c.rms_norm_eps;
   // This rank's heads (all of them without tensor parallelism).
   const int64_t t = x.size(0), d = c.head_dim;
-  const int64_t heads = c.num_heads / tp_size(), kv_heads = c.num_kv_heads / tp_size();
+  const int64_t heads = c.num_heads / tp_size(), kv_heads = kv_heads_of(c, 0, tp_size()).second;
   const int64_t nq = heads * d, nkv = kv_heads * d;
   const bool small = fused && t <= kernels::kSmallLinearFasterRows;
   const bool tuned = fused && !small && gemms == PrefillGemms::kTuned;

@@ -3,9 +3,10 @@
 // transformers-written Qwen3, Llama and Qwen3 MoE model (tests/python/fixtures_tp.py; a
 // vocabulary that no T divides; and the FP8 block-quantised Qwen3 of fixtures_fp8.py) and must
 // return the taps of every layer and the logits of the
-// whole model, within 1e-5, the Qwen3 MoE also split by experts (--target-ep); splits the heads
-// do not allow are refused, naming the config field and T; random weights drawn on T ranks are
-// the slices of one rank's.
+// whole model, within 1e-5, the Qwen3 MoE also split by experts (--target-ep); with more ranks
+// than KV heads (fixtures_models' 2 over 4 ranks) each KV head is replicated on the ranks whose
+// query heads read it; splits the heads do not allow are refused, naming the config field and
+// T; random weights drawn on T ranks are the slices of one rank's.
 #include <gtest/gtest.h>
 
 #include <barrier>
@@ -169,7 +170,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"tp/qwen3_moe_tp", 2, "", true}, Case{"tp/qwen3_moe_tp", 3, "", true},
                       Case{"tp/qwen3_moe_tp", 4, "", true},
                       // An FP8 block-quantised checkpoint: each rank dequantises, then slices.
-                      Case{"fp8/qwen3_fp8", 2, ""}),
+                      Case{"fp8/qwen3_fp8", 2, ""},
+                      // 2 KV heads over 4 ranks, each on 2 (q/k/v biases too in qwen2's).
+                      Case{"models/qwen3_tied", 4, ""}, Case{"models/qwen2_untied", 4, ""}),
     [](const ::testing::TestParamInfo<Case>& info) {
       const auto& m = info.param.model;
       return m.substr(m.find('/') + 1) + "_tp" + std::to_string(info.param.ranks) +
@@ -179,11 +182,17 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(TensorParallelConfig, RefusesWhatDoesNotSplit) {
   auto c = models::preset_config("tiny-moe");
   EXPECT_NO_THROW(models::check_tensor_parallel(c, 2));
-  // tiny's 2 KV heads do not split over 4 ranks; 4 do, which leaves the MLP widths to check.
-  EXPECT_NE(error_of([&] {
-              models::check_tensor_parallel(c, 4);
-            }).find("--target-tp 4: config.json's num_key_value_heads = 2 is not a multiple of 4"),
-            std::string::npos);
+  // tiny's 2 KV heads are replicated over 4 ranks; 3 KV heads neither split over 2 ranks nor
+  // divide them.
+  EXPECT_NO_THROW(models::check_tensor_parallel(c, 4));
+  auto odd = c;
+  odd.num_heads = 6;
+  odd.num_kv_heads = 3;
+  EXPECT_NE(
+      error_of([&] { models::check_tensor_parallel(odd, 2); })
+          .find("--target-tp 2: config.json's num_key_value_heads = 3 neither is a multiple of "
+                "2"),
+      std::string::npos);
   c.num_kv_heads = 4;
   EXPECT_NO_THROW(models::check_tensor_parallel(c, 4));
   c.moe_intermediate_size = 30;
@@ -220,7 +229,7 @@ TEST(TensorParallelConfig, RefusesWhatDoesNotSplit) {
 }
 
 // TargetModel::random on 2 ranks keeps the slices of the weights one rank draws (dense and
-// sparse layers, the sparse ones by experts too).
+// sparse layers, the sparse ones by experts too); on 4, tiny's 2 KV heads replicated.
 TEST(TensorParallelRandom, SlicesOfOneRanksWeights) {
   for (const char* preset : {"tiny", "tiny-moe"}) {
     const auto config = models::preset_config(preset);
@@ -231,13 +240,15 @@ TEST(TensorParallelRandom, SlicesOfOneRanksWeights) {
     const auto expected = one.forward(tokens, batch, request);
     for (const bool ep : {false, true}) {
       if (ep && config.arch != models::Architecture::kQwen3Moe) continue;
-      const auto results = on_ranks(2, [&](dist::Comm& comm) {
-        return TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm, ep)
-            .forward(tokens, batch, request);
-      });
-      for (int r = 0; r < 2; ++r) {
-        expect_same_outputs(results[r], expected,
-                            fmt::format("{}{}", preset, ep ? " by experts" : ""));
+      for (const int ranks : {2, 4}) {
+        const auto results = on_ranks(ranks, [&](dist::Comm& comm) {
+          return TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm, ep)
+              .forward(tokens, batch, request);
+        });
+        for (int r = 0; r < ranks; ++r) {
+          expect_same_outputs(results[r], expected,
+                              fmt::format("{} over {}{}", preset, ranks, ep ? " by experts" : ""));
+        }
       }
     }
   }
