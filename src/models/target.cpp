@@ -244,11 +244,36 @@ at::Tensor kv_share(const at::Tensor& t, const ModelConfig& c, const Split& spli
   return t.narrow(0, first * c.head_dim, count * c.head_dim);
 }
 
-// How a checkpoint tensor of a Qwen3 / Qwen2 / Llama / Qwen3 MoE target splits over a
-// tensor-parallel group: along `dim` (column-parallel weights and biases, the vocabulary: 0;
-// row-parallel weights: their input columns), in `halves` equal parts each split on its own (a
-// fused gate_up); dim -1: whole on every rank (norms, the router) or split by heads (k and v,
-// kv_share).
+// A Gated DeltaNet layer's shape on one of `ranks` ranks: its share of the key heads and their
+// value heads (check_tensor_parallel: the ranks divide linear_num_key_heads).
+LinearAttentionShape linear_share(LinearAttentionShape s, int64_t ranks) {
+  s.num_key_heads /= ranks;
+  s.num_value_heads /= ranks;
+  return s;
+}
+
+// Keeps this rank's heads of a whole Gated DeltaNet layer (w_in in the split layout): of w_in
+// the q and k rows of its key heads, the v, z, b and a rows of their value heads (each key
+// head's value heads on its rank, as the delta rule's repeat_interleave pairs them), the conv
+// channels of its q, k and v, A_log and dt_bias of its value heads, out_proj's input columns of
+// its values (row-parallel: tp_reduce sums it); the gated RMSNorm is per head, whole.
+void keep_linear_share(LinearAttentionWeights& w, const LinearAttentionShape& s,
+                       const Split& split) {
+  const int64_t kd = s.key_dim(), vd = s.value_dim(), nv = s.num_value_heads;
+  auto own = [](const at::Tensor& t) { return t.clone(at::MemoryFormat::Contiguous); };
+  w.w_in = own(split(w.w_in, 0, {kd, kd, vd, vd, nv, nv}));
+  w.conv = own(split(w.conv, 0, {kd, kd, vd}));
+  w.a_log = own(split(w.a_log, 0, {nv}));
+  w.dt_bias = own(split(w.dt_bias, 0, {nv}));
+  w.w_out = own(split(w.w_out, 1, {vd}));
+}
+
+// How a checkpoint tensor splits over a tensor-parallel group (a hybrid's attention and MLP
+// layers as a transformer's, the shared expert's projections as a dense MLP's): along `dim`
+// (column-parallel weights and biases, the vocabulary: 0; row-parallel weights: their input
+// columns), in `halves` equal parts each split on its own (a fused gate_up); dim -1: whole on
+// every rank (norms, the router, the shared expert's gate), split by heads (k and v, kv_share)
+// or read whole and split after (Gated DeltaNet, keep_linear_share).
 struct TensorSplit {
   int64_t dim = -1;
   int64_t halves = 1;
@@ -330,11 +355,10 @@ void check_tensor_parallel(const ModelConfig& c, int64_t ranks, bool expert_para
   }
   if (ranks == 1) return;
   const auto a = c.arch;
-  if (a != Architecture::kQwen3 && a != Architecture::kQwen2 && a != Architecture::kLlama &&
-      a != Architecture::kQwen3Moe) {
+  if (a == Architecture::kGptOss) {
     fail(
         "--target-tp {}: {} targets cannot be split over ranks (tensor parallelism covers qwen3, "
-        "qwen2, llama and qwen3_moe); use --target-tp 1",
+        "qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe and qwen3_next); use --target-tp 1",
         ranks, architecture_name(a));
   }
   auto divides = [&](int64_t value, const char* field) {
@@ -352,9 +376,17 @@ void check_tensor_parallel(const ModelConfig& c, int64_t ranks, bool expert_para
         "num_key_value_heads ranks)",
         ranks, c.num_kv_heads, ranks, ranks, ranks);
   }
-  bool dense = false, sparse = false;
-  for (int64_t i = 0; i < c.num_layers; ++i) (c.is_moe_layer(i) ? sparse : dense) = true;
+  bool dense = false, sparse = false, linear = false;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    (c.is_moe_layer(i) ? sparse : dense) = true;
+    linear = linear || c.is_linear_layer(i);
+  }
+  // A key head's value heads stay on its rank, so the key heads split evenly.
+  if (linear) divides(c.linear.num_key_heads, "linear_num_key_heads");
   if (dense) divides(c.intermediate_size, "intermediate_size");
+  if (sparse && c.shared_expert_intermediate_size > 0) {
+    divides(c.shared_expert_intermediate_size, "shared_expert_intermediate_size");
+  }
   if (expert_parallel && !sparse) {
     fail("--target-ep: {} has no sparse (MoE) layers to split by experts",
          architecture_name(c.arch));
@@ -493,6 +525,8 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
       l.linear.dt_bias = take(a + "dt_bias");
       l.linear.norm = take(a + "norm.weight");
       l.linear.w_out = take(a + "out_proj.weight");
+      // Read whole (one layer at a time), as qwen3_next_in_proj regroups whole tensors.
+      if (m.tp_ != nullptr) keep_linear_share(l.linear, c.linear, split);
       m.layers_.push_back(std::move(l));
       continue;
     }
@@ -577,6 +611,7 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
       l.linear.dt_bias = ones(nv);
       l.linear.norm = ones(s.value_head_dim);
       l.linear.w_out = normal({h, s.value_dim()});
+      if (m.tp_ != nullptr) keep_linear_share(l.linear, s, split);
     } else {
       const int64_t q_rows = c.attn_output_gate ? 2 * q : q;
       l.w_qkv = qkv_sliced({q_rows + 2 * kv, h}, q_rows);
@@ -602,8 +637,10 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
         l.experts_down = sliced({e, h, f}, 2, {f});
       }
       if (const int64_t sf = c.shared_expert_intermediate_size; sf > 0) {
-        l.shared_gate_up = normal({2 * sf, h});
-        l.shared_down = normal({h, sf});
+        // Split like a dense MLP; its gate [1, H] is whole: sigmoid(x gate^T) scales each
+        // rank's partial sum, so their sum is the whole expert's output.
+        l.shared_gate_up = sliced({2 * sf, h}, 0, {sf, sf});
+        l.shared_down = sliced({h, sf}, 1, {sf});
         l.shared_gate = normal({1, h});
       }
     } else {
@@ -816,12 +853,12 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     return mixer_out(attn, w.w_o, w.o_fp8);
   };
   // A linear-attention layer keeps its conv weight when its projections are released.
-  at::Tensor o =
-      w.linear.conv.defined()
-          ? mixer_out(gated_delta_net(mixer_in(w.linear.w_in, w.qkv_fp8, {}), w.linear, c.linear,
-                                      eps, seqs.cu_seqlens, seqs.lengths, seqs.linear),
-                      w.linear.w_out, w.o_fp8)
-          : attention();
+  at::Tensor o = w.linear.conv.defined()
+                     ? mixer_out(gated_delta_net(mixer_in(w.linear.w_in, w.qkv_fp8, {}), w.linear,
+                                                 linear_share(c.linear, tp_size()), eps,
+                                                 seqs.cu_seqlens, seqs.lengths, seqs.linear),
+                                 w.linear.w_out, w.o_fp8)
+                     : attention();
   tp_reduce(o, "target_tp_attention");
   const bool dense_fp8 = fp8 && !w.router.defined();
   if (!fused) {
