@@ -279,5 +279,22 @@ TEST(TensorParallelRandom, SlicesOfOneRanksWeights) {
   }
 }
 
+// Generation needs a whole target: a split one (here a hybrid, whose cache holds linear states
+// too) refuses the cached forward, naming --target-tp.
+TEST(TensorParallelRandom, CachedForwardRefused) {
+  const auto config = models::preset_config("tiny-qwen3.5");
+  const std::string e = error_of([&] {
+    on_ranks(2, [&](dist::Comm& comm) {
+      auto model = TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm);
+      models::KVCache cache(config, 1, 16, at::kCPU, at::kFloat);
+      const auto batch = models::AppendBatch::make(cache, {0}, {4});
+      return model.forward_cached(at::zeros({4}, at::kLong), batch, cache, {{0}, Logits::kLast});
+    });
+  });
+  EXPECT_NE(e.find("not implemented for a tensor-parallel target (--target-tp 2)"),
+            std::string::npos)
+      << e;
+}
+
 }  // namespace
 }  // namespace dflash
