@@ -341,8 +341,8 @@ void add_bench_target_command(CLI::App& app) {
                   "profile the first batch size: GPU time per kernel, Chrome trace written here");
   cmd->add_option("--target-tp", o->target_tp,
                   "split the target over groups of this many ranks (tensor parallel: heads, MLPs "
-                  "and vocabulary; Qwen3, Qwen2, Llama and Qwen3 MoE), each rank one GPU of "
-                  "--nproc-per-node")
+                  "and vocabulary; Qwen3, Qwen2, Llama, Qwen3 MoE and the Qwen3.5 / Qwen3-Next "
+                  "hybrids), each rank one GPU of --nproc-per-node")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
   cmd->add_option("--taps-out", o->taps_out,

@@ -229,10 +229,51 @@ struct Split {
   }
 };
 
-// How a checkpoint tensor of a Qwen3 / Qwen2 / Llama / Qwen3 MoE target splits over a
-// tensor-parallel group: along `dim` (column-parallel weights and biases, the vocabulary: 0;
-// row-parallel weights: their input columns), in `halves` equal parts each split on its own (a
-// fused gate_up); dim -1: whole on every rank (norms, the router).
+// The key/value heads rank `rank` of `ranks` holds, [first, first + count): an even share where
+// the ranks divide them; with fewer heads than ranks (ranks a multiple of them), the one head
+// its query heads [r Hq / T, (r + 1) Hq / T) read, head r Hkv / T, replicated on T / Hkv ranks
+// as Megatron and vLLM do (Llama-3.3-70B's 8 KV heads over 16 ranks, Qwen3.5's 2 over 4).
+std::pair<int64_t, int64_t> kv_heads_of(const ModelConfig& c, int64_t rank, int64_t ranks) {
+  return {rank * c.num_kv_heads / ranks, std::max<int64_t>(c.num_kv_heads / ranks, 1)};
+}
+
+// This rank's rows of a k or v projection (weight [Hkv D, H] or bias [Hkv D]): its key/value
+// heads' (kv_heads_of), a view of t.
+at::Tensor kv_share(const at::Tensor& t, const ModelConfig& c, const Split& split) {
+  const auto [first, count] = kv_heads_of(c, split.rank, split.ranks);
+  return t.narrow(0, first * c.head_dim, count * c.head_dim);
+}
+
+// A Gated DeltaNet layer's shape on one of `ranks` ranks: its share of the key heads and their
+// value heads (check_tensor_parallel: the ranks divide linear_num_key_heads).
+LinearAttentionShape linear_share(LinearAttentionShape s, int64_t ranks) {
+  s.num_key_heads /= ranks;
+  s.num_value_heads /= ranks;
+  return s;
+}
+
+// Keeps this rank's heads of a whole Gated DeltaNet layer (w_in in the split layout): of w_in
+// the q and k rows of its key heads, the v, z, b and a rows of their value heads (each key
+// head's value heads on its rank, as the delta rule's repeat_interleave pairs them), the conv
+// channels of its q, k and v, A_log and dt_bias of its value heads, out_proj's input columns of
+// its values (row-parallel: tp_reduce sums it); the gated RMSNorm is per head, whole.
+void keep_linear_share(LinearAttentionWeights& w, const LinearAttentionShape& s,
+                       const Split& split) {
+  const int64_t kd = s.key_dim(), vd = s.value_dim(), nv = s.num_value_heads;
+  auto own = [](const at::Tensor& t) { return t.clone(at::MemoryFormat::Contiguous); };
+  w.w_in = own(split(w.w_in, 0, {kd, kd, vd, vd, nv, nv}));
+  w.conv = own(split(w.conv, 0, {kd, kd, vd}));
+  w.a_log = own(split(w.a_log, 0, {nv}));
+  w.dt_bias = own(split(w.dt_bias, 0, {nv}));
+  w.w_out = own(split(w.w_out, 1, {vd}));
+}
+
+// How a checkpoint tensor splits over a tensor-parallel group (a hybrid's attention and MLP
+// layers as a transformer's, the shared expert's projections as a dense MLP's): along `dim`
+// (column-parallel weights and biases, the vocabulary: 0; row-parallel weights: their input
+// columns), in `halves` equal parts each split on its own (a fused gate_up); dim -1: whole on
+// every rank (norms, the router, the shared expert's gate), split by heads (k and v, kv_share)
+// or read whole and split after (Gated DeltaNet, keep_linear_share).
 struct TensorSplit {
   int64_t dim = -1;
   int64_t halves = 1;
@@ -240,8 +281,8 @@ struct TensorSplit {
 TensorSplit tensor_split(const std::string& name) {
   auto ends = [&](std::string_view suffix) { return name.ends_with(suffix); };
   if (ends("embed_tokens.weight") || name == "lm_head.weight") return {0};
-  for (const char* column : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias",
-                             "k_proj.bias", "v_proj.bias", "gate_proj.weight", "up_proj.weight"}) {
+  for (const char* column :
+       {"q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight"}) {
     if (ends(column)) return {0};
   }
   if (ends("o_proj.weight") || ends("down_proj.weight")) return {1};
@@ -314,11 +355,10 @@ void check_tensor_parallel(const ModelConfig& c, int64_t ranks, bool expert_para
   }
   if (ranks == 1) return;
   const auto a = c.arch;
-  if (a != Architecture::kQwen3 && a != Architecture::kQwen2 && a != Architecture::kLlama &&
-      a != Architecture::kQwen3Moe) {
+  if (a == Architecture::kGptOss) {
     fail(
         "--target-tp {}: {} targets cannot be split over ranks (tensor parallelism covers qwen3, "
-        "qwen2, llama and qwen3_moe); use --target-tp 1",
+        "qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe and qwen3_next); use --target-tp 1",
         ranks, architecture_name(a));
   }
   auto divides = [&](int64_t value, const char* field) {
@@ -329,10 +369,24 @@ void check_tensor_parallel(const ModelConfig& c, int64_t ranks, bool expert_para
     }
   };
   divides(c.num_heads, "num_attention_heads");
-  divides(c.num_kv_heads, "num_key_value_heads");
-  bool dense = false, sparse = false;
-  for (int64_t i = 0; i < c.num_layers; ++i) (c.is_moe_layer(i) ? sparse : dense) = true;
+  if (c.num_kv_heads % ranks != 0 && ranks % c.num_kv_heads != 0) {
+    fail(
+        "--target-tp {}: config.json's num_key_value_heads = {} neither is a multiple of {} (each "
+        "rank holds num_key_value_heads / {}) nor divides it (each KV head replicated on {} / "
+        "num_key_value_heads ranks)",
+        ranks, c.num_kv_heads, ranks, ranks, ranks);
+  }
+  bool dense = false, sparse = false, linear = false;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    (c.is_moe_layer(i) ? sparse : dense) = true;
+    linear = linear || c.is_linear_layer(i);
+  }
+  // A key head's value heads stay on its rank, so the key heads split evenly.
+  if (linear) divides(c.linear.num_key_heads, "linear_num_key_heads");
   if (dense) divides(c.intermediate_size, "intermediate_size");
+  if (sparse && c.shared_expert_intermediate_size > 0) {
+    divides(c.shared_expert_intermediate_size, "shared_expert_intermediate_size");
+  }
   if (expert_parallel && !sparse) {
     fail("--target-ep: {} has no sparse (MoE) layers to split by experts",
          architecture_name(c.arch));
@@ -428,6 +482,9 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
       if (m.expert_parallel_ && name.find(".experts.") != std::string::npos) {
         // Whole experts: of the fused layout this rank's range, the per-expert tensors as read.
         if (name.ends_with("_proj")) t = t.narrow(0, experts.first, experts.count);
+      } else if (m.tp_ != nullptr && (name.find("self_attn.k_proj.") != std::string::npos ||
+                                      name.find("self_attn.v_proj.") != std::string::npos)) {
+        t = kv_share(t, c, split);
       } else if (const auto s = tensor_split(name); m.tp_ != nullptr && s.dim >= 0) {
         const int64_t part = t.size(s.dim) / s.halves;
         t = split(t, s.dim, std::vector<int64_t>(s.halves, part));
@@ -468,6 +525,8 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
       l.linear.dt_bias = take(a + "dt_bias");
       l.linear.norm = take(a + "norm.weight");
       l.linear.w_out = take(a + "out_proj.weight");
+      // Read whole (one layer at a time), as qwen3_next_in_proj regroups whole tensors.
+      if (m.tp_ != nullptr) keep_linear_share(l.linear, c.linear, split);
       m.layers_.push_back(std::move(l));
       continue;
     }
@@ -521,6 +580,16 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
     auto t = normal(std::move(shape));
     return m.tp_ != nullptr ? split(t, dim, parts).clone(at::MemoryFormat::Contiguous) : t;
   };
+  // A fused [q; k; v] (weight or bias, q_rows of q): this rank's query rows, then its k and v
+  // heads' (kv_share).
+  auto qkv_sliced = [&](std::vector<int64_t> shape, int64_t q_rows) {
+    auto t = normal(std::move(shape));
+    if (m.tp_ == nullptr) return t;
+    const int64_t kv = c.num_kv_heads * c.head_dim;
+    return at::cat({split(t.narrow(0, 0, q_rows), 0, {q_rows}),
+                    kv_share(t.narrow(0, q_rows, kv), c, split),
+                    kv_share(t.narrow(0, q_rows + kv, kv), c, split)});
+  };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   m.embed_ = sliced({c.vocab_size, h}, 0, {c.vocab_size});
@@ -542,10 +611,11 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
       l.linear.dt_bias = ones(nv);
       l.linear.norm = ones(s.value_head_dim);
       l.linear.w_out = normal({h, s.value_dim()});
+      if (m.tp_ != nullptr) keep_linear_share(l.linear, s, split);
     } else {
       const int64_t q_rows = c.attn_output_gate ? 2 * q : q;
-      l.w_qkv = sliced({q_rows + 2 * kv, h}, 0, {q_rows, kv, kv});
-      if (c.attention_bias) l.b_qkv = sliced({q + 2 * kv}, 0, {q, kv, kv});
+      l.w_qkv = qkv_sliced({q_rows + 2 * kv, h}, q_rows);
+      if (c.attention_bias) l.b_qkv = qkv_sliced({q + 2 * kv}, q);
       if (c.qk_norm) {
         l.q_norm = ones(c.head_dim);
         l.k_norm = ones(c.head_dim);
@@ -567,8 +637,10 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
         l.experts_down = sliced({e, h, f}, 2, {f});
       }
       if (const int64_t sf = c.shared_expert_intermediate_size; sf > 0) {
-        l.shared_gate_up = normal({2 * sf, h});
-        l.shared_down = normal({h, sf});
+        // Split like a dense MLP; its gate [1, H] is whole: sigmoid(x gate^T) scales each
+        // rank's partial sum, so their sum is the whole expert's output.
+        l.shared_gate_up = sliced({2 * sf, h}, 0, {sf, sf});
+        l.shared_down = sliced({h, sf}, 1, {sf});
         l.shared_gate = normal({1, h});
       }
     } else {
@@ -690,7 +762,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   const double eps = c.rms_norm_eps;
   // This rank's heads (all of them without tensor parallelism).
   const int64_t t = x.size(0), d = c.head_dim;
-  const int64_t heads = c.num_heads / tp_size(), kv_heads = c.num_kv_heads / tp_size();
+  const int64_t heads = c.num_heads / tp_size(), kv_heads = kv_heads_of(c, 0, tp_size()).second;
   const int64_t nq = heads * d, nkv = kv_heads * d;
   const bool small = fused && t <= kernels::kSmallLinearFasterRows;
   const bool tuned = fused && !small && gemms == PrefillGemms::kTuned;
@@ -781,12 +853,12 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     return mixer_out(attn, w.w_o, w.o_fp8);
   };
   // A linear-attention layer keeps its conv weight when its projections are released.
-  at::Tensor o =
-      w.linear.conv.defined()
-          ? mixer_out(gated_delta_net(mixer_in(w.linear.w_in, w.qkv_fp8, {}), w.linear, c.linear,
-                                      eps, seqs.cu_seqlens, seqs.lengths, seqs.linear),
-                      w.linear.w_out, w.o_fp8)
-          : attention();
+  at::Tensor o = w.linear.conv.defined()
+                     ? mixer_out(gated_delta_net(mixer_in(w.linear.w_in, w.qkv_fp8, {}), w.linear,
+                                                 linear_share(c.linear, tp_size()), eps,
+                                                 seqs.cu_seqlens, seqs.lengths, seqs.linear),
+                                 w.linear.w_out, w.o_fp8)
+                     : attention();
   tp_reduce(o, "target_tp_attention");
   const bool dense_fp8 = fp8 && !w.router.defined();
   if (!fused) {

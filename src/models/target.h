@@ -42,9 +42,10 @@ class GptOssDecoder;  // models/gpt_oss.h
 // and sorts every routed row, then runs only its experts' GEMMs; a token exchange (all-to-all)
 // sending each rank only its rows is not built, nor measured against this.
 // Throws, naming the config field and T, when `config` cannot be split over `ranks`: an
-// architecture other than Qwen3, Qwen2, Llama and Qwen3 MoE, a head count or intermediate
-// size that T does not divide, or with `expert_parallel` a target without sparse layers or
-// fewer experts than ranks.
+// architecture it does not cover (the error lists those it does), a query head count,
+// linear_num_key_heads or intermediate size that T does not divide, KV heads that T neither
+// divides nor is a multiple of (then each is replicated), or with `expert_parallel` a target
+// without sparse layers or fewer experts than ranks.
 void check_tensor_parallel(const ModelConfig& config, int64_t ranks, bool expert_parallel = false);
 
 // Expert parallelism: the first of the experts rank `rank` of `ranks` holds, and their count.

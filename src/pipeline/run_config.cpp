@@ -124,8 +124,9 @@ const std::vector<ConfigKey>& config_keys() {
        kAtLeastOne},
       {"target_tp", &RunConfig::target_tp,
        "split the target over groups of this many consecutive ranks (tensor parallel: heads, "
-       "MLPs and vocabulary; Qwen3, Qwen2, Llama, Qwen3 MoE). Colocated: each group runs its "
-       "members' micro-batches through it in turn, the drafters stay data parallel. "
+       "MLPs and vocabulary; Qwen3, Qwen2, Llama, Qwen3 MoE, the Qwen3.5 / Qwen3-Next hybrids). "
+       "Colocated: each group runs its members' micro-batches through it in turn, the drafters "
+       "stay data parallel. "
        "Disaggregated: the --target-ranks form groups of this many, each group one feature "
        "source whose first rank sends to the trainers",
        kAtLeastOne},

@@ -1,5 +1,6 @@
 """`--target-tp T` on Gloo ranks (CPU): the taps of a `dflash bench-target` prefill split over 2
-ranks (a dense and an MoE preset; the vocabulary split too) equal one rank's within 1e-5;
+ranks (a dense, an MoE and a hybrid Qwen3.5 MoE preset: Gated DeltaNet, gated attention and
+the shared expert split; the vocabulary split too) equal one rank's within 1e-5;
 targets that cannot be split are refused, naming the config field and T; `dflash train` on 2
 colocated ranks whose target is split over both (each rank's micro-batch through the group's
 target in turn, the drafters data parallel) logs the losses of one rank; `dflash bench` runs so.
@@ -31,7 +32,7 @@ def main():
     dflash = pathlib.Path(sys.argv[1]).resolve()
     with tempfile.TemporaryDirectory(prefix="dflash_target_tp_") as tmp:
         tmp = pathlib.Path(tmp)
-        for preset in ["tiny", "tiny-moe"]:
+        for preset in ["tiny", "tiny-moe", "tiny-qwen3.5-moe"]:
             one, two = tmp / f"{preset}_1.safetensors", tmp / f"{preset}_2.safetensors"
             bench(dflash, preset, one)
             r = bench(dflash, preset, two, tp=2)

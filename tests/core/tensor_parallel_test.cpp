@@ -3,9 +3,12 @@
 // transformers-written Qwen3, Llama and Qwen3 MoE model (tests/python/fixtures_tp.py; a
 // vocabulary that no T divides; and the FP8 block-quantised Qwen3 of fixtures_fp8.py) and must
 // return the taps of every layer and the logits of the
-// whole model, within 1e-5, the Qwen3 MoE also split by experts (--target-ep); splits the heads
-// do not allow are refused, naming the config field and T; random weights drawn on T ranks are
-// the slices of one rank's.
+// whole model, within 1e-5, the Qwen3 MoE also split by experts (--target-ep); with more ranks
+// than KV heads (fixtures_models' 2 over 4 ranks) each KV head is replicated on the ranks whose
+// query heads read it; splits the heads do not allow are refused, naming the config field and
+// T; the hybrids (Qwen3.5 dense and MoE, Qwen3-Next: Gated DeltaNet split by heads, gated
+// attention, the shared expert) over 2 ranks, their 2 linear key heads refused over 4; random
+// weights drawn on T ranks are the slices of one rank's.
 #include <gtest/gtest.h>
 
 #include <barrier>
@@ -120,7 +123,14 @@ TEST_P(TensorParallel, EqualsOneRank) {
     auto model = TargetModel::load(dir, at::kCPU, at::kFloat, &comm, c.ep);
     EXPECT_EQ(model.tp_size(), c.ranks);
     // Each rank holds its slices only: by experts, its whole experts and no other's.
-    EXPECT_LT(model.layers()[0].w_qkv.size(0), one.layers()[0].w_qkv.size(0));
+    for (size_t i = 0; i < one.layers().size(); ++i) {
+      const auto& mine = model.layers()[i];
+      const auto& all = one.layers()[i];
+      const bool linear = all.linear.w_in.defined();
+      EXPECT_LT((linear ? mine.linear.w_in : mine.w_qkv).size(0),
+                (linear ? all.linear.w_in : all.w_qkv).size(0))
+          << "layer " << i;
+    }
     EXPECT_LT(model.embedding().size(0), one.embedding().size(0));
     if (c.ep) {
       const auto mine = models::expert_range(one.config().num_experts, comm.rank(), c.ranks);
@@ -160,16 +170,23 @@ TEST_P(TensorParallel, EqualsOneRank) {
 
 INSTANTIATE_TEST_SUITE_P(
     Targets, TensorParallel,
-    ::testing::Values(Case{"tp/qwen3_tp", 2, ""}, Case{"tp/qwen3_tp", 3, "num_attention_heads = 8"},
-                      Case{"tp/qwen3_tp", 4, ""}, Case{"tp/llama_tp", 2, ""},
-                      Case{"tp/llama_tp", 3, ""}, Case{"tp/llama_tp", 4, ""},
-                      Case{"tp/qwen3_moe_tp", 2, ""}, Case{"tp/qwen3_moe_tp", 3, ""},
-                      Case{"tp/qwen3_moe_tp", 4, ""},
-                      // Expert parallel: 6 experts over 2, 3 and 4 ranks (1 or 2 each).
-                      Case{"tp/qwen3_moe_tp", 2, "", true}, Case{"tp/qwen3_moe_tp", 3, "", true},
-                      Case{"tp/qwen3_moe_tp", 4, "", true},
-                      // An FP8 block-quantised checkpoint: each rank dequantises, then slices.
-                      Case{"fp8/qwen3_fp8", 2, ""}),
+    ::testing::Values(
+        Case{"tp/qwen3_tp", 2, ""}, Case{"tp/qwen3_tp", 3, "num_attention_heads = 8"},
+        Case{"tp/qwen3_tp", 4, ""}, Case{"tp/llama_tp", 2, ""}, Case{"tp/llama_tp", 3, ""},
+        Case{"tp/llama_tp", 4, ""}, Case{"tp/qwen3_moe_tp", 2, ""}, Case{"tp/qwen3_moe_tp", 3, ""},
+        Case{"tp/qwen3_moe_tp", 4, ""},
+        // Expert parallel: 6 experts over 2, 3 and 4 ranks (1 or 2 each).
+        Case{"tp/qwen3_moe_tp", 2, "", true}, Case{"tp/qwen3_moe_tp", 3, "", true},
+        Case{"tp/qwen3_moe_tp", 4, "", true},
+        // An FP8 block-quantised checkpoint: each rank dequantises, then slices.
+        Case{"fp8/qwen3_fp8", 2, ""},
+        // 2 KV heads over 4 ranks, each on 2 (q/k/v biases too in qwen2's).
+        Case{"models/qwen3_tied", 4, ""}, Case{"models/qwen2_untied", 4, ""},
+        // Hybrids: 2 linear key heads (4 value heads), 2 KV heads.
+        Case{"qwen35/qwen3_5_text_tied_sharded", 2, ""}, Case{"qwen35/qwen3_5_multimodal", 2, ""},
+        Case{"qwen35/qwen3_5_moe_text", 2, ""}, Case{"qwen35/qwen3_5_moe_text", 2, "", true},
+        Case{"qwen35/qwen3_next", 2, ""},
+        Case{"qwen35/qwen3_5_text_tied_sharded", 4, "linear_num_key_heads = 2"}),
     [](const ::testing::TestParamInfo<Case>& info) {
       const auto& m = info.param.model;
       return m.substr(m.find('/') + 1) + "_tp" + std::to_string(info.param.ranks) +
@@ -179,11 +196,17 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(TensorParallelConfig, RefusesWhatDoesNotSplit) {
   auto c = models::preset_config("tiny-moe");
   EXPECT_NO_THROW(models::check_tensor_parallel(c, 2));
-  // tiny's 2 KV heads do not split over 4 ranks; 4 do, which leaves the MLP widths to check.
-  EXPECT_NE(error_of([&] {
-              models::check_tensor_parallel(c, 4);
-            }).find("--target-tp 4: config.json's num_key_value_heads = 2 is not a multiple of 4"),
-            std::string::npos);
+  // tiny's 2 KV heads are replicated over 4 ranks; 3 KV heads neither split over 2 ranks nor
+  // divide them.
+  EXPECT_NO_THROW(models::check_tensor_parallel(c, 4));
+  auto odd = c;
+  odd.num_heads = 6;
+  odd.num_kv_heads = 3;
+  EXPECT_NE(
+      error_of([&] { models::check_tensor_parallel(odd, 2); })
+          .find("--target-tp 2: config.json's num_key_value_heads = 3 neither is a multiple of "
+                "2"),
+      std::string::npos);
   c.num_kv_heads = 4;
   EXPECT_NO_THROW(models::check_tensor_parallel(c, 4));
   c.moe_intermediate_size = 30;
@@ -212,17 +235,27 @@ TEST(TensorParallelConfig, RefusesWhatDoesNotSplit) {
               models::check_tensor_parallel(models::preset_config("tiny"), 2, true);
             }).find("no sparse (MoE) layers"),
             std::string::npos);
-  for (const char* preset : {"tiny-qwen3.5", "tiny-gpt-oss"}) {
-    const std::string e =
-        error_of([&] { models::check_tensor_parallel(models::preset_config(preset), 2); });
-    EXPECT_NE(e.find("cannot be split over ranks"), std::string::npos) << preset << ": " << e;
-  }
+  EXPECT_NO_THROW(models::check_tensor_parallel(models::preset_config("tiny-qwen3.5-moe"), 2));
+  EXPECT_NE(error_of([&] {
+              models::check_tensor_parallel(models::preset_config("tiny-qwen3.5"), 4);
+            }).find("--target-tp 4: config.json's linear_num_key_heads = 2 is not a multiple of 4"),
+            std::string::npos);
+  c = models::preset_config("tiny-qwen3.5-moe");
+  c.shared_expert_intermediate_size = 63;
+  EXPECT_NE(error_of([&] {
+              models::check_tensor_parallel(c, 2);
+            }).find("shared_expert_intermediate_size = 63 is not a multiple of 2"),
+            std::string::npos);
+  const std::string e =
+      error_of([&] { models::check_tensor_parallel(models::preset_config("tiny-gpt-oss"), 2); });
+  EXPECT_NE(e.find("cannot be split over ranks"), std::string::npos) << e;
 }
 
 // TargetModel::random on 2 ranks keeps the slices of the weights one rank draws (dense and
-// sparse layers, the sparse ones by experts too).
+// sparse layers, the sparse ones by experts too; the hybrids' Gated DeltaNet, gated attention
+// and shared expert); on 4, tiny's 2 KV heads replicated (not the hybrids: 2 key heads).
 TEST(TensorParallelRandom, SlicesOfOneRanksWeights) {
-  for (const char* preset : {"tiny", "tiny-moe"}) {
+  for (const char* preset : {"tiny", "tiny-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"}) {
     const auto config = models::preset_config(preset);
     const auto batch = PackedBatch::from_lengths({7, 5}, at::kCPU);
     const auto tokens = at::randint(config.vocab_size, {12}, at::kLong);
@@ -230,17 +263,37 @@ TEST(TensorParallelRandom, SlicesOfOneRanksWeights) {
     auto one = TargetModel::random(config, at::kCPU, at::kFloat, 7);
     const auto expected = one.forward(tokens, batch, request);
     for (const bool ep : {false, true}) {
-      if (ep && config.arch != models::Architecture::kQwen3Moe) continue;
-      const auto results = on_ranks(2, [&](dist::Comm& comm) {
-        return TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm, ep)
-            .forward(tokens, batch, request);
-      });
-      for (int r = 0; r < 2; ++r) {
-        expect_same_outputs(results[r], expected,
-                            fmt::format("{}{}", preset, ep ? " by experts" : ""));
+      if (ep && config.num_experts == 0) continue;
+      for (const int ranks : {2, 4}) {
+        if (config.linear.num_key_heads % ranks != 0) continue;
+        const auto results = on_ranks(ranks, [&](dist::Comm& comm) {
+          return TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm, ep)
+              .forward(tokens, batch, request);
+        });
+        for (int r = 0; r < ranks; ++r) {
+          expect_same_outputs(results[r], expected,
+                              fmt::format("{} over {}{}", preset, ranks, ep ? " by experts" : ""));
+        }
       }
     }
   }
+}
+
+// Generation needs a whole target: a split one (here a hybrid, whose cache holds linear states
+// too) refuses the cached forward, naming --target-tp.
+TEST(TensorParallelRandom, CachedForwardRefused) {
+  const auto config = models::preset_config("tiny-qwen3.5");
+  const std::string e = error_of([&] {
+    on_ranks(2, [&](dist::Comm& comm) {
+      auto model = TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm);
+      models::KVCache cache(config, 1, 16, at::kCPU, at::kFloat);
+      const auto batch = models::AppendBatch::make(cache, {0}, {4});
+      return model.forward_cached(at::zeros({4}, at::kLong), batch, cache, {{0}, Logits::kLast});
+    });
+  });
+  EXPECT_NE(e.find("not implemented for a tensor-parallel target (--target-tp 2)"),
+            std::string::npos)
+      << e;
 }
 
 }  // namespace
