@@ -239,6 +239,41 @@ void write_hf_model(const fs::path& dir, const models::TargetModel& model) {
   write_file_atomic(dir / "config.json", models::to_hf_json(config).dump(2));
 }
 
+namespace {
+
+// The start line's note on the layers beyond a Qwen3's: the hybrid's Gated DeltaNet layers,
+// gpt-oss' experts and window.
+std::string layer_details(const models::ModelConfig& config) {
+  if (config.is_hybrid()) {
+    return fmt::format(" ({} Gated DeltaNet: {}/{} heads x {})",
+                       std::count(config.layer_types.begin(), config.layer_types.end(),
+                                  models::LayerType::kLinearAttention),
+                       config.linear.num_key_heads, config.linear.num_value_heads,
+                       config.linear.key_head_dim);
+  }
+  if (config.arch == models::Architecture::kGptOss) {
+    return fmt::format(" ({} experts, top {}; sliding window {})", config.num_experts,
+                       config.num_experts_per_tok, config.gpt_oss.sliding_window);
+  }
+  return "";
+}
+
+void write_summary(const fs::path& path, const PretrainSummary& s, at::Device device) {
+  write_file_atomic(path,
+                    json{{"params", s.params},
+                         {"steps", s.steps},
+                         {"tokens", s.tokens},
+                         {"train_samples", s.train_samples},
+                         {"eval_samples", s.eval_samples},
+                         {"train_loss", s.train_loss},
+                         {"eval_loss", std::isfinite(s.eval_loss) ? json(s.eval_loss) : json()},
+                         {"seconds", s.seconds},
+                         {"device", device.str()}}
+                        .dump(2));
+}
+
+}  // namespace
+
 PretrainSummary pretrain(const PretrainOptions& o) {
   if (o.data.empty() || o.out.empty()) fail("pretrain: --data and --out are required");
   const at::Device device = dist::device_for(dist::world_from_env(), o.device);
@@ -288,17 +323,7 @@ PretrainSummary pretrain(const PretrainOptions& o) {
       "pretrain: {} {} layers{}, hidden {}, FFN {}, heads {}/{} x {}: {:.2f}M params, "
       "{} on {} ({} compute); {} steps of {} sequences ({:.2f} epochs), lr {:.1e}, loss "
       "on {} tokens\n",
-      models::architecture_name(config.arch), config.num_layers,
-      config.is_hybrid()
-          ? fmt::format(" ({} Gated DeltaNet: {}/{} heads x {})",
-                        std::count(config.layer_types.begin(), config.layer_types.end(),
-                                   models::LayerType::kLinearAttention),
-                        config.linear.num_key_heads, config.linear.num_value_heads,
-                        config.linear.key_head_dim)
-      : config.arch == models::Architecture::kGptOss
-          ? fmt::format(" ({} experts, top {}; sliding window {})", config.num_experts,
-                        config.num_experts_per_tok, config.gpt_oss.sliding_window)
-          : std::string(),
+      models::architecture_name(config.arch), config.num_layers, layer_details(config),
       config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
       config.head_dim, config.num_parameters() / 1e6, "fp32", device.str(), c10::toString(compute),
       steps, batch_size,
@@ -380,17 +405,7 @@ PretrainSummary pretrain(const PretrainOptions& o) {
   s.eval_loss = eval;
   write_hf_model(out, master);
   put_special_ids(out, tokenizer);
-  write_file_atomic(out / "pretrain.json",
-                    json{{"params", s.params},
-                         {"steps", s.steps},
-                         {"tokens", s.tokens},
-                         {"train_samples", s.train_samples},
-                         {"eval_samples", s.eval_samples},
-                         {"train_loss", s.train_loss},
-                         {"eval_loss", std::isfinite(s.eval_loss) ? json(s.eval_loss) : json()},
-                         {"seconds", s.seconds},
-                         {"device", device.str()}}
-                        .dump(2));
+  write_summary(out / "pretrain.json", s, device);
   return s;
 }
 
