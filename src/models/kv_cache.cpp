@@ -248,17 +248,23 @@ at::Tensor entry_mask(const AppendBatch& batch, int64_t i, int64_t offset, int64
 
 namespace {
 
-// Softmax attention of queries [L, Hq, D] over keys and values [K, Hkv, D] (grouped), every key
-// visible, in fp32: {out [L, Hq, D] in q's dtype, lse fp32 [Hq, L]}.
+// Softmax attention of queries [..., L, Hq, D] over keys and values [..., K, Hkv, D] (grouped)
+// where `mask` (bool, broadcast to [..., Hq, L, K]; undefined: every key) allows, in fp32:
+// {out [..., L, Hq, D] in q's dtype, lse fp32 [..., Hq, L]}.
 std::pair<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k,
-                                                     const at::Tensor& v) {
-  const int64_t groups = q.size(1) / k.size(1);
-  auto qh = q.to(at::kFloat).transpose(0, 1);                               // [Hq, L, D]
-  auto kh = k.to(at::kFloat).transpose(0, 1).repeat_interleave(groups, 0);  // [Hq, K, D]
-  auto vh = v.to(at::kFloat).transpose(0, 1).repeat_interleave(groups, 0);
-  auto scores = at::matmul(qh, kh.transpose(1, 2)) * (1.0 / std::sqrt(double(q.size(2))));
-  auto lse = at::logsumexp(scores, -1);  // [Hq, L]
-  auto out = at::matmul(at::exp(scores - lse.unsqueeze(-1)), vh).transpose(0, 1);
+                                                     const at::Tensor& v,
+                                                     const at::Tensor& mask = {}) {
+  const int64_t groups = q.size(-2) / k.size(-2);
+  auto heads_first = [](const at::Tensor& t) { return t.to(at::kFloat).transpose(-3, -2); };
+  auto qh = heads_first(q);                                // [..., Hq, L, D]
+  auto kh = heads_first(k).repeat_interleave(groups, -3);  // [..., Hq, K, D]
+  auto vh = heads_first(v).repeat_interleave(groups, -3);
+  auto scores = at::matmul(qh, kh.transpose(-1, -2)) * (1.0 / std::sqrt(double(q.size(-1))));
+  if (mask.defined()) {
+    scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+  }
+  auto lse = at::logsumexp(scores, -1);
+  auto out = at::matmul(at::exp(scores - lse.unsqueeze(-1)), vh).transpose(-3, -2);
   return {out.to(q.scalar_type()), lse};
 }
 
@@ -293,22 +299,12 @@ at::Tensor tree_attention(const at::Tensor& q, const KVCache& cache, int64_t lay
     out_ctx = at::cat(outs, 0);
     lse_ctx = at::cat(lses, 1);
   }
-  // The tree part, all entries at once: [n, Hq, C, D] queries against [n, Hq, C, D] keys.
-  const int64_t groups = hq / hkv;
-  auto per_entry = [&](const at::Tensor& t, int64_t heads) {
-    return t.to(at::kFloat).view({n, c, heads, d}).transpose(1, 2);
-  };
-  auto qt = per_entry(q, hq);
-  auto kt = per_entry(k.index_select(0, batch.rows), hkv).repeat_interleave(groups, 1);
-  auto vt = per_entry(v.index_select(0, batch.rows), hkv).repeat_interleave(groups, 1);
-  auto scores = at::matmul(qt, kt.transpose(2, 3)) * (1.0 / std::sqrt(double(d)));
-  scores = scores.masked_fill(batch.tree_mask.view({n, 1, c, c}).logical_not(),
-                              -std::numeric_limits<float>::infinity());
-  auto lse_blk = at::logsumexp(scores, -1);  // [n, Hq, C]; every node sees itself
-  auto out_blk = at::matmul(at::exp(scores - lse_blk.unsqueeze(-1)), vt)
-                     .transpose(1, 2)
-                     .reshape({n * c, hq, d})
-                     .to(q.scalar_type());
+  // The tree part, all entries at once: [n, C, Hq, D] queries against their trees' keys, every
+  // node seeing at least itself.
+  auto [out_blk, lse_blk] = attention_with_lse(
+      q.reshape({n, c, hq, d}), k.index_select(0, batch.rows).view({n, c, hkv, d}),
+      v.index_select(0, batch.rows).view({n, c, hkv, d}), batch.tree_mask.view({n, 1, c, c}));
+  out_blk = out_blk.reshape({n * c, hq, d});
   lse_blk = lse_blk.permute({1, 0, 2}).reshape({hq, n * c});
   return kernels::attention_merge(out_ctx, lse_ctx.contiguous(), prefix, out_blk, lse_blk).first;
 }
@@ -319,9 +315,11 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
   const at::Tensor& k = cache.keys(layer);
   const at::Tensor& v = cache.values(layer);
   if (batch.is_tree() && !causal) fail("attention: a tree batch has no block (non-causal) form");
-  const bool equal_trees = std::all_of(batch.counts.begin(), batch.counts.end(),
-                                       [&](int64_t c) { return c == batch.max_count; });
-  if (batch.is_tree() && window == 0 && equal_trees) return tree_attention(q, cache, layer, batch);
+  if (batch.is_tree() && window == 0 &&
+      std::all_of(batch.counts.begin(), batch.counts.end(),
+                  [&](int64_t c) { return c == batch.max_count; })) {
+    return tree_attention(q, cache, layer, batch);
+  }
   const bool flash = q.is_cuda() && !batch.is_tree() &&
                      (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
   if (flash) {
