@@ -18,3 +18,20 @@ fi
 echo "3202758494eaa7b597ce1c282dfa188889506bfcb92cad3c407d26736bfcd32b  causal_conv1d-1.7.0.tar.gz" |
   sha256sum -c --quiet
 ls "$root/.whl"
+# causal-conv1d built here into a cp312 wheel for sm_90 (the GPU machine's Python is 3.12 and its
+# own build of the sdist takes longer than a device call can spare): only when asked
+# (CAUSAL_CONV1D_PYTHON=path to a Python 3.12; about 20-30 minutes of nvcc on 2 cores).
+if [ -n "${CAUSAL_CONV1D_PYTHON:-}" ] && ! ls causal_conv1d-1.7.0-cp312-*.whl > /dev/null 2>&1; then
+  venv=/tmp/cc1d-venv
+  "$CAUSAL_CONV1D_PYTHON" -m venv "$venv"
+  "$venv/bin/pip" install -q torch==2.11.0 --no-deps
+  "$venv/bin/pip" install -q packaging ninja setuptools wheel
+  src=$(mktemp -d)
+  tar xzf causal_conv1d-1.7.0.tar.gz -C "$src"
+  # setup.py lists nine architectures; the H200 needs sm_90 alone.
+  sed -i 's/^    if FORCE_CXX11_ABI:/    cc_flag = ["-gencode", "arch=compute_90,code=sm_90"]\n&/' \
+    "$src/causal_conv1d-1.7.0/setup.py"
+  CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-2} "$venv/bin/pip" wheel --no-deps \
+    --no-build-isolation -w . "$src/causal_conv1d-1.7.0"
+  rm -rf "$src"
+fi

@@ -92,7 +92,8 @@ struct SpeculativeTiming {
 SpeculativeTiming time_speculative(const models::TargetModel& model, const models::Drafter& drafter,
                                    const std::vector<std::vector<int64_t>>& prompts,
                                    int64_t max_new, int64_t context, bool whole,
-                                   const BenchDecodeOptions& o, const std::string& trace = "") {
+                                   int64_t tree_budget, const BenchDecodeOptions& o,
+                                   const std::string& trace = "") {
   auto run = [&](int64_t tokens) {
     eval::DFlashDraftSource source(drafter, model);
     eval::SpeculativeOptions s;
@@ -100,6 +101,7 @@ SpeculativeTiming time_speculative(const models::TargetModel& model, const model
     s.max_new_tokens = tokens;
     s.context = context;
     s.whole_step = whole;
+    s.tree_budget = tree_budget;
     eval::SpeculativeDecoder decoder(model, source, s);
     eval::SpeculativeStats stats;
     auto times = obs::time_steps(model.device(), o.warmup, o.iters,
@@ -187,9 +189,9 @@ nlohmann::json measured_speculative(const models::TargetModel& model, const Benc
       auto prompts = random_prompts(b, o.prompt_len, config.vocab_size, 1);
       for (bool whole : {true, false}) {
         const bool profiled = !o.profile.empty() && whole && b == o.batches.back();
-        const auto t =
-            time_speculative(model, drafter, prompts, o.new_tokens, context + o.verify_tokens,
-                             whole, o, profiled ? o.profile + ".speculative" : "");
+        const auto t = time_speculative(model, drafter, prompts, o.new_tokens,
+                                        context + o.verify_tokens, whole, /*tree_budget=*/0, o,
+                                        profiled ? o.profile + ".speculative" : "");
         const double plain = plain_step_ms.at(b);
         const char* kind = !whole ? "split" : t.whole_step_graph ? "graph" : "whole";
         fmt::print("{:>6} {:>10} {:>14.3f} {:>14.3f} {:>14.2f} {:>8.2f}\n", b, kind, t.step_ms,
@@ -211,11 +213,11 @@ nlohmann::json measured_speculative(const models::TargetModel& model, const Benc
 // --synthetic-top1) and a target whose token at each position is drawn from that same
 // distribution, positions independent. tau of the chain and of each budget's tree (the same
 // tree every step: build_draft_tree of those probabilities) comes from simulated steps; each
-// tree's verify pass is timed at batch 1 over `cache`'s prompt (eager, as the decoder runs
-// trees), so a budget's speed-up is estimated as tau x plain step / (draft + verify).
+// one's step is the speculative decoder's own at batch 1 (random drafter, captured where the
+// decoder captures, the tree built on the host every step), so a budget's speed-up is
+// estimated as tau x plain step / speculative step.
 nlohmann::json tree_table(const models::TargetModel& model, const BenchDecodeOptions& o,
-                          models::KVCache& cache, const at::Tensor& prompt, double step_ms,
-                          double draft_ms, double chain_verify_ms) {
+                          int64_t context, double plain_step_ms) {
   const int64_t positions = o.verify_tokens - 1, steps = 20000;
   const double p = o.synthetic_top1;
   std::mt19937_64 gen(7);
@@ -225,23 +227,34 @@ nlohmann::json tree_table(const models::TargetModel& model, const BenchDecodeOpt
   for (auto& t : truth) {
     for (auto& r : t) r = rank(gen);
   }
-  const models::ForwardRequest verify{.tap_layers = {}, .logits = models::Logits::kAll};
+  const auto& config = model.config();
+  models::DrafterOptions d;
+  d.block_size = o.verify_tokens;
+  d.mask_token_id = config.vocab_size - 1;
+  const auto drafter =
+      models::Drafter::random(models::make_drafter_config(config, d), model.device(), 3);
+  const auto prompts = random_prompts(1, o.prompt_len, config.vocab_size, 1);
   fmt::print(
-      "tree verification, batch 1 at {} cached tokens, synthetic acceptance (each position's "
-      "draft ranks r with probability p(1-p)^r, p = {}; the target's token drawn alike):\n"
-      "{:>8} {:>8} {:>8} {:>12} {:>12} {:>14}\n",
-      o.prompt_len, p, "budget", "nodes", "tau", "verify ms", "step ms", "est. speed-up");
+      "tree verification, batch 1 at {} prompt tokens: tau under synthetic acceptance (each "
+      "position's draft ranks r with probability p(1-p)^r, p = {}; the target's token drawn "
+      "alike), the decoder's step measured (random drafter, {} new tokens):\n"
+      "{:>8} {:>8} {:>8} {:>12} {:>10} {:>14}\n",
+      o.prompt_len, p, o.new_tokens, "budget", "nodes", "tau", "step ms", "x plain",
+      "est. speed-up");
   nlohmann::json rows = nlohmann::json::array();
-  auto row = [&](int64_t budget, int64_t nodes, double tau, double verify_ms) {
-    const double spec_ms = draft_ms + verify_ms, speedup = tau * step_ms / spec_ms;
-    fmt::print("{:>8} {:>8} {:>8.3f} {:>12.3f} {:>12.3f} {:>13.2f}x\n",
-               budget > 0 ? std::to_string(budget) : "chain", nodes, tau, verify_ms, spec_ms,
-               speedup);
+  auto row = [&](int64_t budget, int64_t nodes, double tau) {
+    const auto t = time_speculative(model, drafter, prompts, o.new_tokens,
+                                    context + std::max(o.verify_tokens, nodes),
+                                    /*whole=*/true, budget, o);
+    const double speedup = tau * plain_step_ms / t.step_ms;
+    fmt::print("{:>8} {:>8} {:>8.3f} {:>12.3f} {:>10.2f} {:>13.2f}x\n",
+               budget > 0 ? std::to_string(budget) : "chain", nodes, tau, t.step_ms,
+               t.step_ms / plain_step_ms, speedup);
     rows.push_back({{"tree_budget", budget},
                     {"verified_tokens", nodes},
                     {"tau", tau},
-                    {"verify_ms", verify_ms},
-                    {"speculative_step_ms", spec_ms},
+                    {"speculative_step_ms", t.step_ms},
+                    {"plain_step_ms", plain_step_ms},
                     {"estimated_speedup", speedup}});
   };
   double chain_tokens = 0;
@@ -250,9 +263,9 @@ nlohmann::json tree_table(const models::TargetModel& model, const BenchDecodeOpt
     while (a < positions && t[a] == 0) ++a;
     chain_tokens += static_cast<double>(a + 1);
   }
-  row(0, o.verify_tokens, chain_tokens / steps, chain_verify_ms);
+  row(0, o.verify_tokens, chain_tokens / steps);
   for (int64_t budget : o.tree_budgets) {
-    const int64_t k = std::min(budget, model.config().vocab_size);
+    const int64_t k = std::min(budget, config.vocab_size);
     auto ranks = at::arange(k, at::kLong).expand({positions, k}).contiguous();
     auto probs = p * at::pow(1.0 - p, ranks.to(at::kDouble));
     const eval::DraftTree tree = eval::build_draft_tree(-1, probs, ranks, budget);
@@ -264,13 +277,7 @@ nlohmann::json tree_table(const models::TargetModel& model, const BenchDecodeOpt
       }
       tokens += static_cast<double>(tree.walk(choices).size() + 1);
     }
-    auto node_tokens = prompt.narrow(0, 0, tree.size());
-    auto times = obs::time_steps(model.device(), o.warmup + 2, o.iters * 5, [&] {
-      auto batch = models::AppendBatch::make_tree(cache, {0}, {tree.parents});
-      model.forward_cached(node_tokens, batch, cache, verify).logits.argmax(-1);
-      cache.crop(0, o.prompt_len);
-    });
-    row(budget, tree.size(), tokens / steps, obs::median(times) * 1e3);
+    row(budget, tree.size(), tokens / steps);
   }
   return rows;
 }
@@ -295,7 +302,6 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   if (o.verify_tokens < 1 || o.verify_tokens > o.prompt_len) {
     fail("bench-decode: --verify-tokens must be in [1, --prompt-len]");
   }
-  int64_t pass_rows = o.verify_tokens;
   for (int64_t budget : o.tree_budgets) {
     if (budget < 1 || budget + 1 > o.prompt_len || o.verify_tokens < 2) {
       fail(
@@ -303,13 +309,16 @@ void run_bench_decode(const BenchDecodeOptions& o) {
           "(--verify-tokens) of at least 2, got {}",
           budget);
     }
-    pass_rows = std::max(pass_rows, budget + 1);
+  }
+  if (!o.tree_budgets.empty() &&
+      std::find(o.batches.begin(), o.batches.end(), 1) == o.batches.end()) {
+    fail("bench-decode: --tree-budgets compares steps at batch 1: --batches must include 1");
   }
   if (!o.tree_budgets.empty() && config.is_hybrid()) {
     fail("bench-decode: --tree-budgets: {}'s linear-attention layers cannot verify trees",
          o.preset);
   }
-  models::KVCache cache(config, 1, o.prompt_len + pass_rows, device, dtype);
+  models::KVCache cache(config, 1, o.prompt_len + o.verify_tokens, device, dtype);
   // A hybrid's linear states go back to the prompt's from the pass's block buffers.
   cache.keep_block_states(o.verify_tokens);
   auto prompt = at::tensor(random_prompts(1, o.prompt_len, config.vocab_size, 2)[0]).to(device);
@@ -383,10 +392,10 @@ void run_bench_decode(const BenchDecodeOptions& o) {
         spec_ms / step_ms, step_ms / spec_ms, 3 * step_ms / spec_ms, 5 * step_ms / spec_ms,
         7 * step_ms / spec_ms);
   }
-  const nlohmann::json trees =
-      o.tree_budgets.empty() ? nlohmann::json()
-                             : tree_table(model, o, cache, prompt, step_ms, draft_ms, verify_ms);
   const nlohmann::json measured = measured_speculative(model, o, context, plain_step_ms);
+  const nlohmann::json trees = o.tree_budgets.empty()
+                                   ? nlohmann::json()
+                                   : tree_table(model, o, context, plain_step_ms.at(1));
   nlohmann::json doc = {{"preset", o.preset},
                         {"device", device.str()},
                         {"prompt_len", o.prompt_len},

@@ -30,8 +30,8 @@ bool cuda_half(const at::Tensor& t) {
 }
 
 // transformers' eager_attention_forward for one sequence: [L, Hq, D] queries against
-// [K, Hkv, D] keys and values (prefill: the sequence's own; a cached forward: the slot's
-// cache), where `allowed` (bool [L, K]) lets them attend, the sink logit appended to every
+// [K, Hkv, D] keys and values (the packed prefill off flash and training, which differentiates
+// it), where `allowed` (bool [L, K]) lets them attend, the sink logit appended to every
 // row's scores before the softmax and dropped after it.
 at::Tensor sink_attention_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& sinks, const at::Tensor& allowed) {
@@ -164,9 +164,10 @@ at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int6
   for (int64_t i = 0; i < batch.size(); ++i) {
     const int64_t n = batch.counts[i], start = batch.starts[i];
     const int64_t first_row = batch.slots[i] * cache.capacity();
-    outs.push_back(sink_attention_one(q.narrow(0, offset, n), k.narrow(0, first_row, start + n),
-                                      v.narrow(0, first_row, start + n), sinks,
-                                      entry_mask(batch, i, offset, window)));
+    auto [out, lse] =
+        attention_with_lse(q.narrow(0, offset, n), k.narrow(0, first_row, start + n),
+                           v.narrow(0, first_row, start + n), entry_mask(batch, i, offset, window));
+    outs.push_back(fold_sinks(out, lse, sinks));
     offset += n;
   }
   return at::cat(outs, 0);

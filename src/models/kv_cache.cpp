@@ -246,14 +246,8 @@ at::Tensor entry_mask(const AppendBatch& batch, int64_t i, int64_t offset, int64
   return mask;
 }
 
-namespace {
-
-// Softmax attention of queries [..., L, Hq, D] over keys and values [..., K, Hkv, D] (grouped)
-// where `mask` (bool, broadcast to [..., Hq, L, K]; undefined: every key) allows, in fp32:
-// {out [..., L, Hq, D] in q's dtype, lse fp32 [..., Hq, L]}.
 std::pair<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k,
-                                                     const at::Tensor& v,
-                                                     const at::Tensor& mask = {}) {
+                                                     const at::Tensor& v, const at::Tensor& mask) {
   const int64_t groups = q.size(-2) / k.size(-2);
   auto heads_first = [](const at::Tensor& t) { return t.to(at::kFloat).transpose(-3, -2); };
   auto qh = heads_first(q);                                // [..., Hq, L, D]
@@ -267,6 +261,8 @@ std::pair<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const 
   auto out = at::matmul(at::exp(scores - lse.unsqueeze(-1)), vh).transpose(-3, -2);
   return {out.to(q.scalar_type()), lse};
 }
+
+namespace {
 
 // A tree batch whose entries all hold C nodes: attention over each slot's cached prefix (the
 // keys before its tree, all visible: one variable-length flash call on CUDA in half precision,

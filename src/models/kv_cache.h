@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "models/config.h"
@@ -139,6 +140,15 @@ struct AppendBatch {
 // keys within `window` positions. Attention paths that cannot take the batch's shape in a
 // fused kernel (other devices and dtypes, tree batches) mask with it.
 at::Tensor entry_mask(const AppendBatch& batch, int64_t i, int64_t offset, int64_t window);
+
+// Softmax attention of queries [..., L, Hq, D] over keys and values [..., K, Hkv, D] (grouped)
+// where `mask` (bool, broadcast to [..., Hq, L, K]; undefined: every key) allows, in fp32:
+// {out [..., L, Hq, D] in q's dtype, lse fp32 [..., Hq, L]}. The masked paths' arithmetic
+// (tree parts, gpt-oss' cached sink attention off flash): half-precision scores would decide
+// near ties otherwise than flash's fp32 ones, and speculative output must equal greedy.
+std::pair<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v,
+                                                     const at::Tensor& mask = {});
 
 // Flash attention's window_size_left for a window of `window` keys (0: none): flash keeps keys
 // j with p - left <= j <= p for the query at p, so `window` keys is left = window - 1.
