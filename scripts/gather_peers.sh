@@ -25,7 +25,9 @@ if [ -n "${CAUSAL_CONV1D_PYTHON:-}" ] && ! ls causal_conv1d-1.7.0-cp312-*.whl > 
   venv=/tmp/cc1d-venv
   "$CAUSAL_CONV1D_PYTHON" -m venv "$venv"
   "$venv/bin/pip" install -q torch==2.11.0 --no-deps
-  "$venv/bin/pip" install -q packaging ninja setuptools wheel
+  # torch --no-deps leaves out what importing torch needs.
+  "$venv/bin/pip" install -q packaging ninja setuptools wheel typing_extensions filelock sympy \
+    networkx jinja2 fsspec
   src=$(mktemp -d)
   tar xzf causal_conv1d-1.7.0.tar.gz -C "$src"
   # setup.py lists nine architectures; the H200 needs sm_90 alone.
