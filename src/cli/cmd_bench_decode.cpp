@@ -82,6 +82,14 @@ GenerationTiming time_generation(const models::TargetModel& model,
   return {obs::median(times), generator.uses_cuda_graph()};
 }
 
+// The default DFlash drafter for `model` with blocks of --verify-tokens, random weights.
+models::Drafter random_drafter(const models::TargetModel& model, const BenchDecodeOptions& o) {
+  models::DrafterOptions d;
+  d.block_size = o.verify_tokens;
+  d.mask_token_id = model.config().vocab_size - 1;
+  return models::Drafter::random(models::make_drafter_config(model.config(), d), model.device(), 3);
+}
+
 // Milliseconds of one speculative step at batch `prompts.size()`: the decode of `max_new`
 // tokens per prompt less the prefill and first token alone, over the verify steps per slot.
 struct SpeculativeTiming {
@@ -169,17 +177,13 @@ nlohmann::json measured_speculative(const models::TargetModel& model, const Benc
                                     int64_t context,
                                     const std::map<int64_t, double>& plain_step_ms) {
   const auto& config = model.config();
-  const at::Device device = model.device();
   // The speculative decoder itself at each batch, the same drafter: tau is about 1 with
   // random weights, so each step drafts and verifies a whole block and commits one token, the
   // plain decoder's rate; the whole step (one graph where captured) against the split one
   // (the drafter eager, the verify captured).
   nlohmann::json measured = nlohmann::json::array();
   if (o.verify_tokens >= 2) {
-    models::DrafterOptions d;
-    d.block_size = o.verify_tokens;
-    d.mask_token_id = config.vocab_size - 1;
-    const auto drafter = models::Drafter::random(models::make_drafter_config(config, d), device, 3);
+    const auto drafter = random_drafter(model, o);
     fmt::print(
         "speculative decoder, measured ({} new tokens per prompt, blocks of {}, random drafter: "
         "tau about 1):\n{:>6} {:>10} {:>14} {:>14} {:>14} {:>8}\n",
@@ -228,11 +232,7 @@ nlohmann::json tree_table(const models::TargetModel& model, const BenchDecodeOpt
     for (auto& r : t) r = rank(gen);
   }
   const auto& config = model.config();
-  models::DrafterOptions d;
-  d.block_size = o.verify_tokens;
-  d.mask_token_id = config.vocab_size - 1;
-  const auto drafter =
-      models::Drafter::random(models::make_drafter_config(config, d), model.device(), 3);
+  const auto drafter = random_drafter(model, o);
   const auto prompts = random_prompts(1, o.prompt_len, config.vocab_size, 1);
   fmt::print(
       "tree verification, batch 1 at {} prompt tokens: tau under synthetic acceptance (each "
@@ -370,10 +370,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   // tokens where a plain step commits one.
   double draft_ms = 0;
   if (o.verify_tokens >= 2) {
-    models::DrafterOptions d;
-    d.block_size = o.verify_tokens;
-    d.mask_token_id = config.vocab_size - 1;
-    const auto drafter = models::Drafter::random(models::make_drafter_config(config, d), device, 3);
+    const auto drafter = random_drafter(model, o);
     models::DraftModel draft_model(drafter, models::TargetHead::of(model), dtype);
     auto draft_cache = draft_model.make_cache(1, o.prompt_len);
     const int64_t width = drafter.config().num_taps() * config.hidden_size;
