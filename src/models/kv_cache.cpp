@@ -253,12 +253,22 @@ std::pair<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const 
   auto qh = heads_first(q);                                // [..., Hq, L, D]
   auto kh = heads_first(k).repeat_interleave(groups, -3);  // [..., Hq, K, D]
   auto vh = heads_first(v).repeat_interleave(groups, -3);
-  auto scores = at::matmul(qh, kh.transpose(-1, -2)) * (1.0 / std::sqrt(double(q.size(-1))));
+  // Flash attention's arithmetic (one key tile): raw scores, their row maximum, probabilities
+  // exp2((s - max) * scale * log2 e) in fp32 summed unrounded, but rounded to the inputs' dtype
+  // before they weight the values. Verify passes that take this path and decode steps through
+  // flash then round alike: with fp32 probabilities a bf16 target's near ties went the other
+  // way often enough that tree verification left greedy output (gpt-oss on the H100/H200).
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  auto scores = at::matmul(qh, kh.transpose(-1, -2));
   if (mask.defined()) {
     scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
   }
-  auto lse = at::logsumexp(scores, -1);
-  auto out = at::matmul(at::exp(scores - lse.unsqueeze(-1)), vh).transpose(-3, -2);
+  auto max = std::get<0>(scores.max(-1, /*keepdim=*/true));
+  auto p = at::exp2((scores - max) * (scale * M_LOG2E));
+  auto sum = p.sum(-1, /*keepdim=*/true);
+  if (q.scalar_type() != at::kFloat) p = p.to(q.scalar_type()).to(at::kFloat);
+  auto out = (at::matmul(p, vh) / sum).transpose(-3, -2);
+  auto lse = (max * scale + at::log(sum)).squeeze(-1);
   return {out.to(q.scalar_type()), lse};
 }
 

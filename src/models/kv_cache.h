@@ -142,10 +142,11 @@ struct AppendBatch {
 at::Tensor entry_mask(const AppendBatch& batch, int64_t i, int64_t offset, int64_t window);
 
 // Softmax attention of queries [..., L, Hq, D] over keys and values [..., K, Hkv, D] (grouped)
-// where `mask` (bool, broadcast to [..., Hq, L, K]; undefined: every key) allows, in fp32:
-// {out [..., L, Hq, D] in q's dtype, lse fp32 [..., Hq, L]}. The masked paths' arithmetic
-// (tree parts, gpt-oss' cached sink attention off flash): half-precision scores would decide
-// near ties otherwise than flash's fp32 ones, and speculative output must equal greedy.
+// where `mask` (bool, broadcast to [..., Hq, L, K]; undefined: every key) allows, computed as
+// flash attention computes a tile (fp32 scores and sums, the probabilities rounded to q's
+// dtype before they weight the values): {out [..., L, Hq, D] in q's dtype, lse fp32
+// [..., Hq, L]}. The masked paths' arithmetic (tree parts, gpt-oss' cached sink attention off
+// flash), which must round as the flash decode steps do: speculative output must equal greedy.
 std::pair<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v,
                                                      const at::Tensor& mask = {});

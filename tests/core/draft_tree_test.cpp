@@ -100,9 +100,12 @@ const std::vector<int64_t> kSmallParents{-1, 0, 1, 1};
 
 class TreeBatch : public ::testing::TestWithParam<models::Architecture> {};
 
-TEST_P(TreeBatch, EveryNodeSeesItsPathOnly) {
-  auto config = testing::tiny_target_config(GetParam());
-  auto target = testing::peaked_target(config, at::kCPU, at::kFloat, 3);
+// The tree batch's logits and taps at every node against a plain forward of the prompt and
+// that node's path, on `target`'s device and dtype, within `tol` (relative).
+void expect_every_node_sees_its_path_only(const models::TargetModel& target, double tol) {
+  const models::ModelConfig& config = target.config();
+  const at::Device device = target.embedding().device();
+  const at::ScalarType dtype = target.embedding().scalar_type();
   const std::vector<int64_t> taps{0, 2};
   // Two slots: prompts of 9 and 4 tokens (past gpt-oss' 5-position window, and within it).
   const std::vector<std::vector<int64_t>> prompts{{3, 14, 15, 92, 65, 35, 89, 79, 32},
@@ -111,16 +114,16 @@ TEST_P(TreeBatch, EveryNodeSeesItsPathOnly) {
   for (const auto* second : {&kParents, &kSmallParents}) {
     SCOPED_TRACE(second == &kParents ? "trees of one size" : "trees of two sizes");
     const std::vector<std::vector<int64_t>> parents{kParents, *second};
-    models::KVCache cache(config, 2, 32, at::kCPU, at::kFloat);
+    models::KVCache cache(config, 2, 32, device, dtype);
     std::vector<int64_t> prompt_tokens, tree_tokens;
     for (const auto& p : prompts) prompt_tokens.insert(prompt_tokens.end(), p.begin(), p.end());
-    target.forward_cached(at::tensor(prompt_tokens, at::kLong),
+    target.forward_cached(at::tensor(prompt_tokens, at::kLong).to(device),
                           models::AppendBatch::make(cache, {0, 1}, {9, 4}), cache,
                           {{}, models::Logits::kNone});
     for (const auto& p : parents) {
       tree_tokens.insert(tree_tokens.end(), tokens.begin(), tokens.begin() + p.size());
     }
-    auto out = target.forward_cached(at::tensor(tree_tokens, at::kLong),
+    auto out = target.forward_cached(at::tensor(tree_tokens, at::kLong).to(device),
                                      models::AppendBatch::make_tree(cache, {0, 1}, parents), cache,
                                      {taps, models::Logits::kAll});
     int64_t row = 0;
@@ -134,16 +137,35 @@ TEST_P(TreeBatch, EveryNodeSeesItsPathOnly) {
         std::vector<int64_t> seq = prompts[s];
         seq.insert(seq.end(), path.rbegin(), path.rend());
         const auto len = static_cast<int64_t>(seq.size());
-        auto ref = target.forward(at::tensor(seq, at::kLong),
-                                  models::PackedBatch::from_lengths({len}, at::kCPU),
+        auto ref = target.forward(at::tensor(seq, at::kLong).to(device),
+                                  models::PackedBatch::from_lengths({len}, device),
                                   {taps, models::Logits::kLast});
-        EXPECT_CLOSE(out.logits[row], ref.logits[0], 1e-4);
+        EXPECT_CLOSE(out.logits[row], ref.logits[0], tol);
+        EXPECT_EQ(out.logits[row].argmax().item<int64_t>(), ref.logits[0].argmax().item<int64_t>());
         for (size_t k = 0; k < taps.size(); ++k) {
-          EXPECT_CLOSE(out.taps[k][row], ref.taps[k][len - 1], 1e-4);
+          EXPECT_CLOSE(out.taps[k][row], ref.taps[k][len - 1], tol);
         }
       }
     }
   }
+}
+
+TEST_P(TreeBatch, EveryNodeSeesItsPathOnly) {
+  auto config = testing::tiny_target_config(GetParam());
+  expect_every_node_sees_its_path_only(testing::peaked_target(config, at::kCPU, at::kFloat, 3),
+                                       1e-4);
+}
+
+// The same on CUDA in bf16 (the tree through the masked fp32 paths, the reference through
+// flash), at the shapes of the GPU speculative tests.
+TEST_P(TreeBatch, EveryNodeSeesItsPathOnlyOnCudaInBf16) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto config = testing::tiny_target_config(GetParam());
+  config.hidden_size = 128;
+  config.intermediate_size = config.moe_intermediate_size = 256;
+  config.head_dim = 32;
+  expect_every_node_sees_its_path_only(
+      testing::peaked_target(config, at::kCUDA, at::kBFloat16, 3), 3e-2);
 }
 
 // Accepting slot 0's path 0 -> 1 -> 4 -> 5: its K/V moved to the rows after the root and the

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -24,6 +25,7 @@
 #include "common/error.h"
 #include "common/random.h"
 #include "decode_test_util.h"
+#include "models/gpt_oss.h"
 #include "test_util.h"
 
 namespace dflash {
@@ -894,6 +896,11 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
   g.context = 40;
   g.slots = 3;
   auto want = eval::Generator(target, g).generate(prompts);
+  // The reference itself: the generator's cached decode gives the plain forward's greedy loop.
+  const auto plain = greedy(target, prompts, g.max_new_tokens, {}, g.context);
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(want[i].tokens, plain[i].tokens) << "generator against the plain loop, prompt " << i;
+  }
   auto drafter = make_drafter(target, 8);
   eval::DFlashDraftSource dflash(drafter, target);
   ScriptedDrafter scripted(8, references(prompts, want, -1), 0.7);
@@ -960,6 +967,53 @@ TEST(SpeculativeGpu, GptOssBf16EqualsGeneratorGreedy) {
   config.head_dim = 32;
   expect_bf16_speculative_equals_generator(
       testing::peaked_target(config, at::kCUDA, at::kBFloat16, 3));
+}
+
+// gpt-oss trees on CUDA against the generator in the same dtype, a scripted drafter (its trees
+// are chains), one slot and four: fp32 (every attention the masked path), bf16 (the generator's
+// through flash), and bf16 without the sliding windows or without the sinks' weight, so that a
+// failure names the part it comes from.
+TEST(SpeculativeGpu, GptOssTreesEqualGreedyPerPart) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  struct Variant {
+    const char* name;
+    at::ScalarType dtype;
+    bool windows, sinks;
+  };
+  for (const Variant& v : {Variant{"fp32", at::kFloat, true, true},
+                           Variant{"bf16", at::kBFloat16, true, true},
+                           Variant{"bf16 no windows", at::kBFloat16, false, true},
+                           Variant{"bf16 sinks -inf", at::kBFloat16, true, false}}) {
+    auto config = testing::tiny_target_config(models::Architecture::kGptOss);
+    config.hidden_size = 128;
+    config.intermediate_size = config.moe_intermediate_size = 256;
+    config.head_dim = 32;
+    if (!v.windows) config.gpt_oss.sliding_layers = {false, false, false};
+    auto target = testing::peaked_target(config, at::kCUDA, v.dtype, 3);
+    if (!v.sinks) {
+      for (const auto& layer : target.gpt_oss()->layers()) layer.sinks.fill_(-1e4);
+    }
+    auto prompts = make_prompts({3, 7, 1, 20, 5, 2, 11, 4}, 6);
+    eval::GenerationOptions g;
+    g.max_new_tokens = 24;
+    g.context = 40;
+    g.slots = 3;
+    auto want = eval::Generator(target, g).generate(prompts);
+    ScriptedDrafter scripted(8, references(prompts, want, -1), 0.7);
+    for (int64_t slots : {1, 4}) {
+      SpeculativeOptions o;
+      o.max_new_tokens = g.max_new_tokens;
+      o.context = g.context;
+      o.slots = slots;
+      o.tree_budget = 20;
+      auto got = SpeculativeDecoder(target, scripted, o).generate(prompts);
+      int differ = 0;
+      for (size_t i = 0; i < got.size(); ++i) differ += got[i].tokens != want[i].tokens;
+      std::printf("gpt-oss trees, %s, %lld slots: %d of %zu prompts differ\n", v.name,
+                  static_cast<long long>(slots), differ, got.size());
+      EXPECT_EQ(differ, 0) << v.name << ", " << slots << " slots";
+    }
+  }
 }
 
 // The sampled distribution through the captured verify (whole blocks, commits cut at the
