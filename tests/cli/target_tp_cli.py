@@ -4,7 +4,8 @@ shared expert split; and gpt-oss: sinks, sliding windows shorter than the sequen
 experts split by whole groups; the vocabulary split too) equal one rank's within 1e-5;
 targets that cannot be split are refused, naming the config field and T; `dflash train` on 2
 colocated ranks whose target is split over both (each rank's micro-batch through the group's
-target in turn, the drafters data parallel) logs the losses of one rank; `dflash bench` runs so.
+target in turn, the drafters data parallel) logs the losses of one rank, for a Qwen3 and for a
+gpt-oss checkpoint (MXFP4 experts read by slices); `dflash bench` runs so.
 
 `dflash info` on the FP8 block-quantised fixture counts its e4m3 weights, not their scales.
 
@@ -59,8 +60,8 @@ def main():
 
         target, data = random_inputs(dflash, tmp, length=40, jitter=8)
 
-        def train(out, *extra):
-            return run([dflash, "train", "--target", target, "--data", data, "--out", tmp / out,
+        def train(out, *extra, model=target):
+            return run([dflash, "train", "--target", model, "--data", data, "--out", tmp / out,
                         "--steps", 3, "--batch-size", 4, "--max-anchors", 6, "--lr", "3e-3",
                         "--device", "cpu", "--dtype", "fp32", "--seed", 5, "--timeout-s", 60,
                         *extra])
@@ -72,6 +73,15 @@ def main():
         same_figures(metrics(tmp / "train_one"), metrics(tmp / "train_tp2"),
                      "train, 2 colocated ranks with --target-tp 2")
         print("train: 2 colocated ranks with --target-tp 2 == 1 rank (3 steps)")
+        # A gpt-oss checkpoint (random-model's tiny-gpt-oss: MXFP4 experts, sinks, a 16-token
+        # window shorter than the samples), each rank reading its slices of it.
+        gpt_oss = tmp / "gpt_oss"
+        run([dflash, "random-model", "--preset", "tiny-gpt-oss", "--out", gpt_oss, "--seed", 3])
+        train("gpt_oss_one", model=gpt_oss)
+        train("gpt_oss_tp2", "--nproc-per-node", 2, "--target-tp", 2, model=gpt_oss)
+        same_figures(metrics(tmp / "gpt_oss_one"), metrics(tmp / "gpt_oss_tp2"),
+                     "train on a gpt-oss checkpoint, 2 colocated ranks with --target-tp 2")
+        print("train: a gpt-oss checkpoint split over 2 colocated ranks == 1 rank (3 steps)")
 
         # `dflash bench` (random target) takes the same path and says so.
         r = run([dflash, "bench", "--preset", "tiny", "--device", "cpu", "--dtype", "fp32",
