@@ -98,7 +98,7 @@ void print_header(const Bench& b, const std::vector<int64_t>& taps) {
         "are a group's, TFLOP/s and GiB one rank's\n",
         o.target_tp, o.target_tp);
   }
-  if (const auto* g = b.model.gpt_oss()) {
+  if (const auto* g = b.model.gpt_oss(); b.lead && g != nullptr) {
     fmt::print(
         "gpt-oss: experts hold {:.2f} GiB on {} ({}); per-layer bf16 dequantisation buffers "
         "{:.2f} GiB\n",

@@ -83,6 +83,17 @@ std::string pick_backend(const std::string& requested, at::Device device) {
   fail("communication backend '{}' is not one of auto, gloo, nccl", requested);
 }
 
+// PyTorch 2.11's flight recorder (c10d's ring of recent collectives, kept for debugging hangs)
+// races in its recording: about 2 in 5 multi-rank test runs crashed with SIGSEGV in it.
+// TORCH_FR_BUFFER_SIZE=0, set before the first group reads it, turns it off; a value the user
+// set is kept (overwrite 0). Once per process, before any group: setenv is not safe beside
+// other threads' getenv.
+void disable_flight_recorder() {
+  [[maybe_unused]] static const bool once = [] {
+    return setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0) == 0;
+  }();
+}
+
 // The process group of impl.world's ranks over impl.store.
 c10::intrusive_ptr<c10d::Backend> make_group(const Comm::Impl& impl) {
   const World& world = impl.world;
@@ -118,6 +129,7 @@ std::unique_ptr<Comm> Comm::create(const World& world, at::Device device, CommOp
   if (options.timeout <= std::chrono::milliseconds::zero()) {
     fail("communication timeout must be positive, got {} ms", options.timeout.count());
   }
+  disable_flight_recorder();
   auto impl = std::make_unique<Impl>();
   impl->world = world;
   impl->device = device;

@@ -78,7 +78,7 @@ std::pair<ExpertRoutes, at::Tensor> route(const at::Tensor& x, const GptOssLayer
 
 at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, const ModelConfig& c,
                            const at::Tensor& gate_up, const at::Tensor& down) {
-  const int64_t f = c.moe_intermediate_size;
+  const int64_t f = gate_up.size(1) / 2;  // this rank's share under tensor parallelism
   const double alpha = c.gpt_oss.swiglu_alpha, limit = c.gpt_oss.swiglu_limit;
   const auto [routes, weights] = route(x, w, c);
   at::Tensor y;
@@ -173,8 +173,32 @@ at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int6
   return at::cat(outs, 0);
 }
 
-GptOssDecoder::GptOssDecoder(ModelConfig config, at::Device device)
-    : config_(std::move(config)), rotary_(config_, device) {}
+namespace {
+
+// How this rank's share of each gpt-oss weight is cut from the whole one as GptOssLayerWeights
+// holds it (target.h, check_tensor_parallel): views, the whole tensor on a group of one.
+struct LayerShare {
+  const ModelConfig& c;
+  const Split& split;
+
+  at::Tensor along(const at::Tensor& t, int64_t dim) const { return split(t, dim, {t.size(dim)}); }
+  // q's rows (weight or bias) and the sinks: this rank's query heads'.
+  at::Tensor heads(const at::Tensor& t) const { return along(t, 0); }
+  at::Tensor kv(const at::Tensor& t) const { return kv_share(t, c, split); }
+  at::Tensor o(const at::Tensor& t) const { return along(t, 1); }
+  // gate_up's weight, blocks, scales and bias: gate and up interleave (rows 2j, 2j + 1), so the
+  // rank's F / T of each are one contiguous range of 2F / T rows.
+  at::Tensor gate_up(const at::Tensor& t) const { return along(t, 1); }
+  // down's weight [E, H, F] by input columns; its blocks and scales by whole 32-value groups.
+  at::Tensor down(const at::Tensor& t) const { return along(t, 2); }
+  // o's and down's biases belong to rank 0 alone: the group's sum adds them once.
+  bool holds_biases() const { return split.rank == 0; }
+};
+
+}  // namespace
+
+GptOssDecoder::GptOssDecoder(ModelConfig config, at::Device device, const Split& split)
+    : config_(std::move(config)), rotary_(config_, device), split_(split) {}
 
 Shapes GptOssDecoder::expected_tensors(const ModelConfig& c, bool mxfp4) {
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
@@ -213,7 +237,8 @@ Shapes GptOssDecoder::expected_tensors(const ModelConfig& c, bool mxfp4) {
 }
 
 std::shared_ptr<GptOssDecoder> GptOssDecoder::load(const io::Checkpoint& ckpt, const ModelConfig& c,
-                                                   at::Device device, at::ScalarType dtype) {
+                                                   at::Device device, at::ScalarType dtype,
+                                                   const Split& split) {
   const bool mxfp4 = c.gpt_oss.mxfp4;
   std::vector<std::string> values, packed;
   for (const auto& [name, shape] : expected_tensors(c, mxfp4)) {
@@ -228,41 +253,62 @@ std::shared_ptr<GptOssDecoder> GptOssDecoder::load(const io::Checkpoint& ckpt, c
     }
     packed.push_back(name);
   }
-  auto w = ckpt.load(values, device, dtype);
-  auto b = packed.empty() ? decltype(w){} : ckpt.load(packed, device, at::kByte);
-  auto take = [](auto& from, const std::string& name) { return from.extract(name).mapped(); };
-  std::shared_ptr<GptOssDecoder> d(new GptOssDecoder(c, device));
+  // One rank streams every tensor to the device in one load; a rank of a tensor-parallel group
+  // copies its slices out of the mapped files, one tensor at a time.
+  const bool sliced = split.ranks > 1;
+  std::map<std::string, at::Tensor> w, b;
+  if (!sliced) {
+    w = ckpt.load(values, device, dtype);
+    if (!packed.empty()) b = ckpt.load(packed, device, at::kByte);
+  }
+  const LayerShare share{c, split};
+  // Tensor `name` as GptOssLayerWeights holds it, cut by `cut` (a LayerShare member; nullptr:
+  // whole on every rank).
+  using Cut = at::Tensor (LayerShare::*)(const at::Tensor&) const;
+  auto take = [&](const std::string& name, Cut cut = nullptr) {
+    const bool bytes = is_mxfp4_tensor(name);
+    at::Tensor t = sliced ? ckpt.tensor(name) : (bytes ? b : w).extract(name).mapped();
+    // transformers' bf16 experts [E, in, out] to the [E, out, in] rows the GEMMs read.
+    if (!bytes && name.ends_with("_proj")) t = t.transpose(1, 2);
+    if (cut != nullptr) t = (share.*cut)(t);
+    return t.to(device, bytes ? at::kByte : dtype, /*non_blocking=*/false, /*copy=*/sliced,
+                at::MemoryFormat::Contiguous);
+  };
+  std::shared_ptr<GptOssDecoder> d(new GptOssDecoder(c, device, split));
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = c.layer_prefix(i), a = p + "self_attn.", x = p + "mlp.experts.";
     GptOssLayerWeights l;
-    l.input_norm = take(w, p + "input_layernorm.weight");
-    l.post_attention_norm = take(w, p + "post_attention_layernorm.weight");
-    l.w_qkv = at::cat(
-        {take(w, a + "q_proj.weight"), take(w, a + "k_proj.weight"), take(w, a + "v_proj.weight")});
+    l.input_norm = take(p + "input_layernorm.weight");
+    l.post_attention_norm = take(p + "post_attention_layernorm.weight");
+    l.w_qkv = at::cat({take(a + "q_proj.weight", &LayerShare::heads),
+                       take(a + "k_proj.weight", &LayerShare::kv),
+                       take(a + "v_proj.weight", &LayerShare::kv)});
     if (c.attention_bias) {
-      l.b_qkv = at::cat(
-          {take(w, a + "q_proj.bias"), take(w, a + "k_proj.bias"), take(w, a + "v_proj.bias")});
-      l.b_o = take(w, a + "o_proj.bias");
+      l.b_qkv = at::cat({take(a + "q_proj.bias", &LayerShare::heads),
+                         take(a + "k_proj.bias", &LayerShare::kv),
+                         take(a + "v_proj.bias", &LayerShare::kv)});
+      if (share.holds_biases()) l.b_o = take(a + "o_proj.bias");
     }
-    l.w_o = take(w, a + "o_proj.weight");
-    l.sinks = take(w, a + "sinks");
-    l.router = take(w, p + "mlp.router.weight");
-    l.router_bias = take(w, p + "mlp.router.bias");
-    l.gate_up_bias = take(w, x + "gate_up_proj_bias");
-    l.down_bias = take(w, x + "down_proj_bias");
+    l.w_o = take(a + "o_proj.weight", &LayerShare::o);
+    l.sinks = take(a + "sinks", &LayerShare::heads);
+    l.router = take(p + "mlp.router.weight");
+    l.router_bias = take(p + "mlp.router.bias");
+    l.gate_up_bias = take(x + "gate_up_proj_bias", &LayerShare::gate_up);
+    l.down_bias = share.holds_biases()
+                      ? take(x + "down_proj_bias")
+                      : at::zeros({c.num_experts, c.hidden_size}, at::device(device).dtype(dtype));
     if (mxfp4) {
-      l.gate_up_blocks = take(b, x + "gate_up_proj_blocks");
-      l.gate_up_scales = take(b, x + "gate_up_proj_scales");
-      l.down_blocks = take(b, x + "down_proj_blocks");
-      l.down_scales = take(b, x + "down_proj_scales");
+      l.gate_up_blocks = take(x + "gate_up_proj_blocks", &LayerShare::gate_up);
+      l.gate_up_scales = take(x + "gate_up_proj_scales", &LayerShare::gate_up);
+      l.down_blocks = take(x + "down_proj_blocks", &LayerShare::down);
+      l.down_scales = take(x + "down_proj_scales", &LayerShare::down);
       if (!device.is_cuda()) {
         l.gate_up = kernels::mxfp4_dequantize(l.gate_up_blocks, l.gate_up_scales, dtype);
         l.down = kernels::mxfp4_dequantize(l.down_blocks, l.down_scales, dtype);
       }
     } else {
-      // transformers' [E, in, out] to the [E, out, in] rows the GEMMs read.
-      l.gate_up = take(w, x + "gate_up_proj").transpose(1, 2).contiguous();
-      l.down = take(w, x + "down_proj").transpose(1, 2).contiguous();
+      l.gate_up = take(x + "gate_up_proj", &LayerShare::gate_up);
+      l.down = take(x + "down_proj", &LayerShare::down);
     }
     d->layers_.push_back(std::move(l));
   }
@@ -270,8 +316,8 @@ std::shared_ptr<GptOssDecoder> GptOssDecoder::load(const io::Checkpoint& ckpt, c
 }
 
 std::shared_ptr<GptOssDecoder> GptOssDecoder::random(const ModelConfig& c, at::Generator& gen,
-                                                     at::TensorOptions opts) {
-  std::shared_ptr<GptOssDecoder> d(new GptOssDecoder(c, opts.device()));
+                                                     at::TensorOptions opts, const Split& split) {
+  std::shared_ptr<GptOssDecoder> d(new GptOssDecoder(c, opts.device(), split));
   auto normal = [&](std::vector<int64_t> shape) { return at::randn(shape, gen, opts) * 0.02; };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
@@ -285,26 +331,36 @@ std::shared_ptr<GptOssDecoder> GptOssDecoder::random(const ModelConfig& c, at::G
   auto scales = [&](int64_t rows, int64_t cols) {
     return at::randint(127 - 8, 127 - 5, {e, rows, cols / 32}, gen, bytes);
   };
+  // Every rank draws every weight whole, in one order (what a seed means), and keeps its share.
+  const bool sliced = split.ranks > 1;
+  const LayerShare share{c, split};
+  auto keep = [&](const at::Tensor& t, at::Tensor (LayerShare::*cut)(const at::Tensor&) const) {
+    return sliced ? (share.*cut)(t).clone(at::MemoryFormat::Contiguous) : t;
+  };
   for (int64_t i = 0; i < c.num_layers; ++i) {
     GptOssLayerWeights l;
     l.input_norm = ones(h);
     l.post_attention_norm = ones(h);
     l.w_qkv = normal({q + 2 * kv, h});
-    l.w_o = normal({h, q});
+    if (sliced) l.w_qkv = qkv_share(l.w_qkv, c, split, q);
+    l.w_o = keep(normal({h, q}), &LayerShare::o);
     if (c.attention_bias) {
       l.b_qkv = normal({q + 2 * kv});
+      if (sliced) l.b_qkv = qkv_share(l.b_qkv, c, split, q);
       l.b_o = normal({h});
+      if (!share.holds_biases()) l.b_o = at::Tensor();
     }
-    l.sinks = normal({c.num_heads});
+    l.sinks = keep(normal({c.num_heads}), &LayerShare::heads);
     l.router = normal({e, h});
     l.router_bias = normal({e});
-    l.gate_up_bias = normal({e, 2 * f});
+    l.gate_up_bias = keep(normal({e, 2 * f}), &LayerShare::gate_up);
     l.down_bias = normal({e, h});
+    if (!share.holds_biases()) l.down_bias.zero_();
     if (c.gpt_oss.mxfp4) {
-      l.gate_up_blocks = blocks(2 * f, h);
-      l.gate_up_scales = scales(2 * f, h);
-      l.down_blocks = blocks(h, f);
-      l.down_scales = scales(h, f);
+      l.gate_up_blocks = keep(blocks(2 * f, h), &LayerShare::gate_up);
+      l.gate_up_scales = keep(scales(2 * f, h), &LayerShare::gate_up);
+      l.down_blocks = keep(blocks(h, f), &LayerShare::down);
+      l.down_scales = keep(scales(h, f), &LayerShare::down);
       if (!opts.device().is_cuda()) {
         l.gate_up = kernels::mxfp4_dequantize(l.gate_up_blocks, l.gate_up_scales,
                                               opts.dtype().toScalarType());
@@ -312,8 +368,8 @@ std::shared_ptr<GptOssDecoder> GptOssDecoder::random(const ModelConfig& c, at::G
             kernels::mxfp4_dequantize(l.down_blocks, l.down_scales, opts.dtype().toScalarType());
       }
     } else {
-      l.gate_up = normal({e, 2 * f, h});
-      l.down = normal({e, h, f});
+      l.gate_up = keep(normal({e, 2 * f, h}), &LayerShare::gate_up);
+      l.down = keep(normal({e, h, f}), &LayerShare::down);
     }
     d->layers_.push_back(std::move(l));
   }
@@ -361,34 +417,46 @@ std::shared_ptr<GptOssDecoder> GptOssDecoder::cast(at::ScalarType dtype) const {
   return d;
 }
 
-at::Tensor GptOssDecoder::layer(int64_t i, const at::Tensor& x, const at::Tensor& cos,
-                                const at::Tensor& sin, const Attend& attend) const {
+at::Tensor GptOssDecoder::layer(const TargetModel& target, int64_t i, const at::Tensor& x,
+                                const at::Tensor& cos, const at::Tensor& sin,
+                                const Attend& attend) const {
   const ModelConfig& c = config_;
   const GptOssLayerWeights& w = layers_[i];
   const double eps = c.rms_norm_eps;
+  // This rank's heads (all of them on one rank).
   const int64_t t = x.size(0), d = c.head_dim;
-  const int64_t nq = c.num_heads * d, nkv = c.num_kv_heads * d;
+  const int64_t heads = c.num_heads / split_.ranks;
+  const int64_t kv_heads = kv_heads_of(c, split_.rank, split_.ranks).second;
+  const int64_t nq = heads * d, nkv = kv_heads * d;
   auto qkv = at::linear(rms_norm(x, w.input_norm, eps), w.w_qkv, w.b_qkv);
-  auto q = kernels::rotary(qkv.narrow(1, 0, nq).view({t, c.num_heads, d}), cos, sin);
-  auto k = kernels::rotary(qkv.narrow(1, nq, nkv).view({t, c.num_kv_heads, d}), cos, sin);
-  auto v = qkv.narrow(1, nq + nkv, nkv).view({t, c.num_kv_heads, d});
-  auto attn = attend(i, q, k, v).reshape({t, nq});
-  auto x1 = x + at::linear(attn, w.w_o, w.b_o);
+  auto q = kernels::rotary(qkv.narrow(1, 0, nq).view({t, heads, d}), cos, sin);
+  auto k = kernels::rotary(qkv.narrow(1, nq, nkv).view({t, kv_heads, d}), cos, sin);
+  auto v = qkv.narrow(1, nq + nkv, nkv).view({t, kv_heads, d});
+  auto o = at::linear(attend(i, q, k, v).reshape({t, nq}), w.w_o, w.b_o);
+  target.tp_reduce(o, "target_tp_attention");
+  auto x1 = x + o;
   auto h1 = rms_norm(x1, w.post_attention_norm, eps);
-  if (w.gate_up.defined()) return x1 + gpt_oss_experts(h1, w, c, w.gate_up, w.down);
-  // MXFP4 on CUDA: fewer routed pairs than experts (decode, verify) dequantise only theirs;
-  // else this layer's experts are dequantised into the shared buffers first.
-  if (t * c.num_experts_per_tok < c.num_experts) {
-    return x1 + gpt_oss_routed_mxfp4_experts(h1, w, c);
+  at::Tensor moe;
+  if (w.gate_up.defined()) {
+    moe = gpt_oss_experts(h1, w, c, w.gate_up, w.down);
+  } else if (t * c.num_experts_per_tok < c.num_experts) {
+    // MXFP4 on CUDA: fewer routed pairs than experts (decode, verify) dequantise only theirs;
+    // else this layer's experts are dequantised into the shared buffers first.
+    moe = gpt_oss_routed_mxfp4_experts(h1, w, c);
+  } else {
+    if (!gate_up_buffer_.defined()) {
+      // This rank's share of the intermediate.
+      gate_up_buffer_ =
+          at::empty({c.num_experts, w.gate_up_blocks.size(1), c.hidden_size}, x.options());
+      down_buffer_ =
+          at::empty({c.num_experts, c.hidden_size, w.down_blocks.size(2) * 32}, x.options());
+    }
+    kernels::mxfp4_dequantize_out(gate_up_buffer_, w.gate_up_blocks, w.gate_up_scales);
+    kernels::mxfp4_dequantize_out(down_buffer_, w.down_blocks, w.down_scales);
+    moe = gpt_oss_experts(h1, w, c, gate_up_buffer_, down_buffer_);
   }
-  if (!gate_up_buffer_.defined()) {
-    gate_up_buffer_ =
-        at::empty({c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size}, x.options());
-    down_buffer_ = at::empty({c.num_experts, c.hidden_size, c.moe_intermediate_size}, x.options());
-  }
-  kernels::mxfp4_dequantize_out(gate_up_buffer_, w.gate_up_blocks, w.gate_up_scales);
-  kernels::mxfp4_dequantize_out(down_buffer_, w.down_blocks, w.down_scales);
-  return x1 + gpt_oss_experts(h1, w, c, gate_up_buffer_, down_buffer_);
+  target.tp_reduce(moe, "target_tp_mlp");
+  return x1 + moe;
 }
 
 ForwardResult GptOssDecoder::forward(const TargetModel& target, const at::Tensor& tokens,
@@ -433,7 +501,7 @@ ForwardResult GptOssDecoder::run(const TargetModel& target, const at::Tensor& to
           ? layers_for_taps(request.tap_layers)
           : config_.num_layers;
   for (int64_t i = 0; i < layers; ++i) {
-    x = layer(i, x, cos, sin, attend);
+    x = layer(target, i, x, cos, sin, attend);
     for (size_t j = 0; j < request.tap_layers.size(); ++j) {
       if (request.tap_layers[j] == i) result.taps[j] = x;
     }
@@ -499,7 +567,7 @@ int64_t GptOssDecoder::expert_bytes() const {
 int64_t GptOssDecoder::dequant_buffer_bytes() const {
   if (layers_.empty() || layers_[0].gate_up.defined()) return 0;
   const ModelConfig& c = config_;
-  return 3 * c.num_experts * c.hidden_size * c.moe_intermediate_size *
+  return 3 * c.num_experts * c.hidden_size * (c.moe_intermediate_size / split_.ranks) *
          static_cast<int64_t>(c10::elementSize(layers_[0].w_qkv.scalar_type()));
 }
 

@@ -11,7 +11,9 @@
 // TargetModel (target.h) owns one of these for a gpt_oss config and hands it its prefill and
 // its cached forward (decode and verify over a KVCache: every layer caches the slot's whole
 // length, a sliding layer's attention reads only its window of it; the sinks join the cached
-// attention's softmax as they join prefill's).
+// attention's softmax as they join prefill's). Under tensor parallelism (--target-tp) each rank
+// holds its slices of the layers (target.h, check_tensor_parallel) and sums its partial o and
+// expert outputs over the group.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -25,6 +27,7 @@
 #include "models/config.h"
 #include "models/kv_cache.h"
 #include "models/layers.h"
+#include "models/target.h"
 
 namespace dflash::io {
 class Checkpoint;
@@ -32,10 +35,9 @@ class Checkpoint;
 
 namespace dflash::models {
 
-class TargetModel;
-struct ForwardRequest;
-struct ForwardResult;
-
+// With tensor parallelism, this rank's slices (the sizes below with Hq, Hkv and F its shares);
+// b_o is then undefined and down_bias zeros on every rank but the first, so that the group's
+// sum adds them once.
 struct GptOssLayerWeights {
   at::Tensor input_norm, post_attention_norm;  // [H]
   at::Tensor w_qkv, b_qkv;                     // [(Hq + 2 Hkv) D, H], [(Hq + 2 Hkv) D]
@@ -89,13 +91,17 @@ class GptOssDecoder {
  public:
   // The decoder layers of a gpt-oss checkpoint. MXFP4 experts stay MXFP4 on CUDA (dequantised
   // per layer into one reusable buffer at each forward); on the CPU they are dequantised here,
-  // exactly as transformers does, and the blocks kept for hf_state_dict.
+  // exactly as transformers does, and the blocks kept for hf_state_dict. With a `split` of
+  // several ranks (check_tensor_parallel passed) this rank copies only its slices out of the
+  // mapped files.
   static std::shared_ptr<GptOssDecoder> load(const io::Checkpoint& ckpt, const ModelConfig& c,
-                                             at::Device device, at::ScalarType dtype);
+                                             at::Device device, at::ScalarType dtype,
+                                             const Split& split = {});
   // Random weights (normal, std 0.02; norms at one); MXFP4 experts when c.gpt_oss.mxfp4, with
-  // random e2m1 values and scales around 2^-7 (about std 0.02 too).
+  // random e2m1 values and scales around 2^-7 (about std 0.02 too). With a `split` of several
+  // ranks each keeps its slices of the weights one rank draws from `gen`.
   static std::shared_ptr<GptOssDecoder> random(const ModelConfig& c, at::Generator& gen,
-                                               at::TensorOptions opts);
+                                               at::TensorOptions opts, const Split& split = {});
   // Every decoder-layer tensor `c` implies with its expected shape, in the checkpoint's naming:
   // the MXFP4 layout when `mxfp4`, else transformers' bf16 layout.
   static std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(
@@ -128,7 +134,7 @@ class GptOssDecoder {
   const std::vector<GptOssLayerWeights>& layers() const { return layers_; }
 
  private:
-  GptOssDecoder(ModelConfig config, at::Device device);
+  GptOssDecoder(ModelConfig config, at::Device device, const Split& split);
   // attend(layer, q, k, v): q [T, Hq, D], k / v [T, Hkv, D] after rotary, returning [T, Hq, D].
   using Attend =
       std::function<at::Tensor(int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
@@ -138,8 +144,9 @@ class GptOssDecoder {
   ForwardResult run(const TargetModel& target, const at::Tensor& tokens,
                     const at::Tensor& positions, const at::Tensor& cu_seqlens,
                     const ForwardRequest& request, bool all_layers, const Attend& attend) const;
-  at::Tensor layer(int64_t i, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                   const Attend& attend) const;
+  // Layer i on the residual stream x; its row-parallel outputs summed through target.tp_reduce.
+  at::Tensor layer(const TargetModel& target, int64_t i, const at::Tensor& x, const at::Tensor& cos,
+                   const at::Tensor& sin, const Attend& attend) const;
   // Layer i's window for sink_attention (0: full attention).
   int64_t window(int64_t i) const {
     return config_.gpt_oss.sliding(i) ? config_.gpt_oss.sliding_window : 0;
@@ -147,6 +154,7 @@ class GptOssDecoder {
 
   ModelConfig config_;
   Rotary rotary_;
+  Split split_;  // this rank's share of the tensor-parallel group (one rank: everything)
   std::vector<GptOssLayerWeights> layers_;
   // CUDA: the current layer's dequantised experts (bf16 [E, 2F, H] and [E, H, F]), reused by
   // every layer; forwards of one decoder must not run concurrently.

@@ -205,45 +205,6 @@ void load_mlp(const ModelConfig& c, int64_t i, const Layout& layout, const Exper
   l.experts_down = at::stack(down);
 }
 
-// This rank's share of a tensor-parallel split: of a dimension of `size`, ceil(size / ranks)
-// elements a rank, the last rank fewer (sizes the split divides come out equal).
-struct Split {
-  int64_t rank = 0, ranks = 1;
-
-  std::pair<int64_t, int64_t> piece(int64_t size) const {
-    const int64_t n = (size + ranks - 1) / ranks;
-    const int64_t start = std::min(size, rank * n);
-    return {start, std::min(n, size - start)};
-  }
-  // This rank's piece of each of the consecutive `parts` of t along `dim` (q, k and v of a fused
-  // w_qkv; gate and up of a fused gate_up), side by side: views of t, not copies.
-  at::Tensor operator()(const at::Tensor& t, int64_t dim, const std::vector<int64_t>& parts) const {
-    std::vector<at::Tensor> pieces;
-    int64_t offset = 0;
-    for (int64_t part : parts) {
-      const auto [start, length] = piece(part);
-      pieces.push_back(t.narrow(dim, offset + start, length));
-      offset += part;
-    }
-    return pieces.size() == 1 ? pieces[0] : at::cat(pieces, dim);
-  }
-};
-
-// The key/value heads rank `rank` of `ranks` holds, [first, first + count): an even share where
-// the ranks divide them; with fewer heads than ranks (ranks a multiple of them), the one head
-// its query heads [r Hq / T, (r + 1) Hq / T) read, head r Hkv / T, replicated on T / Hkv ranks
-// as Megatron and vLLM do (Llama-3.3-70B's 8 KV heads over 16 ranks, Qwen3.5's 2 over 4).
-std::pair<int64_t, int64_t> kv_heads_of(const ModelConfig& c, int64_t rank, int64_t ranks) {
-  return {rank * c.num_kv_heads / ranks, std::max<int64_t>(c.num_kv_heads / ranks, 1)};
-}
-
-// This rank's rows of a k or v projection (weight [Hkv D, H] or bias [Hkv D]): its key/value
-// heads' (kv_heads_of), a view of t.
-at::Tensor kv_share(const at::Tensor& t, const ModelConfig& c, const Split& split) {
-  const auto [first, count] = kv_heads_of(c, split.rank, split.ranks);
-  return t.narrow(0, first * c.head_dim, count * c.head_dim);
-}
-
 // A Gated DeltaNet layer's shape on one of `ranks` ranks: its share of the key heads and their
 // value heads (check_tensor_parallel: the ranks divide linear_num_key_heads).
 LinearAttentionShape linear_share(LinearAttentionShape s, int64_t ranks) {
@@ -346,6 +307,23 @@ ExpertRange expert_range(int64_t num_experts, int64_t rank, int64_t ranks) {
   return {first, (rank + 1) * num_experts / ranks - first};
 }
 
+std::pair<int64_t, int64_t> kv_heads_of(const ModelConfig& c, int64_t rank, int64_t ranks) {
+  return {rank * c.num_kv_heads / ranks, std::max<int64_t>(c.num_kv_heads / ranks, 1)};
+}
+
+at::Tensor kv_share(const at::Tensor& t, const ModelConfig& c, const Split& split) {
+  const auto [first, count] = kv_heads_of(c, split.rank, split.ranks);
+  return t.narrow(0, first * c.head_dim, count * c.head_dim);
+}
+
+at::Tensor qkv_share(const at::Tensor& t, const ModelConfig& c, const Split& split,
+                     int64_t q_rows) {
+  const int64_t kv = c.num_kv_heads * c.head_dim;
+  return at::cat({split(t.narrow(0, 0, q_rows), 0, {q_rows}),
+                  kv_share(t.narrow(0, q_rows, kv), c, split),
+                  kv_share(t.narrow(0, q_rows + kv, kv), c, split)});
+}
+
 void check_tensor_parallel(const ModelConfig& c, int64_t ranks, bool expert_parallel) {
   if (ranks < 1) fail("--target-tp must be at least 1, got {}", ranks);
   if (expert_parallel && ranks == 1) {
@@ -354,12 +332,12 @@ void check_tensor_parallel(const ModelConfig& c, int64_t ranks, bool expert_para
         "none");
   }
   if (ranks == 1) return;
-  const auto a = c.arch;
-  if (a == Architecture::kGptOss) {
+  const bool gpt_oss = c.arch == Architecture::kGptOss;
+  if (gpt_oss && expert_parallel) {
     fail(
-        "--target-tp {}: {} targets cannot be split over ranks (tensor parallelism covers qwen3, "
-        "qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe and qwen3_next); use --target-tp 1",
-        ranks, architecture_name(a));
+        "--target-tp {} --target-ep: gpt_oss targets are not split by experts (their experts "
+        "split along intermediate_size); drop --target-ep",
+        ranks);
   }
   auto divides = [&](int64_t value, const char* field) {
     if (value % ranks != 0) {
@@ -395,7 +373,16 @@ void check_tensor_parallel(const ModelConfig& c, int64_t ranks, bool expert_para
     fail("--target-tp {} --target-ep: config.json's num_experts = {} leaves some rank no expert",
          ranks, c.num_experts);
   }
-  if (sparse && !expert_parallel) divides(c.moe_intermediate_size, "moe_intermediate_size");
+  if (sparse && !expert_parallel) {
+    // gpt-oss' experts are of config.json's intermediate_size.
+    divides(c.moe_intermediate_size, gpt_oss ? "intermediate_size" : "moe_intermediate_size");
+  }
+  if (gpt_oss && c.gpt_oss.mxfp4 && (c.intermediate_size / 32) % ranks != 0) {
+    fail(
+        "--target-tp {}: config.json's intermediate_size / 32 = {} / 32 = {} (MXFP4 groups) is "
+        "not a multiple of {} (each rank holds whole 32-value groups of down_proj's inputs)",
+        ranks, c.intermediate_size, c.intermediate_size / 32, ranks);
+  }
   if (Split{ranks - 1, ranks}.piece(c.vocab_size).second <= 0) {
     fail("--target-tp {}: config.json's vocab_size = {} leaves the last rank no vocabulary rows",
          ranks, c.vocab_size);
@@ -456,14 +443,14 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
     if (scaled) fp8.insert(name);
   }
   std::erase_if(to_load, [&](const std::string& name) { return fp8.contains(name); });
+  // A tensor-parallel rank copies its slices out of the mapped files, one at a time.
+  const Split split{m.tp_ != nullptr ? tp->rank() : 0, m.tp_size()};
   const bool gpt_oss = c.arch == Architecture::kGptOss;
   if (gpt_oss) {  // the decoder layers load themselves (MXFP4 blocks stay uint8)
-    m.gpt_oss_ = GptOssDecoder::load(ckpt, c, device, dtype);
+    m.gpt_oss_ = GptOssDecoder::load(ckpt, c, device, dtype, split);
     to_load = {"model.embed_tokens.weight", "model.norm.weight"};
     if (!c.tie_word_embeddings) to_load.push_back("lm_head.weight");
   }
-  // A tensor-parallel rank copies its slices out of the mapped files, one at a time.
-  const Split split{m.tp_ != nullptr ? tp->rank() : 0, m.tp_size()};
   const ExpertRange experts = m.experts();
   std::map<std::string, at::Tensor> w;
   if (m.tp_ == nullptr) w = ckpt.load(to_load, device, dtype);
@@ -580,21 +567,16 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
     auto t = normal(std::move(shape));
     return m.tp_ != nullptr ? split(t, dim, parts).clone(at::MemoryFormat::Contiguous) : t;
   };
-  // A fused [q; k; v] (weight or bias, q_rows of q): this rank's query rows, then its k and v
-  // heads' (kv_share).
+  // A fused [q; k; v] (weight or bias, q_rows of q): qkv_share.
   auto qkv_sliced = [&](std::vector<int64_t> shape, int64_t q_rows) {
     auto t = normal(std::move(shape));
-    if (m.tp_ == nullptr) return t;
-    const int64_t kv = c.num_kv_heads * c.head_dim;
-    return at::cat({split(t.narrow(0, 0, q_rows), 0, {q_rows}),
-                    kv_share(t.narrow(0, q_rows, kv), c, split),
-                    kv_share(t.narrow(0, q_rows + kv, kv), c, split)});
+    return m.tp_ != nullptr ? qkv_share(t, c, split, q_rows) : t;
   };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   m.embed_ = sliced({c.vocab_size, h}, 0, {c.vocab_size});
   m.vocab_start_ = split.piece(c.vocab_size).first;
-  if (c.arch == Architecture::kGptOss) m.gpt_oss_ = GptOssDecoder::random(c, gen, opts);
+  if (c.arch == Architecture::kGptOss) m.gpt_oss_ = GptOssDecoder::random(c, gen, opts, split);
   for (int64_t i = 0; i < c.num_layers && !m.gpt_oss_; ++i) {
     TargetLayerWeights l;
     l.input_norm = ones(h);

@@ -4,10 +4,12 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/enum_names.h"
@@ -41,11 +43,18 @@ class GptOssDecoder;  // models/gpt_oss.h
 // index is a subtraction, and it is how vLLM and SGLang place experts. Each rank still gathers
 // and sorts every routed row, then runs only its experts' GEMMs; a token exchange (all-to-all)
 // sending each rank only its rows is not built, nor measured against this.
-// Throws, naming the config field and T, when `config` cannot be split over `ranks`: an
-// architecture it does not cover (the error lists those it does), a query head count,
-// linear_num_key_heads or intermediate size that T does not divide, KV heads that T neither
-// divides nor is a multiple of (then each is replicated), or with `expert_parallel` a target
-// without sparse layers or fewer experts than ranks.
+// gpt-oss (models/gpt_oss.h) splits alike: q/k/v rows with their biases and the sinks of the
+// rank's query heads, o by input columns; every expert along its intermediate (gate_up's
+// interleaved gate/up rows of the rank's F / T are one contiguous range, as are their biases;
+// down by input columns), the router whole. o's and down's biases are held by rank 0 alone, so
+// the all-reduce adds them once. MXFP4 experts keep whole 32-value groups of down's inputs on a
+// rank: intermediate_size / 32 must be a multiple of T (gpt-oss-20b and -120b: 90 groups, so
+// T = 2, not 4 or 8). gpt-oss is not split by experts.
+// Throws, naming the config field and T, when `config` cannot be split over `ranks`: a query
+// head count, linear_num_key_heads or intermediate size that T does not divide, KV heads that T
+// neither divides nor is a multiple of (then each is replicated), gpt-oss' MXFP4 groups that T
+// does not divide, or with `expert_parallel` a gpt-oss target, a target without sparse layers or
+// fewer experts than ranks.
 void check_tensor_parallel(const ModelConfig& config, int64_t ranks, bool expert_parallel = false);
 
 // Expert parallelism: the first of the experts rank `rank` of `ranks` holds, and their count.
@@ -53,6 +62,45 @@ struct ExpertRange {
   int64_t first = 0, count = 0;
 };
 ExpertRange expert_range(int64_t num_experts, int64_t rank, int64_t ranks);
+
+// This rank's share of a tensor-parallel split: of a dimension of `size`, ceil(size / ranks)
+// elements a rank, the last rank fewer (sizes the split divides come out equal). The default is
+// one rank holding everything.
+struct Split {
+  int64_t rank = 0, ranks = 1;
+
+  std::pair<int64_t, int64_t> piece(int64_t size) const {
+    const int64_t n = (size + ranks - 1) / ranks;
+    const int64_t start = std::min(size, rank * n);
+    return {start, std::min(n, size - start)};
+  }
+  // This rank's piece of each of the consecutive `parts` of t along `dim` (q, k and v of a fused
+  // w_qkv; gate and up of a fused gate_up), side by side: views of t, not copies.
+  at::Tensor operator()(const at::Tensor& t, int64_t dim, const std::vector<int64_t>& parts) const {
+    std::vector<at::Tensor> pieces;
+    int64_t offset = 0;
+    for (int64_t part : parts) {
+      const auto [start, length] = piece(part);
+      pieces.push_back(t.narrow(dim, offset + start, length));
+      offset += part;
+    }
+    return pieces.size() == 1 ? pieces[0] : at::cat(pieces, dim);
+  }
+};
+
+// The key/value heads rank `rank` of `ranks` holds, [first, first + count): an even share where
+// the ranks divide them; with fewer heads than ranks (ranks a multiple of them), the one head
+// its query heads [r Hq / T, (r + 1) Hq / T) read, head r Hkv / T, replicated on T / Hkv ranks
+// as Megatron and vLLM do (Llama-3.3-70B's 8 KV heads over 16 ranks, Qwen3.5's 2 over 4).
+std::pair<int64_t, int64_t> kv_heads_of(const ModelConfig& c, int64_t rank, int64_t ranks);
+
+// This rank's rows of a k or v projection (weight [Hkv D, H] or bias [Hkv D]): its key/value
+// heads' (kv_heads_of), a view of t.
+at::Tensor kv_share(const at::Tensor& t, const ModelConfig& c, const Split& split);
+
+// This rank's rows of a fused [q; k; v] projection (weight or bias, `q_rows` of q): its query
+// heads' rows, then its key/value heads' k and v rows (kv_share). A new tensor.
+at::Tensor qkv_share(const at::Tensor& t, const ModelConfig& c, const Split& split, int64_t q_rows);
 
 // A generator for `device` (CPU or CUDA) seeded with `seed`, for random weights: the same seed
 // gives the same weights on a given device, and no other thread's draws interleave (reseeding
@@ -190,6 +238,9 @@ class TargetModel {
   // The tensor-parallel group (null for a whole model on one rank) and its size.
   dist::Comm* tensor_parallel() const { return tp_; }
   int64_t tp_size() const;
+  // Sums a row-parallel product (o, down, a sparse MLP) over the tensor-parallel group, in place
+  // (nothing without one); public for gpt-oss' decoder layers.
+  void tp_reduce(at::Tensor& partial, std::string_view stage) const;
   // Whether the sparse layers are split by experts (expert parallelism), and the first expert
   // this rank holds (0 otherwise; the layers' experts tensors hold the count).
   bool expert_parallel() const { return expert_parallel_; }
@@ -256,8 +307,6 @@ class TargetModel {
   void split_over(dist::Comm* tp, bool expert_parallel);
   // The experts this rank's sparse layers hold: all, or its range with expert parallelism.
   ExpertRange experts() const;
-  // Sums a row-parallel product (o, down, a sparse MLP) over the tensor-parallel group, in place.
-  void tp_reduce(at::Tensor& partial, std::string_view stage) const;
   // One layer on the residual stream x, returning the stream after it. With `fused` (no
   // autograd, CUDA, half precision; prefill and decode alike) it runs the kernels of
   // kernels/decode_ops.h (and kernels/small_linear.h for the projections of a single row) and

@@ -109,38 +109,45 @@ def greedy_reference(model, vocab_size):
     return ref
 
 
+def save_model(d: pathlib.Path, config, model, layout, mxfp4_seed):
+    """Writes `model` to `d` in `layout` ("mxfp4": its experts replaced by random MXFP4 values,
+    drawn from `mxfp4_seed`, and saved as blocks and scales; "sharded"; "single") with its
+    references."""
+    if layout == "mxfp4":
+        g = torch.Generator().manual_seed(mxfp4_seed)
+        state = {}
+        h, f, e = config.hidden_size, config.intermediate_size, config.num_local_experts
+        for i, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            for proj, rows, cols in [("gate_up_proj", 2 * f, h), ("down_proj", h, f)]:
+                blocks, scales = random_mxfp4(g, e, rows, cols)
+                with torch.no_grad():
+                    getattr(experts, proj).copy_(
+                        convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                prefix = f"model.layers.{i}.mlp.experts.{proj}"
+                state[prefix + "_blocks"] = blocks
+                state[prefix + "_scales"] = scales
+        for k, v in model.state_dict().items():
+            if not k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                state[k] = v.contiguous()
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        config.save_pretrained(d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(state, str(d / "model.safetensors"))
+    else:
+        model.save_pretrained(d, max_shard_size="40KB" if layout == "sharded" else "1GB")
+    tokens = torch.randint(0, config.vocab_size, (sum(LENGTHS),), dtype=torch.int64)
+    save_file(reference(model, tokens, LENGTHS), str(d / "reference.safetensors"))
+
+
 def make_models(out: pathlib.Path):
     for idx, (name, (extra, layout)) in enumerate(MODELS.items()):
         config, model = random_model(extra, 4321 + idx)
         d = out / name
-        if layout == "mxfp4":
-            g = torch.Generator().manual_seed(99 + idx)
-            state = {}
-            h, f, e = config.hidden_size, config.intermediate_size, config.num_local_experts
-            for i, layer in enumerate(model.model.layers):
-                experts = layer.mlp.experts
-                for proj, rows, cols in [("gate_up_proj", 2 * f, h), ("down_proj", h, f)]:
-                    blocks, scales = random_mxfp4(g, e, rows, cols)
-                    with torch.no_grad():
-                        getattr(experts, proj).copy_(
-                            convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-                    prefix = f"model.layers.{i}.mlp.experts.{proj}"
-                    state[prefix + "_blocks"] = blocks
-                    state[prefix + "_scales"] = scales
-            for k, v in model.state_dict().items():
-                if not k.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                    state[k] = v.contiguous()
-            if config.tie_word_embeddings:
-                state.pop("lm_head.weight", None)
-            config.save_pretrained(d)
-            cfg = json.loads((d / "config.json").read_text())
-            cfg["quantization_config"] = {"quant_method": "mxfp4"}
-            (d / "config.json").write_text(json.dumps(cfg, indent=2))
-            save_file(state, str(d / "model.safetensors"))
-        else:
-            model.save_pretrained(d, max_shard_size="40KB" if layout == "sharded" else "1GB")
-        tokens = torch.randint(0, config.vocab_size, (sum(LENGTHS),), dtype=torch.int64)
-        save_file(reference(model, tokens, LENGTHS), str(d / "reference.safetensors"))
+        save_model(d, config, model, layout, 99 + idx)
         save_file(greedy_reference(model, config.vocab_size), str(d / "generate.safetensors"))
 
 

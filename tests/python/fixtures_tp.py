@@ -4,6 +4,11 @@ transformers with the reference outputs of fixtures_models (tensor_parallel_test
 
 The vocabulary (301) divides by none of 2, 3, 4, so the last rank's slice of the embedding and
 the LM head is shorter than the others'.
+
+Two gpt-oss models (fixtures_gpt_oss' random weights: biases, sinks far from zero, an 8-token
+window shorter than the longest sequence) whose 12 query and 6 KV heads and 192-wide experts
+split over 2 and 3 ranks: experts in MXFP4 (6 groups of 32 down_proj inputs, whole on a rank),
+and in transformers' bf16 layout, sharded, with a tied LM head.
 """
 import pathlib
 
@@ -12,6 +17,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from fixtures_gpt_oss import YARN, random_model as gpt_oss_model, save_model as save_gpt_oss
 from fixtures_models import LENGTHS, random_model, reference
 
 MODELS = {
@@ -29,6 +35,14 @@ MODELS = {
                           tie_word_embeddings=False), "1GB"),
 }
 
+GPT_OSS_SHAPE = dict(vocab_size=301, num_attention_heads=12, num_key_value_heads=6, head_dim=16,
+                     intermediate_size=192, rope_parameters=YARN)
+GPT_OSS = {
+    # name: (config beyond fixtures_gpt_oss.BASE, layout)
+    "gpt_oss_tp_mxfp4": (dict(GPT_OSS_SHAPE, tie_word_embeddings=False), "mxfp4"),
+    "gpt_oss_tp_bf16": (dict(GPT_OSS_SHAPE, tie_word_embeddings=True), "sharded"),
+}
+
 
 def make(out: pathlib.Path):
     for idx, (name, (cfg_cls, model_cls, extra, shard)) in enumerate(MODELS.items()):
@@ -37,3 +51,6 @@ def make(out: pathlib.Path):
         model.save_pretrained(d, max_shard_size=shard)
         tokens = torch.randint(0, config.vocab_size, (sum(LENGTHS),), dtype=torch.int64)
         save_file(reference(model, tokens, LENGTHS), str(d / "reference.safetensors"))
+    for idx, (name, (extra, layout)) in enumerate(GPT_OSS.items()):
+        config, model = gpt_oss_model(extra, 5321 + idx)
+        save_gpt_oss(out / name, config, model, layout, 199 + idx)
