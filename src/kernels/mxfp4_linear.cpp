@@ -44,8 +44,9 @@ void check(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& blo
   }
   for (const at::Tensor* t : {&offsets, &blocks, &scales, &bias}) {
     if (t->defined() && t->device() != x.device()) {
-      fail("mxfp4 grouped linear: offsets, blocks, scales and bias must be on x's device {}, got {}",
-           x.device().str(), t->device().str());
+      fail(
+          "mxfp4 grouped linear: offsets, blocks, scales and bias must be on x's device {}, got {}",
+          x.device().str(), t->device().str());
     }
   }
 }
@@ -63,8 +64,10 @@ at::Tensor mxfp4_grouped_linear_reference(const at::Tensor& x, const at::Tensor&
   auto y = at::zeros({rows, blocks.size(1)}, xf.options());
   for (int64_t e = 0, start = 0; e < ends.numel(); start = end[e++]) {
     if (end[e] < start || end[e] > rows) {
-      fail("mxfp4 grouped linear: offsets must be non-decreasing and at most R = {}, got {} after {}",
-           rows, end[e], start);
+      fail(
+          "mxfp4 grouped linear: offsets must be non-decreasing and at most R = {}, got {} after "
+          "{}",
+          rows, end[e], start);
     }
     if (end[e] == start) continue;
     auto w = mxfp4_dequantize(blocks[e], scales[e], at::kFloat);

@@ -1,13 +1,15 @@
 // The grouped MXFP4 linear as one weight-streaming kernel. The grid is (output tiles of 16
 // features) x (min(E, R) expert slots): block (t, j) finds the j-th expert that has rows by a
-// scan of the offsets on the device (so the host never reads them, and experts without rows
-// launch nothing), then multiplies that expert's rows, up to 8 at a time, by its 16 features.
-// Each of the 8 warps owns 2 features; its lanes stride over their 32-value groups, each lane
-// loading a group's 16 bytes of e2m1 pairs (a warp: 512 contiguous bytes a feature) and the
-// group's scale byte, decoding the values in registers with three integer ops each and
-// multiplying them into the rows of x (read through L1: every warp of the block rereads them).
-// The scale is applied once per group to the group's fp32 partial sums; a warp butterfly
-// finishes each dot product, in a fixed order (deterministic, independent of the launch).
+// scan of the offsets on the device (the host never reads them; experts without rows read no
+// weights, and slots past the busy experts return after the scan), then multiplies that expert's
+// rows, up to 8 at a time, by its 16 features. Each of the 8 warps owns 2 features; its lanes
+// stride over their 32-value groups, each lane loading a group's 16 bytes of e2m1 pairs (a warp:
+// 512 contiguous bytes a feature) and the group's scale byte, decoding the values in registers
+// (three integer ops and an exact product each) and multiplying them into the rows of x (read
+// through L1: every warp of the block rereads them). x times an e2m1 value is exact in fp32, so the
+// scale, a power of two, is applied once per group to the group's fp32 partial sums, which gives
+// the reference's sums up to their order; a warp butterfly finishes each dot product, in a fixed
+// order (deterministic, independent of the launch).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,33 +31,25 @@ constexpr int kFeaturesPerWarp = 2;
 constexpr int kFeatures = kWarps * kFeaturesPerWarp;  // output features per block
 constexpr int kRowTile = static_cast<int>(kMxfp4LinearRowTile);
 
-// The decoded values carry a factor 2^-126 (below) and x a factor 2^64, so every product is
-// x * value * 2^-62: a normal fp32 (exact: 8 or 11 significant bits times 2) for any |x| above
-// 2^-64, where the decoded values alone would multiply into fp32 subnormals and lose bits.
-constexpr float kXScale = 0x1p64f;
-constexpr float kUndo = 0x1p62f;
-
-// Nibble i of `word` (value i of its 8) as an fp32 equal to the e2m1 value times 2^-126: the
-// nibble moved to the top and shifted arithmetically by 6 puts its sign at bit 31 and e1 e0 m
-// at bits 24..22, i.e. exponent field e1e0 and mantissa m (0.5 = e2m1's subnormal m x 2^-1
-// lands on fp32's subnormal m x 2^-127, exact without flush-to-zero, which the build never
-// enables); the mask clears the sign's copies in bits 30..25 and the lower nibbles.
+// Nibble i of `word` (value i of its 8) as its e2m1 value in fp32. Moved to the top and shifted
+// arithmetically by 6, the nibble's sign lands at bit 31 and e1 e0 m at bits 24..22: exponent
+// field e1e0 and mantissa m, the value times 2^-126 (e2m1's subnormal m x 2^-1 on fp32's
+// subnormal m x 2^-127: exact, the build never flushes subnormals); the mask clears the sign's
+// copies in bits 30..25 and the lower nibbles, the product by 2^126 is exact.
 template <int kI>
-__device__ __forceinline__ float e2m1_times_2_pow_minus_126(uint32_t word) {
+__device__ __forceinline__ float e2m1(uint32_t word) {
   const int32_t top = static_cast<int32_t>(word << (28 - 4 * kI));
-  return __int_as_float((top >> 6) & static_cast<int32_t>(0x81c00000u));
+  return __int_as_float((top >> 6) & static_cast<int32_t>(0x81c00000u)) * 0x1p126f;
 }
 
-// The group scale's factor 2^(s - 127) times kUndo, as two factors applied in turn to a group's
-// partial sum: 2^128 (s = 255) is no fp32, so 2 * 2^127 there, as transformers' ldexp gives
-// (a zero sum stays zero, the rest overflows as its infinite weights do). s = 0: the subnormal
-// 2^-127.
+// A group's scale 2^(s - 127) as two factors applied in turn to its partial sums: 2^128
+// (s = 255) is no fp32, so 2 * 2^127 there, as transformers' ldexp gives (a zero sum stays
+// zero, the rest overflows as its infinite weights do); s = 0 is the subnormal 2^-127.
 struct GroupScale {
-  float undo, power;
+  float first, power;
 };
 __device__ __forceinline__ GroupScale group_scale(uint32_t s) {
-  return {s == 255 ? 2 * kUndo : kUndo,
-          s == 0 ? 0x1p-127f : __uint_as_float((s < 254 ? s : 254u) << 23)};
+  return {s == 255 ? 2.f : 1.f, s == 0 ? 0x1p-127f : __uint_as_float((s < 254 ? s : 254u) << 23)};
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int c) {
@@ -100,9 +94,9 @@ __device__ int busy_expert(const int32_t* __restrict__ offsets, int experts, int
 template <typename T, int kM>
 __device__ __forceinline__ void warp_tile(const T* __restrict__ x, int row0, int rows,
                                           const uint4* __restrict__ w,
-                                          const uint8_t* __restrict__ s,
-                                          const T* __restrict__ bias, T* __restrict__ y,
-                                          int64_t n0, int64_t out, int64_t groups) {
+                                          const uint8_t* __restrict__ s, const T* __restrict__ bias,
+                                          T* __restrict__ y, int64_t n0, int64_t out,
+                                          int64_t groups) {
   const int lane = threadIdx.x % 32;
   const int64_t in = groups * 32;
   int64_t feature[kFeaturesPerWarp];
@@ -127,14 +121,14 @@ __device__ __forceinline__ void warp_tile(const T* __restrict__ x, int row0, int
 #pragma unroll
       for (int f = 0; f < kFeaturesPerWarp; ++f) {
         const uint32_t word = word_of(blocks[f], c);
-        v[f][0] = e2m1_times_2_pow_minus_126<0>(word);
-        v[f][1] = e2m1_times_2_pow_minus_126<1>(word);
-        v[f][2] = e2m1_times_2_pow_minus_126<2>(word);
-        v[f][3] = e2m1_times_2_pow_minus_126<3>(word);
-        v[f][4] = e2m1_times_2_pow_minus_126<4>(word);
-        v[f][5] = e2m1_times_2_pow_minus_126<5>(word);
-        v[f][6] = e2m1_times_2_pow_minus_126<6>(word);
-        v[f][7] = e2m1_times_2_pow_minus_126<7>(word);
+        v[f][0] = e2m1<0>(word);
+        v[f][1] = e2m1<1>(word);
+        v[f][2] = e2m1<2>(word);
+        v[f][3] = e2m1<3>(word);
+        v[f][4] = e2m1<4>(word);
+        v[f][5] = e2m1<5>(word);
+        v[f][6] = e2m1<6>(word);
+        v[f][7] = e2m1<7>(word);
       }
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
@@ -142,7 +136,7 @@ __device__ __forceinline__ void warp_tile(const T* __restrict__ x, int row0, int
         const auto& xv = *reinterpret_cast<const Vec<T, 8>*>(&raw);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const float xs = to_float(xv.v[i]) * kXScale;
+          const float xs = to_float(xv.v[i]);
 #pragma unroll
           for (int f = 0; f < kFeaturesPerWarp; ++f) part[f][m] = fmaf(xs, v[f][i], part[f][m]);
         }
@@ -151,7 +145,7 @@ __device__ __forceinline__ void warp_tile(const T* __restrict__ x, int row0, int
 #pragma unroll
     for (int f = 0; f < kFeaturesPerWarp; ++f) {
 #pragma unroll
-      for (int m = 0; m < kM; ++m) acc[f][m] += part[f][m] * scale[f].undo * scale[f].power;
+      for (int m = 0; m < kM; ++m) acc[f][m] += part[f][m] * scale[f].first * scale[f].power;
     }
   }
 #pragma unroll

@@ -122,8 +122,8 @@ at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWe
   const auto& e = routes.experts;
   if (fused_mxfp4(x, gemm)) {
     const auto offsets = routes.offsets();
-    auto gu = kernels::mxfp4_grouped_linear(routes.rows, offsets, w.gate_up_blocks,
-                                            w.gate_up_scales);
+    auto gu =
+        kernels::mxfp4_grouped_linear(routes.rows, offsets, w.gate_up_blocks, w.gate_up_scales);
     auto act = kernels::gpt_oss_biased_swiglu(gu, w.gate_up_bias, e, c.gpt_oss.swiglu_alpha,
                                               c.gpt_oss.swiglu_limit);
     return routes.combine(
@@ -408,10 +408,10 @@ at::Tensor GptOssDecoder::layer(int64_t i, const at::Tensor& x, const at::Tensor
   // latter only below one pair per expert); else this layer's experts are dequantised into the
   // shared buffers first.
   const int64_t pairs = t * c.num_experts_per_tok;
-  const bool routed = fused_mxfp4(h1, mxfp4)
-                          ? mxfp4 == Mxfp4Gemm::kFused ||
-                                pairs <= kFusedMxfp4MaxPairsPerExpert * c.num_experts
-                          : pairs < c.num_experts;
+  const bool routed =
+      fused_mxfp4(h1, mxfp4)
+          ? mxfp4 == Mxfp4Gemm::kFused || pairs <= kFusedMxfp4MaxPairsPerExpert * c.num_experts
+          : pairs < c.num_experts;
   if (routed) return x1 + gpt_oss_routed_mxfp4_experts(h1, w, c, mxfp4);
   if (!gate_up_buffer_.defined()) {
     gate_up_buffer_ =
