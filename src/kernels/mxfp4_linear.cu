@@ -102,9 +102,8 @@ __device__ __forceinline__ void warp_tile(const T* __restrict__ x, int row0, int
   int64_t feature[kFeaturesPerWarp];
 #pragma unroll
   for (int f = 0; f < kFeaturesPerWarp; ++f) feature[f] = n0 + f < out ? n0 + f : out - 1;
-  const T* xrow[kM];
-#pragma unroll
-  for (int m = 0; m < kM; ++m) xrow[m] = x + int64_t(row0 + (m < rows ? m : rows - 1)) * in;
+  // Rows past `rows` reread the last one (valid addresses; their sums are not written).
+  const T* x0 = x + int64_t(row0) * in;
   float acc[kFeaturesPerWarp][kM] = {};
   for (int64_t g = lane; g < groups; g += 32) {
     uint4 blocks[kFeaturesPerWarp];
@@ -132,7 +131,8 @@ __device__ __forceinline__ void warp_tile(const T* __restrict__ x, int row0, int
       }
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(xrow[m] + g * 32 + c * 8));
+        const T* xm = x0 + (m < rows ? m : rows - 1) * in + g * 32 + c * 8;
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(xm));
         const auto& xv = *reinterpret_cast<const Vec<T, 8>*>(&raw);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
