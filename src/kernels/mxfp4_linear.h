@@ -21,7 +21,10 @@ inline constexpr int64_t kMxfp4LinearRowTile = 8;
 // uint8 [E, out, in / 32] as gpt-oss stores them; bias: [E, out] in x's dtype, or undefined.
 // Returns [R, out] in x's dtype: row r of expert e is x_r dequant(W_e)^T + bias_e, accumulated
 // in fp32 and rounded once. Rows past offsets[E - 1] belong to no expert: unspecified (the
-// kernel leaves them unwritten, as at::_grouped_mm does; the reference zero).
+// kernel leaves them unwritten, as at::_grouped_mm does; the reference zero). Weights past
+// fp32's range (scales 253 to 255; 255 is 2^128 as in kernels/mxfp4.h) are infinite in the
+// reference; the kernel multiplies each group's fp32 sum by its scale instead, which overflows
+// to infinity as well unless that sum is zero (zero stays zero) or tiny.
 // CUDA bf16/fp16: one kernel that reads the offsets on the device only (no host sync, so a
 // CUDA graph can capture it) and costs nothing for experts without rows; not differentiable.
 // Everything else: the reference.
