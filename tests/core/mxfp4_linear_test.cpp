@@ -219,7 +219,8 @@ TEST_F(Mxfp4LinearGpu, MatchesReferenceOnGptOss20bShapes) {
     auto chosen = at::randint(0, 32, {pairs}, gen, at::kLong);
     auto counts_t = at::bincount(chosen, {}, 32);
     std::vector<int64_t> counts(counts_t.data_ptr<int64_t>(), counts_t.data_ptr<int64_t>() + 32);
-    for (auto [in, out] : {std::pair<int64_t, int64_t>{2880, 5760}, {2880, 2880}}) {
+    for (auto [in, out] :
+         {std::pair<int64_t, int64_t>{2880, 5760}, std::pair<int64_t, int64_t>{2880, 2880}}) {
       SCOPED_TRACE(std::to_string(pairs) + " rows, " + std::to_string(out) + " x " +
                    std::to_string(in));
       expect_kernel_matches(make_experts(counts, in, out, static_cast<uint64_t>(pairs + out)),
