@@ -207,11 +207,11 @@ void bench_gated_delta(const Bench& b) {
 }
 
 // gpt-oss-120b's MXFP4 expert layer (E 128, top 4, H = F = 2880; routing, activation and
-// combine included) for 1, 4, 16, 64 and 2048 tokens, by each path: the fused kernel
-// (kernels/mxfp4_linear.h), the routed pairs' experts dequantised then one bmm (decode's path
-// before it; up to 64 tokens, its copies growing with the pairs), the layer's experts
-// dequantised whole into a buffer then grouped GEMMs (prefill's path), and grouped GEMMs on
-// bf16 weights dequantised beforehand (what a bf16 checkpoint would cost, 4x the memory).
+// combine included) for 1, 4, 16, 64 and 2048 tokens, by each path: the fused kernels
+// (kernels/mxfp4_linear.h: weight-streaming and tensor-core), the routed pairs' experts dequantised
+// then one bmm (decode's path before it; up to 64 tokens, its copies growing with the pairs), the
+// layer's experts dequantised whole into a buffer then grouped GEMMs (prefill's path), and grouped
+// GEMMs on bf16 weights dequantised beforehand (what a bf16 checkpoint would cost, 4x the memory).
 // Lines: rows = tokens, N = busy experts a call (mean), K = H; the time is the median over
 // replays of a graph of 8 calls on different tokens (routed to different experts, so the
 // weights come from HBM rather than L2), per call; GB/s counts the MXFP4 bytes of the busy
@@ -241,6 +241,10 @@ void bench_mxfp4_experts(const Bench& b) {
       {"fused", 2048,
        [&](const at::Tensor& x) {
          return models::gpt_oss_routed_mxfp4_experts(x, w, c, models::Mxfp4Gemm::kFused);
+       }},
+      {"fused, tensor cores", 2048,
+       [&](const at::Tensor& x) {
+         return models::gpt_oss_routed_mxfp4_experts(x, w, c, models::Mxfp4Gemm::kFusedTensorCores);
        }},
       {"dequantise pairs + bmm", 64,
        [&](const at::Tensor& x) {

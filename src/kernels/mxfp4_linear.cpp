@@ -10,7 +10,7 @@ namespace dflash::kernels {
 // mxfp4_linear.cu: y [R, out] = the grouped product, x, blocks, scales and bias contiguous.
 void mxfp4_grouped_linear_cuda(at::Tensor& y, const at::Tensor& x, const at::Tensor& offsets,
                                const at::Tensor& blocks, const at::Tensor& scales,
-                               const at::Tensor& bias);
+                               const at::Tensor& bias, Mxfp4Kernel kernel);
 
 namespace {
 
@@ -80,7 +80,7 @@ at::Tensor mxfp4_grouped_linear_reference(const at::Tensor& x, const at::Tensor&
 
 at::Tensor mxfp4_grouped_linear(const at::Tensor& x, const at::Tensor& offsets,
                                 const at::Tensor& blocks, const at::Tensor& scales,
-                                const at::Tensor& bias) {
+                                const at::Tensor& bias, Mxfp4Kernel kernel) {
   check(x, offsets, blocks, scales, bias);
   const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
   // in == 0 is an empty sum: the reference's bias (or zeros) without a kernel for it.
@@ -90,7 +90,7 @@ at::Tensor mxfp4_grouped_linear(const at::Tensor& x, const at::Tensor& offsets,
   auto y = at::empty({x.size(0), blocks.size(1)}, x.options());
   if (y.numel() == 0 || blocks.size(0) == 0) return y;
   mxfp4_grouped_linear_cuda(y, x.contiguous(), offsets.contiguous(), blocks.contiguous(),
-                            scales.contiguous(), bias.defined() ? bias.contiguous() : bias);
+                            scales.contiguous(), bias.defined() ? bias.contiguous() : bias, kernel);
   return y;
 }
 

@@ -32,7 +32,7 @@ bool cuda_half(const at::Tensor& t) {
 
 // Whether MXFP4 experts on x's rows take kernels::mxfp4_grouped_linear (models/layers.h).
 bool fused_mxfp4(const at::Tensor& x, Mxfp4Gemm gemm) {
-  return gemm == Mxfp4Gemm::kFused ||
+  return gemm == Mxfp4Gemm::kFused || gemm == Mxfp4Gemm::kFusedTensorCores ||
          (gemm == Mxfp4Gemm::kAuto && cuda_half(x) && !c10::GradMode::is_enabled());
 }
 
@@ -122,13 +122,15 @@ at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWe
   const auto& e = routes.experts;
   if (fused_mxfp4(x, gemm)) {
     const auto offsets = routes.offsets();
-    auto gu =
-        kernels::mxfp4_grouped_linear(routes.rows, offsets, w.gate_up_blocks, w.gate_up_scales);
+    const auto kernel = gemm == Mxfp4Gemm::kFusedTensorCores ? kernels::Mxfp4Kernel::kTensorCores
+                                                             : kernels::Mxfp4Kernel::kStreaming;
+    auto gu = kernels::mxfp4_grouped_linear(routes.rows, offsets, w.gate_up_blocks,
+                                            w.gate_up_scales, {}, kernel);
     auto act = kernels::gpt_oss_biased_swiglu(gu, w.gate_up_bias, e, c.gpt_oss.swiglu_alpha,
                                               c.gpt_oss.swiglu_limit);
-    return routes.combine(
-        kernels::mxfp4_grouped_linear(act, offsets, w.down_blocks, w.down_scales, w.down_bias),
-        weights);
+    return routes.combine(kernels::mxfp4_grouped_linear(act, offsets, w.down_blocks, w.down_scales,
+                                                        w.down_bias, kernel),
+                          weights);
   }
   auto dequantize = [&](const at::Tensor& blocks, const at::Tensor& scales) {
     return kernels::mxfp4_dequantize(blocks.index_select(0, e), scales.index_select(0, e),
@@ -410,7 +412,7 @@ at::Tensor GptOssDecoder::layer(int64_t i, const at::Tensor& x, const at::Tensor
   const int64_t pairs = t * c.num_experts_per_tok;
   const bool routed =
       fused_mxfp4(h1, mxfp4)
-          ? mxfp4 == Mxfp4Gemm::kFused || pairs <= kFusedMxfp4MaxPairsPerExpert * c.num_experts
+          ? mxfp4 != Mxfp4Gemm::kAuto || pairs <= kFusedMxfp4MaxPairsPerExpert * c.num_experts
           : pairs < c.num_experts;
   if (routed) return x1 + gpt_oss_routed_mxfp4_experts(h1, w, c, mxfp4);
   if (!gate_up_buffer_.defined()) {

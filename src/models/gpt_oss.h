@@ -62,7 +62,7 @@ at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, con
 // Decode and verify route far fewer pairs than there are experts (gpt-oss-120b: 4 pairs a
 // token against 128 experts, each 50 MB in bf16), where dequantising every expert of a layer
 // per step would dominate; no host sync either way (CUDA graphs). Fused (gemm kAuto on CUDA
-// bf16/fp16 without autograd, or kFused): the rows sorted by expert through
+// bf16/fp16 without autograd, kFused or kFusedTensorCores): the rows sorted by expert through
 // kernels::mxfp4_grouped_linear, which reads the MXFP4 weights in place. kDequantize (and kAuto
 // elsewhere): each of the T * K routed (token, expert) pairs gets its expert's rows
 // dequantised and multiplied alone (batched GEMVs).

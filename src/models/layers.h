@@ -86,10 +86,12 @@ enum class ExpertGemm { kAuto, kGrouped, kLoop };
 // kAuto: bf16/fp16 without autograd, the fused kernel (kernels/mxfp4_linear.h) on the routed
 // rows while the pass routes few rows per expert (decode, verify, small prefills), the layer's
 // experts dequantised whole into a buffer for grouped GEMMs beyond; otherwise kDequantize.
-// kFused: the fused kernel whatever the pass (its reference off CUDA half). kDequantize: the
-// routed pairs' experts dequantised and multiplied alone while there are fewer pairs than
-// experts, the whole layer dequantised beyond (what there was before the kernel).
-enum class Mxfp4Gemm { kAuto, kFused, kDequantize };
+// kFused: the fused kernel whatever the pass (its reference off CUDA half);
+// kFusedTensorCores: the same with its tensor-core kernel (bf16; kernels::Mxfp4Kernel, not yet
+// timed, so kAuto never takes it). kDequantize: the routed pairs' experts dequantised and
+// multiplied alone while there are fewer pairs than experts, the whole layer dequantised beyond
+// (what there was before the kernel).
+enum class Mxfp4Gemm { kAuto, kFused, kFusedTensorCores, kDequantize };
 
 // at::_grouped_mm reads every operand through 16-byte-aligned row strides: x's rows [H], the
 // transposed weights' columns [2F] and [F], and the activations' rows [F].

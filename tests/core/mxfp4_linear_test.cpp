@@ -1,9 +1,10 @@
 // kernels::mxfp4_grouped_linear, the fused MXFP4 expert GEMM: on the CPU its reference against
 // dequantise + linear (exact in fp32) and its argument errors, and the gpt-oss routed experts
 // through it; on CUDA (Mxfp4LinearGpu, skipped without a GPU) the kernel against the fp32
-// reference and the dequantise + bmm path it replaces, over empty experts, one row, row tiles
-// of every size, feature counts off the 16-feature tile, gpt-oss-20b's shapes, the extreme
-// scales, and gpt-oss' layers and forward fused against dequantised.
+// reference and the dequantise + bmm path it replaces, both kernels (weight-streaming and
+// tensor-core), over empty experts, one row, row tiles of every size, many rows per expert,
+// feature counts off the tiles, gpt-oss-20b's shapes, the extreme scales, and gpt-oss' layers
+// and forward fused against dequantised.
 #include "kernels/mxfp4_linear.h"
 
 #include <ATen/ATen.h>
@@ -162,21 +163,23 @@ at::Tensor dequantise_bmm(const at::Tensor& x, const Experts& t, const at::Tenso
 
 // The kernel on `t` in `dtype` (with and without the bias) against the fp32 reference of the
 // same rounded inputs (computed on the GPU for large shapes) and the dequantise + bmm path.
-void expect_kernel_matches(const Experts& t, at::ScalarType dtype) {
-  SCOPED_TRACE(c10::toString(dtype));
+void expect_kernel_matches(const Experts& t, at::ScalarType dtype,
+                           kernels::Mxfp4Kernel kernel = kernels::Mxfp4Kernel::kStreaming) {
+  SCOPED_TRACE(std::string(c10::toString(dtype)) +
+               (kernel == kernels::Mxfp4Kernel::kTensorCores ? " tensor cores" : " streaming"));
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   auto x = t.x.to(cuda.dtype(dtype));
   auto bias = t.bias.to(cuda.dtype(dtype));
   auto offsets = t.offsets.cuda(), blocks = t.blocks.cuda(), scales = t.scales.cuda();
   auto want = kernels::mxfp4_grouped_linear_reference(x.to(at::kFloat), offsets, blocks, scales,
                                                       bias.to(at::kFloat));
-  auto got = kernels::mxfp4_grouped_linear(x, offsets, blocks, scales, bias);
+  auto got = kernels::mxfp4_grouped_linear(x, offsets, blocks, scales, bias, kernel);
   ASSERT_EQ(got.scalar_type(), dtype);
   // One rounding to bf16 (2^-9 relative) or fp16 (2^-12) apart, plus fp32 summation order.
   const double tol = dtype == at::kBFloat16 ? 4e-3 : 6e-4;
   EXPECT_CLOSE(got.to(at::kFloat), want, tol);
   EXPECT_CLOSE(got.to(at::kFloat), dequantise_bmm(x, t, bias).to(at::kFloat), 2 * tol);
-  auto unbiased = kernels::mxfp4_grouped_linear(x, offsets, blocks, scales);
+  auto unbiased = kernels::mxfp4_grouped_linear(x, offsets, blocks, scales, {}, kernel);
   EXPECT_CLOSE(unbiased.to(at::kFloat),
                want - bias.to(at::kFloat).index_select(0, t.expert_of_row.cuda()), tol);
 }
@@ -199,6 +202,16 @@ TEST_F(Mxfp4LinearGpu, MatchesReferenceOnSmallShapes) {
                  std::to_string(c.out));
     const auto t = make_experts(c.counts, c.in, c.out, seed++);
     for (auto dtype : {at::kBFloat16, at::kHalf}) expect_kernel_matches(t, dtype);
+    expect_kernel_matches(t, at::kBFloat16, kernels::Mxfp4Kernel::kTensorCores);
+  }
+}
+
+// Many rows per expert (the tensor-core kernel's case): several 64-row tiles and partial ones,
+// an expert of one row between, 72 features (a partial 64-feature tile).
+TEST_F(Mxfp4LinearGpu, ManyRowsPerExpert) {
+  const auto t = make_experts({130, 0, 64, 1, 200}, 96, 72, 15);
+  for (auto kernel : {kernels::Mxfp4Kernel::kTensorCores, kernels::Mxfp4Kernel::kStreaming}) {
+    expect_kernel_matches(t, at::kBFloat16, kernel);
   }
 }
 
@@ -207,15 +220,17 @@ TEST_F(Mxfp4LinearGpu, MatchesReferenceOnSmallShapes) {
 TEST_F(Mxfp4LinearGpu, FindsBusyExpertsAmongMany) {
   std::vector<int64_t> counts(600, 0);
   for (int64_t e : {0, 255, 256, 257, 511, 599}) counts[e] = 1 + e % 3;
-  expect_kernel_matches(make_experts(counts, 64, 24, 20), at::kBFloat16);
+  const auto t = make_experts(counts, 64, 24, 20);
+  expect_kernel_matches(t, at::kBFloat16);
+  expect_kernel_matches(t, at::kBFloat16, kernels::Mxfp4Kernel::kTensorCores);
 }
 
 // gpt-oss-20b's experts (E 32, H = F = 2880): gate_up [5760, 2880] and down [2880, 2880], for a
-// decode step (1 token x 4 choices), a 16-token verify (64 rows), and 512 rows (16 a expert on
-// average, where the decoder still takes the kernel).
+// decode step (1 token x 4 choices), a 16-token verify (64 rows), 512 rows (16 an expert on
+// average, where the decoder still takes the kernel) and a 2048-token prefill (8192 rows).
 TEST_F(Mxfp4LinearGpu, MatchesReferenceOnGptOss20bShapes) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(30);
-  for (int64_t pairs : {4, 64, 512}) {
+  for (int64_t pairs : {4, 64, 512, 8192}) {
     auto chosen = at::randint(0, 32, {pairs}, gen, at::kLong);
     auto counts_t = at::bincount(chosen, {}, 32);
     std::vector<int64_t> counts(counts_t.data_ptr<int64_t>(), counts_t.data_ptr<int64_t>() + 32);
@@ -223,8 +238,9 @@ TEST_F(Mxfp4LinearGpu, MatchesReferenceOnGptOss20bShapes) {
          {std::pair<int64_t, int64_t>{2880, 5760}, std::pair<int64_t, int64_t>{2880, 2880}}) {
       SCOPED_TRACE(std::to_string(pairs) + " rows, " + std::to_string(out) + " x " +
                    std::to_string(in));
-      expect_kernel_matches(make_experts(counts, in, out, static_cast<uint64_t>(pairs + out)),
-                            at::kBFloat16);
+      const auto t = make_experts(counts, in, out, static_cast<uint64_t>(pairs + out));
+      expect_kernel_matches(t, at::kBFloat16);
+      expect_kernel_matches(t, at::kBFloat16, kernels::Mxfp4Kernel::kTensorCores);
     }
   }
 }
@@ -253,23 +269,26 @@ TEST_F(Mxfp4LinearGpu, ExtremeScalesAndZeros) {
           .to(at::kBFloat16)
           .to(at::kFloat)
           .cpu();
-  auto got =
-      kernels::mxfp4_grouped_linear(x, t.offsets.cuda(), t.blocks.cuda(), t.scales.cuda(), bias)
-          .to(at::kFloat)
-          .cpu();
-  EXPECT_TRUE(at::equal(got.isposinf(), want.isposinf()));
   EXPECT_TRUE(want.select(1, 1).narrow(0, 3, 2).isposinf().all().item<bool>());
-  EXPECT_FALSE(got.isnan().any().item<bool>());
-  EXPECT_TRUE(at::equal(got.select(1, 0),
-                        bias.to(at::kFloat).cpu().index_select(0, t.expert_of_row).select(1, 0)));
-  auto finite = want.isfinite();
-  EXPECT_CLOSE(got.masked_select(finite), want.masked_select(finite), 4e-3);
+  for (auto kernel : {kernels::Mxfp4Kernel::kStreaming, kernels::Mxfp4Kernel::kTensorCores}) {
+    SCOPED_TRACE(kernel == kernels::Mxfp4Kernel::kTensorCores ? "tensor cores" : "streaming");
+    auto got = kernels::mxfp4_grouped_linear(x, t.offsets.cuda(), t.blocks.cuda(), t.scales.cuda(),
+                                             bias, kernel)
+                   .to(at::kFloat)
+                   .cpu();
+    EXPECT_TRUE(at::equal(got.isposinf(), want.isposinf()));
+    EXPECT_FALSE(got.isnan().any().item<bool>());
+    EXPECT_TRUE(at::equal(got.select(1, 0),
+                          bias.to(at::kFloat).cpu().index_select(0, t.expert_of_row).select(1, 0)));
+    auto finite = want.isfinite();
+    EXPECT_CLOSE(got.masked_select(finite), want.masked_select(finite), 4e-3);
+  }
 }
 
 // gpt-oss' routed experts fused against dequantised per pair (kDequantize) on the random
-// preset's first layer, for 1, 4 and 16 tokens; then the whole decoder's forward, fused (kFused:
-// every layer, prefill included) against its dequantising paths (kDequantize: per pair below
-// one pair per expert, the whole layer above).
+// preset's first layer, for 1, 4 and 16 tokens; then the whole decoder's forward, fused (kFused
+// and kFusedTensorCores: every layer, prefill included) against its dequantising paths
+// (kDequantize: per pair below one pair per expert, the whole layer above).
 TEST_F(Mxfp4LinearGpu, GptOssFusedMatchesDequantisedPaths) {
   const auto config = models::preset_config("tiny-gpt-oss");
   auto model = models::TargetModel::random(config, at::kCUDA, at::kBFloat16, 5);
@@ -288,15 +307,18 @@ TEST_F(Mxfp4LinearGpu, GptOssFusedMatchesDequantisedPaths) {
     auto ids = at::randint(config.vocab_size, {tokens}, at::kLong).cuda();
     auto batch = models::PackedBatch::from_lengths({tokens}, at::kCUDA);
     models::ForwardRequest request{{0}, models::Logits::kAll};
-    request.mxfp4 = models::Mxfp4Gemm::kFused;
-    auto fused = model.forward(ids, batch, request);
     request.mxfp4 = models::Mxfp4Gemm::kDequantize;
     auto dequantised = model.forward(ids, batch, request);
-    // Layer 0 routes the same rows both ways (its input is the same): bf16 rounding apart.
-    EXPECT_CLOSE(fused.taps[0], dequantised.taps[0], 1e-2);
-    // Later layers' routers may break near-ties differently (bf16 MoE drift, as in
-    // GptOssGpu.MatchesReferenceInFp32AndBf16).
-    EXPECT_CLOSE(fused.logits, dequantised.logits, 0.1);
+    for (auto gemm : {models::Mxfp4Gemm::kFused, models::Mxfp4Gemm::kFusedTensorCores}) {
+      SCOPED_TRACE(gemm == models::Mxfp4Gemm::kFused ? "streaming" : "tensor cores");
+      request.mxfp4 = gemm;
+      auto fused = model.forward(ids, batch, request);
+      // Layer 0 routes the same rows both ways (its input is the same): bf16 rounding apart.
+      EXPECT_CLOSE(fused.taps[0], dequantised.taps[0], 1e-2);
+      // Later layers' routers may break near-ties differently (bf16 MoE drift, as in
+      // GptOssGpu.MatchesReferenceInFp32AndBf16).
+      EXPECT_CLOSE(fused.logits, dequantised.logits, 0.1);
+    }
   }
 }
 
