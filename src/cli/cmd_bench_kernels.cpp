@@ -5,6 +5,7 @@
 // drafter's SwiGLU, q norm + rotary and block-attention tails, forward and backward, and the
 // prefill's causal attention (ATen's cuDNN call, ours through the same graph, flash's), and
 // Gated DeltaNet's conv and gated delta rule at Qwen3.5-27B shapes (--gated-delta-only: those
+// alone), and gpt-oss-120b's MXFP4 expert layer by each of its paths (--mxfp4-only: that
 // alone).
 // One function per benchmark (bench_*), llm.c's dev/cuda style: ours beside the reference or
 // peer it replaces, on inputs of its own; run_bench_kernels runs them in order (kBenches).
@@ -20,8 +21,10 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <tuple>
 #include <utility>
 
 #include "cli/commands.h"
@@ -40,6 +43,7 @@
 #include "kernels/gated_delta_rule.h"
 #include "kernels/grad_norm.h"
 #include "kernels/moe_combine.h"
+#include "kernels/mxfp4.h"
 #include "kernels/prefix_gather.h"
 #include "kernels/residual_norm.h"
 #include "kernels/rotary.h"
@@ -47,9 +51,11 @@
 #include "kernels/swiglu.h"
 #include "kernels/tail_attention.h"
 #include "models/config.h"
+#include "models/gpt_oss.h"
 #include "models/layers.h"
 #include "models/linear_group.h"
 #include "models/prefix_attention.h"
+#include "obs/stats.h"
 #include "train/loss.h"
 
 namespace dflash::cli {
@@ -63,6 +69,7 @@ struct BenchKernelsOptions {
   int iters = 20;  // timed replays
   std::string json_out;
   bool gated_delta_only = false;
+  bool mxfp4_only = false;
 };
 
 // Microseconds per call of fn(i) (i: the call's index), from CUDA events around `iters` replays
@@ -195,6 +202,96 @@ void bench_gated_delta(const Bench& b) {
         kernels::causal_conv1d_silu_step_reference(x, conv_w, conv_state, conv_states);
       }),
                conv_step_bytes);
+    }
+  }
+}
+
+// gpt-oss-120b's MXFP4 expert layer (E 128, top 4, H = F = 2880; routing, activation and
+// combine included) for 1, 4, 16, 64 and 2048 tokens, by each path: the fused kernels
+// (kernels/mxfp4_linear.h: weight-streaming and tensor-core), the routed pairs' experts dequantised
+// then one bmm (decode's path before it; up to 64 tokens, its copies growing with the pairs), the
+// layer's experts dequantised whole into a buffer then grouped GEMMs (prefill's path), and grouped
+// GEMMs on bf16 weights dequantised beforehand (what a bf16 checkpoint would cost, 4x the memory).
+// Lines: rows = tokens, N = busy experts a call (mean), K = H; the time is the median over
+// replays of a graph of 8 calls on different tokens (routed to different experts, so the
+// weights come from HBM rather than L2), per call; GB/s counts the MXFP4 bytes of the busy
+// experts, read once, for every path alike.
+void bench_mxfp4_experts(const Bench& b) {
+  constexpr int kCalls = 8;
+  const auto c = models::preset_config("gpt-oss-120b");
+  const int64_t e = c.num_experts, h = c.hidden_size, f = c.moe_intermediate_size;
+  auto gen = models::seeded_generator(b.device, 3);
+  const auto bytes = b.opts.dtype(at::kByte);
+  models::GptOssLayerWeights w;
+  w.router = at::randn({e, h}, gen, b.opts) * 0.02;
+  w.router_bias = at::randn({e}, gen, b.opts) * 0.02;
+  w.gate_up_bias = at::randn({e, 2 * f}, gen, b.opts) * 0.02;
+  w.down_bias = at::randn({e, h}, gen, b.opts) * 0.02;
+  // Scales near 2^-7: weights of about std 0.02, as GptOssDecoder::random draws them.
+  w.gate_up_blocks = at::randint(0, 256, {e, 2 * f, h / 32, 16}, gen, bytes);
+  w.gate_up_scales = at::randint(119, 122, {e, 2 * f, h / 32}, gen, bytes);
+  w.down_blocks = at::randint(0, 256, {e, h, f / 32, 16}, gen, bytes);
+  w.down_scales = at::randint(119, 122, {e, h, f / 32}, gen, bytes);
+  const auto gate_up = kernels::mxfp4_dequantize(w.gate_up_blocks, w.gate_up_scales, at::kBFloat16);
+  const auto down = kernels::mxfp4_dequantize(w.down_blocks, w.down_scales, at::kBFloat16);
+  auto gate_up_buffer = at::empty_like(gate_up), down_buffer = at::empty_like(down);
+  const double expert_bytes = static_cast<double>(kernels::mxfp4_bytes(3 * f * h));
+  using Path = std::function<at::Tensor(const at::Tensor&)>;
+  const std::vector<std::tuple<std::string, int64_t, Path>> paths = {
+      {"fused", 2048,
+       [&](const at::Tensor& x) {
+         return models::gpt_oss_routed_mxfp4_experts(x, w, c, models::Mxfp4Gemm::kFused);
+       }},
+      {"fused, tensor cores", 2048,
+       [&](const at::Tensor& x) {
+         return models::gpt_oss_routed_mxfp4_experts(x, w, c, models::Mxfp4Gemm::kFusedTensorCores);
+       }},
+      {"dequantise pairs + bmm", 64,
+       [&](const at::Tensor& x) {
+         return models::gpt_oss_routed_mxfp4_experts(x, w, c, models::Mxfp4Gemm::kDequantize);
+       }},
+      {"dequantise layer + grouped_mm", 2048,
+       [&](const at::Tensor& x) {
+         kernels::mxfp4_dequantize_out(gate_up_buffer, w.gate_up_blocks, w.gate_up_scales);
+         kernels::mxfp4_dequantize_out(down_buffer, w.down_blocks, w.down_scales);
+         return models::gpt_oss_experts(x, w, c, gate_up_buffer, down_buffer);
+       }},
+      {"bf16 grouped_mm", 2048,
+       [&](const at::Tensor& x) { return models::gpt_oss_experts(x, w, c, gate_up, down); }},
+  };
+  for (int64_t tokens : {1, 4, 16, 64, 2048}) {
+    std::vector<at::Tensor> xs;
+    double busy = 0;
+    for (int i = 0; i < kCalls; ++i) {
+      xs.push_back(at::randn({tokens, h}, gen, b.opts));
+      auto logits = at::linear(xs.back(), w.router, w.router_bias);
+      busy += static_cast<double>(
+          std::get<0>(at::_unique(std::get<1>(at::topk(logits, c.num_experts_per_tok, -1))))
+              .numel());
+    }
+    busy /= kCalls;
+    for (const auto& [name, max_tokens, path] : paths) {
+      if (tokens > max_tokens) continue;
+      at::cuda::CUDAGraph graph;
+      eval::capture_cuda_graph(
+          graph, b.device,
+          [&] {
+            for (const auto& x : xs) path(x);
+          },
+          [] {});
+      const c10::cuda::CUDAGuard guard(b.device);
+      graph.replay();  // warm-up
+      std::vector<double> us;
+      for (int i = 0; i < b.o.iters; ++i) {
+        at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+        start.record();
+        graph.replay();
+        stop.record();
+        stop.synchronize();
+        us.push_back(start.elapsed_time(stop) * 1e3 / kCalls);
+      }
+      b.report("mxfp4 experts, " + name, tokens, static_cast<int64_t>(std::lround(busy)), h,
+               obs::median(us), busy * expert_bytes);
     }
   }
 }
@@ -903,6 +1000,7 @@ constexpr void (*kBenches[])(const Bench&) = {
     &bench_block_attention,
     &bench_prefill_attention,
     &bench_gated_delta,
+    &bench_mxfp4_experts,
 };
 
 void run_bench_kernels(const BenchKernelsOptions& o) {
@@ -931,15 +1029,20 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                "GB/s");
   };
   const auto opts = at::TensorOptions().device(device).dtype(at::kBFloat16);
-  if (o.gated_delta_only) {
-    fmt::print("bench-kernels: Gated DeltaNet at Qwen3.5-27B shapes, bf16 on {}\n", device.str());
+  // One benchmark at its own shapes, whatever the preset.
+  auto alone = [&](const std::string& what, void (*bench)(const Bench&)) {
+    fmt::print("bench-kernels: {}, bf16 on {}\n", what, device.str());
     header();
-    bench_gated_delta(Bench{o, device, {}, opts, report});
+    bench(Bench{o, device, {}, opts, report});
     if (!o.json_out.empty()) {
       write_file_atomic(o.json_out, nlohmann::json{{"lines", lines}}.dump(2));
     }
-    return;
+  };
+  if (o.mxfp4_only) {
+    return alone(fmt::format("gpt-oss-120b's MXFP4 experts, median of {} replays", o.iters),
+                 &bench_mxfp4_experts);
   }
+  if (o.gated_delta_only) return alone("Gated DeltaNet at Qwen3.5-27B shapes", &bench_gated_delta);
   const Bench b{o, device, models::preset_config(o.preset), opts, report};
   fmt::print("bench-kernels: {} shapes, bf16 on {}, {} calls per graph x {} replays\n", o.preset,
              device.str(), o.calls, o.iters);
@@ -970,6 +1073,8 @@ void add_bench_kernels_command(CLI::App& app) {
   add_json_option(*cmd, o->json_out, "the results");
   cmd->add_flag("--gated-delta-only", o->gated_delta_only,
                 "only Gated DeltaNet's kernels (Qwen3.5-27B shapes, whatever the preset)");
+  cmd->add_flag("--mxfp4-only", o->mxfp4_only,
+                "only gpt-oss-120b's MXFP4 expert layer by each path (whatever the preset)");
   cmd->callback([o] { run_bench_kernels(*o); });
 }
 

@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/mma.cuh"
 #include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
@@ -429,10 +430,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- Tensor-core variant ----
 
-// mma.sync m16n8k16 bf16 fragments: lane = 4 g + t; A (16 x 16, row-major) holds rows g, g + 8 and
-// columns 2t, 2t + 1, 2t + 8, 2t + 9; B (16 x 8) columns g, rows 2t, 2t + 1, 2t + 8, 2t + 9; C
-// (16 x 8, fp32) rows g, g + 8, columns 2t, 2t + 1. Each register holds two consecutive k (the
-// lower in the low half). An fp32 operand travels as bf16 hi and lo (hi + lo = x to 16 bits).
+// mma.sync m16n8k16 bf16 fragments as kernels/mma.cuh lays them out. An fp32 operand travels as
+// bf16 hi and lo (hi + lo = x to 16 bits).
 struct FragA {
   uint32_t hi[4], lo[4];
 };
@@ -524,15 +523,6 @@ __device__ __forceinline__ FragB frag_b(const Pair& pair, int n0, int k0) {
   pair(n0 + g, k0 + 2 * t, f.hi[0], f.lo[0]);
   pair(n0 + g, k0 + 2 * t + 8, f.hi[1], f.lo[1]);
   return f;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // c += a b with the lo parts that exist (the small products first).

@@ -13,6 +13,7 @@
 #include "io/safetensors.h"
 #include "kernels/gpt_oss_swiglu.h"
 #include "kernels/mxfp4.h"
+#include "kernels/mxfp4_linear.h"
 #include "kernels/rotary.h"
 #include "models/target.h"
 
@@ -28,6 +29,21 @@ bool is_mxfp4_tensor(const std::string& name) {
 bool cuda_half(const at::Tensor& t) {
   return t.is_cuda() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
 }
+
+// Whether MXFP4 experts on x's rows take kernels::mxfp4_grouped_linear (models/layers.h).
+bool fused_mxfp4(const at::Tensor& x, Mxfp4Gemm gemm) {
+  return gemm == Mxfp4Gemm::kFused || gemm == Mxfp4Gemm::kFusedTensorCores ||
+         (gemm == Mxfp4Gemm::kAuto && cuda_half(x) && !c10::GradMode::is_enabled());
+}
+
+// kAuto's largest pass for the fused kernel, in routed pairs per expert. It reads each routed
+// expert's MXFP4 bytes once per 8 rows and multiplies on CUDA cores; the alternative reads all
+// E experts' MXFP4, writes and rereads them in bf16 (8.5x the MXFP4 bytes, ~14 GB a layer of
+// gpt-oss-120b) before tensor-core GEMMs. Estimated from bytes and the fp32 FMA rate of an
+// H100/H200 (not yet measured), the kernel stays ahead up to ~30 rows an expert; 16 keeps a
+// margin for routing skew (a busy expert's extra row tiles). `dflash bench-kernels
+// --mxfp4-only` times both sides.
+constexpr int64_t kFusedMxfp4MaxPairsPerExpert = 16;
 
 // transformers' eager_attention_forward for one sequence: [L, Hq, D] queries against
 // [K, Hkv, D] keys and values (the packed prefill off flash and training, which differentiates
@@ -101,9 +117,21 @@ at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, con
 }
 
 at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWeights& w,
-                                        const ModelConfig& c) {
+                                        const ModelConfig& c, Mxfp4Gemm gemm) {
   const auto [routes, weights] = route(x, w, c);
   const auto& e = routes.experts;
+  if (fused_mxfp4(x, gemm)) {
+    const auto offsets = routes.offsets();
+    const auto kernel = gemm == Mxfp4Gemm::kFusedTensorCores ? kernels::Mxfp4Kernel::kTensorCores
+                                                             : kernels::Mxfp4Kernel::kStreaming;
+    auto gu = kernels::mxfp4_grouped_linear(routes.rows, offsets, w.gate_up_blocks,
+                                            w.gate_up_scales, {}, kernel);
+    auto act = kernels::gpt_oss_biased_swiglu(gu, w.gate_up_bias, e, c.gpt_oss.swiglu_alpha,
+                                              c.gpt_oss.swiglu_limit);
+    return routes.combine(kernels::mxfp4_grouped_linear(act, offsets, w.down_blocks, w.down_scales,
+                                                        w.down_bias, kernel),
+                          weights);
+  }
   auto dequantize = [&](const at::Tensor& blocks, const at::Tensor& scales) {
     return kernels::mxfp4_dequantize(blocks.index_select(0, e), scales.index_select(0, e),
                                      x.scalar_type());
@@ -418,8 +446,8 @@ std::shared_ptr<GptOssDecoder> GptOssDecoder::cast(at::ScalarType dtype) const {
 }
 
 at::Tensor GptOssDecoder::layer(const TargetModel& target, int64_t i, const at::Tensor& x,
-                                const at::Tensor& cos, const at::Tensor& sin,
-                                const Attend& attend) const {
+                                const at::Tensor& cos, const at::Tensor& sin, const Attend& attend,
+                                Mxfp4Gemm mxfp4) const {
   const ModelConfig& c = config_;
   const GptOssLayerWeights& w = layers_[i];
   const double eps = c.rms_norm_eps;
@@ -437,12 +465,20 @@ at::Tensor GptOssDecoder::layer(const TargetModel& target, int64_t i, const at::
   auto x1 = x + o;
   auto h1 = rms_norm(x1, w.post_attention_norm, eps);
   at::Tensor moe;
+  // MXFP4 on CUDA: passes that route few pairs per expert (decode, verify) read only the routed
+  // experts (the fused kernel in place, or their pairs' weights dequantised alone, the latter
+  // only below one pair per expert); else this layer's experts are dequantised into the shared
+  // buffers first.
+  const int64_t pairs = t * c.num_experts_per_tok;
+  const bool routed =
+      !w.gate_up.defined() &&
+      (fused_mxfp4(h1, mxfp4)
+           ? mxfp4 != Mxfp4Gemm::kAuto || pairs <= kFusedMxfp4MaxPairsPerExpert * c.num_experts
+           : pairs < c.num_experts);
   if (w.gate_up.defined()) {
     moe = gpt_oss_experts(h1, w, c, w.gate_up, w.down);
-  } else if (t * c.num_experts_per_tok < c.num_experts) {
-    // MXFP4 on CUDA: fewer routed pairs than experts (decode, verify) dequantise only theirs;
-    // else this layer's experts are dequantised into the shared buffers first.
-    moe = gpt_oss_routed_mxfp4_experts(h1, w, c);
+  } else if (routed) {
+    moe = gpt_oss_routed_mxfp4_experts(h1, w, c, mxfp4);
   } else {
     if (!gate_up_buffer_.defined()) {
       // This rank's share of the intermediate.
@@ -501,7 +537,7 @@ ForwardResult GptOssDecoder::run(const TargetModel& target, const at::Tensor& to
           ? layers_for_taps(request.tap_layers)
           : config_.num_layers;
   for (int64_t i = 0; i < layers; ++i) {
-    x = layer(target, i, x, cos, sin, attend);
+    x = layer(target, i, x, cos, sin, attend, request.mxfp4);
     for (size_t j = 0; j < request.tap_layers.size(); ++j) {
       if (request.tap_layers[j] == i) result.taps[j] = x;
     }

@@ -60,13 +60,16 @@ struct GptOssLayerWeights {
 at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, const ModelConfig& c,
                            const at::Tensor& gate_up, const at::Tensor& down);
 
-// The same for MXFP4 experts (w's blocks and scales) without dequantising whole experts: each
-// of the T * K routed (token, expert) pairs gets its expert's rows dequantised and multiplied
-// alone (batched GEMVs). Decode and verify route far fewer pairs than there are experts
-// (gpt-oss-120b: 4 pairs a token against 128 experts, each 50 MB in bf16), where dequantising
-// every expert of a layer per step would dominate; no host sync (CUDA graphs).
+// The same for MXFP4 experts (w's blocks and scales) without dequantising whole experts.
+// Decode and verify route far fewer pairs than there are experts (gpt-oss-120b: 4 pairs a
+// token against 128 experts, each 50 MB in bf16), where dequantising every expert of a layer
+// per step would dominate; no host sync either way (CUDA graphs). Fused (gemm kAuto on CUDA
+// bf16/fp16 without autograd, kFused or kFusedTensorCores): the rows sorted by expert through
+// kernels::mxfp4_grouped_linear, which reads the MXFP4 weights in place. kDequantize (and kAuto
+// elsewhere): each of the T * K routed (token, expert) pairs gets its expert's rows
+// dequantised and multiplied alone (batched GEMVs).
 at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWeights& w,
-                                        const ModelConfig& c);
+                                        const ModelConfig& c, Mxfp4Gemm gemm = Mxfp4Gemm::kAuto);
 
 // The clamped SwiGLU of [R, 2F] interleaved gate/up rows: [R, F].
 at::Tensor gpt_oss_swiglu(const at::Tensor& gate_up, double alpha, double limit);
@@ -146,7 +149,7 @@ class GptOssDecoder {
                     const ForwardRequest& request, bool all_layers, const Attend& attend) const;
   // Layer i on the residual stream x; its row-parallel outputs summed through target.tp_reduce.
   at::Tensor layer(const TargetModel& target, int64_t i, const at::Tensor& x, const at::Tensor& cos,
-                   const at::Tensor& sin, const Attend& attend) const;
+                   const at::Tensor& sin, const Attend& attend, Mxfp4Gemm mxfp4) const;
   // Layer i's window for sink_attention (0: full attention).
   int64_t window(int64_t i) const {
     return config_.gpt_oss.sliding(i) ? config_.gpt_oss.sliding_window : 0;

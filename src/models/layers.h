@@ -82,6 +82,17 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at
 // bytes (the kernel's condition) and kLoop otherwise.
 enum class ExpertGemm { kAuto, kGrouped, kLoop };
 
+// How gpt-oss' MXFP4 experts multiply on CUDA (models/gpt_oss.h; a ForwardRequest's choice).
+// kAuto: bf16/fp16 without autograd, the fused kernel (kernels/mxfp4_linear.h) on the routed
+// rows while the pass routes few rows per expert (decode, verify, small prefills), the layer's
+// experts dequantised whole into a buffer for grouped GEMMs beyond; otherwise kDequantize.
+// kFused: the fused kernel whatever the pass (its reference off CUDA half);
+// kFusedTensorCores: the same with its tensor-core kernel (bf16; kernels::Mxfp4Kernel, not yet
+// timed, so kAuto never takes it). kDequantize: the routed pairs' experts dequantised and
+// multiplied alone while there are fewer pairs than experts, the whole layer dequantised beyond
+// (what there was before the kernel).
+enum class Mxfp4Gemm { kAuto, kFused, kFusedTensorCores, kDequantize };
+
 // at::_grouped_mm reads every operand through 16-byte-aligned row strides: x's rows [H], the
 // transposed weights' columns [2F] and [F], and the activations' rows [F].
 bool grouped_mm_aligned(const at::Tensor& x, int64_t f);

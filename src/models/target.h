@@ -172,6 +172,8 @@ struct ForwardRequest {
   // forward's attention kernel (forward_cached has its own, over the cache).
   AttentionBackend attention = AttentionBackend::kFlash;
   PrefillGemms gemms = PrefillGemms::kAten;
+  // gpt-oss' MXFP4 experts on CUDA (forward and forward_cached; models/layers.h).
+  Mxfp4Gemm mxfp4 = Mxfp4Gemm::kAuto;
   // forward_cached of a hybrid: a verify pass whose slots keep their linear states per block
   // token until a crop commits the accepted length's (KVCache::keep_block_states, crop).
   bool keep_block_states = false;
