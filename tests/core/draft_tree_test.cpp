@@ -164,8 +164,8 @@ TEST_P(TreeBatch, EveryNodeSeesItsPathOnlyOnCudaInBf16) {
   config.hidden_size = 128;
   config.intermediate_size = config.moe_intermediate_size = 256;
   config.head_dim = 32;
-  expect_every_node_sees_its_path_only(
-      testing::peaked_target(config, at::kCUDA, at::kBFloat16, 3), 3e-2);
+  expect_every_node_sees_its_path_only(testing::peaked_target(config, at::kCUDA, at::kBFloat16, 3),
+                                       3e-2);
 }
 
 // Accepting slot 0's path 0 -> 1 -> 4 -> 5: its K/V moved to the rows after the root and the

@@ -178,7 +178,11 @@ void expect_kernel_matches(const Experts& t, at::ScalarType dtype,
   // One rounding to bf16 (2^-9 relative) or fp16 (2^-12) apart, plus fp32 summation order.
   const double tol = dtype == at::kBFloat16 ? 4e-3 : 6e-4;
   EXPECT_CLOSE(got.to(at::kFloat), want, tol);
-  EXPECT_CLOSE(got.to(at::kFloat), dequantise_bmm(x, t, bias).to(at::kFloat), 2 * tol);
+  // The decode path it replaces dequantises every row's expert alone: only for decode's few rows
+  // (8,192 rows of gpt-oss-20b's gate_up would take 270 GB).
+  if (x.size(0) <= 64) {
+    EXPECT_CLOSE(got.to(at::kFloat), dequantise_bmm(x, t, bias).to(at::kFloat), 2 * tol);
+  }
   auto unbiased = kernels::mxfp4_grouped_linear(x, offsets, blocks, scales, {}, kernel);
   EXPECT_CLOSE(unbiased.to(at::kFloat),
                want - bias.to(at::kFloat).index_select(0, t.expert_of_row.cuda()), tol);
