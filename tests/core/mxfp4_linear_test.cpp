@@ -25,6 +25,7 @@
 namespace dflash {
 namespace {
 
+using testing::error_of;
 using ::testing::HasSubstr;
 
 // Random MXFP4 experts [E, out, in] with scales in [lo, hi) and their rows: `counts[e]` rows of
@@ -46,15 +47,6 @@ Experts make_experts(const std::vector<int64_t>& counts, int64_t in, int64_t out
   r.expert_of_row = at::repeat_interleave(count);
   r.x = at::randn({count.sum().item<int64_t>(), in}, gen);
   return r;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 // Each row times its own expert's weight dequantised whole: an oracle independent of the

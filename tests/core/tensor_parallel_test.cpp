@@ -37,6 +37,7 @@ using models::ForwardResult;
 using models::Logits;
 using models::PackedBatch;
 using models::TargetModel;
+using testing::error_of;
 using testing::fixture;
 
 // f(comm) on each of `ranks` threads, each with its own Gloo group; the results by rank. A
@@ -69,15 +70,6 @@ std::vector<ForwardResult> on_ranks(int ranks, const std::function<ForwardResult
     if (e) std::rethrow_exception(e);
   }
   return results;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 // Max |a - b| within 1e-5 x max(1, max |expected|), and the shapes equal. A split reorders fp32

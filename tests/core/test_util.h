@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <ostream>
 #include <string>
 
 #include "../temp_dir.h"
+#include "common/error.h"
 #include "common/file.h"
 #include "models/config.h"
 
@@ -17,6 +19,16 @@ inline void PrintTo(Architecture a, std::ostream* os) { *os << architecture_name
 }  // namespace dflash::models
 
 namespace dflash::testing {
+
+// What f throws as a dflash::Error, or "no error".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
 
 inline std::filesystem::path fixture(const std::string& relative) {
   return std::filesystem::path(DFLASH_FIXTURES) / relative;
