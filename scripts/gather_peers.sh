@@ -28,6 +28,11 @@ if [ -n "${CAUSAL_CONV1D_PYTHON:-}" ] && ! ls causal_conv1d-1.7.0-cp312-*.whl > 
   # torch --no-deps leaves out what importing torch needs.
   "$venv/bin/pip" install -q packaging ninja setuptools wheel typing_extensions filelock sympy \
     networkx jinja2 fsspec
+  # Importing torch loads its CUDA libraries, which --no-deps left out: the test venv's copies
+  # (the same torch version, other Python) serve.
+  nvidia=("$root"/.venv/lib/python3*/site-packages/nvidia)
+  LD_LIBRARY_PATH=$(ls -d "${nvidia[0]}"/*/lib | tr '\n' ':')${LD_LIBRARY_PATH:-}
+  export LD_LIBRARY_PATH
   src=$(mktemp -d)
   tar xzf causal_conv1d-1.7.0.tar.gz -C "$src"
   # setup.py lists nine architectures; the H200 needs sm_90 alone.

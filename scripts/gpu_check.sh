@@ -6,7 +6,7 @@
 # profile (AB="FLAGS|FLAGS" to compare other `dflash bench` flags) levers (ATTENTIONS="A,B") final verify rows
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
 # gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER) fp8target gdn hybrid
-# online (ONLINE_PRESETS, ONLINE_STEPS)
+# online (ONLINE_PRESETS, ONLINE_STEPS) mxfp4 (MXFP4_PRESETS, MXFP4_GEMMS)
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -228,7 +228,8 @@ if has gdn; then
   # Issue 35: Gated DeltaNet's kernels (kernels/gated_delta_rule.h, kernels/causal_conv1d.h)
   # against their references and the references against transformers, then each timed at
   # Qwen3.5-27B shapes: with the fla-core peer in the same process when its wheels travelled
-  # (carry ".whl"; bench/gdn_peer.py; GDN_CAUSAL_CONV1D=1 also builds causal-conv1d's sdist),
+  # (carry ".whl", which holds causal-conv1d's cp312 wheel when scripts/gather_peers.sh built it;
+  # bench/gdn_peer.py; GDN_CAUSAL_CONV1D=1 builds causal-conv1d's sdist here instead),
   # else ours alone.
   step gdn
   fixtures gdn gated_delta
@@ -254,6 +255,29 @@ if has gdn; then
     "$dflash" bench-kernels --gated-delta-only --json "$out/bench_gdn.json" 2>&1 \
       | tee "$out/bench_gdn.txt"
   fi
+fi
+if has mxfp4; then
+  # Issue 38: gpt-oss' MXFP4 expert GEMMs alone at gpt-oss-120b's shapes (bench-kernels
+  # --mxfp4-only: each path by tokens), then gpt-oss prefill with each --mxfp4-gemm (auto: the
+  # fused kernels, the experts never in bf16; dequantize: each layer's experts in bf16 first) with
+  # nvidia-smi's memory in use sampled alongside, and the transformers peer on gpt-oss-20b.
+  step mxfp4
+  "$dflash" bench-kernels --mxfp4-only --device cuda --iters 20 --json "$out/bench_mxfp4.json" \
+    2>&1 | tee "$out/bench_mxfp4.txt"
+  for preset in ${MXFP4_PRESETS:-gpt-oss-20b gpt-oss-120b}; do
+    for gemm in ${MXFP4_GEMMS:-auto dequantize}; do
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
+        > "$out/smi_${preset}_$gemm.csv" 2>&1 &
+      smi=$!
+      "$dflash" bench-target --preset "$preset" --device cuda --seq-len 2048 --batches 1,4 \
+        --mxfp4-gemm "$gemm" --warmup 3 --iters 10 --json "$out/bench_target_${preset}_$gemm.json" \
+        2>&1 | tee "$out/bench_target_${preset}_$gemm.txt" | tail -4
+      kill "$smi" 2>/dev/null
+      echo "nvidia-smi memory used, max MiB: $(sort -n "$out/smi_${preset}_$gemm.csv" | tail -1)"
+    done
+  done
+  python3 "$root/bench/gpt_oss_peer.py" --preset gpt-oss-20b 2>&1 | tee "$out/gpt_oss_peer.txt" \
+    | tail -4
 fi
 if has attn; then
   # Issue 11, fifth session: the prefill's causal attention, ATen's cuDNN call against ours

@@ -259,7 +259,7 @@ void bench_mxfp4_experts(const Bench& b) {
       {"bf16 grouped_mm", 2048,
        [&](const at::Tensor& x) { return models::gpt_oss_experts(x, w, c, gate_up, down); }},
   };
-  for (int64_t tokens : {1, 4, 16, 64, 2048}) {
+  for (int64_t tokens : {1, 4, 16, 64, 128, 256, 512, 2048}) {
     std::vector<at::Tensor> xs;
     double busy = 0;
     for (int i = 0; i < kCalls; ++i) {

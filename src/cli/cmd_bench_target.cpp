@@ -34,6 +34,7 @@ struct BenchOptions {
   std::string profile;  // Chrome trace path; empty: no profile
   std::string attention = "flash";
   std::vector<std::string> gemms = {"tuned"};  // alternated in each round; tuned as training
+  std::string mxfp4_gemm = "auto";
   int rounds = 1;
   int target_tp = 1;     // ranks of a tensor-parallel group; the world is groups of them
   std::string taps_out;  // the taps of one prefill of the first batch size (safetensors)
@@ -100,10 +101,10 @@ void print_header(const Bench& b, const std::vector<int64_t>& taps) {
   }
   if (const auto* g = b.model.gpt_oss(); b.lead && g != nullptr) {
     fmt::print(
-        "gpt-oss: experts hold {:.2f} GiB on {} ({}); per-layer bf16 dequantisation buffers "
-        "{:.2f} GiB\n",
+        "gpt-oss: experts hold {:.2f} GiB on {} ({}); --mxfp4-gemm {}; per-layer bf16 "
+        "dequantisation buffers, where a pass takes them: {:.2f} GiB\n",
         g->expert_bytes() / double(1 << 30), b.device.str(),
-        b.config.gpt_oss.mxfp4 ? "MXFP4 blocks and scales" : "bf16",
+        b.config.gpt_oss.mxfp4 ? "MXFP4 blocks and scales" : "bf16", b.o.mxfp4_gemm,
         g->dequant_buffer_bytes() / double(1 << 30));
   }
 }
@@ -234,6 +235,7 @@ void run_bench(const BenchOptions& o) {
   auto config = models::preset_config(o.preset);
   auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   const auto attention = models::parse_attention_backend(o.attention);
+  const auto mxfp4 = models::parse_mxfp4_gemm(o.mxfp4_gemm);
   std::unique_ptr<dist::Comm> world;
   const auto group = tp_group(o.target_tp, config, device, world);
   auto model = models::TargetModel::random(config, device, dtype, 0, group.get());
@@ -252,7 +254,8 @@ void run_bench(const BenchOptions& o) {
           models::seeded_generator(device, 1)};
   print_header(b, taps);
   const double fp8_weights_gib = quantize_for_fp8(b);
-  const models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
+  models::ForwardRequest request{taps, models::Logits::kNone, /*grad=*/false, attention};
+  request.mxfp4 = mxfp4;
   if (!o.taps_out.empty() && !o.batches.empty()) write_taps(b, taps, request);
   if (b.lead) {
     fmt::print("{:>6} {:>6} {:>10} {:>12} {:>10} {:>14} {:>10}\n", "batch", "gemm", "median ms",
@@ -267,6 +270,7 @@ void run_bench(const BenchOptions& o) {
   nlohmann::json doc = {{"preset", o.preset},
                         {"device", device.str()},
                         {"attention", o.attention},
+                        {"mxfp4_gemm", o.mxfp4_gemm},
                         {"fp8_weights_gib", fp8_weights_gib},
                         {"target_tp", o.target_tp},
                         {"rows", rows},
@@ -333,6 +337,9 @@ void add_bench_target_command(CLI::App& app) {
                   "the projections' GEMMs: " + enum_choices(models::kPrefillGemmsNames, true) +
                       "; a list alternates them in each round")
       ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--mxfp4-gemm", o->mxfp4_gemm,
+                  "gpt-oss' MXFP4 expert GEMMs: " + enum_choices(models::kMxfp4GemmNames, true))
       ->capture_default_str();
   cmd->add_option("--rounds", o->rounds, "rounds over the --gemm list per batch size")
       ->check(CLI::PositiveNumber)

@@ -208,84 +208,135 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- Tensor-core variant (many rows per expert: prefill) ----
 // A block computes a 64-row x 64-feature tile of one expert with 4 warps (2 x 2, each 32 x 32 as
-// 2 x 4 mma.sync m16n8k16 tiles, kernels/mma.cuh). K advances one MXFP4 group (32 inputs) a
-// step: the x tile is copied to shared memory (rows past the expert's zero), the weight tile's
-// 64 groups are decoded to bf16 into shared memory (two threads a group, the values exactly
-// mxfp4_dequantize's), then each warp multiplies. No pipelining across steps: a first version
-// that is correct, to be timed against the dequantise + grouped_mm path it would replace.
+// 2 x 4 mma.sync m16n8k16 tiles, kernels/mma.cuh). K advances two MXFP4 groups (64 inputs) a
+// stage through two shared buffers: while the warps multiply one stage, each thread's global
+// loads of the next (the x tile's rows, rows past the expert's end zero; one 32-value group of
+// the weight tile and its scale) are in flight into registers, then written to the other buffer
+// (the weights decoded to bf16 there, exactly mxfp4_dequantize's values), one barrier a stage.
 constexpr int kTcThreads = 128;
 constexpr int kTcRows = 64, kTcFeatures = 64;
-// The shared tiles' row pitch in elements: 32 values and 8 of padding, 80 bytes, so the 8 rows a
-// fragment load reads fall into distinct banks.
-constexpr int kTcPitch = 40;
+constexpr int kTcGroups = kTcThreads / kTcFeatures;  // a weight group per thread and stage
+constexpr int kTcK = kTcGroups * 32;                 // inputs per stage
+// The shared tiles' row pitch in elements: 64 values and 8 of padding (36 words), so the 8 rows
+// a fragment load reads fall into distinct banks.
+constexpr int kTcPitch = kTcK + 8;
+constexpr int kTcXChunks = kTcRows * kTcK / 8 / kTcThreads;  // x's 16-byte loads per thread
+static_assert(kTcThreads % kTcFeatures == 0 && kTcRows * kTcK % (8 * kTcThreads) == 0);
+
+// One stage's global loads, held in registers while the previous stage multiplies.
+struct TcStage {
+  uint4 x[kTcXChunks];
+  uint4 w;     // feature threadIdx.x / kTcGroups's group threadIdx.x % kTcGroups of the stage
+  uint32_t s;  // its scale byte
+};
+
+struct TcTiles {
+  alignas(16) __nv_bfloat16 x[2][kTcRows][kTcPitch];
+  alignas(16) __nv_bfloat16 w[2][kTcFeatures][kTcPitch];
+};
+
+__device__ __forceinline__ void tc_load(TcStage& st, int64_t stage,
+                                        const __nv_bfloat16* __restrict__ x, int row0, int end,
+                                        int64_t in, const uint4* __restrict__ w,
+                                        const uint8_t* __restrict__ s, int64_t feature,
+                                        int64_t groups) {
+  const int64_t k0 = stage * kTcK;
+#pragma unroll
+  for (int j = 0; j < kTcXChunks; ++j) {
+    const int i = threadIdx.x + j * kTcThreads, r = i / (kTcK / 8),
+              k = static_cast<int>(k0) + (i % (kTcK / 8)) * 8;
+    st.x[j] = row0 + r < end && k < in
+                  ? __ldg(reinterpret_cast<const uint4*>(x + int64_t(row0 + r) * in + k))
+                  : make_uint4(0, 0, 0, 0);
+  }
+  // A group past the last (an odd count) multiplies as zeros.
+  const int64_t g = stage * kTcGroups + threadIdx.x % kTcGroups;
+  st.w = g < groups ? __ldg(w + feature * groups + g) : make_uint4(0, 0, 0, 0);
+  st.s = g < groups ? __ldg(s + feature * groups + g) : 127u;
+}
+
+__device__ __forceinline__ void tc_store(const TcStage& st, TcTiles& t, int buf) {
+#pragma unroll
+  for (int j = 0; j < kTcXChunks; ++j) {
+    const int i = threadIdx.x + j * kTcThreads;
+    *reinterpret_cast<uint4*>(&t.x[buf][i / (kTcK / 8)][(i % (kTcK / 8)) * 8]) = st.x[j];
+  }
+  const GroupScale scale = group_scale(st.s);
+  __nv_bfloat16* row = &t.w[buf][threadIdx.x / kTcGroups][(threadIdx.x % kTcGroups) * 32];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint32_t word = word_of(st.w, c);
+    const float v[8] = {e2m1<0>(word), e2m1<1>(word), e2m1<2>(word), e2m1<3>(word),
+                        e2m1<4>(word), e2m1<5>(word), e2m1<6>(word), e2m1<7>(word)};
+    Vec<__nv_bfloat16, 8> out8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      out8.v[i] = from_float<__nv_bfloat16>(v[i] * scale.first * scale.power);
+    }
+    *reinterpret_cast<Vec<__nv_bfloat16, 8>*>(row + c * 8) = out8;
+  }
+}
+
+// The warp's 32 x 32 tile (rows wm, features wn of the block's) += one stage of the buffers.
+__device__ __forceinline__ void tc_multiply(float (&acc)[2][4][4], const TcTiles& t, int buf,
+                                            int wm, int wn) {
+  const int lane = threadIdx.x % 32, g4 = lane / 4, t4 = lane % 4;
+#pragma unroll
+  for (int k0 = 0; k0 < kTcK; k0 += 16) {
+    const int k = k0 + 2 * t4;
+    uint32_t a[2][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const int r = wm + mi * 16 + g4;
+      a[mi][0] = *reinterpret_cast<const uint32_t*>(&t.x[buf][r][k]);
+      a[mi][1] = *reinterpret_cast<const uint32_t*>(&t.x[buf][r + 8][k]);
+      a[mi][2] = *reinterpret_cast<const uint32_t*>(&t.x[buf][r][k + 8]);
+      a[mi][3] = *reinterpret_cast<const uint32_t*>(&t.x[buf][r + 8][k + 8]);
+    }
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const int c = wn + ni * 8 + g4;
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&t.w[buf][c][k]);
+      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&t.w[buf][c][k + 8]);
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) mma_bf16(acc[mi][ni], a[mi], b0, b1);
+    }
+  }
+}
 
 __global__ void __launch_bounds__(kTcThreads)
     mxfp4_grouped_gemm_tc_kernel(const __nv_bfloat16* __restrict__ x,
                                  const int32_t* __restrict__ offsets, int experts,
-                                 const uint8_t* __restrict__ blocks,
+                                 const uint4* __restrict__ blocks,
                                  const uint8_t* __restrict__ scales,
                                  const __nv_bfloat16* __restrict__ bias,
                                  __nv_bfloat16* __restrict__ y, int64_t out, int64_t groups) {
-  __shared__ alignas(16) __nv_bfloat16 xs[kTcRows][kTcPitch];
-  __shared__ alignas(16) __nv_bfloat16 ws[kTcFeatures][kTcPitch];
+  __shared__ TcTiles tiles;
   int row0 = 0, end = 0;
   const int e =
       expert_tile<kTcThreads>(offsets, experts, static_cast<int>(blockIdx.y), kTcRows, row0, end);
   if (e < 0) return;
   const int64_t n0 = int64_t(blockIdx.x) * kTcFeatures, in = groups * 32;
-  const uint8_t* w = blocks + int64_t(e) * out * groups * 16;
+  const uint4* w = blocks + int64_t(e) * out * groups;
   const uint8_t* s = scales + int64_t(e) * out * groups;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g4 = lane / 4, t4 = lane % 4;
   const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
-  // This thread's half group of the weight tile: feature n (clamped), bytes half * 8 on.
-  const int n = threadIdx.x / 2, half = threadIdx.x % 2;
-  const int64_t feature = n0 + n < out ? n0 + n : out - 1;
+  // The feature whose group this thread loads (clamped: columns past `out` are not written).
+  const int64_t feature =
+      n0 + threadIdx.x / kTcGroups < out ? n0 + threadIdx.x / kTcGroups : out - 1;
+  const int64_t stages = (groups + kTcGroups - 1) / kTcGroups;
   float acc[2][4][4] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int i = threadIdx.x; i < kTcRows * 4; i += kTcThreads) {
-      const int r = i / 4, q = i % 4;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (row0 + r < end) {
-        v = __ldg(reinterpret_cast<const uint4*>(x + int64_t(row0 + r) * in + g * 32 + q * 8));
-      }
-      *reinterpret_cast<uint4*>(&xs[r][q * 8]) = v;
-    }
-    const uint2 words =
-        __ldg(reinterpret_cast<const uint2*>(w + (feature * groups + g) * 16) + half);
-    const GroupScale scale = group_scale(__ldg(s + feature * groups + g));
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const uint32_t word = c == 0 ? words.x : words.y;
-      const float v[8] = {e2m1<0>(word), e2m1<1>(word), e2m1<2>(word), e2m1<3>(word),
-                          e2m1<4>(word), e2m1<5>(word), e2m1<6>(word), e2m1<7>(word)};
-      Vec<__nv_bfloat16, 8> out8;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        out8.v[i] = from_float<__nv_bfloat16>(v[i] * scale.first * scale.power);
-      }
-      *reinterpret_cast<Vec<__nv_bfloat16, 8>*>(&ws[n][half * 16 + c * 8]) = out8;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k0 = 0; k0 < 32; k0 += 16) {
-      uint32_t a[2][4];
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        const int r = wm + mi * 16 + g4, k = k0 + 2 * t4;
-        a[mi][0] = *reinterpret_cast<const uint32_t*>(&xs[r][k]);
-        a[mi][1] = *reinterpret_cast<const uint32_t*>(&xs[r + 8][k]);
-        a[mi][2] = *reinterpret_cast<const uint32_t*>(&xs[r][k + 8]);
-        a[mi][3] = *reinterpret_cast<const uint32_t*>(&xs[r + 8][k + 8]);
-      }
-#pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-        const int c = wn + ni * 8 + g4, k = k0 + 2 * t4;
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&ws[c][k]);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&ws[c][k + 8]);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) mma_bf16(acc[mi][ni], a[mi], b0, b1);
-      }
-    }
+  TcStage next;
+  tc_load(next, 0, x, row0, end, in, w, s, feature, groups);
+  tc_store(next, tiles, 0);
+  __syncthreads();
+  for (int64_t stage = 0; stage < stages; ++stage) {
+    const int buf = static_cast<int>(stage % 2);
+    const bool more = stage + 1 < stages;
+    if (more) tc_load(next, stage + 1, x, row0, end, in, w, s, feature, groups);
+    tc_multiply(acc, tiles, buf, wm, wn);
+    // The other buffer was last read before the previous stage's barrier.
+    if (more) tc_store(next, tiles, buf ^ 1);
     __syncthreads();
   }
 #pragma unroll
@@ -326,7 +377,8 @@ void mxfp4_grouped_linear_cuda(at::Tensor& y, const at::Tensor& x, const at::Ten
                     static_cast<unsigned>(tiles));
     mxfp4_grouped_gemm_tc_kernel<<<grid, kTcThreads, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), offsets.data_ptr<int32_t>(),
-        static_cast<int>(experts), blocks.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
+        static_cast<int>(experts), reinterpret_cast<const uint4*>(blocks.data_ptr()),
+        scales.data_ptr<uint8_t>(),
         bias.defined() ? reinterpret_cast<const __nv_bfloat16*>(bias.data_ptr()) : nullptr,
         reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), out, groups);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -1,9 +1,9 @@
 // mxfp4_linear: y = x W_e^T (+ b_e) for rows grouped by expert, each expert's W held in MXFP4
-// (kernels/mxfp4.h) and read in place: gpt-oss' experts in decode and verify, where a step
-// routes a few rows to each of a few experts and dequantising their weights to bf16 first
-// writes and rereads four times the MXFP4 bytes. A weight-streaming kernel (each group of 32
-// weights decoded in registers, CUDA-core FMAs in fp32), not a tensor-core GEMM: it pays while
-// experts receive few rows (models/gpt_oss.cpp says up to how many).
+// (kernels/mxfp4.h) and read in place, never written out in bf16: gpt-oss' experts. For decode
+// and verify, where a step routes a few rows to each of a few experts, a weight-streaming kernel
+// (each group of 32 weights decoded in registers, CUDA-core FMAs in fp32); for prefill, where
+// experts receive tens to hundreds of rows, a tensor-core GEMM that decodes each weight tile into
+// shared memory (models/gpt_oss.cpp says which pass takes which).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -18,8 +18,8 @@ inline constexpr int64_t kMxfp4LinearRowTile = 8;
 // Which CUDA kernel mxfp4_grouped_linear runs. kStreaming: the weight-streaming kernel (each
 // expert's weights read once per 8 of its rows, CUDA-core FMAs; few rows per expert).
 // kTensorCores: 64-row x 64-feature tiles on mma.sync, the weights decoded into shared memory
-// (bf16 x only, fp16 takes kStreaming; many rows per expert: prefill), a first version, correct
-// but not yet tuned or timed on a GPU.
+// two groups a stage, double-buffered (bf16 x only, fp16 takes kStreaming; many rows per
+// expert: prefill).
 enum class Mxfp4Kernel { kStreaming, kTensorCores };
 
 // x: [R, in] (in % 32 == 0), its rows sorted by expert; offsets: int32 [E] on x's device, the

@@ -36,14 +36,20 @@ bool fused_mxfp4(const at::Tensor& x, Mxfp4Gemm gemm) {
          (gemm == Mxfp4Gemm::kAuto && cuda_half(x) && !c10::GradMode::is_enabled());
 }
 
-// kAuto's largest pass for the fused kernel, in routed pairs per expert. It reads each routed
-// expert's MXFP4 bytes once per 8 rows and multiplies on CUDA cores; the alternative reads all
-// E experts' MXFP4, writes and rereads them in bf16 (8.5x the MXFP4 bytes, ~14 GB a layer of
-// gpt-oss-120b) before tensor-core GEMMs. Estimated from bytes and the fp32 FMA rate of an
-// H100/H200 (not yet measured), the kernel stays ahead up to ~30 rows an expert; 16 keeps a
-// margin for routing skew (a busy expert's extra row tiles). `dflash bench-kernels
-// --mxfp4-only` times both sides.
-constexpr int64_t kFusedMxfp4MaxPairsPerExpert = 16;
+// kAuto's largest pass for the streaming kernel, in routed pairs per expert; larger passes in
+// bf16 take the tensor-core kernel (fp16 the layer dequantised into buffers). The streaming
+// kernel reads each routed expert's MXFP4 bytes once per 8 rows and multiplies on CUDA cores,
+// the tensor-core one decodes each weight tile into shared memory once per 64 rows.
+constexpr int64_t kStreamingMxfp4MaxPairsPerExpert = 4;
+
+kernels::Mxfp4Kernel mxfp4_kernel(const at::Tensor& x, Mxfp4Gemm gemm, const ModelConfig& c) {
+  const bool many =
+      x.size(0) * c.num_experts_per_tok > kStreamingMxfp4MaxPairsPerExpert * c.num_experts;
+  return gemm == Mxfp4Gemm::kFusedTensorCores ||
+                 (gemm == Mxfp4Gemm::kAuto && many && x.scalar_type() == at::kBFloat16)
+             ? kernels::Mxfp4Kernel::kTensorCores
+             : kernels::Mxfp4Kernel::kStreaming;
+}
 
 // transformers' eager_attention_forward for one sequence: [L, Hq, D] queries against
 // [K, Hkv, D] keys and values (the packed prefill off flash and training, which differentiates
@@ -122,8 +128,7 @@ at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWe
   const auto& e = routes.experts;
   if (fused_mxfp4(x, gemm)) {
     const auto offsets = routes.offsets();
-    const auto kernel = gemm == Mxfp4Gemm::kFusedTensorCores ? kernels::Mxfp4Kernel::kTensorCores
-                                                             : kernels::Mxfp4Kernel::kStreaming;
+    const auto kernel = mxfp4_kernel(x, gemm, c);
     auto gu = kernels::mxfp4_grouped_linear(routes.rows, offsets, w.gate_up_blocks,
                                             w.gate_up_scales, {}, kernel);
     auto act = kernels::gpt_oss_biased_swiglu(gu, w.gate_up_bias, e, c.gpt_oss.swiglu_alpha,
@@ -465,16 +470,16 @@ at::Tensor GptOssDecoder::layer(const TargetModel& target, int64_t i, const at::
   auto x1 = x + o;
   auto h1 = rms_norm(x1, w.post_attention_norm, eps);
   at::Tensor moe;
-  // MXFP4 on CUDA: passes that route few pairs per expert (decode, verify) read only the routed
-  // experts (the fused kernel in place, or their pairs' weights dequantised alone, the latter
-  // only below one pair per expert); else this layer's experts are dequantised into the shared
+  // MXFP4 on CUDA: the fused kernels read the experts in place (kAuto: in bf16 always, in fp16
+  // while few pairs per expert are routed); else passes with fewer routed pairs than experts
+  // dequantise only their pairs' experts, and larger ones this layer's experts into the shared
   // buffers first.
   const int64_t pairs = t * c.num_experts_per_tok;
   const bool routed =
       !w.gate_up.defined() &&
-      (fused_mxfp4(h1, mxfp4)
-           ? mxfp4 != Mxfp4Gemm::kAuto || pairs <= kFusedMxfp4MaxPairsPerExpert * c.num_experts
-           : pairs < c.num_experts);
+      (fused_mxfp4(h1, mxfp4) ? mxfp4 != Mxfp4Gemm::kAuto || h1.scalar_type() == at::kBFloat16 ||
+                                    pairs <= kStreamingMxfp4MaxPairsPerExpert * c.num_experts
+                              : pairs < c.num_experts);
   if (w.gate_up.defined()) {
     moe = gpt_oss_experts(h1, w, c, w.gate_up, w.down);
   } else if (routed) {

@@ -65,7 +65,8 @@ at::Tensor gpt_oss_experts(const at::Tensor& x, const GptOssLayerWeights& w, con
 // token against 128 experts, each 50 MB in bf16), where dequantising every expert of a layer
 // per step would dominate; no host sync either way (CUDA graphs). Fused (gemm kAuto on CUDA
 // bf16/fp16 without autograd, kFused or kFusedTensorCores): the rows sorted by expert through
-// kernels::mxfp4_grouped_linear, which reads the MXFP4 weights in place. kDequantize (and kAuto
+// kernels::mxfp4_grouped_linear, which reads the MXFP4 weights in place (kAuto: its streaming
+// kernel for few pairs per expert, its tensor-core kernel beyond in bf16). kDequantize (and kAuto
 // elsewhere): each of the T * K routed (token, expert) pairs gets its expert's rows
 // dequantised and multiplied alone (batched GEMVs).
 at::Tensor gpt_oss_routed_mxfp4_experts(const at::Tensor& x, const GptOssLayerWeights& w,

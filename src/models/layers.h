@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/enum_names.h"
 #include "models/config.h"
 
 namespace dflash::models {
@@ -83,15 +84,22 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at
 enum class ExpertGemm { kAuto, kGrouped, kLoop };
 
 // How gpt-oss' MXFP4 experts multiply on CUDA (models/gpt_oss.h; a ForwardRequest's choice).
-// kAuto: bf16/fp16 without autograd, the fused kernel (kernels/mxfp4_linear.h) on the routed
-// rows while the pass routes few rows per expert (decode, verify, small prefills), the layer's
-// experts dequantised whole into a buffer for grouped GEMMs beyond; otherwise kDequantize.
-// kFused: the fused kernel whatever the pass (its reference off CUDA half);
-// kFusedTensorCores: the same with its tensor-core kernel (bf16; kernels::Mxfp4Kernel, not yet
-// timed, so kAuto never takes it). kDequantize: the routed pairs' experts dequantised and
-// multiplied alone while there are fewer pairs than experts, the whole layer dequantised beyond
-// (what there was before the kernel).
+// kAuto: without autograd, the fused kernels (kernels/mxfp4_linear.h) on the routed rows, which
+// never write the experts in bf16: the streaming kernel while the pass routes few rows per
+// expert (decode, verify, small prefills), the tensor-core one beyond (bf16; in fp16 the
+// layer's experts dequantised whole into a buffer for grouped GEMMs); otherwise kDequantize.
+// kFused: the streaming kernel whatever the pass (its reference off CUDA half);
+// kFusedTensorCores: the tensor-core kernel whatever the pass (bf16).
+// kDequantize: the routed pairs' experts dequantised and multiplied alone while there are fewer
+// pairs than experts, the whole layer dequantised beyond (what there was before the kernels).
 enum class Mxfp4Gemm { kAuto, kFused, kFusedTensorCores, kDequantize };
+inline constexpr EnumName<Mxfp4Gemm> kMxfp4GemmNames[] = {
+    {Mxfp4Gemm::kAuto, "auto", "streaming for few rows per expert, tensor cores beyond"},
+    {Mxfp4Gemm::kFused, "streaming", "the weight-streaming kernel"},
+    {Mxfp4Gemm::kFusedTensorCores, "tensor-cores", "the tensor-core kernel"},
+    {Mxfp4Gemm::kDequantize, "dequantize", "the experts in bf16 first, then grouped GEMMs"},
+};
+Mxfp4Gemm parse_mxfp4_gemm(const std::string& name);  // a name of kMxfp4GemmNames
 
 // at::_grouped_mm reads every operand through 16-byte-aligned row strides: x's rows [H], the
 // transposed weights' columns [2F] and [F], and the activations' rows [F].

@@ -642,6 +642,11 @@ PrefillGemms parse_prefill_gemms(const std::string& name) {
   fail("prefill_gemms must be {}, got '{}'", enum_choices(kPrefillGemmsNames), name);
 }
 
+Mxfp4Gemm parse_mxfp4_gemm(const std::string& name) {
+  if (auto value = enum_value(kMxfp4GemmNames, name)) return *value;
+  fail("mxfp4 GEMM must be {}, got '{}'", enum_choices(kMxfp4GemmNames), name);
+}
+
 int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
   if (layers < 0 || layers > config_.num_layers) {
     fail("quantize_weights_fp8: {} layers asked of a target with {}", layers, config_.num_layers);
