@@ -1,7 +1,8 @@
-// Depthwise causal conv1d + SiLU on CUDA (kernel widths 2 to 4), fp32 math. Prefill: one thread
-// per channel walks a tile of 64 tokens, keeping the last W - 1 inputs in registers, so each
-// input is read about once; a tile that crosses a sequence start refills the window from that
-// sequence's initial state (or zeros). Step: one thread per (sequence, channel) over S tokens.
+// Depthwise causal conv1d + SiLU on CUDA (kernel widths 2 to 4), fp32 math. Prefill: a thread
+// walks a tile of tokens for one 16-byte vector of channels (or one channel where rows are not
+// vector-aligned), keeping the last W - 1 inputs in registers, so each input is read about
+// once; a tile that crosses a sequence start refills the window from that sequence's initial
+// state (or zeros). Step: one thread per (sequence, channel) over S tokens.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -45,14 +46,14 @@ __device__ __forceinline__ float input_at(const T* __restrict__ x, int64_t strid
   return init ? init[state_row + (p - start + W - 1)] : 0.f;
 }
 
+// Channel c's outputs for tokens [t0, t1), its window kept in registers; a token past the
+// current sequence's end moves to the next sequence and refills the window from its start.
 template <typename T, int W>
-__global__ void __launch_bounds__(kThreads)
-    prefill_kernel(const T* __restrict__ x, int64_t stride, const float* __restrict__ weight,
-                   const int32_t* __restrict__ cu, int sequences, int64_t tokens, int channels,
-                   const float* __restrict__ init, T* __restrict__ out) {
-  const int c = blockIdx.x * kThreads + threadIdx.x;
-  if (c >= channels) return;
-  const int64_t t0 = int64_t(blockIdx.y) * kTokens, t1 = min(tokens, t0 + kTokens);
+__device__ __forceinline__ void walk_channel(const T* __restrict__ x, int64_t stride,
+                                             const float* __restrict__ weight,
+                                             const int32_t* __restrict__ cu, int sequences,
+                                             int channels, const float* __restrict__ init,
+                                             T* __restrict__ out, int c, int64_t t0, int64_t t1) {
   float w[W];
 #pragma unroll
   for (int i = 0; i < W; ++i) w[i] = weight[c * W + i];
@@ -85,6 +86,90 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i + 1 < W - 1; ++i) win[i] = win[i + 1];
     win[W - 2] = xv;
+  }
+}
+
+// Any layout: one thread a channel, kTokens tokens.
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads)
+    prefill_kernel(const T* __restrict__ x, int64_t stride, const float* __restrict__ weight,
+                   const int32_t* __restrict__ cu, int sequences, int64_t tokens, int channels,
+                   const float* __restrict__ init, T* __restrict__ out) {
+  const int c = blockIdx.x * kThreads + threadIdx.x;
+  if (c >= channels) return;
+  const int64_t t0 = int64_t(blockIdx.y) * kTokens;
+  walk_channel<T, W>(x, stride, weight, cu, sequences, channels, init, out, c, t0,
+                     min(tokens, t0 + kTokens));
+}
+
+// 16-byte rows (channels and the row stride multiples of the vector, x and out aligned): a
+// thread owns one vector of channels over kVecTokens tokens, kUnroll rows' loads in flight at a
+// time (the plain walk issues one 2-byte load a token and waits on it). A tile that a sequence
+// start crosses walks each of its channels as prefill_kernel does.
+constexpr int kVecThreads = 128, kVecTokens = 32, kUnroll = 4;
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kVecThreads)
+    prefill_vec_kernel(const T* __restrict__ x, int64_t stride, const float* __restrict__ weight,
+                       const int32_t* __restrict__ cu, int sequences, int64_t tokens, int channels,
+                       const float* __restrict__ init, T* __restrict__ out) {
+  using V = Vec<T>;
+  constexpr int kV = V::kSize;
+  const int c0 = (blockIdx.x * kVecThreads + threadIdx.x) * kV;
+  if (c0 >= channels) return;
+  const int64_t t0 = int64_t(blockIdx.y) * kVecTokens, t1 = min(tokens, t0 + kVecTokens);
+  const int n = sequence_of(cu, sequences, t0);
+  const int64_t start = cu[n];
+  if (cu[n + 1] < t1) {
+    for (int v = 0; v < kV; ++v) {
+      walk_channel<T, W>(x, stride, weight, cu, sequences, channels, init, out, c0 + v, t0, t1);
+    }
+    return;
+  }
+  float w[kV][W], win[kV][W - 1];
+#pragma unroll
+  for (int v = 0; v < kV; ++v) {
+#pragma unroll
+    for (int i = 0; i < W; ++i) w[v][i] = weight[(c0 + v) * W + i];
+  }
+#pragma unroll
+  for (int i = 0; i < W - 1; ++i) {
+    const int64_t p = t0 - (W - 1) + i;
+    if (p >= start) {
+      const V in = *reinterpret_cast<const V*>(x + p * stride + c0);
+#pragma unroll
+      for (int v = 0; v < kV; ++v) win[v][i] = to_float(in.v[v]);
+    } else {
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+        win[v][i] =
+            init ? init[(int64_t(n) * channels + c0 + v) * (W - 1) + (p - start + W - 1)] : 0.f;
+      }
+    }
+  }
+  for (int64_t t = t0; t < t1; t += kUnroll) {
+    V in[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (t + u < t1) in[u] = *reinterpret_cast<const V*>(x + (t + u) * stride + c0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (t + u >= t1) break;
+      V o;
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+        const float xv = to_float(in[u].v[v]);
+        float acc = w[v][W - 1] * xv;
+#pragma unroll
+        for (int i = 0; i < W - 1; ++i) acc += w[v][i] * win[v][i];
+        o.v[v] = from_float<T>(silu(acc));
+#pragma unroll
+        for (int i = 0; i + 1 < W - 1; ++i) win[v][i] = win[v][i + 1];
+        win[v][W - 2] = xv;
+      }
+      *reinterpret_cast<V*>(out + (t + u) * channels + c0) = o;
+    }
   }
 }
 
@@ -178,13 +263,21 @@ void causal_conv1d_silu_cuda(const at::Tensor& x, const at::Tensor& weight,
     dispatch_width(weight.size(1), [&](auto width) {
       constexpr int W = decltype(width)::value;
       if (tokens > 0) {
-        TORCH_CHECK((tokens + kTokens - 1) / kTokens <= 65535, "causal_conv1d_silu: ", tokens,
+        TORCH_CHECK((tokens + kVecTokens - 1) / kVecTokens <= 65535, "causal_conv1d_silu: ", tokens,
                     " tokens exceed the grid");
-        const dim3 grid(blocks_for(channels),
-                        static_cast<unsigned>((tokens + kTokens - 1) / kTokens));
-        prefill_kernel<T, W><<<grid, kThreads, 0, stream>>>(
-            xp, x.stride(0), weight.data_ptr<float>(), cu, sequences, tokens, channels, init,
-            reinterpret_cast<T*>(out.data_ptr()));
+        constexpr int kV = Vec<T>::kSize;
+        T* const op = reinterpret_cast<T*>(out.data_ptr());
+        if (channels % kV == 0 && x.stride(0) % kV == 0 && aligned(xp, 16) && aligned(op, 16)) {
+          const dim3 grid(static_cast<unsigned>((channels / kV + kVecThreads - 1) / kVecThreads),
+                          static_cast<unsigned>((tokens + kVecTokens - 1) / kVecTokens));
+          prefill_vec_kernel<T, W><<<grid, kVecThreads, 0, stream>>>(
+              xp, x.stride(0), weight.data_ptr<float>(), cu, sequences, tokens, channels, init, op);
+        } else {
+          const dim3 grid(blocks_for(channels),
+                          static_cast<unsigned>((tokens + kTokens - 1) / kTokens));
+          prefill_kernel<T, W><<<grid, kThreads, 0, stream>>>(
+              xp, x.stride(0), weight.data_ptr<float>(), cu, sequences, tokens, channels, init, op);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       final_state_kernel<T, W><<<blocks_for(int64_t(sequences) * channels), kThreads, 0, stream>>>(

@@ -40,9 +40,13 @@ constexpr int kRowTile = static_cast<int>(kMxfp4LinearRowTile);
 // subnormal m x 2^-127: exact, the build never flushes subnormals); the mask clears the sign's
 // copies in bits 30..25 and the lower nibbles, the product by 2^126 is exact.
 template <int kI>
-__device__ __forceinline__ float e2m1(uint32_t word) {
+__device__ __forceinline__ float e2m1_times_2_pow_minus_126(uint32_t word) {
   const int32_t top = static_cast<int32_t>(word << (28 - 4 * kI));
-  return __int_as_float((top >> 6) & static_cast<int32_t>(0x81c00000u)) * 0x1p126f;
+  return __int_as_float((top >> 6) & static_cast<int32_t>(0x81c00000u));
+}
+template <int kI>
+__device__ __forceinline__ float e2m1(uint32_t word) {
+  return e2m1_times_2_pow_minus_126<kI>(word) * 0x1p126f;
 }
 
 // A group's scale 2^(s - 127) as two factors applied in turn to its partial sums: 2^128
@@ -207,42 +211,53 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- Tensor-core variant (many rows per expert: prefill) ----
-// A block computes a 64-row x 64-feature tile of one expert with 4 warps (2 x 2, each 32 x 32 as
-// 2 x 4 mma.sync m16n8k16 tiles, kernels/mma.cuh). K advances two MXFP4 groups (64 inputs) a
+// A block computes a kRows (64 or 128) x 128-feature tile of one expert with 8 warps (4 x 2 of
+// 32 x 64 at 128 rows, 2 x 4 of 32 x 32 at 64), each a grid of mma.sync m16n8k16 tiles
+// (kernels/mma.cuh) whose fragments ldmatrix reads. K advances two MXFP4 groups (64 inputs) a
 // stage through two shared buffers: while the warps multiply one stage, each thread's global
-// loads of the next (the x tile's rows, rows past the expert's end zero; one 32-value group of
-// the weight tile and its scale) are in flight into registers, then written to the other buffer
-// (the weights decoded to bf16 there, exactly mxfp4_dequantize's values), one barrier a stage.
-constexpr int kTcThreads = 128;
-constexpr int kTcRows = 64, kTcFeatures = 64;
+// loads of the next (its chunks of the x tile, rows past the expert's end zero; one 32-value
+// group of the weight tile and its scale) are in flight into registers, then written to the
+// other buffer (the weights decoded to bf16 there, exactly mxfp4_dequantize's values), one
+// barrier a stage. The x tile is reread by every feature tile of its rows (from L2), so the
+// features are many; decoding costs the same per stage whatever the rows, so the taller tile
+// halves it per product where experts have the rows to fill it.
+constexpr int kTcThreads = 256, kTcWarps = kTcThreads / 32;
+constexpr int kTcFeatures = 128;
 constexpr int kTcGroups = kTcThreads / kTcFeatures;  // a weight group per thread and stage
 constexpr int kTcK = kTcGroups * 32;                 // inputs per stage
 // The shared tiles' row pitch in elements: 64 values and 8 of padding (36 words), so the 8 rows
-// a fragment load reads fall into distinct banks.
+// of 16 bytes an ldmatrix reads fall into distinct banks.
 constexpr int kTcPitch = kTcK + 8;
-constexpr int kTcXChunks = kTcRows * kTcK / 8 / kTcThreads;  // x's 16-byte loads per thread
-static_assert(kTcThreads % kTcFeatures == 0 && kTcRows * kTcK % (8 * kTcThreads) == 0);
+static_assert(kTcThreads % kTcFeatures == 0);
+
+template <int kRows>
+struct TcShape {
+  static_assert(kRows == 64 || kRows == 128);
+  static constexpr int kWarpsM = kRows / 32, kWarpsN = kTcWarps / kWarpsM;
+  static constexpr int kMTiles = 2, kNTiles = kTcFeatures / kWarpsN / 8;  // a warp's m16 / n8
+  static constexpr int kXChunks = kRows * kTcK / 8 / kTcThreads;  // x's 16-byte loads a thread
+  static constexpr int kXStage = kRows * kTcPitch, kWStage = kTcFeatures * kTcPitch;
+  // Two buffers of each (bf16 elements): 73,728 bytes at 128 rows, past the 48 KiB default.
+  static constexpr size_t kSmem = 2 * (kXStage + kWStage) * sizeof(__nv_bfloat16);
+};
 
 // One stage's global loads, held in registers while the previous stage multiplies.
+template <int kRows>
 struct TcStage {
-  uint4 x[kTcXChunks];
+  uint4 x[TcShape<kRows>::kXChunks];
   uint4 w;     // feature threadIdx.x / kTcGroups's group threadIdx.x % kTcGroups of the stage
   uint32_t s;  // its scale byte
 };
 
-struct TcTiles {
-  alignas(16) __nv_bfloat16 x[2][kTcRows][kTcPitch];
-  alignas(16) __nv_bfloat16 w[2][kTcFeatures][kTcPitch];
-};
-
-__device__ __forceinline__ void tc_load(TcStage& st, int64_t stage,
+template <int kRows>
+__device__ __forceinline__ void tc_load(TcStage<kRows>& st, int64_t stage,
                                         const __nv_bfloat16* __restrict__ x, int row0, int end,
                                         int64_t in, const uint4* __restrict__ w,
                                         const uint8_t* __restrict__ s, int64_t feature,
                                         int64_t groups) {
   const int64_t k0 = stage * kTcK;
 #pragma unroll
-  for (int j = 0; j < kTcXChunks; ++j) {
+  for (int j = 0; j < TcShape<kRows>::kXChunks; ++j) {
     const int i = threadIdx.x + j * kTcThreads, r = i / (kTcK / 8),
               k = static_cast<int>(k0) + (i % (kTcK / 8)) * 8;
     st.x[j] = row0 + r < end && k < in
@@ -255,94 +270,132 @@ __device__ __forceinline__ void tc_load(TcStage& st, int64_t stage,
   st.s = g < groups ? __ldg(s + feature * groups + g) : 127u;
 }
 
-__device__ __forceinline__ void tc_store(const TcStage& st, TcTiles& t, int buf) {
+// Decodes 8 values of a group into bf16 (the reference's fp32 product, rounded once). For
+// s <= 128 one product by 2^(s - 1), exact and normal, turns e2m1's value x 2^-126 into value x
+// 2^(s - 127) (subnormal results rounded as the reference's); larger scales take the group_scale
+// pair the streaming kernel applies.
+__device__ __forceinline__ uint4 tc_decode(uint32_t word, uint32_t s) {
+  float v[8] = {e2m1_times_2_pow_minus_126<0>(word), e2m1_times_2_pow_minus_126<1>(word),
+                e2m1_times_2_pow_minus_126<2>(word), e2m1_times_2_pow_minus_126<3>(word),
+                e2m1_times_2_pow_minus_126<4>(word), e2m1_times_2_pow_minus_126<5>(word),
+                e2m1_times_2_pow_minus_126<6>(word), e2m1_times_2_pow_minus_126<7>(word)};
+  if (s <= 128) {
+    const float c = __uint_as_float((s + 126) << 23);
 #pragma unroll
-  for (int j = 0; j < kTcXChunks; ++j) {
-    const int i = threadIdx.x + j * kTcThreads;
-    *reinterpret_cast<uint4*>(&t.x[buf][i / (kTcK / 8)][(i % (kTcK / 8)) * 8]) = st.x[j];
+    for (int i = 0; i < 8; ++i) v[i] *= c;
+  } else {
+    const GroupScale scale = group_scale(s);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = v[i] * 0x1p126f * scale.first * scale.power;
   }
-  const GroupScale scale = group_scale(st.s);
-  __nv_bfloat16* row = &t.w[buf][threadIdx.x / kTcGroups][(threadIdx.x % kTcGroups) * 32];
+  uint4 out;
+  uint32_t* o = &out.x;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const uint32_t word = word_of(st.w, c);
-    const float v[8] = {e2m1<0>(word), e2m1<1>(word), e2m1<2>(word), e2m1<3>(word),
-                        e2m1<4>(word), e2m1<5>(word), e2m1<6>(word), e2m1<7>(word)};
-    Vec<__nv_bfloat16, 8> out8;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      out8.v[i] = from_float<__nv_bfloat16>(v[i] * scale.first * scale.power);
-    }
-    *reinterpret_cast<Vec<__nv_bfloat16, 8>*>(row + c * 8) = out8;
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    o[i] = *reinterpret_cast<const uint32_t*>(&pair);
   }
+  return out;
 }
 
-// The warp's 32 x 32 tile (rows wm, features wn of the block's) += one stage of the buffers.
-__device__ __forceinline__ void tc_multiply(float (&acc)[2][4][4], const TcTiles& t, int buf,
-                                            int wm, int wn) {
-  const int lane = threadIdx.x % 32, g4 = lane / 4, t4 = lane % 4;
+template <int kRows>
+__device__ __forceinline__ void tc_store(const TcStage<kRows>& st, __nv_bfloat16* xs,
+                                         __nv_bfloat16* ws) {
+#pragma unroll
+  for (int j = 0; j < TcShape<kRows>::kXChunks; ++j) {
+    const int i = threadIdx.x + j * kTcThreads;
+    *reinterpret_cast<uint4*>(xs + (i / (kTcK / 8)) * kTcPitch + (i % (kTcK / 8)) * 8) = st.x[j];
+  }
+  uint4* row = reinterpret_cast<uint4*>(ws + (threadIdx.x / kTcGroups) * kTcPitch +
+                                        (threadIdx.x % kTcGroups) * 32);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) row[c] = tc_decode(word_of(st.w, c), st.s);
+}
+
+// Four 8 x 8 bf16 matrices from shared memory, one register each; lane l gives the address of
+// row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// The warp's tile (rows wm, features wn of the block's) += one stage of the shared tiles.
+template <int kM, int kN>
+__device__ __forceinline__ void tc_multiply(float (&acc)[kM][kN][4], const __nv_bfloat16* xs,
+                                            const __nv_bfloat16* ws, int wm, int wn) {
+  const int lane = threadIdx.x % 32, q = lane / 8, r8 = lane % 8;
 #pragma unroll
   for (int k0 = 0; k0 < kTcK; k0 += 16) {
-    const int k = k0 + 2 * t4;
-    uint32_t a[2][4];
+    // A: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15), the m16k16
+    // fragment's registers in order.
+    uint32_t a[kM][4];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-      const int r = wm + mi * 16 + g4;
-      a[mi][0] = *reinterpret_cast<const uint32_t*>(&t.x[buf][r][k]);
-      a[mi][1] = *reinterpret_cast<const uint32_t*>(&t.x[buf][r + 8][k]);
-      a[mi][2] = *reinterpret_cast<const uint32_t*>(&t.x[buf][r][k + 8]);
-      a[mi][3] = *reinterpret_cast<const uint32_t*>(&t.x[buf][r + 8][k + 8]);
+    for (int mi = 0; mi < kM; ++mi) {
+      ldmatrix_x4(a[mi], xs + (wm + mi * 16 + (q % 2) * 8 + r8) * kTcPitch + k0 + (q / 2) * 8);
     }
+    // B (features as rows): matrices (features 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7),
+    // (8-15, 8-15), two n8 tiles' b0 / b1.
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
-      const int c = wn + ni * 8 + g4;
-      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&t.w[buf][c][k]);
-      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&t.w[buf][c][k + 8]);
+    for (int np = 0; np < kN / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, ws + (wn + np * 16 + (q / 2) * 8 + r8) * kTcPitch + k0 + (q % 2) * 8);
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) mma_bf16(acc[mi][ni], a[mi], b0, b1);
+      for (int mi = 0; mi < kM; ++mi) {
+        mma_bf16(acc[mi][2 * np], a[mi], b[0], b[1]);
+        mma_bf16(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
+      }
     }
   }
 }
 
-__global__ void __launch_bounds__(kTcThreads)
+// Two blocks an SM (at most 128 registers a thread): one block's barrier wait is the other's
+// tensor time.
+template <int kRows>
+__global__ void __launch_bounds__(kTcThreads, 2)
     mxfp4_grouped_gemm_tc_kernel(const __nv_bfloat16* __restrict__ x,
                                  const int32_t* __restrict__ offsets, int experts,
                                  const uint4* __restrict__ blocks,
                                  const uint8_t* __restrict__ scales,
                                  const __nv_bfloat16* __restrict__ bias,
                                  __nv_bfloat16* __restrict__ y, int64_t out, int64_t groups) {
-  __shared__ TcTiles tiles;
+  using Shape = TcShape<kRows>;
+  constexpr int kM = Shape::kMTiles, kN = Shape::kNTiles;
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  auto* const xs = reinterpret_cast<__nv_bfloat16*>(tc_smem);  // [2][kRows][kTcPitch]
+  auto* const ws = xs + 2 * Shape::kXStage;                    // [2][kTcFeatures][kTcPitch]
   int row0 = 0, end = 0;
   const int e =
-      expert_tile<kTcThreads>(offsets, experts, static_cast<int>(blockIdx.y), kTcRows, row0, end);
+      expert_tile<kTcThreads>(offsets, experts, static_cast<int>(blockIdx.y), kRows, row0, end);
   if (e < 0) return;
   const int64_t n0 = int64_t(blockIdx.x) * kTcFeatures, in = groups * 32;
   const uint4* w = blocks + int64_t(e) * out * groups;
   const uint8_t* s = scales + int64_t(e) * out * groups;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g4 = lane / 4, t4 = lane % 4;
-  const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
+  const int wm = (warp / Shape::kWarpsN) * 16 * kM, wn = (warp % Shape::kWarpsN) * 8 * kN;
   // The feature whose group this thread loads (clamped: columns past `out` are not written).
   const int64_t feature =
       n0 + threadIdx.x / kTcGroups < out ? n0 + threadIdx.x / kTcGroups : out - 1;
   const int64_t stages = (groups + kTcGroups - 1) / kTcGroups;
-  float acc[2][4][4] = {};
-  TcStage next;
+  float acc[kM][kN][4] = {};
+  TcStage<kRows> next;
   tc_load(next, 0, x, row0, end, in, w, s, feature, groups);
-  tc_store(next, tiles, 0);
+  tc_store(next, xs, ws);
   __syncthreads();
   for (int64_t stage = 0; stage < stages; ++stage) {
     const int buf = static_cast<int>(stage % 2);
     const bool more = stage + 1 < stages;
     if (more) tc_load(next, stage + 1, x, row0, end, in, w, s, feature, groups);
-    tc_multiply(acc, tiles, buf, wm, wn);
+    tc_multiply(acc, xs + buf * Shape::kXStage, ws + buf * Shape::kWStage, wm, wn);
     // The other buffer was last read before the previous stage's barrier.
-    if (more) tc_store(next, tiles, buf ^ 1);
+    if (more) tc_store(next, xs + (buf ^ 1) * Shape::kXStage, ws + (buf ^ 1) * Shape::kWStage);
     __syncthreads();
   }
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi) {
+  for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
+    for (int ni = 0; ni < kN; ++ni) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = row0 + wm + mi * 16 + g4 + (j / 2) * 8;
@@ -354,6 +407,31 @@ __global__ void __launch_bounds__(kTcThreads)
       }
     }
   }
+}
+
+template <int kRows>
+void launch_tc(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& blocks,
+               const at::Tensor& scales, const at::Tensor& bias, at::Tensor& y,
+               cudaStream_t stream) {
+  const int64_t rows = x.size(0), experts = blocks.size(0), out = blocks.size(1);
+  const int64_t groups = blocks.size(2);
+  // Each busy expert adds at most one partial row tile to the full ones; the slots past the last
+  // tile return.
+  const int64_t tiles = (rows + kRows - 1) / kRows + std::min(experts, rows);
+  TORCH_CHECK(tiles <= 65535, "mxfp4 grouped linear: too many rows for the grid, ", rows);
+  auto kernel = mxfp4_grouped_gemm_tc_kernel<kRows>;
+  constexpr auto smem = TcShape<kRows>::kSmem;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>((out + kTcFeatures - 1) / kTcFeatures),
+                  static_cast<unsigned>(tiles));
+  kernel<<<grid, kTcThreads, smem, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), offsets.data_ptr<int32_t>(),
+      static_cast<int>(experts), reinterpret_cast<const uint4*>(blocks.data_ptr()),
+      scales.data_ptr<uint8_t>(),
+      bias.defined() ? reinterpret_cast<const __nv_bfloat16*>(bias.data_ptr()) : nullptr,
+      reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), out, groups);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -369,19 +447,13 @@ void mxfp4_grouped_linear_cuda(at::Tensor& y, const at::Tensor& x, const at::Ten
   TORCH_CHECK(experts <= 65535, "mxfp4 grouped linear: at most 65535 experts, got ", experts);
   const auto stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   if (kernel == Mxfp4Kernel::kTensorCores && x.scalar_type() == at::kBFloat16) {
-    // Each busy expert adds at most one partial row tile to the R / 64 full ones; the slots past
-    // the last tile return.
-    const int64_t tiles = (rows + kTcRows - 1) / kTcRows + std::min(experts, rows);
-    TORCH_CHECK(tiles <= 65535, "mxfp4 grouped linear: too many rows for the grid, ", rows);
-    const dim3 grid(static_cast<unsigned>((out + kTcFeatures - 1) / kTcFeatures),
-                    static_cast<unsigned>(tiles));
-    mxfp4_grouped_gemm_tc_kernel<<<grid, kTcThreads, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), offsets.data_ptr<int32_t>(),
-        static_cast<int>(experts), reinterpret_cast<const uint4*>(blocks.data_ptr()),
-        scales.data_ptr<uint8_t>(),
-        bias.defined() ? reinterpret_cast<const __nv_bfloat16*>(bias.data_ptr()) : nullptr,
-        reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), out, groups);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // 128-row tiles once experts average 96 rows (a partial tile wastes less than a second
+    // decode of the weights costs).
+    if (rows >= 96 * experts) {
+      launch_tc<128>(x, offsets, blocks, scales, bias, y, stream);
+    } else {
+      launch_tc<64>(x, offsets, blocks, scales, bias, y, stream);
+    }
     return;
   }
   // At most one busy expert per row: min(E, R) slots, those past the busy experts return.

@@ -343,23 +343,32 @@ TEST(GatedDeltaGpu, StepMatchesReferenceWithStatesOut) {
 TEST(CausalConvGpu, PrefillMatchesReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(37);
-  const std::vector<int64_t> lengths{1, 2, 3, 70, 0, 130, 5};
-  const int64_t tokens = total_of(lengths), n = static_cast<int64_t>(lengths.size()), c = 640;
-  for (auto dtype : {at::kBFloat16, at::kFloat}) {
-    for (bool initial : {false, true}) {
-      SCOPED_TRACE(std::string(c10::toString(dtype)) + (initial ? " initial" : " zero"));
-      auto opts = at::device(at::kCUDA).dtype(dtype);
-      // x as a column slice of a wider row, as the model might hand it over.
-      auto x = at::randn({tokens, c + 64}, opts).narrow(1, 32, c);
-      auto weight = at::randn({c, 4}, opts) * 0.5;
-      at::Tensor init;
-      if (initial) init = at::randn({n, c, 3}, opts);
-      auto cu = cu_seqlens_of(lengths, at::kCUDA);
-      auto got = kernels::causal_conv1d_silu(x, weight, cu, lengths, init);
-      auto want = kernels::causal_conv1d_silu_reference(x, weight, cu, lengths, init);
-      EXPECT_CLOSE(got.out.to(at::kFloat), want.out.to(at::kFloat),
-                   dtype == at::kFloat ? 1e-6 : 8e-3);
-      EXPECT_CLOSE(got.final_state.to(at::kFloat), want.final_state.to(at::kFloat), 0.0);
+  const int64_t c = 640;
+  // Sequence starts inside 32-token tiles (each channel walked alone) and at a tile's start
+  // (the vector walk's window from the initial state); x a column slice of a wider row, as the
+  // model hands it over, 16-byte aligned (the vector kernel) or not (one thread a channel).
+  for (const std::vector<int64_t>& lengths :
+       {std::vector<int64_t>{1, 2, 3, 70, 0, 130, 5}, std::vector<int64_t>{32, 45, 64}}) {
+    const int64_t tokens = total_of(lengths), n = static_cast<int64_t>(lengths.size());
+    for (int64_t column : {32, 1}) {
+      for (auto dtype : {at::kBFloat16, at::kFloat}) {
+        for (bool initial : {false, true}) {
+          SCOPED_TRACE(std::string(c10::toString(dtype)) + (initial ? " initial" : " zero") +
+                       " column " + std::to_string(column) + ", " + std::to_string(n) +
+                       " sequences");
+          auto opts = at::device(at::kCUDA).dtype(dtype);
+          auto x = at::randn({tokens, c + 64}, opts).narrow(1, column, c);
+          auto weight = at::randn({c, 4}, opts) * 0.5;
+          at::Tensor init;
+          if (initial) init = at::randn({n, c, 3}, opts);
+          auto cu = cu_seqlens_of(lengths, at::kCUDA);
+          auto got = kernels::causal_conv1d_silu(x, weight, cu, lengths, init);
+          auto want = kernels::causal_conv1d_silu_reference(x, weight, cu, lengths, init);
+          EXPECT_CLOSE(got.out.to(at::kFloat), want.out.to(at::kFloat),
+                       dtype == at::kFloat ? 1e-6 : 8e-3);
+          EXPECT_CLOSE(got.final_state.to(at::kFloat), want.final_state.to(at::kFloat), 0.0);
+        }
+      }
     }
   }
 }
