@@ -19,7 +19,18 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kTokens = 64;  // tokens per prefill thread
 
-__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+// SiLU in fp32 for an output stored as T. A bf16 / fp16 output rounds away far more than the
+// fast exponential and division lose (a few ulp of fp32), and the exact pair costs most of the
+// prefill's instructions; fp32 outputs keep them. Every kernel here takes the same one, so the
+// prefill and the decode steps agree.
+template <typename T>
+__device__ __forceinline__ float silu(float x) {
+  if constexpr (sizeof(T) == 2) {
+    return __fdividef(x, 1.f + __expf(-x));
+  } else {
+    return x / (1.f + expf(-x));
+  }
+}
 
 // The sequence holding token t: the last n with cu[n] <= t (cu non-decreasing, cu[0] = 0).
 __device__ __forceinline__ int sequence_of(const int32_t* __restrict__ cu, int sequences,
@@ -82,7 +93,7 @@ __device__ __forceinline__ void walk_channel(const T* __restrict__ x, int64_t st
     float acc = w[W - 1] * xv;
 #pragma unroll
     for (int i = 0; i < W - 1; ++i) acc += w[i] * win[i];
-    out[t * channels + c] = from_float<T>(silu(acc));
+    out[t * channels + c] = from_float<T>(silu<T>(acc));
 #pragma unroll
     for (int i = 0; i + 1 < W - 1; ++i) win[i] = win[i + 1];
     win[W - 2] = xv;
@@ -163,7 +174,7 @@ __global__ void __launch_bounds__(kVecThreads)
         float acc = w[v][W - 1] * xv;
 #pragma unroll
         for (int i = 0; i < W - 1; ++i) acc += w[v][i] * win[v][i];
-        o.v[v] = from_float<T>(silu(acc));
+        o.v[v] = from_float<T>(silu<T>(acc));
 #pragma unroll
         for (int i = 0; i + 1 < W - 1; ++i) win[v][i] = win[v][i + 1];
         win[v][W - 2] = xv;
@@ -210,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
     float acc = w[W - 1] * xv;
 #pragma unroll
     for (int i = 0; i < W - 1; ++i) acc += w[i] * win[i];
-    out[row] = from_float<T>(silu(acc));
+    out[row] = from_float<T>(silu<T>(acc));
 #pragma unroll
     for (int i = 0; i + 1 < W - 1; ++i) win[i] = win[i + 1];
     win[W - 2] = xv;

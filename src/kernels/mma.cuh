@@ -1,5 +1,6 @@
 // kernels: the tensor-core instruction the hand-written GEMM tiles share, mma.sync m16n8k16
-// with bf16 operands and fp32 accumulation, and its fragment layout. lane = 4 g + t; A (16 x 16,
+// with bf16 operands and fp32 accumulation, its fragment layout, and the moves that feed it
+// (cp.async into shared memory, ldmatrix out of it). lane = 4 g + t; A (16 x 16,
 // row-major) holds rows g, g + 8 and columns 2t, 2t + 1, 2t + 8, 2t + 9; B (16 x 8) columns g,
 // rows 2t, 2t + 1, 2t + 8, 2t + 9; C (16 x 8, fp32) rows g, g + 8, columns 2t, 2t + 1. Each
 // register holds two consecutive k (the lower in the low half).
@@ -18,6 +19,28 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 bytes global -> shared without a register round trip (sm_80+), or 16 zero bytes when
+// !valid (the source is then not read). Every load of a thread block is in flight at once;
+// cp_async_wait_all + __syncthreads make them visible.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const auto to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Four 8 x 8 b16 matrices from shared memory, one register each; lane l gives the address of
+// row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
 }
 
 }  // namespace dflash::kernels

@@ -214,13 +214,13 @@ __global__ void __launch_bounds__(kThreads)
 // A block computes a kRows (64 or 128) x 128-feature tile of one expert with 8 warps (4 x 2 of
 // 32 x 64 at 128 rows, 2 x 4 of 32 x 32 at 64), each a grid of mma.sync m16n8k16 tiles
 // (kernels/mma.cuh) whose fragments ldmatrix reads. K advances two MXFP4 groups (64 inputs) a
-// stage through two shared buffers: while the warps multiply one stage, each thread's global
-// loads of the next (its chunks of the x tile, rows past the expert's end zero; one 32-value
-// group of the weight tile and its scale) are in flight into registers, then written to the
-// other buffer (the weights decoded to bf16 there, exactly mxfp4_dequantize's values), one
-// barrier a stage. The x tile is reread by every feature tile of its rows (from L2), so the
-// features are many; decoding costs the same per stage whatever the rows, so the taller tile
-// halves it per product where experts have the rows to fill it.
+// stage through two shared buffers: while the warps multiply one stage, the next one's loads
+// are in flight (x's tile by cp.async into the other buffer, rows past the expert's end zero;
+// each thread's 32-value group of the weight tile and its scale into registers, then decoded to
+// bf16 into the other buffer, exactly mxfp4_dequantize's values), one barrier a stage. The x tile
+// is reread by every feature tile of its rows (from L2), so the features are many; decoding costs
+// the same per stage whatever the rows, so the taller tile halves it per product where experts have
+// the rows to fill it.
 constexpr int kTcThreads = 256, kTcWarps = kTcThreads / 32;
 constexpr int kTcFeatures = 128;
 constexpr int kTcGroups = kTcThreads / kTcFeatures;  // a weight group per thread and stage
@@ -241,16 +241,17 @@ struct TcShape {
   static constexpr size_t kSmem = 2 * (kXStage + kWStage) * sizeof(__nv_bfloat16);
 };
 
-// One stage's global loads, held in registers while the previous stage multiplies.
-template <int kRows>
+// One stage's weight loads, held in registers while the previous stage multiplies (x's tile
+// goes straight to shared memory by cp.async).
 struct TcStage {
-  uint4 x[TcShape<kRows>::kXChunks];
   uint4 w;     // feature threadIdx.x / kTcGroups's group threadIdx.x % kTcGroups of the stage
   uint32_t s;  // its scale byte
 };
 
+// Starts stage `stage`'s loads: x's tile into xs (rows past the expert's end zero), the
+// weights into st.
 template <int kRows>
-__device__ __forceinline__ void tc_load(TcStage<kRows>& st, int64_t stage,
+__device__ __forceinline__ void tc_load(TcStage& st, __nv_bfloat16* xs, int64_t stage,
                                         const __nv_bfloat16* __restrict__ x, int row0, int end,
                                         int64_t in, const uint4* __restrict__ w,
                                         const uint8_t* __restrict__ s, int64_t feature,
@@ -258,11 +259,9 @@ __device__ __forceinline__ void tc_load(TcStage<kRows>& st, int64_t stage,
   const int64_t k0 = stage * kTcK;
 #pragma unroll
   for (int j = 0; j < TcShape<kRows>::kXChunks; ++j) {
-    const int i = threadIdx.x + j * kTcThreads, r = i / (kTcK / 8),
-              k = static_cast<int>(k0) + (i % (kTcK / 8)) * 8;
-    st.x[j] = row0 + r < end && k < in
-                  ? __ldg(reinterpret_cast<const uint4*>(x + int64_t(row0 + r) * in + k))
-                  : make_uint4(0, 0, 0, 0);
+    const int i = threadIdx.x + j * kTcThreads, r = i / (kTcK / 8), c = (i % (kTcK / 8)) * 8;
+    const bool valid = row0 + r < end && k0 + c < in;
+    cp_async16(xs + r * kTcPitch + c, valid ? x + int64_t(row0 + r) * in + k0 + c : x, valid);
   }
   // A group past the last (an odd count) multiplies as zeros.
   const int64_t g = stage * kTcGroups + threadIdx.x % kTcGroups;
@@ -298,27 +297,14 @@ __device__ __forceinline__ uint4 tc_decode(uint32_t word, uint32_t s) {
   return out;
 }
 
-template <int kRows>
-__device__ __forceinline__ void tc_store(const TcStage<kRows>& st, __nv_bfloat16* xs,
-                                         __nv_bfloat16* ws) {
-#pragma unroll
-  for (int j = 0; j < TcShape<kRows>::kXChunks; ++j) {
-    const int i = threadIdx.x + j * kTcThreads;
-    *reinterpret_cast<uint4*>(xs + (i / (kTcK / 8)) * kTcPitch + (i % (kTcK / 8)) * 8) = st.x[j];
-  }
+// Finishes a stage's loads: the weights decoded into ws, x's copies awaited (the barrier that
+// follows makes both visible).
+__device__ __forceinline__ void tc_store(const TcStage& st, __nv_bfloat16* ws) {
   uint4* row = reinterpret_cast<uint4*>(ws + (threadIdx.x / kTcGroups) * kTcPitch +
                                         (threadIdx.x % kTcGroups) * 32);
 #pragma unroll
   for (int c = 0; c < 4; ++c) row[c] = tc_decode(word_of(st.w, c), st.s);
-}
-
-// Four 8 x 8 bf16 matrices from shared memory, one register each; lane l gives the address of
-// row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
-  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
+  cp_async_wait_all();
 }
 
 // The warp's tile (rows wm, features wn of the block's) += one stage of the shared tiles.
@@ -379,17 +365,20 @@ __global__ void __launch_bounds__(kTcThreads, 2)
       n0 + threadIdx.x / kTcGroups < out ? n0 + threadIdx.x / kTcGroups : out - 1;
   const int64_t stages = (groups + kTcGroups - 1) / kTcGroups;
   float acc[kM][kN][4] = {};
-  TcStage<kRows> next;
-  tc_load(next, 0, x, row0, end, in, w, s, feature, groups);
-  tc_store(next, xs, ws);
+  TcStage next;
+  tc_load<kRows>(next, xs, 0, x, row0, end, in, w, s, feature, groups);
+  tc_store(next, ws);
   __syncthreads();
   for (int64_t stage = 0; stage < stages; ++stage) {
     const int buf = static_cast<int>(stage % 2);
     const bool more = stage + 1 < stages;
-    if (more) tc_load(next, stage + 1, x, row0, end, in, w, s, feature, groups);
+    // The other buffers were last read before the previous stage's barrier.
+    if (more) {
+      tc_load<kRows>(next, xs + (buf ^ 1) * Shape::kXStage, stage + 1, x, row0, end, in, w, s,
+                     feature, groups);
+    }
     tc_multiply(acc, xs + buf * Shape::kXStage, ws + buf * Shape::kWStage, wm, wn);
-    // The other buffer was last read before the previous stage's barrier.
-    if (more) tc_store(next, xs + (buf ^ 1) * Shape::kXStage, ws + (buf ^ 1) * Shape::kWStage);
+    if (more) tc_store(next, ws + (buf ^ 1) * Shape::kWStage);
     __syncthreads();
   }
 #pragma unroll

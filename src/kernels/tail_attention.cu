@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kernels/float_cast.cuh"
+#include "kernels/mma.cuh"
 #include "kernels/reduce.cuh"
 
 namespace dflash::kernels {
@@ -53,19 +54,6 @@ struct TailArgs {
   int64_t heads, rows_per_block, block_size;
   float scale;
 };
-
-// 16 bytes global -> shared without a register round trip (sm_80+), or 16 zero bytes when
-// !valid (the source is then not read). Every load of a thread block is in flight at once;
-// cp_async_wait_all + __syncthreads make them visible.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const auto to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
 
 // Rows [first, first + count) of a [rows, H, D] tensor's head `h` into a [padded, kLdh] tile;
 // rows [count, padded) become zeros. Asynchronous (cp_async16).
