@@ -273,7 +273,7 @@ __device__ __forceinline__ void tc_load(TcStage& st, __nv_bfloat16* xs, int64_t 
 // s <= 128 one product by 2^(s - 1), exact and normal, turns e2m1's value x 2^-126 into value x
 // 2^(s - 127) (subnormal results rounded as the reference's); larger scales take the group_scale
 // pair the streaming kernel applies.
-__device__ __forceinline__ uint4 tc_decode(uint32_t word, uint32_t s) {
+__device__ __forceinline__ Vec<__nv_bfloat162, 4> tc_decode(uint32_t word, uint32_t s) {
   float v[8] = {e2m1_times_2_pow_minus_126<0>(word), e2m1_times_2_pow_minus_126<1>(word),
                 e2m1_times_2_pow_minus_126<2>(word), e2m1_times_2_pow_minus_126<3>(word),
                 e2m1_times_2_pow_minus_126<4>(word), e2m1_times_2_pow_minus_126<5>(word),
@@ -287,21 +287,17 @@ __device__ __forceinline__ uint4 tc_decode(uint32_t word, uint32_t s) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = v[i] * 0x1p126f * scale.first * scale.power;
   }
-  uint4 out;
-  uint32_t* o = &out.x;
+  Vec<__nv_bfloat162, 4> out;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    o[i] = *reinterpret_cast<const uint32_t*>(&pair);
-  }
+  for (int i = 0; i < 4; ++i) out.v[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
   return out;
 }
 
 // Finishes a stage's loads: the weights decoded into ws, x's copies awaited (the barrier that
 // follows makes both visible).
 __device__ __forceinline__ void tc_store(const TcStage& st, __nv_bfloat16* ws) {
-  uint4* row = reinterpret_cast<uint4*>(ws + (threadIdx.x / kTcGroups) * kTcPitch +
-                                        (threadIdx.x % kTcGroups) * 32);
+  auto* row = reinterpret_cast<Vec<__nv_bfloat162, 4>*>(ws + (threadIdx.x / kTcGroups) * kTcPitch +
+                                                        (threadIdx.x % kTcGroups) * 32);
 #pragma unroll
   for (int c = 0; c < 4; ++c) row[c] = tc_decode(word_of(st.w, c), st.s);
   cp_async_wait_all();
