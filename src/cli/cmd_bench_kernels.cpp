@@ -43,7 +43,7 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
   auto report = [&](const std::string& name, int64_t rows, int64_t n, int64_t k, double us,
                     double bytes) {
     const double gbps = bytes / (us * 1e-6) / 1e9;
-    fmt::print("{:<34} {:>5} {:>8} {:>8} {:>10.2f} {:>8.0f}\n", name, rows, n, k, us, gbps);
+    fmt::print("{:<40} {:>5} {:>8} {:>8} {:>10.2f} {:>8.0f}\n", name, rows, n, k, us, gbps);
     lines.push_back({{"kernel", name},
                      {"rows", rows},
                      {"n", n},
@@ -52,7 +52,7 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
                      {"gb_per_s", gbps}});
   };
   auto header = [] {
-    fmt::print("{:<34} {:>5} {:>8} {:>8} {:>10} {:>8}\n", "kernel", "rows", "N", "K", "us/call",
+    fmt::print("{:<40} {:>5} {:>8} {:>8} {:>10} {:>8}\n", "kernel", "rows", "N", "K", "us/call",
                "GB/s");
   };
   const auto opts = at::TensorOptions().device(device).dtype(at::kBFloat16);

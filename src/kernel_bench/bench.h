@@ -23,9 +23,9 @@ namespace dflash::kernel_bench {
 
 // What the command line sets for every benchmark.
 struct Options {
-  std::vector<int64_t> rows = {1, 4, 8};  // rows of x for the linear kernels and add_rms_norm
-  int calls = 40;                         // calls per captured graph
-  int iters = 20;                         // timed replays
+  std::vector<int64_t> rows = {1, 8, 16};  // rows of x for the linear kernels and add_rms_norm
+  int calls = 40;                          // calls per captured graph
+  int iters = 20;                          // timed replays
 };
 
 // Microseconds per call of fn(i) (i: the call's index), from CUDA events around `iters` replays

@@ -1,9 +1,9 @@
 // kernels: the tensor-core instruction the hand-written GEMM tiles share, mma.sync m16n8k16
-// with bf16 operands and fp32 accumulation, its fragment layout, and the moves that feed it
-// (cp.async into shared memory, ldmatrix out of it). lane = 4 g + t; A (16 x 16,
-// row-major) holds rows g, g + 8 and columns 2t, 2t + 1, 2t + 8, 2t + 9; B (16 x 8) columns g,
-// rows 2t, 2t + 1, 2t + 8, 2t + 9; C (16 x 8, fp32) rows g, g + 8, columns 2t, 2t + 1. Each
-// register holds two consecutive k (the lower in the low half).
+// with bf16 (or fp16) operands and fp32 accumulation, its fragment layout, and the moves that feed
+// it (cp.async into shared memory, ldmatrix out of it). lane = 4 g + t; A (16 x 16, row-major)
+// holds rows g, g + 8 and columns 2t, 2t + 1, 2t + 8, 2t + 9; B (16 x 8) columns g, rows 2t, 2t +
+// 1, 2t + 8, 2t + 9; C (16 x 8, fp32) rows g, g + 8, columns 2t, 2t + 1. Each register holds two
+// consecutive k (the lower in the low half).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -16,6 +16,16 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
                                          uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The same with fp16 operands.
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

@@ -18,6 +18,7 @@
 #include "kernels/cudnn_attention.h"
 #include "kernels/residual_norm.h"
 #include "kernels/rotary.h"
+#include "kernels/small_linear.h"
 #include "kernels/swiglu.h"
 #include "models/linear_group.h"
 #include "models/prefix_attention.h"
@@ -112,7 +113,7 @@ at::Tensor fused_context(const DrafterConfig& config, const at::Tensor& features
     fail("drafter: features must be [tokens, {}] ({} taps x hidden {}), got {}", kh,
          config.num_taps(), config.layers.hidden_size, features.sizes());
   }
-  auto fused = at::linear(features.to(dtype), fc.to(dtype));
+  auto fused = kernels::inference_linear(features.to(dtype), fc.to(dtype));
   return rms_norm(fused, hidden_norm.to(dtype), config.layers.rms_norm_eps);
 }
 
@@ -123,7 +124,8 @@ Residual layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const 
                       const at::Tensor& attn, at::ScalarType dtype, bool fp8 = false) {
   const int64_t rows = x.size(0);
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight) {
-    return fp8 ? linear_group({in}, {weight}, {{0, 0}}, true)[0] : at::linear(in, weight);
+    return fp8 ? linear_group({in}, {weight}, {{0, 0}}, true)[0]
+               : kernels::inference_linear(in, weight);
   };
   auto o = linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
   auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm.to(dtype), c.rms_norm_eps);
@@ -1076,7 +1078,7 @@ at::Tensor DraftModel::logits(KVCache& cache, const AppendBatch& batch,
 
 at::Tensor DraftModel::predictions(const at::Tensor& hidden) const {
   c10::NoGradGuard no_grad;
-  return at::linear(hidden.narrow(1, 1, config_.block_size - 1), head_.lm_head);
+  return kernels::inference_linear(hidden.narrow(1, 1, config_.block_size - 1), head_.lm_head);
 }
 
 at::Tensor DraftModel::draft(KVCache& cache, const std::vector<int64_t>& slots,

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "kernels/fp8_rows.h"
+#include "kernels/small_linear.h"
 
 namespace dflash::models {
 namespace {
@@ -115,10 +116,13 @@ std::vector<at::Tensor> linear_group(const std::vector<at::Tensor>& inputs,
     flat.push_back(p.input);
     flat.push_back(p.weight);
   }
-  // Inference (decoding) builds no graph: the products alone, without a node's overhead.
+  // Inference (decoding) builds no graph: the products alone, without a node's overhead (a
+  // drafted block's few rows through small_linear).
   if (!c10::GradMode::is_enabled()) {
     std::vector<at::Tensor> out;
-    for (const auto& p : products) out.push_back(at::linear(inputs[p.input], weights[p.weight]));
+    for (const auto& p : products) {
+      out.push_back(kernels::inference_linear(inputs[p.input], weights[p.weight]));
+    }
     return out;
   }
   // As TensorLists: autograd takes an ArrayRef of tensors as inputs, a std::vector as a constant.

@@ -28,7 +28,7 @@ struct LinearProduct {
 // is one GEMM, q([g_1 .. g_n]) q([W_1; ..; W_n]^T)^T. The weight gradients stay in the
 // compute dtype (their reduction runs over every row of the batch). Every dimension a GEMM
 // reduces over (inputs' widths, the summed outputs) must be a multiple of 16. Without
-// autograd (inference) the products are at::linear's whatever `fp8` says.
+// autograd (inference) the products are kernels::inference_linear's whatever `fp8` says.
 std::vector<at::Tensor> linear_group(const std::vector<at::Tensor>& inputs,
                                      const std::vector<at::Tensor>& weights,
                                      const std::vector<LinearProduct>& products, bool fp8 = false);
