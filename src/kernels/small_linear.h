@@ -14,10 +14,12 @@ namespace dflash::kernels {
 inline constexpr int64_t kSmallLinearMaxRows = 16;
 inline constexpr int64_t kSmallLinearCudaCoreMaxRows = 8;
 // The most rows at which small_linear beats cuBLAS, for the target's projections and LM head
-// (`dflash bench-kernels --rows 1,2,4,8,16`, Qwen3-8B shapes). H200, 2026-11-30, the CUDA-core
-// kernel alone: at 1 row 1.07-1.35x faster on every linear; at 4 rows 0.68-0.94x, at 8
-// 0.49-0.73x. The tensor-core kernel serves 2-16 rows.
-inline constexpr int64_t kSmallLinearFasterRows = 16;
+// and the drafter's inference linears. H200, 2026-11-30 (`dflash bench-kernels`, Qwen3-8B
+// shapes), the CUDA-core kernel: at 1 row 1.07-1.35x faster on every linear; at 4 rows
+// 0.68-0.94x, at 8 0.49-0.73x. The tensor-core kernel (2-16 rows) has not run on a GPU yet:
+// `dflash bench-kernels --rows 1,8,16` measures it beside cuBLAS (2.5-4.1 TB/s at 16 rows,
+// docs/BENCHMARKS.md), and this limit becomes 16 once it is measured faster.
+inline constexpr int64_t kSmallLinearFasterRows = 1;
 
 enum class SmallLinearKernel {
   kAuto,         // 1 row: CUDA cores; 2-16 rows: tensor cores where 16-byte loads are possible
