@@ -318,7 +318,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
     fail("bench-decode: --tree-budgets: {}'s linear-attention layers cannot verify trees",
          o.preset);
   }
-  models::KVCache cache(config, 1, o.prompt_len + o.verify_tokens, device, dtype);
+  models::KVCache cache = model.make_cache(1, o.prompt_len + o.verify_tokens);
   // A hybrid's linear states go back to the prompt's from the pass's block buffers.
   cache.keep_block_states(o.verify_tokens);
   auto prompt = at::tensor(random_prompts(1, o.prompt_len, config.vocab_size, 2)[0]).to(device);

@@ -10,12 +10,16 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/option_range.h"
+#include "dist/comm.h"
+#include "dist/world.h"
 #include "eval/evaluate.h"
 #include "eval/regenerate.h"
 #include "train/checkpoint.h"
 
 namespace dflash::cli {
 namespace {
+
+namespace fs = std::filesystem;
 
 struct EvalCliOptions {
   std::string target, drafter;
@@ -24,6 +28,8 @@ struct EvalCliOptions {
   std::optional<std::string> chat_format;
   data::ChatTemplateChoice chat_template;
   std::string device, dtype;  // add_device_option, add_dtype_option
+  int target_tp = 1;          // add_target_parallel_options
+  bool target_ep = false;
   bool json = false;
   eval::EvalOptions eval = [] {
     eval::EvalOptions e;
@@ -33,29 +39,51 @@ struct EvalCliOptions {
   }();
 };
 
+// The tensor-parallel group of --target-tp: every rank of the world (one group decodes every
+// prompt; several would need their reports merged), null for --target-tp 1.
+std::unique_ptr<dist::Comm> eval_group(const EvalCliOptions& o, at::Device device) {
+  const dist::World world = dist::world_from_env();
+  if (world.world_size != o.target_tp) {
+    fail(
+        "eval: --target-tp {} needs as many ranks (one group decodes every prompt), got {} "
+        "(--nproc-per-node, torchrun)",
+        o.target_tp, world.world_size);
+  }
+  if (o.target_tp == 1) return nullptr;
+  models::check_tensor_parallel(models::load_model_config(fs::path(o.target) / "config.json"),
+                                o.target_tp, o.target_ep);
+  return dist::Comm::create(world, device);
+}
+
 void run_eval(const EvalCliOptions& o) {
   const at::Device device = device_option(o.device);
   const at::ScalarType dtype = models::parse_dtype(o.dtype, device);
+  const auto group = eval_group(o, device);
+  // The ranks of the group compute the same report: the first prints it.
+  const bool speaks = group == nullptr || group->rank() == 0;
   auto tokenizer = tok::Tokenizer::load(o.target);
   const data::ChatConfig chat = eval::chat_config(o.target, o.chat_format, "eval", o.chat_template);
   std::vector<eval::PromptFile> files;
   for (const auto& p : o.prompts) files.push_back(eval::read_prompt_file(p, o.limit));
-  auto target = models::TargetModel::load(o.target, device, dtype);
+  auto target = models::TargetModel::load(o.target, device, dtype, group.get(), o.target_ep);
   auto drafter = train::load_drafter(o.drafter, target.config(), device);
   eval::EvalOptions options = o.eval;
   // With --json, progress only where it cannot end up inside the report (a terminal).
-  if (o.json && ::isatty(STDERR_FILENO) == 0) options.progress_seconds = 0;
+  if ((o.json && ::isatty(STDERR_FILENO) == 0) || !speaks) options.progress_seconds = 0;
   options.stop_tokens = eval::stop_tokens(o.target, tokenizer, chat.format);
   // Progress goes to stderr so that --json leaves stdout to the report.
-  fmt::print(stderr, "eval: target {} ({} on {}), drafter {} (block {}), {} prompt file(s)\n",
-             o.target, c10::toString(dtype), device.str(), o.drafter,
-             options.block_size > 0 ? options.block_size : drafter.config().block_size,
-             files.size());
+  if (speaks) {
+    fmt::print(stderr, "eval: target {} ({} on {}{}), drafter {} (block {}), {} prompt file(s)\n",
+               o.target, c10::toString(dtype), device.str(),
+               group ? fmt::format(", split over {} ranks, without CUDA graphs", o.target_tp) : "",
+               o.drafter, options.block_size > 0 ? options.block_size : drafter.config().block_size,
+               files.size());
+  }
   eval::Evaluator evaluator(target, tokenizer, chat, std::move(files), options);
   const auto report = evaluator.evaluate(drafter);
-  if (o.json) {
+  if (speaks && o.json) {
     fmt::print("{}\n", report.to_json().dump(2));
-  } else {
+  } else if (speaks) {
     fmt::print("{}", eval::format_report(report));
   }
   for (const auto& f : report.files) {
@@ -126,6 +154,8 @@ void add_eval_command(CLI::App& app) {
                   "logit gap under which a divergence is a numerical tie, not a mismatch "
                   "(default: 1e-4 in fp32, 0.25 in bf16)")
       ->check(kNonNegative.validator());
+  add_target_parallel_options(*cmd, o->target_tp, o->target_ep,
+                              "one group, --nproc-per-node T, decodes every prompt");
   add_device_option(*cmd, o->device);
   add_dtype_option(*cmd, o->dtype,
                    "fp32 makes near-ties in the logits rare, bf16 is the serving setting");
@@ -137,6 +167,7 @@ void add_eval_command(CLI::App& app) {
                   "the line rewrites itself)")
       ->capture_default_str()
       ->check(kNonNegative.validator());
+  add_nproc_option(*cmd);
   cmd->callback([o] { run_eval(*o); });
 }
 

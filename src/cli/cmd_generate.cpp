@@ -49,6 +49,8 @@ void add_generate_command(CLI::App& app) {
                   "line rewrites itself)")
       ->capture_default_str()
       ->check(kNonNegative.validator());
+  add_target_parallel_options(*cmd, o->target_tp, o->target_ep,
+                              "each group regenerates its share of the lines");
   add_nproc_option(*cmd);
   cmd->callback([o] {
     eval::regenerate(*o);

@@ -57,6 +57,11 @@ void add_json_option(CLI::App& cmd, std::string& path, const std::string& what);
 void add_out_option(CLI::App& cmd, std::string& out, const std::string& what);
 void add_out_option(CLI::App& cmd, std::filesystem::path& out, const std::string& what);
 
+// --target-tp T and --target-ep for the commands that decode with the target (generate, eval):
+// the target split over groups of T consecutive ranks (models/target.h), every rank of a group
+// decoding the same sequences in lockstep; `share` says what a group decodes.
+void add_target_parallel_options(CLI::App& cmd, int& tp, bool& ep, const std::string& share);
+
 // `--nproc-per-node N` in the command's --help. main() takes the option out before parsing
 // and starts N ranks of the command (dist/launch.h); a command without it refuses the option.
 void add_nproc_option(CLI::App& cmd);

@@ -30,6 +30,19 @@ at::Device device_option(const std::string& device) {
   return dist::device_for(dist::world_from_env(), device);
 }
 
+void add_target_parallel_options(CLI::App& cmd, int& tp, bool& ep, const std::string& share) {
+  cmd.add_option("--target-tp", tp,
+                 "split the target over groups of this many consecutive ranks (tensor parallel: "
+                 "heads, MLPs and vocabulary; Qwen3, Qwen2, Llama, Qwen3 MoE, gpt-oss and the "
+                 "Qwen3.5 / Qwen3-Next hybrids), each rank one GPU of --nproc-per-node; " +
+                     share + "; decoding runs without CUDA graphs")
+      ->capture_default_str()
+      ->check(kAtLeastOne.validator());
+  cmd.add_flag("--target-ep", ep,
+               "with --target-tp T: the MoE layers split by experts instead (each rank holds E/T "
+               "whole experts)");
+}
+
 void add_dtype_option(CLI::App& cmd, std::string& dtype, const std::string& why) {
   dtype = "auto";
   cmd.add_option("--dtype", dtype,

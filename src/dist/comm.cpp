@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <exception>
+#include <numeric>
 #include <utility>
 
 #include "common/clock.h"
@@ -441,6 +442,16 @@ std::unique_ptr<Comm> Comm::subgroup(const std::vector<int>& ranks, const std::s
   impl->store = c10::make_intrusive<c10d::PrefixStore>(name, impl_->store);
   impl->group = make_group(*impl);
   return std::unique_ptr<Comm>(new Comm(std::move(impl)));
+}
+
+std::unique_ptr<Comm> consecutive_group(Comm& world, int size, const std::string& name) {
+  if (size < 1 || world.size() % size != 0) {
+    fail("{}: groups of {} ranks do not divide the {} ranks", name, size, world.size());
+  }
+  const int first = world.rank() / size * size;
+  std::vector<int> ranks(static_cast<size_t>(size));
+  std::iota(ranks.begin(), ranks.end(), first);
+  return world.subgroup(ranks, fmt::format("{}_{}", name, first / size));
 }
 
 }  // namespace dflash::dist

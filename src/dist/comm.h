@@ -101,4 +101,8 @@ class Comm {
   std::unique_ptr<Impl> impl_;
 };
 
+// The group of `size` consecutive ranks of `world` that this rank belongs to, a subgroup named
+// `name`_k for the k-th (--target-tp's tensor-parallel groups); `size` must divide the world.
+std::unique_ptr<Comm> consecutive_group(Comm& world, int size, const std::string& name);
+
 }  // namespace dflash::dist

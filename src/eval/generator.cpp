@@ -78,7 +78,10 @@ int64_t resolve_context(const models::TargetModel& model, const GenerationOption
 }  // namespace
 
 bool cuda_graph_capable(const models::TargetModel& model) {
-  return model.device().is_cuda() && (model.dtype() == at::kBFloat16 || model.dtype() == at::kHalf);
+  // A captured step holding a tensor-parallel group's collectives has not run on a GPU yet:
+  // such a target decodes eagerly.
+  return model.tensor_parallel() == nullptr && model.device().is_cuda() &&
+         (model.dtype() == at::kBFloat16 || model.dtype() == at::kHalf);
 }
 
 void capture_cuda_graph(at::cuda::CUDAGraph& graph, at::Device device,
@@ -105,8 +108,7 @@ void capture_cuda_graph(at::cuda::CUDAGraph& graph, at::Device device,
 Generator::Generator(const models::TargetModel& model, GenerationOptions options)
     : model_(model),
       options_(std::move(options)),
-      cache_(model.config(), options_.slots, resolve_context(model, options_), model.device(),
-             model.dtype()) {
+      cache_(model.make_cache(options_.slots, resolve_context(model, options_))) {
   options_.sampling.validate();
   if (options_.max_new_tokens <= 0) {
     fail("generation: --max-new-tokens must be positive, got {}", options_.max_new_tokens);

@@ -35,9 +35,17 @@ constexpr int kTurnBits = 20;
 
 std::string part_prefix(const fs::path& out) { return out.filename().string() + ".part"; }
 
-fs::path part_path(const fs::path& out, int rank) {
-  return out.parent_path() / (part_prefix(out) + std::to_string(rank));
+fs::path part_path(const fs::path& out, int share) {
+  return out.parent_path() / (part_prefix(out) + std::to_string(share));
 }
+
+// This rank's place among those that split the lines: a rank alone, or with --target-tp the
+// group of consecutive ranks it decodes with in lockstep, whose first rank writes the group's
+// part file.
+struct Share {
+  int index = 0, count = 1;
+  bool writes = true;
+};
 
 // The complete lines of a JSONL file (a last line without its newline was cut short by a kill
 // and is left out) and the byte length they span.
@@ -193,24 +201,26 @@ struct Job {
 // Thrown out of the generation loop when a stop signal arrives.
 struct Stopped {};
 
-// The input lines this rank regenerates: its share (line i goes to rank i mod world size),
+// The input lines this rank regenerates: its share's (line i goes to share i mod count),
 // neither blank nor finished by an earlier run.
-std::deque<int64_t> lines_for_rank(const std::vector<std::string>& inputs,
-                                   const std::map<int64_t, Finished>& finished,
-                                   const dist::World& world) {
+std::deque<int64_t> lines_for_share(const std::vector<std::string>& inputs,
+                                    const std::map<int64_t, Finished>& finished,
+                                    const Share& share) {
   std::deque<int64_t> todo;
   for (int64_t i = 0; i < static_cast<int64_t>(inputs.size()); ++i) {
-    if (i % world.world_size == world.rank && !blank(inputs[i]) && !finished.contains(i)) {
+    if (i % share.count == share.index && !blank(inputs[i]) && !finished.contains(i)) {
       todo.push_back(i);
     }
   }
   return todo;
 }
 
-// This rank's part file, opened for appending after a line a kill cut short is dropped.
+// This rank's part file, opened for appending after a line a kill cut short is dropped; of
+// a rank that does not write its share's part (`writes` false), never opened.
 class PartFile {
  public:
-  explicit PartFile(fs::path path) : path_(std::move(path)) {
+  PartFile(fs::path path, bool writes) : path_(std::move(path)), writes_(writes) {
+    if (!writes_) return;
     if (fs::exists(path_)) {
       std::vector<std::string> lines;
       const size_t keep = read_complete_lines(path_, lines);
@@ -225,6 +235,7 @@ class PartFile {
 
   // One write per line: a kill leaves whole lines (and at most one cut tail, dropped above).
   void write_line(const json& j) {
+    if (!writes_) return;
     std::string line = j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
     write_all(fd_, line.data(), line.size(), path_);
   }
@@ -236,8 +247,20 @@ class PartFile {
 
  private:
   fs::path path_;
+  bool writes_;
   int fd_ = -1;
 };
+
+// Whether a stop signal ends the run: with a tensor-parallel group, when it reached any rank of
+// the group (a collective), so that all of them stop at the same step.
+bool stop_agreed(dist::Comm* group) {
+  const int64_t here = stop_signal() != 0 ? 1 : 0;
+  if (group == nullptr) return here != 0;
+  for (const auto& v : group->all_gather_int64({here}, "generate_stop")) {
+    if (v[0] != 0) return true;
+  }
+  return false;
+}
 
 // The conversations of this rank's lines through the generator: next() hands it the next
 // turn to generate, done() takes its answer; each finished (or skipped) line goes to the part.
@@ -362,15 +385,15 @@ class LineGeneration {
   int64_t lines_done_ = 0, skipped_ = 0, overlong_ = 0;
 };
 
-// Regenerates this rank's lines `todo` with the target into `part`; false when a stop signal
-// ended it (what is finished is kept, and said).
+// Regenerates this rank's lines `todo` with the target (split over `group` with --target-tp)
+// into `part`; false when a stop signal ended it (what is finished is kept, and said).
 bool generate_lines(const RegenerateOptions& o, const std::string& who, const dist::World& world,
-                    const at::Device device, const tok::Tokenizer& tokenizer,
+                    dist::Comm* group, const at::Device device, const tok::Tokenizer& tokenizer,
                     const data::ChatConfig& chat, const std::vector<std::string>& inputs,
                     size_t finished_before, std::deque<int64_t> todo, PartFile& part) {
   const auto todo_lines = static_cast<int64_t>(todo.size());
   const at::ScalarType dtype = models::parse_dtype(o.dtype, device);
-  auto model = models::TargetModel::load(o.target, device, dtype);
+  auto model = models::TargetModel::load(o.target, device, dtype, group, o.target_ep);
   GenerationOptions g;
   g.sampling = o.sampling;
   g.max_new_tokens = o.max_new_tokens;
@@ -384,7 +407,7 @@ bool generate_lines(const RegenerateOptions& o, const std::string& who, const di
   ProgressLine progress(who, o.progress_seconds, world.rank == 0);
   // Token by token: the ETA scales the time so far by the lines handled.
   g.progress = [&](const DecodeProgress& d) {
-    if (stop_signal() != 0) throw Stopped{};
+    if (stop_agreed(group)) throw Stopped{};
     if (!progress.due()) return;
     progress.update(
         static_cast<double>(lines.handled()), static_cast<double>(todo_lines), d.generated_tokens,
@@ -393,7 +416,7 @@ bool generate_lines(const RegenerateOptions& o, const std::string& who, const di
   Generator generator(model, g);
   GenerationStats stats;
   try {
-    if (stop_signal() != 0) throw Stopped{};
+    if (stop_agreed(group)) throw Stopped{};
     stats = generator.run([&] { return lines.next(); },
                           [&](const Request& r, Completion c) { lines.done(r, std::move(c)); });
   } catch (const Stopped&) {
@@ -453,11 +476,24 @@ void regenerate(const RegenerateOptions& o) {
   install_stop_signals();
   const dist::World world = dist::world_from_env();
   const at::Device device = dist::device_for(world, o.device);
-  std::unique_ptr<dist::Comm> comm;
-  if (world.world_size > 1) {
-    // Only the closing barrier goes through it; ranks may finish hours apart.
-    comm = dist::Comm::create(world, at::kCPU, {"gloo", std::chrono::hours(72)});
+  const int tp = o.target_tp;
+  if (world.world_size % tp != 0) {
+    fail("generate: --target-tp {} must divide the {} ranks (--nproc-per-node, torchrun)", tp,
+         world.world_size);
   }
+  if (tp > 1) {
+    models::check_tensor_parallel(models::load_model_config(o.target / "config.json"), tp,
+                                  o.target_ep);
+  }
+  std::unique_ptr<dist::Comm> comm, group;
+  if (world.world_size > 1) {
+    // The closing barrier (ranks may finish hours apart) and, with --target-tp, the groups'
+    // collectives (subgroups on the device).
+    comm = dist::Comm::create(world, tp > 1 ? device : at::Device(at::kCPU),
+                              {"auto", std::chrono::hours(72)});
+  }
+  if (tp > 1) group = dist::consecutive_group(*comm, tp, "target_tp");
+  const Share share{world.rank / tp, world.world_size / tp, world.rank % tp == 0};
   const std::string who =
       world.world_size > 1 ? fmt::format("generate[rank {}]", world.rank) : std::string("generate");
   auto tokenizer = tok::Tokenizer::load(o.target);
@@ -466,12 +502,14 @@ void regenerate(const RegenerateOptions& o) {
   const auto inputs = read_lines(o.data);
   if (!o.out.parent_path().empty()) fs::create_directories(o.out.parent_path());
   const auto finished = finished_lines(o.out);
-  std::deque<int64_t> todo = lines_for_rank(inputs, finished, world);
-  fmt::print("{}: {} lines in {}, {} done before, {} for this rank\n", who, inputs.size(),
-             o.data.string(), finished.size(), todo.size());
+  std::deque<int64_t> todo = lines_for_share(inputs, finished, share);
+  fmt::print("{}: {} lines in {}, {} done before, {} for this {}\n", who, inputs.size(),
+             o.data.string(), finished.size(), todo.size(), tp > 1 ? "group" : "rank");
+  // Every rank of a group must read the same finished lines before its first rank appends.
+  if (group) comm->barrier("generate_start");
 
-  PartFile part(part_path(o.out, world.rank));
-  if (!todo.empty() && !generate_lines(o, who, world, device, tokenizer, chat, inputs,
+  PartFile part(part_path(o.out, share.index), share.writes);
+  if (!todo.empty() && !generate_lines(o, who, world, group.get(), device, tokenizer, chat, inputs,
                                        finished.size(), std::move(todo), part)) {
     return;
   }

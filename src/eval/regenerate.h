@@ -2,8 +2,9 @@
 // generate`, which regenerates the assistant turns of a chat dataset with the target (the
 // DFlash recipe trains drafters on the target's own answers). Each assistant turn is
 // regenerated in order, conditioned on the regenerated history. Lines are split over ranks
-// (line i goes to rank i mod world size); each rank appends finished lines, tagged with their
-// input index, to its own part file, one write per line, so a killed run restarts without
+// (line i goes to rank i mod world size; with --target-tp T to group i mod world size / T, whose
+// first rank writes); each rank appends finished lines, tagged with their input index, to its
+// own part file, one write per line, so a killed run restarts without
 // redoing them (on any number of ranks); rank 0 merges the parts in input order at the end.
 #pragma once
 #include <cstdint>
@@ -25,8 +26,12 @@ struct RegenerateOptions {
   SamplingParams sampling;
   int64_t max_new_tokens = 2048;  // per assistant turn
   int64_t max_context = 4096;     // prompt + response; the KV cache holds this per slot
-  int64_t batch_size = 64;        // sequences decoded together per rank
-  bool enable_thinking = true;    // Qwen3's switch (false: the empty think block is prompted)
+  int64_t batch_size = 64;        // sequences decoded together per rank (per group with tp)
+  // --target-tp T: the target split over groups of T consecutive ranks (models/target.h), each
+  // group decoding its share of the lines in lockstep; --target-ep: by experts.
+  int target_tp = 1;
+  bool target_ep = false;
+  bool enable_thinking = true;  // Qwen3's switch (false: the empty think block is prompted)
   std::optional<std::string> chat_format;  // overrides the template detection
   data::ChatTemplateChoice chat_template;  // --chat-template, --chat-template-arg
   std::string device = "auto";

@@ -12,6 +12,7 @@
 #include "common/upload.h"
 #include "eval/draft_tree.h"
 #include "eval/slots.h"
+#include "models/target_head.h"
 
 namespace dflash::eval {
 
@@ -20,7 +21,7 @@ using models::Logits;
 
 DFlashDraftSource::DFlashDraftSource(const models::Drafter& drafter,
                                      const models::TargetModel& target, int64_t block_size)
-    : model_(drafter, models::TargetHead::of(target), target.dtype(), block_size) {
+    : model_(drafter, models::whole_target_head(target), target.dtype(), block_size) {
   drafter.config().validate(target.config());
 }
 
@@ -182,9 +183,8 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
     : target_(target),
       drafter_(drafter),
       options_(std::move(options)),
-      cache_(target.config(), options_.slots,
-             resolve_context(target, options_) + verify_rows(target, drafter, options_),
-             target.device(), target.dtype()) {
+      cache_(target.make_cache(options_.slots, resolve_context(target, options_) +
+                                                   verify_rows(target, drafter, options_))) {
   if (options_.max_new_tokens <= 0) {
     fail("speculative: --max-new-tokens must be positive, got {}", options_.max_new_tokens);
   }

@@ -96,7 +96,9 @@ class DraftSource {
 // The DFlash drafter (models::DraftModel) with its context cache, in the target's dtype.
 class DFlashDraftSource final : public DraftSource {
  public:
-  // `block_size` 0: the drafter's own (see models::DraftModel).
+  // `block_size` 0: the drafter's own (see models::DraftModel). Of a tensor-parallel target it
+  // gathers the whole embedding and LM head (models::whole_target_head), a collective of the
+  // group: every rank drafts the same tokens from a whole copy.
   DFlashDraftSource(const models::Drafter& drafter, const models::TargetModel& target,
                     int64_t block_size = 0);
   int64_t block_size() const override { return model_.block_size(); }

@@ -13,6 +13,10 @@ namespace dflash::models {
 
 KVCache::KVCache(const ModelConfig& config, int64_t slots, int64_t capacity, at::Device device,
                  at::ScalarType dtype)
+    : KVCache(config, config.num_kv_heads, config.linear, slots, capacity, device, dtype) {}
+
+KVCache::KVCache(const ModelConfig& config, int64_t kv_heads, const LinearAttentionShape& linear,
+                 int64_t slots, int64_t capacity, at::Device device, at::ScalarType dtype)
     : device_(device), capacity_(capacity), lengths_(std::max<int64_t>(slots, 0), 0) {
   // Rows are int32 in flash attention's cu_seqlens_k.
   if (slots <= 0 || capacity <= 0 || slots * capacity > std::numeric_limits<int32_t>::max()) {
@@ -23,19 +27,19 @@ KVCache::KVCache(const ModelConfig& config, int64_t slots, int64_t capacity, at:
   for (int64_t i = 0; i < config.num_layers; ++i) {
     // A linear-attention layer keeps no K/V rows (its state: init_linear_state).
     const int64_t rows = config.is_linear_layer(i) ? 0 : slots * capacity;
-    keys_.push_back(at::zeros({rows, config.num_kv_heads, config.head_dim}, opts));
+    keys_.push_back(at::zeros({rows, kv_heads, config.head_dim}, opts));
     values_.push_back(at::zeros_like(keys_.back()));
   }
-  init_linear_state(config, opts);
+  init_linear_state(config, linear, opts);
 }
 
-void KVCache::init_linear_state(const ModelConfig& config, at::TensorOptions opts) {
+void KVCache::init_linear_state(const ModelConfig& config, const LinearAttentionShape& s,
+                                at::TensorOptions opts) {
   int64_t count = 0;
   for (int64_t i = 0; i < config.num_layers; ++i) {
     linear_index_.push_back(config.is_linear_layer(i) ? count++ : -1);
   }
   if (count == 0) return;
-  const auto& s = config.linear;
   conv_ = at::zeros({count, slots(), s.conv_dim(), s.conv_kernel_dim - 1}, opts);
   recurrent_ = at::zeros({count, slots(), s.num_value_heads, s.key_head_dim, s.value_head_dim},
                          opts.dtype(at::kFloat));

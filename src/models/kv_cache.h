@@ -37,6 +37,10 @@ class KVCache {
  public:
   KVCache(const ModelConfig& config, int64_t slots, int64_t capacity, at::Device device,
           at::ScalarType dtype);
+  // A tensor-parallel rank's cache (TargetModel::make_cache): `kv_heads` key/value heads a layer
+  // and the rank's share `linear` of a hybrid's Gated DeltaNet heads, not config's.
+  KVCache(const ModelConfig& config, int64_t kv_heads, const LinearAttentionShape& linear,
+          int64_t slots, int64_t capacity, at::Device device, at::ScalarType dtype);
 
   int64_t slots() const { return static_cast<int64_t>(lengths_.size()); }
   int64_t capacity() const { return capacity_; }
@@ -86,7 +90,8 @@ class KVCache {
 
  private:
   void check_slot(int64_t slot, const char* what) const;
-  void init_linear_state(const ModelConfig& config, at::TensorOptions opts);
+  void init_linear_state(const ModelConfig& config, const LinearAttentionShape& s,
+                         at::TensorOptions opts);
   void rewind_linear_state(int64_t slot, int64_t length);
 
   at::Device device_;

@@ -944,27 +944,28 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
              });
 }
 
+KVCache TargetModel::make_cache(int64_t slots, int64_t capacity) const {
+  const int64_t kv_heads = kv_heads_of(config_, 0, tp_size()).second;
+  return KVCache(config_, kv_heads, linear_share(config_.linear, tp_size()), slots, capacity,
+                 device(), dtype());
+}
+
 ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const AppendBatch& batch,
                                           KVCache& cache, const ForwardRequest& request) const {
   if (tokens.dim() != 1 || tokens.size(0) != batch.total) {
     fail("target cached forward: tokens must be [{}] (the append batch), got [{}]", batch.total,
          fmt::join(tokens.sizes(), ", "));
   }
-  if (tp_ != nullptr) {
-    fail(
-        "target cached forward: not implemented for a tensor-parallel target (--target-tp {}); "
-        "generation and evaluation need a whole target on one rank",
-        tp_size());
-  }
   const at::Tensor& k0 = cache.keys(0);
-  if (cache.num_layers() != config_.num_layers || k0.size(1) != config_.num_kv_heads ||
+  const int64_t kv_heads = kv_heads_of(config_, 0, tp_size()).second;
+  if (cache.num_layers() != config_.num_layers || k0.size(1) != kv_heads ||
       k0.size(2) != config_.head_dim || k0.scalar_type() != dtype() || k0.device() != device()) {
     fail(
         "target cached forward: the cache ({} layers of [{}], {} on {}) is not for this model "
-        "({} layers, {} KV heads x {}, {} on {})",
+        "({} layers, {} KV heads x {} on this rank, {} on {}; TargetModel::make_cache)",
         cache.num_layers(), fmt::join(k0.sizes(), ", "), c10::toString(k0.scalar_type()),
-        k0.device().str(), config_.num_layers, config_.num_kv_heads, config_.head_dim,
-        c10::toString(dtype()), device().str());
+        k0.device().str(), config_.num_layers, kv_heads, config_.head_dim, c10::toString(dtype()),
+        device().str());
   }
   if (batch.is_tree() && config_.is_hybrid()) {
     fail(

@@ -224,8 +224,14 @@ class TargetModel {
   // S at most max(1, cache.block_tokens()) (decode steps and verify blocks), else in the
   // chunked form (prefill). With request.keep_block_states (the recurrent form required) the
   // slots hold the block (KVCache::extend_block) until a crop commits the accepted length.
+  // Under tensor parallelism, as forward: every rank of the group calls it with the same batch
+  // on its own cache (make_cache), whose slots must hold the same lengths on every rank, and
+  // gets the whole logits and taps.
   ForwardResult forward_cached(const at::Tensor& tokens, const AppendBatch& batch, KVCache& cache,
                                const ForwardRequest& request) const;
+  // A cache of `slots` sequences of up to `capacity` tokens for forward_cached, of this rank's
+  // heads under tensor parallelism (kv_heads_of; a hybrid's share of its Gated DeltaNet heads).
+  KVCache make_cache(int64_t slots, int64_t capacity) const;
 
   // Transformer body only, for callers (the drafter) that share embedding and LM head. With
   // tensor parallelism both are collectives of the group and return whole rows.

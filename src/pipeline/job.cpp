@@ -46,9 +46,7 @@ Rank join(const RunConfig& c) {
       fail("--target-tp {} must divide the {} ranks (--nproc-per-node, torchrun)", tp,
            r.world.world_size);
     }
-    // What a tensor-parallel target does not do yet: each of these needs the whole target on
-    // a rank.
-    if (!c.eval_prompts.empty()) fail("--eval-prompts needs --target-tp 1 (generation)");
+    // What a tensor-parallel target does not do yet: it needs whole target layers on a rank.
     if (!c.init_from_target_layers.empty()) {
       fail("--init-from-target-layers needs --target-tp 1 (whole target layers)");
     }

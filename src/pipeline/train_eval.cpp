@@ -21,6 +21,18 @@ namespace dflash::pipeline {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// Which share of the prompts this rank decodes, and of how many: a trainer rank's own, or with
+// --target-tp its target group's, which every rank of the group decodes in lockstep (the
+// group's collectives run inside each step).
+std::pair<int, int> eval_group(const Rank& r) {
+  const int tp = r.target_group ? r.target_group->size() : 1;
+  return {r.world.rank / tp, r.topology.trainers / tp};
+}
+
+}  // namespace
+
 bool eval_due(const RunConfig& c, int64_t step, int64_t steps) {
   return !c.eval_prompts.empty() &&
          (step == steps || (c.eval_every > 0 && step % c.eval_every == 0));
@@ -49,8 +61,9 @@ void prepare_eval(Job& job) {
   const auto t0 = Clock::now();
   eval::PromptFile all = eval::read_prompt_file(c.eval_prompts, c.eval_limit);
   eval::PromptFile share{all.name, {}};
-  for (size_t i = static_cast<size_t>(r.world.rank); i < all.prompts.size();
-       i += static_cast<size_t>(r.topology.trainers)) {
+  const auto [group, groups] = eval_group(r);
+  for (size_t i = static_cast<size_t>(group); i < all.prompts.size();
+       i += static_cast<size_t>(groups)) {
     share.prompts.push_back(std::move(all.prompts[i]));
   }
   const size_t mine = share.prompts.size();
@@ -67,7 +80,8 @@ void prepare_eval(Job& job) {
   job.mask_token = train::mask_token_text(tokenizer, job.drafter->config().mask_token_id);
   if (r.leads()) {
     fmt::print(
-        "train: eval: {} prompts of {} ({} on rank 0), the target's greedy answers in {:.1f} s; "
+        "train: eval: {} prompts of {} ({} on rank 0's group), the target's greedy answers in "
+        "{:.1f} s; "
         "tau by speculative decoding (block {}, at most {} new tokens) {}\n",
         all.prompts.size(), c.eval_prompts, mine, seconds_since(t0),
         job.drafter->config().block_size, c.eval_max_new_tokens,
@@ -93,17 +107,21 @@ TrainEval evaluate_drafter(Job& job, int64_t step) {
     local = job.evaluator->evaluate(*job.drafter);
   }
   const eval::FileReport& f = local.files.at(0);
+  const auto [group, groups] = eval_group(r);
+  // The ranks of a group decode the same prompts: its first speaks for it.
+  const bool speaks = r.target_group == nullptr || r.target_group->rank() == 0;
   for (const auto& d : f.divergences) {
-    if (d.tie) continue;
-    // Local prompt j of rank r is prompt j * trainers + r of the file.
+    if (d.tie || !speaks) continue;
+    // Local prompt j of group g is prompt j * groups + g of the file.
     fmt::print(stderr,
                "train: ERROR: eval at step {}: prompt {} turn {}: speculative output differs "
                "from the target's greedy output at answer token {} (target {} vs speculative "
                "{}, logit gap {:.4g})\n",
-               step, d.prompt * r.topology.trainers + r.world.rank, d.turn, d.position,
-               d.target_token, d.speculative_token, d.logit_gap);
+               step, d.prompt * groups + group, d.turn, d.position, d.target_token,
+               d.speculative_token, d.logit_gap);
   }
-  std::vector<int64_t> counts = {f.prompts,
+  std::vector<int64_t> counts = {speaks,
+                                 f.prompts,
                                  f.turns,
                                  f.speculative.verify_steps,
                                  f.speculative.generated_tokens,
@@ -121,16 +139,17 @@ TrainEval evaluate_drafter(Job& job, int64_t step) {
   e.report.block_size = block;
   e.report.speculative.committed.assign(histogram.size(), 0);
   for (const auto& v : r.data_parallel().all_gather_int64(counts, "eval_counts")) {
-    e.report.prompts += v[0];
-    e.report.turns += v[1];
-    e.report.speculative.verify_steps += v[2];
-    e.report.speculative.generated_tokens += v[3];
-    e.report.speculative.seconds += static_cast<double>(v[4]) * 1e-6;
-    e.report.target.generated_tokens += v[5];
-    e.report.target.seconds += static_cast<double>(v[6]) * 1e-6;
-    e.mismatches += v[7];
-    e.ties += v[8];
-    for (size_t k = 0; k < histogram.size(); ++k) e.report.speculative.committed[k] += v[9 + k];
+    if (v[0] == 0) continue;  // a group's other ranks: the same counts again
+    e.report.prompts += v[1];
+    e.report.turns += v[2];
+    e.report.speculative.verify_steps += v[3];
+    e.report.speculative.generated_tokens += v[4];
+    e.report.speculative.seconds += static_cast<double>(v[5]) * 1e-6;
+    e.report.target.generated_tokens += v[6];
+    e.report.target.seconds += static_cast<double>(v[7]) * 1e-6;
+    e.mismatches += v[8];
+    e.ties += v[9];
+    for (size_t k = 0; k < histogram.size(); ++k) e.report.speculative.committed[k] += v[10 + k];
   }
   e.seconds = seconds_since(t0);
   return e;

@@ -26,13 +26,15 @@ bool eval_due(const RunConfig& c, int64_t step, int64_t steps);
 // loading).
 void check_eval_options(const RunConfig& c, const Topology& topology);
 
-// --eval-prompts: prompt i goes to trainer rank i mod trainers, whose Evaluator computes the
+// --eval-prompts: prompt i goes to trainer rank i mod trainers (with --target-tp T, to target
+// group i mod trainers / T, every rank of which decodes it), whose Evaluator computes the
 // target's greedy answers to its share here, once, before the run's threads start. Each
 // evaluation is then real speculative decoding with the drafter's weights of that moment.
 void prepare_eval(Job& job);
 
 // Every trainer rank decodes its share with the drafter as it is now; the counts are summed
-// over ranks, so each rank returns the job's figures. Weights are only read, without autograd.
+// over ranks (over groups, with --target-tp), so each rank returns the job's figures. Weights are
+// only read, without autograd.
 TrainEval evaluate_drafter(Job& job, int64_t step);
 
 // RUN/best: the export (config.json + bf16 model.safetensors: what `dflash eval`, `dflash

@@ -11,7 +11,9 @@
 // (biases, sinks, sliding windows shorter than the sequences; fixtures_tp.py's 12 heads over 2
 // and 3 ranks in MXFP4 and in bf16, fixtures_gpt_oss' 2 KV heads replicated over 4), its MXFP4
 // experts refused where T does not divide their 32-value groups, and by experts; exact in fp64
-// but for rounding; random weights drawn on T ranks are the slices of one rank's.
+// but for rounding; random weights drawn on T ranks are the slices of one rank's. Decoding on a
+// split target (forward_cached on each rank's own cache, Generator, SpeculativeDecoder) equals
+// one rank's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,11 +22,15 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #include "common/error.h"
+#include "decode_test_util.h"
 #include "dist/comm.h"
 #include "dist/launch.h"
+#include "eval/speculative.h"
 #include "io/safetensors.h"
+#include "models/drafter.h"
 #include "models/gpt_oss.h"
 #include "models/target.h"
 #include "test_util.h"
@@ -42,9 +48,10 @@ using testing::fixture;
 
 // f(comm) on each of `ranks` threads, each with its own Gloo group; the results by rank. A
 // rank's exception is rethrown here (the first by rank) after every thread has ended.
-std::vector<ForwardResult> on_ranks(int ranks, const std::function<ForwardResult(dist::Comm&)>& f) {
+template <class F>
+auto on_ranks(int ranks, F&& f) {
+  std::vector<std::invoke_result_t<F&, dist::Comm&>> results(ranks);
   const int port = dist::free_port();
-  std::vector<ForwardResult> results(ranks);
   std::vector<std::exception_ptr> errors(ranks);
   // No rank tears its group down (rank 0's holds the TCPStore) while another may still be in a
   // collective of it: a CI run crashed (SIGSEGV) once in the 4-rank case without this wait.
@@ -397,10 +404,98 @@ TEST(TensorParallelGptOss, ExactInFp64) {
   }
 }
 
-// Generation needs a whole target: a split one (here a hybrid, whose cache holds linear states
-// too) refuses the cached forward, naming --target-tp.
-TEST(TensorParallelRandom, CachedForwardRefused) {
-  const auto config = models::preset_config("tiny-qwen3.5");
+// The passes of a decode on `model`'s own cache (TargetModel::make_cache) of 2 slots: a prefill
+// of 7 and 5 tokens, 3 decode steps, a verify block of 3 on both slots kept for a crop (a
+// hybrid's per-token linear states), slot 0 cropped back 2 tokens and slot 1 committing the
+// block, then one more step; every pass's logits concatenated, the taps of layers 0 and last of
+// every pass in order. The same 26 tokens on every rank.
+ForwardResult cached_passes(const TargetModel& model, const at::Tensor& tokens) {
+  auto cache = model.make_cache(2, 32);
+  cache.keep_block_states(3);
+  const std::vector<int64_t> taps = {0, model.config().num_layers - 1};
+  ForwardResult all;
+  std::vector<at::Tensor> logits;
+  int64_t used = 0;
+  auto pass = [&](const std::vector<int64_t>& counts, bool keep) {
+    const auto batch = models::AppendBatch::make(cache, {0, 1}, counts);
+    ForwardRequest request{taps, Logits::kAll};
+    request.keep_block_states = keep;
+    auto out = model.forward_cached(tokens.narrow(0, used, batch.total), batch, cache, request);
+    used += batch.total;
+    logits.push_back(out.logits);
+    for (auto& t : out.taps) all.taps.push_back(t);
+  };
+  pass({7, 5}, false);
+  for (int i = 0; i < 3; ++i) pass({1, 1}, false);
+  pass({3, 3}, true);
+  cache.crop(0, cache.length(0) - 2);
+  cache.crop(1, cache.length(1));
+  pass({1, 1}, false);
+  EXPECT_EQ(used, tokens.size(0));
+  all.logits = at::cat(logits);
+  return all;
+}
+
+// forward_cached on a split target (each rank's cache holding its KV heads, replicated over 4
+// ranks where 2 KV heads are fewer, and a hybrid's share of its linear-attention heads and
+// states) equals one rank's within 1e-5: prefill, decode steps, a verify block, a crop; dense,
+// MoE (by experts too), the Qwen3.5 hybrids, gpt-oss (sinks, a 5-position window), and
+// checkpoints (q/k/v biases).
+TEST(TensorParallelDecode, CachedForwardEqualsOneRank) {
+  struct Target {
+    std::string name;
+    std::function<TargetModel(dist::Comm*, bool)> make;
+    std::vector<int> ranks;
+    bool ep = false;
+  };
+  std::vector<Target> targets;
+  for (const char* preset : {"tiny", "tiny-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"}) {
+    const auto config = models::preset_config(preset);
+    const bool four = config.linear.num_key_heads % 4 == 0;
+    targets.push_back({preset,
+                       [config](dist::Comm* comm, bool ep) {
+                         return TargetModel::random(config, at::kCPU, at::kFloat, 7, comm, ep);
+                       },
+                       four ? std::vector<int>{2, 4} : std::vector<int>{2},
+                       config.num_experts > 0});
+  }
+  auto gpt_oss = testing::tiny_target_config(models::Architecture::kGptOss);
+  targets.push_back({"gpt-oss",
+                     [gpt_oss](dist::Comm* comm, bool) {
+                       return TargetModel::random(gpt_oss, at::kCPU, at::kFloat, 7, comm);
+                     },
+                     {2}});
+  for (const char* model : {"tp/qwen3_tp", "models/qwen2_untied"}) {
+    const auto dir = fixture(model);
+    targets.push_back({model,
+                       [dir](dist::Comm* comm, bool) {
+                         return TargetModel::load(dir, at::kCPU, at::kFloat, comm);
+                       },
+                       {2, 4}});
+  }
+  for (const auto& t : targets) {
+    const auto one = t.make(nullptr, false);
+    const auto tokens = at::randint(one.config().vocab_size, {26}, at::kLong);
+    const auto expected = cached_passes(one, tokens);
+    for (const bool ep : {false, true}) {
+      if (ep && !t.ep) continue;
+      for (const int ranks : t.ranks) {
+        const auto results = on_ranks(
+            ranks, [&](dist::Comm& comm) { return cached_passes(t.make(&comm, ep), tokens); });
+        for (int r = 0; r < ranks; ++r) {
+          expect_same_outputs(
+              results[r], expected,
+              fmt::format("{} rank {} of {}{}", t.name, r, ranks, ep ? " by experts" : ""));
+        }
+      }
+    }
+  }
+}
+
+// A cache of the whole model's heads does not fit a rank of a split one: refused, naming
+// TargetModel::make_cache.
+TEST(TensorParallelDecode, WholeModelCacheRefused) {
+  const auto config = models::preset_config("tiny");
   const std::string e = error_of([&] {
     on_ranks(2, [&](dist::Comm& comm) {
       auto model = TargetModel::random(config, at::kCPU, at::kFloat, 7, &comm);
@@ -409,9 +504,57 @@ TEST(TensorParallelRandom, CachedForwardRefused) {
       return model.forward_cached(at::zeros({4}, at::kLong), batch, cache, {{0}, Logits::kLast});
     });
   });
-  EXPECT_NE(e.find("not implemented for a tensor-parallel target (--target-tp 2)"),
-            std::string::npos)
-      << e;
+  EXPECT_NE(e.find("1 KV heads x"), std::string::npos) << e;
+  EXPECT_NE(e.find("TargetModel::make_cache"), std::string::npos) << e;
+}
+
+// Generator and SpeculativeDecoder (the DFlash drafter, random weights) on a split target, every
+// rank of the group in lockstep, decode exactly one rank's greedy tokens: 4 prompts through 2
+// slots (refills), on a peaked target (testing::peaked_target: no near-ties for a reordered sum
+// to flip); over 4 ranks with tiny's 2 KV heads replicated; a hybrid over 2.
+TEST(TensorParallelDecode, GreedyEqualsOneRank) {
+  for (const char* preset : {"tiny", "tiny-moe", "tiny-qwen3.5"}) {
+    const auto config = models::preset_config(preset);
+    auto peaked = [&](dist::Comm* comm) {
+      auto model = TargetModel::random(config, at::kCPU, at::kFloat, 7, comm);
+      model.final_norm().mul_(30.0);
+      return model;
+    };
+    const auto prompts = testing::random_prompts(config.vocab_size, {5, 9, 3, 7}, 11);
+    eval::GenerationOptions g;
+    g.max_new_tokens = 12;
+    g.slots = 2;
+    g.context = 32;
+    eval::SpeculativeOptions s;
+    s.max_new_tokens = g.max_new_tokens;
+    s.slots = g.slots;
+    s.context = g.context;
+    models::DrafterOptions o;
+    o.num_layers = 1;
+    o.block_size = 4;
+    o.mask_token_id = config.vocab_size - 1;
+    const auto drafter =
+        models::Drafter::random(models::make_drafter_config(config, o), at::kCPU, 9);
+    auto decode = [&](const TargetModel& model) {
+      std::vector<std::vector<int64_t>> out;
+      for (auto& c : eval::Generator(model, g).generate(prompts)) out.push_back(c.tokens);
+      eval::DFlashDraftSource source(drafter, model);
+      for (auto& c : eval::SpeculativeDecoder(model, source, s).generate(prompts)) {
+        out.push_back(c.tokens);
+      }
+      return out;
+    };
+    const auto want = decode(peaked(nullptr));
+    // The speculative decoder's output is the target's greedy output.
+    for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(want[i], want[prompts.size() + i]);
+    for (const int ranks : {2, 4}) {
+      if (config.linear.num_key_heads % ranks != 0) continue;
+      const auto results = on_ranks(ranks, [&](dist::Comm& comm) { return decode(peaked(&comm)); });
+      for (int r = 0; r < ranks; ++r) {
+        EXPECT_EQ(results[r], want) << preset << " rank " << r << " of " << ranks;
+      }
+    }
+  }
 }
 
 }  // namespace
