@@ -251,16 +251,27 @@ class PartFile {
   int fd_ = -1;
 };
 
-// Whether a stop signal ends the run: with a tensor-parallel group, when it reached any rank of
-// the group (a collective), so that all of them stop at the same step.
-bool stop_agreed(dist::Comm* group) {
-  const int64_t here = stop_signal() != 0 ? 1 : 0;
-  if (group == nullptr) return here != 0;
-  for (const auto& v : group->all_gather_int64({here}, "generate_stop")) {
-    if (v[0] != 0) return true;
+// Whether a stop signal ends the run, asked once per decode step. With a tensor-parallel group,
+// when it reached any rank of the group, so that all of them stop at the same step; agreed
+// every kSteps-th time only: the collective waits for the device, which the host otherwise
+// runs a step ahead of.
+class StopCheck {
+ public:
+  explicit StopCheck(dist::Comm* group) : group_(group) {}
+  bool operator()() {
+    if (group_ == nullptr) return stop_signal() != 0;
+    if (calls_++ % kSteps != 0) return false;
+    for (const auto& v : group_->all_gather_int64({stop_signal() != 0}, "generate_stop")) {
+      if (v[0] != 0) return true;
+    }
+    return false;
   }
-  return false;
-}
+
+ private:
+  static constexpr int64_t kSteps = 32;
+  dist::Comm* group_;
+  int64_t calls_ = 0;
+};
 
 // The conversations of this rank's lines through the generator: next() hands it the next
 // turn to generate, done() takes its answer; each finished (or skipped) line goes to the part.
@@ -405,9 +416,10 @@ bool generate_lines(const RegenerateOptions& o, const std::string& who, const di
 
   LineGeneration lines(o, inputs, std::move(todo), tokenizer, chat, g.context, part);
   ProgressLine progress(who, o.progress_seconds, world.rank == 0);
+  StopCheck stopped(group);
   // Token by token: the ETA scales the time so far by the lines handled.
   g.progress = [&](const DecodeProgress& d) {
-    if (stop_agreed(group)) throw Stopped{};
+    if (stopped()) throw Stopped{};
     if (!progress.due()) return;
     progress.update(
         static_cast<double>(lines.handled()), static_cast<double>(todo_lines), d.generated_tokens,
@@ -416,7 +428,7 @@ bool generate_lines(const RegenerateOptions& o, const std::string& who, const di
   Generator generator(model, g);
   GenerationStats stats;
   try {
-    if (stop_agreed(group)) throw Stopped{};
+    if (stopped()) throw Stopped{};
     stats = generator.run([&] { return lines.next(); },
                           [&](const Request& r, Completion c) { lines.done(r, std::move(c)); });
   } catch (const Stopped&) {
