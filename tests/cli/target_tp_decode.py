@@ -51,7 +51,8 @@ def main():
             {"turns": ["What is 22 plus 25?", "What is 23 plus 26?"]},
             {"question": "What is 24 plus 27?"}]))
         run_dir = work / "train_tp2"
-        r = run([dflash, "train", "--target", target, "--data", data, "--steps", STEPS,
+        r = run([dflash, "train", "--target", target, "--data", data, "--out", run_dir,
+                 "--steps", STEPS,
                  "--batch-size", 2, "--max-seq-len", 64, "--drafter-layers", 2,
                  "--block-size", 8, "--max-anchors", 16, "--lr", "1e-3", "--log-seconds", 0,
                  "--device", "cpu", "--dtype", "fp32", "--keep-last", STEPS,
