@@ -440,7 +440,7 @@ ForwardResult cached_passes(const TargetModel& model, const at::Tensor& tokens) 
 // ranks where 2 KV heads are fewer, and a hybrid's share of its linear-attention heads and
 // states) equals one rank's within 1e-5: prefill, decode steps, a verify block, a crop; dense,
 // MoE (by experts too), the Qwen3.5 hybrids, gpt-oss (sinks, a 5-position window), and
-// checkpoints (q/k/v biases).
+// checkpoints (q/k/v biases; Qwen3-Next).
 TEST(TensorParallelDecode, CachedForwardEqualsOneRank) {
   struct Target {
     std::string name;
@@ -465,13 +465,15 @@ TEST(TensorParallelDecode, CachedForwardEqualsOneRank) {
                        return TargetModel::random(gpt_oss, at::kCPU, at::kFloat, 7, comm);
                      },
                      {2}});
-  for (const char* model : {"tp/qwen3_tp", "models/qwen2_untied"}) {
+  const std::pair<const char*, std::vector<int>> checkpoints[] = {
+      {"tp/qwen3_tp", {2, 4}}, {"models/qwen2_untied", {2, 4}}, {"qwen35/qwen3_next", {2}}};
+  for (const auto& [model, ranks] : checkpoints) {
     const auto dir = fixture(model);
     targets.push_back({model,
                        [dir](dist::Comm* comm, bool) {
                          return TargetModel::load(dir, at::kCPU, at::kFloat, comm);
                        },
-                       {2, 4}});
+                       ranks});
   }
   for (const auto& t : targets) {
     const auto one = t.make(nullptr, false);
@@ -511,10 +513,14 @@ TEST(TensorParallelDecode, WholeModelCacheRefused) {
 // Generator and SpeculativeDecoder (the DFlash drafter, random weights) on a split target, every
 // rank of the group in lockstep, decode exactly one rank's greedy tokens: 4 prompts through 2
 // slots (refills), on a peaked target (testing::peaked_target: no near-ties for a reordered sum
-// to flip); over 4 ranks with tiny's 2 KV heads replicated; a hybrid over 2.
+// to flip); over 4 ranks with tiny's 2 KV heads replicated; a hybrid and gpt-oss (MXFP4
+// experts) over 2.
 TEST(TensorParallelDecode, GreedyEqualsOneRank) {
-  for (const char* preset : {"tiny", "tiny-moe", "tiny-qwen3.5"}) {
+  for (const char* preset : {"tiny", "tiny-moe", "tiny-qwen3.5", "tiny-gpt-oss"}) {
     const auto config = models::preset_config(preset);
+    auto splits = [&](int ranks) {
+      return error_of([&] { models::check_tensor_parallel(config, ranks); }) == "no error";
+    };
     auto peaked = [&](dist::Comm* comm) {
       auto model = TargetModel::random(config, at::kCPU, at::kFloat, 7, comm);
       model.final_norm().mul_(30.0);
@@ -548,7 +554,7 @@ TEST(TensorParallelDecode, GreedyEqualsOneRank) {
     // The speculative decoder's output is the target's greedy output.
     for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(want[i], want[prompts.size() + i]);
     for (const int ranks : {2, 4}) {
-      if (config.linear.num_key_heads % ranks != 0) continue;
+      if (!splits(ranks)) continue;
       const auto results = on_ranks(ranks, [&](dist::Comm& comm) { return decode(peaked(&comm)); });
       for (int r = 0; r < ranks; ++r) {
         EXPECT_EQ(results[r], want) << preset << " rank " << r << " of " << ranks;
