@@ -138,8 +138,8 @@ void run_info(const InfoOptions& o) {
              human_bytes(params * 2.0));
   if (fp8_params > 0) {
     fmt::print(
-        "fp8:          {} weights in e4m3 with a scale per block ({} of them): dequantised at "
-        "load, {} in bf16 (--target-tp T: a rank holds about 1/T)\n",
+        "fp8:          {} weights in e4m3 with a scale per block ({} of them); dequantised at "
+        "load (the default) they take {} in bf16 (--target-tp T: a rank holds about 1/T)\n",
         fp8_params, human_bytes(static_cast<double>(fp8_params)), human_bytes(fp8_params * 2.0));
     fmt::print(
         "fp8 blocks:   a run that only prefills with --prefill-gemms fp8 (no evaluation) keeps {} "

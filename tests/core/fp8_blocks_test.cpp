@@ -8,8 +8,9 @@
 // q/k/v and gate/up blocks and their scales), a compute-dtype forward of such a target refused,
 // checkpoints whose blocks cannot be kept dequantised at load. On CUDA (*Gpu, skipped without
 // one): the kernel equals the reference bit for bit, the GEMM is the dequantised product within
-// 1e-2, and a Qwen3-shaped block checkpoint's taps kept in blocks are within a few percent of
-// the dequantised-at-load ones.
+// 1e-2 (also at K = 384, whose rows of 3 block scales some at::_scaled_mm versions refuse),
+// and a Qwen3-shaped block checkpoint's taps kept in blocks are within a few percent of the
+// dequantised-at-load ones.
 #include "kernels/fp8_blocks.h"
 
 #include <gtest/gtest.h>
@@ -198,10 +199,27 @@ TEST(Fp8BlocksGpu, GemmIsTheDequantisedProduct) {
   }
 }
 
+// K = 384: rows of 3 block scales, whose 12-byte stride some at::_scaled_mm versions refuse
+// (they ask 16-byte aligned scale strides); the published models' K are multiples of 512.
+TEST(Fp8BlocksGpu, GemmWithThreeScalesARow) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (!kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) GTEST_SKIP() << "needs sm_90";
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const auto w = kernels::quantize_blocks_e4m3(at::randn({256, 384}, opts) * 0.02);
+  const auto x = at::randn({64, 384}, opts);
+  EXPECT_CLOSE(kernels::linear_fp8_blocks(x, w),
+               at::linear(x.to(at::kFloat), kernels::dequantize_blocks(w)), 1e-2);
+}
+
 TEST(Fp8BlocksGpu, KeptBlocksTapsNearTheDequantisedModel) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   if (!kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) GTEST_SKIP() << "needs sm_90";
-  const auto c = block_config();
+  // Every K a multiple of 512 (block scale rows of a multiple of 4 floats, as the published
+  // models' are).
+  auto c = block_config();
+  c.hidden_size = 512;
+  c.intermediate_size = 1536;
+  c.num_heads = 4;
   const auto dir = write_block_checkpoint(c, "fp8_blocks_gpu", at::kBFloat16);
   const at::Device cuda(at::kCUDA, 0);
   auto kept = TargetModel::load(dir, cuda, at::kBFloat16, nullptr, false, true);
