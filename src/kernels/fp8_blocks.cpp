@@ -154,9 +154,18 @@ void mm_fp8_blocks_out(at::Tensor& out, const Fp8Groups& a, const Fp8Blocks& b) 
   }
   if (a.data.size(0) == 0) return;
   // The one layout at::_scaled_mm takes for the DeepSeek recipe: a's scales rows-major
-  // [m, k / 128] (strides [1, m]) and b^T's the transposed view of the checkpoint's contiguous
-  // [n / 128, k / 128]. Accumulation keeps its periodic promotion to fp32.
-  at::_scaled_mm_out(out, a.data, b.data.t(), a.scale, b.scale_inv.t(), std::nullopt, std::nullopt,
+  // [m, k / 128] (strides [1, m]) and b^T's the transposed view of the checkpoint's
+  // [n / 128, k / 128], whose rows it reads at a 16-byte aligned stride (torch 2.11's own
+  // samples use a row stride of k / 128 rounded up to 4): rows of another width are copied to
+  // one (the published models' k are multiples of 512, whose scales are used as they are).
+  at::Tensor scale_b = b.scale_inv;
+  const int64_t width = scale_b.size(1), stride = (width + 3) / 4 * 4;
+  if (stride != width) {
+    scale_b = at::zeros({scale_b.size(0), stride}, scale_b.options()).narrow(1, 0, width);
+    scale_b.copy_(b.scale_inv);
+  }
+  // Accumulation keeps its periodic promotion to fp32.
+  at::_scaled_mm_out(out, a.data, b.data.t(), a.scale, scale_b.t(), std::nullopt, std::nullopt,
                      at::kBFloat16, /*use_fast_accum=*/false);
 }
 

@@ -8,7 +8,7 @@
 // q/k/v and gate/up blocks and their scales), a compute-dtype forward of such a target refused,
 // checkpoints whose blocks cannot be kept dequantised at load. On CUDA (*Gpu, skipped without
 // one): the kernel equals the reference bit for bit, the GEMM is the dequantised product within
-// 1e-2 (also at K = 384, whose rows of 3 block scales some at::_scaled_mm versions refuse),
+// 1e-2 (also at K = 384: rows of 3 block scales, given at a 16-byte aligned stride),
 // and a Qwen3-shaped block checkpoint's taps kept in blocks are within a few percent of the
 // dequantised-at-load ones.
 #include "kernels/fp8_blocks.h"
@@ -199,8 +199,8 @@ TEST(Fp8BlocksGpu, GemmIsTheDequantisedProduct) {
   }
 }
 
-// K = 384: rows of 3 block scales, whose 12-byte stride some at::_scaled_mm versions refuse
-// (they ask 16-byte aligned scale strides); the published models' K are multiples of 512.
+// K = 384: rows of 3 block scales, which mm_fp8_blocks_out gives at::_scaled_mm at a 16-byte
+// aligned stride (the published models' K are multiples of 512: rows of 4n scales).
 TEST(Fp8BlocksGpu, GemmWithThreeScalesARow) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   if (!kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) GTEST_SKIP() << "needs sm_90";
