@@ -28,6 +28,7 @@ struct BenchKernelsOptions {
   std::string json_out;
   bool gated_delta_only = false;
   bool mxfp4_only = false;
+  bool fp8_blocks_only = false;
 };
 
 void run_bench_kernels(const BenchKernelsOptions& o) {
@@ -73,6 +74,15 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
   if (o.gated_delta_only)
     return alone("Gated DeltaNet at Qwen3.5-27B shapes", &kernel_bench::bench_gated_delta);
   const Bench b{o.timing, device, models::preset_config(o.preset), opts, report};
+  if (o.fp8_blocks_only) {
+    fmt::print("bench-kernels: FP8 block GEMMs at {} shapes, bf16 on {}\n", o.preset, device.str());
+    header();
+    kernel_bench::bench_fp8_block_gemms(b);
+    if (!o.json_out.empty()) {
+      write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));
+    }
+    return;
+  }
   fmt::print("bench-kernels: {} shapes, bf16 on {}, {} calls per graph x {} replays\n", o.preset,
              device.str(), o.timing.calls, o.timing.iters);
   header();
@@ -104,6 +114,9 @@ void add_bench_kernels_command(CLI::App& app) {
                 "only Gated DeltaNet's kernels (Qwen3.5-27B shapes, whatever the preset)");
   cmd->add_flag("--mxfp4-only", o->mxfp4_only,
                 "only gpt-oss-120b's MXFP4 expert layer by each path (whatever the preset)");
+  cmd->add_flag("--fp8-blocks-only", o->fp8_blocks_only,
+                "only the FP8 block-scaled prefill GEMMs beside row-scaled FP8 and bf16 (the "
+                "preset's projections at 2048 tokens)");
   cmd->callback([o] { run_bench_kernels(*o); });
 }
 

@@ -36,8 +36,9 @@ struct BenchOptions {
   std::vector<std::string> gemms = {"tuned"};  // alternated in each round; tuned as training
   std::string mxfp4_gemm = "auto";
   int rounds = 1;
-  int target_tp = 1;     // ranks of a tensor-parallel group; the world is groups of them
-  std::string taps_out;  // the taps of one prefill of the first batch size (safetensors)
+  int target_tp = 1;        // ranks of a tensor-parallel group; the world is groups of them
+  std::string taps_out;     // the taps of one prefill of the first batch size (safetensors)
+  bool fp8_blocks = false;  // the dense projections drawn in FP8 blocks (TargetModel::random)
 };
 
 // The tensor-parallel group of this rank (consecutive ranks of the world, --target-tp of them),
@@ -238,7 +239,20 @@ void run_bench(const BenchOptions& o) {
   const auto mxfp4 = models::parse_mxfp4_gemm(o.mxfp4_gemm);
   std::unique_ptr<dist::Comm> world;
   const auto group = tp_group(o.target_tp, config, device, world);
-  auto model = models::TargetModel::random(config, device, dtype, 0, group.get());
+  if (o.fp8_blocks) {
+    for (const auto& g : o.gemms) {
+      if (models::parse_prefill_gemms(g) != models::PrefillGemms::kFp8) {
+        fail("bench-target: --fp8-blocks holds the projections in e4m3 alone: --gemm fp8 only");
+      }
+    }
+  }
+  auto model = models::TargetModel::random(config, device, dtype, 0, group.get(),
+                                           /*expert_parallel=*/false, o.fp8_blocks);
+  if (const auto [bytes, count] = model.fp8_block_bytes();
+      count > 0 && dist::world_from_env().rank == 0) {
+    fmt::print("fp8 blocks: {} projections in e4m3 with a scale per 128 x 128 block, {:.2f} GiB\n",
+               count, bytes / double(1 << 30));
+  }
   // The layers the default drafter taps, and no logits: the prefill training runs, which stops
   // after the last tapped layer.
   const auto taps =
@@ -288,23 +302,36 @@ struct RandomModelOptions {
   std::string out;
   uint64_t seed = 0;
   double shard_gib = 5.0;
+  bool fp8_blocks = false;
 };
 
 void run_random_model(const RandomModelOptions& o) {
   auto config = models::preset_config(o.preset);
   // Generated on the GPU when there is one: 8B random numbers take minutes on a CPU.
   at::Device device = at::hasCUDA() ? at::Device("cuda") : at::Device("cpu");
-  auto model = models::TargetModel::random(config, device, at::kBFloat16, o.seed);
+  auto model = models::TargetModel::random(config, device, at::kBFloat16, o.seed, nullptr,
+                                           /*expert_parallel=*/false, o.fp8_blocks);
   std::filesystem::create_directories(o.out);
   io::write_checkpoint(o.out, model.hf_state_dict(),
                        static_cast<uint64_t>(o.shard_gib * (1ull << 30)));
-  write_file_atomic(std::filesystem::path(o.out) / "config.json",
-                    models::to_hf_json(config).dump(2));
+  auto json = models::to_hf_json(config);
+  if (o.fp8_blocks) {
+    // As Qwen3-*-FP8's config.json names it.
+    json["quantization_config"] = {{"quant_method", "fp8"},
+                                   {"fmt", "e4m3"},
+                                   {"activation_scheme", "dynamic"},
+                                   {"weight_block_size", {128, 128}}};
+  }
+  write_file_atomic(std::filesystem::path(o.out) / "config.json", json.dump(2));
   // A tokenizer of the model's vocabulary and a chat template, so prepare, generate and eval
   // run on the directory as on a real model.
   tok::write_builtin_tokenizer(o.out, config.vocab_size);
-  fmt::print("random-model: wrote {} ({:.3f} B params, bf16) with a tokenizer to {}\n", o.preset,
-             config.num_parameters() / 1e9, o.out);
+  fmt::print("random-model: wrote {} ({:.3f} B params, bf16{}) with a tokenizer to {}\n", o.preset,
+             config.num_parameters() / 1e9,
+             o.fp8_blocks
+                 ? fmt::format("; {} projections in FP8 blocks", model.fp8_block_bytes().second)
+                 : "",
+             o.out);
 }
 
 }  // namespace
@@ -355,6 +382,10 @@ void add_bench_target_command(CLI::App& app) {
   cmd->add_option("--taps-out", o->taps_out,
                   "write the tapped layers' outputs of one prefill of the first batch size "
                   "here (safetensors), e.g. to compare --target-tp runs");
+  cmd->add_flag("--fp8-blocks", o->fp8_blocks,
+                "draw the dense projections in FP8 blocks (e4m3, a scale per 128 x 128 block), as "
+                "a block-quantised checkpoint loads for --prefill-gemms fp8 without evaluation; "
+                "layer by layer, never whole in bf16 (needs --gemm fp8)");
   add_nproc_option(*cmd);
   cmd->callback([o] { run_bench(*o); });
 
@@ -368,6 +399,10 @@ void add_bench_target_command(CLI::App& app) {
   rm->add_option("--shard-gib", r->shard_gib, "maximum shard size")
       ->capture_default_str()
       ->check(kPositive.validator());
+  rm->add_flag("--fp8-blocks", r->fp8_blocks,
+               "write the dense projections whose sizes are multiples of 128 as an FP8 "
+               "block-quantised checkpoint (e4m3 weight + weight_scale_inv per 128 x 128 block, "
+               "quantization_config as Qwen3-*-FP8)");
   rm->callback([r] { run_random_model(*r); });
 }
 

@@ -99,6 +99,8 @@ void run_info(const InfoOptions& o) {
     }
   }
   int64_t params = 0, fp8_params = 0;
+  // What --prefill-gemms fp8 without evaluation keeps in FP8 blocks: weights and their scales.
+  int64_t kept_params = 0, kept_scale_bytes = 0, kept_tensors = 0;
   std::map<std::string, int64_t> dtypes;
   for (const auto& name : ckpt.names()) {
     const auto& info = ckpt.info(name);
@@ -109,7 +111,16 @@ void run_info(const InfoOptions& o) {
     if (info.dtype == at::kByte && name.ends_with("_scales")) n = 0;
     // FP8 block quantisation (Qwen3-*-FP8): e4m3 weights; their block scales are no weights.
     if (name.ends_with(".weight_scale_inv")) n = 0;
-    if (info.dtype == at::kFloat8_e4m3fn) fp8_params += n;
+    if (info.dtype == at::kFloat8_e4m3fn) {
+      fp8_params += n;
+      const bool whole =
+          info.shape.size() == 2 && info.shape[0] % 128 == 0 && info.shape[1] % 128 == 0;
+      if (whole && models::fp8_block_projection(name) && ckpt.contains(name + "_scale_inv")) {
+        kept_params += n;
+        kept_scale_bytes += static_cast<int64_t>(ckpt.info(name + "_scale_inv").nbytes);
+        ++kept_tensors;
+      }
+    }
     params += n;
     if (n > 0) dtypes[std::string(c10::toString(info.dtype))] += n;
   }
@@ -127,9 +138,17 @@ void run_info(const InfoOptions& o) {
              human_bytes(params * 2.0));
   if (fp8_params > 0) {
     fmt::print(
-        "fp8:          {} weights in e4m3 with a scale per block ({} of them): dequantised at "
-        "load, {} in bf16 (--target-tp T: a rank holds about 1/T)\n",
+        "fp8:          {} weights in e4m3 with a scale per block ({} of them); dequantised at "
+        "load (the default) they take {} in bf16 (--target-tp T: a rank holds about 1/T)\n",
         fp8_params, human_bytes(static_cast<double>(fp8_params)), human_bytes(fp8_params * 2.0));
+    fmt::print(
+        "fp8 blocks:   a run that only prefills with --prefill-gemms fp8 (no evaluation) keeps {} "
+        "dense projections ({} weights) in e4m3: {} with their scales, and dequantises the "
+        "other {} to {} in bf16; {} in all against {} dequantised\n",
+        kept_tensors, kept_params, human_bytes(kept_params + double(kept_scale_bytes)),
+        fp8_params - kept_params, human_bytes((fp8_params - kept_params) * 2.0),
+        human_bytes(kept_params + double(kept_scale_bytes) + (fp8_params - kept_params) * 2.0),
+        human_bytes(fp8_params * 2.0));
   }
   if (config.arch == models::Architecture::kGptOss) {
     const int64_t experts = config.num_layers * config.num_experts * 3 * config.hidden_size *

@@ -65,6 +65,10 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str()
       ->check(kNonNegative.validator());
   add_json_option(*cmd, a->bench.json_out, "the figures");
+  cmd->add_flag("--random-fp8-blocks", a->bench.random_fp8_blocks,
+                "draw the target's dense projections in FP8 blocks (e4m3, a scale per 128 x 128 "
+                "block), as a block-quantised checkpoint loads with --prefill-gemms fp8 and no "
+                "evaluation; layer by layer, never whole in bf16");
   pipeline::add_config_options(*cmd, a->config, a->config_file);
   add_nproc_option(*cmd);
   cmd->callback([a, cmd] {

@@ -72,6 +72,7 @@ constexpr Entry kRegistry[] = {
     {"qk_norm_rotary", &bench_qk_norm_rotary},
     {"silu_mul", &bench_silu_mul},
     {"fp8_prefill_inputs", &bench_fp8_prefill_inputs},
+    {"fp8_block_gemms", &bench_fp8_block_gemms},
     {"moe_combine", &bench_moe_combine},
     {"attention_merge", &bench_attention_merge},
     {"adamw_cast", &bench_adamw_cast},

@@ -79,6 +79,7 @@ void bench_add_rms_norm(const Bench& b);        // decode_ops_bench.cpp
 void bench_qk_norm_rotary(const Bench& b);      // decode_ops_bench.cpp
 void bench_silu_mul(const Bench& b);            // decode_ops_bench.cpp
 void bench_fp8_prefill_inputs(const Bench& b);  // fp8_prefill_bench.cpp
+void bench_fp8_block_gemms(const Bench& b);     // fp8_blocks_bench.cpp
 void bench_moe_combine(const Bench& b);         // moe_combine_bench.cpp
 void bench_attention_merge(const Bench& b);     // attention_merge_bench.cpp
 void bench_adamw_cast(const Bench& b);          // adamw_cast_bench.cpp

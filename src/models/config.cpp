@@ -729,18 +729,49 @@ ModelConfig gpt_oss_preset(const std::string& name) {
   return parse_model_config(j, "preset " + name);
 }
 
+// Llama-3.3-70B(-Instruct)'s published config.json (meta-llama/Llama-3.3-70B-Instruct).
+ModelConfig llama_33_70b_config() {
+  json j = {{"model_type", "llama"},
+            {"vocab_size", 128256},
+            {"hidden_size", 8192},
+            {"intermediate_size", 28672},
+            {"num_hidden_layers", 80},
+            {"num_attention_heads", 64},
+            {"num_key_value_heads", 8},
+            {"head_dim", 128},
+            {"max_position_embeddings", 131072},
+            {"rms_norm_eps", 1e-5},
+            {"rope_theta", 500000.0},
+            {"rope_scaling",
+             {{"rope_type", "llama3"},
+              {"factor", 8.0},
+              {"low_freq_factor", 1.0},
+              {"high_freq_factor", 4.0},
+              {"original_max_position_embeddings", 8192}}},
+            {"tie_word_embeddings", false}};
+  return parse_model_config(j, "preset llama-3.3-70b");
+}
+
 }  // namespace
 
 std::vector<std::string> preset_names() {
-  return {"qwen3-8b",         "qwen3-30b-a3b",      "tiny",
-          "tiny-moe",         "qwen3.5-9b",         "qwen3.5-27b",
-          "qwen3.5-35b-a3b",  "qwen3-next-80b-a3b", "tiny-qwen3.5",
-          "tiny-qwen3.5-moe", "gpt-oss-20b",        "gpt-oss-120b",
-          "tiny-gpt-oss"};
+  return {
+      "qwen3-8b",     "qwen3-32b",        "llama-3.3-70b", "qwen3-30b-a3b",   "tiny",
+      "tiny-moe",     "qwen3.5-9b",       "qwen3.5-27b",   "qwen3.5-35b-a3b", "qwen3-next-80b-a3b",
+      "tiny-qwen3.5", "tiny-qwen3.5-moe", "gpt-oss-20b",   "gpt-oss-120b",    "tiny-gpt-oss"};
 }
 
 ModelConfig preset_config(const std::string& name) {
   if (name == "qwen3-8b") return qwen3_8b_config();
+  if (name == "qwen3-32b") {  // Qwen/Qwen3-32B's config.json
+    ModelConfig c = qwen3_8b_config();
+    c.hidden_size = 5120;
+    c.intermediate_size = 25600;
+    c.num_layers = 64;
+    c.num_heads = 64;
+    return c;
+  }
+  if (name == "llama-3.3-70b") return llama_33_70b_config();
   if (name == "tiny") {
     ModelConfig c = qwen3_8b_config();
     c.vocab_size = 512;

@@ -179,8 +179,11 @@ void load_mlp(const ModelConfig& c, int64_t i, const Layout& layout, const Exper
               Take&& take, TargetLayerWeights& l) {
   const std::string p = c.layer_prefix(i) + "mlp.";
   if (!c.is_moe_layer(i)) {
-    l.w_gate_up = at::cat({take(p + "gate_proj.weight"), take(p + "up_proj.weight")});
-    l.w_down = take(p + "down_proj.weight");
+    // Where the loader kept FP8 blocks instead.
+    if (!l.gate_up_blocks.defined()) {
+      l.w_gate_up = at::cat({take(p + "gate_proj.weight"), take(p + "up_proj.weight")});
+    }
+    if (!l.down_blocks.defined()) l.w_down = take(p + "down_proj.weight");
     return;
   }
   l.router = take(p + "gate.weight");
@@ -226,7 +229,7 @@ void keep_linear_share(LinearAttentionWeights& w, const LinearAttentionShape& s,
   w.conv = own(split(w.conv, 0, {kd, kd, vd}));
   w.a_log = own(split(w.a_log, 0, {nv}));
   w.dt_bias = own(split(w.dt_bias, 0, {nv}));
-  w.w_out = own(split(w.w_out, 1, {vd}));
+  if (w.w_out.defined()) w.w_out = own(split(w.w_out, 1, {vd}));  // else held in FP8 blocks
 }
 
 // How a checkpoint tensor splits over a tensor-parallel group (a hybrid's attention and MLP
@@ -298,6 +301,171 @@ at::Tensor dequantize_fp8_blocks(const at::Tensor& w, const at::Tensor& scale_in
                      .narrow(0, 0, out)
                      .narrow(1, 0, in);
   return w.to(at::kFloat) * s;
+}
+
+// Of the block weight `w` read whole, the part `keep` keeps (keep(t, dim): this rank's slice of
+// t along dim, as the loader slices the dequantised tensor), or undefined with `why` set where
+// that part is not whole 128 x 128 blocks. Along `dim` the scales follow the indices kept.
+template <class Keep>
+kernels::Fp8Blocks share_blocks(const kernels::Fp8Blocks& w, int64_t dim, Keep&& keep,
+                                const std::string& name, std::string& why) {
+  constexpr int64_t b = kernels::kFp8Block;
+  if (dim < 0) return w;
+  const at::Tensor index = keep(at::arange(w.data.size(dim)), 0);
+  const at::Tensor chunks = index.numel() % b == 0 ? index.view({-1, b}) : at::Tensor();
+  if (!chunks.defined() || index.numel() == 0 ||
+      !chunks.select(1, 0).remainder(b).eq(0).all().item<bool>() ||
+      !chunks.sub(chunks.select(1, 0).unsqueeze(1)).eq(at::arange(b)).all().item<bool>()) {
+    why = fmt::format("{}: this rank's slice of dimension {} is not whole blocks of {}", name, dim,
+                      b);
+    return {};
+  }
+  // e4m3 through uint8 views: the CPU's cat and index kernels do not take float8.
+  const at::Tensor data = keep(w.data.view(at::kByte), dim).contiguous().view(at::kFloat8_e4m3fn);
+  return {data, w.scale_inv.index_select(dim, chunks.select(1, 0).div(b, "floor")).contiguous()};
+}
+
+// The parts (q, k, v; gate, up) of a fused projection one above another, data and scales.
+kernels::Fp8Blocks stack_blocks(const std::vector<kernels::Fp8Blocks>& parts) {
+  if (parts.size() == 1) return parts[0];
+  std::vector<at::Tensor> data, scales;
+  for (const auto& p : parts) {
+    data.push_back(p.data.view(at::kByte));
+    scales.push_back(p.scale_inv);
+  }
+  return {at::cat(data).view(at::kFloat8_e4m3fn), at::cat(scales)};
+}
+
+// The rows [offset, offset + rows) of a block weight stacked by stack_blocks (whole blocks).
+kernels::Fp8Blocks block_rows(const kernels::Fp8Blocks& w, int64_t offset, int64_t rows) {
+  constexpr int64_t b = kernels::kFp8Block;
+  return {w.data.narrow(0, offset, rows), w.scale_inv.narrow(0, offset / b, (rows + b - 1) / b)};
+}
+
+// TargetModel::load's keep_fp8_blocks: a fused projection of block-quantised checkpoint tensors
+// kept in FP8 blocks as stored (this rank's slice, copied to the device), or undefined where
+// it is not kept (the loader then dequantises its parts), counted with the first reason where
+// some part is block-quantised.
+struct BlockReader {
+  const io::Checkpoint& ckpt;
+  const std::set<std::string>& fp8;  // the tensors with a weight_scale_inv
+  const std::vector<int64_t>& block;
+  const ModelConfig& c;
+  Split split;
+  bool tp;
+  at::Device device;
+  std::string dir;
+  bool keep;
+  std::string first_dequantised = {};
+  int64_t dequantised = 0;
+
+  // This rank's blocks of one tensor, or undefined with `why` set.
+  kernels::Fp8Blocks part(const std::string& name, std::string& why) const {
+    kernels::Fp8Blocks whole{ckpt.tensor(name), ckpt.tensor(name + "_scale_inv").to(at::kFloat)};
+    kernels::check_blocks(whole, dir + ": " + name);
+    const bool kv = name.find("self_attn.k_proj.") != std::string::npos ||
+                    name.find("self_attn.v_proj.") != std::string::npos;
+    int64_t dim = -1;
+    if (tp) {
+      dim = kv ? 0 : name.ends_with("linear_attn.out_proj.weight") ? 1 : tensor_split(name).dim;
+    }
+    auto keep_share = [&](const at::Tensor& t, int64_t d) {
+      return kv ? kv_share(t, c, split) : split(t, d, {t.size(d)});
+    };
+    auto out = share_blocks(whole, dim, keep_share, name, why);
+    if (out.defined()) why = kernels::fp8_block_gemm_unsupported(out, name);
+    return why.empty() ? out : kernels::Fp8Blocks{};
+  }
+
+  kernels::Fp8Blocks take(const std::vector<std::string>& names) {
+    const auto quantised = std::count_if(names.begin(), names.end(),
+                                         [&](const std::string& n) { return fp8.contains(n); });
+    if (!keep || quantised == 0) return {};
+    std::string why;
+    std::vector<kernels::Fp8Blocks> parts;
+    for (const auto& name : names) {
+      if (!fp8.contains(name)) {
+        why = fmt::format("{} is not block-quantised beside its fused parts", name);
+      } else if (block != std::vector<int64_t>{kernels::kFp8Block, kernels::kFp8Block}) {
+        why = fmt::format("weight_block_size [{}] is not [128, 128]", fmt::join(block, ", "));
+      } else {
+        parts.push_back(part(name, why));
+      }
+      if (!why.empty()) {
+        if (dequantised++ == 0) first_dequantised = why;
+        return {};
+      }
+    }
+    auto w = stack_blocks(parts);
+    auto to_device = [&](const at::Tensor& t) {
+      return t.to(at::TensorOptions().device(device), /*non_blocking=*/false, /*copy=*/true,
+                  at::MemoryFormat::Contiguous);
+    };
+    return {to_device(w.data), to_device(w.scale_inv)};
+  }
+
+  void report() const {
+    if (dequantised == 0) return;
+    fmt::print(stderr,
+               "target: {}: {} FP8 block-quantised projection(s) dequantised at load, not kept "
+               "in blocks (the first: {})\n",
+               dir, dequantised, first_dequantised);
+  }
+};
+
+// a x weight^T through the row-scaled FP8 GEMM, written in `options`' dtype.
+at::Tensor mm8(const kernels::Fp8Rows& a, const kernels::Fp8Rows& weight,
+               const at::TensorOptions& options) {
+  auto out = at::empty({a.data.size(0), weight.data.size(0)}, options);
+  kernels::mm_fp8_rows_out(out, a, weight);
+  return out;
+}
+
+// Fails where a forward cannot run layer `w`: a compute-dtype one (not `fp8`) whose projections
+// are held in e4m3 alone, an fp8 one before quantize_weights_fp8.
+void check_projections_held(const TargetLayerWeights& w, bool fp8) {
+  const bool dense_mlp = !w.router.defined();
+  const bool compute_held =
+      (w.linear.conv.defined() ? w.linear.w_in.defined() && w.linear.w_out.defined()
+                               : w.w_qkv.defined() && w.w_o.defined()) &&
+      (!dense_mlp || (w.w_gate_up.defined() && w.w_down.defined()));
+  if (!fp8 && !compute_held) {
+    fail(
+        "target forward: this target holds projections in e4m3 alone (FP8 blocks kept at load, "
+        "or release_compute_projections); only --prefill-gemms fp8 can run it");
+  }
+  auto held8 = [](const kernels::Fp8Rows& rows, const kernels::Fp8Blocks& blocks) {
+    return rows.data.defined() || blocks.defined();
+  };
+  if (fp8 && !(held8(w.qkv_fp8, w.qkv_blocks) && held8(w.o_fp8, w.o_blocks) &&
+               (!dense_mlp ||
+                (held8(w.gate_up_fp8, w.gate_up_blocks) && held8(w.down_fp8, w.down_blocks))))) {
+    fail(
+        "target forward: --prefill-gemms fp8 needs the layers' e4m3 weights "
+        "(TargetModel::quantize_weights_fp8)");
+  }
+}
+
+// A dense MLP's FP8 GEMMs in a fused pass after the residual add of the token mixer's output o:
+// the residual sum and the MLP's output. The norm and the activation write the e4m3 rows a
+// row-scaled weight reads, in one pass each; block weights take bf16 rows, which
+// linear_fp8_blocks quantizes in groups.
+std::pair<at::Tensor, at::Tensor> fused_fp8_mlp(const TargetLayerWeights& w, const at::Tensor& x,
+                                                const at::Tensor& o, double eps) {
+  at::Tensor sum, gate_up;
+  if (w.gate_up_blocks.defined()) {
+    auto r = kernels::add_rms_norm(x, o, w.post_attention_norm, eps);
+    sum = r.sum;
+    gate_up = kernels::linear_fp8_blocks(r.normed, w.gate_up_blocks);
+  } else {
+    auto r = kernels::add_rms_norm_e4m3(x, o, w.post_attention_norm, eps);
+    sum = r.sum;
+    gate_up = mm8(r.normed, w.gate_up_fp8, x.options());
+  }
+  auto out = w.down_blocks.defined()
+                 ? kernels::linear_fp8_blocks(kernels::silu_mul(gate_up), w.down_blocks)
+                 : mm8(kernels::silu_mul_e4m3(gate_up), w.down_fp8, x.options());
+  return {sum, out};
 }
 
 }  // namespace
@@ -421,7 +589,8 @@ void TargetModel::check(const std::filesystem::path& dir) {
 }
 
 TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device device,
-                              at::ScalarType dtype, dist::Comm* tp, bool expert_parallel) {
+                              at::ScalarType dtype, dist::Comm* tp, bool expert_parallel,
+                              bool keep_fp8_blocks) {
   TargetModel m(load_model_config(dir / "config.json"), device);
   const ModelConfig& c = m.config_;
   m.split_over(tp, expert_parallel);
@@ -485,6 +654,9 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
   auto take_norm = [&](const std::string& name) {
     return c.norm_plus_one ? norm_weight_from_file(take(name)) : take(name);
   };
+  BlockReader blocks{ckpt,   fp8,          block,          c, split, m.tp_ != nullptr,
+                     device, dir.string(), keep_fp8_blocks};
+  auto take_blocks = [&](const std::vector<std::string>& names) { return blocks.take(names); };
   // Multi-token-prediction heads (Qwen3.5, Qwen3-Next) are not part of the target's forward.
   const auto names = ckpt.names();
   if (auto mtp = std::count_if(names.begin(), names.end(),
@@ -499,6 +671,10 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
     TargetLayerWeights l;
     l.input_norm = take_norm(p + "input_layernorm.weight");
     l.post_attention_norm = take_norm(p + "post_attention_layernorm.weight");
+    if (!c.is_moe_layer(i)) {
+      l.gate_up_blocks = take_blocks({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"});
+      l.down_blocks = take_blocks({p + "mlp.down_proj.weight"});
+    }
     load_mlp(c, i, layout, experts, take, l);
     if (c.is_linear_layer(i)) {
       const std::string a = p + "linear_attn.";
@@ -511,14 +687,17 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
       l.linear.a_log = take(a + "A_log");
       l.linear.dt_bias = take(a + "dt_bias");
       l.linear.norm = take(a + "norm.weight");
-      l.linear.w_out = take(a + "out_proj.weight");
+      l.o_blocks = take_blocks({a + "out_proj.weight"});
+      if (!l.o_blocks.defined()) l.linear.w_out = take(a + "out_proj.weight");
       // Read whole (one layer at a time), as qwen3_next_in_proj regroups whole tensors.
       if (m.tp_ != nullptr) keep_linear_share(l.linear, c.linear, split);
       m.layers_.push_back(std::move(l));
       continue;
     }
-    l.w_qkv = at::cat({take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
-                       take(p + "self_attn.v_proj.weight")});
+    const std::string q = p + "self_attn.q_proj.weight", k = p + "self_attn.k_proj.weight",
+                      v = p + "self_attn.v_proj.weight";
+    l.qkv_blocks = take_blocks({q, k, v});
+    if (!l.qkv_blocks.defined()) l.w_qkv = at::cat({take(q), take(k), take(v)});
     if (c.attention_bias) {
       l.b_qkv = at::cat({take(p + "self_attn.q_proj.bias"), take(p + "self_attn.k_proj.bias"),
                          take(p + "self_attn.v_proj.bias")});
@@ -527,9 +706,11 @@ TargetModel TargetModel::load(const std::filesystem::path& dir, at::Device devic
       l.q_norm = take_norm(p + "self_attn.q_norm.weight");
       l.k_norm = take_norm(p + "self_attn.k_norm.weight");
     }
-    l.w_o = take(p + "self_attn.o_proj.weight");
+    l.o_blocks = take_blocks({p + "self_attn.o_proj.weight"});
+    if (!l.o_blocks.defined()) l.w_o = take(p + "self_attn.o_proj.weight");
     m.layers_.push_back(std::move(l));
   }
+  blocks.report();
   m.norm_ = take_norm(c.weight_prefix() + "norm.weight");
   m.lm_head_ = c.tie_word_embeddings ? m.embed_ : take("lm_head.weight");
   m.vocab_start_ = split.piece(c.vocab_size).first;
@@ -553,7 +734,8 @@ at::Generator seeded_generator(at::Device device, uint64_t seed) {
 }
 
 TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::ScalarType dtype,
-                                uint64_t seed, dist::Comm* tp, bool expert_parallel) {
+                                uint64_t seed, dist::Comm* tp, bool expert_parallel,
+                                bool fp8_blocks) {
   c.validate("random target");
   TargetModel m(c, device);
   m.split_over(tp, expert_parallel);
@@ -573,6 +755,18 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
     return m.tp_ != nullptr ? qkv_share(t, c, split, q_rows) : t;
   };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
+  // fp8_blocks: a projection drawn (parts of `parts` rows one above another) held in blocks
+  // instead, where every part is whole blocks (the projections load would keep).
+  auto to_blocks = [&](at::Tensor& w, kernels::Fp8Blocks& blocks,
+                       const std::vector<int64_t>& parts) {
+    constexpr int64_t b = kernels::kFp8Block;
+    if (!fp8_blocks || w.size(1) % b != 0 ||
+        std::any_of(parts.begin(), parts.end(), [](int64_t p) { return p % b != 0; })) {
+      return;
+    }
+    blocks = kernels::quantize_blocks_e4m3(w);
+    w.reset();
+  };
   const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
   m.embed_ = sliced({c.vocab_size, h}, 0, {c.vocab_size});
   m.vocab_start_ = split.piece(c.vocab_size).first;
@@ -594,6 +788,7 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
       l.linear.norm = ones(s.value_head_dim);
       l.linear.w_out = normal({h, s.value_dim()});
       if (m.tp_ != nullptr) keep_linear_share(l.linear, s, split);
+      to_blocks(l.linear.w_out, l.o_blocks, {h});
     } else {
       const int64_t q_rows = c.attn_output_gate ? 2 * q : q;
       l.w_qkv = qkv_sliced({q_rows + 2 * kv, h}, q_rows);
@@ -603,6 +798,9 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
         l.k_norm = ones(c.head_dim);
       }
       l.w_o = sliced({h, q}, 1, {q});
+      const int64_t kv_rows = kv_heads_of(c, split.rank, split.ranks).second * c.head_dim;
+      to_blocks(l.w_qkv, l.qkv_blocks, {l.w_qkv.size(0) - 2 * kv_rows, kv_rows, kv_rows});
+      to_blocks(l.w_o, l.o_blocks, {h});
     }
     if (c.is_moe_layer(i)) {
       const int64_t e = c.num_experts, f = c.moe_intermediate_size;
@@ -629,12 +827,28 @@ TargetModel TargetModel::random(const ModelConfig& c, at::Device device, at::Sca
       const int64_t f = c.intermediate_size;
       l.w_gate_up = sliced({2 * f, h}, 0, {f, f});
       l.w_down = sliced({h, f}, 1, {f});
+      to_blocks(l.w_gate_up, l.gate_up_blocks, {l.w_gate_up.size(0) / 2, l.w_gate_up.size(0) / 2});
+      to_blocks(l.w_down, l.down_blocks, {h});
     }
     m.layers_.push_back(std::move(l));
   }
   m.norm_ = ones(h);
   m.lm_head_ = c.tie_word_embeddings ? m.embed_ : sliced({c.vocab_size, h}, 0, {c.vocab_size});
   return m;
+}
+
+bool fp8_block_projection(const std::string& name) {
+  if (name.find(".experts.") != std::string::npos ||
+      name.find("shared_expert") != std::string::npos) {
+    return false;
+  }
+  for (const char* role :
+       {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "linear_attn.out_proj.weight"}) {
+    if (name.ends_with(role)) return true;
+  }
+  return false;
 }
 
 PrefillGemms parse_prefill_gemms(const std::string& name) {
@@ -667,19 +881,23 @@ int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
     bytes += q.data.nbytes() + q.scale.nbytes();
     return q;
   };
+  // Each projection not yet in e4m3 (nor kept in FP8 blocks at load).
+  auto once = [&](kernels::Fp8Rows& rows, const kernels::Fp8Blocks& blocks, const at::Tensor& w,
+                  int64_t i, const char* name) {
+    if (!rows.data.defined() && !blocks.defined()) rows = quantize(w, i, name);
+  };
   for (int64_t i = 0; i < layers; ++i) {
     auto& l = layers_[i];
-    if (l.qkv_fp8.data.defined()) continue;
     if (l.linear.conv.defined()) {
-      l.qkv_fp8 = quantize(l.linear.w_in, i, "linear-attention in_proj");
-      l.o_fp8 = quantize(l.linear.w_out, i, "linear-attention out_proj");
+      once(l.qkv_fp8, l.qkv_blocks, l.linear.w_in, i, "linear-attention in_proj");
+      once(l.o_fp8, l.o_blocks, l.linear.w_out, i, "linear-attention out_proj");
     } else {
-      l.qkv_fp8 = quantize(l.w_qkv, i, "q/k/v projection");
-      l.o_fp8 = quantize(l.w_o, i, "o projection");
+      once(l.qkv_fp8, l.qkv_blocks, l.w_qkv, i, "q/k/v projection");
+      once(l.o_fp8, l.o_blocks, l.w_o, i, "o projection");
     }
     if (l.router.defined()) continue;
-    l.gate_up_fp8 = quantize(l.w_gate_up, i, "gate/up projection");
-    l.down_fp8 = quantize(l.w_down, i, "down projection");
+    once(l.gate_up_fp8, l.gate_up_blocks, l.w_gate_up, i, "gate/up projection");
+    once(l.down_fp8, l.down_blocks, l.w_down, i, "down projection");
   }
   return bytes;
 }
@@ -687,16 +905,29 @@ int64_t TargetModel::quantize_weights_fp8(int64_t layers) {
 int64_t TargetModel::release_compute_projections() {
   int64_t bytes = 0;
   for (auto& l : layers_) {
-    if (!l.qkv_fp8.data.defined()) continue;
-    std::vector<at::Tensor*> held = {&l.w_qkv, &l.w_o, &l.linear.w_in, &l.linear.w_out};
-    if (l.gate_up_fp8.data.defined()) held.insert(held.end(), {&l.w_gate_up, &l.w_down});
-    for (at::Tensor* t : held) {
-      if (!t->defined()) continue;
+    const std::pair<at::Tensor*, const kernels::Fp8Rows*> held[] = {
+        {&l.w_qkv, &l.qkv_fp8},         {&l.w_o, &l.o_fp8},
+        {&l.linear.w_in, &l.qkv_fp8},   {&l.linear.w_out, &l.o_fp8},
+        {&l.w_gate_up, &l.gate_up_fp8}, {&l.w_down, &l.down_fp8}};
+    for (const auto& [t, rows] : held) {
+      if (!t->defined() || !rows->data.defined()) continue;
       bytes += t->nbytes();
       t->reset();
     }
   }
   return bytes;
+}
+
+std::pair<int64_t, int64_t> TargetModel::fp8_block_bytes() const {
+  int64_t bytes = 0, count = 0;
+  for (const auto& l : layers_) {
+    for (const auto* b : {&l.qkv_blocks, &l.o_blocks, &l.gate_up_blocks, &l.down_blocks}) {
+      if (!b->defined()) continue;
+      bytes += b->nbytes();
+      ++count;
+    }
+  }
+  return {bytes, count};
 }
 
 at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
@@ -754,20 +985,17 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   const bool small = fused && t <= kernels::kSmallLinearFasterRows;
   const bool tuned = fused && !small && gemms == PrefillGemms::kTuned;
   const bool fp8 = gemms == PrefillGemms::kFp8 && !c10::GradMode::is_enabled();
-  if (!fp8 && !w.w_qkv.defined() && !w.linear.w_in.defined()) {
-    fail(
-        "target forward: this target holds its projections in e4m3 alone "
-        "(release_compute_projections); only --prefill-gemms fp8 can run it");
-  }
-  if (fp8 && !w.qkv_fp8.data.defined()) {
-    fail(
-        "target forward: --prefill-gemms fp8 needs the layers' e4m3 weights "
-        "(TargetModel::quantize_weights_fp8)");
-  }
+  const bool linear_mixer = w.linear.conv.defined(), dense_mlp = !w.router.defined();
+  check_projections_held(w, fp8);
   auto linear8 = [&](const kernels::Fp8Rows& in, const kernels::Fp8Rows& weight) {
-    auto out = at::empty({in.data.size(0), weight.data.size(0)}, x.options());
-    kernels::mm_fp8_rows_out(out, in, weight);
-    return out;
+    return mm8(in, weight, x.options());
+  };
+  // An FP8 projection of compute-dtype rows: its input in 1 x 128 groups for block weights,
+  // else in rows.
+  auto proj8 = [&](const at::Tensor& in, const kernels::Fp8Rows& rows,
+                   const kernels::Fp8Blocks& blocks) {
+    return blocks.defined() ? kernels::linear_fp8_blocks(in, blocks)
+                            : linear8(kernels::quantize_rows_e4m3(in), rows);
   };
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias) {
     if (small) return kernels::small_linear(in, weight, bias);
@@ -785,11 +1013,15 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   };
   // The token mixer's projections: its input from the normed rows (e4m3 rows written by the
   // norm for the FP8 GEMM), its output from the mixed rows.
+  // The fused norm writes e4m3 rows; block weights take the bf16 rows, grouped by proj8.
   auto mixer_in = [&](const at::Tensor& weight, const kernels::Fp8Rows& weight8,
-                      const at::Tensor& bias) {
-    if (!fp8) {
-      return linear(input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; }), weight,
-                    bias);
+                      const kernels::Fp8Blocks& blocks, const at::Tensor& bias) {
+    if (!fp8 || blocks.defined()) {
+      auto h = input_norm(kernels::add_rms_norm, [](at::Tensor h) { return h; });
+      if (!fp8) return linear(h, weight, bias);
+      auto out = proj8(h, weight8, blocks);
+      if (bias.defined()) out.add_(bias);
+      return out;
     }
     auto out =
         linear8(input_norm(kernels::add_rms_norm_e4m3,
@@ -799,12 +1031,12 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     return out;
   };
   auto mixer_out = [&](const at::Tensor& in, const at::Tensor& weight,
-                       const kernels::Fp8Rows& weight8) {
-    return fp8 ? linear8(kernels::quantize_rows_e4m3(in), weight8) : linear(in, weight, {});
+                       const kernels::Fp8Rows& weight8, const kernels::Fp8Blocks& blocks) {
+    return fp8 ? proj8(in, weight8, blocks) : linear(in, weight, {});
   };
   // The token mixer's output: a linear-attention layer's Gated DeltaNet, else attention.
   auto attention = [&] {
-    at::Tensor qkv = mixer_in(w.w_qkv, w.qkv_fp8, w.b_qkv);
+    at::Tensor qkv = mixer_in(w.w_qkv, w.qkv_fp8, w.qkv_blocks, w.b_qkv);
     at::Tensor q, k, v, gate;
     // The fused q/k norm + rotary kernels rotate whole heads of plain q rows; gated attention
     // (q and gate interleaved per head, partial rotary) takes the composition below.
@@ -837,24 +1069,24 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     }
     auto attn = attend(q, k, v).reshape({t, nq});
     if (gate.defined()) attn = attn * at::sigmoid(gate);
-    return mixer_out(attn, w.w_o, w.o_fp8);
+    return mixer_out(attn, w.w_o, w.o_fp8, w.o_blocks);
   };
   // A linear-attention layer keeps its conv weight when its projections are released.
-  at::Tensor o = w.linear.conv.defined()
-                     ? mixer_out(gated_delta_net(mixer_in(w.linear.w_in, w.qkv_fp8, {}), w.linear,
-                                                 linear_share(c.linear, tp_size()), eps,
-                                                 seqs.cu_seqlens, seqs.lengths, seqs.linear),
-                                 w.linear.w_out, w.o_fp8)
-                     : attention();
+  at::Tensor o =
+      linear_mixer ? mixer_out(gated_delta_net(mixer_in(w.linear.w_in, w.qkv_fp8, w.qkv_blocks, {}),
+                                               w.linear, linear_share(c.linear, tp_size()), eps,
+                                               seqs.cu_seqlens, seqs.lengths, seqs.linear),
+                               w.linear.w_out, w.o_fp8, w.o_blocks)
+                   : attention();
   tp_reduce(o, "target_tp_attention");
-  const bool dense_fp8 = fp8 && !w.router.defined();
+  const bool dense_fp8 = fp8 && dense_mlp;
   if (!fused) {
     auto x1 = x + o;
     auto h1 = rms_norm(x1, w.post_attention_norm, eps);
     at::Tensor mlp;
     if (dense_fp8) {
-      auto act = kernels::silu_mul(linear8(kernels::quantize_rows_e4m3(h1), w.gate_up_fp8));
-      mlp = linear8(kernels::quantize_rows_e4m3(act), w.down_fp8);
+      auto act = kernels::silu_mul(proj8(h1, w.gate_up_fp8, w.gate_up_blocks));
+      mlp = proj8(act, w.down_fp8, w.down_blocks);
     } else {
       mlp = w.router.defined() ? sparse_mlp(c, w, h1, first_expert_)
                                : swiglu_mlp(h1, w.w_gate_up, w.w_down);
@@ -863,11 +1095,10 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     return x1 + mlp;
   }
   if (dense_fp8) {
-    // The norm and the activation write the e4m3 rows the next GEMMs read, in one pass each.
-    auto r = kernels::add_rms_norm_e4m3(x, o, w.post_attention_norm, eps);
-    pending = linear8(kernels::silu_mul_e4m3(linear8(r.normed, w.gate_up_fp8)), w.down_fp8);
+    at::Tensor sum;
+    std::tie(sum, pending) = fused_fp8_mlp(w, x, o, eps);
     tp_reduce(pending, "target_tp_mlp");
-    return r.sum;
+    return sum;
   }
   auto r = kernels::add_rms_norm(x, o, w.post_attention_norm, eps);
   pending = w.router.defined()
@@ -1033,6 +1264,18 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
   const int64_t q_rows = c.attn_output_gate ? 2 * q : q;
   auto norm = [&](const at::Tensor& w) { return c.norm_plus_one ? norm_weight_to_file(w) : w; };
   std::vector<std::pair<std::string, at::Tensor>> out;
+  // Rows [offset, offset + rows) of a projection, held dense or in FP8 blocks (written as the
+  // published checkpoints are: the e4m3 weight and its weight_scale_inv).
+  auto put = [&](const std::string& name, const at::Tensor& dense, const kernels::Fp8Blocks& blocks,
+                 int64_t offset, int64_t rows) {
+    if (!blocks.defined()) {
+      out.push_back({name, dense.narrow(0, offset, rows)});
+      return;
+    }
+    auto b = block_rows(blocks, offset, rows);
+    out.push_back({name, b.data});
+    out.push_back({name + "_scale_inv", b.scale_inv});
+  };
   out.push_back({"model.embed_tokens.weight", embed_});
   if (gpt_oss_) {
     auto layers = gpt_oss_->hf_state_dict();
@@ -1061,11 +1304,11 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
       out.push_back({a + "A_log", l.linear.a_log});
       out.push_back({a + "dt_bias", l.linear.dt_bias});
       out.push_back({a + "norm.weight", l.linear.norm});
-      out.push_back({a + "out_proj.weight", l.linear.w_out});
+      put(a + "out_proj.weight", l.linear.w_out, l.o_blocks, 0, c.hidden_size);
     } else {
-      out.push_back({p + "self_attn.q_proj.weight", l.w_qkv.narrow(0, 0, q_rows)});
-      out.push_back({p + "self_attn.k_proj.weight", l.w_qkv.narrow(0, q_rows, kv)});
-      out.push_back({p + "self_attn.v_proj.weight", l.w_qkv.narrow(0, q_rows + kv, kv)});
+      put(p + "self_attn.q_proj.weight", l.w_qkv, l.qkv_blocks, 0, q_rows);
+      put(p + "self_attn.k_proj.weight", l.w_qkv, l.qkv_blocks, q_rows, kv);
+      put(p + "self_attn.v_proj.weight", l.w_qkv, l.qkv_blocks, q_rows + kv, kv);
       if (c.attention_bias) {
         out.push_back({p + "self_attn.q_proj.bias", l.b_qkv.narrow(0, 0, q)});
         out.push_back({p + "self_attn.k_proj.bias", l.b_qkv.narrow(0, q, kv)});
@@ -1075,13 +1318,13 @@ std::vector<std::pair<std::string, at::Tensor>> TargetModel::hf_state_dict() con
         out.push_back({p + "self_attn.q_norm.weight", norm(l.q_norm)});
         out.push_back({p + "self_attn.k_norm.weight", norm(l.k_norm)});
       }
-      out.push_back({p + "self_attn.o_proj.weight", l.w_o});
+      put(p + "self_attn.o_proj.weight", l.w_o, l.o_blocks, 0, c.hidden_size);
     }
     if (!l.router.defined()) {
-      out.push_back({p + "mlp.gate_proj.weight", l.w_gate_up.narrow(0, 0, c.intermediate_size)});
-      out.push_back({p + "mlp.up_proj.weight",
-                     l.w_gate_up.narrow(0, c.intermediate_size, c.intermediate_size)});
-      out.push_back({p + "mlp.down_proj.weight", l.w_down});
+      const int64_t f = c.intermediate_size;
+      put(p + "mlp.gate_proj.weight", l.w_gate_up, l.gate_up_blocks, 0, f);
+      put(p + "mlp.up_proj.weight", l.w_gate_up, l.gate_up_blocks, f, f);
+      put(p + "mlp.down_proj.weight", l.w_down, l.down_blocks, 0, c.hidden_size);
       continue;
     }
     // The published per-expert layout, which every reader of Qwen3 MoE checkpoints takes.

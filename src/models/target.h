@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/enum_names.h"
+#include "kernels/fp8_blocks.h"
 #include "kernels/fp8_rows.h"
 #include "models/config.h"
 #include "models/hybrid_layers.h"
@@ -136,6 +137,11 @@ struct TargetLayerWeights {
   // qkv_fp8 and o_fp8 are the token mixer's input and output projections: w_qkv and w_o, or a
   // linear-attention layer's linear.w_in and linear.w_out.
   kernels::Fp8Rows qkv_fp8, o_fp8, gate_up_fp8, down_fp8;
+  // The same projections kept from an FP8 block-quantised checkpoint as stored (e4m3, a scale
+  // per 128 x 128 block; TargetModel::load with keep_fp8_blocks, or random with fp8_blocks), in
+  // place of both the compute-dtype weight and the row-scaled copy: only
+  // PrefillGemms::kFp8 can run them. Undefined where the weight is held otherwise.
+  kernels::Fp8Blocks qkv_blocks, o_blocks, gate_up_blocks, down_blocks;
 };
 
 enum class Logits { kNone, kLast, kAll };
@@ -196,16 +202,29 @@ class TargetModel {
   // only its slice of each split weight (check_tensor_parallel says which targets split).
   // With `expert_parallel` as well, its sparse layers hold this rank's whole experts instead
   // (check_tensor_parallel) and it reads only those experts' tensors.
+  // With `keep_fp8_blocks`, an FP8 block-quantised checkpoint's dense projections (attention's
+  // q/k/v and o, a dense MLP's gate/up and down, a linear-attention layer's out_proj) stay in
+  // e4m3 with their block scales (TargetLayerWeights::qkv_blocks ...) and are never held in
+  // `dtype`: for a process whose target runs only PrefillGemms::kFp8 prefills, as
+  // release_compute_projections. A projection whose blocks cannot be kept whole (sizes, or this
+  // rank's slice, not multiples of 128; a fused projection whose parts are not all
+  // block-quantised) is dequantised at load, as are the MoE experts and a linear-attention
+  // layer's input projections; stderr names the first such and the count.
   static TargetModel load(const std::filesystem::path& dir, at::Device device, at::ScalarType dtype,
-                          dist::Comm* tp = nullptr, bool expert_parallel = false);
+                          dist::Comm* tp = nullptr, bool expert_parallel = false,
+                          bool keep_fp8_blocks = false);
   // What load() checks before it reads a byte of weights: every tensor config.json implies is
   // in the safetensors, of the implied shape (errors name the tensor and both shapes).
   static void check(const std::filesystem::path& dir);
   // Random weights (normal, std 0.02; norms at 1) for benchmarks that need no files.
   // With `tp`, each rank keeps its slice of the weights one rank draws from `seed` (its
   // experts with `expert_parallel`).
+  // With `fp8_blocks` the dense projections that a block-quantised checkpoint would keep (see
+  // load) are drawn one at a time and held only as quantize_blocks_e4m3 of the draw: a
+  // Llama-3.3-70B-shaped target takes ~73 GB, never its 141 GB in bf16.
   static TargetModel random(const ModelConfig& config, at::Device device, at::ScalarType dtype,
-                            uint64_t seed, dist::Comm* tp = nullptr, bool expert_parallel = false);
+                            uint64_t seed, dist::Comm* tp = nullptr, bool expert_parallel = false,
+                            bool fp8_blocks = false);
 
   // tokens: int64 [batch.total]. No autograd state is kept unless request.grad.
   ForwardResult forward(const at::Tensor& tokens, const PackedBatch& batch,
@@ -266,7 +285,8 @@ class TargetModel {
   at::ScalarType dtype() const { return embed_.scalar_type(); }
 
   // The projections of the first `layers` decoder layers in e4m3 for PrefillGemms::kFp8 (the
-  // bf16 weights stay: generation and evaluation use them). Returns the bytes added. Fails on a
+  // bf16 weights stay: generation and evaluation use them; projections held in FP8 blocks stay
+  // as they are). Returns the bytes added. Fails on a
   // GPU that cannot run the FP8 GEMM (older than compute capability 9.0), in a dtype other
   // than bf16 on a GPU, or where a weight's sizes are not multiples of 16.
   int64_t quantize_weights_fp8(int64_t layers);
@@ -275,6 +295,8 @@ class TargetModel {
   // Qwen3-8B's 34 tapped layers hold 12.4 GiB of them in bf16 against 6.1 GiB in e4m3. Later
   // forwards must ask for PrefillGemms::kFp8 and stop at those layers. Returns the bytes freed.
   int64_t release_compute_projections();
+  // Bytes of the projections held in FP8 blocks (data and scales), and how many they are.
+  std::pair<int64_t, int64_t> fp8_block_bytes() const;
 
   // Tensor names and weights as Hugging Face lays them out (for writing checkpoints; hybrids in
   // their text-only layout, as to_hf_json describes them).
@@ -351,6 +373,12 @@ class TargetModel {
 // rule, and `logit_rows` rows of the LM head.
 double prefill_flops(const ModelConfig& config, const std::vector<int64_t>& lengths,
                      int64_t logit_rows, int64_t layers = -1);
+
+// Whether a block-quantised checkpoint tensor is one TargetModel::load with keep_fp8_blocks
+// keeps in blocks by its role: a dense projection (attention's q/k/v/o, a dense MLP's
+// gate/up/down, a linear-attention layer's out_proj), not an expert's, a shared expert's or a
+// linear-attention input projection. (Its sizes must be multiples of 128 too.)
+bool fp8_block_projection(const std::string& name);
 
 // Decoder layers a forward for the features of `taps` alone runs: up to the last tapped one.
 int64_t layers_for_taps(const std::vector<int64_t>& taps);

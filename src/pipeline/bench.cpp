@@ -25,13 +25,13 @@ constexpr double kH200BF16 = 792e12;
 
 // The run's parts for a bench: a random target of the preset (a trainer rank of a
 // disaggregated bench holds only a head of its shape), the synthetic samples, the drafter.
-void build_bench_job(Job& job, const SampleSource& samples) {
+void build_bench_job(Job& job, const SampleSource& samples, bool fp8_blocks) {
   const RunConfig& c = job.config;
   Rank& r = job.rank;
   const auto& tc = job.target_config;
   if (!r.trains() || !r.topology.disaggregated()) {
-    job.target.emplace(
-        models::TargetModel::random(tc, r.device, r.dtype, 1, r.target_group.get(), c.target_ep));
+    job.target.emplace(models::TargetModel::random(tc, r.device, r.dtype, 1, r.target_group.get(),
+                                                   c.target_ep, fp8_blocks));
     if (r.trains()) job.head = models::whole_target_head(*job.target);  // as in run.cpp
   } else {
     auto opts = at::TensorOptions().device(r.device).dtype(r.dtype);
@@ -148,6 +148,12 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
         bench.warmup + 2);
   }
   if (!c.eval_prompts.empty()) fail("bench: --eval-prompts is an option of `dflash train`");
+  if (bench.random_fp8_blocks &&
+      models::parse_prefill_gemms(c.prefill_gemms) != models::PrefillGemms::kFp8) {
+    fail(
+        "bench: --random-fp8-blocks holds the target's projections in FP8 blocks alone, which "
+        "only --prefill-gemms fp8 runs");
+  }
   Job job;
   job.config = c;
   job.requested = parse_choices(c);
@@ -156,7 +162,7 @@ void run_bench(const RunConfig& config, const BenchConfig& bench) {
   const auto& tc = job.target_config;
   SyntheticSamples samples(bench.samples, bench.seq_len, std::min<int64_t>(64, bench.seq_len / 4),
                            tc.vocab_size, static_cast<uint64_t>(c.seed));
-  build_bench_job(job, samples);
+  build_bench_job(job, samples, bench.random_fp8_blocks);
   const Rank& r = job.rank;
   const auto dc = drafter_config(c, tc, false);
   const double step_flops = bench_step_flops(c, tc, dc, samples);

@@ -30,9 +30,12 @@ void quantize_target_for_features(Job& job, const std::vector<int64_t>& taps) {
   const int64_t freed = job.evaluator ? 0 : job.target->release_compute_projections();
   if (job.rank.device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
   const std::string dtype = c10::toString(job.target->dtype());
+  const auto [block_bytes, block_count] = job.target->fp8_block_bytes();
   fmt::print(
-      "rank {}: --prefill-gemms fp8: target layers 0-{} in e4m3 in {:.1f} s (+{:.2f} GiB); {}\n",
-      job.rank.world.rank, layers - 1, seconds_since(t0), bytes / double(1 << 30),
+      "rank {}: --prefill-gemms fp8: target layers 0-{} in e4m3 in {:.1f} s (+{:.2f} GiB; {} "
+      "projections kept in FP8 blocks at load, {:.2f} GiB); {}\n",
+      job.rank.world.rank, layers - 1, seconds_since(t0), bytes / double(1 << 30), block_count,
+      block_bytes / double(1 << 30),
       job.evaluator ? fmt::format("their {} projections kept for evaluation", dtype)
                     : fmt::format("their {} projections freed (-{:.2f} GiB)", dtype,
                                   freed / double(1 << 30)));

@@ -64,8 +64,14 @@ void load_target(Job& job) {
   const Rank& r = job.rank;
   job.target_config = models::load_model_config(fs::path(c.target) / "config.json");
   if (!r.trains() || !r.topology.disaggregated()) {
-    job.target.emplace(
-        models::TargetModel::load(c.target, r.device, r.dtype, r.target_group.get(), c.target_ep));
+    // A block-quantised checkpoint's projections stay in e4m3 where nothing needs them in the
+    // compute dtype: --prefill-gemms fp8, no evaluation (as release_compute_projections) and no
+    // drafter initialised from the target's layers.
+    const bool keep_blocks =
+        models::parse_prefill_gemms(c.prefill_gemms) == models::PrefillGemms::kFp8 &&
+        c.eval_prompts.empty() && c.init_from_target_layers.empty();
+    job.target.emplace(models::TargetModel::load(c.target, r.device, r.dtype, r.target_group.get(),
+                                                 c.target_ep, keep_blocks));
     // A target-only rank needs no head (of a split target it is a gather: 2.5 GB for
     // Qwen3-235B).
     if (r.trains()) job.head = models::whole_target_head(*job.target);

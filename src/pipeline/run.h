@@ -26,6 +26,9 @@ struct BenchConfig {
   int64_t samples = 64;
   int64_t warmup = 3;
   std::string json_out;
+  // The target drawn in FP8 blocks (TargetModel::random's fp8_blocks), as a block-quantised
+  // checkpoint loads for a run without evaluation; needs --prefill-gemms fp8.
+  bool random_fp8_blocks = false;
 };
 void run_bench(const RunConfig& config, const BenchConfig& bench);
 

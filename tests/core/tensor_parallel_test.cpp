@@ -29,6 +29,7 @@
 #include "dist/comm.h"
 #include "dist/launch.h"
 #include "eval/speculative.h"
+#include "fp8_blocks_util.h"
 #include "io/safetensors.h"
 #include "models/drafter.h"
 #include "models/gpt_oss.h"
@@ -334,6 +335,38 @@ TEST(TensorParallelRandom, SlicesOfOneRanksWeights) {
         }
       }
     }
+  }
+}
+
+// An FP8 block checkpoint kept in blocks on 2 ranks (q/k/v by heads, gate/up by rows, o and
+// down by input columns, the scales sliced with them) runs its fp8 prefill as one rank's
+// dequantised model; an FFN of 384 leaves each rank 192 rows of gate/up, not whole blocks:
+// those are dequantised at load instead.
+TEST(TensorParallelFp8Blocks, EqualsOneRankDequantised) {
+  for (const int64_t ffn : {512, 384}) {
+    auto c = testing::block_config();
+    c.num_kv_heads = 2;
+    c.intermediate_size = ffn;
+    const auto dir = testing::write_block_checkpoint(c, fmt::format("tp_fp8_blocks_{}", ffn));
+    const auto batch = PackedBatch::from_lengths({7, 5}, at::kCPU);
+    const auto tokens = at::randint(c.vocab_size, {12}, at::kLong);
+    ForwardRequest request{{0, 1, 2}, Logits::kAll};
+    const auto expected =
+        TargetModel::load(dir, at::kCPU, at::kFloat).forward(tokens, batch, request);
+    request.gemms = models::PrefillGemms::kFp8;
+    const auto results = on_ranks(2, [&](dist::Comm& comm) {
+      auto model = TargetModel::load(dir, at::kCPU, at::kFloat, &comm, false, true);
+      const auto& l = model.layers()[0];
+      EXPECT_EQ(l.qkv_blocks.data.size(0), 3 * 128);
+      EXPECT_EQ(l.o_blocks.data.size(1), 128);
+      EXPECT_EQ(l.gate_up_blocks.defined(), ffn == 512);
+      if (ffn != 512) return ForwardResult{};
+      EXPECT_EQ(l.down_blocks.scale_inv.size(1), 2);
+      return model.forward(tokens, batch, request);
+    });
+    if (ffn != 512) continue;
+    for (int r = 0; r < 2; ++r)
+      expect_same_outputs(results[r], expected, fmt::format("rank {}", r));
   }
 }
 
