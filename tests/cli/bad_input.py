@@ -351,14 +351,14 @@ def case_help(s: Setup):
     for cmd in commands:
         text = run([s.dflash, cmd, "--help"]).stdout
         has = "--nproc-per-node" in text
-        if has != (cmd in ("train", "bench", "generate", "bench-target")):
+        if has != (cmd in ("train", "bench", "generate", "bench-target", "eval")):
             sys.exit(f"{cmd} --help: --nproc-per-node {'shown' if has else 'missing'}")
         bare = options_without_description(text)
         if bare:
             sys.exit(f"{cmd} --help: options without a description: {bare}\n{text}")
     refused([s.dflash, "info", "--nproc-per-node", "2", s.target], "`info` runs as one process")
     print(f"ok: every option of {len(commands)} commands has a description; --nproc-per-node "
-          "in train, bench, generate and bench-target")
+          "in train, bench, generate, bench-target and eval")
     prep = run([s.dflash, "prepare", "--help"]).stdout
     for option in ("--max-length", "--min-loss-tokens", "--overlong", "--threads",
                    "--shard-tokens", "--enable-thinking", "--chat-format"):
