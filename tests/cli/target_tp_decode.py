@@ -15,7 +15,7 @@ import pathlib
 import sys
 import tempfile
 
-from cli_util import random_model, run
+from cli_util import random_model, run, write_chats
 
 STEPS = 4
 NEW_TOKENS = 24
@@ -29,9 +29,7 @@ def main():
         work = pathlib.Path(tmp)
         target = random_model(dflash, work / "target", seed=0)
         chat = work / "chat.jsonl"
-        chat.write_text("".join(json.dumps({"messages": [
-            {"role": "user", "content": f"What is {i} plus {i + 3}?"},
-            {"role": "assistant", "content": "regenerated"}]}) + "\n" for i in range(8)))
+        write_chats(chat)
         generate = ["generate", "--target", target, "--data", chat, "--max-new-tokens", 40,
                     "--enable-thinking", "false", "--device", "cpu", "--dtype", "fp32",
                     "--temperature", "0", "--batch-size", 3]
