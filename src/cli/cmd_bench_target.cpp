@@ -55,10 +55,7 @@ std::unique_ptr<dist::Comm> tp_group(int tp, const models::ModelConfig& config, 
   }
   world = dist::Comm::create(w, device);
   if (w.world_size == tp) return std::move(world);
-  const int first = w.rank / tp * tp;
-  std::vector<int> ranks(tp);
-  for (int i = 0; i < tp; ++i) ranks[i] = first + i;
-  return world->subgroup(ranks, fmt::format("target_tp_{}", first / tp));
+  return dist::consecutive_group(*world, tp, "target_tp");
 }
 
 // What every measurement of a run shares: the options, the model and the token stream.

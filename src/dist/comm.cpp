@@ -426,10 +426,12 @@ void Comm::recv(at::Tensor& tensor, int src, int tag, std::string_view stage) {
   irecv(tensor, src, tag, stage).wait();
 }
 
-std::unique_ptr<Comm> Comm::subgroup(const std::vector<int>& ranks, const std::string& name) {
+std::unique_ptr<Comm> Comm::subgroup(const std::vector<int>& ranks, const std::string& name,
+                                     std::optional<std::chrono::milliseconds> timeout) {
   const auto me = std::find(ranks.begin(), ranks.end(), rank());
   if (me == ranks.end()) fail("rank {}: not a member of group '{}'", rank(), name);
   auto impl = std::make_unique<Impl>(*impl_);
+  if (timeout) impl->options.timeout = *timeout;
   impl->world.rank = static_cast<int>(me - ranks.begin());
   impl->world.world_size = static_cast<int>(ranks.size());
   impl->group.reset();
@@ -444,14 +446,15 @@ std::unique_ptr<Comm> Comm::subgroup(const std::vector<int>& ranks, const std::s
   return std::unique_ptr<Comm>(new Comm(std::move(impl)));
 }
 
-std::unique_ptr<Comm> consecutive_group(Comm& world, int size, const std::string& name) {
+std::unique_ptr<Comm> consecutive_group(Comm& world, int size, const std::string& name,
+                                        std::optional<std::chrono::milliseconds> timeout) {
   if (size < 1 || world.size() % size != 0) {
     fail("{}: groups of {} ranks do not divide the {} ranks", name, size, world.size());
   }
   const int first = world.rank() / size * size;
   std::vector<int> ranks(static_cast<size_t>(size));
   std::iota(ranks.begin(), ranks.end(), first);
-  return world.subgroup(ranks, fmt::format("{}_{}", name, first / size));
+  return world.subgroup(ranks, fmt::format("{}_{}", name, first / size), timeout);
 }
 
 }  // namespace dflash::dist

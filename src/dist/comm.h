@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,8 +42,11 @@ class Comm {
 
   // A group of some of this group's ranks (`ranks` in this group's numbering; this rank must
   // be one), with its own process group: e.g. the trainer ranks of a disaggregated job. Only
-  // the members call it, in the same order everywhere.
-  std::unique_ptr<Comm> subgroup(const std::vector<int>& ranks, const std::string& name);
+  // the members call it, in the same order everywhere. `timeout` bounds the group's operations
+  // (default: this group's), e.g. a tensor-parallel group's per-step collectives far tighter
+  // than a world whose closing barrier waits for ranks that finish hours apart.
+  std::unique_ptr<Comm> subgroup(const std::vector<int>& ranks, const std::string& name,
+                                 std::optional<std::chrono::milliseconds> timeout = {});
 
   int rank() const;
   int size() const;
@@ -103,6 +107,7 @@ class Comm {
 
 // The group of `size` consecutive ranks of `world` that this rank belongs to, a subgroup named
 // `name`_k for the k-th (--target-tp's tensor-parallel groups); `size` must divide the world.
-std::unique_ptr<Comm> consecutive_group(Comm& world, int size, const std::string& name);
+std::unique_ptr<Comm> consecutive_group(Comm& world, int size, const std::string& name,
+                                        std::optional<std::chrono::milliseconds> timeout = {});
 
 }  // namespace dflash::dist

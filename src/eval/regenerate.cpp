@@ -504,7 +504,9 @@ void regenerate(const RegenerateOptions& o) {
     comm = dist::Comm::create(world, tp > 1 ? device : at::Device(at::kCPU),
                               {"auto", std::chrono::hours(72)});
   }
-  if (tp > 1) group = dist::consecutive_group(*comm, tp, "target_tp");
+  // A group's ranks decode in lockstep, so a collective waits at most for a step's skew: a hang
+  // there is reported in minutes, not after the world's 72 hours.
+  if (tp > 1) group = dist::consecutive_group(*comm, tp, "target_tp", dist::CommOptions{}.timeout);
   const Share share{world.rank / tp, world.world_size / tp, world.rank % tp == 0};
   const std::string who =
       world.world_size > 1 ? fmt::format("generate[rank {}]", world.rank) : std::string("generate");
