@@ -152,20 +152,19 @@ void mm_fp8_blocks_out(at::Tensor& out, const Fp8Groups& a, const Fp8Blocks& b) 
   if (out.scalar_type() != at::kBFloat16) {
     fail("fp8 block GEMM: block scales write bf16, out is {}", c10::toString(out.scalar_type()));
   }
-  if (a.data.size(0) == 0) return;
-  // The one layout at::_scaled_mm takes for the DeepSeek recipe: a's scales rows-major
-  // [m, k / 128] (strides [1, m]) and b^T's the transposed view of the checkpoint's
-  // [n / 128, k / 128], whose rows it reads at a 16-byte aligned stride (torch 2.11's own
-  // samples use a row stride of k / 128 rounded up to 4): rows of another width are copied to
-  // one (the published models' k are multiples of 512, whose scales are used as they are).
-  at::Tensor scale_b = b.scale_inv;
-  const int64_t width = scale_b.size(1), stride = (width + 3) / 4 * 4;
-  if (stride != width) {
-    scale_b = at::zeros({scale_b.size(0), stride}, scale_b.options()).narrow(1, 0, width);
-    scale_b.copy_(b.scale_inv);
+  const int64_t m = a.data.size(0), scale_row = a.data.size(1) / kFp8Block;
+  if (m == 0) return;
+  // at::_scaled_mm takes the DeepSeek recipe's scales in one layout only, unpadded: a's
+  // [m, k / 128] of strides [1, m], b^T's the transposed view of the checkpoint's [n / 128,
+  // k / 128] rows; cuBLASLt reads both through 16-byte aligned leading dimensions (strides of a
+  // multiple of 4 floats: CUBLAS_STATUS_NOT_SUPPORTED otherwise, seen at m = 1 on an H100).
+  // linear_fp8_blocks pads m; the published models' k are multiples of 512; other shapes take
+  // the reference.
+  if (m % kFp8ScaleAlign != 0 || scale_row % kFp8ScaleAlign != 0) {
+    return mm_fp8_blocks_reference_out(out, a, b);
   }
   // Accumulation keeps its periodic promotion to fp32.
-  at::_scaled_mm_out(out, a.data, b.data.t(), a.scale, scale_b.t(), std::nullopt, std::nullopt,
+  at::_scaled_mm_out(out, a.data, b.data.t(), a.scale, b.scale_inv.t(), std::nullopt, std::nullopt,
                      at::kBFloat16, /*use_fast_accum=*/false);
 }
 
@@ -174,9 +173,17 @@ at::Tensor linear_fp8_blocks(const at::Tensor& x, const Fp8Blocks& w) {
     fail("fp8 block linear: x {} does not match the weight {}", x.sizes(), w.data.sizes());
   }
   if (x.scalar_type() == at::kBFloat16 && fp8_block_gemm_supported(x.device())) {
-    auto out = at::empty({x.size(0), w.data.size(0)}, x.options());
-    mm_fp8_blocks_out(out, quantize_groups_e4m3(x), w);
-    return out;
+    // Rows up to a multiple of kFp8ScaleAlign (the GEMM's scale alignment), zeros that no
+    // output row reads.
+    const int64_t m = x.size(0), rows = (m + kFp8ScaleAlign - 1) / kFp8ScaleAlign * kFp8ScaleAlign;
+    at::Tensor in = x;
+    if (rows != m) {
+      in = at::zeros({rows, x.size(1)}, x.options());
+      in.narrow(0, 0, m).copy_(x);
+    }
+    auto out = at::empty({rows, w.data.size(0)}, x.options());
+    mm_fp8_blocks_out(out, quantize_groups_e4m3(in), w);
+    return rows == m ? out : out.narrow(0, 0, m);
   }
   return at::linear(x.to(at::kFloat), dequantize_blocks(w)).to(x.scalar_type());
 }

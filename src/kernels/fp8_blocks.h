@@ -49,15 +49,20 @@ void check_blocks(const Fp8Blocks& w, const std::string& name);
 // empty where it can.
 std::string fp8_block_gemm_unsupported(const Fp8Blocks& w, const std::string& name);
 
+// The block-scaled GEMM reads its scales at strides of a multiple of this many floats (16 bytes).
+constexpr int64_t kFp8ScaleAlign = 4;
+
 // out [m, n] = a [m, k] x b [n, k]^T with a's group and b's block scales, in out's dtype (bf16
-// on CUDA). k and n must be multiples of kFp8Block; m is free. On a device without
-// fp8_gemm_supported (kernels/fp8_rows.h): the reference.
+// on CUDA). k and n must be multiples of kFp8Block. cuBLASLt's block-scaled GEMM where m and
+// k / kFp8Block are multiples of kFp8ScaleAlign (compute capability 9.0); otherwise the
+// reference.
 void mm_fp8_blocks_out(at::Tensor& out, const Fp8Groups& a, const Fp8Blocks& b);
 // The same through dequantize_groups, dequantize_blocks and an fp32 GEMM on any device.
 void mm_fp8_blocks_reference_out(at::Tensor& out, const Fp8Groups& a, const Fp8Blocks& b);
 
 // x [m, k] times the block weight w [n, k]^T, in x's dtype: on a device with the FP8 GEMM and
-// x in bf16, x quantized by quantize_groups_e4m3 and mm_fp8_blocks_out; elsewhere (the CPU,
+// x in bf16, x (its rows padded with zeros to a multiple of kFp8ScaleAlign) quantized by
+// quantize_groups_e4m3 and mm_fp8_blocks_out; elsewhere (the CPU,
 // fp32) x unquantized times w dequantised in fp32, the arithmetic of the checkpoint
 // dequantised at load, which the CPU path and the tests take as the reference.
 at::Tensor linear_fp8_blocks(const at::Tensor& x, const Fp8Blocks& w);

@@ -16,9 +16,10 @@ inline constexpr int64_t kSmallLinearCudaCoreMaxRows = 8;
 // The most rows at which small_linear beats cuBLAS, for the target's projections and LM head
 // and the drafter's inference linears. H200, 2026-11-30 (`dflash bench-kernels`, Qwen3-8B
 // shapes), the CUDA-core kernel: at 1 row 1.07-1.35x faster on every linear; at 4 rows
-// 0.68-0.94x, at 8 0.49-0.73x. The tensor-core kernel (2-16 rows) has not run on a GPU yet:
-// `dflash bench-kernels --rows 1,8,16` measures it beside cuBLAS (2.5-4.1 TB/s at 16 rows,
-// docs/BENCHMARKS.md), and this limit becomes 16 once it is measured faster.
+// 0.68-0.94x, at 8 0.49-0.73x. The tensor-core kernel (2-16 rows) measured slower than cuBLAS
+// (H100, 2026-12-05, `bench-kernels --rows 1,8,16`: 1.00-1.20x cuBLAS's time at 16 rows,
+// and Qwen3-8B's plain decode step at batch 16 7.94 ms against 7.19 with it off), so it stays
+// out of the production paths.
 inline constexpr int64_t kSmallLinearFasterRows = 1;
 
 enum class SmallLinearKernel {

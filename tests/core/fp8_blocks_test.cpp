@@ -190,7 +190,8 @@ TEST(Fp8BlocksGpu, GemmIsTheDequantisedProduct) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   if (!kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) GTEST_SKIP() << "needs sm_90";
   const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  for (const int64_t m : {1, 300, 2048}) {
+  // Rows that are not a multiple of 4 (m = 1, 2047) are padded for the GEMM's scale alignment.
+  for (const int64_t m : {1, 300, 2047, 2048}) {
     const auto w = kernels::quantize_blocks_e4m3(at::randn({768, 1024}, opts) * 0.02);
     const auto x = at::randn({m, 1024}, opts);
     const auto got = kernels::linear_fp8_blocks(x, w);
@@ -199,8 +200,9 @@ TEST(Fp8BlocksGpu, GemmIsTheDequantisedProduct) {
   }
 }
 
-// K = 384: rows of 3 block scales, which mm_fp8_blocks_out gives at::_scaled_mm at a 16-byte
-// aligned stride (the published models' K are multiples of 512: rows of 4n scales).
+// K = 384: rows of 3 block scales, which cuBLASLt cannot read (16-byte aligned strides) and
+// at::_scaled_mm takes only unpadded, so the product is the reference's (the published models'
+// K are multiples of 512: rows of 4n scales).
 TEST(Fp8BlocksGpu, GemmWithThreeScalesARow) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   if (!kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) GTEST_SKIP() << "needs sm_90";
@@ -233,10 +235,18 @@ TEST(Fp8BlocksGpu, KeptBlocksTapsNearTheDequantisedModel) {
   const auto want = dequantised.forward(tokens, batch, request);
   request.gemms = PrefillGemms::kFp8;
   const auto got = kept.forward(tokens, batch, request);
+  // The yardstick: the dequantised model through the row-scaled FP8 GEMMs, whose activations
+  // round to e4m3 as well (per row, not per 128 columns) and whose weights round twice. Each
+  // layer's rounding compounds into the taps (0.07-0.08 at the third on an H100).
+  auto rows = TargetModel::load(dir, cuda, at::kBFloat16);
+  rows.quantize_weights_fp8(c.num_layers);
+  const auto yardstick = rows.forward(tokens, batch, request);
   for (size_t i = 0; i < want.taps.size(); ++i) {
-    std::printf("tap %zu: relative error %.4f\n", i,
-                testing::relative_error(got.taps[i], want.taps[i]));
-    EXPECT_CLOSE(got.taps[i], want.taps[i], 0.05);
+    const double blocks = testing::relative_error(got.taps[i], want.taps[i]);
+    const double row_scaled = testing::relative_error(yardstick.taps[i], want.taps[i]);
+    std::printf("tap %zu: relative error %.4f (row-scaled FP8 %.4f)\n", i, blocks, row_scaled);
+    EXPECT_CLOSE(got.taps[i], want.taps[i], 0.1);
+    EXPECT_LE(blocks, 1.1 * row_scaled) << "tap " << i;
   }
 }
 
