@@ -108,7 +108,8 @@ void capture_cuda_graph(at::cuda::CUDAGraph& graph, at::Device device,
 Generator::Generator(const models::TargetModel& model, GenerationOptions options)
     : model_(model),
       options_(std::move(options)),
-      cache_(model.make_cache(options_.slots, resolve_context(model, options_))) {
+      cache_(model.make_cache(options_.slots, resolve_context(model, options_),
+                              /*window_span=*/options_.window_rings ? 1 : 0)) {
   options_.sampling.validate();
   if (options_.max_new_tokens <= 0) {
     fail("generation: --max-new-tokens must be positive, got {}", options_.max_new_tokens);

@@ -41,7 +41,9 @@ struct GenerationOptions {
   int64_t context = 0;             // prompt + generated tokens at most; 0: max_position_embeddings
   bool cuda_graph = true;          // capture the decode step where the device and dtype allow
   int64_t prefill_tokens = 16384;  // prompt tokens per prefill forward (one prompt at least)
-  ProgressFn progress;             // if set, called each time a step's tokens have been read
+  // gpt-oss: its sliding layers cache only their windows (models/kv_cache.h, WindowRings).
+  bool window_rings = true;
+  ProgressFn progress;  // if set, called each time a step's tokens have been read
 };
 
 struct Request {

@@ -183,8 +183,10 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
     : target_(target),
       drafter_(drafter),
       options_(std::move(options)),
-      cache_(target.make_cache(options_.slots, resolve_context(target, options_) +
-                                                   verify_rows(target, drafter, options_))) {
+      cache_(target.make_cache(
+          options_.slots,
+          resolve_context(target, options_) + verify_rows(target, drafter, options_),
+          /*window_span=*/options_.window_rings ? verify_rows(target, drafter, options_) : 0)) {
   if (options_.max_new_tokens <= 0) {
     fail("speculative: --max-new-tokens must be positive, got {}", options_.max_new_tokens);
   }

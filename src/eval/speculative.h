@@ -147,6 +147,8 @@ struct SpeculativeOptions {
   // Generator's with the same options. Targets whose every layer is attention (no
   // linear-attention layers) only.
   int64_t tree_budget = 0;
+  // gpt-oss: its sliding layers cache only their windows (models/kv_cache.h, WindowRings).
+  bool window_rings = true;
   ProgressFn progress;  // if set, called after each verify step's commits
 };
 

@@ -181,27 +181,38 @@ at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                                 const AppendBatch& batch, const at::Tensor& sinks,
-                                 int64_t window) {
-  const at::Tensor& k = cache.keys(layer);
-  const at::Tensor& v = cache.values(layer);
+                                 const AppendBatch& batch, const at::Tensor& sinks, int64_t window,
+                                 const GatheredKeys* gathered) {
+  if ((cache.ring_rows(layer) > 0) != (gathered != nullptr)) {
+    fail("gpt-oss cached attention: layer {} {} a window ring but was {} its gathered keys", layer,
+         gathered ? "keeps no" : "keeps", gathered ? "given" : "not given");
+  }
+  const at::Tensor& k = gathered ? gathered->k : cache.keys(layer);
+  const at::Tensor& v = gathered ? gathered->v : cache.values(layer);
   if (cuda_half(q) && !batch.is_tree()) {
-    // cu_seqlens_k = each slot's first row, seqused_k = start + count: flash aligns the
-    // causal mask and the window to the end of each slot's keys.
+    // cu_seqlens_k = each slot's (or gathered entry's) first row, seqused_k = its keys: flash
+    // aligns the causal mask and the window to the end of each entry's keys.
     auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
-        q, k, v, batch.cu_seqlens, batch.key_starts, batch.max_count, batch.max_seen, 0.0,
+        q, k, v, batch.cu_seqlens, gathered ? gathered->plan.cu_keys : batch.key_starts,
+        batch.max_count, gathered ? gathered->plan.max_keys : batch.max_seen, 0.0,
         /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt, flash_window_left(window), 0,
-        batch.seen);
+        gathered ? gathered->plan.seen_keys : batch.seen);
     return fold_sinks(out, lse, sinks);
   }
   std::vector<at::Tensor> outs;
   int64_t offset = 0;
   for (int64_t i = 0; i < batch.size(); ++i) {
     const int64_t n = batch.counts[i], start = batch.starts[i];
-    const int64_t first_row = batch.slots[i] * cache.capacity();
-    auto [out, lse] =
-        attention_with_lse(q.narrow(0, offset, n), k.narrow(0, first_row, start + n),
-                           v.narrow(0, first_row, start + n), entry_mask(batch, i, offset, window));
+    // The entry's keys: rows [first, first + count) holding row offsets from..start + n.
+    int64_t first = batch.slots[i] * cache.capacity(), from = 0;
+    if (gathered) {
+      from = start - std::min(start, cache.ring_window() - 1);
+      first = i * (cache.ring_window() - 1) + offset;
+    }
+    const int64_t count = start + n - from;
+    auto [out, lse] = attention_with_lse(
+        q.narrow(0, offset, n), k.narrow(0, first, count), v.narrow(0, first, count),
+        entry_mask(batch, i, offset, window).narrow(1, from, count));
     outs.push_back(fold_sinks(out, lse, sinks));
     offset += n;
   }
@@ -514,10 +525,20 @@ ForwardResult GptOssDecoder::forward(const TargetModel& target, const at::Tensor
 ForwardResult GptOssDecoder::forward_cached(const TargetModel& target, const at::Tensor& tokens,
                                             const AppendBatch& batch, KVCache& cache,
                                             const ForwardRequest& request) const {
+  std::optional<WindowPlan> plan;
+  if (cache.has_rings()) plan = WindowPlan::make(cache, batch);
   return run(target, tokens, batch.positions, batch.cu_seqlens, request, /*all_layers=*/true,
              [&](int64_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-               cache.update(i, batch.rows, k, v);
-               return cached_sink_attention(q, cache, i, batch, layers_[i].sinks, window(i));
+               if (cache.ring_rows(i) == 0) {
+                 cache.update(i, batch.rows, k, v);
+                 return cached_sink_attention(q, cache, i, batch, layers_[i].sinks, window(i));
+               }
+               // Gathered before the ring is written: a long append wraps over its prefix.
+               auto [ring_k, ring_v] = plan->gather(cache, i, k, v);
+               cache.update(i, plan->write_rows, k, v);
+               const GatheredKeys gathered{*plan, ring_k, ring_v};
+               return cached_sink_attention(q, cache, i, batch, layers_[i].sinks, window(i),
+                                            &gathered);
              });
 }
 

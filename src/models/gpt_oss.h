@@ -9,11 +9,12 @@
 //   2j + 1): (clamp(up, -l, l) + 1) * g sigmoid(alpha g), g = min(gate, l);
 // - experts published in MXFP4 (kernels/mxfp4.h) or in the bf16 layout transformers 5 holds.
 // TargetModel (target.h) owns one of these for a gpt_oss config and hands it its prefill and
-// its cached forward (decode and verify over a KVCache: every layer caches the slot's whole
-// length, a sliding layer's attention reads only its window of it; the sinks join the cached
-// attention's softmax as they join prefill's). Under tensor parallelism (--target-tp) each rank
-// holds its slices of the layers (target.h, check_tensor_parallel) and sums its partial o and
-// expert outputs over the group.
+// its cached forward (decode and verify over a KVCache: a full-attention layer caches the slot's
+// whole length, a sliding layer its window's in a ring where the cache keeps them
+// (kv_cache.h, WindowRings), else the whole length of which it reads the window; the sinks join
+// the cached attention's softmax as they join prefill's). Under tensor parallelism (--target-tp)
+// each rank holds its slices of the layers (target.h, check_tensor_parallel) and sums its partial o
+// and expert outputs over the group.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -82,14 +83,22 @@ at::Tensor gpt_oss_swiglu(const at::Tensor& gate_up, double alpha, double limit)
 at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& sinks, int64_t window, const PackedBatch& batch);
 
+// A window ring layer's keys for cached_sink_attention: WindowPlan::gather's copy.
+struct GatheredKeys {
+  const WindowPlan& plan;
+  at::Tensor k, v;
+};
+
 // sink_attention over a KV cache: the batch's new queries q [total, Hq, D] against their
 // slots' cached keys and values in `layer` of `cache` (the new tokens' rows already written),
-// causal, keys limited to the last `window` positions (0: no limit), the per-head sinks in the
-// softmax's denominator. CUDA bf16/fp16: one variable-length flash call reading the cache in
-// place (as cached_causal_attention), the sinks folded in through its log-sum-exp; elsewhere
-// the eager softmax per entry, as transformers computes it.
+// or, for a ring layer, against `gathered`; causal, keys limited to the last `window` positions
+// (0: no limit), the per-head sinks in the softmax's denominator. CUDA bf16/fp16: one
+// variable-length flash call reading the cache in place (as cached_causal_attention) or the
+// gathered copy, the sinks folded in through its log-sum-exp; elsewhere the eager softmax per
+// entry, as transformers computes it.
 at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                                 const AppendBatch& batch, const at::Tensor& sinks, int64_t window);
+                                 const AppendBatch& batch, const at::Tensor& sinks, int64_t window,
+                                 const GatheredKeys* gathered = nullptr);
 
 class GptOssDecoder {
  public:

@@ -16,21 +16,47 @@ KVCache::KVCache(const ModelConfig& config, int64_t slots, int64_t capacity, at:
     : KVCache(config, config.num_kv_heads, config.linear, slots, capacity, device, dtype) {}
 
 KVCache::KVCache(const ModelConfig& config, int64_t kv_heads, const LinearAttentionShape& linear,
-                 int64_t slots, int64_t capacity, at::Device device, at::ScalarType dtype)
-    : device_(device), capacity_(capacity), lengths_(std::max<int64_t>(slots, 0), 0) {
+                 int64_t slots, int64_t capacity, at::Device device, at::ScalarType dtype,
+                 const WindowRings& rings)
+    : device_(device),
+      capacity_(capacity),
+      lengths_(std::max<int64_t>(slots, 0), 0),
+      ring_rows_(config.num_layers, 0),
+      written_(std::max<int64_t>(slots, 0), 0) {
   // Rows are int32 in flash attention's cu_seqlens_k.
   if (slots <= 0 || capacity <= 0 || slots * capacity > std::numeric_limits<int32_t>::max()) {
     fail("kv cache: slots ({}) and capacity ({}) must be positive with a product below 2^31", slots,
          capacity);
   }
+  if (rings.span > 0) init_rings(config, rings);
   auto opts = at::TensorOptions().device(device).dtype(dtype);
   for (int64_t i = 0; i < config.num_layers; ++i) {
     // A linear-attention layer keeps no K/V rows (its state: init_linear_state).
-    const int64_t rows = config.is_linear_layer(i) ? 0 : slots * capacity;
+    int64_t rows = config.is_linear_layer(i) ? 0 : slots * capacity;
+    if (ring_rows_[i] > 0) rows = slots * ring_rows_[i] + 1;
     keys_.push_back(at::zeros({rows, kv_heads, config.head_dim}, opts));
     values_.push_back(at::zeros_like(keys_.back()));
   }
   init_linear_state(config, linear, opts);
+}
+
+void KVCache::init_rings(const ModelConfig& config, const WindowRings& rings) {
+  if (static_cast<int64_t>(rings.windows.size()) != config.num_layers) {
+    fail("kv cache: window rings for {} layers, the model has {}", rings.windows.size(),
+         config.num_layers);
+  }
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    const int64_t w = rings.windows[i];
+    if (w <= 0 || config.is_linear_layer(i)) continue;
+    if (ring_window_ != 0 && w != ring_window_) {
+      fail("kv cache: window rings of {} and {} keys (one window size only)", ring_window_, w);
+    }
+    const int64_t r = w - 1 + rings.span;
+    if (r >= capacity_) continue;  // the plain layout is no larger
+    ring_window_ = w;
+    ring_rows_[i] = r;
+  }
+  ring_span_ = rings.span;
 }
 
 void KVCache::init_linear_state(const ModelConfig& config, const LinearAttentionShape& s,
@@ -109,6 +135,14 @@ void KVCache::crop(int64_t slot, int64_t length) {
     fail("kv cache crop: slot {} holds {} tokens, cannot crop to {}", slot, lengths_[slot], length);
   }
   if (has_linear_state()) rewind_linear_state(slot, length);
+  if (length == 0) {
+    written_[slot] = 0;
+  } else if (has_rings() && length < written_[slot] - ring_span_) {
+    fail(
+        "kv cache crop: slot {} wrote {} tokens; its window rings keep what a crop back by {} "
+        "needs, not {} (WindowRings::span)",
+        slot, written_[slot], ring_span_, length);
+  }
   lengths_[slot] = length;
 }
 
@@ -123,6 +157,7 @@ void KVCache::extend(int64_t slot, int64_t count) {
          slot);
   }
   lengths_[slot] += count;
+  written_[slot] = lengths_[slot];
 }
 
 void KVCache::extend_block(int64_t slot, int64_t count) {
@@ -146,10 +181,24 @@ void KVCache::update(int64_t layer, const at::Tensor& rows, const at::Tensor& k,
 }
 
 void KVCache::move_rows(const at::Tensor& from, const at::Tensor& to) {
+  at::Tensor ring_from, ring_to;
+  if (has_rings()) {
+    const int64_t r = ring_rows_[std::find_if(ring_rows_.begin(), ring_rows_.end(),
+                                              [](int64_t x) { return x > 0; }) -
+                                 ring_rows_.begin()];
+    auto ring = [&](const at::Tensor& rows) {
+      return rows.div(capacity_, "floor") * r + rows.remainder(capacity_).remainder(r);
+    };
+    ring_from = ring(from);
+    ring_to = ring(to);
+  }
   for (int64_t layer = 0; layer < num_layers(); ++layer) {
     if (keys_[layer].size(0) == 0) continue;  // a linear-attention layer
-    keys_[layer].index_copy_(0, to, keys_[layer].index_select(0, from));
-    values_[layer].index_copy_(0, to, values_[layer].index_select(0, from));
+    const bool in_ring = ring_rows_[layer] > 0;
+    const at::Tensor& src = in_ring ? ring_from : from;
+    const at::Tensor& dst = in_ring ? ring_to : to;
+    keys_[layer].index_copy_(0, dst, keys_[layer].index_select(0, src));
+    values_[layer].index_copy_(0, dst, values_[layer].index_select(0, src));
   }
 }
 
@@ -234,6 +283,57 @@ AppendBatch AppendBatch::make_tree(const KVCache& cache, const std::vector<int64
   b.tree_mask = upload_to(
       device, at::from_blob(mask.data(), {b.total, b.max_count}, at::kByte).to(at::kBool));
   return b;
+}
+
+WindowPlan WindowPlan::make(const KVCache& cache, const AppendBatch& batch) {
+  if (!cache.has_rings()) fail("window plan: the cache keeps no window rings");
+  int64_t r = 0;
+  for (int64_t i = 0; i < cache.num_layers() && r == 0; ++i) r = cache.ring_rows(i);
+  const int64_t p = cache.ring_window() - 1, cap = cache.capacity(), n = batch.size();
+  const auto longs = batch.positions.options();
+  auto cu = batch.cu_seqlens.to(at::kLong);
+  auto firsts = cu.narrow(0, 0, n);
+  auto counts = cu.narrow(0, 1, n) - firsts;
+  auto seen = batch.seen.to(at::kLong);
+  auto starts = seen - counts;
+  auto slot = batch.key_starts.narrow(0, 0, n).to(at::kLong).div(cap, "floor");
+  auto kept = starts.clamp_max(p);
+  WindowPlan plan;
+  auto cu_keys = at::arange(n + 1, longs) * p + cu;
+  auto base = cu_keys.narrow(0, 0, n);
+  // Prefix key k of entry i: row offset start - kept + k, valid for k < kept; the others go to
+  // the unused rows after the entry's new keys (their sources any ring row).
+  auto k = at::arange(p, longs).unsqueeze(0);
+  auto valid = k < kept.unsqueeze(1);
+  auto offset = (starts - kept).unsqueeze(1) + k;
+  plan.prefix_src = (slot.unsqueeze(1) * r + offset.remainder(r)).flatten();
+  plan.prefix_dst = (base.unsqueeze(1) + k + at::where(valid, 0, counts.unsqueeze(1))).flatten();
+  auto t = at::arange(batch.total, longs);
+  auto entry = at::searchsorted(cu.narrow(0, 1, n), t, /*out_int32=*/false, /*right=*/true);
+  plan.new_dst = (base + kept - firsts).index_select(0, entry) + t;
+  // Row offsets, not positions: a tree's nodes sit at start + node.
+  auto slot_of = slot.index_select(0, entry);
+  auto row_offset = batch.rows - slot_of * cap;
+  auto keep = row_offset >= (seen - r).index_select(0, entry);
+  plan.write_rows = at::where(keep, slot_of * r + row_offset.remainder(r), cache.slots() * r);
+  plan.cu_keys = cu_keys.to(at::kInt);
+  plan.seen_keys = (kept + counts).to(at::kInt);
+  plan.rows = n * p + batch.total;
+  plan.max_keys = std::min(batch.max_seen, p + batch.max_count);
+  return plan;
+}
+
+std::pair<at::Tensor, at::Tensor> WindowPlan::gather(const KVCache& cache, int64_t layer,
+                                                     const at::Tensor& k,
+                                                     const at::Tensor& v) const {
+  if (cache.ring_rows(layer) == 0) fail("window plan: layer {} keeps no ring", layer);
+  auto one = [&](const at::Tensor& ring, const at::Tensor& fresh) {
+    auto out = at::empty({rows, fresh.size(1), fresh.size(2)}, fresh.options());
+    out.index_copy_(0, prefix_dst, ring.index_select(0, prefix_src));
+    out.index_copy_(0, new_dst, fresh);
+    return out;
+  };
+  return {one(cache.keys(layer), k), one(cache.values(layer), v)};
 }
 
 at::Tensor entry_mask(const AppendBatch& batch, int64_t i, int64_t offset, int64_t window) {
@@ -324,6 +424,9 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
                             const AppendBatch& batch, bool causal, int64_t window) {
   const at::Tensor& k = cache.keys(layer);
   const at::Tensor& v = cache.values(layer);
+  if (cache.ring_rows(layer) > 0) {
+    fail("attention: layer {} keeps a window ring, which only gpt-oss' attention reads", layer);
+  }
   if (batch.is_tree() && !causal) fail("attention: a tree batch has no block (non-causal) form");
   if (batch.is_tree() && window == 0 &&
       std::all_of(batch.counts.begin(), batch.counts.end(),

@@ -33,6 +33,16 @@ struct LinearState {
   at::Tensor recurrent_block;  // [slots, B, Hv, Dk, Dv] float32, or undefined
 };
 
+// Sliding-window layers (gpt-oss') kept as rings: layer i with windows[i] = W > 0 holds
+// R = W - 1 + span rows a slot, the key at row offset o (KVCache::keys) in ring row o mod R,
+// instead of `capacity` rows. That is every key a query can still see after an append that is
+// cropped back by at most `span` tokens (a verify block: its size; plain decoding: 1), so a
+// crop further back fails. A ring no smaller than the capacity is not made.
+struct WindowRings {
+  std::vector<int64_t> windows;  // per layer, 0: the whole slot; one W for all ring layers
+  int64_t span = 0;              // 0: no rings
+};
+
 class KVCache {
  public:
   KVCache(const ModelConfig& config, int64_t slots, int64_t capacity, at::Device device,
@@ -40,7 +50,8 @@ class KVCache {
   // A tensor-parallel rank's cache (TargetModel::make_cache): `kv_heads` key/value heads a layer
   // and the rank's share `linear` of a hybrid's Gated DeltaNet heads, not config's.
   KVCache(const ModelConfig& config, int64_t kv_heads, const LinearAttentionShape& linear,
-          int64_t slots, int64_t capacity, at::Device device, at::ScalarType dtype);
+          int64_t slots, int64_t capacity, at::Device device, at::ScalarType dtype,
+          const WindowRings& rings = {});
 
   int64_t slots() const { return static_cast<int64_t>(lengths_.size()); }
   int64_t capacity() const { return capacity_; }
@@ -75,21 +86,30 @@ class KVCache {
 
   // One layer's keys or values, [slots * capacity, Hkv, D]: token p of slot s is row
   // s * capacity + p (flash attention reads a slot as one varlen sequence starting there).
-  // A linear-attention layer's are empty, [0, Hkv, D].
+  // A linear-attention layer's are empty, [0, Hkv, D]. A ring layer's (ring_rows > 0) are
+  // [slots * R + 1, Hkv, D]: row offset o of slot s at s * R + o mod R, the last row a sink for
+  // the writes a ring cannot keep (WindowPlan).
   const at::Tensor& keys(int64_t layer) const { return keys_[layer]; }
   const at::Tensor& values(int64_t layer) const { return values_[layer]; }
   at::Device device() const { return device_; }
+  // R of a ring layer, 0 for the others; the window its rows serve.
+  int64_t ring_rows(int64_t layer) const { return ring_rows_[layer]; }
+  int64_t ring_window() const { return ring_window_; }
+  bool has_rings() const { return ring_window_ > 0; }
   // Writes k and v, [tokens, Hkv, D], at `rows` (int64 [tokens]) of `layer`: gpt-fast's
   // KVCache.update(input_pos, k, v) with slot and position folded into one row index; on CUDA
-  // in bf16/fp16 one kernel (kernels::write_kv_rows), elsewhere index_copy_.
+  // in bf16/fp16 one kernel (kernels::write_kv_rows), elsewhere index_copy_. A ring layer's rows
+  // are WindowPlan::write_rows.
   void update(int64_t layer, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v);
-  // Copies the K/V of rows `from` to rows `to` (int64 [n] each, on the cache's device) in every
-  // attention layer, all sources read before any is written: a tree verify's accepted path
-  // moved to the rows after its root. Lengths stay; crop() then counts the path.
+  // Copies the K/V of rows `from` to rows `to` (int64 [n] each, on the cache's device; rows as
+  // AppendBatch::rows counts them, mapped into the rings) in every attention layer, all sources
+  // read before any is written: a tree verify's accepted path moved to the rows after its root.
+  // Lengths stay; crop() then counts the path.
   void move_rows(const at::Tensor& from, const at::Tensor& to);
 
  private:
   void check_slot(int64_t slot, const char* what) const;
+  void init_rings(const ModelConfig& config, const WindowRings& rings);
   void init_linear_state(const ModelConfig& config, const LinearAttentionShape& s,
                          at::TensorOptions opts);
   void rewind_linear_state(int64_t slot, int64_t length);
@@ -98,6 +118,11 @@ class KVCache {
   int64_t capacity_;
   std::vector<int64_t> lengths_;
   std::vector<at::Tensor> keys_, values_;
+  // Rings: R per layer (0: plain), their window and span; per slot, the row offset its last
+  // write reached (a crop may go back at most span from there).
+  std::vector<int64_t> ring_rows_;
+  int64_t ring_window_ = 0, ring_span_ = 0;
+  std::vector<int64_t> written_;
   // Hybrids: each layer's index among the linear-attention layers (-1: full attention); their
   // states stacked, [linear layers, slots, ...] (one copy moves a slot's state in all layers);
   // per slot, the tokens of the block it holds (0: none).
@@ -137,6 +162,30 @@ struct AppendBatch {
                                const std::vector<std::vector<int64_t>>& parents);
   bool is_tree() const { return tree_mask.defined(); }
   int64_t size() const { return static_cast<int64_t>(slots.size()); }
+};
+
+// How a batch meets a cache's rings, made once per forward from the batch's device tensors only
+// (so a CUDA graph replays it for new positions). A ring layer's attention reads, per entry, a
+// gathered copy laid out as [the slot's last P = W - 1 cached keys (fewer near the start)][the
+// entry's new keys][unused rows up to P]: a long append (a prompt longer than the ring) then
+// sees all its own keys, and flash reads each entry as one contiguous sequence.
+struct WindowPlan {
+  at::Tensor write_rows;  // int64 [total]: the new tokens' ring rows (the sink row for those
+                          // older than the entry's last R, which no later query sees)
+  at::Tensor prefix_src;  // int64 [n * P]: ring rows of each entry's cached prefix
+  at::Tensor prefix_dst;  // int64 [n * P]: their rows in the gathered copy
+  at::Tensor new_dst;     // int64 [total]: the new keys' rows in the gathered copy
+  at::Tensor cu_keys;     // int32 [n + 1]: each entry's first gathered row (i * P + cu_seqlens)
+  at::Tensor seen_keys;   // int32 [n]: its gathered keys, min(start, P) + count
+  int64_t rows = 0;       // gathered rows, n * P + total
+  int64_t max_keys = 0;   // most gathered keys of an entry (a bound for flash)
+
+  static WindowPlan make(const KVCache& cache, const AppendBatch& batch);
+  // The gathered keys and values of a ring layer: its prefix rows and the batch's new k / v
+  // ([total, Hkv, D]); read before the new rows are written (a long append's writes wrap over
+  // the prefix it still reads).
+  std::pair<at::Tensor, at::Tensor> gather(const KVCache& cache, int64_t layer, const at::Tensor& k,
+                                           const at::Tensor& v) const;
 };
 
 // The keys the new tokens of entry i of `batch` (rows offset.. of the packed batch) may see,

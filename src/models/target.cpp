@@ -1175,10 +1175,17 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
              });
 }
 
-KVCache TargetModel::make_cache(int64_t slots, int64_t capacity) const {
+KVCache TargetModel::make_cache(int64_t slots, int64_t capacity, int64_t window_span) const {
   const int64_t kv_heads = kv_heads_of(config_, 0, tp_size()).second;
+  WindowRings rings;
+  if (gpt_oss_ && window_span > 0) {
+    rings.span = window_span;
+    for (int64_t i = 0; i < config_.num_layers; ++i) {
+      rings.windows.push_back(config_.gpt_oss.sliding(i) ? config_.gpt_oss.sliding_window : 0);
+    }
+  }
   return KVCache(config_, kv_heads, linear_share(config_.linear, tp_size()), slots, capacity,
-                 device(), dtype());
+                 device(), dtype(), rings);
 }
 
 ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const AppendBatch& batch,

@@ -250,7 +250,9 @@ class TargetModel {
                                const ForwardRequest& request) const;
   // A cache of `slots` sequences of up to `capacity` tokens for forward_cached, of this rank's
   // heads under tensor parallelism (kv_heads_of; a hybrid's share of its Gated DeltaNet heads).
-  KVCache make_cache(int64_t slots, int64_t capacity) const;
+  // window_span > 0: gpt-oss' sliding layers keep only their windows, for callers that crop a
+  // slot back by at most window_span tokens (kv_cache.h, WindowRings); other targets ignore it.
+  KVCache make_cache(int64_t slots, int64_t capacity, int64_t window_span = 0) const;
 
   // Transformer body only, for callers (the drafter) that share embedding and LM head. With
   // tensor parallelism both are collectives of the group and return whole rows.

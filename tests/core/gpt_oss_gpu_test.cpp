@@ -158,7 +158,8 @@ TEST(GptOssGpuAttention, FlashWithWindowAndSinksMatchesEagerFp32) {
 // The preset's cached forward (fp32: the eager per-entry path on the GPU; bf16: flash over the
 // cache with seqused_k, the window and the sinks through the log-sum-exp) against its packed
 // forward in the same dtype: a prefill into three slots, then single tokens well past the
-// 16-token window, one sequence joining and leaving.
+// 16-token window, one sequence joining and leaving; with the whole slots cached and with the
+// sliding layers in window rings (16 rows a slot: the 25- and 20-token prefills wrap them).
 TEST(GptOssGpuDecode, CachedForwardMatchesPackedForward) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   auto config = models::preset_config("tiny-gpt-oss");
@@ -173,33 +174,39 @@ TEST(GptOssGpuDecode, CachedForwardMatchesPackedForward) {
     models::ForwardRequest request{{3}, Logits::kAll};
     request.mxfp4 = models::Mxfp4Gemm::kDequantize;
     auto want = model.forward(all, PackedBatch::from_lengths(lengths, at::kCUDA), request);
-    models::KVCache cache(config, 4, 48, at::kCUDA, dtype);
-    const std::vector<int64_t> slots = {3, 0, 1}, offsets = {0, 40, 49}, prefill = {20, 2, 25};
-    std::vector<at::Tensor> chunks;
-    for (int i = 0; i < 3; ++i) chunks.push_back(all.narrow(0, offsets[i], prefill[i]));
-    auto first = model.forward_cached(
-        at::cat(chunks), models::AppendBatch::make(cache, slots, prefill), cache, request);
-    EXPECT_CLOSE(first.logits.narrow(0, 0, 20), want.logits.narrow(0, 0, 20), tol);
-    EXPECT_CLOSE(first.taps[0].narrow(0, 22, 25), want.taps[0].narrow(0, 49, 25), tol);
-    for (int64_t p = 20; p < 40; ++p) {
-      // Sequence 0 one token a step; sequence 1 (positions 2..8) while it has tokens left.
-      std::vector<int64_t> s = {3}, c = {1}, rows = {p};
-      if (p - 18 < 9) {
-        s.push_back(0);
-        c.push_back(1);
-        rows.push_back(40 + p - 18);
+    for (int64_t span : {0, 1}) {
+      SCOPED_TRACE(span == 0 ? "whole slots" : "window rings");
+      auto cache = model.make_cache(4, 48, span);
+      ASSERT_EQ(cache.has_rings(), span > 0);
+      const std::vector<int64_t> slots = {3, 0, 1}, offsets = {0, 40, 49}, prefill = {20, 2, 25};
+      std::vector<at::Tensor> chunks;
+      for (int i = 0; i < 3; ++i) chunks.push_back(all.narrow(0, offsets[i], prefill[i]));
+      auto first = model.forward_cached(
+          at::cat(chunks), models::AppendBatch::make(cache, slots, prefill), cache, request);
+      EXPECT_CLOSE(first.logits.narrow(0, 0, 20), want.logits.narrow(0, 0, 20), tol);
+      EXPECT_CLOSE(first.taps[0].narrow(0, 22, 25), want.taps[0].narrow(0, 49, 25), tol);
+      for (int64_t p = 20; p < 40; ++p) {
+        // Sequence 0 one token a step; sequence 1 (positions 2..8) while it has tokens left.
+        std::vector<int64_t> s = {3}, c = {1}, rows = {p};
+        if (p - 18 < 9) {
+          s.push_back(0);
+          c.push_back(1);
+          rows.push_back(40 + p - 18);
+        }
+        auto index = at::tensor(rows, at::kLong).cuda();
+        auto out = model.forward_cached(all.index_select(0, index),
+                                        models::AppendBatch::make(cache, s, c), cache, request);
+        EXPECT_CLOSE(out.logits, want.logits.index_select(0, index), tol);
+        EXPECT_CLOSE(out.taps[0], want.taps[0].index_select(0, index), tol);
       }
-      auto index = at::tensor(rows, at::kLong).cuda();
-      auto out = model.forward_cached(all.index_select(0, index),
-                                      models::AppendBatch::make(cache, s, c), cache, request);
-      EXPECT_CLOSE(out.logits, want.logits.index_select(0, index), tol);
-      EXPECT_CLOSE(out.taps[0], want.taps[0].index_select(0, index), tol);
     }
   }
 }
 
 // The Generator's decode step captured in a CUDA graph (MXFP4 experts dequantised per layer
-// inside it) gives the eager step's tokens, prompts longer than the window among them.
+// inside it) gives the eager step's tokens, prompts longer than the window among them; the
+// graph's sliding layers in window rings (their rows recomputed on the device each replay), the
+// eager steps' whole slots.
 TEST(GptOssGpuDecode, GraphDecodeMatchesEager) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   auto model =
@@ -215,8 +222,10 @@ TEST(GptOssGpuDecode, GraphDecodeMatchesEager) {
   o.max_new_tokens = 24;
   o.context = 60;
   o.cuda_graph = false;
+  o.window_rings = false;
   auto eager = eval::Generator(model, o).generate(prompts);
   o.cuda_graph = true;
+  o.window_rings = true;
   eval::Generator graph(model, o);
   ASSERT_TRUE(graph.uses_cuda_graph());
   auto got = graph.generate(prompts);

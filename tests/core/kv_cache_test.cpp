@@ -2,7 +2,9 @@
 // CPU): logits and every layer's output for prefill-then-decode, chunked prefill, several
 // slots at different lengths, crop-then-reextend; and a cached greedy loop against a loop
 // that re-runs the full forward at each step. gpt-oss among the models: its sliding windows
-// (5 positions) are shorter than most sequences here, its sinks join every cached softmax.
+// (5 positions) are shorter than most sequences here, its sinks join every cached softmax; and
+// again with its sliding layers in window rings (WindowRings, span 4: rings of 8 rows a slot,
+// so prompts, chunks and crops wrap around them).
 #include "models/kv_cache.h"
 
 #include <gtest/gtest.h>
@@ -26,6 +28,7 @@ using models::TargetModel;
 struct Variant {
   std::string name;
   ModelConfig config;
+  int64_t window_span = 0;  // TargetModel::make_cache's
 };
 
 // CTest names each case by this (GoogleTest would print the struct's bytes).
@@ -37,7 +40,8 @@ std::vector<Variant> variants() {
           {"Qwen3MoeSparse", testing::tiny_target_config(Architecture::kQwen3Moe)},
           {"Qwen2BiasMha", testing::tiny_target_config(Architecture::kQwen2)},
           {"Llama3ScaledMqa", testing::tiny_target_config(Architecture::kLlama)},
-          {"GptOssSinksWindow", testing::tiny_target_config(Architecture::kGptOss)}};
+          {"GptOssSinksWindow", testing::tiny_target_config(Architecture::kGptOss)},
+          {"GptOssWindowRings", testing::tiny_target_config(Architecture::kGptOss), 4}};
 }
 
 class KVCacheParity : public ::testing::TestWithParam<Variant> {
@@ -66,7 +70,7 @@ class KVCacheParity : public ::testing::TestWithParam<Variant> {
                                   request_);
   }
   KVCache cache(int64_t slots, int64_t capacity) const {
-    return KVCache(GetParam().config, slots, capacity, at::kCPU, at::kFloat);
+    return model_->make_cache(slots, capacity, GetParam().window_span);
   }
   static void expect_rows(const ForwardResult& got, const ForwardResult& want, int64_t start,
                           int64_t n) {
@@ -195,6 +199,26 @@ TEST(KVCache, RejectsOverflowRepeatsAndStaleStarts) {
   EXPECT_THROW(model.forward_cached(at::zeros({1}, at::kLong), AppendBatch::make(other, {0}, {1}),
                                     other, {}),
                Error);
+}
+
+// gpt-oss' sliding layers (0 and 2 of the tiny config's three, window 5) in rings of
+// window - 1 + span rows a slot: a crop back by the span is kept, one further fails.
+TEST(KVCache, WindowRingsKeepCropsWithinTheirSpan) {
+  auto config = testing::tiny_target_config(models::Architecture::kGptOss);
+  auto model = TargetModel::random(config, at::kCPU, at::kFloat, 1);
+  auto kv = model.make_cache(2, 32, /*window_span=*/2);
+  EXPECT_EQ(kv.ring_window(), 5);
+  EXPECT_EQ(kv.ring_rows(0), 6);
+  EXPECT_EQ(kv.ring_rows(1), 0);
+  EXPECT_EQ(kv.keys(0).size(0), 2 * 6 + 1);
+  EXPECT_EQ(kv.keys(1).size(0), 2 * 32);
+  model.forward_cached(at::zeros({10}, at::kLong), AppendBatch::make(kv, {1}, {10}), kv, {});
+  kv.crop(1, 8);
+  EXPECT_THROW(kv.crop(1, 7), Error);
+  kv.reset(1);
+  // A ring no smaller than the capacity is not made.
+  EXPECT_FALSE(model.make_cache(1, 6, 2).has_rings());
+  EXPECT_FALSE(model.make_cache(1, 32, 0).has_rings());
 }
 
 }  // namespace
