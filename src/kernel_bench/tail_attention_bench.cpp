@@ -135,9 +135,14 @@ void bench_backward(const Bench& b, const BlockAttention& in, const at::Tensor& 
   {
     const auto want = flash();
     const auto got = cudnn();
+    // The gathered keys' rows past split.keys pad the output to its bucketed capacity; no
+    // segment covers them, so neither backward writes their gradients.
+    auto covered = [&](const at::Tensor& t) { return t.narrow(0, 0, split.keys); };
     b.check(part + " backward, cudnn dq vs flash", got.dq, std::get<0>(want), kKernelPair);
-    b.check(part + " backward, cudnn dk vs flash", got.dk, std::get<1>(want), kKernelPair);
-    b.check(part + " backward, cudnn dv vs flash", got.dv, std::get<2>(want), kKernelPair);
+    b.check(part + " backward, cudnn dk vs flash", covered(got.dk), covered(std::get<1>(want)),
+            kKernelPair);
+    b.check(part + " backward, cudnn dv vs flash", covered(got.dv), covered(std::get<2>(want)),
+            kKernelPair);
   }
   const double us_cudnn = b.eager_us([&] { cudnn(); });
   b.report(part + " backward, cudnn", split.blocks, split.keys, max_q, us_cudnn, part_bytes);

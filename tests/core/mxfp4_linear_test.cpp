@@ -304,7 +304,7 @@ TEST_F(Mxfp4LinearGpu, GptOssFusedMatchesDequantisedPaths) {
   }
   for (int64_t tokens : {3, 100}) {
     SCOPED_TRACE(std::to_string(tokens) + "-token forward");
-    auto ids = at::randint(config.vocab_size, {tokens}, at::kLong).cuda();
+    auto ids = at::randint(config.vocab_size, {tokens}, gen, at::kLong).cuda();
     auto batch = models::PackedBatch::from_lengths({tokens}, at::kCUDA);
     models::ForwardRequest request{{0}, models::Logits::kAll};
     request.mxfp4 = models::Mxfp4Gemm::kDequantize;
@@ -317,13 +317,16 @@ TEST_F(Mxfp4LinearGpu, GptOssFusedMatchesDequantisedPaths) {
       EXPECT_CLOSE(fused.taps[0], dequantised.taps[0], 1e-2);
       // Later layers' routers may break near-ties differently (bf16 MoE drift, as in
       // GptOssGpu.MatchesReferenceInFp32AndBf16): a flip moves its token's row far, so the
-      // check is per token, most within bf16 drift (a wrong kernel moves every row).
+      // check is per token, most within bf16 drift (a wrong kernel moves every row). One flip
+      // among 3 tokens is a third of them (seen on an H100), so the share is asked of 100.
       const auto a = fused.logits.to(at::kDouble), e = dequantised.logits.to(at::kDouble);
       const auto row_error = ((a - e).norm(2, {1}) / e.norm(2, {1})).cpu();
       const double median = row_error.median().item<double>();
       const double close = (row_error <= 5e-2).to(at::kDouble).mean().item<double>();
       EXPECT_LE(median, 2e-2) << "per-token logits error, max " << row_error.max().item<double>();
-      EXPECT_GE(close, 0.9) << "tokens within 5e-2: " << close << ", median " << median;
+      if (tokens >= 100) {
+        EXPECT_GE(close, 0.9) << "tokens within 5e-2: " << close << ", median " << median;
+      }
     }
   }
 }
