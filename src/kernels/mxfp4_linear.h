@@ -17,9 +17,9 @@ inline constexpr int64_t kMxfp4LinearRowTile = 8;
 
 // Which CUDA kernel mxfp4_grouped_linear runs. kStreaming: the weight-streaming kernel (each
 // expert's weights read once per 8 of its rows, CUDA-core FMAs; few rows per expert).
-// kTensorCores: 64- or 128-row x 64-feature tiles on mma.sync (128 once experts average 96
-// rows), the weights decoded into shared memory two groups a stage, double-buffered (bf16 x
-// only, fp16 takes kStreaming; many rows per expert: prefill).
+// kTensorCores: 64- or 128-row x 128-feature tiles on mma.sync (128 rows once experts average
+// 96), the weights loaded two stages ahead and decoded into shared memory two groups a stage,
+// double-buffered (bf16 x only, fp16 takes kStreaming; many rows per expert: prefill).
 enum class Mxfp4Kernel { kStreaming, kTensorCores };
 
 // x: [R, in] (in % 32 == 0), its rows sorted by expert; offsets: int32 [E] on x's device, the
