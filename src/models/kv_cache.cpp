@@ -139,8 +139,8 @@ void KVCache::crop(int64_t slot, int64_t length) {
     written_[slot] = 0;
   } else if (has_rings() && length < written_[slot] - ring_span_) {
     fail(
-        "kv cache crop: slot {} wrote {} tokens; its window rings keep what a crop back by {} "
-        "needs, not {} (WindowRings::span)",
+        "kv cache crop: slot {} wrote {} tokens and its window rings keep the keys of crops back "
+        "by at most {} (WindowRings::span); cannot crop to {}",
         slot, written_[slot], ring_span_, length);
   }
   lengths_[slot] = length;
@@ -183,9 +183,7 @@ void KVCache::update(int64_t layer, const at::Tensor& rows, const at::Tensor& k,
 void KVCache::move_rows(const at::Tensor& from, const at::Tensor& to) {
   at::Tensor ring_from, ring_to;
   if (has_rings()) {
-    const int64_t r = ring_rows_[std::find_if(ring_rows_.begin(), ring_rows_.end(),
-                                              [](int64_t x) { return x > 0; }) -
-                                 ring_rows_.begin()];
+    const int64_t r = ring_window_ - 1 + ring_span_;  // every ring layer's
     auto ring = [&](const at::Tensor& rows) {
       return rows.div(capacity_, "floor") * r + rows.remainder(capacity_).remainder(r);
     };
