@@ -184,8 +184,9 @@ at::Tensor cached_sink_attention(const at::Tensor& q, const KVCache& cache, int6
                                  const AppendBatch& batch, const at::Tensor& sinks, int64_t window,
                                  const GatheredKeys* gathered) {
   if ((cache.ring_rows(layer) > 0) != (gathered != nullptr)) {
-    fail("gpt-oss cached attention: layer {} {} a window ring but was {} its gathered keys", layer,
-         gathered ? "keeps no" : "keeps", gathered ? "given" : "not given");
+    fail("gpt-oss cached attention: layer {} {}", layer,
+         gathered ? "keeps no window ring but was given gathered keys"
+                  : "keeps a window ring but was not given its gathered keys (WindowPlan)");
   }
   const at::Tensor& k = gathered ? gathered->k : cache.keys(layer);
   const at::Tensor& v = gathered ? gathered->v : cache.values(layer);
