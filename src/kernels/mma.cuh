@@ -40,8 +40,25 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
                "r"(valid ? 16 : 0));
 }
 
+// The same for 4 bytes (both addresses 4-byte aligned), through L1.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  const auto to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(to), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// A pipeline's stage boundary: the copies issued since the last commit form one group;
+// cp_async_wait<n> waits until at most the n latest groups are still in flight.
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Four 8 x 8 b16 matrices from shared memory, one register each; lane l gives the address of

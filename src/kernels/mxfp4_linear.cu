@@ -1,6 +1,6 @@
 // The grouped MXFP4 linear as one weight-streaming kernel (its tensor-core variant for many rows
-// per expert is the second half of this file). The grid is (output tiles of 16
-// features) x (min(E, R) expert slots): block (t, j) finds the j-th expert that has rows by a
+// per expert, on Hopper's wgmma, is the second half of this file). The grid is (output tiles of
+// 16 features) x (min(E, R) expert slots): block (t, j) finds the j-th expert that has rows by a
 // scan of the offsets on the device (the host never reads them; experts without rows read no
 // weights, and slots past the busy experts return after the scan), then multiplies that expert's
 // rows, up to 8 at a time, by its 16 features. Each of the 8 warps owns 2 features; its lanes
@@ -19,11 +19,13 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/float_cast.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/mxfp4_linear.h"
 #include "kernels/reduce.cuh"
+#include "kernels/wgmma.cuh"
 
 namespace dflash::kernels {
 namespace {
@@ -210,219 +212,244 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- Tensor-core variant (many rows per expert: prefill) ----
-// A block computes a kRows (64 or 128) x 128-feature tile of one expert with 8 warps (4 x 2 of
-// 32 x 64 at 128 rows, 2 x 4 of 32 x 32 at 64), each a grid of mma.sync m16n8k16 tiles
-// (kernels/mma.cuh) whose fragments ldmatrix reads. K advances two MXFP4 groups (64 inputs) a
-// stage through two shared buffers: while the warps multiply one stage, the next one's x tile
-// is in flight by cp.async into the other buffer (rows past the expert's end zero), and each
-// thread's 32-value group of the weight tile and its scale, loaded into registers two stages
-// ahead, is decoded to bf16 into the other buffer (exactly mxfp4_dequantize's values); one
-// barrier a stage. The x tile
-// is reread by every feature tile of its rows (from L2), so the features are many; decoding costs
-// the same per stage whatever the rows, so the taller tile halves it per product where experts have
-// the rows to fill it.
-constexpr int kTcThreads = 256, kTcWarps = kTcThreads / 32;
-constexpr int kTcFeatures = 128;
-constexpr int kTcGroups = kTcThreads / kTcFeatures;  // a weight group per thread and stage
-constexpr int kTcK = kTcGroups * 32;                 // inputs per stage
-// The shared tiles' row pitch in elements: 64 values and 8 of padding (36 words), so the 8 rows
-// of 16 bytes an ldmatrix reads fall into distinct banks.
-constexpr int kTcPitch = kTcK + 8;
-static_assert(kTcThreads % kTcFeatures == 0);
+// ---- Tensor-core variant (many rows per expert: prefill; Hopper's wgmma, sm_90a) ----
+// The weights are wgmma's A, decoded by each thread from their raw bytes straight into its
+// fragment registers (no shared-memory round trip), and x is B, which the tensor cores read from
+// shared memory themselves (K-major, 128-byte swizzle: kernels/wgmma.cuh). A block computes 128
+// features x kTokens rows of one expert, transposed (features down D's rows), with two warpgroups
+// of 64 features; each weight value is decoded once a block. K advances 64 inputs (two groups) a
+// stage through a ring of kWgSlots shared slots, each holding a stage's x tile, its weights' raw
+// e2m1 bytes (32 a feature) and their scales, filled by cp.async kWgAhead stages ahead.
+constexpr int kWgThreads = 256, kWgFeatures = 128, kWgK = 64, kWgSlots = 5;
+// Refilling slot (s + kWgAhead) % kWgSlots at stage s: its last reader, stage s - 2's wgmma, was
+// awaited before stage s's barrier (each stage awaits its own, so kWgSlots - 1 would do too;
+// measured as is).
+constexpr int kWgAhead = kWgSlots - 2;
 
-template <int kRows>
-struct TcShape {
-  static_assert(kRows == 64 || kRows == 128);
-  static constexpr int kWarpsM = kRows / 32, kWarpsN = kTcWarps / kWarpsM;
-  static constexpr int kMTiles = 2, kNTiles = kTcFeatures / kWarpsN / 8;  // a warp's m16 / n8
-  static constexpr int kXChunks = kRows * kTcK / 8 / kTcThreads;  // x's 16-byte loads a thread
-  static constexpr int kXStage = kRows * kTcPitch, kWStage = kTcFeatures * kTcPitch;
-  // Two buffers of each (bf16 elements): 73,728 bytes at 128 rows, past the 48 KiB default.
-  static constexpr size_t kSmem = 2 * (kXStage + kWStage) * sizeof(__nv_bfloat16);
+template <int kTokens>
+struct WgShape {
+  static_assert(kTokens == 64 || kTokens == 128);
+  static constexpr int kXBytes = kTokens * kWgK * 2;  // whole 1024-byte swizzle atoms
+  static constexpr int kWBytes = kWgFeatures * 32;
+  // cp.async moves 4 aligned bytes at least: a feature's two scale bytes are copied as the two
+  // aligned words around them, 8 bytes a feature, the pair at (its offset in the tensor) % 4.
+  static constexpr int kSBytes = kWgFeatures * 8;
+  static constexpr int kSlotBytes = kXBytes + kWBytes + kSBytes;
+  static constexpr int kXChunks = kTokens * (kWgK / 8) / kWgThreads;  // 16-byte copies a thread
+  // The slots from a 1024-byte aligned base (the swizzle is of address bits), hence the slack.
+  static constexpr size_t kSmem = 1024 + kWgSlots * kSlotBytes;
 };
 
-// One stage's weight loads, held in registers while the previous stage multiplies (x's tile
-// goes straight to shared memory by cp.async).
-struct TcStage {
-  uint4 w;     // feature threadIdx.x / kTcGroups's group threadIdx.x % kTcGroups of the stage
-  uint32_t s;  // its scale byte
+// What a block reads: its expert's x rows [row0, end), weights from `w` (its expert's) and the
+// whole scales tensor (`scale_bytes` long) from `scale_row`, its expert's first feature's scale
+// offset.
+struct WgSource {
+  const __nv_bfloat16* x;
+  int row0, end;
+  int64_t in, groups, stages;
+  const uint4* w;
+  const uint8_t* scales;
+  int64_t scale_bytes, scale_row;
 };
 
-// Starts stage `stage`'s x tile into xs (rows past the expert's end zero).
-template <int kRows>
-__device__ __forceinline__ void tc_load_x(__nv_bfloat16* xs, int64_t stage,
-                                          const __nv_bfloat16* __restrict__ x, int row0, int end,
-                                          int64_t in) {
-  const int64_t k0 = stage * kTcK;
+// Starts stage `stage`'s copies into its slot (x rows past the expert's end and groups past the
+// last zero; thread i copies feature i / 2's group i % 2 and scale word i % 2, of feature
+// `feature`, clamped) and closes the group: empty past the last stage, so the wait counts stay
+// uniform.
+template <int kTokens>
+__device__ __forceinline__ void wg_load(unsigned char* slot, int64_t stage, const WgSource& src,
+                                        int64_t feature) {
+  using Shape = WgShape<kTokens>;
+  if (stage < src.stages) {
+    const int64_t k0 = stage * kWgK;
 #pragma unroll
-  for (int j = 0; j < TcShape<kRows>::kXChunks; ++j) {
-    const int i = threadIdx.x + j * kTcThreads, r = i / (kTcK / 8), c = (i % (kTcK / 8)) * 8;
-    const bool valid = row0 + r < end && k0 + c < in;
-    cp_async16(xs + r * kTcPitch + c, valid ? x + int64_t(row0 + r) * in + k0 + c : x, valid);
+    for (int j = 0; j < Shape::kXChunks; ++j) {
+      const int i = threadIdx.x + j * kWgThreads, r = i / 8, c = i % 8;
+      const bool valid = src.row0 + r < src.end && k0 + c * 8 < src.in;
+      cp_async16(slot + wgmma_b_offset(r, c),
+                 valid ? src.x + int64_t(src.row0 + r) * src.in + k0 + c * 8 : src.x, valid);
+    }
+    const int64_t g = stage * 2 + threadIdx.x % 2;
+    cp_async16(slot + Shape::kXBytes + threadIdx.x * 16,
+               g < src.groups ? src.w + feature * src.groups + g : src.w, g < src.groups);
+    const int64_t word =
+        ((src.scale_row + feature * src.groups + stage * 2) & ~int64_t(3)) + (threadIdx.x % 2) * 4;
+    cp_async4(slot + Shape::kXBytes + Shape::kWBytes + threadIdx.x * 4, src.scales + word,
+              word + 4 <= src.scale_bytes);
   }
+  cp_async_commit();
 }
 
-// Starts stage `stage`'s weight loads into st.
-__device__ __forceinline__ void tc_load_w(TcStage& st, int64_t stage, const uint4* __restrict__ w,
-                                          const uint8_t* __restrict__ s, int64_t feature,
-                                          int64_t groups) {
-  // A group past the last (an odd count) multiplies as zeros.
-  const int64_t g = stage * kTcGroups + threadIdx.x % kTcGroups;
-  st.w = g < groups ? __ldg(w + feature * groups + g) : make_uint4(0, 0, 0, 0);
-  st.s = g < groups ? __ldg(s + feature * groups + g) : 127u;
+__device__ __forceinline__ __nv_bfloat162 bf16x2_bits(uint32_t bits) {
+  return *reinterpret_cast<const __nv_bfloat162*>(&bits);
 }
 
-// Decodes 8 values of a group into bf16 (the reference's fp32 product, rounded once). For
-// s <= 128 one product by 2^(s - 1), exact and normal, turns e2m1's value x 2^-126 into value x
-// 2^(s - 127) (subnormal results rounded as the reference's); larger scales take the group_scale
-// pair the streaming kernel applies.
-__device__ __forceinline__ Vec<__nv_bfloat162, 4> tc_decode(uint32_t word, uint32_t s) {
-  float v[8] = {e2m1_times_2_pow_minus_126<0>(word), e2m1_times_2_pow_minus_126<1>(word),
-                e2m1_times_2_pow_minus_126<2>(word), e2m1_times_2_pow_minus_126<3>(word),
-                e2m1_times_2_pow_minus_126<4>(word), e2m1_times_2_pow_minus_126<5>(word),
-                e2m1_times_2_pow_minus_126<6>(word), e2m1_times_2_pow_minus_126<7>(word)};
-  if (s <= 128) {
-    const float c = __uint_as_float((s + 126) << 23);
+// A group's scale 2^(s - 127) as bf16 factors for values decoded as e2m1 x 2^-126: one exact
+// product by 2^(s - 1) for s <= 128; larger scales take 2^126 (2^127 for s = 255: 2^128 is no
+// bf16) and then 2^(s - 127), the streaming kernel's pair (infinite as the reference's).
+struct WgFactors {
+  __nv_bfloat162 first, second;
+};
+__device__ __forceinline__ WgFactors wg_factors(uint32_t s) {
+  const auto power_of_two = [](uint32_t exponent_field) {
+    return bf16x2_bits((exponent_field << 7) * 0x10001u);
+  };
+  if (s <= 128) return {power_of_two(s + 126), power_of_two(127)};
+  return {power_of_two(s == 255 ? 254 : 253), power_of_two(s < 254 ? s : 254u)};
+}
+
+// Byte t of `word` (inputs k, k + 1: an A fragment register's pair, the lower in the low half)
+// times its group's scale, as bf16: exactly mxfp4_dequantize's values. `select` (__byte_perm)
+// takes byte t of word << 4 (the lower nibble at its top) into byte 1 and byte t of the word
+// (the upper nibble at its top) into byte 3; the rest of t is masked off below. Sign kept,
+// e1 e0 m moved down 6 bits to the exponent's low bits and the mantissa's top: each half is its
+// e2m1 value x 2^-126 (subnormal at e = 0, like e2m1's), then scaled (kBig: a scale past 128 in
+// the stage, two products).
+template <bool kBig>
+__device__ __forceinline__ uint32_t wg_decode(uint32_t word, uint32_t select, const WgFactors& f) {
+  const uint32_t t = __byte_perm(word, word << 4, select);
+  __nv_bfloat162 v = bf16x2_bits((t & 0x80008000u) | ((t >> 6) & 0x01c001c0u));
+  v = __hmul2(v, f.first);
+  if constexpr (kBig) v = __hmul2(v, f.second);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The thread's A fragments for a stage's 4 steps of 16 inputs from the slot's raw weights and
+// scales: rows `local` and `local` + 8 of the block's features (at scale offsets `at[0]`,
+// `at[1]` in their windows), byte t4 of each word (a0 / a2: words 2 j / 2 j + 1 of the first
+// row, a1 / a3 of the second; words 0-3 are group 0, 4-7 group 1).
+template <int kTokens>
+__device__ __forceinline__ void wg_fragments(uint32_t (&a)[4][4], const unsigned char* slot,
+                                             int local, const int (&at)[2], uint32_t select) {
+  using Shape = WgShape<kTokens>;
+  const unsigned char* ws = slot + Shape::kXBytes;
+  const unsigned char* ss = ws + Shape::kWBytes;
+  const auto* first = reinterpret_cast<const uint4*>(ws + local * 32);
+  const auto* second = reinterpret_cast<const uint4*>(ws + (local + 8) * 32);
+  const uint4 w0[2] = {first[0], first[1]}, w1[2] = {second[0], second[1]};
+  const uint32_t s[2][2] = {{ss[local * 8 + at[0]], ss[local * 8 + at[0] + 1]},
+                            {ss[(local + 8) * 8 + at[1]], ss[(local + 8) * 8 + at[1] + 1]}};
+  WgFactors f[2][2];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] *= c;
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int g = 0; g < 2; ++g) f[h][g] = wg_factors(s[h][g]);
+  }
+  auto decode = [&](auto big) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int g = j / 2, lo = (2 * j) % 4, hi = lo + 1;
+      a[j][0] = wg_decode<big.value>(word_of(w0[g], lo), select, f[0][g]);
+      a[j][1] = wg_decode<big.value>(word_of(w1[g], lo), select, f[1][g]);
+      a[j][2] = wg_decode<big.value>(word_of(w0[g], hi), select, f[0][g]);
+      a[j][3] = wg_decode<big.value>(word_of(w1[g], hi), select, f[1][g]);
+    }
+  };
+  if (max(max(s[0][0], s[0][1]), max(s[1][0], s[1][1])) > 128) {
+    decode(std::true_type{});
   } else {
-    const GroupScale scale = group_scale(s);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = v[i] * 0x1p126f * scale.first * scale.power;
-  }
-  Vec<__nv_bfloat162, 4> out;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) out.v[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-  return out;
-}
-
-// Finishes a stage's loads: the weights decoded into ws, x's copies awaited (the barrier that
-// follows makes both visible).
-__device__ __forceinline__ void tc_store(const TcStage& st, __nv_bfloat16* ws) {
-  auto* row = reinterpret_cast<Vec<__nv_bfloat162, 4>*>(ws + (threadIdx.x / kTcGroups) * kTcPitch +
-                                                        (threadIdx.x % kTcGroups) * 32);
-#pragma unroll
-  for (int c = 0; c < 4; ++c) row[c] = tc_decode(word_of(st.w, c), st.s);
-  cp_async_wait_all();
-}
-
-// The warp's tile (rows wm, features wn of the block's) += one stage of the shared tiles.
-template <int kM, int kN>
-__device__ __forceinline__ void tc_multiply(float (&acc)[kM][kN][4], const __nv_bfloat16* xs,
-                                            const __nv_bfloat16* ws, int wm, int wn) {
-  const int lane = threadIdx.x % 32, q = lane / 8, r8 = lane % 8;
-#pragma unroll
-  for (int k0 = 0; k0 < kTcK; k0 += 16) {
-    // A: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15), the m16k16
-    // fragment's registers in order.
-    uint32_t a[kM][4];
-#pragma unroll
-    for (int mi = 0; mi < kM; ++mi) {
-      ldmatrix_x4(a[mi], xs + (wm + mi * 16 + (q % 2) * 8 + r8) * kTcPitch + k0 + (q / 2) * 8);
-    }
-    // B (features as rows): matrices (features 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7),
-    // (8-15, 8-15), two n8 tiles' b0 / b1.
-#pragma unroll
-    for (int np = 0; np < kN / 2; ++np) {
-      uint32_t b[4];
-      ldmatrix_x4(b, ws + (wn + np * 16 + (q / 2) * 8 + r8) * kTcPitch + k0 + (q % 2) * 8);
-#pragma unroll
-      for (int mi = 0; mi < kM; ++mi) {
-        mma_bf16(acc[mi][2 * np], a[mi], b[0], b[1]);
-        mma_bf16(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
-      }
-    }
+    decode(std::false_type{});
   }
 }
 
-// Two blocks an SM (at most 128 registers a thread): one block's barrier wait is the other's
-// tensor time.
-template <int kRows>
-__global__ void __launch_bounds__(kTcThreads, 2)
-    mxfp4_grouped_gemm_tc_kernel(const __nv_bfloat16* __restrict__ x,
-                                 const int32_t* __restrict__ offsets, int experts,
-                                 const uint4* __restrict__ blocks,
-                                 const uint8_t* __restrict__ scales,
-                                 const __nv_bfloat16* __restrict__ bias,
-                                 __nv_bfloat16* __restrict__ y, int64_t out, int64_t groups) {
-  using Shape = TcShape<kRows>;
-  constexpr int kM = Shape::kMTiles, kN = Shape::kNTiles;
-  extern __shared__ __align__(16) unsigned char tc_smem[];
-  auto* const xs = reinterpret_cast<__nv_bfloat16*>(tc_smem);  // [2][kRows][kTcPitch]
-  auto* const ws = xs + 2 * Shape::kXStage;                    // [2][kTcFeatures][kTcPitch]
+// Two blocks an SM (at most 128 registers a thread).
+template <int kTokens>
+__global__ void __launch_bounds__(kWgThreads, 2)
+    mxfp4_grouped_gemm_wgmma_kernel(const __nv_bfloat16* __restrict__ x,
+                                    const int32_t* __restrict__ offsets, int experts,
+                                    const uint4* __restrict__ blocks,
+                                    const uint8_t* __restrict__ scales,
+                                    const __nv_bfloat16* __restrict__ bias,
+                                    __nv_bfloat16* __restrict__ y, int64_t out, int64_t groups) {
+  using Shape = WgShape<kTokens>;
+  extern __shared__ unsigned char wg_smem[];
+  auto* const base = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(wg_smem) + 1023) & ~uintptr_t(1023));
   int row0 = 0, end = 0;
   const int e =
-      expert_tile<kTcThreads>(offsets, experts, static_cast<int>(blockIdx.y), kRows, row0, end);
+      expert_tile<kWgThreads>(offsets, experts, static_cast<int>(blockIdx.y), kTokens, row0, end);
   if (e < 0) return;
-  const int64_t n0 = int64_t(blockIdx.x) * kTcFeatures, in = groups * 32;
-  const uint4* w = blocks + int64_t(e) * out * groups;
-  const uint8_t* s = scales + int64_t(e) * out * groups;
+  const int64_t n0 = int64_t(blockIdx.x) * kWgFeatures;
+  const WgSource src{x,
+                     row0,
+                     end,
+                     groups * 32,
+                     groups,
+                     (groups + 1) / 2,
+                     blocks + int64_t(e) * out * groups,
+                     scales,
+                     experts * out * groups,
+                     int64_t(e) * out * groups};
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g4 = lane / 4, t4 = lane % 4;
-  const int wm = (warp / Shape::kWarpsN) * 16 * kM, wn = (warp % Shape::kWarpsN) * 8 * kN;
-  // The feature whose group this thread loads (clamped: columns past `out` are not written).
-  const int64_t feature =
-      n0 + threadIdx.x / kTcGroups < out ? n0 + threadIdx.x / kTcGroups : out - 1;
-  const int64_t stages = (groups + kTcGroups - 1) / kTcGroups;
-  float acc[kM][kN][4] = {};
-  // The weights two stages ahead in registers (one stage's multiply did not cover their HBM
-  // latency: 1-5% slower on an H100), x's tile one stage ahead by cp.async. `mine` holds this
-  // stage's weights (decoded, so free to load into), `next` the next stage's; the two swap
-  // roles each stage, unrolled by two so that both stay in registers.
-  TcStage even, odd;
-  tc_load_x<kRows>(xs, 0, x, row0, end, in);
-  tc_load_w(even, 0, w, s, feature, groups);
-  if (stages > 1) tc_load_w(odd, 1, w, s, feature, groups);
-  tc_store(even, ws);
-  __syncthreads();
-  auto step = [&](int64_t stage, TcStage& mine, TcStage& next) {
-    const int buf = static_cast<int>(stage % 2);
-    const bool more = stage + 1 < stages;
-    // The other buffers were last read before the previous stage's barrier.
-    if (more) tc_load_x<kRows>(xs + (buf ^ 1) * Shape::kXStage, stage + 1, x, row0, end, in);
-    if (stage + 2 < stages) tc_load_w(mine, stage + 2, w, s, feature, groups);
-    tc_multiply(acc, xs + buf * Shape::kXStage, ws + buf * Shape::kWStage, wm, wn);
-    if (more) tc_store(next, ws + (buf ^ 1) * Shape::kWStage);
-    __syncthreads();
-  };
-  for (int64_t stage = 0; stage < stages; stage += 2) {
-    step(stage, even, odd);
-    if (stage + 1 < stages) step(stage + 1, odd, even);
+  // The thread's two features (rows of its warp's 16 in its warpgroup's 64), clamped for the
+  // loads: columns past `out` are not written.
+  const int local = (warp / 4) * 64 + (warp % 4) * 16 + g4;
+  const auto clamp = [&](int64_t f) { return f < out ? f : out - 1; };
+  const int64_t feature[2] = {clamp(n0 + local), clamp(n0 + local + 8)};
+  const int64_t copied = clamp(n0 + threadIdx.x / 2);  // the feature whose bytes it copies
+  const uint32_t select = ((4 + t4) << 4) | (t4 << 12);
+  auto slot = [&](int64_t stage) { return base + (stage % kWgSlots) * Shape::kSlotBytes; };
+#pragma unroll
+  for (int i = 0; i < kWgAhead; ++i) wg_load<kTokens>(slot(i), i, src, copied);
+  float acc[kTokens / 2] = {};
+  // Decoding is the bottleneck (integer ops, at half the FP rate), so each stage waits for its
+  // own wgmma rather than holding a second set of fragments (two sets cost registers past two
+  // blocks an SM: slower on an H100); the other warpgroups keep the tensor cores busy.
+  uint32_t a[4][4];
+  for (int64_t stage = 0; stage < src.stages; ++stage) {
+    cp_async_wait<kWgAhead - 1>();  // this thread's copies for `stage`
+    fence_shared_for_async_proxy();
+    __syncthreads();  // ... and everyone's; every warp's wgmma of stage - 1 done
+    wg_load<kTokens>(slot(stage + kWgAhead), stage + kWgAhead, src, copied);
+    int at[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      at[h] = static_cast<int>((src.scale_row + feature[h] * groups + stage * 2) & 3);
+    }
+    wg_fragments<kTokens>(a, slot(stage), local, at, select);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      wgmma_bf16<kTokens>(acc, a[j], wgmma_b_descriptor(slot(stage), 16 * j));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
   }
+  // D's rows are features, its columns rows of y: acc[4 j + 2 h + c] is feature local + 8 h,
+  // row 8 j + 2 t4 + c of the tile.
 #pragma unroll
-  for (int mi = 0; mi < kM; ++mi) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t f = n0 + local + 8 * h;
+    if (f >= out) continue;
+    const float b = bias != nullptr ? __bfloat162float(bias[int64_t(e) * out + f]) : 0.f;
 #pragma unroll
-    for (int ni = 0; ni < kN; ++ni) {
+    for (int j = 0; j < kTokens / 8; ++j) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = row0 + wm + mi * 16 + g4 + (j / 2) * 8;
-        const int64_t c = n0 + wn + ni * 8 + 2 * t4 + j % 2;
-        if (r < end && c < out) {
-          const float b = bias != nullptr ? __bfloat162float(bias[int64_t(e) * out + c]) : 0.f;
-          y[int64_t(r) * out + c] = __float2bfloat16(acc[mi][ni][j] + b);
-        }
+      for (int c = 0; c < 2; ++c) {
+        const int r = row0 + 8 * j + 2 * t4 + c;
+        if (r < end) y[int64_t(r) * out + f] = __float2bfloat16(acc[4 * j + 2 * h + c] + b);
       }
     }
   }
 }
 
-template <int kRows>
-void launch_tc(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& blocks,
-               const at::Tensor& scales, const at::Tensor& bias, at::Tensor& y,
-               cudaStream_t stream) {
+template <int kTokens>
+void launch_wgmma(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& blocks,
+                  const at::Tensor& scales, const at::Tensor& bias, at::Tensor& y,
+                  cudaStream_t stream) {
   const int64_t rows = x.size(0), experts = blocks.size(0), out = blocks.size(1);
   const int64_t groups = blocks.size(2);
-  // Each busy expert adds at most one partial row tile to the full ones; the slots past the last
-  // tile return.
-  const int64_t tiles = (rows + kRows - 1) / kRows + std::min(experts, rows);
+  const int64_t tiles = (rows + kTokens - 1) / kTokens + std::min(experts, rows);
   TORCH_CHECK(tiles <= 65535, "mxfp4 grouped linear: too many rows for the grid, ", rows);
-  auto kernel = mxfp4_grouped_gemm_tc_kernel<kRows>;
-  constexpr auto smem = TcShape<kRows>::kSmem;
+  TORCH_CHECK(aligned(scales.data_ptr(), 4),
+              "mxfp4 grouped linear: scales must start 4-byte aligned");
+  auto kernel = mxfp4_grouped_gemm_wgmma_kernel<kTokens>;
+  constexpr auto smem = WgShape<kTokens>::kSmem;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>((out + kTcFeatures - 1) / kTcFeatures),
+  const dim3 grid(static_cast<unsigned>((out + kWgFeatures - 1) / kWgFeatures),
                   static_cast<unsigned>(tiles));
-  kernel<<<grid, kTcThreads, smem, stream>>>(
+  kernel<<<grid, kWgThreads, smem, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), offsets.data_ptr<int32_t>(),
       static_cast<int>(experts), reinterpret_cast<const uint4*>(blocks.data_ptr()),
       scales.data_ptr<uint8_t>(),
@@ -446,10 +473,12 @@ void mxfp4_grouped_linear_cuda(at::Tensor& y, const at::Tensor& x, const at::Ten
   if (kernel == Mxfp4Kernel::kTensorCores && x.scalar_type() == at::kBFloat16) {
     // 128-row tiles once experts average 96 rows (a partial tile wastes less than a second
     // decode of the weights costs).
+    // 128-row tiles once experts average 96 rows (a partial tile wastes less than a second
+    // decode of the weights costs).
     if (rows >= 96 * experts) {
-      launch_tc<128>(x, offsets, blocks, scales, bias, y, stream);
+      launch_wgmma<128>(x, offsets, blocks, scales, bias, y, stream);
     } else {
-      launch_tc<64>(x, offsets, blocks, scales, bias, y, stream);
+      launch_wgmma<64>(x, offsets, blocks, scales, bias, y, stream);
     }
     return;
   }

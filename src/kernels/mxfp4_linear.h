@@ -2,8 +2,9 @@
 // (kernels/mxfp4.h) and read in place, never written out in bf16: gpt-oss' experts. For decode
 // and verify, where a step routes a few rows to each of a few experts, a weight-streaming kernel
 // (each group of 32 weights decoded in registers, CUDA-core FMAs in fp32); for prefill, where
-// experts receive tens to hundreds of rows, a tensor-core GEMM that decodes each weight tile into
-// shared memory (models/gpt_oss.cpp says which pass takes which).
+// experts receive tens to hundreds of rows, a tensor-core GEMM (Hopper's wgmma) whose threads
+// decode the weights straight into their fragment registers (models/gpt_oss.cpp says which pass
+// takes which).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -17,9 +18,10 @@ inline constexpr int64_t kMxfp4LinearRowTile = 8;
 
 // Which CUDA kernel mxfp4_grouped_linear runs. kStreaming: the weight-streaming kernel (each
 // expert's weights read once per 8 of its rows, CUDA-core FMAs; few rows per expert).
-// kTensorCores: 64- or 128-row x 128-feature tiles on mma.sync (128 rows once experts average
-// 96), the weights loaded two stages ahead and decoded into shared memory two groups a stage,
-// double-buffered (bf16 x only, fp16 takes kStreaming; many rows per expert: prefill).
+// kTensorCores: 128-feature x 64- or 128-row tiles on wgmma (128 rows once experts average 96),
+// x and the raw weights and scales copied three stages ahead, each weight decoded once a tile
+// into the A fragments (sm_90a; bf16 x only, fp16 takes kStreaming; many rows per expert:
+// prefill).
 enum class Mxfp4Kernel { kStreaming, kTensorCores };
 
 // x: [R, in] (in % 32 == 0), its rows sorted by expert; offsets: int32 [E] on x's device, the

@@ -39,10 +39,10 @@ bool fused_mxfp4(const at::Tensor& x, Mxfp4Gemm gemm) {
 // kAuto's largest pass for the streaming kernel, in routed pairs per expert; larger passes in
 // bf16 take the tensor-core kernel (fp16 the layer dequantised into buffers). The streaming
 // kernel reads each routed expert's MXFP4 bytes once per 8 rows and multiplies on CUDA cores,
-// the tensor-core one decodes each weight tile into shared memory once per 64 or 128 rows. At
-// gpt-oss-120b's shapes on an H100 (bench-kernels --mxfp4-only) streaming wins at 2 pairs an
-// expert (1,755 against 1,888 us) and loses at 4 (2,750 against 2,068).
-constexpr int64_t kStreamingMxfp4MaxPairsPerExpert = 2;
+// the tensor-core one decodes each weight tile into registers once per 64 or 128 rows. At
+// gpt-oss-120b's shapes on an H100 (bench-kernels --mxfp4-only) streaming wins at half a pair
+// an expert (16 tokens: 663 against 776 us) and loses at 2 (64 tokens: 1,759 against 1,588).
+constexpr int64_t kStreamingMxfp4MaxPairsPerExpert = 1;
 
 kernels::Mxfp4Kernel mxfp4_kernel(const at::Tensor& x, Mxfp4Gemm gemm, const ModelConfig& c) {
   const bool many =
