@@ -41,6 +41,7 @@ struct BenchDecodeOptions {
   std::string profile;                // Chrome trace of the batch-1 decode step; empty: no profile
   std::vector<int64_t> tree_budgets;  // tree verification's budgets to estimate; empty: none
   double synthetic_top1 = 0.8;        // their synthetic acceptance (tree_table)
+  bool window_rings = true;           // sliding layers cache only their windows (gpt-oss)
 };
 
 std::vector<std::vector<int64_t>> random_prompts(int64_t n, int64_t length, int64_t vocab,
@@ -70,6 +71,7 @@ GenerationTiming time_generation(const models::TargetModel& model,
   g.max_new_tokens = max_new;
   g.context = context;
   g.cuda_graph = graph;
+  g.window_rings = o.window_rings;
   eval::Generator generator(model, g);
   auto times = obs::time_steps(model.device(), o.warmup, o.iters, [&] {
     auto out = generator.generate(prompts);
@@ -110,6 +112,7 @@ SpeculativeTiming time_speculative(const models::TargetModel& model, const model
     s.context = context;
     s.whole_step = whole;
     s.tree_budget = tree_budget;
+    s.window_rings = o.window_rings;
     eval::SpeculativeDecoder decoder(model, source, s);
     eval::SpeculativeStats stats;
     auto times = obs::time_steps(model.device(), o.warmup, o.iters,
@@ -394,6 +397,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
                                    ? nlohmann::json()
                                    : tree_table(model, o, context, plain_step_ms.at(1));
   nlohmann::json doc = {{"preset", o.preset},
+                        {"window_rings", o.window_rings},
                         {"device", device.str()},
                         {"prompt_len", o.prompt_len},
                         {"new_tokens", o.new_tokens},
@@ -434,6 +438,9 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_option("--verify-tokens", o->verify_tokens, "block size of the verify pass")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
+  cmd->add_flag("--no-window-rings{false}", o->window_rings,
+                "sliding-window layers cache the whole sequence, as full-attention ones do "
+                "(gpt-oss; the default keeps a ring of their window)");
   cmd->add_option("--warmup", o->warmup, "untimed runs first")
       ->capture_default_str()
       ->check(kNonNegative.validator());
