@@ -1,7 +1,7 @@
-// kernel_bench: kernels/small_linear (the batch-1 decode step's weight-streaming GEMV, and the
-// verify pass's at 16 rows) on each linear layer shape of the preset, each of its kernels that
-// takes the row count, against cuBLAS through at::linear (what it replaces) on the same shape;
-// validated against its fp32 reference (kernels::small_linear_reference).
+// kernel_bench: kernels/small_linear (the batch-1 decode step's weight-streaming GEMV) on each
+// linear layer shape of the preset, at each --rows it takes, against cuBLAS through at::linear
+// (what it replaces) on the same shape (at::linear alone past kSmallLinearMaxRows); validated
+// against its fp32 reference (kernels::small_linear_reference).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -31,22 +31,13 @@ void bench_small_linear(const Bench& b) {
     for (int i = 0; i < copies; ++i) weights.push_back(at::randn({n, k}, opts) * 0.02);
     for (int64_t m : b.o.rows) {
       auto x = at::randn({m, k}, opts);
-      const auto expected = kernels::small_linear_reference(x, weights[0]);
       const double moved = bytes + 2.0 * m * (n + k);
-      for (const auto& [kernel, label] :
-           {std::pair{kernels::SmallLinearKernel::kCudaCores, "cuda cores"},
-            std::pair{kernels::SmallLinearKernel::kTensorCores, "tensor cores"}}) {
-        if (kernel == kernels::SmallLinearKernel::kCudaCores &&
-            m > kernels::kSmallLinearCudaCoreMaxRows) {
-          continue;
-        }
-        const std::string what = fmt::format("small_linear {} {}", label, name);
-        b.check(fmt::format("{} ({} rows)", what, m),
-                kernels::small_linear(x, weights[0], {}, kernel), expected, kRoundedOnce);
-        b.report(what, m, n, k, b.graph_us([&](int i) {
-          kernels::small_linear(x, weights[i % copies], {}, kernel);
-        }),
-                 moved);
+      if (m <= kernels::kSmallLinearMaxRows) {
+        const std::string what = "small_linear " + name;
+        b.check(fmt::format("{} ({} rows)", what, m), kernels::small_linear(x, weights[0]),
+                kernels::small_linear_reference(x, weights[0]), kRoundedOnce);
+        b.report(what, m, n, k,
+                 b.graph_us([&](int i) { kernels::small_linear(x, weights[i % copies]); }), moved);
       }
       b.report("at::linear " + name, m, n, k,
                b.graph_us([&](int i) { at::linear(x, weights[i % copies]); }), moved);

@@ -10,11 +10,10 @@
 
 namespace dflash::kernels {
 
-// small_linear.cu: y [rows, N] = x2 [rows, K] (row stride x2.stride(0)) W^T + b, on tensor
-// cores (2-16 rows, where small_linear_mma_fits) or on CUDA cores (at most 8 rows).
+// small_linear.cu: y [rows, N] = x2 [rows, K] (row stride x2.stride(0)) W^T + b, at most
+// kSmallLinearMaxRows rows.
 void small_linear_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b,
-                       at::Tensor& y, bool tensor_cores);
-bool small_linear_mma_fits(const at::Tensor& x2, const at::Tensor& w);
+                       at::Tensor& y);
 
 namespace {
 
@@ -45,15 +44,14 @@ at::Tensor small_linear_reference(const at::Tensor& x, const at::Tensor& w, cons
   return y.to(x.scalar_type());
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                        SmallLinearKernel kernel) {
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   check(x, w, b);
   const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
   if (!x.is_cuda() || !half) return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
   const int64_t k = w.size(1), n = w.size(0);
   const int64_t rows = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
   if (rows > kSmallLinearMaxRows) {
-    fail("small linear: x has {} rows ({}), the kernels take at most {}", rows, x.sizes(),
+    fail("small linear: x has {} rows ({}), the kernel takes at most {}", rows, x.sizes(),
          kSmallLinearMaxRows);
   }
   if (!w.is_contiguous()) fail("small linear: w must be contiguous, got strides {}", w.strides());
@@ -61,22 +59,6 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   // activation does); otherwise it copies, which is cheap at this many rows.
   auto x2 = x.reshape({rows, k});
   if (k > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
-  const bool mma_fits = small_linear_mma_fits(x2, w);
-  bool tensor_cores = kernel == SmallLinearKernel::kTensorCores ||
-                      (kernel == SmallLinearKernel::kAuto && rows > 1 && mma_fits);
-  if (tensor_cores && !mma_fits) {
-    fail(
-        "small linear: the tensor-core kernel needs K ({}) and x's row stride ({}) multiples of "
-        "8 and 16-byte aligned x and w",
-        k, x2.stride(0));
-  }
-  if (!tensor_cores && rows > kSmallLinearCudaCoreMaxRows) {
-    if (kernel == SmallLinearKernel::kCudaCores) {
-      fail("small linear: x has {} rows, the CUDA-core kernel takes at most {}", rows,
-           kSmallLinearCudaCoreMaxRows);
-    }
-    return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
-  }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   auto y = at::empty({rows, n}, x.options());
@@ -84,7 +66,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     if (k == 0) {  // an empty sum
       b.defined() ? y.copy_(b.expand({rows, n})) : y.zero_();
     } else {
-      small_linear_cuda(x2, w, b.defined() ? b.contiguous() : b, y, tensor_cores);
+      small_linear_cuda(x2, w, b.defined() ? b.contiguous() : b, y);
     }
   }
   return y.view(shape);
