@@ -40,11 +40,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
                "r"(valid ? 16 : 0));
 }
 
-// The same for 4 bytes (both addresses 4-byte aligned), through L1.
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+// 4 bytes (both addresses 4-byte aligned), through L1: the first `bytes` (0 to 4) read from
+// src, the rest zero.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
   const auto to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(to), "l"(src),
-               "r"(valid ? 4 : 0));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(to), "l"(src), "r"(bytes));
 }
 
 __device__ __forceinline__ void cp_async_wait_all() {

@@ -187,10 +187,12 @@ TEST_F(Mxfp4LinearGpu, MatchesReferenceOnSmallShapes) {
   };
   // Empty experts first, between and last; one row; 9 and 17 rows (full tiles of 8 and a
   // remainder); 2, 3, 4, 5 and 8 rows (each row-tile instantiation); out 40 and 7 (a partial
-  // 16-feature tile, and less than one warp's share left); in 32 (one group per feature).
+  // 16-feature tile, and less than one warp's share left); in 32 (one group per feature); the
+  // last expert busy with 2 x 7 x 1 = 14 scale bytes (the tensor-core kernel copies scales as
+  // aligned words: the last one partial).
   const std::vector<Case> cases = {
       {{0, 1, 0, 9}, 64, 40},        {{3, 5, 2, 4, 8, 0}, 96, 16}, {{17, 0, 0}, 32, 7},
-      {{0, 0, 0, 0, 0, 1}, 128, 33}, {{1, 1, 1, 1}, 320, 48},
+      {{0, 0, 0, 0, 0, 1}, 128, 33}, {{1, 1, 1, 1}, 320, 48},      {{2, 3}, 32, 7},
   };
   uint64_t seed = 10;
   for (const auto& c : cases) {
