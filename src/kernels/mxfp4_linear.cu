@@ -275,11 +275,10 @@ __device__ __forceinline__ void wg_load(unsigned char* slot, int64_t stage, cons
     const int64_t word =
         ((src.scale_row + feature * src.groups + stage * 2) & ~int64_t(3)) + (threadIdx.x % 2) * 4;
     // The tensor's last word may be partial (E x out x groups bytes in all): its bytes only.
-    const int64_t readable = src.scale_bytes - word;
+    const auto readable =
+        static_cast<int>(max(int64_t(0), min(src.scale_bytes - word, int64_t(4))));
     cp_async4(slot + Shape::kXBytes + Shape::kWBytes + threadIdx.x * 4, src.scales + word,
-              static_cast<int>(readable < 0   ? 0
-                               : readable < 4 ? readable
-                                              : 4));
+              readable);
   }
   cp_async_commit();
 }
