@@ -42,6 +42,7 @@ struct BenchDecodeOptions {
   std::vector<int64_t> tree_budgets;  // tree verification's budgets to estimate; empty: none
   double synthetic_top1 = 0.8;        // their synthetic acceptance (tree_table)
   bool window_rings = true;           // sliding layers cache only their windows (gpt-oss)
+  int64_t per_token_attention_max = -1;  // models::set_per_token_attention_max_tokens; -1: keep
 };
 
 std::vector<std::vector<int64_t>> random_prompts(int64_t n, int64_t length, int64_t vocab,
@@ -288,6 +289,9 @@ nlohmann::json tree_table(const models::TargetModel& model, const BenchDecodeOpt
 void run_bench_decode(const BenchDecodeOptions& o) {
   const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
+  if (o.per_token_attention_max >= 0) {
+    models::set_per_token_attention_max_tokens(o.per_token_attention_max);
+  }
   auto config = models::preset_config(o.preset);
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   auto model = models::TargetModel::random(config, device, dtype, 0);
@@ -441,6 +445,10 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-window-rings{false}", o->window_rings,
                 "sliding-window layers cache the whole sequence, as full-attention ones do "
                 "(gpt-oss; the default keeps a ring of their window)");
+  cmd->add_option("--per-token-attention-max", o->per_token_attention_max,
+                  "blocks of at most this many new tokens in all attend as one-query sequences "
+                  "(flash's split-KV path; 0: never; default: the built-in setting)")
+      ->check(kNonNegative.validator());
   cmd->add_option("--warmup", o->warmup, "untimed runs first")
       ->capture_default_str()
       ->check(kNonNegative.validator());

@@ -377,6 +377,10 @@ void SpeculativeDecoder::Session::place_block(const std::vector<int64_t>& starts
   g.batch.positions.copy_(positions);
   at::add_out(g.batch.rows, g.base_rows, positions);
   g.batch.seen.copy_(starts_dev + bs_);
+  if (g.batch.per_token_attention()) {
+    g.batch.token_seen.copy_(positions + 1);
+    g.batch.block_seen.copy_(g.batch.seen.repeat_interleave(bs_));
+  }
 }
 at::Tensor SpeculativeDecoder::Session::features_at(const std::vector<at::Tensor>& tapped,
                                                     const std::vector<int64_t>& rows) const {

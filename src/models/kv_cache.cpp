@@ -1,6 +1,7 @@
 #include "models/kv_cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 
@@ -242,8 +243,33 @@ AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& 
   b.seen = upload_to(device, at::tensor(seen, at::kInt));
   // Only a hybrid's linear-attention states are indexed by slot.
   if (cache.has_linear_state()) b.slot_ids = upload_to(device, at::tensor(slots, at::kLong));
+  if (device.is_cuda() && b.max_count > 1 && b.max_count <= 64 &&
+      b.total <= per_token_attention_max_tokens()) {
+    std::vector<int32_t> token_cu, token_starts, token_seen, block_seen;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      for (int64_t j = 0; j < counts[i]; ++j) {
+        token_cu.push_back(static_cast<int32_t>(token_starts.size()));
+        token_starts.push_back(key_starts[i]);
+        token_seen.push_back(static_cast<int32_t>(b.starts[i] + j + 1));
+        block_seen.push_back(seen[i]);
+      }
+    }
+    token_cu.push_back(static_cast<int32_t>(b.total));
+    token_starts.push_back(key_starts.back());
+    b.token_cu = upload_to(device, at::tensor(token_cu, at::kInt));
+    b.token_key_starts = upload_to(device, at::tensor(token_starts, at::kInt));
+    b.token_seen = upload_to(device, at::tensor(token_seen, at::kInt));
+    b.block_seen = upload_to(device, at::tensor(block_seen, at::kInt));
+  }
   return b;
 }
+
+namespace {
+std::atomic<int64_t> per_token_max_tokens{32};
+}  // namespace
+
+int64_t per_token_attention_max_tokens() { return per_token_max_tokens.load(); }
+void set_per_token_attention_max_tokens(int64_t tokens) { per_token_max_tokens.store(tokens); }
 
 AppendBatch AppendBatch::make_tree(const KVCache& cache, const std::vector<int64_t>& slots,
                                    const std::vector<std::vector<int64_t>>& parents) {
@@ -433,6 +459,15 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
   }
   const bool flash = q.is_cuda() && !batch.is_tree() &&
                      (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+  if (flash && window == 0 && batch.per_token_attention()) {
+    // One query per sequence: flash folds a KV head's query heads into the rows and splits the
+    // keys (its decode path); causal or not is then in seqused_k alone.
+    auto out = at::_flash_attention_forward(
+        q, k, v, batch.token_cu, batch.token_key_starts, 1, batch.max_seen, 0.0,
+        /*is_causal=*/false, /*return_debug_mask=*/false, std::nullopt, std::nullopt, std::nullopt,
+        causal ? batch.token_seen : batch.block_seen);
+    return std::get<0>(out);
+  }
   if (flash) {
     auto out = at::_flash_attention_forward(
         q, k, v, batch.cu_seqlens, batch.key_starts, batch.max_count, batch.max_seen, 0.0, causal,

@@ -152,6 +152,14 @@ struct AppendBatch {
   // Tree batches: bool [total, max_count], row t (node j of entry i) true at column c when
   // node c of the same entry is node j or one of its ancestors; undefined for a causal batch.
   at::Tensor tree_mask;
+  // Small blocks on CUDA (per_token_attention()): each new token as a one-query sequence of its
+  // own, which flash runs through its split-KV decode kernel; as one tile per entry, a verify
+  // or draft block's few queries leave most SMs idle while the tile walks the keys. A graph
+  // that rewrites positions and seen in place rewrites token_seen and block_seen with them.
+  at::Tensor token_cu;          // int32 [total+1]: 0..total
+  at::Tensor token_key_starts;  // int32 [total+1]: each token's slot's first row (last: S*cap)
+  at::Tensor token_seen;        // int32 [total]: position + 1, the causal mask
+  at::Tensor block_seen;        // int32 [total]: the entry's start + count, both directions
 
   // Reads the slots' starts from `cache`; fails when a slot is repeated or would overflow.
   static AppendBatch make(const KVCache& cache, const std::vector<int64_t>& slots,
@@ -161,8 +169,16 @@ struct AppendBatch {
   static AppendBatch make_tree(const KVCache& cache, const std::vector<int64_t>& slots,
                                const std::vector<std::vector<int64_t>>& parents);
   bool is_tree() const { return tree_mask.defined(); }
+  bool per_token_attention() const { return token_cu.defined() && !is_tree(); }
   int64_t size() const { return static_cast<int64_t>(slots.size()); }
 };
+
+// Batches of at most this many new tokens in all, in entries of 2 to 64, take per-token
+// attention (AppendBatch::token_*): where more tokens share a slot's keys, each reading them
+// again costs more than the idle SMs (docs/DECODING.md). A process-wide setting so that
+// `bench-decode --per-token-attention-max` can compare both in one process.
+int64_t per_token_attention_max_tokens();
+void set_per_token_attention_max_tokens(int64_t tokens);
 
 // How a batch meets a cache's rings, made once per forward from the batch's device tensors only
 // (so a CUDA graph replays it for new positions). A ring layer's attention reads, per entry, a
@@ -216,7 +232,8 @@ inline std::optional<int64_t> flash_window_left(int64_t window) {
 // in `layer` of `cache` (the new tokens' rows already written), causal and grouped-query.
 // On CUDA in bf16/fp16 one variable-length flash-attention call reads the cache in place
 // (cu_seqlens_k = each slot's first row, seqused_k = start + count; flash aligns the causal
-// mask to the end of the keys); elsewhere one masked scaled_dot_product_attention per entry.
+// mask to the end of the keys; small blocks as one-query sequences, AppendBatch::token_*);
+// elsewhere one masked scaled_dot_product_attention per entry.
 // `window` > 0: a query at position p sees only keys j > p - window (flash's own window).
 at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
                                    const AppendBatch& batch, int64_t window = 0);

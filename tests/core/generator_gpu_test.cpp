@@ -116,6 +116,44 @@ TEST_F(DecodeGpu, GraphDecodeMatchesEagerWithRefill) {
   EXPECT_EQ(stopped[0].finish, eval::Finish::kStop);
 }
 
+// Small blocks attend as one-query sequences (AppendBatch::token_*, flash's split-KV path):
+// the same logits, taps and block attention as one tile per entry, over slots at different
+// lengths.
+TEST_F(DecodeGpu, PerTokenAttentionMatchesTheBlockPath) {
+  struct Limit {
+    int64_t saved = models::per_token_attention_max_tokens();
+    ~Limit() { models::set_per_token_attention_max_tokens(saved); }
+  } restore;
+  auto model = testing::peaked_target(config_, at::kCUDA, at::kBFloat16, 1);
+  KVCache cache(config_, 3, 64, at::kCUDA, at::kBFloat16);
+  auto seqs = prompts({21, 7, 16, 5});
+  const std::vector<int64_t> slots = {2, 0};
+  model.forward_cached(at::tensor(seqs[0], at::kLong).to(at::kCUDA),
+                       AppendBatch::make(cache, {2}, {21}), cache, {});
+  model.forward_cached(at::tensor(seqs[1], at::kLong).to(at::kCUDA),
+                       AppendBatch::make(cache, {0}, {7}), cache, {});
+  auto block =
+      at::cat({at::tensor(seqs[2], at::kLong), at::tensor(seqs[3], at::kLong)}).to(at::kCUDA);
+  const models::ForwardRequest request{{1}, Logits::kAll};
+  auto gen = models::seeded_generator(at::kCUDA, 3);
+  auto q = at::randn({21, config_.num_heads, config_.head_dim}, gen,
+                     at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+  std::vector<models::ForwardResult> outs;
+  std::vector<at::Tensor> both_ways;
+  for (int64_t limit : {0, 64}) {
+    models::set_per_token_attention_max_tokens(limit);
+    auto batch = AppendBatch::make(cache, slots, {16, 5});
+    EXPECT_EQ(batch.per_token_attention(), limit > 0);
+    outs.push_back(model.forward_cached(block, batch, cache, request));
+    both_ways.push_back(models::cached_block_attention(q, cache, 1, batch));
+    cache.crop(2, 21);
+    cache.crop(0, 7);
+  }
+  EXPECT_CLOSE(outs[1].logits, outs[0].logits, 2e-2);
+  EXPECT_CLOSE(outs[1].taps[0], outs[0].taps[0], 2e-2);
+  EXPECT_CLOSE(both_ways[1], both_ways[0], 2e-2);
+}
+
 TEST_F(DecodeGpu, SeededSamplingWithGraphMatchesEager) {
   auto model = models::TargetModel::random(config_, at::kCUDA, at::kBFloat16, 3);
   model.final_norm().mul_(3.0);  // a spread distribution with clear ranks
