@@ -4,6 +4,10 @@ decoding on held-out GSM8K test questions. Asserts tau >= 1.5 and speculative ou
 target greedy output on every question (eval itself fails on a mismatch), and that train
 logged tau on held-out questions during training (--eval-every).
 
+With the qwen3 target, bench/zlab_peer_decode.py (the Python decoder `dflash eval` is compared
+with on the GPU) decodes the first held-out questions too: its tau must equal eval's and its
+output its own plain loop's.
+
 With TARGET_ARCH gpt_oss (harmony chats) the exported drafter is also loaded the way z-lab's
 DFlashDraftModel loads it (transformers' Qwen3Config of its config.json, Qwen3's rotary
 embedding: the YaRN scaling it inherits from gpt-oss), run by the independent reference
@@ -75,6 +79,30 @@ def reference_steps(out, questions=8, anchors=4, stride=8):
     return committed
 
 
+def peer_matches_eval(out, dflash, prompts=6):
+    """bench/zlab_peer_decode.py (z-lab's decoding loop over transformers, the export read as
+    engines read it) and `dflash eval` on the same first questions, fp32: the peer's output must
+    equal its own plain loop's, and both must commit alike (tau within 0.05; measured equal)."""
+    args = ["--prompts", str(out / "heldout.jsonl"), "--max-new-tokens", "160"]
+    ours = subprocess.run([dflash, "eval", "--json", "--target", str(out / "target"), "--drafter",
+                           str(out / "drafter" / "best"), "--limit", str(prompts),
+                           "--enable-thinking", "false", "--device", "cpu", "--batch-size", "1",
+                           *args], capture_output=True, text=True, check=True)
+    tau = json.loads(ours.stdout)["files"][0]["tau"]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = pathlib.Path(tmp) / "peer.json"
+        subprocess.run([sys.executable, str(ROOT / "bench" / "zlab_peer_decode.py"), "--target",
+                        str(out / "target"), "--export", str(out / "export"), "--limit",
+                        str(prompts), "--device", "cpu", "--dtype", "fp32", "--json", str(report),
+                        *args], check=True)
+        peer = json.loads(report.read_text())
+    print(f"z-lab-style peer on {prompts} questions: tau {peer['tau']:.4f} against eval's {tau:.4f}")
+    if peer["answers_differing"] != 0:
+        sys.exit(f"FAILED: the peer's speculative output differs on {peer['answers_differing']}")
+    if abs(peer["tau"] - tau) > 0.05:
+        sys.exit(f"FAILED: the peer's tau {peer['tau']:.4f} against eval's {tau:.4f}")
+
+
 def main():
     arch = sys.argv[2] if len(sys.argv) > 2 else "qwen3"
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,6 +127,8 @@ def main():
         want_steps = ["32", "64"] if arch == "gpt_oss" else ["100", "150", "50"]
         if sorted(summary["train_eval_tau"]) != want_steps:
             sys.exit(f"FAILED: tau during training logged at {summary['train_eval_tau']}")
+        if arch == "qwen3":
+            peer_matches_eval(out, sys.argv[1])
         if arch == "gpt_oss":
             # generate keeps the final channel's body: no harmony header left in an answer.
             answers = [json.loads(line)["messages"][-1]["content"]
