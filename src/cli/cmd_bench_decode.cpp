@@ -30,6 +30,7 @@ namespace {
 
 struct BenchDecodeOptions {
   std::string preset = "qwen3-8b";
+  std::string config;  // a config.json whose shape replaces the preset's; empty: the preset
   std::string device;  // add_device_option
   int64_t prompt_len = 512;
   int64_t new_tokens = 256;
@@ -292,15 +293,17 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   if (o.per_token_attention_max >= 0) {
     models::set_per_token_attention_max_tokens(o.per_token_attention_max);
   }
-  auto config = models::preset_config(o.preset);
+  auto config =
+      o.config.empty() ? models::preset_config(o.preset) : models::load_model_config(o.config);
   const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
   auto model = models::TargetModel::random(config, device, dtype, 0);
   const int64_t context = o.prompt_len + o.new_tokens;
   if (o.new_tokens < 2) fail("bench-decode: --new-tokens must be at least 2");
+  const std::string shape = o.config.empty() ? o.preset : o.config;
   fmt::print(
       "bench-decode: {} ({:.2f} B params), {} on {}, prompt {} tokens, {} new tokens, warmup {}, "
       "iters {} (medians)\n",
-      o.preset, config.num_parameters() / 1e9, c10::toString(dtype), device.str(), o.prompt_len,
+      shape, config.num_parameters() / 1e9, c10::toString(dtype), device.str(), o.prompt_len,
       o.new_tokens, o.warmup, o.iters);
   std::map<int64_t, double> plain_step_ms;  // per batch, the fastest of graph and eager
   const nlohmann::json rows = generation_table(model, o, context, plain_step_ms);
@@ -322,8 +325,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
     fail("bench-decode: --tree-budgets compares steps at batch 1: --batches must include 1");
   }
   if (!o.tree_budgets.empty() && config.is_hybrid()) {
-    fail("bench-decode: --tree-budgets: {}'s linear-attention layers cannot verify trees",
-         o.preset);
+    fail("bench-decode: --tree-budgets: {}'s linear-attention layers cannot verify trees", shape);
   }
   models::KVCache cache = model.make_cache(1, o.prompt_len + o.verify_tokens);
   // A hybrid's linear states go back to the prompt's from the pass's block buffers.
@@ -400,7 +402,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   const nlohmann::json trees = o.tree_budgets.empty()
                                    ? nlohmann::json()
                                    : tree_table(model, o, context, plain_step_ms.at(1));
-  nlohmann::json doc = {{"preset", o.preset},
+  nlohmann::json doc = {{"preset", shape},
                         {"window_rings", o.window_rings},
                         {"device", device.str()},
                         {"prompt_len", o.prompt_len},
@@ -430,6 +432,10 @@ void add_bench_decode_command(CLI::App& app) {
       "bench-decode", "Measure target decoding speed and the verify-pass cost (random weights)");
   add_preset_option(*cmd, o->preset, "model shape");
   add_device_option(*cmd, o->device);
+  cmd->add_option("--config", o->config,
+                  "a model's config.json: its shape, with random weights, instead of --preset "
+                  "(e.g. a small trained target's, whose steps are launch-bound)")
+      ->check(CLI::ExistingFile);
   cmd->add_option("--prompt-len", o->prompt_len, "prompt tokens per sequence")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
