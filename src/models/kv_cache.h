@@ -173,9 +173,10 @@ struct AppendBatch {
   int64_t size() const { return static_cast<int64_t>(slots.size()); }
 };
 
-// Batches of at most this many new tokens in all, in entries of 2 to 64, take per-token
-// attention (AppendBatch::token_*): where more tokens share a slot's keys, each reading them
-// again costs more than the idle SMs (docs/DECODING.md). A process-wide setting so that
+// Batches of at most this many new tokens in all, in entries of 2 to 64, over heads of at least
+// 128, take per-token attention (AppendBatch::token_*): where more tokens share a slot's keys,
+// each reading them again costs more than the idle SMs; smaller heads walk the keys fast enough
+// in one tile (docs/DECODING.md). A process-wide setting so that
 // `bench-decode --per-token-attention-max` can compare both in one process.
 int64_t per_token_attention_max_tokens();
 void set_per_token_attention_max_tokens(int64_t tokens);

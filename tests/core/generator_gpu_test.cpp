@@ -124,6 +124,7 @@ TEST_F(DecodeGpu, PerTokenAttentionMatchesTheBlockPath) {
     int64_t saved = models::per_token_attention_max_tokens();
     ~Limit() { models::set_per_token_attention_max_tokens(saved); }
   } restore;
+  config_.head_dim = 128;  // the heads the per-token path serves
   auto model = testing::peaked_target(config_, at::kCUDA, at::kBFloat16, 1);
   KVCache cache(config_, 3, 64, at::kCUDA, at::kBFloat16);
   auto seqs = prompts({21, 7, 16, 5});
