@@ -7,6 +7,7 @@
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
 # gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER) fp8target gdn hybrid
 # online (ONLINE_PRESETS, ONLINE_STEPS) mxfp4 (MXFP4_PRESETS, MXFP4_GEMMS)
+# gsm8k_serving (after gsm8k: bf16 eval at batch 1 and 16, the z-lab-style peer; GSM8K_PEER_PROMPTS)
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -594,6 +595,37 @@ if has gsm8k; then
     drafter/metrics.jsonl drafter/best.json; do
     cp "$gsm8k_out/$f" "$out/gsm8k_${f//\//_}" 2>/dev/null
   done
+fi
+if has gsm8k_serving; then
+  # Issue 37's GSM8K figures on a trained run (the gsm8k stage's, same --out): speculative
+  # decoding in bf16 on the held-out questions at batch 1 and 16, and beside it on the first
+  # GSM8K_PEER_PROMPTS (30) the z-lab-style Python decoder (bench/zlab_peer_decode.py, which
+  # reads `dflash export`'s directory) and `dflash eval` on the same prompts.
+  step gsm8k_serving
+  run=$root/runs/gsm8k-full-${GSM8K_TARGET:-qwen3}
+  "$dflash" export "$run/drafter/best" "$run/export" > "$out/gsm8k_export.log" 2>&1 ||
+    tail -5 "$out/gsm8k_export.log"
+  peer_n=${GSM8K_PEER_PROMPTS:-30}
+  head -n "$peer_n" "$run/heldout.jsonl" > "$run/heldout_peer.jsonl"
+  serve_eval() {  # NAME PROMPTS BATCH
+    "$dflash" eval --json --target "$run/target" --drafter "$run/drafter/best" \
+      --prompts "$2" --batch-size "$3" --enable-thinking false --device cuda --dtype bf16 \
+      --max-new-tokens 384 > "$out/gsm8k_serving_$1.json" 2> "$out/gsm8k_serving_$1.err"
+    python3 - "$out/gsm8k_serving_$1.json" "$1" <<'PY' || tail -5 "$out/gsm8k_serving_$1.err"
+import json, sys
+f = json.load(open(sys.argv[1]))["files"][0]
+print(f"{sys.argv[2]}: tau {f['tau']:.3f}, {f['target_tokens_per_s']:.0f} -> "
+      f"{f['speculative_tokens_per_s']:.0f} tokens/s, speed-up {f['speedup']:.2f}x, "
+      f"{f['mismatches']} mismatches, {f['ties']} ties")
+PY
+  }
+  serve_eval batch1 "$run/heldout.jsonl" 1
+  serve_eval batch16 "$run/heldout.jsonl" 16
+  serve_eval peer_prompts_batch1 "$run/heldout_peer.jsonl" 1
+  python3 "$root/bench/zlab_peer_decode.py" --target "$run/target" --export "$run/export" \
+    --prompts "$run/heldout_peer.jsonl" --max-new-tokens 384 --json "$out/gsm8k_peer.json" \
+    > "$out/gsm8k_peer.log" 2>&1
+  grep -E "^zlab-style peer" "$out/gsm8k_peer.log" || tail -5 "$out/gsm8k_peer.log"
 fi
 if has tokenizer && [ -d "$root/.deps/bench" ]; then
   # Tokenizer throughput on a quiet many-core machine: the fixture tokenizers and GSM8K text
