@@ -201,8 +201,12 @@ void KVCache::move_rows(const at::Tensor& from, const at::Tensor& to) {
   }
 }
 
-AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& slots,
-                              const std::vector<int64_t>& counts) {
+namespace {
+
+// AppendBatch::make, and make_tree's entries: a tree batch never attends per token, so it skips
+// those uploads (`token_queries` false).
+AppendBatch make_entries(const KVCache& cache, const std::vector<int64_t>& slots,
+                         const std::vector<int64_t>& counts, bool token_queries) {
   if (slots.size() != counts.size() || slots.empty()) {
     fail("append batch: {} slots and {} counts (need the same positive number)", slots.size(),
          counts.size());
@@ -246,7 +250,7 @@ AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& 
   // Heads of 64 (the GSM8K example's 16.5M target) walk a few hundred keys in one tile faster
   // than the split path's query and output copies and combine cost (H100, 256 cached keys: the
   // whole step 0.945 ms without, 1.083 with); heads of 128 (Qwen3-8B, 512 keys) gain.
-  if (device.is_cuda() && b.max_count > 1 && b.max_count <= 64 &&
+  if (token_queries && device.is_cuda() && b.max_count > 1 && b.max_count <= 64 &&
       b.total <= per_token_attention_max_tokens() && cache.keys(0).size(2) >= 128) {
     std::vector<int32_t> token_cu, token_starts, token_seen, block_seen;
     for (size_t i = 0; i < slots.size(); ++i) {
@@ -267,9 +271,14 @@ AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& 
   return b;
 }
 
-namespace {
 std::atomic<int64_t> per_token_max_tokens{32};
+
 }  // namespace
+
+AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& slots,
+                              const std::vector<int64_t>& counts) {
+  return make_entries(cache, slots, counts, /*token_queries=*/true);
+}
 
 int64_t per_token_attention_max_tokens() { return per_token_max_tokens.load(); }
 void set_per_token_attention_max_tokens(int64_t tokens) { per_token_max_tokens.store(tokens); }
@@ -282,7 +291,7 @@ AppendBatch AppendBatch::make_tree(const KVCache& cache, const std::vector<int64
   }
   std::vector<int64_t> counts;
   for (const auto& p : parents) counts.push_back(static_cast<int64_t>(p.size()));
-  AppendBatch b = make(cache, slots, counts);
+  AppendBatch b = make_entries(cache, slots, counts, /*token_queries=*/false);
   std::vector<int64_t> positions;
   std::vector<uint8_t> mask(b.total * b.max_count, 0);
   int64_t row = 0;
