@@ -1,6 +1,5 @@
 #include "eval/generator.h"
 
-#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -13,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/upload.h"
+#include "eval/readback.h"
 #include "eval/slots.h"
 
 namespace dflash::eval {
@@ -51,22 +51,7 @@ namespace {
 struct Report {
   std::vector<at::Tensor> device;                     // int64 vectors, concatenated in order
   std::vector<std::pair<int64_t, uint64_t>> entries;  // (slot, serial); slot -1: ignore
-  at::Tensor host;
-  std::optional<at::cuda::CUDAEvent> event;
-
-  // Starts the copy of the tokens to the host (pinned, asynchronous on CUDA, with an event to
-  // wait on).
-  void send_to_host(at::Device device) {
-    auto all = this->device.size() == 1 ? this->device[0] : at::cat(this->device);
-    if (device.is_cpu()) {
-      host = all;
-      return;
-    }
-    host = at::empty({all.size(0)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    host.copy_(all, /*non_blocking=*/true);
-    event.emplace();
-    event->record();
-  }
+  HostReadback host;
 };
 
 int64_t resolve_context(const models::TargetModel& model, const GenerationOptions& o) {
@@ -243,8 +228,7 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
   };
 
   auto process = [&](Report& report) {
-    if (report.event) report.event->synchronize();
-    const int64_t* token = report.host.data_ptr<int64_t>();
+    const int64_t* token = report.host.wait();
     for (size_t i = 0; i < report.entries.size(); ++i) {
       const auto [slot, tag] = report.entries[i];
       if (slot < 0) continue;
@@ -261,7 +245,7 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
     admit(report);
     decode(report);
     const bool launched_any = !report.entries.empty();
-    if (launched_any) report.send_to_host(device);
+    if (launched_any) report.host.send(report.device, device);
     // The previous iteration's tokens, read while the device works on this one.
     const bool processed = has_pending;
     if (has_pending) {

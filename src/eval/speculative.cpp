@@ -6,11 +6,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <numeric>
 
 #include "common/error.h"
 #include "common/upload.h"
 #include "eval/draft_tree.h"
+#include "eval/readback.h"
 #include "eval/slots.h"
 #include "models/target_head.h"
 
@@ -157,6 +159,20 @@ struct SpeculativeDecoder::Graph {
   at::Tensor choices;            // int64 [slots*B]: their argmax
   std::vector<at::Tensor> taps;  // [slots*B, H] each: the drafter's tapped layers
   at::Tensor verdicts;           // a whole step's result (whole_step())
+
+  // Every slot's block at its cached length, `starts` (int64 [slots], device): device work
+  // only, so that a late step captures it.
+  void place(const at::Tensor& starts) {
+    const int64_t n = starts.size(0), bs = offsets.size(0) / n;
+    auto positions = starts.unsqueeze(1).expand({n, bs}).reshape(-1) + offsets;
+    batch.positions.copy_(positions);
+    at::add_out(batch.rows, base_rows, positions);
+    batch.seen.copy_(starts + bs);
+    if (batch.per_token_attention()) {
+      batch.token_seen.copy_(positions + 1);
+      batch.block_seen.copy_(batch.seen.unsqueeze(1).expand({n, bs}).reshape(-1));
+    }
+  }
 };
 
 bool SpeculativeDecoder::captures_whole_step() const { return graph_ && whole_step_; }
@@ -176,6 +192,17 @@ at::Tensor SpeculativeDecoder::whole_step(const AppendBatch& batch, const at::Te
   auto bonus = choices.gather(1, accepted.unsqueeze(1)).squeeze(1);
   drafter_.write_block(batch, tokens, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
   return at::cat({tokens, accepted, bonus});
+}
+
+at::Tensor SpeculativeDecoder::late_step(const AppendBatch& batch, const at::Tensor& tokens) {
+  const int64_t n = cache_.slots(), bs = drafter_.block_size();
+  DeviceSlots& d = device_slots_;
+  tokens.view({n, bs}).select(1, 0).copy_(d.last);
+  auto verdicts = whole_step(batch, tokens);
+  auto accepted = verdicts.narrow(0, n * bs, n), bonus = verdicts.narrow(0, n * bs + n, n);
+  d.length.copy_((d.length + accepted + 1).clamp_max_(options_.context) * d.active);
+  d.last.copy_(bonus * d.active);
+  return verdicts;
 }
 
 SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftSource& drafter,
@@ -201,6 +228,13 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
   drafter_.start(options_.slots, options_.context);
   whole_step_ = options_.whole_step && options_.sampling.greedy() && drafter_.capturable() &&
                 options_.tree_budget == 0;
+  late_ = whole_step_ && !target_.config().is_hybrid();
+  if (late_) {
+    auto zeros = [&] {
+      return at::zeros({options_.slots}, at::dtype(at::kLong).device(target_.device()));
+    };
+    device_slots_ = {zeros(), zeros(), zeros()};
+  }
   // gpt-oss' sink attention over a tree takes the per-entry path, whose shapes follow the
   // cache lengths: its trees verify eagerly.
   const bool capturable = options_.tree_budget == 0 || target_.gpt_oss() == nullptr;
@@ -233,6 +267,11 @@ void SpeculativeDecoder::capture_graph() {
   capture_cuda_graph(
       g->graph, target_.device(),
       [&] {
+        if (late_) {
+          g->place(device_slots_.length);
+          g->verdicts = late_step(g->batch, g->tokens);
+          return;
+        }
         if (whole_step_) {
           g->verdicts = whole_step(g->batch, g->tokens);
           return;
@@ -276,8 +315,6 @@ class SpeculativeDecoder::Session {
     auto h = t.to(at::kCPU, at::kLong).contiguous();
     return std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel());
   }
-  // Every slot's block at its cached length (starts, per slot) in the graph's batch.
-  void place_block(const std::vector<int64_t>& starts);
   at::Tensor features_at(const std::vector<at::Tensor>& tapped,
                          const std::vector<int64_t>& rows) const;
   // Commits one generated token; false once the sequence has finished.
@@ -286,11 +323,35 @@ class SpeculativeDecoder::Session {
   // slot i's request: float64 [n, count] on the device.
   at::Tensor draws(const std::vector<int64_t>& active, const std::vector<int64_t>& first,
                    int64_t count, DrawStream stream) const;
-  // Prefill of newly admitted requests, packed up to prefill_tokens: their first tokens and
-  // the drafter context of their prompts.
-  void prefill(const std::vector<int64_t>& group);
+  // Prefill of newly admitted requests, packed up to prefill_tokens: the drafter context of
+  // their prompts; returns their first tokens, int64 [group] on the device.
+  at::Tensor prefill(const std::vector<int64_t>& group);
   // Fills free slots; true if it took any request (which may have finished at once).
   bool admit();
+  // Commits the accepted drafts of `slot`'s block (token(j): the block's token j) and then
+  // `next`, up to where its sequence finishes; counts the step. Returns whether it goes on.
+  bool commit_block(int64_t slot, int64_t accepted, const std::function<int64_t(int64_t)>& token,
+                    int64_t next);
+
+  // Late whole steps (reads_verdicts_late): a step's first tokens of the requests admitted
+  // before it and its verdicts, each tagged with its slot and admission serial (those of a
+  // sequence that has finished meanwhile are dropped).
+  struct LateStep {
+    std::vector<at::Tensor> firsts;                      // per prefill group, on the device
+    std::vector<std::pair<int64_t, uint64_t>> admitted;  // (slot, serial) per first token
+    std::vector<std::pair<int64_t, uint64_t>> stepped;   // the slots the step decoded
+    at::Tensor verdicts;                                 // late_step's; undefined: no step
+    HostReadback host;
+  };
+  void run_late();
+  // admit(), the first tokens and the admitted slots' state going to the device.
+  bool admit_late(LateStep& step);
+  // The whole step of every slot from the device state: replayed, or eager with the cache's
+  // host lengths set from the device's.
+  void launch_late(LateStep& step);
+  // The commits of a step launched before the last; the slots found finished stop on the
+  // device.
+  void process_late(LateStep& step);
   // The drafts of the active slots (their newest committed tokens `last`), with their
   // distributions when sampling.
   SampledDraft draft(const std::vector<int64_t>& active, const std::vector<int64_t>& last);
@@ -359,29 +420,116 @@ SpeculativeDecoder::Session::Session(SpeculativeDecoder& decoder, const Generato
 
 SpeculativeStats SpeculativeDecoder::Session::run() {
   const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    // Requests that finish in their prefill leave their slots free for more at once.
-    const bool took = admit();
-    if (!step() && !took) break;
-    if (d_.options_.progress) d_.options_.progress(slots_.progress());
+  if (d_.late_) {
+    run_late();
+  } else {
+    for (;;) {
+      // Requests that finish in their prefill leave their slots free for more at once.
+      const bool took = admit();
+      if (!step() && !took) break;
+      if (d_.options_.progress) d_.options_.progress(slots_.progress());
+    }
   }
   slots_.close_run(stats_, t0);
   return stats_;
 }
 
-// Every slot's block at its cached length (starts, per slot) in the graph's batch.
-void SpeculativeDecoder::Session::place_block(const std::vector<int64_t>& starts) {
-  Graph& g = *d_.graph_;
-  auto starts_dev = upload(at::tensor(starts, long_opts_));
-  auto positions = starts_dev.repeat_interleave(bs_) + g.offsets;
-  g.batch.positions.copy_(positions);
-  at::add_out(g.batch.rows, g.base_rows, positions);
-  g.batch.seen.copy_(starts_dev + bs_);
-  if (g.batch.per_token_attention()) {
-    g.batch.token_seen.copy_(positions + 1);
-    g.batch.block_seen.copy_(g.batch.seen.repeat_interleave(bs_));
+// Step k's verdicts are read after step k + 1 is launched; a slot whose sequence step k
+// finished runs step k + 1 for nothing.
+void SpeculativeDecoder::Session::run_late() {
+  LateStep pending;  // the previous iteration's, when has_pending
+  bool has_pending = false;
+  for (;;) {
+    LateStep step;
+    const bool took = admit_late(step);
+    launch_late(step);
+    std::vector<at::Tensor> parts = step.firsts;
+    if (step.verdicts.defined()) parts.push_back(step.verdicts);
+    const bool launched = !parts.empty();
+    if (launched) step.host.send(parts, device_);
+    const bool processed = has_pending;
+    if (has_pending) {
+      process_late(pending);
+      if (d_.options_.progress) d_.options_.progress(slots_.progress());
+    }
+    has_pending = launched;
+    if (launched) {
+      pending = std::move(step);
+    } else if (!processed && !took) {
+      break;
+    }
   }
 }
+
+bool SpeculativeDecoder::Session::admit_late(LateStep& step) {
+  DeviceSlots& d = d_.device_slots_;
+  return slots_.admit([&](int64_t slot) { cache_.reset(slot); },
+                      [&](const std::vector<int64_t>& group) {
+                        auto first = prefill(group).to(at::kLong);
+                        std::vector<int64_t> lengths;
+                        for (int64_t slot : group) {
+                          lengths.push_back(slots_[slot].prompt_length());
+                          step.admitted.emplace_back(slot, slots_[slot].serial);
+                        }
+                        auto index = upload(at::tensor(group, long_opts_));
+                        d.last.index_copy_(0, index, first);
+                        d.length.index_copy_(0, index, upload(at::tensor(lengths, long_opts_)));
+                        d.active.index_fill_(0, index, 1);
+                        step.firsts.push_back(first);
+                      });
+}
+
+void SpeculativeDecoder::Session::launch_late(LateStep& step) {
+  const std::vector<int64_t> active = slots_.occupied();
+  if (active.empty()) return;
+  for (int64_t slot : active) step.stepped.emplace_back(slot, slots_[slot].serial);
+  if (d_.graph_) {
+    d_.graph_->graph.replay();
+    step.verdicts = d_.graph_->verdicts;
+    return;
+  }
+  const auto lengths = to_host(d_.device_slots_.length);
+  std::vector<int64_t> all(n_slots_);
+  std::iota(all.begin(), all.end(), 0);
+  for (int64_t slot : all) {
+    const int64_t have = cache_.length(slot), want = lengths[slot];
+    if (want < have) cache_.crop(slot, want);
+    if (want > have) cache_.extend(slot, want - have);
+  }
+  step.verdicts = d_.late_step(AppendBatch::make(cache_, all, std::vector<int64_t>(n_slots_, bs_)),
+                               at::zeros({n_slots_ * bs_}, long_opts_.device(device_)));
+}
+
+void SpeculativeDecoder::Session::process_late(LateStep& step) {
+  const int64_t* values = step.host.wait();
+  auto current = [&](int64_t slot, uint64_t serial) {
+    return slots_[slot].occupied && slots_[slot].serial == serial;
+  };
+  std::vector<int64_t> finished;
+  for (size_t i = 0; i < step.admitted.size(); ++i) {
+    const auto [slot, serial] = step.admitted[i];
+    if (current(slot, serial) && !commit(slot, values[i])) finished.push_back(slot);
+  }
+  // Verdicts: every slot's block tokens, then its accepted drafts, then its next tokens.
+  const int64_t* block = values + step.admitted.size();
+  const int64_t* accepted = block + n_slots_ * bs_;
+  const int64_t* next = accepted + n_slots_;
+  for (const auto& [slot, serial] : step.stepped) {
+    if (!current(slot, serial)) continue;
+    const int64_t* tokens = block + slot * bs_;
+    if (commit_block(
+            slot, accepted[slot], [&](int64_t j) { return tokens[j]; }, next[slot])) {
+      drafter_.count_block(slot, accepted[slot] + 1);
+    } else {
+      finished.push_back(slot);
+    }
+  }
+  if (finished.empty()) return;
+  auto index = upload(at::tensor(finished, long_opts_));
+  d_.device_slots_.active.index_fill_(0, index, 0);
+  d_.device_slots_.length.index_fill_(0, index, 0);
+}
+
 at::Tensor SpeculativeDecoder::Session::features_at(const std::vector<at::Tensor>& tapped,
                                                     const std::vector<int64_t>& rows) const {
   if (tapped.empty() || rows.empty()) return at::Tensor();
@@ -413,7 +561,7 @@ at::Tensor SpeculativeDecoder::Session::draws(const std::vector<int64_t>& active
 
 // Prefill of newly admitted requests, packed up to prefill_tokens: their first tokens and
 // the drafter context of their prompts.
-void SpeculativeDecoder::Session::prefill(const std::vector<int64_t>& group) {
+at::Tensor SpeculativeDecoder::Session::prefill(const std::vector<int64_t>& group) {
   std::vector<int64_t> counts;
   std::vector<at::Tensor> prompts;
   std::vector<std::span<const int64_t>> spans;
@@ -430,18 +578,32 @@ void SpeculativeDecoder::Session::prefill(const std::vector<int64_t>& group) {
   ++stats_.prefill_forwards;
   drafter_.extend(group, spans, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
   // Token 0 as the plain decoder draws it.
-  const auto first = to_host(
-      sampling_.greedy()
-          ? out.logits.argmax(-1)
-          : sample_tokens(out.logits, sampling_,
-                          draws(group, std::vector<int64_t>(group.size(), 0), 1, DrawStream::kToken)
-                              .view(-1)));
-  for (size_t i = 0; i < group.size(); ++i) commit(group[i], first[i]);
+  if (sampling_.greedy()) return out.logits.argmax(-1);
+  return sample_tokens(
+      out.logits, sampling_,
+      draws(group, std::vector<int64_t>(group.size(), 0), 1, DrawStream::kToken).view(-1));
 }
 // Fills free slots_; true if it took any request (which may have finished at once).
 bool SpeculativeDecoder::Session::admit() {
   return slots_.admit([&](int64_t slot) { cache_.reset(slot); },
-                      [&](const std::vector<int64_t>& group) { prefill(group); });
+                      [&](const std::vector<int64_t>& group) {
+                        const auto first = to_host(prefill(group));
+                        for (size_t i = 0; i < group.size(); ++i) commit(group[i], first[i]);
+                      });
+}
+
+bool SpeculativeDecoder::Session::commit_block(int64_t slot, int64_t accepted,
+                                               const std::function<int64_t(int64_t)>& token,
+                                               int64_t next) {
+  ++stats_.verify_steps;
+  int64_t committed = 0;
+  bool going = true;
+  for (int64_t j = 0; j <= accepted && going; ++j) {
+    going = commit(slot, j < accepted ? token(j + 1) : next);
+    ++committed;
+  }
+  ++stats_.committed[committed];
+  return going;
 }
 
 // The drafts of the active slots_ (their newest committed tokens `last`), with their
@@ -554,7 +716,7 @@ SpeculativeDecoder::Session::Verified SpeculativeDecoder::Session::verify_graph(
     starts[active[i]] = cache_.length(active[i]);
     lasts[active[i]] = last[i];
   }
-  place_block(starts);
+  g.place(upload(at::tensor(starts, long_opts_)));
   auto block = g.tokens.view({n_slots_, bs_});
   block.select(1, 0).copy_(upload(at::tensor(lasts, long_opts_)));
   block.narrow(1, 1, bs_ - 1)
@@ -605,7 +767,7 @@ SpeculativeDecoder::Session::Verified SpeculativeDecoder::Session::step_whole(
   }
   at::Tensor verdicts;
   if (d_.graph_) {
-    place_block(starts);
+    d_.graph_->place(upload(at::tensor(starts, long_opts_)));
     d_.graph_->tokens.view({n, bs_}).select(1, 0).copy_(upload(at::tensor(lasts, long_opts_)));
     d_.graph_->graph.replay();
     for (int64_t slot : active) cache_.extend_block(slot, bs_);
@@ -737,14 +899,8 @@ bool SpeculativeDecoder::Session::step() {
     const int64_t slot = active[i], offset = v.offsets[i], accepted = v.accepted[i];
     // Block index of the committed token j (0: the block's first; then the accepted drafts).
     auto node = [&](int64_t j) { return j == 0 || v.paths.empty() ? j : v.paths[i][j - 1]; };
-    ++stats_.verify_steps;
-    int64_t committed = 0;
-    bool going = true;
-    for (int64_t j = 0; j <= accepted && going; ++j) {
-      going = commit(slot, j < accepted ? v.tokens[offset + node(j + 1)] : v.next[i]);
-      ++committed;
-    }
-    ++stats_.committed[committed];
+    const bool going = commit_block(
+        slot, accepted, [&](int64_t j) { return v.tokens[offset + node(j)]; }, v.next[i]);
     if (going) {
       // The target ran the block's token and its accepted drafts with the right inputs:
       // the cache keeps those (a tree's moved to the rows after the root; a hybrid's linear

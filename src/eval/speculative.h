@@ -15,7 +15,9 @@
 // full block; the drafts go from the drafter to the graph's input without a host round trip);
 // greedy with the DFlash drafter, the graph holds the whole step: the draft, the verify, the
 // accepted lengths and bonus tokens, and the drafter's context of the verified block, so that
-// a step is one replay and one copy of its tokens and verdicts to the host. With a tree budget
+// a step is one replay and one copy of its tokens and verdicts to the host, which reads them
+// after launching the next step (each slot's last token and length live on the device, and
+// every step advances them itself). With a tree budget
 // (SpeculativeOptions::tree_budget) a step verifies a tree of drafts instead (draft_tree.h).
 #pragma once
 #include <ATen/ATen.h>
@@ -84,9 +86,12 @@ class DraftSource {
   // Capturable sources. draft_at: the drafts of every slot of `batch` (B tokens per slot,
   // starting where the slot's context ends) after `last` (int64 [n], device), int64 [n, B-1].
   // write_block: the context of the whole verified block, its tokens int64 [n*B] and their
-  // features [n*B, K*H] (undefined with no taps), written at the batch's rows but not counted;
-  // count_block(slot, count) then counts its first `count` tokens (the committed ones; the rows
-  // past them are rewritten by the next block).
+  // features [n*B, K*H] (undefined with no taps), written at the batch's positions; count_block
+  // (slot, count) then says that its first `count` tokens were committed (the positions past
+  // them are rewritten by the next block). The decoder reads verdicts one step late: it may
+  // draft and write the next block before it calls count_block for this one, so a slot's
+  // context for draft_at is what extend and write_block wrote before the batch's start, and
+  // count_block must not be needed by the next draft_at.
   virtual at::Tensor draft_at(const models::AppendBatch& batch, const at::Tensor& last);
   virtual void write_block(const models::AppendBatch& batch, const at::Tensor& tokens,
                            const at::Tensor& features);
@@ -193,6 +198,9 @@ class SpeculativeDecoder {
   bool uses_cuda_graph() const { return graph_ != nullptr; }
   // Whether the captured graph holds the whole step (draft and verdict too).
   bool captures_whole_step() const;
+  // Whether the host reads each whole step's verdicts after launching the next step (every
+  // whole step but a hybrid target's, whose linear states the host crops between steps).
+  bool reads_verdicts_late() const { return late_; }
 
  private:
   struct Graph;
@@ -204,6 +212,9 @@ class SpeculativeDecoder {
   // counted, DraftSource::count_block). Returns int64 [n*B + 2n]: the block tokens, each
   // slot's accepted drafts, and the target's token after them.
   at::Tensor whole_step(const models::AppendBatch& batch, const at::Tensor& tokens);
+  // whole_step over every slot from device_slots_, which it then advances by its verdicts
+  // (`batch` at device_slots_.length; `tokens` [slots*B] the input it fills).
+  at::Tensor late_step(const models::AppendBatch& batch, const at::Tensor& tokens);
 
   const models::TargetModel& target_;
   DraftSource& drafter_;
@@ -212,6 +223,17 @@ class SpeculativeDecoder {
   // slot can always run a whole block (the graph's fixed shape) past its committed tokens.
   models::KVCache cache_;
   bool whole_step_ = false;
+  // Whole steps read late (reads_verdicts_late): what a step starts from lives on the device,
+  // each step advancing it, so that launching step k + 1 needs nothing from step k's verdicts.
+  // int64 [slots] each: the newest committed token, the cached length (the caches' host
+  // lengths are not kept), 1 while the slot decodes. The host writes them when it admits a
+  // request or sees one finish; a slot that finished in step k runs once more, its length
+  // held at the context so that its block stays within its rows.
+  struct DeviceSlots {
+    at::Tensor last, length, active;
+  };
+  bool late_ = false;
+  DeviceSlots device_slots_;
   std::shared_ptr<Graph> graph_;
 };
 

@@ -77,7 +77,10 @@ void expect_same(const std::vector<Completion>& got, const std::vector<Completio
 // and position, so every batch layout sees the same drafts), a wrong one otherwise. It keeps
 // each sequence's context (tokens and features) for the feature test. With `whole_step` it
 // also takes the decoder's whole-step calls (draft_at, write_block, count_block), reading the
-// batch on the host: eager only, which is how the decoder runs a whole step off CUDA.
+// batch on the host: eager only, which is how the decoder runs a whole step off CUDA. As the
+// DFlash drafter's cache, it keeps what was written at each position and drafts from what lies
+// before the batch's start, so that count_block may come after the next block (the decoder
+// reads verdicts one step late); the committed context (contexts()) grows by count_block.
 class ScriptedDrafter final : public eval::DraftSource {
  public:
   ScriptedDrafter(int64_t block_size, std::vector<std::vector<int64_t>> references, double p_right,
@@ -91,8 +94,15 @@ class ScriptedDrafter final : public eval::DraftSource {
   bool capturable() const override { return whole_step_; }
   at::Tensor draft_at(const models::AppendBatch& batch, const at::Tensor& last) override {
     auto h = last.to(at::kCPU).contiguous();
-    return draft(batch.slots,
-                 std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel()))
+    std::vector<std::vector<int64_t>> before;
+    for (int64_t i = 0; i < batch.size(); ++i) {
+      const auto& w = written_[batch.slots[i]].tokens;
+      before.emplace_back(w.begin(), w.begin() + batch.starts[i]);
+    }
+    return draft_after(
+               before,
+               std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel()),
+               /*anywhere=*/true)
         .to(last.device());
   }
   void write_block(const models::AppendBatch& batch, const at::Tensor& tokens,
@@ -100,27 +110,33 @@ class ScriptedDrafter final : public eval::DraftSource {
     auto h = tokens.to(at::kCPU).contiguous();
     for (int64_t i = 0; i < batch.size(); ++i) {
       const int64_t* row = h.data_ptr<int64_t>() + i * block_size_;
-      auto& p = pending_[batch.slots[i]];
-      p.tokens.assign(row, row + block_size_);
-      p.features = features.defined() ? features.narrow(0, i * block_size_, block_size_).clone()
-                                      : at::Tensor();
+      write(batch.slots[i], batch.starts[i], std::span<const int64_t>(row, block_size_),
+            features.defined() ? features.narrow(0, i * block_size_, block_size_).clone()
+                               : at::Tensor());
     }
   }
   void count_block(int64_t slot, int64_t count) override {
-    const auto& p = pending_[slot];
-    extend({slot}, {std::span<const int64_t>(p.tokens.data(), count)},
-           p.features.defined() ? p.features.narrow(0, 0, count) : at::Tensor());
+    auto& c = contexts_[slot];
+    const auto& w = written_[slot];
+    const auto start = static_cast<int64_t>(c.tokens.size());
+    ASSERT_LE(start + count, static_cast<int64_t>(w.tokens.size()));
+    c.tokens.insert(c.tokens.end(), w.tokens.begin() + start, w.tokens.begin() + start + count);
+    if (!taps_.empty()) {
+      c.features.insert(c.features.end(), w.features.begin() + start,
+                        w.features.begin() + start + count);
+    }
   }
 
   int64_t block_size() const override { return block_size_; }
   std::vector<int64_t> tap_layers() const override { return taps_; }
   void start(int64_t slots, int64_t) override {
     contexts_.assign(slots, {});
-    pending_.assign(slots, {});
+    written_.assign(slots, {});
   }
   void reset(int64_t slot) override {
     if (!contexts_[slot].tokens.empty()) finished_.push_back(std::move(contexts_[slot]));
     contexts_[slot] = {};
+    written_[slot] = {};
   }
   void extend(const std::vector<int64_t>& slots,
               const std::vector<std::span<const int64_t>>& tokens,
@@ -128,9 +144,11 @@ class ScriptedDrafter final : public eval::DraftSource {
     int64_t row = 0;
     for (size_t i = 0; i < slots.size(); ++i) {
       auto& c = contexts_[slots[i]];
-      c.tokens.insert(c.tokens.end(), tokens[i].begin(), tokens[i].end());
       const auto n = static_cast<int64_t>(tokens[i].size());
-      if (!taps_.empty()) c.features.push_back(features.narrow(0, row, n));
+      auto f = taps_.empty() ? at::Tensor() : features.narrow(0, row, n);
+      write(slots[i], static_cast<int64_t>(c.tokens.size()), tokens[i], f);
+      c.tokens.insert(c.tokens.end(), tokens[i].begin(), tokens[i].end());
+      for (int64_t j = 0; j < n && f.defined(); ++j) c.features.push_back(f.narrow(0, j, 1));
       row += n;
     }
     if (!taps_.empty()) {
@@ -138,9 +156,9 @@ class ScriptedDrafter final : public eval::DraftSource {
     }
   }
   at::Tensor draft(const std::vector<int64_t>& slots, const std::vector<int64_t>& last) override {
-    std::vector<int64_t> out;
-    for (const auto& [draft, runner_up] : proposals(slots, last)) out.push_back(draft);
-    return at::tensor(out, at::kLong).view({static_cast<int64_t>(slots.size()), block_size_ - 1});
+    std::vector<std::vector<int64_t>> before;
+    for (int64_t slot : slots) before.push_back(contexts_[slot].tokens);
+    return draft_after(before, last);
   }
   // Tree verification: 0.6 on the draft, 0.4 on a runner-up that is the reference's token
   // where the draft is wrong, so a tree of the two best tokens at every position holds the
@@ -149,7 +167,9 @@ class ScriptedDrafter final : public eval::DraftSource {
                          int64_t vocab) override {
     auto probs = at::zeros({static_cast<int64_t>(slots.size()) * (block_size_ - 1), vocab});
     int64_t row = 0;
-    for (const auto& [draft, runner_up] : proposals(slots, last)) {
+    std::vector<std::vector<int64_t>> before;
+    for (int64_t slot : slots) before.push_back(contexts_[slot].tokens);
+    for (const auto& [draft, runner_up] : proposals(before, last)) {
       probs[row][draft] = 0.6;
       probs[row++][runner_up] = 0.4;
     }
@@ -170,15 +190,24 @@ class ScriptedDrafter final : public eval::DraftSource {
   }
 
  private:
-  // Per slot and draft position: the draft (the reference's token with probability p_right,
-  // its successor otherwise) and the other of the two.
-  std::vector<std::pair<int64_t, int64_t>> proposals(const std::vector<int64_t>& slots,
-                                                     const std::vector<int64_t>& last) const {
+  // Per sequence (the tokens before[i], then last[i]) and draft position: the draft (the
+  // reference's token with probability p_right, its successor otherwise) and the other of the
+  // two. A sequence that left every reference fails the test unless `anywhere` (a whole step's
+  // idle slots, and a finished sequence's step after its last, which nothing reads): then
+  // token 0.
+  std::vector<std::pair<int64_t, int64_t>> proposals(
+      const std::vector<std::vector<int64_t>>& before, const std::vector<int64_t>& last,
+      bool anywhere = false) const {
     std::vector<std::pair<int64_t, int64_t>> out;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      auto seq = contexts_[slots[i]].tokens;
+    for (size_t i = 0; i < before.size(); ++i) {
+      auto seq = before[i];
       seq.push_back(last[i]);
       const int64_t ref = find_reference(seq);
+      if (ref < 0) {
+        if (!anywhere) ADD_FAILURE() << "a committed sequence left every greedy reference";
+        out.insert(out.end(), block_size_ - 1, std::pair<int64_t, int64_t>{0, 1});
+        continue;
+      }
       for (int64_t j = 0; j + 1 < block_size_; ++j) {
         const size_t pos = seq.size() + j;
         const auto& r = references_[ref];
@@ -198,21 +227,37 @@ class ScriptedDrafter final : public eval::DraftSource {
         return static_cast<int64_t>(r);
       }
     }
-    ADD_FAILURE() << "a committed sequence left every greedy reference";
-    return 0;
+    return -1;
   }
 
   int64_t block_size_;
   std::vector<std::vector<int64_t>> references_;
   double p_right_;
   std::vector<int64_t> taps_;
+  at::Tensor draft_after(const std::vector<std::vector<int64_t>>& before,
+                         const std::vector<int64_t>& last, bool anywhere = false) const {
+    std::vector<int64_t> out;
+    for (const auto& [draft, runner_up] : proposals(before, last, anywhere)) out.push_back(draft);
+    return at::tensor(out, at::kLong).view({static_cast<int64_t>(before.size()), block_size_ - 1});
+  }
+  // Writes `tokens` (and their feature rows, if any) at positions start.. of `slot`.
+  void write(int64_t slot, int64_t start, std::span<const int64_t> tokens,
+             const at::Tensor& features) {
+    auto& w = written_[slot];
+    const auto end = start + static_cast<int64_t>(tokens.size());
+    if (static_cast<int64_t>(w.tokens.size()) < end) {
+      w.tokens.resize(end);
+      w.features.resize(end);
+    }
+    std::copy(tokens.begin(), tokens.end(), w.tokens.begin() + start);
+    for (int64_t j = 0; j < end - start && features.defined(); ++j) {
+      w.features[start + j] = features.narrow(0, j, 1);
+    }
+  }
+
   bool whole_step_;
   std::vector<Context> contexts_, finished_;
-  struct Pending {
-    std::vector<int64_t> tokens;
-    at::Tensor features;
-  };
-  std::vector<Pending> pending_;  // per slot: the block write_block wrote
+  std::vector<Context> written_;  // per slot: what extend and write_block wrote, by position
 };
 
 std::vector<std::vector<int64_t>> references(const std::vector<std::vector<int64_t>>& prompts,
@@ -296,6 +341,9 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {
   o.slots = c.slots;
   o.prefill_tokens = 30;  // several prefill forwards when slots refill together
   SpeculativeDecoder decoder(target, *drafter, o);
+  // A whole step's verdicts are read after the next step is launched.
+  EXPECT_EQ(decoder.reads_verdicts_late(),
+            o.whole_step && drafter->capturable() && c.tree_budget == 0);
   SpeculativeStats stats;
   expect_same(decoder.generate(prompts, &stats), want);
   EXPECT_EQ(stats.requests, static_cast<int64_t>(prompts.size()));
@@ -921,6 +969,7 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
           SpeculativeDecoder decoder(target, *source, o);
           EXPECT_EQ(decoder.uses_cuda_graph(), graph);
           EXPECT_EQ(decoder.captures_whole_step(), graph && whole);
+          EXPECT_EQ(decoder.reads_verdicts_late(), whole);
           SpeculativeStats stats;
           expect_same(decoder.generate(prompts, &stats), want);
           if (source == &scripted) {
