@@ -105,7 +105,7 @@ SpeculativeTiming time_speculative(const models::TargetModel& model, const model
                                    const std::vector<std::vector<int64_t>>& prompts,
                                    int64_t max_new, int64_t context, bool whole,
                                    int64_t tree_budget, const BenchDecodeOptions& o,
-                                   const std::string& trace = "") {
+                                   const std::string& trace = "", bool late = true) {
   auto run = [&](int64_t tokens) {
     eval::DFlashDraftSource source(drafter, model);
     eval::SpeculativeOptions s;
@@ -113,6 +113,7 @@ SpeculativeTiming time_speculative(const models::TargetModel& model, const model
     s.max_new_tokens = tokens;
     s.context = context;
     s.whole_step = whole;
+    s.late_verdicts = late;
     s.tree_budget = tree_budget;
     s.window_rings = o.window_rings;
     eval::SpeculativeDecoder decoder(model, source, s);
@@ -184,8 +185,8 @@ nlohmann::json measured_speculative(const models::TargetModel& model, const Benc
   const auto& config = model.config();
   // The speculative decoder itself at each batch, the same drafter: tau is about 1 with
   // random weights, so each step drafts and verifies a whole block and commits one token, the
-  // plain decoder's rate; the whole step (one graph where captured) against the split one
-  // (the drafter eager, the verify captured).
+  // plain decoder's rate; the whole step (one graph where captured), its verdicts read one step
+  // late and read at once, against the split one (the drafter eager, the verify captured).
   nlohmann::json measured = nlohmann::json::array();
   if (o.verify_tokens >= 2) {
     const auto drafter = random_drafter(model, o);
@@ -196,13 +197,15 @@ nlohmann::json measured_speculative(const models::TargetModel& model, const Benc
         "tau");
     for (int64_t b : o.batches) {
       auto prompts = random_prompts(b, o.prompt_len, config.vocab_size, 1);
-      for (bool whole : {true, false}) {
-        const bool profiled = !o.profile.empty() && whole && b == o.batches.back();
+      for (const auto& [whole, late] : {std::pair{true, true}, {true, false}, {false, false}}) {
+        const bool profiled = !o.profile.empty() && whole && late && b == o.batches.back();
         const auto t = time_speculative(model, drafter, prompts, o.new_tokens,
                                         context + o.verify_tokens, whole, /*tree_budget=*/0, o,
-                                        profiled ? o.profile + ".speculative" : "");
+                                        profiled ? o.profile + ".speculative" : "", late);
         const double plain = plain_step_ms.at(b);
-        const char* kind = !whole ? "split" : t.whole_step_graph ? "graph" : "whole";
+        const std::string kind = !whole               ? "split"
+                                 : t.whole_step_graph ? (late ? "graph" : "graph sync")
+                                                      : (late ? "whole" : "whole sync");
         fmt::print("{:>6} {:>10} {:>14.3f} {:>14.3f} {:>14.2f} {:>8.2f}\n", b, kind, t.step_ms,
                    plain, t.step_ms / plain, t.tau);
         measured.push_back({{"batch", b},

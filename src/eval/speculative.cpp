@@ -228,7 +228,7 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
   drafter_.start(options_.slots, options_.context);
   whole_step_ = options_.whole_step && options_.sampling.greedy() && drafter_.capturable() &&
                 options_.tree_budget == 0;
-  late_ = whole_step_ && !target_.config().is_hybrid();
+  late_ = whole_step_ && options_.late_verdicts && !target_.config().is_hybrid();
   if (late_) {
     auto zeros = [&] {
       return at::zeros({options_.slots}, at::dtype(at::kLong).device(target_.device()));

@@ -145,6 +145,9 @@ struct SpeculativeOptions {
   // verify, verdicts, the drafter's context of the block), captured whole where cuda_graph
   // allows, rather than drafting, verifying and extending the drafter's context apart.
   bool whole_step = true;
+  // A whole step's verdicts read after the next step is launched (reads_verdicts_late) where
+  // the target allows; false: read before it (the step's host round trip not hidden).
+  bool late_verdicts = true;
   // > 0: tree verification (draft_tree.h): each step verifies a tree of up to this many drafted
   // tokens from the source's draft_probs in one target pass (captured where cuda_graph allows;
   // the draft and the tree eager); the committed tokens are the target's own choices along the
@@ -199,7 +202,8 @@ class SpeculativeDecoder {
   // Whether the captured graph holds the whole step (draft and verdict too).
   bool captures_whole_step() const;
   // Whether the host reads each whole step's verdicts after launching the next step (every
-  // whole step but a hybrid target's, whose linear states the host crops between steps).
+  // whole step with late_verdicts but a hybrid target's, whose linear states the host crops
+  // between steps).
   bool reads_verdicts_late() const { return late_; }
 
  private:

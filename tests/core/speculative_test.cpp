@@ -285,7 +285,8 @@ models::Drafter make_drafter(const models::TargetModel& target, int64_t block_si
 
 struct Case {
   // "dflash" or "scripted" (right with probability 0.7); "_split": the decoder's step with
-  // the whole-step path off (dflash), "_whole": a scripted drafter taking the whole step.
+  // the whole-step path off (dflash), "_sync": the whole step's verdicts read before the next
+  // step (dflash), "_whole": a scripted drafter taking the whole step.
   std::string drafter;
   int64_t block_size, slots;
   int64_t tree_budget = 0;  // > 0: tree verification with this many drafted nodes
@@ -334,6 +335,7 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {
   }
   SpeculativeOptions o;
   o.whole_step = !c.drafter.ends_with("_split");
+  o.late_verdicts = !c.drafter.ends_with("_sync");
   o.tree_budget = c.tree_budget;
   o.max_new_tokens = max_new;
   o.stop_tokens = {stop};
@@ -343,7 +345,7 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {
   SpeculativeDecoder decoder(target, *drafter, o);
   // A whole step's verdicts are read after the next step is launched.
   EXPECT_EQ(decoder.reads_verdicts_late(),
-            o.whole_step && drafter->capturable() && c.tree_budget == 0);
+            o.whole_step && o.late_verdicts && drafter->capturable() && c.tree_budget == 0);
   SpeculativeStats stats;
   expect_same(decoder.generate(prompts, &stats), want);
   EXPECT_EQ(stats.requests, static_cast<int64_t>(prompts.size()));
@@ -368,18 +370,17 @@ TEST_P(SpeculativeGreedy, EqualsPlainGreedyLoop) {
   expect_same(decoder.generate(prompts), want);
 }
 
-INSTANTIATE_TEST_SUITE_P(BlocksAndSlots, SpeculativeGreedy,
-                         ::testing::Values(Case{"dflash", 4, 1}, Case{"dflash", 8, 3},
-                                           Case{"dflash", 16, 1}, Case{"dflash", 16, 4},
-                                           Case{"dflash_split", 8, 3}, Case{"scripted_whole", 4, 3},
-                                           Case{"scripted_whole", 16, 3}, Case{"scripted", 4, 1},
-                                           Case{"scripted", 4, 3}, Case{"scripted", 8, 1},
-                                           Case{"scripted", 8, 5}, Case{"scripted", 16, 1},
-                                           Case{"scripted", 16, 3}, Case{"dflash", 4, 1, 1},
-                                           Case{"dflash", 8, 3, 20}, Case{"dflash", 16, 4, 64},
-                                           Case{"scripted", 4, 3, 6}, Case{"scripted", 8, 1, 14},
-                                           Case{"scripted", 16, 3, 40}),
-                         [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(
+    BlocksAndSlots, SpeculativeGreedy,
+    ::testing::Values(Case{"dflash", 4, 1}, Case{"dflash", 8, 3}, Case{"dflash", 16, 1},
+                      Case{"dflash", 16, 4}, Case{"dflash_split", 8, 3}, Case{"dflash_sync", 8, 3},
+                      Case{"scripted_whole", 4, 3}, Case{"scripted_whole", 16, 3},
+                      Case{"scripted", 4, 1}, Case{"scripted", 4, 3}, Case{"scripted", 8, 1},
+                      Case{"scripted", 8, 5}, Case{"scripted", 16, 1}, Case{"scripted", 16, 3},
+                      Case{"dflash", 4, 1, 1}, Case{"dflash", 8, 3, 20}, Case{"dflash", 16, 4, 64},
+                      Case{"scripted", 4, 3, 6}, Case{"scripted", 8, 1, 14},
+                      Case{"scripted", 16, 3, 40}),
+    [](const auto& info) { return case_name(info.param); });
 
 // gpt-oss (sinks, windows of 5 positions on two of three layers) verified in blocks of 8 and
 // in trees of 14 drafts: the cache's crops after rejected drafts (a tree's accepted path moved
@@ -955,21 +956,26 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
   for (eval::DraftSource* source : std::vector<eval::DraftSource*>{&dflash, &scripted}) {
     for (int64_t slots : {1, 4}) {
       for (bool graph : {true, false}) {
-        // The DFlash drafter's whole step (captured with the graph) and its split one.
-        for (bool whole :
-             source == &dflash ? std::vector<bool>{true, false} : std::vector<bool>{false}) {
-          SCOPED_TRACE(fmt::format("{} drafter, {} slots, graph {}, whole step {}",
-                                   source == &dflash ? "dflash" : "scripted", slots, graph, whole));
+        // The DFlash drafter's whole step (captured with the graph), its verdicts read one step
+        // late and at once, and its split step.
+        using Step = std::pair<bool, bool>;  // whole step, late verdicts
+        for (const auto& [whole, late] :
+             source == &dflash ? std::vector<Step>{{true, true}, {true, false}, {false, false}}
+                               : std::vector<Step>{{false, false}}) {
+          SCOPED_TRACE(fmt::format("{} drafter, {} slots, graph {}, whole step {}, late {}",
+                                   source == &dflash ? "dflash" : "scripted", slots, graph, whole,
+                                   late));
           SpeculativeOptions o;
           o.max_new_tokens = g.max_new_tokens;
           o.context = g.context;
           o.slots = slots;
           o.cuda_graph = graph;
           o.whole_step = whole;
+          o.late_verdicts = late;
           SpeculativeDecoder decoder(target, *source, o);
           EXPECT_EQ(decoder.uses_cuda_graph(), graph);
           EXPECT_EQ(decoder.captures_whole_step(), graph && whole);
-          EXPECT_EQ(decoder.reads_verdicts_late(), whole);
+          EXPECT_EQ(decoder.reads_verdicts_late(), late);
           SpeculativeStats stats;
           expect_same(decoder.generate(prompts, &stats), want);
           if (source == &scripted) {
