@@ -63,12 +63,15 @@ BlockQkv norm_and_rotate(const DrafterLayerWeights& w, const ModelConfig& c, con
   return out;
 }
 
-// The attention inputs of rows h (all at cos/sin).
-BlockQkv block_qkv(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& h,
-                   const at::Tensor& cos, const at::Tensor& sin, at::ScalarType dtype) {
-  auto p = linear_group({h}, {w.q_proj.to(dtype), w.k_proj.to(dtype), w.v_proj.to(dtype)},
-                        {{0, 0}, {0, 1}, {0, 2}});
-  return norm_and_rotate(w, c, p[0], p[1], p[2], cos, sin, cos, sin, dtype);
+// The attention inputs of rows h (all at cos/sin), inference: `qkv` is q/k/v_proj
+// concatenated, one GEMM.
+BlockQkv block_qkv(const DrafterLayerWeights& w, const at::Tensor& qkv, const ModelConfig& c,
+                   const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                   at::ScalarType dtype) {
+  auto p = kernels::inference_linear(h, qkv);
+  const int64_t q = w.q_proj.size(0), kv = w.k_proj.size(0);
+  return norm_and_rotate(w, c, p.narrow(1, 0, q), p.narrow(1, q, kv), p.narrow(1, q + kv, kv), cos,
+                         sin, cos, sin, dtype);
 }
 
 // Rows of block positions 1..B-1 of [blocks*B, ...] rows (a copy; its backward scatters).
@@ -95,13 +98,16 @@ at::Tensor spread_to_blocks(const at::Tensor& distinct, int64_t blocks, int64_t 
 // K/V injection: the same k_proj/v_proj (and k_norm, RoPE at absolute positions) over the
 // context rows as over the block rows. The context is not passed through input_layernorm
 // (z-lab's DFlashDraftModel feeds hidden_norm(fc(taps)) straight to k_proj/v_proj), and it
-// skips Q, O and the MLP.
-std::pair<at::Tensor, at::Tensor> context_kv(const DrafterLayerWeights& w, const ModelConfig& c,
-                                             const at::Tensor& ctx, const at::Tensor& cos,
-                                             const at::Tensor& sin, at::ScalarType dtype) {
-  auto p = linear_group({ctx}, {w.k_proj.to(dtype), w.v_proj.to(dtype)}, {{0, 0}, {0, 1}});
-  auto kv = norm_and_rotate(w, c, at::Tensor(), p[0], p[1], {}, {}, cos, sin, dtype);
-  return {kv.k, kv.v};
+// skips Q, O and the MLP. Inference: `kv` is k/v_proj concatenated, one GEMM.
+std::pair<at::Tensor, at::Tensor> context_kv(const DrafterLayerWeights& w, const at::Tensor& kv,
+                                             const ModelConfig& c, const at::Tensor& ctx,
+                                             const at::Tensor& cos, const at::Tensor& sin,
+                                             at::ScalarType dtype) {
+  auto p = kernels::inference_linear(ctx, kv);
+  const int64_t width = w.k_proj.size(0);
+  auto out = norm_and_rotate(w, c, at::Tensor(), p.narrow(1, 0, width), p.narrow(1, width, width),
+                             {}, {}, cos, sin, dtype);
+  return {out.k, out.v};
 }
 
 // hidden_norm(fc(features)): the context every drafter layer reads.
@@ -119,9 +125,11 @@ at::Tensor fused_context(const DrafterConfig& config, const at::Tensor& features
 
 // The rest of a drafter layer after attention: o_proj and residual, then the SwiGLU MLP, whose
 // output is left pending for the next norm to add.
-// With `fp8`, every projection is an FP8 linear_group (see Drafter::forward).
+// With `fp8`, every projection is an FP8 linear_group (see Drafter::forward). `gate_up`:
+// gate_proj and up_proj concatenated, one inference GEMM for both (DraftModel).
 Residual layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& x,
-                      const at::Tensor& attn, at::ScalarType dtype, bool fp8 = false) {
+                      const at::Tensor& attn, at::ScalarType dtype, bool fp8 = false,
+                      const at::Tensor& gate_up = {}) {
   const int64_t rows = x.size(0);
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight) {
     return fp8 ? linear_group({in}, {weight}, {{0, 0}}, true)[0]
@@ -129,9 +137,16 @@ Residual layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const 
   };
   auto o = linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
   auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm.to(dtype), c.rms_norm_eps);
-  auto gate_up =
-      linear_group({h2}, {w.gate_proj.to(dtype), w.up_proj.to(dtype)}, {{0, 0}, {0, 1}}, fp8);
-  auto act = kernels::swiglu(gate_up[0], gate_up[1]);
+  at::Tensor act;
+  if (gate_up.defined()) {
+    auto both = kernels::inference_linear(h2, gate_up);
+    const int64_t f = w.gate_proj.size(0);
+    act = kernels::swiglu(both.narrow(1, 0, f), both.narrow(1, f, f));
+  } else {
+    auto both =
+        linear_group({h2}, {w.gate_proj.to(dtype), w.up_proj.to(dtype)}, {{0, 0}, {0, 1}}, fp8);
+    act = kernels::swiglu(both[0], both[1]);
+  }
   return {x1, linear(act, w.down_proj.to(dtype))};
 }
 
@@ -963,9 +978,16 @@ DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType d
   hidden_norm_ = cast(drafter.hidden_norm_);
   norm_ = cast(drafter.norm_);
   for (const auto& l : drafter.layers_) {
-    layers_.push_back({cast(l.input_norm), cast(l.post_attention_norm), cast(l.q_proj),
-                       cast(l.k_proj), cast(l.v_proj), cast(l.o_proj), cast(l.q_norm),
-                       cast(l.k_norm), cast(l.gate_proj), cast(l.up_proj), cast(l.down_proj)});
+    // One GEMM each for q/k/v (k/v alone over the context rows) and gate/up: at a speculative
+    // step's few rows a GEMM costs its launch, not its bytes. The layer's weights are views.
+    auto qkv = cast(at::cat({l.q_proj.detach(), l.k_proj.detach(), l.v_proj.detach()}));
+    auto gate_up = cast(at::cat({l.gate_proj.detach(), l.up_proj.detach()}));
+    const int64_t q = l.q_proj.size(0), kv = l.k_proj.size(0), f = l.gate_proj.size(0);
+    layers_.push_back({cast(l.input_norm), cast(l.post_attention_norm), qkv.narrow(0, 0, q),
+                       qkv.narrow(0, q, kv), qkv.narrow(0, q + kv, kv), cast(l.o_proj),
+                       cast(l.q_norm), cast(l.k_norm), gate_up.narrow(0, 0, f),
+                       gate_up.narrow(0, f, f), cast(l.down_proj)});
+    fused_.push_back({qkv, qkv.narrow(0, q, 2 * kv), gate_up});
   }
   if (head.embedding.size(1) != config_.layers.hidden_size ||
       head.lm_head.size(0) != config_.layers.vocab_size) {
@@ -1018,7 +1040,7 @@ void DraftModel::write_context(KVCache& cache, const AppendBatch& batch,
   auto ctx = fused_context(config_, features.to(device()), fc_, hidden_norm_, dtype_);
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    auto [k, v] = context_kv(layers_[l], config_.layers, ctx, cos, sin, dtype_);
+    auto [k, v] = context_kv(layers_[l], fused_[l].kv, config_.layers, ctx, cos, sin, dtype_);
     cache.update(static_cast<int64_t>(l), batch.rows, k, v);
   }
 }
@@ -1054,14 +1076,14 @@ at::Tensor DraftModel::hidden(KVCache& cache, const AppendBatch& batch,
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& w = layers_[l];
     auto [x, h] = add_and_norm(stream, w.input_norm.to(dtype_), c.rms_norm_eps);
-    auto [q, k, v] = block_qkv(w, c, h, cos, sin, dtype_);
+    auto [q, k, v] = block_qkv(w, fused_[l].qkv, c, h, cos, sin, dtype_);
     cache.update(static_cast<int64_t>(l), batch.rows, k, v);
     // A sliding layer's block is causal with its window, a full layer's both ways.
     const int64_t window = config_.window(static_cast<int64_t>(l));
     auto attn = window > 0
                     ? cached_causal_attention(q, cache, static_cast<int64_t>(l), batch, window)
                     : cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
-    stream = layer_output(w, c, x, attn, dtype_);
+    stream = layer_output(w, c, x, attn, dtype_, /*fp8=*/false, fused_[l].gate_up);
   }
   return add_and_norm(stream, norm_, c.rms_norm_eps).second.view({n, bs, c.hidden_size});
 }

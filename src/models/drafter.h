@@ -285,9 +285,9 @@ class Drafter {
   mutable std::vector<int64_t> copy_versions_;  // each master's version when its copy was made
 };
 
-// A drafter ready for speculative decoding: its weights cast once to the inference dtype (the
-// fp32 masters themselves when that is fp32, so a drafter still training is read as it is
-// now), with the target's embedding and LM head. Computes no gradients.
+// A drafter ready for speculative decoding: its weights cast once to the inference dtype, as they
+// are at construction (q/k/v_proj and gate/up_proj concatenated, a copy whatever the dtype),
+// with the target's embedding and LM head. Computes no gradients.
 class DraftModel {
  public:
   // `block_size` > 0 drafts blocks of that size instead of the trained one (the drafter is
@@ -344,7 +344,11 @@ class DraftModel {
   TargetHead head_;
   at::ScalarType dtype_;
   at::Tensor fc_, hidden_norm_, norm_;
-  std::vector<DrafterLayerWeights> layers_;
+  std::vector<DrafterLayerWeights> layers_;  // q/k/v_proj and gate/up_proj: views of fused_'s
+  struct FusedLayer {
+    at::Tensor qkv, kv, gate_up;  // [q+k+v, H], its k and v rows, [2F, H]
+  };
+  std::vector<FusedLayer> fused_;
 };
 
 // Floating-point operations of one drafter training step (forward + backward) for a packed
