@@ -621,11 +621,13 @@ PY
   }
   serve_eval batch1 "$run/heldout.jsonl" 1
   serve_eval batch16 "$run/heldout.jsonl" 16
-  serve_eval peer_prompts_batch1 "$run/heldout_peer.jsonl" 1
-  python3 "$root/bench/zlab_peer_decode.py" --target "$run/target" --export "$run/export" \
-    --prompts "$run/heldout_peer.jsonl" --max-new-tokens 384 --json "$out/gsm8k_peer.json" \
-    > "$out/gsm8k_peer.log" 2>&1
-  grep -E "^zlab-style peer" "$out/gsm8k_peer.log" || tail -5 "$out/gsm8k_peer.log"
+  if [ "$peer_n" -gt 0 ]; then  # GSM8K_PEER_PROMPTS=0: no peer
+    serve_eval peer_prompts_batch1 "$run/heldout_peer.jsonl" 1
+    python3 "$root/bench/zlab_peer_decode.py" --target "$run/target" --export "$run/export" \
+      --prompts "$run/heldout_peer.jsonl" --max-new-tokens 384 --json "$out/gsm8k_peer.json" \
+      > "$out/gsm8k_peer.log" 2>&1
+    grep -E "^zlab-style peer" "$out/gsm8k_peer.log" || tail -5 "$out/gsm8k_peer.log"
+  fi
 fi
 if has tokenizer && [ -d "$root/.deps/bench" ]; then
   # Tokenizer throughput on a quiet many-core machine: the fixture tokenizers and GSM8K text

@@ -44,6 +44,7 @@ struct BenchDecodeOptions {
   double synthetic_top1 = 0.8;        // their synthetic acceptance (tree_table)
   bool window_rings = true;           // sliding layers cache only their windows (gpt-oss)
   int64_t per_token_attention_max = -1;  // models::set_per_token_attention_max_tokens; -1: keep
+  bool block_attention = true;           // models::set_block_attention_kernel
 };
 
 std::vector<std::vector<int64_t>> random_prompts(int64_t n, int64_t length, int64_t vocab,
@@ -293,6 +294,7 @@ nlohmann::json tree_table(const models::TargetModel& model, const BenchDecodeOpt
 void run_bench_decode(const BenchDecodeOptions& o) {
   const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
+  models::set_block_attention_kernel(o.block_attention);
   if (o.per_token_attention_max >= 0) {
     models::set_per_token_attention_max_tokens(o.per_token_attention_max);
   }
@@ -458,6 +460,9 @@ void add_bench_decode_command(CLI::App& app) {
                   "blocks of at most this many new tokens in all attend as one-query sequences "
                   "(flash's split-KV path; 0: never; default: the built-in setting)")
       ->check(kNonNegative.validator());
+  cmd->add_flag("--no-block-attention{false}", o->block_attention,
+                "blocks of at most 16 tokens per sequence attend through flash (or per token) "
+                "instead of kernels/block_attention");
   cmd->add_option("--warmup", o->warmup, "untimed runs first")
       ->capture_default_str()
       ->check(kNonNegative.validator());

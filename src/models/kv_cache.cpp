@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/upload.h"
 #include "kernels/attention_merge.h"
+#include "kernels/block_attention.h"
 #include "kernels/decode_ops.h"
 
 namespace dflash::models {
@@ -250,8 +251,13 @@ AppendBatch make_entries(const KVCache& cache, const std::vector<int64_t>& slots
   // Heads of 64 (the GSM8K example's 16.5M target) walk a few hundred keys in one tile faster
   // than the split path's query and output copies and combine cost (H100, 256 cached keys: the
   // whole step 0.945 ms without, 1.083 with); heads of 128 (Qwen3-8B, 512 keys) gain.
-  if (token_queries && device.is_cuda() && b.max_count > 1 && b.max_count <= 64 &&
-      b.total <= per_token_attention_max_tokens() && cache.keys(0).size(2) >= 128) {
+  // Blocks that kernels::block_attention serves need none of the per-token tensors.
+  const at::Tensor& keys = cache.keys(0);
+  const bool block_kernel =
+      block_attention_kernel() &&
+      kernels::block_attention_serves(device, keys.scalar_type(), keys.size(2), b.max_count);
+  if (token_queries && !block_kernel && device.is_cuda() && b.max_count > 1 && b.max_count <= 64 &&
+      b.total <= per_token_attention_max_tokens() && keys.size(2) >= 128) {
     std::vector<int32_t> token_cu, token_starts, token_seen, block_seen;
     for (size_t i = 0; i < slots.size(); ++i) {
       for (int64_t j = 0; j < counts[i]; ++j) {
@@ -272,6 +278,7 @@ AppendBatch make_entries(const KVCache& cache, const std::vector<int64_t>& slots
 }
 
 std::atomic<int64_t> per_token_max_tokens{32};
+std::atomic<bool> block_attention_on{true};
 
 }  // namespace
 
@@ -282,6 +289,9 @@ AppendBatch AppendBatch::make(const KVCache& cache, const std::vector<int64_t>& 
 
 int64_t per_token_attention_max_tokens() { return per_token_max_tokens.load(); }
 void set_per_token_attention_max_tokens(int64_t tokens) { per_token_max_tokens.store(tokens); }
+
+bool block_attention_kernel() { return block_attention_on.load(); }
+void set_block_attention_kernel(bool on) { block_attention_on.store(on); }
 
 AppendBatch AppendBatch::make_tree(const KVCache& cache, const std::vector<int64_t>& slots,
                                    const std::vector<std::vector<int64_t>>& parents) {
@@ -471,6 +481,11 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
   }
   const bool flash = q.is_cuda() && !batch.is_tree() &&
                      (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+  if (flash && window == 0 && block_attention_kernel() &&
+      kernels::block_attention_fits(q, k, batch.max_count)) {
+    return kernels::block_attention(q, k, v, batch.cu_seqlens, batch.key_starts, batch.seen,
+                                    causal);
+  }
   if (flash && window == 0 && batch.per_token_attention()) {
     // One query per sequence: flash folds a KV head's query heads into the rows and splits the
     // keys (its decode path); causal or not is then in seqused_k alone.

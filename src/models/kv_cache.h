@@ -181,6 +181,14 @@ struct AppendBatch {
 int64_t per_token_attention_max_tokens();
 void set_per_token_attention_max_tokens(int64_t tokens);
 
+// Whether blocks of at most kernels::kBlockAttentionMaxRows new tokens per entry attend through
+// kernels::block_attention (CUDA, half precision, heads of 32, 64 or 128; no window, no
+// tree) rather
+// than flash or per-token attention. On by default; process-wide so that `bench-decode
+// --block-attention` can compare both in one process.
+bool block_attention_kernel();
+void set_block_attention_kernel(bool on);
+
 // How a batch meets a cache's rings, made once per forward from the batch's device tensors only
 // (so a CUDA graph replays it for new positions). A ring layer's attention reads, per entry, a
 // gathered copy laid out as [the slot's last P = W - 1 cached keys (fewer near the start)][the

@@ -116,43 +116,62 @@ TEST_F(DecodeGpu, GraphDecodeMatchesEagerWithRefill) {
   EXPECT_EQ(stopped[0].finish, eval::Finish::kStop);
 }
 
-// Small blocks attend as one-query sequences (AppendBatch::token_*, flash's split-KV path):
-// the same logits, taps and block attention as one tile per entry, over slots at different
-// lengths.
-TEST_F(DecodeGpu, PerTokenAttentionMatchesTheBlockPath) {
-  struct Limit {
-    int64_t saved = models::per_token_attention_max_tokens();
-    ~Limit() { models::set_per_token_attention_max_tokens(saved); }
+// Small blocks attend as one-query sequences (AppendBatch::token_*, flash's split-KV path) or
+// through kernels::block_attention: the same logits, taps and block attention as flash's one
+// tile per entry, over slots at different lengths, heads of 128 and of 64.
+TEST_F(DecodeGpu, SmallBlockAttentionPathsMatchFlashTiles) {
+  struct Restore {
+    int64_t limit = models::per_token_attention_max_tokens();
+    bool block = models::block_attention_kernel();
+    ~Restore() {
+      models::set_per_token_attention_max_tokens(limit);
+      models::set_block_attention_kernel(block);
+    }
   } restore;
-  config_.head_dim = 128;  // the heads the per-token path serves
-  auto model = testing::peaked_target(config_, at::kCUDA, at::kBFloat16, 1);
-  KVCache cache(config_, 3, 64, at::kCUDA, at::kBFloat16);
-  auto seqs = prompts({21, 7, 16, 5});
-  const std::vector<int64_t> slots = {2, 0};
-  model.forward_cached(at::tensor(seqs[0], at::kLong).to(at::kCUDA),
-                       AppendBatch::make(cache, {2}, {21}), cache, {});
-  model.forward_cached(at::tensor(seqs[1], at::kLong).to(at::kCUDA),
-                       AppendBatch::make(cache, {0}, {7}), cache, {});
-  auto block =
-      at::cat({at::tensor(seqs[2], at::kLong), at::tensor(seqs[3], at::kLong)}).to(at::kCUDA);
-  const models::ForwardRequest request{{1}, Logits::kAll};
-  auto gen = models::seeded_generator(at::kCUDA, 3);
-  auto q = at::randn({21, config_.num_heads, config_.head_dim}, gen,
-                     at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
-  std::vector<models::ForwardResult> outs;
-  std::vector<at::Tensor> both_ways;
-  for (int64_t limit : {0, 64}) {
-    models::set_per_token_attention_max_tokens(limit);
-    auto batch = AppendBatch::make(cache, slots, {16, 5});
-    EXPECT_EQ(batch.per_token_attention(), limit > 0);
-    outs.push_back(model.forward_cached(block, batch, cache, request));
-    both_ways.push_back(models::cached_block_attention(q, cache, 1, batch));
-    cache.crop(2, 21);
-    cache.crop(0, 7);
+  for (int64_t head_dim : {128, 64}) {
+    SCOPED_TRACE("head_dim " + std::to_string(head_dim));
+    config_.head_dim = head_dim;
+    auto model = testing::peaked_target(config_, at::kCUDA, at::kBFloat16, 1);
+    KVCache cache(config_, 3, 64, at::kCUDA, at::kBFloat16);
+    auto seqs = prompts({21, 7, 16, 5});
+    const std::vector<int64_t> slots = {2, 0};
+    model.forward_cached(at::tensor(seqs[0], at::kLong).to(at::kCUDA),
+                         AppendBatch::make(cache, {2}, {21}), cache, {});
+    model.forward_cached(at::tensor(seqs[1], at::kLong).to(at::kCUDA),
+                         AppendBatch::make(cache, {0}, {7}), cache, {});
+    auto block =
+        at::cat({at::tensor(seqs[2], at::kLong), at::tensor(seqs[3], at::kLong)}).to(at::kCUDA);
+    const models::ForwardRequest request{{1}, Logits::kAll};
+    auto gen = models::seeded_generator(at::kCUDA, 3);
+    auto q = at::randn({21, config_.num_heads, config_.head_dim}, gen,
+                       at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+    std::vector<models::ForwardResult> outs;
+    std::vector<at::Tensor> both_ways;
+    struct Path {
+      const char* name;
+      int64_t per_token_limit;
+      bool block_kernel;
+    };
+    for (const Path& p : {Path{"flash tiles", 0, false}, Path{"per token", 64, false},
+                          Path{"block kernel", 64, true}}) {
+      models::set_per_token_attention_max_tokens(p.per_token_limit);
+      models::set_block_attention_kernel(p.block_kernel);
+      auto batch = AppendBatch::make(cache, slots, {16, 5});
+      EXPECT_EQ(batch.per_token_attention(),
+                p.per_token_limit > 0 && !p.block_kernel && head_dim >= 128)
+          << p.name;
+      outs.push_back(model.forward_cached(block, batch, cache, request));
+      both_ways.push_back(models::cached_block_attention(q, cache, 1, batch));
+      cache.crop(2, 21);
+      cache.crop(0, 7);
+    }
+    for (size_t i = 1; i < outs.size(); ++i) {
+      SCOPED_TRACE(i == 1 ? "per token" : "block kernel");
+      EXPECT_CLOSE(outs[i].logits, outs[0].logits, 2e-2);
+      EXPECT_CLOSE(outs[i].taps[0], outs[0].taps[0], 2e-2);
+      EXPECT_CLOSE(both_ways[i], both_ways[0], 2e-2);
+    }
   }
-  EXPECT_CLOSE(outs[1].logits, outs[0].logits, 2e-2);
-  EXPECT_CLOSE(outs[1].taps[0], outs[0].taps[0], 2e-2);
-  EXPECT_CLOSE(both_ways[1], both_ways[0], 2e-2);
 }
 
 TEST_F(DecodeGpu, SeededSamplingWithGraphMatchesEager) {

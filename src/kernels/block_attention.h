@@ -1,0 +1,37 @@
+// block_attention: attention of a speculative step's small blocks (a verify block or a draft
+// block of at most 16 tokens per sequence) over their sequences' cached keys. Flash's tiles hold
+// 128 query rows: a 16-token block leaves most of each tile idle while one thread block per head
+// walks the keys in turn (about 14.5 us a layer at 16 queries over 272 keys, heads of 64, on an
+// H100, against 5 us for a one-token decode step). Here a thread block serves one (sequence,
+// query head) with the block's rows as one 16-row tensor-core tile, its warps splitting the keys
+// in 16-key tiles (each with its own running softmax) and merging at the end. It rounds as flash
+// does: fp32 scores and sums, the probabilities rounded to the inputs' dtype before they weight
+// the values.
+// CUDA in bf16/fp16 with heads of 32, 64 or 128 (block_attention_fits); attention_with_lse
+// (models/kv_cache.h) and flash are its references in the GPU tests.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace dflash::kernels {
+
+inline constexpr int64_t kBlockAttentionMaxRows = 16;
+
+// Whether block_attention serves heads of `head_dim` in `dtype` on `device` in blocks of at
+// most `max_count` tokens; block_attention_fits: queries q [T, Hq, D] over a cache's keys k
+// [rows, Hkv, D] too.
+bool block_attention_serves(at::Device device, at::ScalarType dtype, int64_t head_dim,
+                            int64_t max_count);
+bool block_attention_fits(const at::Tensor& q, const at::Tensor& k, int64_t max_count);
+
+// q: [T, Hq, D], entry i's queries at rows cu_seqlens[i] .. cu_seqlens[i + 1] (int32 [n + 1]);
+// k, v: [rows, Hkv, D], entry i's keys at rows key_starts[i] .. key_starts[i] + seen[i] (int32
+// [>= n] each), its queries the last cu_seqlens[i + 1] - cu_seqlens[i] of them. Causal: query r
+// of an entry with c queries sees keys j <= seen - c + r; otherwise every key before seen.
+// Returns [T, Hq, D] in q's dtype. Scale 1 / sqrt(D).
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& cu_seqlens, const at::Tensor& key_starts,
+                           const at::Tensor& seen, bool causal);
+
+}  // namespace dflash::kernels

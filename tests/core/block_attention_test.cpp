@@ -1,0 +1,79 @@
+// kernels::block_attention (a speculative step's small blocks over their cached keys) against
+// attention_with_lse, the masked reference that rounds as flash does, entry by entry: blocks of
+// 1 to 16 queries over 1 to 300 keys, causal and not, heads of 32, 64 and 128, grouped queries
+// (1, 3 and 4 per key head), entries at scattered cache rows. On CPU: it serves nothing and
+// names what it cannot take.
+#include "kernels/block_attention.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "common/error.h"
+#include "models/kv_cache.h"
+#include "models/layers.h"
+#include "models/target.h"
+#include "test_util.h"
+
+namespace dflash {
+namespace {
+
+struct Shape {
+  int64_t head_dim, q_heads, kv_heads;
+};
+
+TEST(BlockAttentionGpu, MatchesTheMaskedReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  // (queries, keys) per entry; the keys include the entry's own queries.
+  const std::vector<std::pair<int32_t, int32_t>> entries = {
+      {16, 272}, {1, 1}, {5, 5}, {16, 16}, {3, 40}, {16, 300}, {7, 129}, {1, 64}};
+  const int64_t capacity = 320;
+  for (const Shape& s : {Shape{64, 6, 2}, Shape{128, 4, 1}, Shape{32, 4, 4}, Shape{128, 32, 8}}) {
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE(fmt::format("head_dim {}, heads {}/{}, causal {}", s.head_dim, s.q_heads,
+                               s.kv_heads, causal));
+      auto gen = models::seeded_generator(at::kCPU, 11);
+      const auto n = static_cast<int64_t>(entries.size());
+      std::vector<int32_t> cu = {0}, starts, seen;
+      for (int64_t i = 0; i < n; ++i) {
+        cu.push_back(cu.back() + entries[i].first);
+        starts.push_back(static_cast<int32_t>(((i * 5) % n) * capacity));  // scattered slots
+        seen.push_back(entries[i].second);
+      }
+      const int64_t total = cu.back();
+      auto q = at::randn({total, s.q_heads, s.head_dim}, gen).to(at::kBFloat16);
+      auto k = at::randn({n * capacity, s.kv_heads, s.head_dim}, gen).to(at::kBFloat16);
+      auto v = at::randn({n * capacity, s.kv_heads, s.head_dim}, gen).to(at::kBFloat16);
+      auto cuda_int = [](const std::vector<int32_t>& x) {
+        return at::tensor(x, at::kInt).to(at::kCUDA);
+      };
+      auto got = kernels::block_attention(q.to(at::kCUDA), k.to(at::kCUDA), v.to(at::kCUDA),
+                                          cuda_int(cu), cuda_int(starts), cuda_int(seen), causal)
+                     .cpu();
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t c = entries[i].first, keys = entries[i].second;
+        auto mask = at::ones({c, keys}, at::kBool);
+        if (causal) mask = at::arange(keys).unsqueeze(0) <= (keys - c + at::arange(c)).unsqueeze(1);
+        auto [want, lse] =
+            models::attention_with_lse(q.narrow(0, cu[i], c), k.narrow(0, starts[i], keys),
+                                       v.narrow(0, starts[i], keys), mask);
+        SCOPED_TRACE(fmt::format("entry {}: {} queries over {} keys", i, c, keys));
+        EXPECT_CLOSE(got.narrow(0, cu[i], c).to(at::kFloat), want.to(at::kFloat), 1e-2);
+      }
+    }
+  }
+}
+
+TEST(BlockAttention, ServesCudaHalfPrecisionOnlyAndNamesTheRest) {
+  auto q = at::zeros({4, 4, 64});
+  auto k = at::zeros({32, 2, 64});
+  EXPECT_FALSE(kernels::block_attention_fits(q, k, 4));
+  EXPECT_FALSE(kernels::block_attention_serves(at::kCPU, at::kBFloat16, 64, 4));
+  EXPECT_FALSE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 96, 4));
+  EXPECT_FALSE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 64, 17));
+  EXPECT_TRUE(kernels::block_attention_serves(at::kCUDA, at::kHalf, 128, 16));
+  auto cu = at::tensor(std::vector<int32_t>{0, 4}, at::kInt);
+  EXPECT_THROW(kernels::block_attention(q, k, k, cu, cu, cu, true), Error);
+}
+
+}  // namespace
+}  // namespace dflash
