@@ -19,8 +19,17 @@
 namespace dflash::kernels {
 namespace {
 
-constexpr int kWarps = 4;
+// Eight warps: at 16 queries over a few hundred keys the kernel is bound by load latency, so
+// each warp should take few tiles (four warps: 12 us a layer at heads of 64 over 272 keys on an
+// H100, about flash's time).
+constexpr int kWarps = 8;
 constexpr int kRows = 16;
+
+// Shared memory for the merge: each warp's output rows, maxima and sums (fp32).
+template <int D>
+constexpr size_t merge_smem() {
+  return sizeof(float) * kWarps * kRows * (D + 2);
+}
 
 struct Args {
   const int32_t* cu_seqlens;
@@ -62,8 +71,10 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32)
     block_attention_kernel(const T* __restrict__ q, const T* __restrict__ k,
                            const T* __restrict__ v, T* __restrict__ out, Args args) {
-  __shared__ float s_o[kWarps][kRows][D];
-  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
+  extern __shared__ float smem[];
+  auto s_o = reinterpret_cast<float(*)[kRows][D]>(smem);
+  auto s_m = reinterpret_cast<float(*)[kRows]>(smem + kWarps * kRows * D);
+  auto s_l = reinterpret_cast<float(*)[kRows]>(smem + kWarps * kRows * (D + 1));
   const int entry = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int row0 = args.cu_seqlens[entry], count = args.cu_seqlens[entry + 1] - row0;
@@ -93,14 +104,37 @@ __global__ void __launch_bounds__(kWarps * 32)
   };
 
   for (int j0 = warp * 16; j0 < keys; j0 += kWarps * 16) {
-    // S = Q K^T over keys j0 .. j0 + 15: two 16 x 8 tiles (B column g = key j0 + 8 nt + g).
-    float s[2][4] = {};
+    // The tile's K and V fragments, every load issued before the first is used (one latency a
+    // tile, not one per product). B column g of S's tile nt is key j0 + 8 nt + g; B row pairs
+    // of P V are keys j0 + 2t, +1 and j0 + 2t + 8, +9.
+    uint32_t kb[2][D / 16][2], vb[D / 8][2];
+#pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const T* krow = kv_row(k, j0 + 8 * nt + g) + 2 * t;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        mma<T>(s[nt], a[kk], load2(krow + kk * 16), load2(krow + kk * 16 + 8));
+        kb[nt][kk][0] = load2(krow + kk * 16);
+        kb[nt][kk][1] = load2(krow + kk * 16 + 8);
       }
+    }
+    {
+      const T* v0 = kv_row(v, j0 + 2 * t);
+      const T* v1 = kv_row(v, j0 + 2 * t + 1);
+      const T* v8 = kv_row(v, j0 + 2 * t + 8);
+      const T* v9 = kv_row(v, j0 + 2 * t + 9);
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        const int c = dt * 8 + g;
+        vb[dt][0] = pair(v0 + c, v1 + c);
+        vb[dt][1] = pair(v8 + c, v9 + c);
+      }
+    }
+    // S = Q K^T over keys j0 .. j0 + 15.
+    float s[2][4] = {};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) mma<T>(s[nt], a[kk], kb[nt][kk][0], kb[nt][kk][1]);
     }
     // Scaled and masked (log2 domain); this thread's rows g and g + 8.
     float tile_max[2] = {-INFINITY, -INFINITY};
@@ -136,18 +170,13 @@ __global__ void __launch_bounds__(kWarps * 32)
     // P (rounded to T, as flash weighs the values) as the A fragment of O += P V.
     const uint32_t pa[4] = {pack<T>(p[0][0], p[0][1]), pack<T>(p[0][2], p[0][3]),
                             pack<T>(p[1][0], p[1][1]), pack<T>(p[1][2], p[1][3])};
-    const T* v0 = kv_row(v, j0 + 2 * t);
-    const T* v1 = kv_row(v, j0 + 2 * t + 1);
-    const T* v8 = kv_row(v, j0 + 2 * t + 8);
-    const T* v9 = kv_row(v, j0 + 2 * t + 9);
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
       o[dt][0] *= alpha[0];
       o[dt][1] *= alpha[0];
       o[dt][2] *= alpha[1];
       o[dt][3] *= alpha[1];
-      const int c = dt * 8 + g;
-      mma<T>(o[dt], pa, pair(v0 + c, v1 + c), pair(v8 + c, v9 + c));
+      mma<T>(o[dt], pa, vb[dt][0], vb[dt][1]);
     }
   }
 
@@ -203,17 +232,20 @@ void block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   dispatch_float(q.scalar_type(), "block attention", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
-      auto launch = [&](auto kernel) {
-        kernel<<<grid, kWarps * 32, 0, stream>>>(
+      auto launch = [&](auto kernel, size_t smem) {
+        // Over 48 KB for heads of 128: an opt-in (a host-side attribute, as tail_attention sets).
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+        kernel<<<grid, kWarps * 32, smem, stream>>>(
             reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
             reinterpret_cast<const T*>(v.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), args);
       };
       if (d == 32) {
-        launch(block_attention_kernel<T, 32>);
+        launch(block_attention_kernel<T, 32>, merge_smem<32>());
       } else if (d == 64) {
-        launch(block_attention_kernel<T, 64>);
+        launch(block_attention_kernel<T, 64>, merge_smem<64>());
       } else {
-        launch(block_attention_kernel<T, 128>);
+        launch(block_attention_kernel<T, 128>, merge_smem<128>());
       }
     } else {
       TORCH_CHECK(false, "block attention: fp32 has no tensor-core path");
