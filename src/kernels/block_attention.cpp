@@ -22,7 +22,7 @@ bool packed_heads(const at::Tensor& t) {
 bool block_attention_serves(at::Device device, at::ScalarType dtype, int64_t head_dim,
                             int64_t max_count) {
   return device.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
-         (head_dim == 32 || head_dim == 64 || head_dim == 128) && max_count >= 1 &&
+         (head_dim == 32 || head_dim == 64) && max_count >= 1 &&
          max_count <= kBlockAttentionMaxRows;
 }
 

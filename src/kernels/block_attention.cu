@@ -233,19 +233,14 @@ void block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
       auto launch = [&](auto kernel, size_t smem) {
-        // Over 48 KB for heads of 128: an opt-in (a host-side attribute, as tail_attention sets).
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
         kernel<<<grid, kWarps * 32, smem, stream>>>(
             reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
             reinterpret_cast<const T*>(v.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), args);
       };
       if (d == 32) {
         launch(block_attention_kernel<T, 32>, merge_smem<32>());
-      } else if (d == 64) {
-        launch(block_attention_kernel<T, 64>, merge_smem<64>());
       } else {
-        launch(block_attention_kernel<T, 128>, merge_smem<128>());
+        launch(block_attention_kernel<T, 64>, merge_smem<64>());
       }
     } else {
       TORCH_CHECK(false, "block attention: fp32 has no tensor-core path");

@@ -181,11 +181,10 @@ struct AppendBatch {
 int64_t per_token_attention_max_tokens();
 void set_per_token_attention_max_tokens(int64_t tokens);
 
-// Whether blocks of at most kernels::kBlockAttentionMaxRows new tokens per entry attend through
-// kernels::block_attention (CUDA, half precision, heads of 32, 64 or 128; no window, no
-// tree) rather
-// than flash or per-token attention. On by default; process-wide so that `bench-decode
-// --block-attention` can compare both in one process.
+// Whether entries of at most kernels::kBlockAttentionMaxRows new tokens (speculative blocks and
+// plain decode steps) attend through kernels::block_attention where it serves (CUDA, half
+// precision, heads of 32 or 64; no window, no tree) rather than flash. On by default;
+// process-wide so that `bench-decode --no-block-attention` can compare both in one process.
 bool block_attention_kernel();
 void set_block_attention_kernel(bool on);
 
