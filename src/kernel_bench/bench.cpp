@@ -84,6 +84,7 @@ constexpr Entry kRegistry[] = {
     {"residual_rms_norm", &bench_residual_rms_norm},
     {"linear_group", &bench_linear_group},
     {"block_attention", &bench_block_attention},
+    {"decode_attention", &bench_decode_attention},
     {"prefill_attention", &bench_prefill_attention},
     {"gated_delta", &bench_gated_delta},
     {"mxfp4_experts", &bench_mxfp4_experts},

@@ -91,6 +91,7 @@ void bench_swap_middle_dims(const Bench& b);    // swap_middle_dims_bench.cpp
 void bench_residual_rms_norm(const Bench& b);   // residual_norm_bench.cpp
 void bench_linear_group(const Bench& b);        // linear_group_bench.cpp
 void bench_block_attention(const Bench& b);     // tail_attention_bench.cpp
+void bench_decode_attention(const Bench& b);    // decode_attention_bench.cpp (its own shapes)
 void bench_prefill_attention(const Bench& b);   // cudnn_attention_bench.cpp
 void bench_gated_delta(const Bench& b);         // gated_delta_bench.cpp (its own shapes)
 void bench_mxfp4_experts(const Bench& b);       // mxfp4_bench.cpp (its own shapes)
