@@ -414,9 +414,11 @@ TEST(SpeculativeGptOss, EqualsPlainGreedyLoop) {
   }
 }
 
-// Acceptance accounting with hand-made drafters, block size 4, the decoder's split step and
-// its whole step (the parameter): the same commits either way.
-class Accounting : public ::testing::TestWithParam<bool> {
+// Acceptance accounting with hand-made drafters, block size 4, the decoder's split step, its
+// whole step with verdicts read one step late and read at once (the parameter): the same commits
+// and counts every way (the late step's runs past a sequence's end are not counted).
+enum class StepKind { kSplit, kWholeLate, kWholeSync };
+class Accounting : public ::testing::TestWithParam<StepKind> {
  protected:
   static constexpr int64_t kBlock = 4;
   models::TargetModel target = make_target();
@@ -429,13 +431,16 @@ class Accounting : public ::testing::TestWithParam<bool> {
           std::vector<int64_t> stops, int64_t context, int64_t slots = 1) {
     const int64_t stop = stops.empty() ? -1 : stops[0];
     auto want = greedy(target, prompts, max_new, stops, context);
-    ScriptedDrafter drafter(kBlock, references(prompts, want, stop), p_right, {}, GetParam());
+    ScriptedDrafter drafter(kBlock, references(prompts, want, stop), p_right, {},
+                            GetParam() != StepKind::kSplit);
     SpeculativeOptions o;
+    o.late_verdicts = GetParam() == StepKind::kWholeLate;
     o.max_new_tokens = max_new;
     o.stop_tokens = stops;
     o.context = context;
     o.slots = slots;
     SpeculativeDecoder decoder(target, drafter, o);
+    EXPECT_EQ(decoder.reads_verdicts_late(), GetParam() == StepKind::kWholeLate);
     Run r;
     r.completions = decoder.generate(prompts, &r.stats);
     expect_same(r.completions, want);
@@ -517,8 +522,20 @@ TEST_P(Accounting, PromptsAtTheContextLimit) {
   EXPECT_EQ(r.stats.requests, 4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Steps, Accounting, ::testing::Bool(),
-                         [](const auto& info) { return info.param ? "whole_step" : "split"; });
+INSTANTIATE_TEST_SUITE_P(Steps, Accounting,
+                         ::testing::Values(StepKind::kSplit, StepKind::kWholeLate,
+                                           StepKind::kWholeSync),
+                         [](const auto& info) {
+                           switch (info.param) {
+                             case StepKind::kSplit:
+                               return "split";
+                             case StepKind::kWholeLate:
+                               return "whole_step";
+                             case StepKind::kWholeSync:
+                               return "whole_step_sync";
+                           }
+                           return "?";
+                         });
 
 TEST(SpeculativeContext, DrafterSeesTheTargetTapsOfCommittedTokens) {
   auto target = make_target();
