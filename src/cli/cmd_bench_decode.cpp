@@ -99,6 +99,7 @@ models::Drafter random_drafter(const models::TargetModel& model, const BenchDeco
 // tokens per prompt less the prefill and first token alone, over the verify steps per slot.
 struct SpeculativeTiming {
   double step_ms = 0, tau = 0;
+  double prefill_ms = 0;  // the requests' prefill and first tokens alone (what eval pays each)
   bool whole_step_graph = false;
 };
 
@@ -138,7 +139,7 @@ SpeculativeTiming time_speculative(const models::TargetModel& model, const model
   const auto [full_s, stats, captured] = run(max_new);
   const double steps =
       static_cast<double>(stats.verify_steps) / static_cast<double>(prompts.size());
-  return {(full_s - first_s) / steps * 1e3, stats.tau(), captured};
+  return {(full_s - first_s) / steps * 1e3, stats.tau(), first_s * 1e3, captured};
 }
 
 // Generation at each batch with and without the CUDA graph: one JSON row each; the fastest
@@ -193,9 +194,9 @@ nlohmann::json measured_speculative(const models::TargetModel& model, const Benc
     const auto drafter = random_drafter(model, o);
     fmt::print(
         "speculative decoder, measured ({} new tokens per prompt, blocks of {}, random drafter: "
-        "tau about 1):\n{:>6} {:>10} {:>14} {:>14} {:>14} {:>8}\n",
+        "tau about 1):\n{:>6} {:>10} {:>14} {:>14} {:>14} {:>8} {:>12}\n",
         o.new_tokens, o.verify_tokens, "batch", "step", "ms/step", "plain ms/step", "x plain",
-        "tau");
+        "tau", "prefill ms");
     for (int64_t b : o.batches) {
       auto prompts = random_prompts(b, o.prompt_len, config.vocab_size, 1);
       for (const auto& [whole, late] : {std::pair{true, true}, {true, false}, {false, false}}) {
@@ -207,13 +208,14 @@ nlohmann::json measured_speculative(const models::TargetModel& model, const Benc
         const std::string kind = !whole               ? "split"
                                  : t.whole_step_graph ? (late ? "graph" : "graph sync")
                                                       : (late ? "whole" : "whole sync");
-        fmt::print("{:>6} {:>10} {:>14.3f} {:>14.3f} {:>14.2f} {:>8.2f}\n", b, kind, t.step_ms,
-                   plain, t.step_ms / plain, t.tau);
+        fmt::print("{:>6} {:>10} {:>14.3f} {:>14.3f} {:>14.2f} {:>8.2f} {:>12.2f}\n", b, kind,
+                   t.step_ms, plain, t.step_ms / plain, t.tau, t.prefill_ms);
         measured.push_back({{"batch", b},
                             {"step", kind},
                             {"speculative_step_ms", t.step_ms},
                             {"plain_step_ms", plain},
                             {"over_plain", t.step_ms / plain},
+                            {"prefill_and_first_token_ms", t.prefill_ms},
                             {"tau", t.tau}});
       }
     }

@@ -160,24 +160,21 @@ struct SpeculativeDecoder::Graph {
   std::vector<at::Tensor> taps;  // [slots*B, H] each: the drafter's tapped layers
   at::Tensor verdicts;           // a whole step's result (whole_step())
 
-  // Every slot's block at its cached length, `starts` (int64 [slots], device): device work
-  // only, so that a late step captures it.
-  void place(const at::Tensor& starts) {
-    const int64_t n = starts.size(0), bs = offsets.size(0) / n;
-    auto positions = starts.unsqueeze(1).expand({n, bs}).reshape(-1) + offsets;
-    batch.positions.copy_(positions);
-    at::add_out(batch.rows, base_rows, positions);
-    batch.seen.copy_(starts + bs);
-    if (batch.per_token_attention()) {
-      batch.token_seen.copy_(positions + 1);
-      batch.block_seen.copy_(batch.seen.unsqueeze(1).expand({n, bs}).reshape(-1));
-    }
+  // Every slot's block at its cached length, `starts` (int64 [slots], device), and with `last`
+  // each block's first token: device work only, so that a late step captures it.
+  void place(const at::Tensor& starts, const at::Tensor& last = {}) {
+    kernels::place_blocks(starts, offsets, base_rows,
+                          {batch.positions, batch.rows, batch.seen,
+                           batch.per_token_attention() ? batch.token_seen : at::Tensor(),
+                           batch.per_token_attention() ? batch.block_seen : at::Tensor()},
+                          last, last.defined() ? tokens : at::Tensor());
   }
 };
 
 bool SpeculativeDecoder::captures_whole_step() const { return graph_ && whole_step_; }
 
-at::Tensor SpeculativeDecoder::whole_step(const AppendBatch& batch, const at::Tensor& tokens) {
+at::Tensor SpeculativeDecoder::whole_step(const AppendBatch& batch, const at::Tensor& tokens,
+                                          const kernels::SlotAdvance* advance) {
   const int64_t n = batch.size(), bs = drafter_.block_size();
   auto block = tokens.view({n, bs});
   auto drafts = drafter_.draft_at(batch, block.select(1, 0));
@@ -185,24 +182,14 @@ at::Tensor SpeculativeDecoder::whole_step(const AppendBatch& batch, const at::Te
   auto out = target_.forward_cached(
       tokens, batch, cache_,
       {.tap_layers = drafter_.tap_layers(), .logits = Logits::kAll, .keep_block_states = true});
-  // Draft j + 1 stands while it and every draft before it equal the target's choice after the
-  // token before; the choice after the accepted ones is the bonus token.
-  auto choices = out.logits.argmax(-1).view({n, bs});
-  auto accepted = drafts.eq(choices.narrow(1, 0, bs - 1)).to(at::kLong).cumprod(1).sum(1);
-  auto bonus = choices.gather(1, accepted.unsqueeze(1)).squeeze(1);
   drafter_.write_block(batch, tokens, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
-  return at::cat({tokens, accepted, bonus});
+  return kernels::greedy_verdicts(tokens, out.logits.argmax(-1), bs, advance);
 }
 
 at::Tensor SpeculativeDecoder::late_step(const AppendBatch& batch, const at::Tensor& tokens) {
-  const int64_t n = cache_.slots(), bs = drafter_.block_size();
-  DeviceSlots& d = device_slots_;
-  tokens.view({n, bs}).select(1, 0).copy_(d.last);
-  auto verdicts = whole_step(batch, tokens);
-  auto accepted = verdicts.narrow(0, n * bs, n), bonus = verdicts.narrow(0, n * bs + n, n);
-  d.length.copy_((d.length + accepted + 1).clamp_max_(options_.context) * d.active);
-  d.last.copy_(bonus * d.active);
-  return verdicts;
+  const DeviceSlots& d = device_slots_;
+  const kernels::SlotAdvance advance{d.last, d.length, d.active, options_.context};
+  return whole_step(batch, tokens, &advance);
 }
 
 SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftSource& drafter,
@@ -268,7 +255,7 @@ void SpeculativeDecoder::capture_graph() {
       g->graph, target_.device(),
       [&] {
         if (late_) {
-          g->place(device_slots_.length);
+          g->place(device_slots_.length, device_slots_.last);
           g->verdicts = late_step(g->batch, g->tokens);
           return;
         }
@@ -496,8 +483,10 @@ void SpeculativeDecoder::Session::launch_late(LateStep& step) {
     if (want < have) cache_.crop(slot, want);
     if (want > have) cache_.extend(slot, want - have);
   }
+  auto tokens = at::zeros({n_slots_, bs_}, long_opts_.device(device_));
+  tokens.select(1, 0).copy_(d_.device_slots_.last);
   step.verdicts = d_.late_step(AppendBatch::make(cache_, all, std::vector<int64_t>(n_slots_, bs_)),
-                               at::zeros({n_slots_ * bs_}, long_opts_.device(device_)));
+                               tokens.view(-1));
 }
 
 void SpeculativeDecoder::Session::process_late(LateStep& step) {

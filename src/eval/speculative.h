@@ -30,6 +30,7 @@
 
 #include "eval/generator.h"
 #include "eval/sampling.h"
+#include "kernels/speculative_step.h"
 #include "models/drafter.h"
 #include "models/target.h"
 
@@ -215,9 +216,12 @@ class SpeculativeDecoder {
   // after it): drafts, verify, verdicts, and the drafter's context of the whole block (to be
   // counted, DraftSource::count_block). Returns int64 [n*B + 2n]: the block tokens, each
   // slot's accepted drafts, and the target's token after them.
-  at::Tensor whole_step(const models::AppendBatch& batch, const at::Tensor& tokens);
+  // With `advance`, the slots' device state moves by the verdicts (kernels::greedy_verdicts).
+  at::Tensor whole_step(const models::AppendBatch& batch, const at::Tensor& tokens,
+                        const kernels::SlotAdvance* advance = nullptr);
   // whole_step over every slot from device_slots_, which it then advances by its verdicts
-  // (`batch` at device_slots_.length; `tokens` [slots*B] the input it fills).
+  // (`batch` at device_slots_.length; `tokens` [slots*B] holding each slot's last token at its
+  // block's start).
   at::Tensor late_step(const models::AppendBatch& batch, const at::Tensor& tokens);
 
   const models::TargetModel& target_;

@@ -21,6 +21,9 @@ void norm_rotary_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
                                const at::Tensor& sin, double eps, at::Tensor& grad_x,
                                at::Tensor& weight_partials);
 int64_t norm_rotary_partials(int64_t vectors);
+// rotary.cu: rotary_tables into cos and sin ([T, D] contiguous, of one dtype).
+void rotary_tables_cuda(const at::Tensor& positions, const at::Tensor& inv_freq, double scaling,
+                        at::Tensor& cos, at::Tensor& sin);
 
 at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = x.size(-1) / 2;
@@ -128,6 +131,45 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   if (!x.is_cuda() || x.stride(2) != 1) return rotary_reference(x, cos, sin);
   if (cos.requires_grad() || sin.requires_grad()) fail("rotary: the tables must be constants");
   return RotaryFunction::apply(x, cos, sin);
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_tables_reference(const at::Tensor& positions,
+                                                          const at::Tensor& inv_freq,
+                                                          double scaling, at::ScalarType dtype) {
+  auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
+  auto emb = at::cat({freqs, freqs}, -1);
+  auto cos = emb.cos(), sin = emb.sin();
+  if (scaling != 1.0) {  // in fp32 before the cast, as transformers does
+    cos.mul_(scaling);
+    sin.mul_(scaling);
+  }
+  return {cos.to(dtype), sin.to(dtype)};
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& positions,
+                                                const at::Tensor& inv_freq, double scaling,
+                                                at::ScalarType dtype) {
+  if (positions.dim() != 1 || inv_freq.dim() != 1 || inv_freq.scalar_type() != at::kFloat ||
+      positions.device() != inv_freq.device()) {
+    fail(
+        "rotary_tables: positions must be [T] and inv_freq fp32 [D/2] on one device, got "
+        "{} {} on {} and {} {} on {}",
+        c10::toString(positions.scalar_type()), positions.sizes(), positions.device().str(),
+        c10::toString(inv_freq.scalar_type()), inv_freq.sizes(), inv_freq.device().str());
+  }
+  const bool index_type =
+      positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt;
+  const bool table_type = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+  if (!positions.is_cuda() || !index_type || !table_type) {
+    return rotary_tables_reference(positions, inv_freq, scaling, dtype);
+  }
+  const int64_t d = 2 * inv_freq.size(0);
+  auto cos = at::empty({positions.size(0), d}, positions.options().dtype(dtype));
+  auto sin = at::empty_like(cos);
+  if (cos.numel() > 0) {
+    rotary_tables_cuda(positions.contiguous(), inv_freq.contiguous(), scaling, cos, sin);
+  }
+  return {cos, sin};
 }
 
 }  // namespace dflash::kernels

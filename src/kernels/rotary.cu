@@ -1,6 +1,6 @@
 // rotary: one thread per (token, head, i < D/2) pair: it reads x[i] and x[i + D/2] and writes
 // both outputs, computing in fp32 from the tables' values. norm_rotary: one warp per head
-// vector (below).
+// vector (below). rotary_tables: one thread per (token, frequency), writing both halves.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -245,6 +245,57 @@ void rotary_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       launch<decltype(x_tag), decltype(table_tag)>(x, cos, sin, backward, out);
     });
   });
+}
+
+namespace {
+
+// cosf / sinf as ATen's float cos and sin kernels call them (no fast-math intrinsics), so the
+// tables match the reference's bit for bit.
+template <typename P, typename T>
+__global__ void rotary_tables_kernel(const P* __restrict__ positions,
+                                     const float* __restrict__ inv_freq, int64_t tokens, int half,
+                                     float scaling, bool scaled, T* __restrict__ cos,
+                                     T* __restrict__ sin) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * half;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / half;
+    const int f = static_cast<int>(i % half);
+    const float freq = static_cast<float>(positions[t]) * inv_freq[f];
+    float c = cosf(freq), s = sinf(freq);
+    if (scaled) {
+      c *= scaling;
+      s *= scaling;
+    }
+    const int64_t lo = t * 2 * half + f;
+    cos[lo] = cos[lo + half] = from_float<T>(c);
+    sin[lo] = sin[lo + half] = from_float<T>(s);
+  }
+}
+
+}  // namespace
+
+void rotary_tables_cuda(const at::Tensor& positions, const at::Tensor& inv_freq, double scaling,
+                        at::Tensor& cos, at::Tensor& sin) {
+  const c10::cuda::CUDAGuard guard(positions.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream(positions.device().index());
+  const int64_t tokens = positions.size(0);
+  const int half = static_cast<int>(inv_freq.size(0));
+  constexpr int kThreads = 256;
+  const unsigned blocks = grid_stride_blocks(tokens * half, kThreads);
+  dispatch_float(cos.scalar_type(), "rotary tables", [&](auto tag) {
+    using T = decltype(tag);
+    auto run = [&](auto* p) {
+      rotary_tables_kernel<<<blocks, kThreads, 0, stream>>>(
+          p, inv_freq.data_ptr<float>(), tokens, half, static_cast<float>(scaling),
+          scaling != 1.0, reinterpret_cast<T*>(cos.data_ptr()), reinterpret_cast<T*>(sin.data_ptr()));
+    };
+    if (positions.scalar_type() == at::kLong) {
+      run(positions.data_ptr<int64_t>());
+    } else {
+      run(positions.data_ptr<int32_t>());
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace dflash::kernels

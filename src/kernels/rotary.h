@@ -1,8 +1,10 @@
 // rotary: rotary position embedding applied to [tokens, heads, head_dim] in one kernel (ATen
-// needs five: neg, cat, two multiplies and an add), forward and backward; and norm_rotary, the
-// per-head RMSNorm before it fused in.
+// needs five: neg, cat, two multiplies and an add), forward and backward; norm_rotary, the
+// per-head RMSNorm before it fused in; and rotary_tables, the cos/sin tables themselves.
 #pragma once
 #include <ATen/ATen.h>
+
+#include <utility>
 
 namespace dflash::kernels {
 
@@ -26,5 +28,17 @@ at::Tensor norm_rotary(const at::Tensor& x, const at::Tensor& weight, const at::
                        const at::Tensor& sin, double eps);
 at::Tensor norm_rotary_reference(const at::Tensor& x, const at::Tensor& weight,
                                  const at::Tensor& cos, const at::Tensor& sin, double eps);
+
+// The tables for `positions` (integer [T]): with freqs = float(positions[t]) * inv_freq
+// (fp32 [D/2]), cos and sin of [freqs, freqs] ([T, D], HF's cat of the frequencies with
+// themselves) times `scaling`, in fp32, rounded once to `dtype`. CUDA: one kernel, the same
+// fp32 arithmetic as the reference (a decode step computes a table per pass, seven launches in
+// ATen); elsewhere the reference.
+std::pair<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& positions,
+                                                const at::Tensor& inv_freq, double scaling,
+                                                at::ScalarType dtype);
+std::pair<at::Tensor, at::Tensor> rotary_tables_reference(const at::Tensor& positions,
+                                                          const at::Tensor& inv_freq,
+                                                          double scaling, at::ScalarType dtype);
 
 }  // namespace dflash::kernels

@@ -14,6 +14,7 @@
 #include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
 #include "kernels/moe_combine.h"
+#include "kernels/rotary.h"
 
 namespace dflash::models {
 
@@ -146,14 +147,7 @@ Rotary::Rotary(const ModelConfig& c, at::Device device) {
 
 std::pair<at::Tensor, at::Tensor> Rotary::tables(const at::Tensor& positions,
                                                  at::ScalarType dtype) const {
-  auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);
-  auto emb = at::cat({freqs, freqs}, -1);
-  auto cos = emb.cos(), sin = emb.sin();
-  if (attention_scaling_ != 1.0) {  // in fp32 before the cast, as transformers does
-    cos.mul_(attention_scaling_);
-    sin.mul_(attention_scaling_);
-  }
-  return {cos.to(dtype), sin.to(dtype)};
+  return kernels::rotary_tables(positions, inv_freq_, attention_scaling_, dtype);
 }
 
 AttentionBackend parse_attention_backend(const std::string& name) {

@@ -1,0 +1,133 @@
+#include "kernels/speculative_step.h"
+
+#include <ATen/ATen.h>
+
+#include "common/error.h"
+
+namespace dflash::kernels {
+
+// speculative_step.cu
+void place_blocks_cuda(const at::Tensor& starts, const at::Tensor& offsets,
+                       const at::Tensor& base_rows, const BlockPlacement& out,
+                       const at::Tensor& last, const at::Tensor& tokens);
+void greedy_verdicts_cuda(const at::Tensor& tokens, const at::Tensor& choices, int64_t block,
+                          const SlotAdvance* advance, at::Tensor& verdicts);
+
+namespace {
+
+void check_long(const char* op, const char* name, const at::Tensor& t, int64_t size,
+                const at::Tensor& ref) {
+  if (t.scalar_type() != at::kLong || t.dim() != 1 || t.size(0) != size || !t.is_contiguous() ||
+      t.device() != ref.device()) {
+    fail("{}: {} must be contiguous int64 [{}] on {}, got {} {} on {}", op, name, size,
+         ref.device().str(), c10::toString(t.scalar_type()), t.sizes(), t.device().str());
+  }
+}
+
+void check_int(const char* op, const char* name, const at::Tensor& t, int64_t size,
+               const at::Tensor& ref) {
+  if (t.scalar_type() != at::kInt || t.dim() != 1 || t.size(0) != size || !t.is_contiguous() ||
+      t.device() != ref.device()) {
+    fail("{}: {} must be contiguous int32 [{}] on {}, got {} {} on {}", op, name, size,
+         ref.device().str(), c10::toString(t.scalar_type()), t.sizes(), t.device().str());
+  }
+}
+
+// Returns B.
+int64_t check_placement(const at::Tensor& starts, const at::Tensor& offsets,
+                        const at::Tensor& base_rows, const BlockPlacement& out,
+                        const at::Tensor& last, const at::Tensor& tokens) {
+  const char* op = "place_blocks";
+  const int64_t n = starts.dim() == 1 ? starts.size(0) : 0;
+  if (n == 0 || offsets.dim() != 1 || offsets.size(0) % n != 0) {
+    fail("place_blocks: starts must be [n] and offsets [n*B], got {} and {}", starts.sizes(),
+         offsets.sizes());
+  }
+  const int64_t total = offsets.size(0);
+  check_long(op, "starts", starts, n, starts);
+  check_long(op, "offsets", offsets, total, starts);
+  check_long(op, "base_rows", base_rows, total, starts);
+  check_long(op, "positions", out.positions, total, starts);
+  check_long(op, "rows", out.rows, total, starts);
+  check_int(op, "seen", out.seen, n, starts);
+  if (out.token_seen.defined() != out.block_seen.defined()) {
+    fail("place_blocks: token_seen and block_seen come together");
+  }
+  if (out.token_seen.defined()) {
+    check_int(op, "token_seen", out.token_seen, total, starts);
+    check_int(op, "block_seen", out.block_seen, total, starts);
+  }
+  if (last.defined() != tokens.defined()) fail("place_blocks: last and tokens come together");
+  if (last.defined()) {
+    check_long(op, "last", last, n, starts);
+    check_long(op, "tokens", tokens, total, starts);
+  }
+  return total / n;
+}
+
+}  // namespace
+
+void place_blocks_reference(const at::Tensor& starts, const at::Tensor& offsets,
+                            const at::Tensor& base_rows, const BlockPlacement& out,
+                            const at::Tensor& last, const at::Tensor& tokens) {
+  const int64_t n = starts.size(0), bs = offsets.size(0) / n;
+  auto positions = starts.unsqueeze(1).expand({n, bs}).reshape(-1) + offsets;
+  out.positions.copy_(positions);
+  at::Tensor rows = out.rows;  // a handle: add_out writes the caller's tensor
+  at::add_out(rows, base_rows, positions);
+  out.seen.copy_(starts + bs);
+  if (out.token_seen.defined()) {
+    out.token_seen.copy_(positions + 1);
+    out.block_seen.copy_(out.seen.unsqueeze(1).expand({n, bs}).reshape(-1));
+  }
+  if (last.defined()) tokens.view({n, bs}).select(1, 0).copy_(last);
+}
+
+void place_blocks(const at::Tensor& starts, const at::Tensor& offsets, const at::Tensor& base_rows,
+                  const BlockPlacement& out, const at::Tensor& last, const at::Tensor& tokens) {
+  check_placement(starts, offsets, base_rows, out, last, tokens);
+  if (!starts.is_cuda()) {
+    place_blocks_reference(starts, offsets, base_rows, out, last, tokens);
+    return;
+  }
+  place_blocks_cuda(starts, offsets, base_rows, out, last, tokens);
+}
+
+at::Tensor greedy_verdicts_reference(const at::Tensor& tokens, const at::Tensor& choices,
+                                     int64_t block, const SlotAdvance* advance) {
+  const int64_t n = tokens.size(0) / block, bs = block;
+  auto b = tokens.view({n, bs}), c = choices.view({n, bs});
+  auto accepted =
+      b.narrow(1, 1, bs - 1).eq(c.narrow(1, 0, bs - 1)).to(at::kLong).cumprod(1).sum(1);
+  auto bonus = c.gather(1, accepted.unsqueeze(1)).squeeze(1);
+  if (advance != nullptr) {
+    advance->length.copy_((advance->length + accepted + 1).clamp_max_(advance->context) *
+                          advance->active);
+    advance->last.copy_(bonus * advance->active);
+  }
+  return at::cat({tokens, accepted, bonus});
+}
+
+at::Tensor greedy_verdicts(const at::Tensor& tokens, const at::Tensor& choices, int64_t block,
+                           const SlotAdvance* advance) {
+  const char* op = "greedy_verdicts";
+  const int64_t total = tokens.dim() == 1 ? tokens.size(0) : -1;
+  if (block < 2 || total <= 0 || total % block != 0) {
+    fail("greedy_verdicts: tokens must be [n*B] with blocks of B >= 2, got {} with B = {}",
+         tokens.sizes(), block);
+  }
+  const int64_t n = total / block;
+  check_long(op, "tokens", tokens, total, tokens);
+  check_long(op, "choices", choices, total, tokens);
+  if (advance != nullptr) {
+    check_long(op, "last", advance->last, n, tokens);
+    check_long(op, "length", advance->length, n, tokens);
+    check_long(op, "active", advance->active, n, tokens);
+  }
+  if (!tokens.is_cuda()) return greedy_verdicts_reference(tokens, choices, block, advance);
+  auto verdicts = at::empty({total + 2 * n}, tokens.options());
+  greedy_verdicts_cuda(tokens, choices, block, advance, verdicts);
+  return verdicts;
+}
+
+}  // namespace dflash::kernels
