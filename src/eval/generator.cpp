@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/upload.h"
+#include "eval/prefill_graph.h"
 #include "eval/readback.h"
 #include "eval/slots.h"
 
@@ -103,6 +104,9 @@ Generator::Generator(const models::TargetModel& model, GenerationOptions options
   current_ =
       at::zeros({options_.slots}, at::TensorOptions().dtype(at::kLong).device(model.device()));
   if (options_.cuda_graph && cuda_graph_capable(model_)) capture_graph();
+  if (options_.cuda_graph && PrefillGraphs::supported(model_)) {
+    prefill_ = std::make_shared<PrefillGraphs>(model_, cache_);
+  }
 }
 
 void Generator::capture_graph() {
@@ -166,16 +170,23 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
           cache_.reset(slot);
         },
         [&](const std::vector<int64_t>& group) {
-          std::vector<int64_t> counts;
-          std::vector<at::Tensor> prompts;
-          for (int64_t slot : group) {
-            counts.push_back(slots[slot].prompt_length());
-            prompts.push_back(at::tensor(slots[slot].request.prompt, long_opts));
+          at::Tensor logits;
+          const auto& alone = slots[group[0]].request.prompt;
+          if (group.size() == 1 && prefill_ && prefill_->serves(std::ssize(alone))) {
+            logits = prefill_->run(group[0], alone).logits;
+          } else {
+            std::vector<int64_t> counts;
+            std::vector<at::Tensor> prompts;
+            for (int64_t slot : group) {
+              counts.push_back(slots[slot].prompt_length());
+              prompts.push_back(at::tensor(slots[slot].request.prompt, long_opts));
+            }
+            auto batch = AppendBatch::make(cache_, group, counts);
+            logits = model_.forward_cached(upload_to(device, at::cat(prompts)), batch, cache_,
+                                           {{}, Logits::kLast})
+                         .logits;
           }
-          auto batch = AppendBatch::make(cache_, group, counts);
-          auto out = model_.forward_cached(upload_to(device, at::cat(prompts)), batch, cache_,
-                                           {{}, Logits::kLast});
-          auto first = sample_tokens(out.logits, sampling, uniforms(group));
+          auto first = sample_tokens(logits, sampling, uniforms(group));
           current_.index_copy_(0, upload_to(device, at::tensor(group, long_opts)), first);
           report.device.push_back(first);
           for (int64_t slot : group) {

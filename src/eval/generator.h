@@ -23,6 +23,8 @@ struct CUDAGraph;
 
 namespace dflash::eval {
 
+class PrefillGraphs;
+
 // What a running decode has done so far, for progress lines: requests finished, generated
 // tokens kept (as GenerationStats counts them: a stop token counts) and how many of those
 // belong to the finished requests.
@@ -124,6 +126,7 @@ class Generator {
   models::KVCache cache_;
   at::Tensor current_;  // int64 [slots], each slot's latest sampled token (the next input)
   std::shared_ptr<Graph> graph_;
+  std::shared_ptr<PrefillGraphs> prefill_;  // a request admitted alone, where supported
 };
 
 }  // namespace dflash::eval

@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/upload.h"
 #include "eval/draft_tree.h"
+#include "eval/prefill_graph.h"
 #include "eval/readback.h"
 #include "eval/slots.h"
 #include "models/target_head.h"
@@ -226,6 +227,19 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
   // cache lengths: its trees verify eagerly.
   const bool capturable = options_.tree_budget == 0 || target_.gpt_oss() == nullptr;
   if (options_.cuda_graph && cuda_graph_capable(target_) && capturable) capture_graph();
+  if (options_.cuda_graph && PrefillGraphs::supported(target_)) {
+    PrefillGraphs::ContextFn context;
+    if (drafter_.capturable()) {
+      context = [this](const AppendBatch& batch, const at::Tensor& tokens,
+                       const at::Tensor& features) {
+        drafter_.write_block(batch, tokens, features);
+      };
+    }
+    // A capturable source's context cache holds the context and one block per slot.
+    prefill_ = std::make_shared<PrefillGraphs>(target_, cache_, drafter_.tap_layers(),
+                                               std::move(context),
+                                               options_.context + drafter_.block_size());
+  }
 }
 
 void SpeculativeDecoder::capture_graph() {
@@ -313,6 +327,10 @@ class SpeculativeDecoder::Session {
   // Prefill of newly admitted requests, packed up to prefill_tokens: the drafter context of
   // their prompts; returns their first tokens, int64 [group] on the device.
   at::Tensor prefill(const std::vector<int64_t>& group);
+  // A prompt admitted alone through the decoder's prefill graphs: the logits after it.
+  at::Tensor prefill_alone(int64_t slot, const std::vector<int64_t>& prompt);
+  // The first tokens of `group` from the logits after their prompts.
+  at::Tensor first_token(const std::vector<int64_t>& group, const at::Tensor& logits) const;
   // Fills free slots; true if it took any request (which may have finished at once).
   bool admit();
   // Commits the accepted drafts of `slot`'s block (token(j): the block's token j) and then
@@ -551,6 +569,10 @@ at::Tensor SpeculativeDecoder::Session::draws(const std::vector<int64_t>& active
 // Prefill of newly admitted requests, packed up to prefill_tokens: their first tokens and
 // the drafter context of their prompts.
 at::Tensor SpeculativeDecoder::Session::prefill(const std::vector<int64_t>& group) {
+  const auto& alone = slots_[group[0]].request.prompt;
+  if (group.size() == 1 && d_.prefill_ && d_.prefill_->serves(std::ssize(alone))) {
+    return first_token(group, prefill_alone(group[0], alone));
+  }
   std::vector<int64_t> counts;
   std::vector<at::Tensor> prompts;
   std::vector<std::span<const int64_t>> spans;
@@ -566,10 +588,28 @@ at::Tensor SpeculativeDecoder::Session::prefill(const std::vector<int64_t>& grou
       target_.forward_cached(upload(at::cat(prompts)), batch, cache_, {taps_, Logits::kLast});
   ++stats_.prefill_forwards;
   drafter_.extend(group, spans, out.taps.empty() ? at::Tensor() : at::cat(out.taps, 1));
+  return first_token(group, out.logits);
+}
+
+at::Tensor SpeculativeDecoder::Session::prefill_alone(int64_t slot,
+                                                      const std::vector<int64_t>& prompt) {
+  drafter_.reset(slot);
+  const auto out = d_.prefill_->run(slot, prompt);
+  ++stats_.prefill_forwards;
+  if (drafter_.capturable()) {
+    drafter_.count_block(slot, std::ssize(prompt));
+  } else {
+    drafter_.extend({slot}, {std::span<const int64_t>(prompt)}, out.features);
+  }
+  return out.logits;
+}
+
+at::Tensor SpeculativeDecoder::Session::first_token(const std::vector<int64_t>& group,
+                                                    const at::Tensor& logits) const {
   // Token 0 as the plain decoder draws it.
-  if (sampling_.greedy()) return out.logits.argmax(-1);
+  if (sampling_.greedy()) return logits.argmax(-1);
   return sample_tokens(
-      out.logits, sampling_,
+      logits, sampling_,
       draws(group, std::vector<int64_t>(group.size(), 0), 1, DrawStream::kToken).view(-1));
 }
 // Fills free slots_; true if it took any request (which may have finished at once).

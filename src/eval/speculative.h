@@ -36,6 +36,8 @@
 
 namespace dflash::eval {
 
+class PrefillGraphs;
+
 // Drafts for speculative sampling: the tokens and the distributions they were drawn from.
 struct SampledDraft {
   at::Tensor tokens;  // int64 [n, B-1]
@@ -243,6 +245,9 @@ class SpeculativeDecoder {
   bool late_ = false;
   DeviceSlots device_slots_;
   std::shared_ptr<Graph> graph_;
+  // A request admitted alone, where the target allows: the drafter's context written inside
+  // the graph for a capturable source, else extended from the graph's taps.
+  std::shared_ptr<PrefillGraphs> prefill_;
 };
 
 }  // namespace dflash::eval

@@ -1152,7 +1152,9 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
   }
   if (request.logits == Logits::kNone) return result;
   if (request.logits == Logits::kLast) {
-    auto last = cu_seqlens.narrow(0, 1, cu_seqlens.size(0) - 1).to(at::kLong) - 1;
+    auto last = request.logit_rows.defined()
+                    ? request.logit_rows
+                    : cu_seqlens.narrow(0, 1, cu_seqlens.size(0) - 1).to(at::kLong) - 1;
     x = x.index_select(0, last);
     if (pending.defined()) pending = pending.index_select(0, last);
   }
@@ -1239,6 +1241,9 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
       fail("target cached forward: slot {} holds an uncommitted verify block (crop it first)",
            slot);
     }
+  }
+  if (gpt_oss_ && request.logit_rows.defined()) {
+    fail("target cached forward: gpt-oss takes no logit_rows");
   }
   const LinearCacheStep linear{{}, &batch, recurrent ? steps : 0, first_slots, keep};
   auto result =

@@ -183,6 +183,10 @@ struct ForwardRequest {
   // forward_cached of a hybrid: a verify pass whose slots keep their linear states per block
   // token until a crop commits the accepted length's (KVCache::keep_block_states, crop).
   bool keep_block_states = false;
+  // kLast: the logits of these rows of the pass (int64 [k] on the device, read there) rather
+  // than of each sequence's last: a prompt padded to a captured length (eval/prefill_graph.h).
+  // Not for gpt-oss.
+  at::Tensor logit_rows = {};
 };
 
 struct ForwardResult {

@@ -7,6 +7,7 @@
 
 #include "decode_test_util.h"
 #include "eval/generator.h"
+#include "eval/prefill_graph.h"
 #include "models/kv_cache.h"
 #include "models/target.h"
 #include "test_util.h"
@@ -81,6 +82,41 @@ TEST_F(DecodeGpu, CachedForwardMatchesPackedForward) {
       EXPECT_CLOSE(out.taps[0], want.taps[0].index_select(0, index), tol);
     }
   }
+}
+
+// A prompt prefilled through a captured bucket (padded to 64 tokens) into slots other than the
+// one it was captured on: the same logits, taps and cached keys as the eager prefill, and the
+// pads' rows left past the slot's length.
+TEST_F(DecodeGpu, PrefillGraphsMatchTheEagerPrefill) {
+  auto model = testing::peaked_target(config_, at::kCUDA, at::kBFloat16, 1);
+  ASSERT_TRUE(eval::PrefillGraphs::supported(model));
+  KVCache eager(config_, 3, 128, at::kCUDA, at::kBFloat16);
+  KVCache graphed(config_, 3, 128, at::kCUDA, at::kBFloat16);
+  eval::PrefillGraphs graphs(model, graphed, {0, 1});
+  EXPECT_FALSE(graphs.serves(0));
+  EXPECT_TRUE(graphs.serves(64));
+  EXPECT_TRUE(graphs.serves(65));    // a bucket of 128: a slot's rows
+  EXPECT_FALSE(graphs.serves(129));  // 256 rows would exceed a slot
+  const auto seqs = prompts({23, 40, 7});
+  const std::vector<int64_t> slots = {1, 0, 2};  // the first captures the bucket on slot 1
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    SCOPED_TRACE("prompt " + std::to_string(i));
+    const int64_t slot = slots[i], n = std::ssize(seqs[i]);
+    auto want = model.forward_cached(at::tensor(seqs[i], at::kLong).to(at::kCUDA),
+                                     AppendBatch::make(eager, {slot}, {n}), eager,
+                                     {{0, 1}, Logits::kLast});
+    auto got = graphs.run(slot, seqs[i]);
+    EXPECT_EQ(graphed.length(slot), n);
+    EXPECT_CLOSE(got.logits, want.logits, 2e-2);
+    EXPECT_CLOSE(got.features, at::cat(want.taps, 1), 2e-2);
+    for (int64_t layer = 0; layer < config_.num_layers; ++layer) {
+      EXPECT_CLOSE(graphed.keys(layer).narrow(0, slot * 128, n),
+                   eager.keys(layer).narrow(0, slot * 128, n), 2e-2);
+      EXPECT_CLOSE(graphed.values(layer).narrow(0, slot * 128, n),
+                   eager.values(layer).narrow(0, slot * 128, n), 2e-2);
+    }
+  }
+  EXPECT_THROW(graphs.run(1, seqs[0]), Error);  // slot 1 is not empty
 }
 
 TEST_F(DecodeGpu, GraphDecodeMatchesEagerWithRefill) {
