@@ -9,12 +9,15 @@
 #include <functional>
 #include <numeric>
 
+#include <fmt/core.h>
+
 #include "common/error.h"
 #include "common/upload.h"
 #include "eval/draft_tree.h"
 #include "eval/prefill_graph.h"
 #include "eval/readback.h"
 #include "eval/slots.h"
+#include "kernels/gated_graph.h"
 #include "models/target_head.h"
 
 namespace dflash::eval {
@@ -151,7 +154,7 @@ int64_t verify_rows(const models::TargetModel& target, const DraftSource& drafte
 // prefill overwrites them. For a whole step (whole_step()) the host writes only each slot's
 // last token into `tokens`.
 struct SpeculativeDecoder::Graph {
-  at::cuda::CUDAGraph graph;
+  at::cuda::CUDAGraph graph{/*keep_graph=*/true};  // kept: GatedGraph clones it
   AppendBatch batch;             // all slots, B tokens (nodes) each; max_seen = the capacity
   at::Tensor base_rows;          // int64 [slots*B]: slot * capacity
   at::Tensor offsets;            // int64 [slots*B]: 0..B-1 for each slot
@@ -160,6 +163,9 @@ struct SpeculativeDecoder::Graph {
   at::Tensor choices;            // int64 [slots*B]: their argmax
   std::vector<at::Tensor> taps;  // [slots*B, H] each: the drafter's tapped layers
   at::Tensor verdicts;           // a whole step's result (whole_step())
+  // Late steps: the graph behind the device's "any slot active" gate, where the driver
+  // allows (else the graph is replayed as it is).
+  std::unique_ptr<kernels::GatedGraph> gated;
 
   // Every slot's block at its cached length, `starts` (int64 [slots], device), and with `last`
   // each block's first token: device work only, so that a late step captures it.
@@ -189,7 +195,8 @@ at::Tensor SpeculativeDecoder::whole_step(const AppendBatch& batch, const at::Te
 
 at::Tensor SpeculativeDecoder::late_step(const AppendBatch& batch, const at::Tensor& tokens) {
   const DeviceSlots& d = device_slots_;
-  const kernels::SlotAdvance advance{d.last, d.length, d.active, options_.context};
+  const kernels::SlotAdvance advance{d.last, d.length, d.active, options_.context, d.room,
+                                     stop_tokens_};
   return whole_step(batch, tokens, &advance);
 }
 
@@ -221,7 +228,8 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
     auto zeros = [&] {
       return at::zeros({options_.slots}, at::dtype(at::kLong).device(target_.device()));
     };
-    device_slots_ = {zeros(), zeros(), zeros()};
+    device_slots_ = {zeros(), zeros(), zeros(), zeros()};
+    stop_tokens_ = upload_to(target_.device(), at::tensor(options_.stop_tokens, at::kLong));
   }
   // gpt-oss' sink attention over a tree takes the per-entry path, whose shapes follow the
   // cache lengths: its trees verify eagerly.
@@ -285,6 +293,14 @@ void SpeculativeDecoder::capture_graph() {
       [&] {
         for (int64_t s = 0; s < n; ++s) cache_.reset(s);
       });
+  if (late_) {
+    try {
+      g->gated = std::make_unique<kernels::GatedGraph>(g->graph, device_slots_.active,
+                                                       g->verdicts.narrow(0, n * bs, n));
+    } catch (const Error& e) {
+      fmt::print(stderr, "speculative: steps run ungated ({})\n", e.what());
+    }
+  }
   graph_ = std::move(g);
 }
 
@@ -471,14 +487,18 @@ bool SpeculativeDecoder::Session::admit_late(LateStep& step) {
   return slots_.admit([&](int64_t slot) { cache_.reset(slot); },
                       [&](const std::vector<int64_t>& group) {
                         auto first = prefill(group).to(at::kLong);
-                        std::vector<int64_t> lengths;
+                        std::vector<int64_t> lengths, room;
                         for (int64_t slot : group) {
                           lengths.push_back(slots_[slot].prompt_length());
+                          // The first token is kept unless it ends the sequence, which the
+                          // host then finds (the device steps the slot once for nothing).
+                          room.push_back(slots_.max_tokens(slot) - 1);
                           step.admitted.emplace_back(slot, slots_[slot].serial);
                         }
                         auto index = upload(at::tensor(group, long_opts_));
                         d.last.index_copy_(0, index, first);
                         d.length.index_copy_(0, index, upload(at::tensor(lengths, long_opts_)));
+                        d.room.index_copy_(0, index, upload(at::tensor(room, long_opts_)));
                         d.active.index_fill_(0, index, 1);
                         step.firsts.push_back(first);
                       });
@@ -489,7 +509,11 @@ void SpeculativeDecoder::Session::launch_late(LateStep& step) {
   if (active.empty()) return;
   for (int64_t slot : active) step.stepped.emplace_back(slot, slots_[slot].serial);
   if (d_.graph_) {
-    d_.graph_->graph.replay();
+    if (d_.graph_->gated) {
+      d_.graph_->gated->launch();
+    } else {
+      d_.graph_->graph.replay();
+    }
     step.verdicts = d_.graph_->verdicts;
     return;
   }
@@ -523,6 +547,12 @@ void SpeculativeDecoder::Session::process_late(LateStep& step) {
   const int64_t* next = accepted + n_slots_;
   for (const auto& [slot, serial] : step.stepped) {
     if (!current(slot, serial)) continue;
+    if (accepted[slot] < 0) {
+      fail(
+          "speculative: the device skipped a step of slot {} (request {}), which it found "
+          "finished before the host did: the device's stop rules disagree with SlotScheduler's",
+          slot, slots_[slot].request.id);
+    }
     const int64_t* tokens = block + slot * bs_;
     if (commit_block(
             slot, accepted[slot], [&](int64_t j) { return tokens[j]; }, next[slot])) {

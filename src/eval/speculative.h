@@ -236,12 +236,15 @@ class SpeculativeDecoder {
   // Whole steps read late (reads_verdicts_late): what a step starts from lives on the device,
   // each step advancing it, so that launching step k + 1 needs nothing from step k's verdicts.
   // int64 [slots] each: the newest committed token, the cached length (the caches' host
-  // lengths are not kept), 1 while the slot decodes. The host writes them when it admits a
-  // request or sees one finish; a slot that finished in step k runs once more, its length
-  // held at the context so that its block stays within its rows.
+  // lengths are not kept), 1 while the slot decodes, the tokens it may still keep. The host
+  // writes them when it admits a request or sees one finish; a step's verdicts deactivate the
+  // slots they finish (a stop token, no room left: kernels::greedy_verdicts), so that step
+  // k + 1, launched before the host reads step k, skips on the device when no slot is left
+  // (kernels::GatedGraph) and otherwise runs the finished slot at length 0 of its own rows.
   struct DeviceSlots {
-    at::Tensor last, length, active;
+    at::Tensor last, length, active, room;
   };
+  at::Tensor stop_tokens_;  // int64 [k] on the device: options_.stop_tokens
   bool late_ = false;
   DeviceSlots device_slots_;
   std::shared_ptr<Graph> graph_;

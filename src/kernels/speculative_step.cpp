@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace dflash::kernels {
@@ -100,6 +102,27 @@ at::Tensor greedy_verdicts_reference(const at::Tensor& tokens, const at::Tensor&
   auto accepted =
       b.narrow(1, 1, bs - 1).eq(c.narrow(1, 0, bs - 1)).to(at::kLong).cumprod(1).sum(1);
   auto bonus = c.gather(1, accepted.unsqueeze(1)).squeeze(1);
+  if (advance != nullptr && advance->room.defined()) {
+    // The walk of each active slot's committed tokens, on the host (the reference's job is to
+    // be plain).
+    auto acc = accepted.cpu(), block_tokens = b.cpu(), bon = bonus.cpu();
+    auto room = advance->room.cpu(), active = advance->active.cpu(), stops = advance->stops.cpu();
+    const int64_t* stop = stops.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (active[i].item<int64_t>() == 0) continue;
+      const int64_t a = acc[i].item<int64_t>();
+      int64_t left = room[i].item<int64_t>();
+      bool finished = false;
+      for (int64_t k = 0; k <= a && !finished; ++k) {
+        const int64_t c = k < a ? block_tokens[i][k + 1].item<int64_t>() : bon[i].item<int64_t>();
+        finished = std::find(stop, stop + stops.numel(), c) != stop + stops.numel() || --left <= 0;
+      }
+      room[i] = left;
+      if (finished) active[i] = 0;
+    }
+    advance->room.copy_(room);
+    advance->active.copy_(active);
+  }
   if (advance != nullptr) {
     advance->length.copy_((advance->length + accepted + 1).clamp_max_(advance->context) *
                           advance->active);
@@ -123,6 +146,12 @@ at::Tensor greedy_verdicts(const at::Tensor& tokens, const at::Tensor& choices, 
     check_long(op, "last", advance->last, n, tokens);
     check_long(op, "length", advance->length, n, tokens);
     check_long(op, "active", advance->active, n, tokens);
+    if (advance->room.defined()) {
+      check_long(op, "room", advance->room, n, tokens);
+      const int64_t k = advance->stops.defined() ? advance->stops.numel() : -1;
+      if (k >= 0) check_long(op, "stops", advance->stops, k, tokens);
+      if (k < 0) fail("greedy_verdicts: room comes with stops (int64 [k], k >= 0)");
+    }
   }
   if (!tokens.is_cuda()) return greedy_verdicts_reference(tokens, choices, block, advance);
   auto verdicts = at::empty({total + 2 * n}, tokens.options());

@@ -45,7 +45,9 @@ __global__ void greedy_verdicts_kernel(const int64_t* __restrict__ tokens,
                                        const int64_t* __restrict__ choices, int64_t n, int bs,
                                        int64_t* __restrict__ verdicts, int64_t* __restrict__ last,
                                        int64_t* __restrict__ length,
-                                       const int64_t* __restrict__ active, int64_t context) {
+                                       int64_t* __restrict__ active, int64_t context,
+                                       int64_t* __restrict__ room,
+                                       const int64_t* __restrict__ stops, int64_t n_stops) {
   for (int64_t t = threadIdx.x; t < n * bs; t += blockDim.x) verdicts[t] = tokens[t];
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const int64_t* block = tokens + i * bs;
@@ -55,6 +57,17 @@ __global__ void greedy_verdicts_kernel(const int64_t* __restrict__ tokens,
     const int64_t bonus = choice[accepted];
     verdicts[n * bs + i] = accepted;
     verdicts[n * bs + n + i] = bonus;
+    if (room != nullptr && active[i] != 0) {
+      int64_t left = room[i];
+      bool finished = false;
+      for (int64_t k = 0; k <= accepted && !finished; ++k) {
+        const int64_t c = k < accepted ? block[k + 1] : bonus;
+        for (int64_t s = 0; s < n_stops && !finished; ++s) finished = c == stops[s];
+        finished = finished || --left <= 0;
+      }
+      room[i] = left;
+      if (finished) active[i] = 0;
+    }
     if (length != nullptr) {
       const int64_t grown = length[i] + accepted + 1;
       length[i] = (grown < context ? grown : context) * active[i];
@@ -91,7 +104,10 @@ void greedy_verdicts_cuda(const at::Tensor& tokens, const at::Tensor& choices, i
       tokens.data_ptr<int64_t>(), choices.data_ptr<int64_t>(), n, static_cast<int>(block),
       verdicts.data_ptr<int64_t>(), advance ? advance->last.data_ptr<int64_t>() : nullptr,
       advance ? advance->length.data_ptr<int64_t>() : nullptr,
-      advance ? advance->active.data_ptr<int64_t>() : nullptr, advance ? advance->context : 0);
+      advance ? advance->active.data_ptr<int64_t>() : nullptr, advance ? advance->context : 0,
+      advance && advance->room.defined() ? advance->room.data_ptr<int64_t>() : nullptr,
+      advance && advance->room.defined() ? advance->stops.data_ptr<int64_t>() : nullptr,
+      advance && advance->room.defined() ? advance->stops.numel() : 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

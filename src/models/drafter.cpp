@@ -980,8 +980,9 @@ DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType d
   for (const auto& l : drafter.layers_) {
     // One GEMM each for q/k/v (k/v alone over the context rows) and gate/up: at a speculative
     // step's few rows a GEMM costs its launch, not its bytes. The layer's weights are views.
-    auto qkv = cast(at::cat({l.q_proj.detach(), l.k_proj.detach(), l.v_proj.detach()}));
-    auto gate_up = cast(at::cat({l.gate_proj.detach(), l.up_proj.detach()}));
+    // Cast, then concatenated: no transient copy of the pieces in the master dtype.
+    auto qkv = at::cat({cast(l.q_proj), cast(l.k_proj), cast(l.v_proj)});
+    auto gate_up = at::cat({cast(l.gate_proj), cast(l.up_proj)});
     const int64_t q = l.q_proj.size(0), kv = l.k_proj.size(0), f = l.gate_proj.size(0);
     layers_.push_back({cast(l.input_norm), cast(l.post_attention_norm), qkv.narrow(0, 0, q),
                        qkv.narrow(0, q, kv), qkv.narrow(0, q + kv, kv), cast(l.o_proj),

@@ -57,6 +57,17 @@ TEST(SpeculativeStep, GreedyVerdictsOnCpu) {
   kernels::greedy_verdicts(tokens, choices, 4, &advance);
   EXPECT_TRUE(advance.length.equal(longs({13, 0, 52})));
   EXPECT_TRUE(advance.last.equal(longs({99, 0, 34})));
+  // Room and stop tokens: slot 0 commits 11, 12, 99 (room 5 -> 2); slot 2 would commit 31, 32,
+  // 33, 34 with room 2, out of room at 32; slot 1 is idle. With 12 a stop token slot 0 stops
+  // there (12 not kept: room 4).
+  for (bool stop_12 : {false, true}) {
+    kernels::SlotAdvance walk{at::zeros({3}, kLong), longs({10, 4, 50}), longs({1, 0, 1}), 99,
+                              longs({5, 7, 2}), stop_12 ? longs({12, 500}) : longs({500})};
+    kernels::greedy_verdicts(tokens, choices, 4, &walk);
+    EXPECT_TRUE(walk.active.equal(longs({stop_12 ? 0 : 1, 0, 0})));
+    EXPECT_TRUE(walk.room.equal(longs({stop_12 ? 4 : 2, 7, 0})));
+    EXPECT_TRUE(walk.length.equal(longs({stop_12 ? 0 : 13, 0, 0})));
+  }
   EXPECT_THROW(kernels::greedy_verdicts(tokens, choices, 5), Error);
   EXPECT_THROW(kernels::greedy_verdicts(tokens, choices.to(at::kInt), 4), Error);
 }
@@ -115,6 +126,17 @@ TEST(SpeculativeStepGpu, GreedyVerdictsMatchTheReference) {
       kernels::greedy_verdicts(tokens.cuda(), choices.cuda(), bs, &gpu);
       EXPECT_TRUE(gpu.length.cpu().equal(cpu.length));
       EXPECT_TRUE(gpu.last.cpu().equal(cpu.last));
+      // With room (0..5 tokens) and stop tokens 1 and 3.
+      auto room = at::randint(0, 6, {n}, kLong);
+      cpu.room = room.clone();
+      cpu.stops = longs({1, 3});
+      gpu.room = room.cuda();
+      gpu.stops = cpu.stops.cuda();
+      kernels::greedy_verdicts(tokens, choices, bs, &cpu);
+      kernels::greedy_verdicts(tokens.cuda(), choices.cuda(), bs, &gpu);
+      EXPECT_TRUE(gpu.room.cpu().equal(cpu.room));
+      EXPECT_TRUE(gpu.active.cpu().equal(cpu.active));
+      EXPECT_TRUE(gpu.length.cpu().equal(cpu.length));
     }
   }
 }
