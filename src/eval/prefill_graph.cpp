@@ -21,6 +21,7 @@ constexpr int64_t kSmallestBucket = 64, kLargestBucket = 2048;
 struct PrefillGraphs::Bucket {
   at::cuda::CUDAGraph graph;
   models::AppendBatch batch;  // one entry of `tokens` at position 0
+  at::Tensor positions;       // 0..tokens-1: held, the graph reads it
   at::Tensor input;           // int64 [tokens + 2]
   at::Tensor logits;          // [1, V]: the captured outputs
   at::Tensor features;        // [tokens, K*H] or undefined
@@ -53,7 +54,7 @@ PrefillGraphs::Bucket& PrefillGraphs::captured(int64_t tokens, int64_t slot) {
   auto b = std::make_unique<Bucket>();
   b->batch = models::AppendBatch::make(cache_, {slot}, {tokens});
   b->input = at::zeros({tokens + 2}, b->batch.positions.options());
-  const at::Tensor positions = b->batch.positions.clone();
+  b->positions = b->batch.positions.clone();
   const models::ForwardRequest request{.tap_layers = taps_,
                                        .logits = models::Logits::kLast,
                                        .logit_rows = b->input.narrow(0, tokens, 1)};
@@ -62,7 +63,7 @@ PrefillGraphs::Bucket& PrefillGraphs::captured(int64_t tokens, int64_t slot) {
       [&] {
         auto& batch = b->batch;
         const at::Tensor first_row = b->input.narrow(0, tokens + 1, 1);
-        at::add_out(batch.rows, positions, first_row);
+        at::add_out(batch.rows, b->positions, first_row);
         batch.key_starts.narrow(0, 0, 1).copy_(first_row);
         if (batch.token_key_starts.defined()) {
           batch.token_key_starts.narrow(0, 0, tokens).copy_(first_row.expand({tokens}));
