@@ -487,19 +487,23 @@ bool SpeculativeDecoder::Session::admit_late(LateStep& step) {
   return slots_.admit([&](int64_t slot) { cache_.reset(slot); },
                       [&](const std::vector<int64_t>& group) {
                         auto first = prefill(group).to(at::kLong);
-                        std::vector<int64_t> lengths, room;
+                        std::vector<int64_t> state;  // lengths, then room, then activity
                         for (int64_t slot : group) {
-                          lengths.push_back(slots_[slot].prompt_length());
-                          // The first token is kept unless it ends the sequence, which the
-                          // host then finds (the device steps the slot once for nothing).
-                          room.push_back(slots_.max_tokens(slot) - 1);
+                          state.push_back(slots_[slot].prompt_length());
                           step.admitted.emplace_back(slot, slots_[slot].serial);
                         }
+                        // The first token is kept unless it is a stop token, which the host
+                        // then finds (the device steps the slot once for nothing); a request
+                        // of one token has no step at all.
+                        for (int64_t slot : group) state.push_back(slots_.max_tokens(slot) - 1);
+                        for (int64_t slot : group) state.push_back(slots_.max_tokens(slot) > 1);
+                        const int64_t n = std::ssize(group);
                         auto index = upload(at::tensor(group, long_opts_));
+                        auto values = upload(at::tensor(state, long_opts_));
                         d.last.index_copy_(0, index, first);
-                        d.length.index_copy_(0, index, upload(at::tensor(lengths, long_opts_)));
-                        d.room.index_copy_(0, index, upload(at::tensor(room, long_opts_)));
-                        d.active.index_fill_(0, index, 1);
+                        d.length.index_copy_(0, index, values.narrow(0, 0, n));
+                        d.room.index_copy_(0, index, values.narrow(0, n, n));
+                        d.active.index_copy_(0, index, values.narrow(0, 2 * n, n));
                         step.firsts.push_back(first);
                       });
 }
