@@ -4,11 +4,16 @@
 // kernel_bench::registry() run in order: the decode step's kernels, the fused norm/activation
 // kernels, the MoE prefill's combine, the optimizer's, the drafter's training kernels, the
 // prefill's causal attention, and Gated DeltaNet's and gpt-oss-120b's MXFP4 experts at their
-// own shapes (--gated-delta-only, --mxfp4-only: those alone, whatever the preset).
+// own shapes (--gated-delta-only, --mxfp4-only: those alone, whatever the preset; --only: the
+// named ones).
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "cli/commands.h"
 #include "common/error.h"
@@ -28,9 +33,32 @@ struct BenchKernelsOptions {
   bool gated_delta_only = false;
   bool mxfp4_only = false;
   bool fp8_blocks_only = false;
+  std::vector<std::string> only;  // registry names; empty: every benchmark
 };
 
+// The registry's entries named in `only` (all where it is empty), in the registry's order;
+// fails naming the choices for a name it lacks.
+std::vector<kernel_bench::Entry> selected(const std::vector<std::string>& only) {
+  const auto all = kernel_bench::registry();
+  std::vector<std::string> names;
+  for (const auto& e : all) names.emplace_back(e.name);
+  for (const auto& name : only) {
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
+      fail("bench-kernels: --only {}: no such benchmark (choices: {})", name,
+           fmt::join(names, ", "));
+    }
+  }
+  std::vector<kernel_bench::Entry> out;
+  for (const auto& e : all) {
+    if (only.empty() || std::find(only.begin(), only.end(), e.name) != only.end()) {
+      out.push_back(e);
+    }
+  }
+  return out;
+}
+
 void run_bench_kernels(const BenchKernelsOptions& o) {
+  const auto benches = selected(o.only);
   const at::Device device = device_option(o.device);
   if (!device.is_cuda()) fail("bench-kernels: needs a CUDA device, got {}", device.str());
   for (int64_t m : o.timing.rows) {
@@ -83,7 +111,7 @@ void run_bench_kernels(const BenchKernelsOptions& o) {
   fmt::print("bench-kernels: {} shapes, bf16 on {}, {} calls per graph x {} replays\n", o.preset,
              device.str(), o.timing.calls, o.timing.iters);
   header();
-  for (const auto& bench : kernel_bench::registry()) bench.run(b);
+  for (const auto& bench : benches) bench.run(b);
   if (!o.json_out.empty()) {
     write_file_atomic(o.json_out, nlohmann::json{{"preset", o.preset}, {"lines", lines}}.dump(2));
   }
@@ -107,6 +135,9 @@ void add_bench_kernels_command(CLI::App& app) {
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
   add_json_option(*cmd, o->json_out, "the results");
+  cmd->add_option("--only", o->only,
+                  "only these benchmarks, by name (e.g. decode_attention,block_attention)")
+      ->delimiter(',');
   cmd->add_flag("--gated-delta-only", o->gated_delta_only,
                 "only Gated DeltaNet's kernels (Qwen3.5-27B shapes, whatever the preset)");
   cmd->add_flag("--mxfp4-only", o->mxfp4_only,

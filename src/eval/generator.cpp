@@ -182,8 +182,9 @@ GenerationStats Generator::run(const NextFn& next, const DoneFn& done) {
               prompts.push_back(at::tensor(slots[slot].request.prompt, long_opts));
             }
             auto batch = AppendBatch::make(cache_, group, counts);
-            logits = model_.forward_cached(upload_to(device, at::cat(prompts)), batch, cache_,
-                                           {{}, Logits::kLast})
+            logits = model_
+                         .forward_cached(upload_to(device, at::cat(prompts)), batch, cache_,
+                                         {{}, Logits::kLast})
                          .logits;
           }
           auto first = sample_tokens(logits, sampling, uniforms(group));

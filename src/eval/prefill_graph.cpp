@@ -28,8 +28,7 @@ struct PrefillGraphs::Bucket {
 };
 
 PrefillGraphs::PrefillGraphs(const models::TargetModel& target, models::KVCache& cache,
-                             std::vector<int64_t> tap_layers, ContextFn context,
-                             int64_t max_tokens)
+                             std::vector<int64_t> tap_layers, ContextFn context, int64_t max_tokens)
     : target_(target),
       cache_(cache),
       taps_(std::move(tap_layers)),

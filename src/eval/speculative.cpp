@@ -3,13 +3,12 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <chrono>
 #include <functional>
 #include <numeric>
-
-#include <fmt/core.h>
 
 #include "common/error.h"
 #include "common/upload.h"
@@ -195,8 +194,8 @@ at::Tensor SpeculativeDecoder::whole_step(const AppendBatch& batch, const at::Te
 
 at::Tensor SpeculativeDecoder::late_step(const AppendBatch& batch, const at::Tensor& tokens) {
   const DeviceSlots& d = device_slots_;
-  const kernels::SlotAdvance advance{d.last, d.length, d.active, options_.context, d.room,
-                                     stop_tokens_};
+  const kernels::SlotAdvance advance{d.last,           d.length, d.active,
+                                     options_.context, d.room,   stop_tokens_};
   return whole_step(batch, tokens, &advance);
 }
 
@@ -244,9 +243,9 @@ SpeculativeDecoder::SpeculativeDecoder(const models::TargetModel& target, DraftS
       };
     }
     // A capturable source's context cache holds the context and one block per slot.
-    prefill_ = std::make_shared<PrefillGraphs>(target_, cache_, drafter_.tap_layers(),
-                                               std::move(context),
-                                               options_.context + drafter_.block_size());
+    prefill_ =
+        std::make_shared<PrefillGraphs>(target_, cache_, drafter_.tap_layers(), std::move(context),
+                                        options_.context + drafter_.block_size());
   }
 }
 

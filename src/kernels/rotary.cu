@@ -286,8 +286,8 @@ void rotary_tables_cuda(const at::Tensor& positions, const at::Tensor& inv_freq,
     using T = decltype(tag);
     auto run = [&](auto* p) {
       rotary_tables_kernel<<<blocks, kThreads, 0, stream>>>(
-          p, inv_freq.data_ptr<float>(), tokens, half, static_cast<float>(scaling),
-          scaling != 1.0, reinterpret_cast<T*>(cos.data_ptr()), reinterpret_cast<T*>(sin.data_ptr()));
+          p, inv_freq.data_ptr<float>(), tokens, half, static_cast<float>(scaling), scaling != 1.0,
+          reinterpret_cast<T*>(cos.data_ptr()), reinterpret_cast<T*>(sin.data_ptr()));
     };
     if (positions.scalar_type() == at::kLong) {
       run(positions.data_ptr<int64_t>());

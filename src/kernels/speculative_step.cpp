@@ -99,8 +99,7 @@ at::Tensor greedy_verdicts_reference(const at::Tensor& tokens, const at::Tensor&
                                      int64_t block, const SlotAdvance* advance) {
   const int64_t n = tokens.size(0) / block, bs = block;
   auto b = tokens.view({n, bs}), c = choices.view({n, bs});
-  auto accepted =
-      b.narrow(1, 1, bs - 1).eq(c.narrow(1, 0, bs - 1)).to(at::kLong).cumprod(1).sum(1);
+  auto accepted = b.narrow(1, 1, bs - 1).eq(c.narrow(1, 0, bs - 1)).to(at::kLong).cumprod(1).sum(1);
   auto bonus = c.gather(1, accepted.unsqueeze(1)).squeeze(1);
   if (advance != nullptr && advance->room.defined()) {
     // The walk of each active slot's committed tokens, on the host (the reference's job is to

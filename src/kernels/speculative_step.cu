@@ -44,9 +44,8 @@ __global__ void place_blocks_kernel(const int64_t* __restrict__ starts,
 __global__ void greedy_verdicts_kernel(const int64_t* __restrict__ tokens,
                                        const int64_t* __restrict__ choices, int64_t n, int bs,
                                        int64_t* __restrict__ verdicts, int64_t* __restrict__ last,
-                                       int64_t* __restrict__ length,
-                                       int64_t* __restrict__ active, int64_t context,
-                                       int64_t* __restrict__ room,
+                                       int64_t* __restrict__ length, int64_t* __restrict__ active,
+                                       int64_t context, int64_t* __restrict__ room,
                                        const int64_t* __restrict__ stops, int64_t n_stops) {
   for (int64_t t = threadIdx.x; t < n * bs; t += blockDim.x) verdicts[t] = tokens[t];
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -87,9 +86,9 @@ void place_blocks_cuda(const at::Tensor& starts, const at::Tensor& offsets,
   const int bs = static_cast<int>(total / starts.size(0));
   auto int_ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<int>() : nullptr; };
   place_blocks_kernel<<<grid_stride_blocks(total, kThreads), kThreads, 0, stream>>>(
-      starts.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), base_rows.data_ptr<int64_t>(),
-      total, bs, out.positions.data_ptr<int64_t>(), out.rows.data_ptr<int64_t>(),
-      out.seen.data_ptr<int>(), int_ptr(out.token_seen), int_ptr(out.block_seen),
+      starts.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), base_rows.data_ptr<int64_t>(), total,
+      bs, out.positions.data_ptr<int64_t>(), out.rows.data_ptr<int64_t>(), out.seen.data_ptr<int>(),
+      int_ptr(out.token_seen), int_ptr(out.block_seen),
       last.defined() ? last.data_ptr<int64_t>() : nullptr,
       tokens.defined() ? tokens.data_ptr<int64_t>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -115,7 +115,10 @@ def case_options(s: Setup):
     for option, value in (("--threads", "-1"), ("--shard-tokens", "0"), ("--max-length", "0")):
         refused(prep_cmd + [option, value], option)
     refused([s.dflash, "pretrain", "--data", chat, "--out", s.work / "pt", "--lr", "-1"], "--lr")
-    print("ok: eval, generate, prepare and pretrain options out of range refused, naming them")
+    refused([s.dflash, "bench-kernels", "--only", "decode_attention,nope"], "nope",
+            "decode_attention")  # the unknown name and the choices, before any device check
+    print("ok: eval, generate, prepare, pretrain and bench-kernels options out of range refused, "
+          "naming them")
     helps = run([s.dflash, "train", "--help"]).stdout
     for option, shown in (("--lr", "FLOAT:(0,inf)"), ("--max-anchors", "INT:[1,inf)"),
                           ("--warmup-ratio", "FLOAT:[0,1]")):

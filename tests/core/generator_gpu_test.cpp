@@ -102,9 +102,9 @@ TEST_F(DecodeGpu, PrefillGraphsMatchTheEagerPrefill) {
   for (size_t i = 0; i < seqs.size(); ++i) {
     SCOPED_TRACE("prompt " + std::to_string(i));
     const int64_t slot = slots[i], n = std::ssize(seqs[i]);
-    auto want = model.forward_cached(at::tensor(seqs[i], at::kLong).to(at::kCUDA),
-                                     AppendBatch::make(eager, {slot}, {n}), eager,
-                                     {{0, 1}, Logits::kLast});
+    auto want =
+        model.forward_cached(at::tensor(seqs[i], at::kLong).to(at::kCUDA),
+                             AppendBatch::make(eager, {slot}, {n}), eager, {{0, 1}, Logits::kLast});
     auto got = graphs.run(slot, seqs[i]);
     EXPECT_EQ(graphed.length(slot), n);
     EXPECT_CLOSE(got.logits, want.logits, 2e-2);

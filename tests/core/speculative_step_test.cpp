@@ -2,11 +2,12 @@
 // tables kernel (kernels/rotary.h) against their ATen references: exactly, since they only
 // index, compare and compute each table entry with the reference's fp32 operations. The CPU
 // cases pin the references themselves to hand-worked values; GPU cases skip without a GPU.
+#include "kernels/speculative_step.h"
+
 #include <gtest/gtest.h>
 
 #include "common/error.h"
 #include "kernels/rotary.h"
-#include "kernels/speculative_step.h"
 
 namespace dflash {
 namespace {
@@ -61,8 +62,9 @@ TEST(SpeculativeStep, GreedyVerdictsOnCpu) {
   // 33, 34 with room 2, out of room at 32; slot 1 is idle. With 12 a stop token slot 0 stops
   // there (12 not kept: room 4).
   for (bool stop_12 : {false, true}) {
-    kernels::SlotAdvance walk{at::zeros({3}, kLong), longs({10, 4, 50}), longs({1, 0, 1}), 99,
-                              longs({5, 7, 2}), stop_12 ? longs({12, 500}) : longs({500})};
+    kernels::SlotAdvance walk{at::zeros({3}, kLong), longs({10, 4, 50}),
+                              longs({1, 0, 1}),      99,
+                              longs({5, 7, 2}),      stop_12 ? longs({12, 500}) : longs({500})};
     kernels::greedy_verdicts(tokens, choices, 4, &walk);
     EXPECT_TRUE(walk.active.equal(longs({stop_12 ? 0 : 1, 0, 0})));
     EXPECT_TRUE(walk.room.equal(longs({stop_12 ? 4 : 2, 7, 0})));
@@ -110,8 +112,8 @@ TEST(SpeculativeStepGpu, GreedyVerdictsMatchTheReference) {
       auto choices = at::randint(0, 4, {n, bs}, kLong);
       auto agree = at::randint(0, bs, {n, 1}, kLong);
       auto mask = at::arange(bs - 1, kLong).unsqueeze(0).lt(agree);
-      tokens.narrow(1, 1, bs - 1).copy_(
-          at::where(mask, choices.narrow(1, 0, bs - 1), tokens.narrow(1, 1, bs - 1)));
+      tokens.narrow(1, 1, bs - 1)
+          .copy_(at::where(mask, choices.narrow(1, 0, bs - 1), tokens.narrow(1, 1, bs - 1)));
       tokens = tokens.view(-1);
       choices = choices.view(-1);
       const auto expected = kernels::greedy_verdicts(tokens, choices, bs);
