@@ -17,6 +17,7 @@
 #include "eval/readback.h"
 #include "eval/slots.h"
 #include "kernels/gated_graph.h"
+#include "kernels/speculative_step.h"
 #include "models/target_head.h"
 
 namespace dflash::eval {

@@ -30,9 +30,12 @@
 
 #include "eval/generator.h"
 #include "eval/sampling.h"
-#include "kernels/speculative_step.h"
 #include "models/drafter.h"
 #include "models/target.h"
+
+namespace dflash::kernels {
+struct SlotAdvance;
+}  // namespace dflash::kernels
 
 namespace dflash::eval {
 

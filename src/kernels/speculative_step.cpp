@@ -17,28 +17,29 @@ void greedy_verdicts_cuda(const at::Tensor& tokens, const at::Tensor& choices, i
 
 namespace {
 
+// A contiguous vector of `dtype` and `size` on ref's device, or a failure naming it.
+void check_vector(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
+                  int64_t size, const at::Tensor& ref) {
+  if (t.scalar_type() != dtype || t.dim() != 1 || t.size(0) != size || !t.is_contiguous() ||
+      t.device() != ref.device()) {
+    fail("{}: {} must be contiguous {} [{}] on {}, got {} {} on {}", op, name, c10::toString(dtype),
+         size, ref.device().str(), c10::toString(t.scalar_type()), t.sizes(), t.device().str());
+  }
+}
+
 void check_long(const char* op, const char* name, const at::Tensor& t, int64_t size,
                 const at::Tensor& ref) {
-  if (t.scalar_type() != at::kLong || t.dim() != 1 || t.size(0) != size || !t.is_contiguous() ||
-      t.device() != ref.device()) {
-    fail("{}: {} must be contiguous int64 [{}] on {}, got {} {} on {}", op, name, size,
-         ref.device().str(), c10::toString(t.scalar_type()), t.sizes(), t.device().str());
-  }
+  check_vector(op, name, t, at::kLong, size, ref);
 }
 
 void check_int(const char* op, const char* name, const at::Tensor& t, int64_t size,
                const at::Tensor& ref) {
-  if (t.scalar_type() != at::kInt || t.dim() != 1 || t.size(0) != size || !t.is_contiguous() ||
-      t.device() != ref.device()) {
-    fail("{}: {} must be contiguous int32 [{}] on {}, got {} {} on {}", op, name, size,
-         ref.device().str(), c10::toString(t.scalar_type()), t.sizes(), t.device().str());
-  }
+  check_vector(op, name, t, at::kInt, size, ref);
 }
 
-// Returns B.
-int64_t check_placement(const at::Tensor& starts, const at::Tensor& offsets,
-                        const at::Tensor& base_rows, const BlockPlacement& out,
-                        const at::Tensor& last, const at::Tensor& tokens) {
+void check_placement(const at::Tensor& starts, const at::Tensor& offsets,
+                     const at::Tensor& base_rows, const BlockPlacement& out, const at::Tensor& last,
+                     const at::Tensor& tokens) {
   const char* op = "place_blocks";
   const int64_t n = starts.dim() == 1 ? starts.size(0) : 0;
   if (n == 0 || offsets.dim() != 1 || offsets.size(0) % n != 0) {
@@ -64,7 +65,6 @@ int64_t check_placement(const at::Tensor& starts, const at::Tensor& offsets,
     check_long(op, "last", last, n, starts);
     check_long(op, "tokens", tokens, total, starts);
   }
-  return total / n;
 }
 
 }  // namespace
