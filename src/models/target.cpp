@@ -975,7 +975,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
                                       at::Tensor& pending, const at::Tensor& cos,
                                       const at::Tensor& sin, bool fused, PrefillGemms gemms,
                                       const CacheRows& cache, const Sequences& seqs,
-                                      Attend&& attend) const {
+                                      Attend&& attend, at::Tensor* entering) const {
   const ModelConfig& c = config_;
   const double eps = c.rms_norm_eps;
   // This rank's heads (all of them without tensor parallelism).
@@ -1009,6 +1009,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     if (!pending.defined()) return finish(rms_norm(x, w.input_norm, eps));
     auto r = add_norm(x, pending, w.input_norm, eps);
     x = r.sum;
+    if (entering != nullptr) *entering = x;
     return r.normed;
   };
   // The token mixer's projections: its input from the normed rows (e4m3 rows written by the
@@ -1141,13 +1142,24 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
       linear->state = cache->linear_state(i);
     }
     const Sequences layer_seqs{seqs.cu_seqlens, seqs.lengths, linear ? &*linear : nullptr};
-    x = decoder_layer(layers_[i], x, pending, cos, sin, fused, request.gemms, rows, layer_seqs,
-                      [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-                        return attend(i, q, k, v);
-                      });
-    // Holding x only where tapped lets every other layer's output be freed.
+    at::Tensor entering;
+    x = decoder_layer(
+        layers_[i], x, pending, cos, sin, fused, request.gemms, rows, layer_seqs,
+        [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+          return attend(i, q, k, v);
+        },
+        &entering);
+    // Holding x only where tapped lets every other layer's output be freed. A tapped layer
+    // whose MLP add is deferred is read from the next layer's norm, which sums it anyway (the
+    // same bits as x + pending, one pass fewer); the last one computed adds it here.
     for (size_t j = 0; j < request.tap_layers.size(); ++j) {
-      if (request.tap_layers[j] == i) result.taps[j] = pending.defined() ? x + pending : x;
+      if (request.tap_layers[j] == i - 1 && !result.taps[j].defined()) result.taps[j] = entering;
+      if (request.tap_layers[j] != i) continue;
+      if (!pending.defined()) {
+        result.taps[j] = x;
+      } else if (i + 1 == layers) {
+        result.taps[j] = x + pending;
+      }
     }
   }
   if (request.logits == Logits::kNone) return result;

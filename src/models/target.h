@@ -352,12 +352,15 @@ class TargetModel {
   // q/k norms and `cache` defined, K and V go into the cache and attend gets undefined k and v.
   // `gemms` applies to fused passes of more rows than kernels::kSmallLinearFasterRows.
   // A hybrid's linear-attention layer runs the Gated DeltaNet mixer over `seqs` instead of
-  // attend; a gated attention layer scales attend's output by the sigmoid gate.
+  // attend; a gated attention layer scales attend's output by the sigmoid gate. `entering`,
+  // where given: the stream this layer starts from, the previous layer's output, as its input
+  // norm summed it (undefined where there was nothing pending to add) — a tap of the previous
+  // layer without an add of its own.
   template <class Attend>
   at::Tensor decoder_layer(const TargetLayerWeights& w, at::Tensor x, at::Tensor& pending,
                            const at::Tensor& cos, const at::Tensor& sin, bool fused,
                            PrefillGemms gemms, const CacheRows& cache, const Sequences& seqs,
-                           Attend&& attend) const;
+                           Attend&& attend, at::Tensor* entering = nullptr) const;
 
   ModelConfig config_;
   Rotary rotary_;
