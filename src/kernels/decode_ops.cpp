@@ -40,7 +40,7 @@ void check_qk_norm_rotary(const at::Tensor& qkv, int64_t q_heads, int64_t kv_hea
                           const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& cos,
                           const at::Tensor& sin) {
   const int64_t d = q_norm.dim() == 1 ? q_norm.size(0) : 0;
-  if (q_heads <= 0 || kv_heads <= 0 || d <= 0 || d % 2 != 0 || qkv.dim() != 2 ||
+  if (q_heads < 0 || kv_heads <= 0 || d <= 0 || d % 2 != 0 || qkv.dim() != 2 ||
       qkv.size(1) != (q_heads + 2 * kv_heads) * d || k_norm.sizes() != q_norm.sizes()) {
     fail(
         "qk_norm_rotary: qkv must be [T, (Hq + 2 Hkv) D] with Hq = {}, Hkv = {} and an even "

@@ -16,6 +16,7 @@
 #include "common/json_file.h"
 #include "io/safetensors.h"
 #include "kernels/cudnn_attention.h"
+#include "kernels/decode_ops.h"
 #include "kernels/residual_norm.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
@@ -63,15 +64,16 @@ BlockQkv norm_and_rotate(const DrafterLayerWeights& w, const ModelConfig& c, con
   return out;
 }
 
-// The attention inputs of rows h (all at cos/sin), inference: `qkv` is q/k/v_proj
-// concatenated, one GEMM.
-BlockQkv block_qkv(const DrafterLayerWeights& w, const at::Tensor& qkv, const ModelConfig& c,
-                   const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                   at::ScalarType dtype) {
-  auto p = kernels::inference_linear(h, qkv);
-  const int64_t q = w.q_proj.size(0), kv = w.k_proj.size(0);
-  return norm_and_rotate(w, c, p.narrow(1, 0, q), p.narrow(1, q, kv), p.narrow(1, q + kv, kv), cos,
-                         sin, cos, sin, dtype);
+// The block's queries at cos/sin, inference: `qkv` is q/k/v_proj concatenated (one GEMM); the
+// q/k norms, RoPE and the write of K and V to cache rows `rows` of `layer` are one kernel
+// (kernels::qk_norm_rotary_into_cache; three launches as norm_and_rotate and KVCache::update).
+at::Tensor block_queries(const DrafterLayerWeights& w, const at::Tensor& qkv, const ModelConfig& c,
+                         const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                         KVCache& cache, int64_t layer, const at::Tensor& rows) {
+  return kernels::qk_norm_rotary_into_cache(kernels::inference_linear(h, qkv), c.num_heads,
+                                            c.num_kv_heads, w.q_norm, w.k_norm, cos, sin,
+                                            c.rms_norm_eps, cache.keys(layer), cache.values(layer),
+                                            rows);
 }
 
 // Rows of block positions 1..B-1 of [blocks*B, ...] rows (a copy; its backward scatters).
@@ -96,18 +98,16 @@ at::Tensor spread_to_blocks(const at::Tensor& distinct, int64_t blocks, int64_t 
 }
 
 // K/V injection: the same k_proj/v_proj (and k_norm, RoPE at absolute positions) over the
-// context rows as over the block rows. The context is not passed through input_layernorm
-// (z-lab's DFlashDraftModel feeds hidden_norm(fc(taps)) straight to k_proj/v_proj), and it
-// skips Q, O and the MLP. Inference: `kv` is k/v_proj concatenated, one GEMM.
-std::pair<at::Tensor, at::Tensor> context_kv(const DrafterLayerWeights& w, const at::Tensor& kv,
-                                             const ModelConfig& c, const at::Tensor& ctx,
-                                             const at::Tensor& cos, const at::Tensor& sin,
-                                             at::ScalarType dtype) {
-  auto p = kernels::inference_linear(ctx, kv);
-  const int64_t width = w.k_proj.size(0);
-  auto out = norm_and_rotate(w, c, at::Tensor(), p.narrow(1, 0, width), p.narrow(1, width, width),
-                             {}, {}, cos, sin, dtype);
-  return {out.k, out.v};
+// context rows as over the block rows, written to cache rows `rows` of `layer`. The context is
+// not passed through input_layernorm (z-lab's DFlashDraftModel feeds hidden_norm(fc(taps))
+// straight to k_proj/v_proj), and it skips Q, O and the MLP. Inference: `kv` is k/v_proj
+// concatenated (one GEMM), then the norm, RoPE and the write in one kernel (no query heads).
+void write_context_kv(const DrafterLayerWeights& w, const at::Tensor& kv, const ModelConfig& c,
+                      const at::Tensor& ctx, const at::Tensor& cos, const at::Tensor& sin,
+                      KVCache& cache, int64_t layer, const at::Tensor& rows) {
+  kernels::qk_norm_rotary_into_cache(kernels::inference_linear(ctx, kv), /*q_heads=*/0,
+                                     c.num_kv_heads, w.k_norm, w.k_norm, cos, sin, c.rms_norm_eps,
+                                     cache.keys(layer), cache.values(layer), rows);
 }
 
 // hidden_norm(fc(features)): the context every drafter layer reads.
@@ -1041,8 +1041,8 @@ void DraftModel::write_context(KVCache& cache, const AppendBatch& batch,
   auto ctx = fused_context(config_, features.to(device()), fc_, hidden_norm_, dtype_);
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    auto [k, v] = context_kv(layers_[l], fused_[l].kv, config_.layers, ctx, cos, sin, dtype_);
-    cache.update(static_cast<int64_t>(l), batch.rows, k, v);
+    write_context_kv(layers_[l], fused_[l].kv, config_.layers, ctx, cos, sin, cache,
+                     static_cast<int64_t>(l), batch.rows);
   }
 }
 
@@ -1077,8 +1077,8 @@ at::Tensor DraftModel::hidden(KVCache& cache, const AppendBatch& batch,
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& w = layers_[l];
     auto [x, h] = add_and_norm(stream, w.input_norm.to(dtype_), c.rms_norm_eps);
-    auto [q, k, v] = block_qkv(w, fused_[l].qkv, c, h, cos, sin, dtype_);
-    cache.update(static_cast<int64_t>(l), batch.rows, k, v);
+    auto q =
+        block_queries(w, fused_[l].qkv, c, h, cos, sin, cache, static_cast<int64_t>(l), batch.rows);
     // A sliding layer's block is causal with its window, a full layer's both ways.
     const int64_t window = config_.window(static_cast<int64_t>(l));
     auto attn = window > 0
