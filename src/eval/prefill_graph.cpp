@@ -53,6 +53,9 @@ PrefillGraphs::Bucket& PrefillGraphs::captured(int64_t tokens, int64_t slot) {
   auto b = std::make_unique<Bucket>();
   b->batch = models::AppendBatch::make(cache_, {slot}, {tokens});
   b->input = at::zeros({tokens + 2}, b->batch.positions.options());
+  // The capture's warm-up passes run for real: aimed at `slot`'s rows, not at row 0, the first
+  // row of slot 0, which may hold a live sequence (a graph captured while others decode).
+  b->input.narrow(0, tokens + 1, 1).fill_(slot * cache_.capacity());
   b->positions = b->batch.positions.clone();
   const models::ForwardRequest request{.tap_layers = taps_,
                                        .logits = models::Logits::kLast,

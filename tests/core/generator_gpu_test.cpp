@@ -90,15 +90,17 @@ TEST_F(DecodeGpu, CachedForwardMatchesPackedForward) {
 TEST_F(DecodeGpu, PrefillGraphsMatchTheEagerPrefill) {
   auto model = testing::peaked_target(config_, at::kCUDA, at::kBFloat16, 1);
   ASSERT_TRUE(eval::PrefillGraphs::supported(model));
-  KVCache eager(config_, 3, 128, at::kCUDA, at::kBFloat16);
-  KVCache graphed(config_, 3, 128, at::kCUDA, at::kBFloat16);
+  KVCache eager(config_, 4, 128, at::kCUDA, at::kBFloat16);
+  KVCache graphed(config_, 4, 128, at::kCUDA, at::kBFloat16);
   eval::PrefillGraphs graphs(model, graphed, {0, 1});
   EXPECT_FALSE(graphs.serves(0));
   EXPECT_TRUE(graphs.serves(64));
   EXPECT_TRUE(graphs.serves(65));    // a bucket of 128: a slot's rows
   EXPECT_FALSE(graphs.serves(129));  // 256 rows would exceed a slot
-  const auto seqs = prompts({23, 40, 7});
-  const std::vector<int64_t> slots = {1, 0, 2};  // the first captures the bucket on slot 1
+  // The first captures the 64 bucket on slot 1; the last the 128 bucket on slot 3 while the
+  // other slots hold prompts, which its capture must leave as they are.
+  const auto seqs = prompts({23, 40, 7, 70});
+  const std::vector<int64_t> slots = {1, 0, 2, 3};
   for (size_t i = 0; i < seqs.size(); ++i) {
     SCOPED_TRACE("prompt " + std::to_string(i));
     const int64_t slot = slots[i], n = std::ssize(seqs[i]);
@@ -114,6 +116,14 @@ TEST_F(DecodeGpu, PrefillGraphsMatchTheEagerPrefill) {
                    eager.keys(layer).narrow(0, slot * 128, n), 2e-2);
       EXPECT_CLOSE(graphed.values(layer).narrow(0, slot * 128, n),
                    eager.values(layer).narrow(0, slot * 128, n), 2e-2);
+    }
+  }
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    SCOPED_TRACE("slot " + std::to_string(slots[i]) + " after every prefill");
+    const int64_t first = slots[i] * 128, n = std::ssize(seqs[i]);
+    for (int64_t layer = 0; layer < config_.num_layers; ++layer) {
+      EXPECT_CLOSE(graphed.keys(layer).narrow(0, first, n), eager.keys(layer).narrow(0, first, n),
+                   2e-2);
     }
   }
   EXPECT_THROW(graphs.run(1, seqs[0]), Error);  // slot 1 is not empty
