@@ -45,6 +45,7 @@ struct BenchDecodeOptions {
   bool window_rings = true;           // sliding layers cache only their windows (gpt-oss)
   int64_t per_token_attention_max = -1;  // models::set_per_token_attention_max_tokens; -1: keep
   bool block_attention = true;           // models::set_block_attention_kernel
+  bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
 };
 
 std::vector<std::vector<int64_t>> random_prompts(int64_t n, int64_t length, int64_t vocab,
@@ -109,7 +110,7 @@ SpeculativeTiming time_speculative(const models::TargetModel& model, const model
                                    int64_t tree_budget, const BenchDecodeOptions& o,
                                    const std::string& trace = "", bool late = true) {
   auto run = [&](int64_t tokens) {
-    eval::DFlashDraftSource source(drafter, model);
+    eval::DFlashDraftSource source(drafter, model, 0, o.drafter_fp8);
     eval::SpeculativeOptions s;
     s.slots = static_cast<int64_t>(prompts.size());
     s.max_new_tokens = tokens;
@@ -462,6 +463,8 @@ void add_bench_decode_command(CLI::App& app) {
                   "blocks of at most this many new tokens in all attend as one-query sequences "
                   "(flash's split-KV path; 0: never; default: the built-in setting)")
       ->check(kNonNegative.validator());
+  cmd->add_flag("--drafter-fp8", o->drafter_fp8,
+                "the drafter's projections and LM head as e4m3 weights and FP8 GEMMs");
   cmd->add_flag("--no-block-attention{false}", o->block_attention,
                 "blocks of at most 16 tokens per sequence attend through flash (or per token) "
                 "instead of kernels/block_attention");

@@ -73,11 +73,11 @@ void run_eval(const EvalCliOptions& o) {
   options.stop_tokens = eval::stop_tokens(o.target, tokenizer, chat.format);
   // Progress goes to stderr so that --json leaves stdout to the report.
   if (speaks) {
-    fmt::print(stderr, "eval: target {} ({} on {}{}), drafter {} (block {}), {} prompt file(s)\n",
+    fmt::print(stderr, "eval: target {} ({} on {}{}), drafter {} (block {}{}), {} prompt file(s)\n",
                o.target, c10::toString(dtype), device.str(),
                group ? fmt::format(", split over {} ranks, without CUDA graphs", o.target_tp) : "",
                o.drafter, options.block_size > 0 ? options.block_size : drafter.config().block_size,
-               files.size());
+               options.drafter_fp8 ? ", FP8 weights" : "", files.size());
   }
   eval::Evaluator evaluator(target, tokenizer, chat, std::move(files), options);
   const auto report = evaluator.evaluate(drafter);
@@ -116,6 +116,9 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--max-new-tokens", o->eval.max_new_tokens, "tokens per answer at most")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
+  cmd->add_flag("--drafter-fp8", o->eval.drafter_fp8,
+                "the drafter's projections and LM head as e4m3 weights and FP8 GEMMs (bf16; half "
+                "the bytes a draft reads; the output is still the target's)");
   cmd->add_option("--block-size", o->eval.block_size, "drafted block (default: the drafter's)")
       ->check(at_least(2).validator());
   cmd->add_option("--tree-budget", o->eval.tree_budgets,

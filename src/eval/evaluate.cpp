@@ -321,7 +321,7 @@ Evaluator::Evaluator(const models::TargetModel& target, const tok::Tokenizer& to
 }
 
 EvalReport Evaluator::evaluate(const models::Drafter& drafter) const {
-  DFlashDraftSource source(drafter, target_, options_.block_size);
+  DFlashDraftSource source(drafter, target_, options_.block_size, options_.drafter_fp8);
   return evaluate(source);
 }
 

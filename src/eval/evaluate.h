@@ -48,6 +48,7 @@ struct EvalOptions {
   int64_t slots = 1;    // prompts decoded together (1: the latency setting the paper reports)
   int64_t context = 0;  // prompt + answer tokens at most; 0: the target's max_position_embeddings
   int64_t block_size = 0;        // drafted block; 0: the drafter's own
+  bool drafter_fp8 = false;      // the drafter's weights in e4m3 (models::DraftModel)
   bool enable_thinking = false;  // Qwen3's switch in the generation prompt
   std::vector<int64_t> stop_tokens;
   bool cuda_graph = true;  // target-only decode step and speculative verify pass, where possible

@@ -26,8 +26,9 @@ using models::AppendBatch;
 using models::Logits;
 
 DFlashDraftSource::DFlashDraftSource(const models::Drafter& drafter,
-                                     const models::TargetModel& target, int64_t block_size)
-    : model_(drafter, models::whole_target_head(target), target.dtype(), block_size) {
+                                     const models::TargetModel& target, int64_t block_size,
+                                     bool fp8_weights)
+    : model_(drafter, models::whole_target_head(target), target.dtype(), block_size, fp8_weights) {
   drafter.config().validate(target.config());
 }
 

@@ -107,11 +107,12 @@ class DraftSource {
 // The DFlash drafter (models::DraftModel) with its context cache, in the target's dtype.
 class DFlashDraftSource final : public DraftSource {
  public:
-  // `block_size` 0: the drafter's own (see models::DraftModel). Of a tensor-parallel target it
+  // `block_size` 0: the drafter's own; `fp8_weights`: its weights and LM head in e4m3 (both as
+  // models::DraftModel takes them). Of a tensor-parallel target it
   // gathers the whole embedding and LM head (models::whole_target_head), a collective of the
   // group: every rank drafts the same tokens from a whole copy.
   DFlashDraftSource(const models::Drafter& drafter, const models::TargetModel& target,
-                    int64_t block_size = 0);
+                    int64_t block_size = 0, bool fp8_weights = false);
   int64_t block_size() const override { return model_.block_size(); }
   std::vector<int64_t> tap_layers() const override { return model_.config().target_layer_ids; }
   void start(int64_t slots, int64_t context) override;

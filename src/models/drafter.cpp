@@ -17,6 +17,7 @@
 #include "io/safetensors.h"
 #include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
+#include "kernels/fp8_rows.h"
 #include "kernels/residual_norm.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
@@ -64,16 +65,16 @@ BlockQkv norm_and_rotate(const DrafterLayerWeights& w, const ModelConfig& c, con
   return out;
 }
 
-// The block's queries at cos/sin, inference: `qkv` is q/k/v_proj concatenated (one GEMM); the
-// q/k norms, RoPE and the write of K and V to cache rows `rows` of `layer` are one kernel
-// (kernels::qk_norm_rotary_into_cache; three launches as norm_and_rotate and KVCache::update).
-at::Tensor block_queries(const DrafterLayerWeights& w, const at::Tensor& qkv, const ModelConfig& c,
-                         const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                         KVCache& cache, int64_t layer, const at::Tensor& rows) {
-  return kernels::qk_norm_rotary_into_cache(kernels::inference_linear(h, qkv), c.num_heads,
-                                            c.num_kv_heads, w.q_norm, w.k_norm, cos, sin,
-                                            c.rms_norm_eps, cache.keys(layer), cache.values(layer),
-                                            rows);
+// The block's queries at cos/sin, inference: `qkv` is the block rows' q/k/v_proj output (one
+// GEMM); the q/k norms, RoPE and the write of K and V to cache rows `rows` of `layer` are one
+// kernel (kernels::qk_norm_rotary_into_cache; three launches as norm_and_rotate and
+// KVCache::update).
+at::Tensor block_queries(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& qkv,
+                         const at::Tensor& cos, const at::Tensor& sin, KVCache& cache,
+                         int64_t layer, const at::Tensor& rows) {
+  return kernels::qk_norm_rotary_into_cache(qkv, c.num_heads, c.num_kv_heads, w.q_norm, w.k_norm,
+                                            cos, sin, c.rms_norm_eps, cache.keys(layer),
+                                            cache.values(layer), rows);
 }
 
 // Rows of block positions 1..B-1 of [blocks*B, ...] rows (a copy; its backward scatters).
@@ -100,36 +101,39 @@ at::Tensor spread_to_blocks(const at::Tensor& distinct, int64_t blocks, int64_t 
 // K/V injection: the same k_proj/v_proj (and k_norm, RoPE at absolute positions) over the
 // context rows as over the block rows, written to cache rows `rows` of `layer`. The context is
 // not passed through input_layernorm (z-lab's DFlashDraftModel feeds hidden_norm(fc(taps))
-// straight to k_proj/v_proj), and it skips Q, O and the MLP. Inference: `kv` is k/v_proj
-// concatenated (one GEMM), then the norm, RoPE and the write in one kernel (no query heads).
-void write_context_kv(const DrafterLayerWeights& w, const at::Tensor& kv, const ModelConfig& c,
-                      const at::Tensor& ctx, const at::Tensor& cos, const at::Tensor& sin,
-                      KVCache& cache, int64_t layer, const at::Tensor& rows) {
-  kernels::qk_norm_rotary_into_cache(kernels::inference_linear(ctx, kv), /*q_heads=*/0,
-                                     c.num_kv_heads, w.k_norm, w.k_norm, cos, sin, c.rms_norm_eps,
-                                     cache.keys(layer), cache.values(layer), rows);
+// straight to k_proj/v_proj), and it skips Q, O and the MLP. Inference: `kv` is the context
+// rows' k/v_proj output (one GEMM), then the norm, RoPE and the write in one kernel (no query
+// heads).
+void write_context_kv(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& kv,
+                      const at::Tensor& cos, const at::Tensor& sin, KVCache& cache, int64_t layer,
+                      const at::Tensor& rows) {
+  kernels::qk_norm_rotary_into_cache(kv, /*q_heads=*/0, c.num_kv_heads, w.k_norm, w.k_norm, cos,
+                                     sin, c.rms_norm_eps, cache.keys(layer), cache.values(layer),
+                                     rows);
+}
+
+void check_features(const DrafterConfig& config, const at::Tensor& features) {
+  const int64_t kh = config.num_taps() * config.layers.hidden_size;
+  if (features.dim() != 2 || features.size(1) != kh) {
+    fail("drafter: features must be [tokens, {}] ({} taps x hidden {}), got {}", kh,
+         config.num_taps(), config.layers.hidden_size, features.sizes());
+  }
 }
 
 // hidden_norm(fc(features)): the context every drafter layer reads.
 at::Tensor fused_context(const DrafterConfig& config, const at::Tensor& features,
                          const at::Tensor& fc, const at::Tensor& hidden_norm,
                          at::ScalarType dtype) {
-  const int64_t kh = config.num_taps() * config.layers.hidden_size;
-  if (features.dim() != 2 || features.size(1) != kh) {
-    fail("drafter: features must be [tokens, {}] ({} taps x hidden {}), got {}", kh,
-         config.num_taps(), config.layers.hidden_size, features.sizes());
-  }
+  check_features(config, features);
   auto fused = kernels::inference_linear(features.to(dtype), fc.to(dtype));
   return rms_norm(fused, hidden_norm.to(dtype), config.layers.rms_norm_eps);
 }
 
 // The rest of a drafter layer after attention: o_proj and residual, then the SwiGLU MLP, whose
 // output is left pending for the next norm to add.
-// With `fp8`, every projection is an FP8 linear_group (see Drafter::forward). `gate_up`:
-// gate_proj and up_proj concatenated, one inference GEMM for both (DraftModel).
+// With `fp8`, every projection is an FP8 linear_group (see Drafter::forward).
 Residual layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& x,
-                      const at::Tensor& attn, at::ScalarType dtype, bool fp8 = false,
-                      const at::Tensor& gate_up = {}) {
+                      const at::Tensor& attn, at::ScalarType dtype, bool fp8) {
   const int64_t rows = x.size(0);
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight) {
     return fp8 ? linear_group({in}, {weight}, {{0, 0}}, true)[0]
@@ -137,17 +141,9 @@ Residual layer_output(const DrafterLayerWeights& w, const ModelConfig& c, const 
   };
   auto o = linear(attn.reshape({rows, c.num_heads * c.head_dim}), w.o_proj.to(dtype));
   auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm.to(dtype), c.rms_norm_eps);
-  at::Tensor act;
-  if (gate_up.defined()) {
-    auto both = kernels::inference_linear(h2, gate_up);
-    const int64_t f = w.gate_proj.size(0);
-    act = kernels::swiglu(both.narrow(1, 0, f), both.narrow(1, f, f));
-  } else {
-    auto both =
-        linear_group({h2}, {w.gate_proj.to(dtype), w.up_proj.to(dtype)}, {{0, 0}, {0, 1}}, fp8);
-    act = kernels::swiglu(both[0], both[1]);
-  }
-  return {x1, linear(act, w.down_proj.to(dtype))};
+  auto both =
+      linear_group({h2}, {w.gate_proj.to(dtype), w.up_proj.to(dtype)}, {{0, 0}, {0, 1}}, fp8);
+  return {x1, linear(kernels::swiglu(both[0], both[1]), w.down_proj.to(dtype))};
 }
 
 }  // namespace
@@ -965,30 +961,59 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& 
   return layer_output(wp, c, x, attn, dtype, fp8_gemms);
 }
 
+at::Tensor DraftModel::Linear::operator()(const at::Tensor& x) const {
+  if (!data.defined()) return kernels::inference_linear(x, weight);
+  auto rows = x.reshape({-1, x.size(-1)});
+  auto out = at::empty({rows.size(0), data.size(0)}, x.options());
+  kernels::mm_fp8_rows_out(out, kernels::quantize_rows_e4m3(rows), {data, scale});
+  auto sizes = x.sizes().vec();
+  sizes.back() = data.size(0);
+  return out.view(sizes);
+}
+
+DraftModel::Linear DraftModel::Linear::rows(int64_t first, int64_t count) const {
+  if (!data.defined()) return {weight.narrow(0, first, count), {}, {}};
+  return {weight.narrow(0, first, count), data.narrow(0, first, count),
+          scale.narrow(0, first, count)};
+}
+
 DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType dtype,
-                       int64_t block_size)
+                       int64_t block_size, bool fp8_weights)
     : config_(drafter.config_), rotary_(drafter.rotary_), dtype_(dtype) {
   if (block_size != 0) {
     if (block_size < 2) fail("draft model: block size must be at least 2, got {}", block_size);
     config_.block_size = block_size;
   }
+  if (fp8_weights && dtype != at::kBFloat16) {
+    fail("draft model: FP8 drafter weights need the bf16 dtype (FP8 GEMMs write bf16), got {}",
+         at::toString(dtype));
+  }
   // Detached: inference must not extend the autograd graph of a drafter that is training.
   auto cast = [&](const at::Tensor& p) { return p.detach().to(dtype); };
-  fc_ = cast(drafter.fc_);
+  auto linear = [&](const at::Tensor& weight) {
+    // The FP8 GEMM takes sizes in multiples of 16 (a test model's odd vocabulary keeps bf16).
+    if (!fp8_weights || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0) {
+      return Linear{weight, {}, {}};
+    }
+    auto rows = kernels::quantize_rows_e4m3(weight);
+    return Linear{weight, rows.data, rows.scale};
+  };
+  fc_ = linear(cast(drafter.fc_));
   hidden_norm_ = cast(drafter.hidden_norm_);
   norm_ = cast(drafter.norm_);
   for (const auto& l : drafter.layers_) {
     // One GEMM each for q/k/v (k/v alone over the context rows) and gate/up: at a speculative
     // step's few rows a GEMM costs its launch, not its bytes. The layer's weights are views.
     // Cast, then concatenated: no transient copy of the pieces in the master dtype.
-    auto qkv = at::cat({cast(l.q_proj), cast(l.k_proj), cast(l.v_proj)});
-    auto gate_up = at::cat({cast(l.gate_proj), cast(l.up_proj)});
+    auto qkv = linear(at::cat({cast(l.q_proj), cast(l.k_proj), cast(l.v_proj)}));
+    auto gate_up = linear(at::cat({cast(l.gate_proj), cast(l.up_proj)}));
     const int64_t q = l.q_proj.size(0), kv = l.k_proj.size(0), f = l.gate_proj.size(0);
-    layers_.push_back({cast(l.input_norm), cast(l.post_attention_norm), qkv.narrow(0, 0, q),
-                       qkv.narrow(0, q, kv), qkv.narrow(0, q + kv, kv), cast(l.o_proj),
-                       cast(l.q_norm), cast(l.k_norm), gate_up.narrow(0, 0, f),
-                       gate_up.narrow(0, f, f), cast(l.down_proj)});
-    fused_.push_back({qkv, qkv.narrow(0, q, 2 * kv), gate_up});
+    auto o = linear(cast(l.o_proj)), down = linear(cast(l.down_proj));
+    layers_.push_back({cast(l.input_norm), cast(l.post_attention_norm), qkv.weight.narrow(0, 0, q),
+                       qkv.weight.narrow(0, q, kv), qkv.weight.narrow(0, q + kv, kv), o.weight,
+                       cast(l.q_norm), cast(l.k_norm), gate_up.weight.narrow(0, 0, f),
+                       gate_up.weight.narrow(0, f, f), down.weight});
+    fused_.push_back({qkv, qkv.rows(q, 2 * kv), gate_up, o, down});
   }
   if (head.embedding.size(1) != config_.layers.hidden_size ||
       head.lm_head.size(0) != config_.layers.vocab_size) {
@@ -996,7 +1021,8 @@ DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType d
          head.embedding.sizes(), head.lm_head.sizes(), config_.layers.hidden_size,
          config_.layers.vocab_size);
   }
-  head_ = {head.embedding, head.lm_head.to(dtype), {}};
+  embedding_ = head.embedding;
+  lm_head_ = linear(head.lm_head.to(dtype));
 }
 
 KVCache DraftModel::make_cache(int64_t slots, int64_t max_context) const {
@@ -1038,10 +1064,12 @@ void DraftModel::write_context(KVCache& cache, const AppendBatch& batch,
     fail("draft model: features must be [{}, K*H] (the batch's tokens), got {}", batch.total,
          features.sizes());
   }
-  auto ctx = fused_context(config_, features.to(device()), fc_, hidden_norm_, dtype_);
+  check_features(config_, features);
+  auto ctx = rms_norm(fc_(features.to(device(), dtype_)), hidden_norm_,
+                      config_.layers.rms_norm_eps);
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    write_context_kv(layers_[l], fused_[l].kv, config_.layers, ctx, cos, sin, cache,
+    write_context_kv(layers_[l], config_.layers, fused_[l].kv(ctx), cos, sin, cache,
                      static_cast<int64_t>(l), batch.rows);
   }
 }
@@ -1072,19 +1100,24 @@ at::Tensor DraftModel::hidden(KVCache& cache, const AppendBatch& batch,
   const ModelConfig& c = config_.layers;
   auto ids = at::full({n, bs}, config_.mask_token_id, batch.positions.options());
   ids.select(1, 0).copy_(last_tokens);
-  Residual stream{at::embedding(head_.embedding, ids.view({n * bs})).to(dtype_), {}};
+  Residual stream{at::embedding(embedding_, ids.view({n * bs})).to(dtype_), {}};
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& w = layers_[l];
     auto [x, h] = add_and_norm(stream, w.input_norm.to(dtype_), c.rms_norm_eps);
-    auto q =
-        block_queries(w, fused_[l].qkv, c, h, cos, sin, cache, static_cast<int64_t>(l), batch.rows);
+    const auto& f = fused_[l];
+    auto q = block_queries(w, c, f.qkv(h), cos, sin, cache, static_cast<int64_t>(l), batch.rows);
     // A sliding layer's block is causal with its window, a full layer's both ways.
     const int64_t window = config_.window(static_cast<int64_t>(l));
     auto attn = window > 0
                     ? cached_causal_attention(q, cache, static_cast<int64_t>(l), batch, window)
                     : cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
-    stream = layer_output(w, c, x, attn, dtype_, /*fp8=*/false, fused_[l].gate_up);
+    // o_proj and the residual, then the SwiGLU MLP (gate/up one GEMM), its output pending.
+    auto o = f.o(attn.reshape({x.size(0), c.num_heads * c.head_dim}));
+    auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm, c.rms_norm_eps);
+    auto both = f.gate_up(h2);
+    const int64_t ffn = w.gate_proj.size(0);
+    stream = {x1, f.down(kernels::swiglu(both.narrow(1, 0, ffn), both.narrow(1, ffn, ffn)))};
   }
   return add_and_norm(stream, norm_, c.rms_norm_eps).second.view({n, bs, c.hidden_size});
 }
@@ -1101,7 +1134,7 @@ at::Tensor DraftModel::logits(KVCache& cache, const AppendBatch& batch,
 
 at::Tensor DraftModel::predictions(const at::Tensor& hidden) const {
   c10::NoGradGuard no_grad;
-  return kernels::inference_linear(hidden.narrow(1, 1, config_.block_size - 1), head_.lm_head);
+  return lm_head_(hidden.narrow(1, 1, config_.block_size - 1));
 }
 
 at::Tensor DraftModel::draft(KVCache& cache, const std::vector<int64_t>& slots,

@@ -291,8 +291,15 @@ class Drafter {
 class DraftModel {
  public:
   // `block_size` > 0 drafts blocks of that size instead of the trained one (the drafter is
-  // non-causal, so this is a different, usually weaker, model).
-  DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType dtype, int64_t block_size = 0);
+  // non-causal, so this is a different, usually weaker, model). `fp8_weights`: every projection
+  // and the LM head held in e4m3 with a scale per row (quantized here, once) and run as FP8
+  // GEMMs over rows quantized alike: half the bytes a draft reads, which bounds it at batch 1
+  // (docs/DECODING.md); the drafts change a little, the verified output not at all. A weight
+  // whose sizes are not multiples of 16 (the FP8 GEMM's) stays in bf16. Needs
+  // `dtype` bf16; on a device without kernels::fp8_gemm_supported the GEMMs take the
+  // dequantizing reference (tests).
+  DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType dtype, int64_t block_size = 0,
+             bool fp8_weights = false);
 
   // The drafter's context cache (BRIEF, inference step 2): per drafter layer and slot, the
   // K/V of the injected context (k_proj/v_proj over hidden_norm(fc(features)), k_norm, RoPE
@@ -333,20 +340,31 @@ class DraftModel {
   const DrafterConfig& config() const { return config_; }
   int64_t block_size() const { return config_.block_size; }
   at::ScalarType dtype() const { return dtype_; }
-  at::Device device() const { return fc_.device(); }
+  at::Device device() const { return fc_.weight.device(); }
 
  private:
+  // One projection of the inference passes, x W^T: kernels::inference_linear, or with the
+  // weight's rows in e4m3 (fp8_weights) x quantized per row and one FP8 GEMM.
+  struct Linear {
+    at::Tensor weight;       // [N, K] in dtype_
+    at::Tensor data, scale;  // e4m3 [N, K] and fp32 [N]; undefined without fp8_weights
+    at::Tensor operator()(const at::Tensor& x) const;
+    // Rows [first, first + count) of this projection (a view).
+    Linear rows(int64_t first, int64_t count) const;
+  };
+
   // The LM head over hidden()'s block positions 1..B-1.
   at::Tensor predictions(const at::Tensor& hidden) const;
 
   DrafterConfig config_;
   Rotary rotary_;
-  TargetHead head_;
   at::ScalarType dtype_;
-  at::Tensor fc_, hidden_norm_, norm_;
+  at::Tensor embedding_;  // the target's, as it is
+  Linear fc_, lm_head_;
+  at::Tensor hidden_norm_, norm_;
   std::vector<DrafterLayerWeights> layers_;  // q/k/v_proj and gate/up_proj: views of fused_'s
   struct FusedLayer {
-    at::Tensor qkv, kv, gate_up;  // [q+k+v, H], its k and v rows, [2F, H]
+    Linear qkv, kv, gate_up, o, down;  // [q+k+v, H], its k and v rows, [2F, H], o and down
   };
   std::vector<FusedLayer> fused_;
 };

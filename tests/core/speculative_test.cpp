@@ -969,19 +969,24 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
   }
   auto drafter = make_drafter(target, 8);
   eval::DFlashDraftSource dflash(drafter, target);
+  // Its weights in e4m3: other drafts, the same output.
+  eval::DFlashDraftSource dflash8(drafter, target, 0, /*fp8_weights=*/true);
   ScriptedDrafter scripted(8, references(prompts, want, -1), 0.7);
-  for (eval::DraftSource* source : std::vector<eval::DraftSource*>{&dflash, &scripted}) {
+  for (eval::DraftSource* source :
+       std::vector<eval::DraftSource*>{&dflash, &dflash8, &scripted}) {
     for (int64_t slots : {1, 4}) {
       for (bool graph : {true, false}) {
         // The DFlash drafter's whole step (captured with the graph), its verdicts read one step
         // late and at once, and its split step.
         using Step = std::pair<bool, bool>;  // whole step, late verdicts
         for (const auto& [whole, late] :
-             source == &dflash ? std::vector<Step>{{true, true}, {true, false}, {false, false}}
-                               : std::vector<Step>{{false, false}}) {
+             source != &scripted ? std::vector<Step>{{true, true}, {true, false}, {false, false}}
+                                 : std::vector<Step>{{false, false}}) {
           SCOPED_TRACE(fmt::format("{} drafter, {} slots, graph {}, whole step {}, late {}",
-                                   source == &dflash ? "dflash" : "scripted", slots, graph, whole,
-                                   late));
+                                   source == &dflash    ? "dflash"
+                                   : source == &dflash8 ? "dflash fp8"
+                                                        : "scripted",
+                                   slots, graph, whole, late));
           SpeculativeOptions o;
           o.max_new_tokens = g.max_new_tokens;
           o.context = g.context;
@@ -1005,7 +1010,7 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
     // cached prefix, the trees apart, merged).
     for (bool graph : {true, false}) {
       SCOPED_TRACE(fmt::format("{} drafter, trees of 20, graph {}",
-                               source == &dflash ? "dflash" : "scripted", graph));
+                               source == &scripted ? "scripted" : "dflash", graph));
       SpeculativeOptions o;
       o.max_new_tokens = g.max_new_tokens;
       o.context = g.context;
