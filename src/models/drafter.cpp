@@ -1065,8 +1065,8 @@ void DraftModel::write_context(KVCache& cache, const AppendBatch& batch,
          features.sizes());
   }
   check_features(config_, features);
-  auto ctx = rms_norm(fc_(features.to(device(), dtype_)), hidden_norm_,
-                      config_.layers.rms_norm_eps);
+  auto ctx =
+      rms_norm(fc_(features.to(device(), dtype_)), hidden_norm_, config_.layers.rms_norm_eps);
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     write_context_kv(layers_[l], config_.layers, fused_[l].kv(ctx), cos, sin, cache,

@@ -972,8 +972,7 @@ void expect_bf16_speculative_equals_generator(const models::TargetModel& target)
   // Its weights in e4m3: other drafts, the same output.
   eval::DFlashDraftSource dflash8(drafter, target, 0, /*fp8_weights=*/true);
   ScriptedDrafter scripted(8, references(prompts, want, -1), 0.7);
-  for (eval::DraftSource* source :
-       std::vector<eval::DraftSource*>{&dflash, &dflash8, &scripted}) {
+  for (eval::DraftSource* source : std::vector<eval::DraftSource*>{&dflash, &dflash8, &scripted}) {
     for (int64_t slots : {1, 4}) {
       for (bool graph : {true, false}) {
         // The DFlash drafter's whole step (captured with the graph), its verdicts read one step
