@@ -7,7 +7,8 @@
 # pretrain gsm8k tokenizer moe fp8 (HEAD_GRADS="fp8,compute") gsm8k_fp8 sustained gemms
 # gsm8k_ab (GSM8K_AB="FLAGS|FLAGS") tuned attn fifth gtest (GTEST_FILTER) fp8target gdn hybrid
 # online (ONLINE_PRESETS, ONLINE_STEPS) mxfp4 (MXFP4_PRESETS, MXFP4_GEMMS)
-# gsm8k_serving (after gsm8k: bf16 eval at batch 1 and 16, the z-lab-style peer; GSM8K_PEER_PROMPTS)
+# gsm8k_serving (after gsm8k: bf16 eval at batch 1 and 16, the z-lab-style peer; GSM8K_PEER_PROMPTS;
+# GSM8K_PACK=1 packs the run) gsm8k_packed (a packed run from .runpack, for gsm8k_serving)
 # (TRAIN_ARGS: more `dflash train` options for `train`)
 # (default: the first five).
 set -uo pipefail
@@ -596,6 +597,16 @@ if has gsm8k; then
     cp "$gsm8k_out/$f" "$out/gsm8k_${f//\//_}" 2>/dev/null
   done
 fi
+if has gsm8k_packed; then
+  # A run trained in an earlier call or session (scripts/pack_gsm8k_run.py's parts, carried as
+  # .runpack) unpacked where the gsm8k stage leaves its run, the exported drafter as
+  # drafter/best: gsm8k_serving then evaluates it without retraining.
+  step gsm8k_packed
+  run=$root/runs/gsm8k-full-${GSM8K_TARGET:-qwen3}
+  rm -rf "$run" && mkdir -p "$run/drafter"
+  cat "$root"/.runpack/run.tar.xz.* | tar xJf - -C "$run" && mv "$run/export" "$run/drafter/best"
+  ls "$run" "$run/drafter/best"
+fi
 if has gsm8k_serving; then
   # Issue 37's GSM8K figures on a trained run (the gsm8k stage's, same --out): speculative
   # decoding in bf16 on the held-out questions at batch 1 and 16, and beside it on the first
@@ -621,6 +632,8 @@ PY
   }
   serve_eval batch1 "$run/heldout.jsonl" 1
   serve_eval batch16 "$run/heldout.jsonl" 16
+  # GSM8K_PACK=1: the run packed under $out for a later gsm8k_packed (carry the parts as .runpack).
+  if [ "${GSM8K_PACK:-0}" = 1 ]; then python3 "$root/scripts/pack_gsm8k_run.py" "$run" "$out"; fi
   if [ "$peer_n" -gt 0 ]; then  # GSM8K_PEER_PROMPTS=0: no peer
     serve_eval peer_prompts_batch1 "$run/heldout_peer.jsonl" 1
     python3 "$root/bench/zlab_peer_decode.py" --target "$run/target" --export "$run/export" \
