@@ -167,6 +167,7 @@ json FileReport::to_json() const {
               {"skipped", skips},
               {"turns", turns},
               {"block_size", block_size},
+              {"drafter_fp8", drafter_fp8},
               {"tau", speculative.tau()},
               {"committed_histogram", speculative.committed},
               {"verify_steps", speculative.verify_steps},
@@ -333,6 +334,7 @@ EvalReport Evaluator::evaluate(DraftSource& drafter) const {
     r.name = f.name;
     r.prompts = f.prompts;
     r.block_size = drafter.block_size();
+    r.drafter_fp8 = options_.drafter_fp8;
     r.target = f.target;
     r.skipped = f.skipped;
     r.temperature = options_.sampling.temperature;

@@ -88,6 +88,7 @@ struct FileReport {
   std::string name;
   int64_t prompts = 0, turns = 0;
   int64_t block_size = 0;
+  bool drafter_fp8 = false;  // EvalOptions::drafter_fp8
   GenerationStats target;  // target-only greedy
   SpeculativeStats speculative;
   // The runs with tree verification (EvalOptions::tree_budgets), in order.
