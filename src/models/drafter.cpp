@@ -69,11 +69,11 @@ BlockQkv norm_and_rotate(const DrafterLayerWeights& w, const ModelConfig& c, con
 // GEMM); the q/k norms, RoPE and the write of K and V to cache rows `rows` of `layer` are one
 // kernel (kernels::qk_norm_rotary_into_cache; three launches as norm_and_rotate and
 // KVCache::update).
-at::Tensor block_queries(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& qkv,
-                         const at::Tensor& cos, const at::Tensor& sin, KVCache& cache,
-                         int64_t layer, const at::Tensor& rows) {
-  return kernels::qk_norm_rotary_into_cache(qkv, c.num_heads, c.num_kv_heads, w.q_norm, w.k_norm,
-                                            cos, sin, c.rms_norm_eps, cache.keys(layer),
+at::Tensor block_queries(const ModelConfig& c, const at::Tensor& qkv, const at::Tensor& q_norm,
+                         const at::Tensor& k_norm, const at::Tensor& cos, const at::Tensor& sin,
+                         KVCache& cache, int64_t layer, const at::Tensor& rows) {
+  return kernels::qk_norm_rotary_into_cache(qkv, c.num_heads, c.num_kv_heads, q_norm, k_norm, cos,
+                                            sin, c.rms_norm_eps, cache.keys(layer),
                                             cache.values(layer), rows);
 }
 
@@ -104,12 +104,11 @@ at::Tensor spread_to_blocks(const at::Tensor& distinct, int64_t blocks, int64_t 
 // straight to k_proj/v_proj), and it skips Q, O and the MLP. Inference: `kv` is the context
 // rows' k/v_proj output (one GEMM), then the norm, RoPE and the write in one kernel (no query
 // heads).
-void write_context_kv(const DrafterLayerWeights& w, const ModelConfig& c, const at::Tensor& kv,
+void write_context_kv(const ModelConfig& c, const at::Tensor& kv, const at::Tensor& k_norm,
                       const at::Tensor& cos, const at::Tensor& sin, KVCache& cache, int64_t layer,
                       const at::Tensor& rows) {
-  kernels::qk_norm_rotary_into_cache(kv, /*q_heads=*/0, c.num_kv_heads, w.k_norm, w.k_norm, cos,
-                                     sin, c.rms_norm_eps, cache.keys(layer), cache.values(layer),
-                                     rows);
+  kernels::qk_norm_rotary_into_cache(kv, /*q_heads=*/0, c.num_kv_heads, k_norm, k_norm, cos, sin,
+                                     c.rms_norm_eps, cache.keys(layer), cache.values(layer), rows);
 }
 
 void check_features(const DrafterConfig& config, const at::Tensor& features) {
@@ -973,8 +972,7 @@ at::Tensor DraftModel::Linear::operator()(const at::Tensor& x) const {
 
 DraftModel::Linear DraftModel::Linear::rows(int64_t first, int64_t count) const {
   if (!data.defined()) return {weight.narrow(0, first, count), {}, {}};
-  return {weight.narrow(0, first, count), data.narrow(0, first, count),
-          scale.narrow(0, first, count)};
+  return {{}, data.narrow(0, first, count), scale.narrow(0, first, count)};
 }
 
 DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType dtype,
@@ -995,25 +993,23 @@ DraftModel::DraftModel(const Drafter& drafter, TargetHead head, at::ScalarType d
     if (!fp8_weights || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0) {
       return Linear{weight, {}, {}};
     }
+    // The e4m3 rows replace the bf16 weight (half the memory; nothing reads it).
     auto rows = kernels::quantize_rows_e4m3(weight);
-    return Linear{weight, rows.data, rows.scale};
+    return Linear{{}, rows.data, rows.scale};
   };
   fc_ = linear(cast(drafter.fc_));
   hidden_norm_ = cast(drafter.hidden_norm_);
   norm_ = cast(drafter.norm_);
   for (const auto& l : drafter.layers_) {
     // One GEMM each for q/k/v (k/v alone over the context rows) and gate/up: at a speculative
-    // step's few rows a GEMM costs its launch, not its bytes. The layer's weights are views.
-    // Cast, then concatenated: no transient copy of the pieces in the master dtype.
+    // step's few rows a GEMM costs its launch, not its bytes. Cast, then concatenated: no
+    // transient copy of the pieces in the master dtype.
     auto qkv = linear(at::cat({cast(l.q_proj), cast(l.k_proj), cast(l.v_proj)}));
-    auto gate_up = linear(at::cat({cast(l.gate_proj), cast(l.up_proj)}));
-    const int64_t q = l.q_proj.size(0), kv = l.k_proj.size(0), f = l.gate_proj.size(0);
-    auto o = linear(cast(l.o_proj)), down = linear(cast(l.down_proj));
-    layers_.push_back({cast(l.input_norm), cast(l.post_attention_norm), qkv.weight.narrow(0, 0, q),
-                       qkv.weight.narrow(0, q, kv), qkv.weight.narrow(0, q + kv, kv), o.weight,
-                       cast(l.q_norm), cast(l.k_norm), gate_up.weight.narrow(0, 0, f),
-                       gate_up.weight.narrow(0, f, f), down.weight});
-    fused_.push_back({qkv, qkv.rows(q, 2 * kv), gate_up, o, down});
+    const int64_t q = l.q_proj.size(0), kv = l.k_proj.size(0);
+    layers_.push_back({cast(l.input_norm), cast(l.post_attention_norm), cast(l.q_norm),
+                       cast(l.k_norm), qkv, qkv.rows(q, 2 * kv),
+                       linear(at::cat({cast(l.gate_proj), cast(l.up_proj)})),
+                       linear(cast(l.o_proj)), linear(cast(l.down_proj))});
   }
   if (head.embedding.size(1) != config_.layers.hidden_size ||
       head.lm_head.size(0) != config_.layers.vocab_size) {
@@ -1069,7 +1065,7 @@ void DraftModel::write_context(KVCache& cache, const AppendBatch& batch,
       rms_norm(fc_(features.to(device(), dtype_)), hidden_norm_, config_.layers.rms_norm_eps);
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
-    write_context_kv(layers_[l], config_.layers, fused_[l].kv(ctx), cos, sin, cache,
+    write_context_kv(config_.layers, layers_[l].kv(ctx), layers_[l].k_norm, cos, sin, cache,
                      static_cast<int64_t>(l), batch.rows);
   }
 }
@@ -1104,20 +1100,20 @@ at::Tensor DraftModel::hidden(KVCache& cache, const AppendBatch& batch,
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& w = layers_[l];
-    auto [x, h] = add_and_norm(stream, w.input_norm.to(dtype_), c.rms_norm_eps);
-    const auto& f = fused_[l];
-    auto q = block_queries(w, c, f.qkv(h), cos, sin, cache, static_cast<int64_t>(l), batch.rows);
+    auto [x, h] = add_and_norm(stream, w.input_norm, c.rms_norm_eps);
+    auto q = block_queries(c, w.qkv(h), w.q_norm, w.k_norm, cos, sin, cache,
+                           static_cast<int64_t>(l), batch.rows);
     // A sliding layer's block is causal with its window, a full layer's both ways.
     const int64_t window = config_.window(static_cast<int64_t>(l));
     auto attn = window > 0
                     ? cached_causal_attention(q, cache, static_cast<int64_t>(l), batch, window)
                     : cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
     // o_proj and the residual, then the SwiGLU MLP (gate/up one GEMM), its output pending.
-    auto o = f.o(attn.reshape({x.size(0), c.num_heads * c.head_dim}));
+    auto o = w.o(attn.reshape({x.size(0), c.num_heads * c.head_dim}));
     auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm, c.rms_norm_eps);
-    auto both = f.gate_up(h2);
-    const int64_t ffn = w.gate_proj.size(0);
-    stream = {x1, f.down(kernels::swiglu(both.narrow(1, 0, ffn), both.narrow(1, ffn, ffn)))};
+    auto both = w.gate_up(h2);
+    const int64_t ffn = both.size(1) / 2;
+    stream = {x1, w.down(kernels::swiglu(both.narrow(1, 0, ffn), both.narrow(1, ffn, ffn)))};
   }
   return add_and_norm(stream, norm_, c.rms_norm_eps).second.view({n, bs, c.hidden_size});
 }

@@ -340,13 +340,13 @@ class DraftModel {
   const DrafterConfig& config() const { return config_; }
   int64_t block_size() const { return config_.block_size; }
   at::ScalarType dtype() const { return dtype_; }
-  at::Device device() const { return fc_.weight.device(); }
+  at::Device device() const { return hidden_norm_.device(); }
 
  private:
   // One projection of the inference passes, x W^T: kernels::inference_linear, or with the
   // weight's rows in e4m3 (fp8_weights) x quantized per row and one FP8 GEMM.
   struct Linear {
-    at::Tensor weight;       // [N, K] in dtype_
+    at::Tensor weight;       // [N, K] in dtype_; undefined where the e4m3 rows replace it
     at::Tensor data, scale;  // e4m3 [N, K] and fp32 [N]; undefined without fp8_weights
     at::Tensor operator()(const at::Tensor& x) const;
     // Rows [first, first + count) of this projection (a view).
@@ -362,11 +362,11 @@ class DraftModel {
   at::Tensor embedding_;  // the target's, as it is
   Linear fc_, lm_head_;
   at::Tensor hidden_norm_, norm_;
-  std::vector<DrafterLayerWeights> layers_;  // q/k/v_proj and gate/up_proj: views of fused_'s
-  struct FusedLayer {
+  struct Layer {
+    at::Tensor input_norm, post_attention_norm, q_norm, k_norm;
     Linear qkv, kv, gate_up, o, down;  // [q+k+v, H], its k and v rows, [2F, H], o and down
   };
-  std::vector<FusedLayer> fused_;
+  std::vector<Layer> layers_;
 };
 
 // Floating-point operations of one drafter training step (forward + backward) for a packed
