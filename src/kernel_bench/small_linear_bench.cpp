@@ -1,7 +1,10 @@
 // kernel_bench: kernels/small_linear (the batch-1 decode step's weight-streaming GEMV) on each
 // linear layer shape of the preset, at each --rows it takes, against cuBLAS through at::linear
 // (what it replaces) on the same shape (at::linear alone past kSmallLinearMaxRows); validated
-// against its fp32 reference (kernels::small_linear_reference).
+// against its fp32 reference (kernels::small_linear_reference). Beside them the FP8 path of
+// `--drafter-fp8` (the drafter's linears at a speculative step's rows): x quantized per row and
+// the e4m3 GEMM over the weight's rows (kernels/fp8_rows), checked against its dequantizing
+// reference.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -9,6 +12,7 @@
 #include <tuple>
 
 #include "kernel_bench/bench.h"
+#include "kernels/fp8_rows.h"
 #include "kernels/small_linear.h"
 
 namespace dflash::kernel_bench {
@@ -29,6 +33,12 @@ void bench_small_linear(const Bench& b) {
     const int copies = static_cast<int>(std::max(2.0, std::ceil(256e6 / bytes)));
     std::vector<at::Tensor> weights;
     for (int i = 0; i < copies; ++i) weights.push_back(at::randn({n, k}, opts) * 0.02);
+    // The e4m3 copies are half the bytes: twice as many keep each call's weight out of L2.
+    std::vector<kernels::Fp8Rows> fp8_weights;
+    const bool fp8 = kernels::fp8_gemm_supported(b.device);
+    for (int i = 0; fp8 && i < 2 * copies; ++i) {
+      fp8_weights.push_back(kernels::quantize_rows_e4m3(weights[i % copies]));
+    }
     for (int64_t m : b.o.rows) {
       auto x = at::randn({m, k}, opts);
       const double moved = bytes + 2.0 * m * (n + k);
