@@ -4,7 +4,7 @@
 // against its fp32 reference (kernels::small_linear_reference). Beside them the FP8 path of
 // `--drafter-fp8` (the drafter's linears at a speculative step's rows): x quantized per row and
 // the e4m3 GEMM over the weight's rows (kernels/fp8_rows), checked against its dequantizing
-// reference.
+// reference. At more than one row, what cuBLASLt's other algorithms give (kernels/tuned_gemm).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -14,6 +14,7 @@
 #include "kernel_bench/bench.h"
 #include "kernels/fp8_rows.h"
 #include "kernels/small_linear.h"
+#include "kernels/tuned_gemm.h"
 
 namespace dflash::kernel_bench {
 

@@ -27,7 +27,9 @@ namespace {
 struct LtApi {
   decltype(&cublasLtMatmulDescCreate) desc_create = nullptr;
   decltype(&cublasLtMatmulDescSetAttribute) desc_set = nullptr;
+  decltype(&cublasLtMatmulDescDestroy) desc_destroy = nullptr;
   decltype(&cublasLtMatrixLayoutCreate) layout_create = nullptr;
+  decltype(&cublasLtMatrixLayoutDestroy) layout_destroy = nullptr;
   decltype(&cublasLtMatmulPreferenceCreate) pref_create = nullptr;
   decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy = nullptr;
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
@@ -52,7 +54,9 @@ const LtApi& lt_api() {
     };
     a.ok = load(a.desc_create, "cublasLtMatmulDescCreate") &&
            load(a.desc_set, "cublasLtMatmulDescSetAttribute") &&
+           load(a.desc_destroy, "cublasLtMatmulDescDestroy") &&
            load(a.layout_create, "cublasLtMatrixLayoutCreate") &&
+           load(a.layout_destroy, "cublasLtMatrixLayoutDestroy") &&
            load(a.pref_create, "cublasLtMatmulPreferenceCreate") &&
            load(a.pref_destroy, "cublasLtMatmulPreferenceDestroy") &&
            load(a.pref_set, "cublasLtMatmulPreferenceSetAttribute") &&
@@ -236,23 +240,44 @@ void tune(Plan& p, const Key& key, const at::Tensor& x, const at::Tensor& w) {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
 }
 
-bool eligible(const at::Tensor& x, const at::Tensor& weight) {
+Key key_of(const at::Tensor& x, const at::Tensor& weight) {
+  return {x.get_device(), x.size(0),       weight.size(0),          x.size(1),
+          x.stride(0),    x.scalar_type(), alignment(x.data_ptr()), alignment(weight.data_ptr())};
+}
+
+// Any rows: the shape checks of linear_tuned without its floor.
+bool tunable(const at::Tensor& x, const at::Tensor& weight) {
   const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
   return x.is_cuda() && half && x.dim() == 2 && weight.dim() == 2 &&
-         x.scalar_type() == weight.scalar_type() && x.size(0) >= kMinTunedRows &&
-         x.size(1) == weight.size(1) && x.stride(1) == 1 && x.stride(0) >= x.size(1) &&
-         weight.is_contiguous() && weight.device() == x.device() &&
-         !autograd_records({x, weight}) && lt_api().ok;
+         x.scalar_type() == weight.scalar_type() && x.size(1) == weight.size(1) &&
+         x.stride(1) == 1 && x.stride(0) >= x.size(1) && weight.is_contiguous() &&
+         weight.device() == x.device() && !autograd_records({x, weight}) && lt_api().ok;
 }
 
 }  // namespace
 
-at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight) {
-  if (!eligible(x, weight)) return at::linear(x, weight);
+GemmTuning time_gemm_candidates(const at::Tensor& x, const at::Tensor& weight) {
+  if (!tunable(x, weight)) {
+    fail("tuned_gemm: cannot time cuBLASLt on x {} {} and weight {} {}", x.sizes(),
+         c10::toString(x.scalar_type()), weight.sizes(), c10::toString(weight.scalar_type()));
+  }
   const c10::cuda::CUDAGuard guard(x.device());
-  const Key key{
-      x.get_device(), x.size(0),       weight.size(0),          x.size(1),
-      x.stride(0),    x.scalar_type(), alignment(x.data_ptr()), alignment(weight.data_ptr())};
+  const Key key = key_of(x, weight);
+  Plan p;
+  build(p, key);
+  tune(p, key, x, weight);
+  const LtApi& api = lt_api();
+  api.layout_destroy(p.out);
+  api.layout_destroy(p.x);
+  api.layout_destroy(p.w);
+  api.desc_destroy(p.op);
+  return p.tuning;
+}
+
+at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& weight) {
+  if (!tunable(x, weight) || x.size(0) < kMinTunedRows) return at::linear(x, weight);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Key key = key_of(x, weight);
   const Plan* plan = nullptr;
   {
     std::lock_guard lock(plans_mutex);

@@ -35,6 +35,9 @@ struct GemmTuning {
   double tuning_ms = 0;       // host time the timing took
 };
 std::vector<GemmTuning> gemm_tunings();
+// The tuning linear_tuned would run, at any number of rows, neither kept nor used: what
+// cuBLASLt's other algorithms would give at a shape (benches; synchronises the device).
+GemmTuning time_gemm_candidates(const at::Tensor& x, const at::Tensor& weight);
 std::string describe(const GemmTuning& t);
 
 }  // namespace dflash::kernels
