@@ -52,6 +52,23 @@ void bench_small_linear(const Bench& b) {
       }
       b.report("at::linear " + name, m, n, k,
                b.graph_us([&](int i) { at::linear(x, weights[i % copies]); }), moved);
+      // Would another of cuBLASLt's algorithms stream the weight faster than ATen's pick (each
+      // timed once per call with L2 flushed, as in a pass over many layers)?
+      if (m > 1) {
+        fmt::print("  cuBLASLt {}\n",
+                   kernels::describe(kernels::time_gemm_candidates(x, weights[0])));
+      }
+      if (!fp8) continue;
+      auto out = at::empty({m, n}, opts);
+      auto fp8_gemm = [&](int i) {
+        kernels::mm_fp8_rows_out(out, kernels::quantize_rows_e4m3(x),
+                                 fp8_weights[i % fp8_weights.size()]);
+      };
+      fp8_gemm(0);
+      auto reference = at::empty_like(out);
+      kernels::mm_fp8_rows_reference_out(reference, kernels::quantize_rows_e4m3(x), fp8_weights[0]);
+      b.check(fmt::format("fp8 rows {} ({} rows)", name, m), out, reference, kRoundedOnce);
+      b.report("fp8 rows " + name, m, n, k, b.graph_us(fp8_gemm), bytes / 2 + m * (k + 2.0 * n));
     }
   }
 }
