@@ -118,7 +118,9 @@ void add_eval_command(CLI::App& app) {
       ->check(kAtLeastOne.validator());
   cmd->add_flag("--drafter-fp8", o->eval.drafter_fp8,
                 "the drafter's projections and LM head as e4m3 weights and FP8 GEMMs (bf16; half "
-                "the bytes a draft reads; the output is still the target's)");
+                "the bytes a draft reads; the output is still the target's). For large drafters: "
+                "Qwen3-8B's step 1.45x a plain one against 1.49x; a small drafter's step is "
+                "launch-bound and slower so (GSM8K example: 2.15x against 2.52x)");
   cmd->add_option("--block-size", o->eval.block_size, "drafted block (default: the drafter's)")
       ->check(at_least(2).validator());
   cmd->add_option("--tree-budget", o->eval.tree_budgets,
