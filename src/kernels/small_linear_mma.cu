@@ -84,10 +84,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   // zeros, which add nothing.
   auto load = [&](int64_t s) {
     uint8_t* stage = smem + (s % kDepth) * (kRows * kPitch);
-    const int64_t k0 = s * kStageBytes;
-    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
-      const int r = i / kChunks, c = i % kChunks;
-      const int64_t kb = k0 + 16 * c;
+    // A thread copies one 16-byte column of every (kThreads / kChunks)-th row: a warp's copies
+    // are whole 256-byte row segments.
+    const int c = threadIdx.x % kChunks;
+    const int64_t kb = s * kStageBytes + 16 * c;
+#pragma unroll
+    for (int r = threadIdx.x / kChunks; r < kRows; r += kThreads / kChunks) {
       const uint8_t* src = w;
       bool valid = kb < k_bytes;
       if (r < kWRows) {
