@@ -55,9 +55,9 @@ void bench_small_linear(const Bench& b) {
       if (m <= kernels::kSmallLinearMmaMaxRows) {
         auto reference = kernels::small_linear_reference(x, weights[0]);
         for (int64_t features : {0, 16, 32, 64}) {
-          const std::string what =
-              features == 0 ? "small_linear_mma " + name
-                            : fmt::format("small_linear_mma/{} {}", features, name);
+          const std::string what = features == 0
+                                       ? "small_linear_mma " + name
+                                       : fmt::format("small_linear_mma/{} {}", features, name);
           b.check(fmt::format("{} ({} rows)", what, m),
                   kernels::small_linear_mma(x, weights[0], {}, features), reference, kRoundedOnce);
           b.report(what, m, n, k, b.graph_us([&](int i) {
@@ -89,9 +89,9 @@ void bench_small_linear(const Bench& b) {
       if (m > kernels::kSmallLinearMmaMaxRows) continue;
       // The tensor-core kernel over the same e4m3 rows (x quantized in the timed call too).
       for (int64_t features : {0, 16, 32, 64}) {
-        const std::string what =
-            features == 0 ? "small_linear_fp8 " + name
-                          : fmt::format("small_linear_fp8/{} {}", features, name);
+        const std::string what = features == 0
+                                     ? "small_linear_fp8 " + name
+                                     : fmt::format("small_linear_fp8/{} {}", features, name);
         b.check(fmt::format("{} ({} rows)", what, m),
                 kernels::small_linear_fp8(kernels::quantize_rows_e4m3(x), fp8_weights[0], features),
                 reference, kRoundedOnce);

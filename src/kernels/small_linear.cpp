@@ -141,8 +141,7 @@ at::Tensor small_linear_fp8(const Fp8Rows& x, const Fp8Rows& w, int64_t features
   if (xd.dim() != 2 || wd.dim() != 2 || xd.size(1) != wd.size(1) ||
       xd.scalar_type() != at::kFloat8_e4m3fn || wd.scalar_type() != at::kFloat8_e4m3fn) {
     fail("small linear fp8: x and w must be e4m3 [rows, K] and [N, K], got {} {} and {} {}",
-         c10::toString(xd.scalar_type()), xd.sizes(), c10::toString(wd.scalar_type()),
-         wd.sizes());
+         c10::toString(xd.scalar_type()), xd.sizes(), c10::toString(wd.scalar_type()), wd.sizes());
   }
   const int64_t rows = xd.size(0), n = wd.size(0);
   if (rows > kSmallLinearMmaMaxRows) {

@@ -33,16 +33,18 @@
 namespace dflash::kernels {
 namespace {
 
-constexpr int kStageBytes = 256;              // of each row, per pipeline stage
-constexpr int kPitch = kStageBytes + 64;      // a row's bytes in shared memory
-constexpr int kChunks = kStageBytes / 16;     // 16-byte copies per row per stage
-constexpr int kPieces = kChunks / 4;          // 64-byte pieces (two MMAs each) per stage
+constexpr int kStageBytes = 256;           // of each row, per pipeline stage
+constexpr int kPitch = kStageBytes + 64;   // a row's bytes in shared memory
+constexpr int kChunks = kStageBytes / 16;  // 16-byte copies per row per stage
+constexpr int kPieces = kChunks / 4;       // 64-byte pieces (two MMAs each) per stage
 
 enum class Operands { kBf16, kF16, kE4m3 };
 
 // Stages per warp count: about 70-100 KB of shared memory a block, two blocks an SM.
 template <int kWarps>
-constexpr int kStages = kWarps >= 4 ? 4 : kWarps == 2 ? 6 : 8;
+constexpr int kStages = kWarps >= 4   ? 4
+                        : kWarps == 2 ? 6
+                                      : 8;
 
 template <int kWarps, int kXTiles>
 constexpr int kStageRows = 16 * kWarps + 8 * kXTiles;
@@ -160,8 +162,7 @@ void launch(const SmallLinearMmaArgs& a, cudaStream_t stream) {
   auto* kernel = small_linear_mma_kernel<kOp, Out, kWarps, kXTiles>;
   constexpr int smem = smem_bytes<kWarps, kXTiles>();
   static const bool opted_in = [&] {
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
   }();
   (void)opted_in;

@@ -172,9 +172,8 @@ TEST(SmallLinearMmaGpu, Fp8MatchesReference) {
     GTEST_SKIP() << "no CUDA device with FP8 GEMMs";
   }
   at::manual_seed(4);
-  for (auto [rows, n, k] : {std::tuple<int64_t, int64_t, int64_t>{16, 4096, 4096},
-                            {15, 1030, 12304},
-                            {3, 77, 48}}) {
+  for (auto [rows, n, k] :
+       {std::tuple<int64_t, int64_t, int64_t>{16, 4096, 4096}, {15, 1030, 12304}, {3, 77, 48}}) {
     auto x = kernels::quantize_rows_e4m3(at::randn({rows, k}).to(at::kBFloat16).cuda());
     auto w = kernels::quantize_rows_e4m3((at::randn({n, k}) * 0.05).to(at::kBFloat16).cuda());
     auto expected = at::empty({rows, n}, x.data.options().dtype(at::kBFloat16));
