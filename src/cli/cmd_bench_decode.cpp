@@ -20,7 +20,6 @@
 #include "eval/draft_tree.h"
 #include "eval/generator.h"
 #include "eval/speculative.h"
-#include "kernels/small_linear.h"
 #include "models/drafter.h"
 #include "models/target.h"
 #include "obs/profile.h"
@@ -46,7 +45,6 @@ struct BenchDecodeOptions {
   bool window_rings = true;           // sliding layers cache only their windows (gpt-oss)
   int64_t per_token_attention_max = -1;  // models::set_per_token_attention_max_tokens; -1: keep
   bool block_attention = true;           // models::set_block_attention_kernel
-  bool small_linear_mma = true;          // kernels::set_small_linear_mma
   bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
 };
 
@@ -300,7 +298,6 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
   models::set_block_attention_kernel(o.block_attention);
-  kernels::set_small_linear_mma(o.small_linear_mma);
   if (o.per_token_attention_max >= 0) {
     models::set_per_token_attention_max_tokens(o.per_token_attention_max);
   }
@@ -471,9 +468,6 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-block-attention{false}", o->block_attention,
                 "blocks of at most 16 tokens per sequence attend through flash (or per token) "
                 "instead of kernels/block_attention");
-  cmd->add_flag("--no-small-linear-mma{false}", o->small_linear_mma,
-                "passes of 2-16 rows (a speculative step's verify and draft) multiply through "
-                "cuBLAS instead of kernels/small_linear's tensor-core kernel");
   cmd->add_option("--warmup", o->warmup, "untimed runs first")
       ->capture_default_str()
       ->check(kNonNegative.validator());

@@ -1,12 +1,10 @@
-// kernel_bench: kernels/small_linear (the batch-1 decode step's weight-streaming GEMV, and the
-// tensor-core kernel of a speculative step's 2-16 rows at each block width) on each linear layer
-// shape of the preset, at each --rows it takes, against cuBLAS through at::linear (what they
-// replace) on the same shape; validated against the fp32 reference
-// (kernels::small_linear_reference). Beside them the FP8 path of `--drafter-fp8` (the drafter's
-// linears at a speculative step's rows): x quantized per row and the e4m3 GEMM over the
-// weight's rows by cuBLASLt (kernels/fp8_rows) and by small_linear_fp8, checked against the
-// dequantizing reference. At more than one row, what cuBLASLt's other algorithms give
-// (kernels/tuned_gemm).
+// kernel_bench: kernels/small_linear (the batch-1 decode step's weight-streaming GEMV) on each
+// linear layer shape of the preset, at each --rows it takes, against cuBLAS through at::linear
+// (what it replaces) on the same shape (at::linear alone past kSmallLinearMaxRows); validated
+// against its fp32 reference (kernels::small_linear_reference). Beside them the FP8 path of
+// `--drafter-fp8` (the drafter's linears at a speculative step's rows): x quantized per row and
+// the e4m3 GEMM over the weight's rows (kernels/fp8_rows), checked against its dequantizing
+// reference. At more than one row, what cuBLASLt's other algorithms give (kernels/tuned_gemm).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -52,20 +50,6 @@ void bench_small_linear(const Bench& b) {
         b.report(what, m, n, k,
                  b.graph_us([&](int i) { kernels::small_linear(x, weights[i % copies]); }), moved);
       }
-      if (m <= kernels::kSmallLinearMmaMaxRows) {
-        auto reference = kernels::small_linear_reference(x, weights[0]);
-        for (int64_t features : {0, 16, 32, 64}) {
-          const std::string what = features == 0
-                                       ? "small_linear_mma " + name
-                                       : fmt::format("small_linear_mma/{} {}", features, name);
-          b.check(fmt::format("{} ({} rows)", what, m),
-                  kernels::small_linear_mma(x, weights[0], {}, features), reference, kRoundedOnce);
-          b.report(what, m, n, k, b.graph_us([&](int i) {
-            kernels::small_linear_mma(x, weights[i % copies], {}, features);
-          }),
-                   moved);
-        }
-      }
       b.report("at::linear " + name, m, n, k,
                b.graph_us([&](int i) { at::linear(x, weights[i % copies]); }), moved);
       // Would another of cuBLASLt's algorithms stream the weight faster than ATen's pick (each
@@ -84,23 +68,7 @@ void bench_small_linear(const Bench& b) {
       auto reference = at::empty_like(out);
       kernels::mm_fp8_rows_reference_out(reference, kernels::quantize_rows_e4m3(x), fp8_weights[0]);
       b.check(fmt::format("fp8 rows {} ({} rows)", name, m), out, reference, kRoundedOnce);
-      const double fp8_moved = bytes / 2 + m * (k + 2.0 * n);
-      b.report("fp8 rows " + name, m, n, k, b.graph_us(fp8_gemm), fp8_moved);
-      if (m > kernels::kSmallLinearMmaMaxRows) continue;
-      // The tensor-core kernel over the same e4m3 rows (x quantized in the timed call too).
-      for (int64_t features : {0, 16, 32, 64}) {
-        const std::string what = features == 0
-                                     ? "small_linear_fp8 " + name
-                                     : fmt::format("small_linear_fp8/{} {}", features, name);
-        b.check(fmt::format("{} ({} rows)", what, m),
-                kernels::small_linear_fp8(kernels::quantize_rows_e4m3(x), fp8_weights[0], features),
-                reference, kRoundedOnce);
-        b.report(what, m, n, k, b.graph_us([&](int i) {
-          kernels::small_linear_fp8(kernels::quantize_rows_e4m3(x),
-                                    fp8_weights[i % fp8_weights.size()], features);
-        }),
-                 fp8_moved);
-      }
+      b.report("fp8 rows " + name, m, n, k, b.graph_us(fp8_gemm), bytes / 2 + m * (k + 2.0 * n));
     }
   }
 }

@@ -31,18 +31,6 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The same with e4m3 operands, m16n8k32 (sm_89+): each register holds four consecutive k, so A
-// holds rows g, g + 8 and columns 4t..4t + 3, 16 + 4t..16 + 4t + 3, B the same k of column g: in
-// bytes the layout of the 16-bit MMAs above.
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // 16 bytes global -> shared without a register round trip (sm_80+), or 16 zero bytes when
 // !valid (the source is then not read). Every load of a thread block is in flight at once;
 // cp_async_wait_all + __syncthreads make them visible.

@@ -963,7 +963,8 @@ Residual Drafter::layer_forward(const DrafterLayerWeights& w, const at::Tensor& 
 at::Tensor DraftModel::Linear::operator()(const at::Tensor& x) const {
   if (!data.defined()) return kernels::inference_linear(x, weight);
   auto rows = x.reshape({-1, x.size(-1)});
-  auto out = kernels::inference_linear_fp8(kernels::quantize_rows_e4m3(rows), {data, scale});
+  auto out = at::empty({rows.size(0), data.size(0)}, x.options());
+  kernels::mm_fp8_rows_out(out, kernels::quantize_rows_e4m3(rows), {data, scale});
   auto sizes = x.sizes().vec();
   sizes.back() = data.size(0);
   return out.view(sizes);

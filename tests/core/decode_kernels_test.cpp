@@ -9,7 +9,6 @@
 #include "common/error.h"
 #include "decode_test_util.h"
 #include "kernels/decode_ops.h"
-#include "kernels/fp8_rows.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
 #include "models/target.h"
@@ -115,122 +114,6 @@ TEST(SmallLinearGpu, LeadingDimsBiasAndTooManyRows) {
   auto w32 = at::randn({40, 64});
   EXPECT_TRUE(at::allclose(kernels::small_linear(x32.cuda(), w32.cuda()).cpu(),
                            at::linear(x32, w32), 1e-4, 1e-4));
-}
-
-class SmallLinearMmaGpu : public ::testing::TestWithParam<LinearCase> {};
-
-// The tensor-core kernel at each block width against the fp32 reference; every width and every
-// row alone give the same bits (each output's dot product runs over K in one order whatever the
-// block or the other rows).
-TEST_P(SmallLinearMmaGpu, MatchesReferenceAtEveryBlockWidth) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  const LinearCase c = GetParam();
-  at::manual_seed(3);
-  auto x = strided_rows(c.rows, c.k, c.ld > 0 ? c.ld : c.k, c.offset, c.dtype, at::kCPU);
-  auto w = (at::randn({c.n, c.k}) * 0.05).to(c.dtype);
-  auto b = c.bias ? at::randn({c.n}).to(c.dtype) : at::Tensor();
-  auto expected = kernels::small_linear_reference(x, w, b);
-  auto xg = strided_rows(c.rows, c.k, c.ld > 0 ? c.ld : c.k, c.offset, c.dtype, at::kCUDA);
-  xg.copy_(x);
-  const c10::NoGradGuard no_grad;
-  const auto wg = w.cuda(), bg = c.bias ? b.cuda() : at::Tensor();
-  auto actual = kernels::small_linear_mma(xg, wg, bg);
-  expect_within_rounding(actual, expected, 1e-3);
-  for (int64_t features : {16, 32, 64}) {
-    EXPECT_TRUE(at::equal(kernels::small_linear_mma(xg, wg, bg, features), actual))
-        << features << " features a block";
-  }
-  for (int64_t m = 0; m < c.rows; m += std::max<int64_t>(c.rows - 1, 1)) {
-    auto alone = kernels::small_linear_mma(xg.narrow(0, m, 1), wg, bg);
-    EXPECT_TRUE(at::equal(alone, actual.narrow(0, m, 1))) << "row " << m;
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, SmallLinearMmaGpu,
-    ::testing::Values(
-        // A speculative step's 16 rows on Qwen3-8B's o_proj and down_proj (K past one stage).
-        LinearCase{"o_proj_bf16_m16", at::kBFloat16, 16, 4096, 4096, false, 0, 0},
-        LinearCase{"down_bf16_m15", at::kBFloat16, 15, 4096, 12288, false, 0, 0},
-        // One x tile (<= 8 rows) and two; N not a multiple of 16; K not a multiple of a stage
-        // (128 elements) nor of a 64-byte piece; bias; fp16.
-        LinearCase{"bf16_m2_bias", at::kBFloat16, 2, 1027, 520, true, 0, 0},
-        LinearCase{"fp16_m9", at::kHalf, 9, 258, 1000, false, 0, 0},
-        LinearCase{"bf16_m8_n1", at::kBFloat16, 8, 1, 264, true, 0, 0},
-        LinearCase{"fp16_m13_k8", at::kHalf, 13, 129, 8, false, 0, 0},
-        // x a slice of wider rows (16-byte aligned); K not a multiple of 8 and x unaligned take
-        // at::linear.
-        LinearCase{"bf16_m12_ld_slice", at::kBFloat16, 12, 100, 512, true, 1536, 0},
-        LinearCase{"bf16_m4_k4100", at::kBFloat16, 4, 300, 4100, false, 0, 0},
-        LinearCase{"fp16_m16_unaligned", at::kHalf, 16, 100, 512, false, 0, 1}),
-    [](const auto& info) { return info.param.name; });
-
-// The e4m3 kernel against the dequantizing reference GEMM (the product of the FP8 drafter's
-// linears), and alike at every block width.
-TEST(SmallLinearMmaGpu, Fp8MatchesReference) {
-  if (!at::hasCUDA() || !kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) {
-    GTEST_SKIP() << "no CUDA device with FP8 GEMMs";
-  }
-  at::manual_seed(4);
-  for (auto [rows, n, k] :
-       {std::tuple<int64_t, int64_t, int64_t>{16, 4096, 4096}, {15, 1030, 12304}, {3, 77, 48}}) {
-    auto x = kernels::quantize_rows_e4m3(at::randn({rows, k}).to(at::kBFloat16).cuda());
-    auto w = kernels::quantize_rows_e4m3((at::randn({n, k}) * 0.05).to(at::kBFloat16).cuda());
-    auto expected = at::empty({rows, n}, x.data.options().dtype(at::kBFloat16));
-    kernels::mm_fp8_rows_reference_out(expected, x, w);
-    auto actual = kernels::small_linear_fp8(x, w);
-    expect_within_rounding(actual, expected, 1e-3);
-    for (int64_t features : {16, 32, 64}) {
-      EXPECT_TRUE(at::equal(kernels::small_linear_fp8(x, w, features), actual))
-          << rows << " x " << n << " x " << k << ", " << features << " features a block";
-    }
-  }
-}
-
-// inference_linear's routing: the tensor-core kernel at 2-16 rows while enabled, cuBLAS past 16
-// rows or when disabled (the A/B switch), each within rounding of the reference.
-TEST(SmallLinearMmaGpu, InferenceLinearRoutes) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  at::manual_seed(5);
-  const c10::NoGradGuard no_grad;
-  auto w = (at::randn({256, 512}) * 0.05).to(at::kBFloat16).cuda();
-  for (int64_t rows : {2, 16, 17}) {
-    auto x = at::randn({rows, 512}).to(at::kBFloat16).cuda();
-    auto expected = kernels::small_linear_reference(x.cpu(), w.cpu());
-    expect_within_rounding(kernels::inference_linear(x, w), expected, 1e-3);
-    if (rows <= kernels::kSmallLinearMmaMaxRows) {
-      EXPECT_TRUE(at::equal(kernels::inference_linear(x, w), kernels::small_linear_mma(x, w)));
-    }
-    kernels::set_small_linear_mma(false);
-    EXPECT_TRUE(at::equal(kernels::inference_linear(x, w), at::linear(x, w)));
-    kernels::set_small_linear_mma(true);
-  }
-}
-
-TEST(SmallLinear, MmaAndFp8OnTheCpuAreTheReferences) {
-  auto x = at::randn({12, 32});
-  auto w = at::randn({5, 32});
-  auto b = at::randn({5});
-  EXPECT_TRUE(at::equal(kernels::small_linear_mma(x, w, b), at::linear(x, w, b)));
-  try {
-    kernels::small_linear_mma(at::randn({17, 32}), w);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("at most 16"), std::string::npos) << e.what();
-  }
-  const auto xq = kernels::quantize_rows_e4m3(x.to(at::kBFloat16));
-  const auto wq = kernels::quantize_rows_e4m3(w.to(at::kBFloat16));
-  auto expected = at::empty({12, 5}, at::kBFloat16);
-  kernels::mm_fp8_rows_reference_out(expected, xq, wq);
-  EXPECT_TRUE(at::equal(kernels::small_linear_fp8(xq, wq), expected));
-  EXPECT_TRUE(at::equal(kernels::inference_linear_fp8(xq, wq), expected));
-  const auto narrow = kernels::quantize_rows_e4m3(at::randn({5, 16}).to(at::kBFloat16));
-  try {
-    kernels::small_linear_fp8(xq, narrow);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("[rows, K] and [N, K]"), std::string::npos) << e.what();
-  }
 }
 
 TEST(SmallLinear, CpuIsAtLinearAndBadShapesAreNamed) {
