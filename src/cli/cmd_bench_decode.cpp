@@ -45,6 +45,7 @@ struct BenchDecodeOptions {
   bool window_rings = true;           // sliding layers cache only their windows (gpt-oss)
   int64_t per_token_attention_max = -1;  // models::set_per_token_attention_max_tokens; -1: keep
   bool block_attention = true;           // models::set_block_attention_kernel
+  bool group_major_queries = true;       // models::set_group_major_queries
   bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
 };
 
@@ -298,6 +299,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
   models::set_block_attention_kernel(o.block_attention);
+  models::set_group_major_queries(o.group_major_queries);
   if (o.per_token_attention_max >= 0) {
     models::set_per_token_attention_max_tokens(o.per_token_attention_max);
   }
@@ -468,6 +470,9 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-block-attention{false}", o->block_attention,
                 "blocks of at most 16 tokens per sequence attend through flash (or per token) "
                 "instead of kernels/block_attention");
+  cmd->add_flag("--no-group-major-queries{false}", o->group_major_queries,
+                "per-token attention (target verify, drafter block) takes q head-major (flash "
+                "regroups it) instead of written group-major by the q/k norm kernel");
   cmd->add_option("--warmup", o->warmup, "untimed runs first")
       ->capture_default_str()
       ->check(kNonNegative.validator());

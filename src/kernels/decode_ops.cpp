@@ -13,7 +13,7 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tenso
                        double eps, at::Tensor& sum, at::Tensor& normed);
 void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                          const at::Tensor& cos, const at::Tensor& sin, double eps, at::Tensor& q,
-                         at::Tensor& k, at::Tensor* v, const at::Tensor* rows);
+                         at::Tensor& k, at::Tensor* v, const at::Tensor* rows, bool q_group_major);
 void write_kv_rows_cuda(at::Tensor& keys, at::Tensor& values, const at::Tensor& rows,
                         const at::Tensor& k, const at::Tensor& v);
 
@@ -38,7 +38,7 @@ void check_add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tens
 
 void check_qk_norm_rotary(const at::Tensor& qkv, int64_t q_heads, int64_t kv_heads,
                           const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& cos,
-                          const at::Tensor& sin) {
+                          const at::Tensor& sin, bool q_group_major = false) {
   const int64_t d = q_norm.dim() == 1 ? q_norm.size(0) : 0;
   if (q_heads < 0 || kv_heads <= 0 || d <= 0 || d % 2 != 0 || qkv.dim() != 2 ||
       qkv.size(1) != (q_heads + 2 * kv_heads) * d || k_norm.sizes() != q_norm.sizes()) {
@@ -46,6 +46,9 @@ void check_qk_norm_rotary(const at::Tensor& qkv, int64_t q_heads, int64_t kv_hea
         "qk_norm_rotary: qkv must be [T, (Hq + 2 Hkv) D] with Hq = {}, Hkv = {} and an even "
         "D = q_norm's size; got qkv {}, q_norm {}, k_norm {}",
         q_heads, kv_heads, qkv.sizes(), q_norm.sizes(), k_norm.sizes());
+  }
+  if (q_group_major && q_heads % kv_heads != 0) {
+    fail("qk_norm_rotary: group-major q needs Hq ({}) a multiple of Hkv ({})", q_heads, kv_heads);
   }
   const std::array<int64_t, 2> table{qkv.size(0), d};
   if (cos.sizes() != at::IntArrayRef(table) || sin.sizes() != at::IntArrayRef(table)) {
@@ -141,7 +144,7 @@ std::pair<at::Tensor, at::Tensor> qk_norm_rotary(const at::Tensor& qkv, int64_t 
   if (t > 0) {
     qk_norm_rotary_cuda(qkv.stride(1) == 1 ? qkv : qkv.contiguous(), q_norm.contiguous(),
                         k_norm.contiguous(), cos.contiguous(), sin.contiguous(), eps, q, k, nullptr,
-                        nullptr);
+                        nullptr, /*q_group_major=*/false);
   }
   return {q, k};
 }
@@ -150,8 +153,15 @@ at::Tensor qk_norm_rotary_into_cache_reference(const at::Tensor& qkv, int64_t q_
                                                int64_t kv_heads, const at::Tensor& q_norm,
                                                const at::Tensor& k_norm, const at::Tensor& cos,
                                                const at::Tensor& sin, double eps, at::Tensor keys,
-                                               at::Tensor values, const at::Tensor& rows) {
+                                               at::Tensor values, const at::Tensor& rows,
+                                               bool q_group_major) {
+  check_qk_norm_rotary(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin, q_group_major);
   auto [q, k] = qk_norm_rotary_reference(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin, eps);
+  if (q_group_major) {
+    q = q.view({q.size(0), kv_heads, q_heads / kv_heads, q.size(2)})
+            .transpose(1, 2)
+            .reshape({q.size(0), q_heads, q.size(2)});
+  }
   const int64_t d = q_norm.size(0);
   check_cache("qk_norm_rotary_into_cache", qkv, qkv.size(0), kv_heads, d, keys, values, rows);
   keys.index_copy_(0, rows, k);
@@ -163,12 +173,14 @@ at::Tensor qk_norm_rotary_into_cache_reference(const at::Tensor& qkv, int64_t q_
 at::Tensor qk_norm_rotary_into_cache(const at::Tensor& qkv, int64_t q_heads, int64_t kv_heads,
                                      const at::Tensor& q_norm, const at::Tensor& k_norm,
                                      const at::Tensor& cos, const at::Tensor& sin, double eps,
-                                     at::Tensor keys, at::Tensor values, const at::Tensor& rows) {
+                                     at::Tensor keys, at::Tensor values, const at::Tensor& rows,
+                                     bool q_group_major) {
   if (!on_cuda_half(qkv)) {
     return qk_norm_rotary_into_cache_reference(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin,
-                                               eps, std::move(keys), std::move(values), rows);
+                                               eps, std::move(keys), std::move(values), rows,
+                                               q_group_major);
   }
-  check_qk_norm_rotary(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin);
+  check_qk_norm_rotary(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin, q_group_major);
   const int64_t t = qkv.size(0), d = q_norm.size(0);
   check_cache("qk_norm_rotary_into_cache", qkv, qkv.size(0), kv_heads, d, keys, values, rows);
   auto q = at::empty({t, q_heads, d}, qkv.options());
@@ -176,7 +188,7 @@ at::Tensor qk_norm_rotary_into_cache(const at::Tensor& qkv, int64_t q_heads, int
     const at::Tensor packed_rows = rows.contiguous();
     qk_norm_rotary_cuda(qkv.stride(1) == 1 ? qkv : qkv.contiguous(), q_norm.contiguous(),
                         k_norm.contiguous(), cos.contiguous(), sin.contiguous(), eps, q, keys,
-                        &values, &packed_rows);
+                        &values, &packed_rows, q_group_major);
   }
   return q;
 }

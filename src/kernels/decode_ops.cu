@@ -6,7 +6,8 @@
 // second rereads the sum it wrote.
 // qk_norm_rotary: a warp per (token, head); each lane holds D/32 contiguous elements (one
 // access each way; other D: lanes strided over the pairs (i, i + D/2)), the warp sums the
-// squares, then each lane normalizes and rotates in fp32. With cache rows, k
+// squares, then each lane normalizes and rotates in fp32; q heads go head-major or group-major
+// (the per-token attention path's layout, models::group_major_query_offsets). With cache rows, k
 // heads go to their rows of the key cache and v heads (one more warp each) are copied to the
 // value cache, so the decode step needs no separate cache writes.
 // write_kv_rows: a thread per K/V element, both caches in one launch.
@@ -80,7 +81,8 @@ __global__ void __launch_bounds__(kThreads)
                           const T* __restrict__ k_norm, const T* __restrict__ cos,
                           const T* __restrict__ sin, T* __restrict__ q, T* __restrict__ k,
                           T* __restrict__ v, const int64_t* __restrict__ k_rows, int64_t cache_rows,
-                          int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, float eps) {
+                          int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t d, float eps,
+                          bool q_group_major) {
   using P = Vec<T, kE == 0 ? 1 : kE>;
   const int64_t heads = q_heads + (k_rows != nullptr ? 2 : 1) * kv_heads, half = d / 2;
   const int lane = threadIdx.x % 32;
@@ -105,7 +107,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     const bool is_q = head < q_heads;
     const T* w = is_q ? q_norm : k_norm;
-    T* out = is_q ? q + (t * q_heads + head) * d : k + (row * kv_heads + head - q_heads) * d;
+    // Group-major q: head kv * G + g goes to slot g * Hkv + kv.
+    const int64_t groups = q_heads / kv_heads;
+    const int64_t q_slot = q_group_major ? (head % groups) * kv_heads + head / groups : head;
+    T* out = is_q ? q + (t * q_heads + q_slot) * d : k + (row * kv_heads + head - q_heads) * d;
     const T* c = cos + t * d;
     const T* s = sin + t * d;
     if constexpr (kE > 0) {
@@ -214,7 +219,7 @@ void add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tenso
 
 void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                          const at::Tensor& cos, const at::Tensor& sin, double eps, at::Tensor& q,
-                         at::Tensor& k, at::Tensor* v, const at::Tensor* rows) {
+                         at::Tensor& k, at::Tensor* v, const at::Tensor* rows, bool q_group_major) {
   const c10::cuda::CUDAGuard guard(qkv.device());
   const auto stream = c10::cuda::getCurrentCUDAStream(qkv.device().index());
   const int64_t tokens = qkv.size(0), q_heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
@@ -235,7 +240,7 @@ void qk_norm_rotary_cuda(const at::Tensor& qkv, const at::Tensor& q_norm, const 
           ptr<T>(qkv), qkv.stride(0), ptr<T>(q_norm), ptr<T>(k_norm), ptr<T>(cos), ptr<T>(sin),
           mut<T>(q), mut<T>(k), v != nullptr ? mut<T>(*v) : nullptr,
           rows != nullptr ? rows->data_ptr<int64_t>() : nullptr, k.size(0), tokens, q_heads,
-          kv_heads, d, static_cast<float>(eps));
+          kv_heads, d, static_cast<float>(eps), q_group_major);
     };
     if (vector && e == 2) {
       launch(qk_norm_rotary_kernel<T, 2>);

@@ -47,16 +47,21 @@ std::pair<at::Tensor, at::Tensor> qk_norm_rotary_reference(
 // heads and its v heads (copied from qkv) at row rows[t]; rows: int64 [T] on qkv's device, read
 // there (CUDA-graph capturable; a row outside [0, R) is a device-side assert). Returns q. CUDA:
 // the one qk_norm_rotary kernel with a warp per v head more; elsewhere the reference (the
-// reference's q and k, then index_copy_).
+// reference's q and k, then index_copy_). `q_group_major`: q's heads in group-major order
+// (query head kv * G + g at g * Hkv + kv, G = Hq / Hkv), the layout in which flash attends a
+// token's G query heads of one KV head as one sequence (models::cached_causal_attention's
+// per-token path) without regrouping them.
 at::Tensor qk_norm_rotary_into_cache(const at::Tensor& qkv, int64_t q_heads, int64_t kv_heads,
                                      const at::Tensor& q_norm, const at::Tensor& k_norm,
                                      const at::Tensor& cos, const at::Tensor& sin, double eps,
-                                     at::Tensor keys, at::Tensor values, const at::Tensor& rows);
+                                     at::Tensor keys, at::Tensor values, const at::Tensor& rows,
+                                     bool q_group_major = false);
 at::Tensor qk_norm_rotary_into_cache_reference(const at::Tensor& qkv, int64_t q_heads,
                                                int64_t kv_heads, const at::Tensor& q_norm,
                                                const at::Tensor& k_norm, const at::Tensor& cos,
                                                const at::Tensor& sin, double eps, at::Tensor keys,
-                                               at::Tensor values, const at::Tensor& rows);
+                                               at::Tensor values, const at::Tensor& rows,
+                                               bool q_group_major = false);
 
 // KVCache::update's two index_copy_ in one launch, for the passes that do not take
 // qk_norm_rotary_into_cache (prefill, models without q/k norms, the drafter): keys[rows[t]] =

@@ -71,10 +71,11 @@ BlockQkv norm_and_rotate(const DrafterLayerWeights& w, const ModelConfig& c, con
 // KVCache::update).
 at::Tensor block_queries(const ModelConfig& c, const at::Tensor& qkv, const at::Tensor& q_norm,
                          const at::Tensor& k_norm, const at::Tensor& cos, const at::Tensor& sin,
-                         KVCache& cache, int64_t layer, const at::Tensor& rows) {
+                         KVCache& cache, int64_t layer, const at::Tensor& rows,
+                         bool q_group_major) {
   return kernels::qk_norm_rotary_into_cache(qkv, c.num_heads, c.num_kv_heads, q_norm, k_norm, cos,
                                             sin, c.rms_norm_eps, cache.keys(layer),
-                                            cache.values(layer), rows);
+                                            cache.values(layer), rows, q_group_major);
 }
 
 // Rows of block positions 1..B-1 of [blocks*B, ...] rows (a copy; its backward scatters).
@@ -1098,16 +1099,21 @@ at::Tensor DraftModel::hidden(KVCache& cache, const AppendBatch& batch,
   ids.select(1, 0).copy_(last_tokens);
   Residual stream{at::embedding(embedding_, ids.view({n * bs})).to(dtype_), {}};
   auto [cos, sin] = rotary_.tables(batch.positions, dtype_);
+  // Full layers attending per token take q group-major (models::group_major_queries).
+  const at::Tensor group_offsets =
+      group_major_query_offsets(batch, c.num_heads, c.num_kv_heads, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& w = layers_[l];
     auto [x, h] = add_and_norm(stream, w.input_norm, c.rms_norm_eps);
-    auto q = block_queries(c, w.qkv(h), w.q_norm, w.k_norm, cos, sin, cache,
-                           static_cast<int64_t>(l), batch.rows);
     // A sliding layer's block is causal with its window, a full layer's both ways.
     const int64_t window = config_.window(static_cast<int64_t>(l));
+    const bool group_major = window == 0 && group_offsets.defined();
+    auto q = block_queries(c, w.qkv(h), w.q_norm, w.k_norm, cos, sin, cache,
+                           static_cast<int64_t>(l), batch.rows, group_major);
     auto attn = window > 0
                     ? cached_causal_attention(q, cache, static_cast<int64_t>(l), batch, window)
-                    : cached_block_attention(q, cache, static_cast<int64_t>(l), batch);
+                    : cached_block_attention(q, cache, static_cast<int64_t>(l), batch,
+                                             group_major ? group_offsets : at::Tensor());
     // o_proj and the residual, then the SwiGLU MLP (gate/up one GEMM), its output pending.
     auto o = w.o(attn.reshape({x.size(0), c.num_heads * c.head_dim}));
     auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm, c.rms_norm_eps);

@@ -279,6 +279,7 @@ AppendBatch make_entries(const KVCache& cache, const std::vector<int64_t>& slots
 
 std::atomic<int64_t> per_token_max_tokens{32};
 std::atomic<bool> block_attention_on{true};
+std::atomic<bool> group_major_on{true};
 
 }  // namespace
 
@@ -292,6 +293,19 @@ void set_per_token_attention_max_tokens(int64_t tokens) { per_token_max_tokens.s
 
 bool block_attention_kernel() { return block_attention_on.load(); }
 void set_block_attention_kernel(bool on) { block_attention_on.store(on); }
+
+bool group_major_queries() { return group_major_on.load(); }
+void set_group_major_queries(bool on) { group_major_on.store(on); }
+
+at::Tensor group_major_query_offsets(const AppendBatch& batch, int64_t q_heads, int64_t kv_heads,
+                                     at::ScalarType dtype) {
+  const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
+  if (!group_major_queries() || !batch.per_token_attention() || !batch.token_cu.is_cuda() ||
+      !half || kv_heads <= 0 || q_heads <= kv_heads || q_heads % kv_heads != 0) {
+    return {};
+  }
+  return batch.token_cu * static_cast<int32_t>(q_heads / kv_heads);
+}
 
 AppendBatch AppendBatch::make_tree(const KVCache& cache, const std::vector<int64_t>& slots,
                                    const std::vector<std::vector<int64_t>>& parents) {
@@ -465,9 +479,24 @@ at::Tensor tree_attention(const at::Tensor& q, const KVCache& cache, int64_t lay
   return kernels::attention_merge(out_ctx, lse_ctx.contiguous(), prefix, out_blk, lse_blk).first;
 }
 
+// The per-token path over group-major q (group_major_queries): token t's G query heads of KV
+// head h are rows t * G .. t * G + G - 1 of head h in q viewed [total * G, Hkv, D], one
+// sequence of flash's without grouping (seqlen_q G, as flash's decode path regroups them);
+// `offsets` packs those sequences.
+at::Tensor group_major_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const AppendBatch& batch, const at::Tensor& offsets, bool causal) {
+  const int64_t t = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1), g = hq / hkv;
+  auto out = std::get<0>(at::_flash_attention_forward(
+      q.view({t * g, hkv, d}), k, v, offsets, batch.token_key_starts, g, batch.max_seen, 0.0,
+      /*is_causal=*/false, /*return_debug_mask=*/false, std::nullopt, std::nullopt, std::nullopt,
+      causal ? batch.token_seen : batch.block_seen));
+  return out.view({t, g, hkv, d}).transpose(1, 2).reshape({t, hq, d});
+}
+
 // `window` only with `causal`.
 at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                            const AppendBatch& batch, bool causal, int64_t window) {
+                            const AppendBatch& batch, bool causal, int64_t window,
+                            const at::Tensor& group_major_offsets) {
   const at::Tensor& k = cache.keys(layer);
   const at::Tensor& v = cache.values(layer);
   if (cache.ring_rows(layer) > 0) {
@@ -481,6 +510,12 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
   }
   const bool flash = q.is_cuda() && !batch.is_tree() &&
                      (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+  if (group_major_offsets.defined()) {
+    if (!flash || window != 0 || !batch.per_token_attention() || q.size(1) % k.size(1) != 0) {
+      fail("attention: group-major queries take only the per-token flash path (layer {})", layer);
+    }
+    return group_major_attention(q, k, v, batch, group_major_offsets, causal);
+  }
   if (flash && window == 0 && block_attention_kernel() &&
       kernels::block_attention_fits(q, k, batch.max_count)) {
     return kernels::block_attention(q, k, v, batch.cu_seqlens, batch.key_starts, batch.seen,
@@ -526,13 +561,15 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
 }  // namespace
 
 at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                                   const AppendBatch& batch, int64_t window) {
-  return cached_attention(q, cache, layer, batch, /*causal=*/true, window);
+                                   const AppendBatch& batch, int64_t window,
+                                   const at::Tensor& group_major_offsets) {
+  return cached_attention(q, cache, layer, batch, /*causal=*/true, window, group_major_offsets);
 }
 
 at::Tensor cached_block_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                                  const AppendBatch& batch) {
-  return cached_attention(q, cache, layer, batch, /*causal=*/false, /*window=*/0);
+                                  const AppendBatch& batch, const at::Tensor& group_major_offsets) {
+  return cached_attention(q, cache, layer, batch, /*causal=*/false, /*window=*/0,
+                          group_major_offsets);
 }
 
 }  // namespace dflash::models

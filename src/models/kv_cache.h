@@ -188,6 +188,21 @@ void set_per_token_attention_max_tokens(int64_t tokens);
 bool block_attention_kernel();
 void set_block_attention_kernel(bool on);
 
+// Per-token attention with group-major queries: flash's decode path regroups a token's query
+// heads by KV head (a copy of q, two of the output); a q written group-major by the kernel that
+// rotates it (kernels::qk_norm_rotary_into_cache: query head kv * G + g at g * Hkv + kv, G =
+// Hq / Hkv) is attended as G-row sequences over Hkv heads with one copy of the output back to
+// head order. On by default; process-wide so that `bench-decode --no-group-major-queries` can
+// compare both in one process.
+bool group_major_queries();
+void set_group_major_queries(bool on);
+
+// Where a batch's per-token attention takes group-major queries of `dtype` (G = q_heads /
+// kv_heads > 1, CUDA, half precision, the switch on): each token's first query row in that
+// layout, int32 [total + 1] on the batch's device (one launch: token_cu * G); else undefined.
+at::Tensor group_major_query_offsets(const AppendBatch& batch, int64_t q_heads, int64_t kv_heads,
+                                     at::ScalarType dtype);
+
 // How a batch meets a cache's rings, made once per forward from the batch's device tensors only
 // (so a CUDA graph replays it for new positions). A ring layer's attention reads, per entry, a
 // gathered copy laid out as [the slot's last P = W - 1 cached keys (fewer near the start)][the
@@ -243,12 +258,16 @@ inline std::optional<int64_t> flash_window_left(int64_t window) {
 // mask to the end of the keys; small blocks as one-query sequences, AppendBatch::token_*);
 // elsewhere one masked scaled_dot_product_attention per entry.
 // `window` > 0: a query at position p sees only keys j > p - window (flash's own window).
+// `group_major_offsets` (group_major_query_offsets; undefined: q head-major): q's heads are in
+// group-major order and the batch takes the per-token path.
 at::Tensor cached_causal_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                                   const AppendBatch& batch, int64_t window = 0);
+                                   const AppendBatch& batch, int64_t window = 0,
+                                   const at::Tensor& group_major_offsets = {});
 
 // The same without the causal mask: every new query of an entry sees all its slot's keys up to
 // start + count, its entry's new tokens in both directions (the DFlash drafter's block).
 at::Tensor cached_block_attention(const at::Tensor& q, const KVCache& cache, int64_t layer,
-                                  const AppendBatch& batch);
+                                  const AppendBatch& batch,
+                                  const at::Tensor& group_major_offsets = {});
 
 }  // namespace dflash::models

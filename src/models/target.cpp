@@ -1045,7 +1045,8 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
     if (fused_qk && cache.keys.defined()) {
       // One launch instead of the two index_copy_ of KVCache::update (72 a step in Qwen3-8B).
       q = kernels::qk_norm_rotary_into_cache(qkv, heads, kv_heads, w.q_norm, w.k_norm, cos, sin,
-                                             eps, cache.keys, cache.values, cache.rows);
+                                             eps, cache.keys, cache.values, cache.rows,
+                                             cache.q_group_major);
     } else if (fused_qk) {
       std::tie(q, k) =
           kernels::qk_norm_rotary(qkv, heads, kv_heads, w.q_norm, w.k_norm, cos, sin, eps);
@@ -1112,7 +1113,8 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
 template <class Attend>
 ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& positions,
                                const Sequences& seqs, const ForwardRequest& request, KVCache* cache,
-                               const at::Tensor& cache_rows, Attend&& attend) const {
+                               const at::Tensor& cache_rows, bool q_group_major,
+                               Attend&& attend) const {
   const at::Tensor& cu_seqlens = seqs.cu_seqlens;
   std::optional<c10::NoGradGuard> no_grad;
   if (!request.grad) no_grad.emplace();
@@ -1135,7 +1137,8 @@ ForwardResult TargetModel::run(const at::Tensor& tokens, const at::Tensor& posit
   }
   for (int64_t i = 0; i < layers; ++i) {
     const CacheRows rows =
-        cache != nullptr ? CacheRows{cache->keys(i), cache->values(i), cache_rows} : CacheRows{};
+        cache != nullptr ? CacheRows{cache->keys(i), cache->values(i), cache_rows, q_group_major}
+                         : CacheRows{};
     std::optional<LinearCacheStep> linear;
     if (cache != nullptr && seqs.linear != nullptr && config_.is_linear_layer(i)) {
       linear.emplace(*seqs.linear);
@@ -1184,6 +1187,7 @@ ForwardResult TargetModel::forward(const at::Tensor& tokens, const PackedBatch& 
   }
   if (gpt_oss_) return gpt_oss_->forward(*this, tokens, batch, request);
   return run(tokens, batch.positions, {batch.cu_seqlens, batch.lengths}, request, nullptr, {},
+             /*q_group_major=*/false,
              [&](int64_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                return packed_causal_attention(q, k, v, batch, request.attention);
              });
@@ -1258,15 +1262,23 @@ ForwardResult TargetModel::forward_cached(const at::Tensor& tokens, const Append
     fail("target cached forward: gpt-oss takes no logit_rows");
   }
   const LinearCacheStep linear{{}, &batch, recurrent ? steps : 0, first_slots, keep};
+  // The fused q/k kernel writes q group-major where the batch attends per token; layers that
+  // write their own K/V (k defined) keep q head-major.
+  const at::Tensor group_offsets =
+      gpt_oss_ ? at::Tensor()
+               : group_major_query_offsets(batch, config_.num_heads / tp_size(), kv_heads, dtype());
   auto result =
       gpt_oss_
           ? gpt_oss_->forward_cached(*this, tokens, batch, cache, request)
           : run(tokens, batch.positions,
                 {batch.cu_seqlens, batch.counts, config_.is_hybrid() ? &linear : nullptr}, request,
-                &cache, batch.rows,
+                &cache, batch.rows, group_offsets.defined(),
                 [&](int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-                  if (k.defined()) cache.update(layer, batch.rows, k, v);  // else already there
-                  return cached_causal_attention(q, cache, layer, batch);
+                  if (k.defined()) {
+                    cache.update(layer, batch.rows, k, v);
+                    return cached_causal_attention(q, cache, layer, batch);
+                  }
+                  return cached_causal_attention(q, cache, layer, batch, 0, group_offsets);
                 });
   for (int64_t i = 0; i < batch.size(); ++i) {
     if (keep) {

@@ -321,6 +321,8 @@ class TargetModel {
   // fused path can write K and V there in the kernel that makes k; undefined in forward.
   struct CacheRows {
     at::Tensor keys, values, rows;
+    // The fused kernel writes q group-major (models::group_major_queries).
+    bool q_group_major = false;
   };
   // The packed sequences of a forward, for the linear-attention layers: cu_seqlens (int32
   // [n+1], on the device) and the lengths on the host; in a cached forward of a hybrid, the
@@ -333,11 +335,12 @@ class TargetModel {
   // The body both forwards share; only attention differs: attend(layer, q, k, v) with q
   // [tokens, Hq, D] and k, v [tokens, Hkv, D] after norms and rotary, returning [tokens, Hq, D];
   // k and v are undefined where the layer already wrote them into `cache` (when not null) at
-  // `cache_rows`. cu_seqlens (int32 [n+1]) gives each sequence's last token for Logits::kLast.
+  // `cache_rows`, and then q is group-major where `q_group_major` says so.
+  // cu_seqlens (int32 [n+1]) gives each sequence's last token for Logits::kLast.
   template <class Attend>
   ForwardResult run(const at::Tensor& tokens, const at::Tensor& positions, const Sequences& seqs,
                     const ForwardRequest& request, KVCache* cache, const at::Tensor& cache_rows,
-                    Attend&& attend) const;
+                    bool q_group_major, Attend&& attend) const;
   // Joins the tensor-parallel group `tp` (none, or one rank: a whole model) after
   // check_tensor_parallel.
   void split_over(dist::Comm* tp, bool expert_parallel);

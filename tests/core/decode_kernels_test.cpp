@@ -249,8 +249,49 @@ TEST(DecodeOpsGpu, QkNormRotaryIntoCacheWritesOnlyTheRows) {
                                   cos.cuda(), sin.cuda(), 1e-6);
       EXPECT_TRUE(at::equal(q, q_plain));
       EXPECT_TRUE(at::equal(keys_gpu.index_select(0, rows_gpu), k_plain));
+      // Group-major q: the same heads, moved (query head kv * G + g at g * Hkv + kv).
+      auto q_grouped = kernels::qk_norm_rotary_into_cache(
+          qkv_gpu, s.q_heads, s.kv_heads, q_norm.cuda(), k_norm.cuda(), cos.cuda(), sin.cuda(),
+          1e-6, keys_gpu, values_gpu, rows_gpu, /*q_group_major=*/true);
+      const int64_t groups = s.q_heads / s.kv_heads;
+      for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
+        for (int64_t g = 0; g < groups; ++g) {
+          EXPECT_TRUE(
+              at::equal(q_grouped.select(1, g * s.kv_heads + kv), q.select(1, kv * groups + g)))
+              << "kv head " << kv << " group " << g;
+        }
+      }
     }
   }
+}
+
+// The CPU reference's group-major q (the oracle of the kernel's) is the head-major one with
+// query head kv * G + g moved to g * Hkv + kv; the layout needs Hq a multiple of Hkv.
+TEST(DecodeOps, QkNormRotaryIntoCacheGroupMajorMovesTheHeads) {
+  at::manual_seed(7);
+  const int64_t tokens = 3, q_heads = 6, kv_heads = 2, d = 8, rows = 5;
+  const int64_t width = (q_heads + 2 * kv_heads) * d;
+  auto [qkv, q_norm, k_norm, cos, sin] = qk_inputs(tokens, width, 0, d, at::kFloat);
+  auto slots = at::tensor(std::vector<int64_t>{4, 0, 2}, at::kLong);
+  auto run = [&](bool group_major) {
+    auto keys = at::zeros({rows, kv_heads, d}), values = at::zeros({rows, kv_heads, d});
+    return kernels::qk_norm_rotary_into_cache(qkv, q_heads, kv_heads, q_norm, k_norm, cos, sin,
+                                              1e-6, keys, values, slots, group_major);
+  };
+  auto head_major = run(false), grouped = run(true);
+  const int64_t groups = q_heads / kv_heads;
+  for (int64_t kv = 0; kv < kv_heads; ++kv) {
+    for (int64_t g = 0; g < groups; ++g) {
+      EXPECT_TRUE(
+          at::equal(grouped.select(1, g * kv_heads + kv), head_major.select(1, kv * groups + g)));
+    }
+  }
+  auto keys = at::zeros({rows, 4, d}), values = at::zeros({rows, 4, d});
+  const int64_t wide = (6 + 2 * 4) * d;
+  auto [qkv4, qn, kn, c4, s4] = qk_inputs(tokens, wide, 0, d, at::kFloat);
+  EXPECT_THROW(kernels::qk_norm_rotary_into_cache(qkv4, 6, 4, qn, kn, c4, s4, 1e-6, keys, values,
+                                                  slots, /*q_group_major=*/true),
+               Error);
 }
 
 TEST(DecodeOpsGpu, WriteKvRowsIsIndexCopy) {

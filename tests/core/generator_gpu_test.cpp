@@ -163,15 +163,18 @@ TEST_F(DecodeGpu, GraphDecodeMatchesEagerWithRefill) {
 }
 
 // Small blocks attend as one-query sequences (AppendBatch::token_*, flash's split-KV path; heads
-// of 128) or through kernels::block_attention (heads of 64): the same logits, taps and block
-// attention as flash's one tile per entry, over slots at different lengths.
+// of 128; q head-major or group-major) or through kernels::block_attention (heads of 64): the
+// same logits, taps and block attention as flash's one tile per entry, over slots at different
+// lengths.
 TEST_F(DecodeGpu, SmallBlockAttentionPathsMatchFlashTiles) {
   struct Restore {
     int64_t limit = models::per_token_attention_max_tokens();
     bool block = models::block_attention_kernel();
+    bool group_major = models::group_major_queries();
     ~Restore() {
       models::set_per_token_attention_max_tokens(limit);
       models::set_block_attention_kernel(block);
+      models::set_group_major_queries(group_major);
     }
   } restore;
   for (int64_t head_dim : {128, 64}) {
@@ -196,22 +199,41 @@ TEST_F(DecodeGpu, SmallBlockAttentionPathsMatchFlashTiles) {
     struct Path {
       const char* name;
       int64_t per_token_limit;
-      bool block_kernel;
+      bool block_kernel, group_major;
     };
-    for (const Path& p : {Path{"flash tiles", 0, false}, Path{"per token", 64, false},
-                          Path{"block kernel", 64, true}}) {
+    const std::vector<Path> paths = {{"flash tiles", 0, false, false},
+                                     {"per token, q group-major", 64, false, true},
+                                     {"per token, q head-major", 64, false, false},
+                                     {"block kernel", 64, true, false}};
+    for (const Path& p : paths) {
       models::set_per_token_attention_max_tokens(p.per_token_limit);
       models::set_block_attention_kernel(p.block_kernel);
+      models::set_group_major_queries(p.group_major);
       auto batch = AppendBatch::make(cache, slots, {16, 5});
       // The block kernel serves heads of 64 (not 128, whose blocks take per-token attention).
-      EXPECT_EQ(batch.per_token_attention(), p.per_token_limit > 0 && head_dim >= 128) << p.name;
+      const bool per_token = p.per_token_limit > 0 && head_dim >= 128;
+      EXPECT_EQ(batch.per_token_attention(), per_token) << p.name;
+      const auto offsets = models::group_major_query_offsets(batch, config_.num_heads,
+                                                             config_.num_kv_heads, at::kBFloat16);
+      EXPECT_EQ(offsets.defined(), per_token && p.group_major) << p.name;
       outs.push_back(model.forward_cached(block, batch, cache, request));
       both_ways.push_back(models::cached_block_attention(q, cache, 1, batch));
+      if (offsets.defined()) {
+        // The attention alone, on q moved to group-major order, against the head-major call.
+        const int64_t groups = config_.num_heads / config_.num_kv_heads;
+        auto grouped = q.view({21, config_.num_kv_heads, groups, head_dim})
+                           .transpose(1, 2)
+                           .reshape({21, config_.num_heads, head_dim});
+        EXPECT_CLOSE(models::cached_causal_attention(grouped, cache, 1, batch, 0, offsets),
+                     models::cached_causal_attention(q, cache, 1, batch), 2e-2);
+        EXPECT_CLOSE(models::cached_block_attention(grouped, cache, 1, batch, offsets),
+                     models::cached_block_attention(q, cache, 1, batch), 2e-2);
+      }
       cache.crop(2, 21);
       cache.crop(0, 7);
     }
     for (size_t i = 1; i < outs.size(); ++i) {
-      SCOPED_TRACE(i == 1 ? "per token" : "block kernel");
+      SCOPED_TRACE(paths[i].name);
       EXPECT_CLOSE(outs[i].logits, outs[0].logits, 2e-2);
       EXPECT_CLOSE(outs[i].taps[0], outs[0].taps[0], 2e-2);
       EXPECT_CLOSE(both_ways[i], both_ways[0], 2e-2);
