@@ -20,6 +20,7 @@
 #include "eval/draft_tree.h"
 #include "eval/generator.h"
 #include "eval/speculative.h"
+#include "kernels/cluster_linear.h"
 #include "models/drafter.h"
 #include "models/target.h"
 #include "obs/profile.h"
@@ -46,6 +47,7 @@ struct BenchDecodeOptions {
   int64_t per_token_attention_max = -1;  // models::set_per_token_attention_max_tokens; -1: keep
   bool block_attention = true;           // models::set_block_attention_kernel
   bool group_major_queries = true;       // models::set_group_major_queries
+  bool cluster_linear = true;            // kernels::set_cluster_linear_enabled
   bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
 };
 
@@ -300,6 +302,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
   models::set_block_attention_kernel(o.block_attention);
   models::set_group_major_queries(o.group_major_queries);
+  kernels::set_cluster_linear_enabled(o.cluster_linear);
   if (o.per_token_attention_max >= 0) {
     models::set_per_token_attention_max_tokens(o.per_token_attention_max);
   }
@@ -470,6 +473,9 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-block-attention{false}", o->block_attention,
                 "blocks of at most 16 tokens per sequence attend through flash (or per token) "
                 "instead of kernels/block_attention");
+  cmd->add_flag("--no-cluster-linear{false}", o->cluster_linear,
+                "verify and draft blocks' bf16 linears through cuBLAS instead of "
+                "kernels/cluster_linear");
   cmd->add_flag("--no-group-major-queries{false}", o->group_major_queries,
                 "per-token attention (target verify, drafter block) takes q head-major (flash "
                 "regroups it) instead of written group-major by the q/k norm kernel");

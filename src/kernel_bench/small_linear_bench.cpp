@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "kernel_bench/bench.h"
+#include "kernels/cluster_linear.h"
 #include "kernels/fp8_rows.h"
 #include "kernels/small_linear.h"
 #include "kernels/tuned_gemm.h"
@@ -52,6 +53,22 @@ void bench_small_linear(const Bench& b) {
       }
       b.report("at::linear " + name, m, n, k,
                b.graph_us([&](int i) { at::linear(x, weights[i % copies]); }), moved);
+      // The tensor-core kernel at each split of K over a cluster and register depth it takes.
+      if (kernels::cluster_linear_fits(x, weights[0])) {
+        b.check(fmt::format("cluster_linear {} ({} rows)", name, m),
+                kernels::cluster_linear(x, weights[0]),
+                kernels::small_linear_reference(x, weights[0]), kRoundedOnce);
+        for (int split : {1, 2, 4, 8}) {
+          if (k % (256 * split) != 0 || k / split > 2048) continue;
+          for (int unroll : {2, 4}) {
+            b.report(fmt::format("cluster_linear {} s{} u{}", name, split, unroll), m, n, k,
+                     b.graph_us([&](int i) {
+                       kernels::cluster_linear(x, weights[i % copies], {}, split, unroll);
+                     }),
+                     moved);
+          }
+        }
+      }
       // Would another of cuBLASLt's algorithms stream the weight faster than ATen's pick (each
       // timed once per call with L2 flushed, as in a pass over many layers)?
       if (m > 1) {

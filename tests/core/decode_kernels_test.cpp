@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "decode_test_util.h"
+#include "kernels/cluster_linear.h"
 #include "kernels/decode_ops.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
@@ -114,6 +115,67 @@ TEST(SmallLinearGpu, LeadingDimsBiasAndTooManyRows) {
   auto w32 = at::randn({40, 64});
   EXPECT_TRUE(at::allclose(kernels::small_linear(x32.cuda(), w32.cuda()).cpu(),
                            at::linear(x32, w32), 1e-4, 1e-4));
+}
+
+// cluster_linear at 2-16 rows against the fp32 reference, at every split of K over a cluster and
+// register depth: N not a multiple of a block's 128 features, a bias, x a strided slice, K from
+// one 256-wide step to 2,048 a block; each row's result the same whatever the other rows.
+TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(9);
+  const c10::NoGradGuard no_grad;
+  struct Shape {
+    at::ScalarType dtype;
+    int64_t rows, n, k, ld;
+    bool bias;
+  };
+  for (Shape s :
+       {Shape{at::kBFloat16, 16, 4096, 4096, 0, false}, Shape{at::kBFloat16, 2, 200, 256, 0, true},
+        Shape{at::kHalf, 9, 384, 2048, 2056, false},
+        Shape{at::kBFloat16, 16, 136, 12288, 0, true}}) {
+    SCOPED_TRACE(fmt::format("{} rows {} n {} k {}", c10::toString(s.dtype), s.rows, s.n, s.k));
+    auto x = strided_rows(s.rows, s.k, s.ld > 0 ? s.ld : s.k, 0, s.dtype, at::kCPU);
+    auto w = (at::randn({s.n, s.k}) * 0.05).to(s.dtype);
+    auto b = s.bias ? at::randn({s.n}).to(s.dtype) : at::Tensor();
+    auto expected = kernels::small_linear_reference(x, w, b);
+    auto xg = strided_rows(s.rows, s.k, s.ld > 0 ? s.ld : s.k, 0, s.dtype, at::kCUDA).copy_(x);
+    const auto wg = w.cuda(), bg = s.bias ? b.cuda() : at::Tensor();
+    ASSERT_TRUE(kernels::cluster_linear_fits(xg, wg));
+    int runs = 0;
+    for (int split : {1, 2, 4, 8}) {
+      if (s.k % (256 * split) != 0 || s.k / split > 2048) continue;
+      for (int unroll : {2, 4}) {
+        SCOPED_TRACE(fmt::format("split {} unroll {}", split, unroll));
+        auto actual = kernels::cluster_linear(xg, wg, bg, split, unroll);
+        expect_within_rounding(actual, expected, 1e-3);
+        auto two = kernels::cluster_linear(xg.narrow(0, s.rows - 2, 2), wg, bg, split, unroll);
+        EXPECT_TRUE(at::equal(two, actual.narrow(0, s.rows - 2, 2)));
+        ++runs;
+      }
+    }
+    EXPECT_GT(runs, 0);
+    // inference_linear takes it at these rows (the built-in split).
+    EXPECT_TRUE(
+        at::equal(kernels::inference_linear(xg, wg, bg), kernels::cluster_linear(xg, wg, bg)));
+  }
+}
+
+// Where cluster_linear does not fit, callers keep cuBLAS: one row, more than 16, K off the
+// 256-wide steps, x unaligned, another device.
+TEST(ClusterLinear, FitsOnlyItsShapes) {
+  auto w = at::zeros({128, 512}, at::kBFloat16);
+  EXPECT_FALSE(kernels::cluster_linear_fits(at::zeros({4, 512}, at::kBFloat16), w));
+  EXPECT_THROW(kernels::cluster_linear(at::zeros({4, 512}, at::kBFloat16), w), Error);
+  if (!at::hasCUDA()) return;
+  const auto wg = w.cuda();
+  auto x = [](int64_t rows, int64_t k) { return at::zeros({rows, k}, at::kBFloat16).cuda(); };
+  EXPECT_TRUE(kernels::cluster_linear_fits(x(4, 512), wg));
+  EXPECT_FALSE(kernels::cluster_linear_fits(x(1, 512), wg));
+  EXPECT_FALSE(kernels::cluster_linear_fits(x(17, 512), wg));
+  EXPECT_FALSE(
+      kernels::cluster_linear_fits(x(4, 520), at::zeros({128, 520}, at::kBFloat16).cuda()));
+  EXPECT_FALSE(kernels::cluster_linear_fits(x(4, 513).narrow(1, 1, 512), wg));
+  EXPECT_THROW(kernels::cluster_linear(x(4, 512), wg, {}, 3, 4), Error);
 }
 
 TEST(SmallLinear, CpuIsAtLinearAndBadShapesAreNamed) {

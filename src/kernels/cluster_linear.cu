@@ -1,0 +1,187 @@
+// The layout of cluster_linear.h's kernel. mma.sync m16n8k16 with x as A (its 16 rows: the rows
+// of x, zeros past the last) and 8 weight rows as B. Inside each 32-wide chunk of K the k order
+// is permuted, the same way for x and the weight (a dot product does not depend on it): lane
+// (g, t) loads 16 bytes, k = 8t..8t+7, of weight row g, which are the B fragments of two MMAs
+// (k 8t..8t+3 of the first, 8t+4..8t+7 of the second), and reads the same k of x rows g and
+// g + 8 from shared memory, the A fragments of both. x's rows in shared memory are padded by 64
+// bytes so that those reads hit distinct banks.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cooperative_groups.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cluster_linear.h"
+#include "kernels/float_cast.cuh"
+#include "kernels/mma.cuh"
+
+namespace dflash::kernels {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTiles = 2;                       // 8-feature tiles a warp
+constexpr int kFeatures = kWarps * kTiles * 8;  // a block's: 128
+constexpr int kRows = 16;                       // the MMA's M
+constexpr int kPad = 32;                        // halves after each x row in shared memory
+constexpr int64_t kMaxSlice = 2048;             // most k a block takes
+
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    mma_f16(c, a, b0, b1);
+  } else {
+    mma_bf16(c, a, b0, b1);
+  }
+}
+
+// A block: features [tile * 128, +128) over k [rank * slice, +slice), rank its place in the
+// cluster. kUnroll 32-wide chunks per register buffer; slice a multiple of 2 * 32 * kUnroll.
+template <typename T, int kUnroll>
+__global__ void __launch_bounds__(kThreads, 2)
+    cluster_linear_kernel(const T* __restrict__ x, int64_t ldx, int rows, const T* __restrict__ w,
+                          const T* __restrict__ bias, T* __restrict__ y, int64_t n, int64_t k,
+                          int64_t slice) {
+  constexpr int kStep = 32 * kUnroll;
+  extern __shared__ __align__(16) unsigned char smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int64_t k0 = rank * slice, ld = slice + kPad;
+  T* xs = reinterpret_cast<T*>(smem);
+  // x's slice to shared memory; rows past the last are zeros (their source is not read).
+  const int64_t vecs = slice / 8;
+  for (int64_t i = threadIdx.x; i < kRows * vecs; i += kThreads) {
+    const int r = static_cast<int>(i / vecs);
+    const int64_t c = (i % vecs) * 8;
+    cp_async16(xs + r * ld + c, x + (r < rows ? r : 0) * ldx + k0 + c, r < rows);
+  }
+  cp_async_commit();
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int64_t block_n0 = int64_t(blockIdx.x / ranks) * kFeatures;
+  const T* wrow[kTiles];
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    // Rows past n are read (clamped) and computed, never stored.
+    const int64_t row = block_n0 + (warp * kTiles + j) * 8 + g;
+    wrow[j] = w + (row < n ? row : n - 1) * k + k0 + 8 * t;
+  }
+  float acc[kTiles][4];
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  auto load = [&](uint4(&buf)[kUnroll][kTiles], int64_t kk) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        buf[u][j] = __ldcs(reinterpret_cast<const uint4*>(wrow[j] + kk + 32 * u));
+      }
+    }
+  };
+  auto compute = [&](const uint4(&buf)[kUnroll][kTiles], int64_t kk) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const T* xp = xs + kk + 32 * u + 8 * t;
+      const uint4 lo = *reinterpret_cast<const uint4*>(xp + g * ld);
+      const uint4 hi = *reinterpret_cast<const uint4*>(xp + (g + 8) * ld);
+      const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
+      const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        mma<T>(acc[j], a0, buf[u][j].x, buf[u][j].y);
+        mma<T>(acc[j], a1, buf[u][j].z, buf[u][j].w);
+      }
+    }
+  };
+  // Two register buffers: the next chunks' loads are issued before this chunk's MMAs.
+  uint4 cur[kUnroll][kTiles], next[kUnroll][kTiles];
+  load(cur, 0);
+  cp_async_wait_all();
+  __syncthreads();
+  for (int64_t kk = 0; kk < slice; kk += 2 * kStep) {
+    load(next, kk + kStep);
+    compute(cur, kk);
+    if (kk + 2 * kStep < slice) load(cur, kk + 2 * kStep);
+    compute(next, kk + kStep);
+  }
+
+  // Partial sums [16][128] fp32 over x's shared memory (at least 16 * 288 halves), then each
+  // block of the cluster finishes 128 / ranks of the features, adding the ranks in order.
+  __syncthreads();
+  float* partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    const int f = (warp * kTiles + j) * 8 + 2 * t;
+    partial[g * kFeatures + f] = acc[j][0];
+    partial[g * kFeatures + f + 1] = acc[j][1];
+    partial[(g + 8) * kFeatures + f] = acc[j][2];
+    partial[(g + 8) * kFeatures + f + 1] = acc[j][3];
+  }
+  cluster.sync();
+  const int share = kFeatures / ranks;
+  for (int i = threadIdx.x; i < rows * share; i += kThreads) {
+    const int m = i / share, f = rank * share + i % share;
+    const int64_t col = block_n0 + f;
+    float s = 0.f;
+    for (int r = 0; r < ranks; ++r) s += cluster.map_shared_rank(partial, r)[m * kFeatures + f];
+    if (col < n) {
+      if (bias != nullptr) s += to_float(bias[col]);
+      y[m * n + col] = from_float<T>(s);
+    }
+  }
+  // No block leaves while another may still read its shared memory.
+  cluster.sync();
+}
+
+template <typename T, int kUnroll>
+void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& y,
+            int split) {
+  const int64_t n = w.size(0), k = w.size(1), slice = k / split;
+  const size_t shared = sizeof(T) * kRows * (slice + kPad);
+  auto kernel = cluster_linear_kernel<T, kUnroll>;
+  // Slices past 48 KB of x need the opt-in; set once per kernel, for the largest slice.
+  static const cudaError_t opt_in =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(sizeof(T) * kRows * (kMaxSlice + kPad)));
+  C10_CUDA_CHECK(opt_in);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((n + kFeatures - 1) / kFeatures * split));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = shared;
+  config.stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = static_cast<unsigned>(split);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(
+      cudaLaunchKernelEx(&config, kernel, reinterpret_cast<const T*>(x.data_ptr()), x.stride(0),
+                         static_cast<int>(x.size(0)), reinterpret_cast<const T*>(w.data_ptr()),
+                         b.defined() ? reinterpret_cast<const T*>(b.data_ptr()) : nullptr,
+                         reinterpret_cast<T*>(y.data_ptr()), n, k, slice));
+}
+
+}  // namespace
+
+void cluster_linear_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b,
+                         at::Tensor& y, int split, int unroll) {
+  const c10::cuda::CUDAGuard guard(x2.device());
+  if (x2.scalar_type() == at::kHalf) {
+    unroll == 2 ? launch<__half, 2>(x2, w, b, y, split) : launch<__half, 4>(x2, w, b, y, split);
+  } else {
+    unroll == 2 ? launch<__nv_bfloat16, 2>(x2, w, b, y, split)
+                : launch<__nv_bfloat16, 4>(x2, w, b, y, split);
+  }
+}
+
+}  // namespace dflash::kernels
