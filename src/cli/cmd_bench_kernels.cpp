@@ -134,6 +134,8 @@ void add_bench_kernels_command(CLI::App& app) {
   cmd->add_option("--iters", o->timing.iters, "timed replays of the graph")
       ->capture_default_str()
       ->check(kAtLeastOne.validator());
+  cmd->add_flag("--no-gemm-candidates{false}", o->timing.gemm_candidates,
+                "skip timing cuBLASLt's other algorithms at each linear shape (the slowest part)");
   add_json_option(*cmd, o->json_out, "the results");
   cmd->add_option("--only", o->only,
                   "only these benchmarks, by name (e.g. decode_attention,block_attention)")

@@ -26,6 +26,7 @@ struct Options {
   std::vector<int64_t> rows = {1, 8, 16};  // rows of x for the linear kernels and add_rms_norm
   int calls = 40;                          // calls per captured graph
   int iters = 20;                          // timed replays
+  bool gemm_candidates = true;  // time cuBLASLt's other algorithms beside at::linear (slow)
 };
 
 // Microseconds per call of fn(i) (i: the call's index), from CUDA events around `iters` replays

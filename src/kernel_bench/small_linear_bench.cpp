@@ -71,7 +71,7 @@ void bench_small_linear(const Bench& b) {
       }
       // Would another of cuBLASLt's algorithms stream the weight faster than ATen's pick (each
       // timed once per call with L2 flushed, as in a pass over many layers)?
-      if (m > 1) {
+      if (m > 1 && b.o.gemm_candidates) {
         fmt::print("  cuBLASLt {}\n",
                    kernels::describe(kernels::time_gemm_candidates(x, weights[0])));
       }
