@@ -20,7 +20,7 @@ constexpr int64_t kFeatures = 128;  // a block's output features
 constexpr int64_t kMaxSlice = 2048;
 constexpr int64_t kSliceStep = 256;
 
-std::atomic<bool> enabled{true};
+std::atomic<bool> enabled{false};
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 

@@ -34,8 +34,9 @@ at::Tensor cluster_linear(const at::Tensor& x2, const at::Tensor& w, const at::T
                           int split = 0, int unroll = 4);
 
 // Whether the few-row passes (kernels::inference_linear, the target's verify) take
-// cluster_linear where it fits. On by default; process-wide so that `bench-decode
-// --no-cluster-linear` can compare it with cuBLAS in one process.
+// cluster_linear where it fits. Off by default until it has been run and timed on a GPU
+// (written 2026-12-07 without one; ClusterLinearGpu checks it); process-wide so that
+// `bench-decode --cluster-linear` can compare it with cuBLAS in one process.
 bool cluster_linear_enabled();
 void set_cluster_linear_enabled(bool on);
 

@@ -154,9 +154,12 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
       }
     }
     EXPECT_GT(runs, 0);
-    // inference_linear takes it at these rows (the built-in split).
-    EXPECT_TRUE(
-        at::equal(kernels::inference_linear(xg, wg, bg), kernels::cluster_linear(xg, wg, bg)));
+    // inference_linear takes it at these rows (the built-in split) when it is enabled.
+    const bool was = kernels::cluster_linear_enabled();
+    kernels::set_cluster_linear_enabled(true);
+    auto through = kernels::inference_linear(xg, wg, bg);
+    kernels::set_cluster_linear_enabled(was);
+    EXPECT_TRUE(at::equal(through, kernels::cluster_linear(xg, wg, bg)));
   }
 }
 
