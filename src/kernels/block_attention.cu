@@ -57,16 +57,6 @@ __device__ __forceinline__ uint32_t pair(const T* lo, const T* hi) {
          (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(hi)) << 16);
 }
 
-template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    mma_f16(c, a, b0, b1);
-  } else {
-    mma_bf16(c, a, b0, b1);
-  }
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32)
     block_attention_kernel(const T* __restrict__ q, const T* __restrict__ k,

@@ -31,16 +31,6 @@ constexpr int kRows = 16;                       // the MMA's M
 constexpr int kPad = 32;                        // halves after each x row in shared memory
 constexpr int64_t kMaxSlice = 2048;             // most k a block takes
 
-template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    mma_f16(c, a, b0, b1);
-  } else {
-    mma_bf16(c, a, b0, b1);
-  }
-}
-
 // A block: features [tile * 128, +128) over k [rank * slice, +slice), rank its place in the
 // cluster. kUnroll 32-wide chunks per register buffer; slice a multiple of 2 * 32 * kUnroll.
 template <typename T, int kUnroll>

@@ -5,7 +5,10 @@
 // 1, 2t + 8, 2t + 9; C (16 x 8, fp32) rows g, g + 8, columns 2t, 2t + 1. Each register holds two
 // consecutive k (the lower in the low half).
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include <cstdint>
 
@@ -29,6 +32,17 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// mma_bf16 or mma_f16 by the operands' type T (__nv_bfloat16 or __half).
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    mma_f16(c, a, b0, b1);
+  } else {
+    mma_bf16(c, a, b0, b1);
+  }
 }
 
 // 16 bytes global -> shared without a register round trip (sm_80+), or 16 zero bytes when
