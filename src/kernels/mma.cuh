@@ -8,9 +8,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <type_traits>
-
 #include <cstdint>
+#include <type_traits>
 
 namespace dflash::kernels {
 
