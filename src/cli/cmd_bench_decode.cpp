@@ -46,8 +46,8 @@ struct BenchDecodeOptions {
   bool window_rings = true;           // sliding layers cache only their windows (gpt-oss)
   int64_t per_token_attention_max = -1;  // models::set_per_token_attention_max_tokens; -1: keep
   bool block_attention = true;           // models::set_block_attention_kernel
-  bool group_major_queries = false;      // models::set_group_major_queries
-  bool cluster_linear = false;           // kernels::set_cluster_linear_enabled
+  bool group_major_queries = true;       // models::set_group_major_queries
+  bool cluster_linear = true;            // kernels::set_cluster_linear_enabled
   bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
 };
 
@@ -473,13 +473,12 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-block-attention{false}", o->block_attention,
                 "blocks of at most 16 tokens per sequence attend through flash (or per token) "
                 "instead of kernels/block_attention");
-  cmd->add_flag("--cluster-linear", o->cluster_linear,
-                "verify and draft blocks' bf16 linears through kernels/cluster_linear instead "
-                "of cuBLAS (not yet run on a GPU)");
-  cmd->add_flag("--group-major-queries", o->group_major_queries,
-                "per-token attention (target verify, drafter block) takes q written group-major "
-                "by the q/k norm kernel instead of head-major, which flash regroups (not yet "
-                "run on a GPU)");
+  cmd->add_flag("--no-cluster-linear{false}", o->cluster_linear,
+                "the FP8 drafter's GEMMs at a block's 1-16 rows through cuBLASLt instead of "
+                "kernels/cluster_linear");
+  cmd->add_flag("--no-group-major-queries{false}", o->group_major_queries,
+                "per-token attention (target verify, drafter block) takes q head-major, which "
+                "flash regroups, instead of group-major from the q/k norm kernel");
   cmd->add_option("--warmup", o->warmup, "untimed runs first")
       ->capture_default_str()
       ->check(kNonNegative.validator());

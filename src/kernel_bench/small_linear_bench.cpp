@@ -4,7 +4,8 @@
 // against its fp32 reference (kernels::small_linear_reference). Beside them the FP8 path of
 // `--drafter-fp8` (the drafter's linears at a speculative step's rows): x quantized per row and
 // the e4m3 GEMM over the weight's rows (kernels/fp8_rows), checked against its dequantizing
-// reference. At more than one row, what cuBLASLt's other algorithms give (kernels/tuned_gemm).
+// reference, through cuBLASLt and through kernels/cluster_linear at each split of K it takes. At
+// more than one row, what cuBLASLt's other algorithms give (kernels/tuned_gemm).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -53,22 +54,6 @@ void bench_small_linear(const Bench& b) {
       }
       b.report("at::linear " + name, m, n, k,
                b.graph_us([&](int i) { at::linear(x, weights[i % copies]); }), moved);
-      // The tensor-core kernel at each split of K over a cluster and register depth it takes.
-      if (kernels::cluster_linear_fits(x, weights[0])) {
-        b.check(fmt::format("cluster_linear {} ({} rows)", name, m),
-                kernels::cluster_linear(x, weights[0]),
-                kernels::small_linear_reference(x, weights[0]), kRoundedOnce);
-        for (int split : {1, 2, 4, 8}) {
-          if (k % (256 * split) != 0 || k / split > 2048) continue;
-          for (int unroll : {2, 4}) {
-            b.report(fmt::format("cluster_linear {} s{} u{}", name, split, unroll), m, n, k,
-                     b.graph_us([&](int i) {
-                       kernels::cluster_linear(x, weights[i % copies], {}, split, unroll);
-                     }),
-                     moved);
-          }
-        }
-      }
       // Would another of cuBLASLt's algorithms stream the weight faster than ATen's pick (each
       // timed once per call with L2 flushed, as in a pass over many layers)?
       if (m > 1 && b.o.gemm_candidates) {
@@ -77,15 +62,38 @@ void bench_small_linear(const Bench& b) {
       }
       if (!fp8) continue;
       auto out = at::empty({m, n}, opts);
+      const auto x8 = kernels::quantize_rows_e4m3(x);
+      auto reference = at::empty_like(out);
+      kernels::mm_fp8_rows_reference_out(reference, x8, fp8_weights[0]);
+      const double fp8_moved = bytes / 2 + m * (k + 2.0 * n);
+      // cuBLASLt's row-scaled GEMM (x quantized in the timed call, as a drafter linear does).
+      const bool cluster = kernels::cluster_linear_enabled();
+      kernels::set_cluster_linear_enabled(false);
       auto fp8_gemm = [&](int i) {
         kernels::mm_fp8_rows_out(out, kernels::quantize_rows_e4m3(x),
                                  fp8_weights[i % fp8_weights.size()]);
       };
       fp8_gemm(0);
-      auto reference = at::empty_like(out);
-      kernels::mm_fp8_rows_reference_out(reference, kernels::quantize_rows_e4m3(x), fp8_weights[0]);
       b.check(fmt::format("fp8 rows {} ({} rows)", name, m), out, reference, kRoundedOnce);
-      b.report("fp8 rows " + name, m, n, k, b.graph_us(fp8_gemm), bytes / 2 + m * (k + 2.0 * n));
+      b.report("fp8 rows " + name, m, n, k, b.graph_us(fp8_gemm), fp8_moved);
+      kernels::set_cluster_linear_enabled(cluster);
+      if (!kernels::cluster_linear_fits(x8, fp8_weights[0])) continue;
+      // The cluster kernel at each split of K and register depth it takes (x quantized apart).
+      kernels::cluster_linear_out(out, x8, fp8_weights[0]);
+      b.check(fmt::format("cluster_linear {} ({} rows)", name, m), out, reference, kRoundedOnce);
+      for (int split : {1, 2, 4, 8}) {
+        if (k % (512 * split) != 0 || k / split > 4096) continue;
+        for (int unroll : {2, 4}) {
+          b.report(fmt::format("cluster_linear {} s{} u{}", name, split, unroll), m, n, k,
+                   b.graph_us([&](int i) {
+                     kernels::cluster_linear_out(out, x8, fp8_weights[i % fp8_weights.size()],
+                                                 split, unroll);
+                   }),
+                   fp8_moved);
+        }
+      }
+      b.report("quantize_rows_e4m3 " + name, m, k, k,
+               b.graph_us([&](int) { kernels::quantize_rows_e4m3(x); }), m * 3.0 * k);
     }
   }
 }

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <fmt/ranges.h>
 
 #include <atomic>
 
@@ -9,27 +10,32 @@
 
 namespace dflash::kernels {
 
-// cluster_linear.cu: y [rows, N] = x2 W^T + b, K split over `split` blocks of a cluster, the
-// kernel's register buffers `unroll` 32-wide chunks deep.
-void cluster_linear_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b,
-                         at::Tensor& y, int split, int unroll);
+// cluster_linear.cu: out [rows, N] bf16, K split over `split` blocks of a cluster, the
+// kernel's register buffers `unroll` 64-wide chunks deep.
+void cluster_linear_cuda(const Fp8Rows& x, const Fp8Rows& w, at::Tensor& out, int split,
+                         int unroll);
 
 namespace {
 
 constexpr int64_t kFeatures = 128;  // a block's output features
-constexpr int64_t kMaxSlice = 2048;
-constexpr int64_t kSliceStep = 256;
+constexpr int64_t kMaxSlice = 4096;
+constexpr int64_t kSliceStep = 512;  // two register buffers of 4 x 64 k
 
-std::atomic<bool> enabled{false};
+std::atomic<bool> enabled{true};
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+bool valid_split(int64_t k, int split) {
+  return (split == 1 || split == 2 || split == 4 || split == 8) && k % (split * kSliceStep) == 0 &&
+         k / split <= kMaxSlice;
+}
 
 // The fewest blocks of a cluster (1, 2, 4, 8) whose slices fit, going on to more while the
 // grid gives the SMs fewer than two blocks each; 0 where no split fits.
 int choose_split(int64_t n, int64_t k, int sms) {
   int chosen = 0;
   for (int split : {1, 2, 4, 8}) {
-    if (k % (split * kSliceStep) != 0 || k / split > kMaxSlice) continue;
+    if (!valid_split(k, split)) continue;
     chosen = split;
     if ((n + kFeatures - 1) / kFeatures * split >= 2 * sms) break;
   }
@@ -40,41 +46,47 @@ int sm_count(const at::Tensor& t) {
   return at::cuda::getDeviceProperties(t.device().index())->multiProcessorCount;
 }
 
-}  // namespace
-
-bool cluster_linear_fits(const at::Tensor& x2, const at::Tensor& w) {
-  if (!x2.is_cuda() || x2.dim() != 2 || w.dim() != 2 || x2.size(1) != w.size(1)) return false;
-  const auto dtype = x2.scalar_type();
-  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || w.scalar_type() != dtype) return false;
-  const int64_t rows = x2.size(0), k = w.size(1);
-  return rows >= 2 && rows <= kClusterLinearMaxRows && w.is_contiguous() && x2.stride(1) == 1 &&
-         x2.stride(0) % 8 == 0 && aligned16(x2.data_ptr()) && aligned16(w.data_ptr()) &&
-         w.size(0) > 0 && choose_split(w.size(0), k, sm_count(x2)) > 0;
+bool e4m3_matrix(const at::Tensor& t) {
+  return t.is_cuda() && t.dim() == 2 && t.scalar_type() == at::kFloat8_e4m3fn &&
+         t.is_contiguous() && aligned16(t.data_ptr());
 }
 
-at::Tensor cluster_linear(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b, int split,
-                          int unroll) {
-  if (!cluster_linear_fits(x2, w)) {
-    fail("cluster linear: x {} (strides {}) and w {} do not fit the kernel (cluster_linear_fits)",
-         x2.sizes(), x2.strides(), w.sizes());
+}  // namespace
+
+bool cluster_linear_fits(const Fp8Rows& x, const Fp8Rows& w) {
+  if (!e4m3_matrix(x.data) || !e4m3_matrix(w.data) || x.data.device() != w.data.device() ||
+      x.data.size(1) != w.data.size(1) || !fp8_gemm_supported(x.data.device())) {
+    return false;
   }
-  if (b.defined() && (b.dim() != 1 || b.size(0) != w.size(0) ||
-                      b.scalar_type() != w.scalar_type() || b.device() != w.device())) {
-    fail("cluster linear: the bias must be [{}] of w's dtype and device, got {}", w.size(0),
-         b.sizes());
+  const int64_t rows = x.data.size(0), k = w.data.size(1);
+  auto scales = [](const Fp8Rows& m) {
+    return m.scale.scalar_type() == at::kFloat && m.scale.is_contiguous() &&
+           m.scale.numel() == m.data.size(0) && m.scale.device() == m.data.device();
+  };
+  return rows >= 1 && rows <= kClusterLinearMaxRows && w.data.size(0) > 0 && scales(x) &&
+         scales(w) && choose_split(w.data.size(0), k, sm_count(x.data)) > 0;
+}
+
+void cluster_linear_out(at::Tensor& out, const Fp8Rows& x, const Fp8Rows& w, int split,
+                        int unroll) {
+  if (!cluster_linear_fits(x, w)) {
+    fail("cluster linear: x {} and w {} do not fit the kernel (cluster_linear_fits)",
+         x.data.sizes(), w.data.sizes());
   }
-  const int64_t k = w.size(1);
-  if (split == 0) split = choose_split(w.size(0), k, sm_count(x2));
-  if ((split != 1 && split != 2 && split != 4 && split != 8) || k % (split * kSliceStep) != 0 ||
-      k / split > kMaxSlice || (unroll != 2 && unroll != 4)) {
+  const int64_t rows = x.data.size(0), n = w.data.size(0), k = w.data.size(1);
+  if (out.sizes() != at::IntArrayRef{rows, n} || !out.is_contiguous() ||
+      out.scalar_type() != at::kBFloat16 || out.device() != x.data.device()) {
+    fail("cluster linear: out must be contiguous bf16 [{}, {}] on {}, got {} {}", rows, n,
+         x.data.device().str(), out.sizes(), c10::toString(out.scalar_type()));
+  }
+  if (split == 0) split = choose_split(n, k, sm_count(out));
+  if (!valid_split(k, split) || (unroll != 2 && unroll != 4)) {
     fail(
         "cluster linear: K {} does not split over {} blocks (slices of multiples of {} up to {}) "
         "or unroll {} is not 2 or 4",
         k, split, kSliceStep, kMaxSlice, unroll);
   }
-  auto y = at::empty({x2.size(0), w.size(0)}, x2.options());
-  cluster_linear_cuda(x2, w, b.defined() ? b.contiguous() : b, y, split, unroll);
-  return y;
+  cluster_linear_cuda(x, w, out, split, unroll);
 }
 
 bool cluster_linear_enabled() { return enabled.load(); }

@@ -1,42 +1,46 @@
-// cluster_linear: y = x W^T (+ b) for 2 to 16 rows of x (a verify pass's block, the drafter's
-// block) on tensor cores, reading the weight once at as much of the memory bandwidth as the
-// one-row kernel (kernels/small_linear) gets. cuBLAS at these rows streams Qwen3-8B's weights
-// at 2.0-2.7 TB/s of an H100's 3.35 where the one-row kernel gets 2.7-3.2 (docs/BENCHMARKS.md):
-// the verify pass reads every weight of the target, so that gap is most of what a speculative
-// step costs beyond a plain one.
+// cluster_linear: the FP8 drafter's linears at a speculative block's 1-16 rows, y [rows, N]
+// in bf16 = x's e4m3 rows times W's, each with its fp32 scale per row (the product
+// mm_fp8_rows_out computes), on tensor cores (mma.sync m16n8k32 e4m3) reading the weight once at
+// most of the memory bandwidth. cuBLASLt's row-scaled FP8 GEMM takes a 128 x 128 tile for 15
+// rows and streams Qwen3-8B's drafter weights at 1.0-2.1 TB/s of an H100's 3.35
+// (docs/BENCHMARKS.md).
 //
 // How: a block of 8 warps owns 128 output features; each warp streams its 16 weight rows from
 // global memory straight into registers (16-byte loads, two register buffers: one in flight
 // while the other feeds the MMAs), and reads x from shared memory, where the block put its
-// slice of x once. K is split over the blocks of a thread-block cluster (Hopper); each block
-// leaves its fp32 partial sums in shared memory and the cluster adds them through distributed
-// shared memory in a fixed order: deterministic, no workspace, no second launch. A row's result
-// depends neither on the other rows nor on how many there are.
+// slice of x once. K is split over the blocks of a thread-block cluster (Hopper) so that
+// 4096-wide projections still give every SM two blocks; each block leaves its fp32 partial
+// sums in shared memory and the cluster adds them through distributed shared memory in a fixed
+// order: deterministic, no workspace, no second launch. A row's result depends neither on the
+// other rows nor on how many there are.
+//
+// The same design in bf16 for the target's verify (twenty-first session) ran 1.04-1.41x
+// cuBLAS's time at 16 rows on every projection but the LM head (H100) and was cut to this one.
 #pragma once
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
+#include "kernels/fp8_rows.h"
+
 namespace dflash::kernels {
 
 inline constexpr int64_t kClusterLinearMaxRows = 16;
 
-// Whether cluster_linear takes x2 [rows, K] (row stride x2.stride(0), unit column stride) and
-// w [N, K]: CUDA, bf16/fp16, one dtype, 2 to 16 rows, w contiguous, K a multiple of 256 that
-// splits into slices of at most 2,048, 16-byte aligned pointers and row strides.
-bool cluster_linear_fits(const at::Tensor& x2, const at::Tensor& w);
+// Whether cluster_linear_out takes these operands: CUDA (compute capability 9.0+), x of 1-16
+// rows, K a multiple of 512 that splits into slices of at most 4,096, 16-byte aligned data.
+bool cluster_linear_fits(const Fp8Rows& x, const Fp8Rows& w);
 
-// x2 [rows, K], w [N, K], b [N] or undefined, one dtype and device; cluster_linear_fits must
-// hold. Returns [rows, N]: fp32 sums, each output rounded once. For benches: `split`, the
-// blocks of a cluster K is split over (1, 2, 4, 8; 0: the built-in choice), and `unroll`, the
-// 32-wide chunks of K each register buffer holds (2 or 4).
-at::Tensor cluster_linear(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b = {},
-                          int split = 0, int unroll = 4);
+// out [rows, N] bf16 contiguous = (x.data * x.scale) (w.data * w.scale)^T, fp32 sums each
+// rounded once; cluster_linear_fits must hold. For benches: `split`, the blocks of a cluster K
+// is split over (1, 2, 4, 8; 0: the built-in choice), and `unroll`, the 64-wide chunks of K
+// each register buffer holds (2 or 4).
+void cluster_linear_out(at::Tensor& out, const Fp8Rows& x, const Fp8Rows& w, int split = 0,
+                        int unroll = 4);
 
-// Whether the few-row passes (kernels::inference_linear, the target's verify) take
-// cluster_linear where it fits. Off by default until it has been run and timed on a GPU
-// (written 2026-12-07 without one; ClusterLinearGpu checks it); process-wide so that
-// `bench-decode --cluster-linear` can compare it with cuBLAS in one process.
+// Whether mm_fp8_rows_out takes cluster_linear where it fits (on by default); process-wide so
+// that `bench-decode --no-cluster-linear` and the benches compare it with cuBLASLt in one
+// process.
 bool cluster_linear_enabled();
 void set_cluster_linear_enabled(bool on);
 

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include "common/error.h"
+#include "kernels/cluster_linear.h"
 
 namespace dflash::kernels {
 
@@ -148,6 +149,8 @@ void mm_fp8_rows_out(at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
     fail("fp8 GEMM: row-wise scales write bf16, out is {}", c10::toString(out.scalar_type()));
   }
   if (a.data.size(0) == 0) return;
+  // A speculative block's few rows: cuBLASLt would run a 128-row tile for them.
+  if (cluster_linear_enabled() && cluster_linear_fits(a, b)) return cluster_linear_out(out, a, b);
   // b^T is column-major as cuBLASLt wants the second operand; row-wise scales are [m, 1] and
   // [1, n]. Accumulation keeps its periodic promotion to fp32 (no fast accumulation): k runs
   // to the vocabulary size.

@@ -1,9 +1,9 @@
-// kernels: the tensor-core instruction the hand-written GEMM tiles share, mma.sync m16n8k16
-// with bf16 (or fp16) operands and fp32 accumulation, its fragment layout, and the moves that feed
-// it (cp.async into shared memory, ldmatrix out of it). lane = 4 g + t; A (16 x 16, row-major)
-// holds rows g, g + 8 and columns 2t, 2t + 1, 2t + 8, 2t + 9; B (16 x 8) columns g, rows 2t, 2t +
-// 1, 2t + 8, 2t + 9; C (16 x 8, fp32) rows g, g + 8, columns 2t, 2t + 1. Each register holds two
-// consecutive k (the lower in the low half).
+// kernels: the tensor-core instructions the hand-written GEMM tiles share, mma.sync m16n8k16
+// with bf16 (or fp16) operands and m16n8k32 with e4m3 ones, fp32 accumulation, their fragment
+// layout, and the moves that feed them (cp.async into shared memory, ldmatrix out of it).
+// lane = 4 g + t; A (16 x 16, row-major) holds rows g, g + 8 and columns 2t, 2t + 1, 2t + 8,
+// 2t + 9; B (16 x 8) columns g, rows 2t, 2t + 1, 2t + 8, 2t + 9; C (16 x 8, fp32) rows g, g + 8,
+// columns 2t, 2t + 1. Each register holds two consecutive k (the lower in the low half).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -42,6 +42,18 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
   } else {
     mma_bf16(c, a, b0, b1);
   }
+}
+
+// The same with e4m3 operands, m16n8k32 (sm_89+): each register holds four consecutive k, so A
+// holds rows g, g + 8 and columns 4t..4t + 3, 16 + 4t..16 + 4t + 3, B the same k of column g: in
+// bytes the layout of the 16-bit MMAs above.
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // 16 bytes global -> shared without a register round trip (sm_80+), or 16 zero bytes when

@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "common/error.h"
-#include "kernels/cluster_linear.h"
 
 namespace dflash::kernels {
 
@@ -75,19 +74,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 
 at::Tensor inference_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
-  const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
-  const bool inference = x.is_cuda() && !c10::GradMode::is_enabled() && half && rows > 0;
-  if (inference && rows <= kSmallLinearFasterRows && w.is_contiguous()) {
-    return small_linear(x, w, b);
-  }
-  if (inference && rows <= kClusterLinearMaxRows && cluster_linear_enabled()) {
-    const auto x2 = x.reshape({rows, x.size(-1)});
-    if (cluster_linear_fits(x2, w)) {
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-      shape.back() = w.size(0);
-      return cluster_linear(x2, w, b).view(shape);
-    }
-  }
+  const bool small =
+      x.is_cuda() && !c10::GradMode::is_enabled() && rows > 0 && rows <= kSmallLinearFasterRows &&
+      (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) && w.is_contiguous();
+  if (small) return small_linear(x, w, b);
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 

@@ -279,7 +279,7 @@ AppendBatch make_entries(const KVCache& cache, const std::vector<int64_t>& slots
 
 std::atomic<int64_t> per_token_max_tokens{32};
 std::atomic<bool> block_attention_on{true};
-std::atomic<bool> group_major_on{false};
+std::atomic<bool> group_major_on{true};
 
 }  // namespace
 

@@ -14,7 +14,6 @@
 #include "common/json_file.h"
 #include "dist/comm.h"
 #include "io/safetensors.h"
-#include "kernels/cluster_linear.h"
 #include "kernels/decode_ops.h"
 #include "kernels/fp8_prefill.h"
 #include "kernels/rotary.h"
@@ -29,8 +28,8 @@ namespace {
 // Whether a pass over x takes the fused kernels of kernels/decode_ops.h (one launch and one
 // read of the activations where ATen makes several), at any number of rows: prefill spends
 // as much on ATen's elementwise passes as on attention. Training the target (autograd) and
-// fp32 (the parity paths against transformers) keep ATen. Which kernel a projection's rows
-// take is decided per call (kernels::inference_linear).
+// fp32 (the parity paths against transformers) keep ATen. Which rows also take small_linear
+// for the projections is decided per call (kSmallLinearFasterRows).
 bool fused_kernels(const at::Tensor& x) {
   return x.is_cuda() && !c10::GradMode::is_enabled() &&
          (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
@@ -944,9 +943,8 @@ at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
 
 at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const {
   const int64_t rows = hidden.numel() / std::max<int64_t>(hidden.size(-1), 1);
-  auto logits = fused_kernels(hidden) && rows <= kernels::kClusterLinearMaxRows
-                    ? kernels::inference_linear(hidden, lm_head_)
-                    : at::linear(hidden, lm_head_);
+  const bool small = fused_kernels(hidden) && rows <= kernels::kSmallLinearFasterRows;
+  auto logits = small ? kernels::small_linear(hidden, lm_head_) : at::linear(hidden, lm_head_);
   return gather_vocab(logits, -1);
 }
 
@@ -984,9 +982,8 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
   const int64_t t = x.size(0), d = c.head_dim;
   const int64_t heads = c.num_heads / tp_size(), kv_heads = kv_heads_of(c, 0, tp_size()).second;
   const int64_t nq = heads * d, nkv = kv_heads * d;
-  // Decode steps and verify blocks: the few-row kernels where they beat cuBLAS.
-  const bool few = fused && t <= kernels::kClusterLinearMaxRows;
-  const bool tuned = fused && !few && gemms == PrefillGemms::kTuned;
+  const bool small = fused && t <= kernels::kSmallLinearFasterRows;
+  const bool tuned = fused && !small && gemms == PrefillGemms::kTuned;
   const bool fp8 = gemms == PrefillGemms::kFp8 && !c10::GradMode::is_enabled();
   const bool linear_mixer = w.linear.conv.defined(), dense_mlp = !w.router.defined();
   check_projections_held(w, fp8);
@@ -1001,7 +998,7 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
                             : linear8(kernels::quantize_rows_e4m3(in), rows);
   };
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias) {
-    if (few) return kernels::inference_linear(in, weight, bias);
+    if (small) return kernels::small_linear(in, weight, bias);
     if (tuned && !bias.defined()) return kernels::linear_tuned(in, weight);
     return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);
   };

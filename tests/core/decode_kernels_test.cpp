@@ -117,68 +117,82 @@ TEST(SmallLinearGpu, LeadingDimsBiasAndTooManyRows) {
                            at::linear(x32, w32), 1e-4, 1e-4));
 }
 
-// cluster_linear at 2-16 rows against the fp32 reference, at every split of K over a cluster and
-// register depth: N not a multiple of a block's 128 features, a bias, x a strided slice, K from
-// one 256-wide step to 2,048 a block; each row's result the same whatever the other rows.
+// cluster_linear at 1-16 rows against the dequantizing fp32 reference (and beside cuBLASLt's
+// FP8 GEMM), at every split of K over a cluster and register depth: N not a multiple of a
+// block's 128 features, K from one 512-wide step to 4,096 a block; each row's result the same
+// whatever the other rows; mm_fp8_rows_out takes it at these rows while enabled.
 TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (!at::hasCUDA() || !kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) {
+    GTEST_SKIP() << "no CUDA device of compute capability 9.0+";
+  }
   at::manual_seed(9);
   const c10::NoGradGuard no_grad;
   struct Shape {
-    at::ScalarType dtype;
-    int64_t rows, n, k, ld;
-    bool bias;
+    int64_t rows, n, k;
   };
-  for (Shape s :
-       {Shape{at::kBFloat16, 16, 4096, 4096, 0, false}, Shape{at::kBFloat16, 2, 200, 256, 0, true},
-        Shape{at::kHalf, 9, 384, 2048, 2056, false},
-        Shape{at::kBFloat16, 16, 136, 12288, 0, true}}) {
-    SCOPED_TRACE(fmt::format("{} rows {} n {} k {}", c10::toString(s.dtype), s.rows, s.n, s.k));
-    auto x = strided_rows(s.rows, s.k, s.ld > 0 ? s.ld : s.k, 0, s.dtype, at::kCPU);
-    auto w = (at::randn({s.n, s.k}) * 0.05).to(s.dtype);
-    auto b = s.bias ? at::randn({s.n}).to(s.dtype) : at::Tensor();
-    auto expected = kernels::small_linear_reference(x, w, b);
-    auto xg = strided_rows(s.rows, s.k, s.ld > 0 ? s.ld : s.k, 0, s.dtype, at::kCUDA).copy_(x);
-    const auto wg = w.cuda(), bg = s.bias ? b.cuda() : at::Tensor();
-    ASSERT_TRUE(kernels::cluster_linear_fits(xg, wg));
+  for (Shape s : {Shape{16, 4096, 4096}, Shape{1, 200, 512}, Shape{9, 384, 2048},
+                  Shape{15, 136, 12288}, Shape{3, 1000, 20480}}) {
+    SCOPED_TRACE(fmt::format("rows {} n {} k {}", s.rows, s.n, s.k));
+    const auto x = kernels::quantize_rows_e4m3(at::randn({s.rows, s.k}).to(at::kBFloat16).cuda());
+    const auto w = kernels::quantize_rows_e4m3((at::randn({s.n, s.k}) * 0.05).cuda());
+    ASSERT_TRUE(kernels::cluster_linear_fits(x, w));
+    auto expected = at::empty({s.rows, s.n}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+    kernels::mm_fp8_rows_reference_out(expected, x, w);
+    auto actual = at::empty_like(expected);
     int runs = 0;
     for (int split : {1, 2, 4, 8}) {
-      if (s.k % (256 * split) != 0 || s.k / split > 2048) continue;
+      if (s.k % (512 * split) != 0 || s.k / split > 4096) continue;
       for (int unroll : {2, 4}) {
         SCOPED_TRACE(fmt::format("split {} unroll {}", split, unroll));
-        auto actual = kernels::cluster_linear(xg, wg, bg, split, unroll);
+        kernels::cluster_linear_out(actual, x, w, split, unroll);
         expect_within_rounding(actual, expected, 1e-3);
-        auto two = kernels::cluster_linear(xg.narrow(0, s.rows - 2, 2), wg, bg, split, unroll);
-        EXPECT_TRUE(at::equal(two, actual.narrow(0, s.rows - 2, 2)));
+        // The last row alone: the same bits.
+        const kernels::Fp8Rows last{x.data.narrow(0, s.rows - 1, 1),
+                                    x.scale.narrow(0, s.rows - 1, 1)};
+        auto one = at::empty({1, s.n}, expected.options());
+        kernels::cluster_linear_out(one, last, w, split, unroll);
+        EXPECT_TRUE(at::equal(one, actual.narrow(0, s.rows - 1, 1)));
         ++runs;
       }
     }
     EXPECT_GT(runs, 0);
-    // inference_linear takes it at these rows (the built-in split) when it is enabled.
-    const bool was = kernels::cluster_linear_enabled();
+    // mm_fp8_rows_out takes it (the built-in split) while enabled, cuBLASLt otherwise.
+    auto through = at::empty_like(expected), cublas = at::empty_like(expected);
+    kernels::cluster_linear_out(actual, x, w);
+    kernels::mm_fp8_rows_out(through, x, w);
+    EXPECT_TRUE(at::equal(through, actual));
+    kernels::set_cluster_linear_enabled(false);
+    kernels::mm_fp8_rows_out(cublas, x, w);
     kernels::set_cluster_linear_enabled(true);
-    auto through = kernels::inference_linear(xg, wg, bg);
-    kernels::set_cluster_linear_enabled(was);
-    EXPECT_TRUE(at::equal(through, kernels::cluster_linear(xg, wg, bg)));
+    expect_within_rounding(cublas, expected, 1e-3);
   }
 }
 
-// Where cluster_linear does not fit, callers keep cuBLAS: one row, more than 16, K off the
-// 256-wide steps, x unaligned, another device.
+// Where cluster_linear does not fit, mm_fp8_rows_out keeps cuBLASLt: more than 16 rows, K off
+// the 512-wide steps or past 8 slices of 4,096, another dtype or device; a bad split is named.
 TEST(ClusterLinear, FitsOnlyItsShapes) {
-  auto w = at::zeros({128, 512}, at::kBFloat16);
-  EXPECT_FALSE(kernels::cluster_linear_fits(at::zeros({4, 512}, at::kBFloat16), w));
-  EXPECT_THROW(kernels::cluster_linear(at::zeros({4, 512}, at::kBFloat16), w), Error);
-  if (!at::hasCUDA()) return;
-  const auto wg = w.cuda();
-  auto x = [](int64_t rows, int64_t k) { return at::zeros({rows, k}, at::kBFloat16).cuda(); };
-  EXPECT_TRUE(kernels::cluster_linear_fits(x(4, 512), wg));
-  EXPECT_FALSE(kernels::cluster_linear_fits(x(1, 512), wg));
-  EXPECT_FALSE(kernels::cluster_linear_fits(x(17, 512), wg));
-  EXPECT_FALSE(
-      kernels::cluster_linear_fits(x(4, 520), at::zeros({128, 520}, at::kBFloat16).cuda()));
-  EXPECT_FALSE(kernels::cluster_linear_fits(x(4, 513).narrow(1, 1, 512), wg));
-  EXPECT_THROW(kernels::cluster_linear(x(4, 512), wg, {}, 3, 4), Error);
+  auto rows = [](int64_t r, int64_t k, at::Device device) {
+    return kernels::Fp8Rows{at::zeros({r, k}, at::kFloat8_e4m3fn).to(device),
+                            at::ones({r}, at::kFloat).to(device)};
+  };
+  const at::Device cpu(at::kCPU);
+  EXPECT_FALSE(kernels::cluster_linear_fits(rows(4, 512, cpu), rows(128, 512, cpu)));
+  auto out = at::empty({4, 128}, at::kBFloat16);
+  EXPECT_THROW(kernels::cluster_linear_out(out, rows(4, 512, cpu), rows(128, 512, cpu)), Error);
+  if (!at::hasCUDA() || !kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) return;
+  const at::Device gpu(at::kCUDA, 0);
+  const auto w = rows(128, 512, gpu);
+  EXPECT_TRUE(kernels::cluster_linear_fits(rows(1, 512, gpu), w));
+  EXPECT_TRUE(kernels::cluster_linear_fits(rows(16, 512, gpu), w));
+  EXPECT_FALSE(kernels::cluster_linear_fits(rows(17, 512, gpu), w));
+  EXPECT_FALSE(kernels::cluster_linear_fits(rows(4, 768, gpu), rows(128, 768, gpu)));
+  EXPECT_FALSE(kernels::cluster_linear_fits(rows(4, 65536, gpu), rows(128, 65536, gpu)));
+  const kernels::Fp8Rows bf16{at::zeros({4, 512}, at::kBFloat16).to(gpu), w.scale.narrow(0, 0, 4)};
+  EXPECT_FALSE(kernels::cluster_linear_fits(bf16, w));
+  auto out_gpu = at::empty({4, 128}, at::TensorOptions(gpu).dtype(at::kBFloat16));
+  EXPECT_THROW(kernels::cluster_linear_out(out_gpu, rows(4, 512, gpu), w, 3, 4), Error);
+  auto wrong = at::empty({4, 64}, out_gpu.options());
+  EXPECT_THROW(kernels::cluster_linear_out(wrong, rows(4, 512, gpu), w), Error);
 }
 
 TEST(SmallLinear, CpuIsAtLinearAndBadShapesAreNamed) {
