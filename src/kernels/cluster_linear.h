@@ -28,7 +28,8 @@ namespace dflash::kernels {
 inline constexpr int64_t kClusterLinearMaxRows = 16;
 
 // Whether cluster_linear_out takes these operands: CUDA (compute capability 9.0+), x of 1-16
-// rows, K a multiple of 512 that splits into slices of at most 4,096, 16-byte aligned data.
+// rows, K a multiple of 512 that splits into slices of at most 4,096, N at most 512 features an
+// SM (wider weights, the LM head, stream faster through cuBLASLt), 16-byte aligned data.
 bool cluster_linear_fits(const Fp8Rows& x, const Fp8Rows& w);
 
 // out [rows, N] bf16 contiguous = (x.data * x.scale) (w.data * w.scale)^T, fp32 sums each
@@ -36,7 +37,7 @@ bool cluster_linear_fits(const Fp8Rows& x, const Fp8Rows& w);
 // is split over (1, 2, 4, 8; 0: the built-in choice), and `unroll`, the 64-wide chunks of K
 // each register buffer holds (2 or 4).
 void cluster_linear_out(at::Tensor& out, const Fp8Rows& x, const Fp8Rows& w, int split = 0,
-                        int unroll = 4);
+                        int unroll = 2);
 
 // Whether mm_fp8_rows_out takes cluster_linear where it fits (on by default); process-wide so
 // that `bench-decode --no-cluster-linear` and the benches compare it with cuBLASLt in one
