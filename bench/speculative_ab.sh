@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The Qwen3-8B speculative step's switches against each other, in one call so that the card and
-# its clocks are the same for all: the FP8 drafter's GEMMs through kernels/cluster_linear beside
-# cuBLASLt at 16 rows (bench-kernels checks both against the fp32 reference first), then
-# `bench-decode` at batch 1 (e4m3 drafter with and without cluster_linear, with and without
-# group-major queries; the bf16 drafter), then batch 16 and 64, and a profile of the batch-1
-# step. Each stage stops short of LIMIT seconds from the start (a device call's budget).
+# its clocks are the same for all. Stage b1: the FP8 drafter's GEMMs through kernels/cluster_linear
+# beside cuBLASLt at 16 rows (bench-kernels checks both against the fp32 reference first), then
+# `bench-decode` at batch 1 with the e4m3 drafter with and without cluster_linear, a profile of
+# that step, without group-major queries, and the bf16 drafter. Stage batches: batch 16 and 64
+# with both switches on and both off. Each run stops short of LIMIT seconds from the start (a
+# device call's budget).
 # Usage: bench/speculative_ab.sh DFLASH OUT_DIR [STAGES]   STAGES: "b1 batches" (default) or one.
 # Environment: LIMIT (570), NEW_TOKENS (64).
 set -uo pipefail
