@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "kernels/cluster_launch.cuh"
 #include "kernels/cluster_linear.h"
 #include "kernels/mma.cuh"
 
@@ -141,23 +142,12 @@ void launch(const Fp8Rows& x, const Fp8Rows& w, at::Tensor& y, int split) {
   static const cudaError_t opt_in = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRows * (kMaxSlice + kPad));
   C10_CUDA_CHECK(opt_in);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((n + kFeatures - 1) / kFeatures * split));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = shared;
-  config.stream = c10::cuda::getCurrentCUDAStream(y.device().index());
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = static_cast<unsigned>(split);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &config, kernel, reinterpret_cast<const uint8_t*>(x.data.data_ptr()),
-      x.scale.data_ptr<float>(), static_cast<int>(x.data.size(0)),
-      reinterpret_cast<const uint8_t*>(w.data.data_ptr()), w.scale.data_ptr<float>(),
-      reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), n, k, slice));
+  launch_in_clusters(
+      kernel, dim3(static_cast<unsigned>((n + kFeatures - 1) / kFeatures * split)), dim3(kThreads),
+      shared, c10::cuda::getCurrentCUDAStream(y.device().index()), static_cast<unsigned>(split),
+      reinterpret_cast<const uint8_t*>(x.data.data_ptr()), x.scale.data_ptr<float>(),
+      static_cast<int>(x.data.size(0)), reinterpret_cast<const uint8_t*>(w.data.data_ptr()),
+      w.scale.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), n, k, slice);
 }
 
 }  // namespace
