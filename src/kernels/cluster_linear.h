@@ -2,19 +2,19 @@
 // in bf16 = x's e4m3 rows times W's, each with its fp32 scale per row (the product
 // mm_fp8_rows_out computes), on tensor cores (mma.sync m16n8k32 e4m3) reading the weight once at
 // most of the memory bandwidth. cuBLASLt's row-scaled FP8 GEMM takes a 128 x 128 tile for 15
-// rows and streams Qwen3-8B's drafter weights at 1.0-2.1 TB/s of an H100's 3.35
-// (docs/BENCHMARKS.md).
+// rows and streams Qwen3-8B's drafter projections at 1.0-1.9 TB/s of an H100's 3.35; this
+// kernel at 1.3-2.2: 8-26% less time with quantizing x counted in both (docs/BENCHMARKS.md).
 //
 // How: a block of 8 warps owns 128 output features; each warp streams its 16 weight rows from
 // global memory straight into registers (16-byte loads, two register buffers: one in flight
 // while the other feeds the MMAs), and reads x from shared memory, where the block put its
 // slice of x once. K is split over the blocks of a thread-block cluster (Hopper) so that
-// 4096-wide projections still give every SM two blocks; each block leaves its fp32 partial
+// 4096-wide projections still occupy the SMs; each block leaves its fp32 partial
 // sums in shared memory and the cluster adds them through distributed shared memory in a fixed
 // order: deterministic, no workspace, no second launch. A row's result depends neither on the
 // other rows nor on how many there are.
 //
-// The same design in bf16 for the target's verify (twenty-first session) ran 1.04-1.41x
+// The same design in bf16 for the target's verify (twenty-first session) took 1.05-1.24x
 // cuBLAS's time at 16 rows on every projection but the LM head (H100) and was cut to this one.
 #pragma once
 #include <ATen/core/Tensor.h>
