@@ -17,7 +17,6 @@
 #include "io/safetensors.h"
 #include "kernels/cudnn_attention.h"
 #include "kernels/decode_ops.h"
-#include "kernels/fp8_prefill.h"
 #include "kernels/fp8_rows.h"
 #include "kernels/residual_norm.h"
 #include "kernels/rotary.h"
@@ -972,23 +971,6 @@ at::Tensor DraftModel::Linear::operator()(const at::Tensor& x) const {
   return out.view(sizes);
 }
 
-at::Tensor DraftModel::Linear::operator()(const kernels::Fp8Rows& x, at::ScalarType dtype) const {
-  auto out = at::empty({x.data.size(0), data.size(0)}, x.scale.options().dtype(dtype));
-  kernels::mm_fp8_rows_out(out, x, {data, scale});
-  return out;
-}
-
-std::pair<at::Tensor, at::Tensor> DraftModel::norm_then(const Residual& r, const at::Tensor& weight,
-                                                        const Linear& linear) const {
-  const double eps = config_.layers.rms_norm_eps;
-  if (!linear.e4m3() || !r.pending.defined()) {
-    auto [sum, normed] = add_and_norm(r, weight, eps);
-    return {sum, linear(normed)};
-  }
-  auto fused = kernels::add_rms_norm_e4m3(r.x, r.pending, weight, eps);
-  return {fused.sum, linear(fused.normed, dtype_)};
-}
-
 DraftModel::Linear DraftModel::Linear::rows(int64_t first, int64_t count) const {
   if (!data.defined()) return {weight.narrow(0, first, count), {}, {}};
   return {{}, data.narrow(0, first, count), scale.narrow(0, first, count)};
@@ -1122,23 +1104,22 @@ at::Tensor DraftModel::hidden(KVCache& cache, const AppendBatch& batch,
       group_major_query_offsets(batch, c.num_heads, c.num_kv_heads, dtype_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& w = layers_[l];
-    auto [x, qkv] = norm_then(stream, w.input_norm, w.qkv);
+    auto [x, h] = add_and_norm(stream, w.input_norm, c.rms_norm_eps);
     // A sliding layer's block is causal with its window, a full layer's both ways.
     const int64_t window = config_.window(static_cast<int64_t>(l));
     const bool group_major = window == 0 && group_offsets.defined();
-    auto q = block_queries(c, qkv, w.q_norm, w.k_norm, cos, sin, cache, static_cast<int64_t>(l),
-                           batch.rows, group_major);
+    auto q = block_queries(c, w.qkv(h), w.q_norm, w.k_norm, cos, sin, cache,
+                           static_cast<int64_t>(l), batch.rows, group_major);
     auto attn = window > 0
                     ? cached_causal_attention(q, cache, static_cast<int64_t>(l), batch, window)
                     : cached_block_attention(q, cache, static_cast<int64_t>(l), batch,
                                              group_major ? group_offsets : at::Tensor());
     // o_proj and the residual, then the SwiGLU MLP (gate/up one GEMM), its output pending.
     auto o = w.o(attn.reshape({x.size(0), c.num_heads * c.head_dim}));
-    auto [x1, both] = norm_then({x, o}, w.post_attention_norm, w.gate_up);
+    auto [x1, h2] = add_and_norm({x, o}, w.post_attention_norm, c.rms_norm_eps);
+    auto both = w.gate_up(h2);
     const int64_t ffn = both.size(1) / 2;
-    stream = {x1, w.down.e4m3()
-                      ? w.down(kernels::silu_mul_e4m3(both), dtype_)
-                      : w.down(kernels::swiglu(both.narrow(1, 0, ffn), both.narrow(1, ffn, ffn)))};
+    stream = {x1, w.down(kernels::swiglu(both.narrow(1, 0, ffn), both.narrow(1, ffn, ffn)))};
   }
   return add_and_norm(stream, norm_, c.rms_norm_eps).second.view({n, bs, c.hidden_size});
 }

@@ -349,17 +349,9 @@ class DraftModel {
     at::Tensor weight;       // [N, K] in dtype_; undefined where the e4m3 rows replace it
     at::Tensor data, scale;  // e4m3 [N, K] and fp32 [N]; undefined without fp8_weights
     at::Tensor operator()(const at::Tensor& x) const;
-    // x already in e4m3 rows (a norm or activation that quantized as it wrote: kernels/
-    // fp8_prefill.h), results in `dtype`; needs e4m3().
-    at::Tensor operator()(const kernels::Fp8Rows& x, at::ScalarType dtype) const;
-    bool e4m3() const { return data.defined(); }
     // Rows [first, first + count) of this projection (a view).
     Linear rows(int64_t first, int64_t count) const;
   };
-  // {x + pending, linear(rms_norm(x + pending) * weight)}: with e4m3 weights and a pending
-  // term, the add, the norm and x's quantization in one kernel (its quantize launch saved).
-  std::pair<at::Tensor, at::Tensor> norm_then(const Residual& r, const at::Tensor& weight,
-                                              const Linear& linear) const;
 
   // The LM head over hidden()'s block positions 1..B-1.
   at::Tensor predictions(const at::Tensor& hidden) const;
