@@ -3,16 +3,13 @@
 # its clocks are the same for all. Stage b1: the FP8 drafter's GEMMs through kernels/cluster_linear
 # beside cuBLASLt at 16 rows (bench-kernels checks both against the fp32 reference first), then
 # `bench-decode` at batch 1 with the e4m3 drafter with and without cluster_linear, a profile of
-# that step, without group-major queries, and the bf16 drafter. Stage attention: heads of 128
-# through kernels/block_attention's cluster split (`--block-attention-128`, opt-in) against
-# flash, the kernel alone (bench-kernels decode_attention) and the batch-1 steps, plain and
-# speculative. Stage batches: batch 16 and 64 with the switches on and off. Each run stops
-# short of LIMIT seconds from the start (a device call's budget).
-# Usage: bench/speculative_ab.sh DFLASH OUT_DIR [STAGES]   STAGES: any of b1, attention, batches
-# (default "attention b1 batches").
+# that step, without group-major queries, and the bf16 drafter. Stage batches: batch 16 and 64
+# with both switches on and both off. Each run stops short of LIMIT seconds from the start (a
+# device call's budget).
+# Usage: bench/speculative_ab.sh DFLASH OUT_DIR [STAGES]   STAGES: "b1 batches" (default) or one.
 # Environment: LIMIT (570), NEW_TOKENS (64).
 set -uo pipefail
-dflash=$1 out=$2 stages=${3:-attention b1 batches}
+dflash=$1 out=$2 stages=${3:-b1 batches}
 mkdir -p "$out"
 start=$(date +%s) limit=${LIMIT:-570}
 left() { echo $((limit - ($(date +%s) - start))); }
@@ -24,13 +21,6 @@ decode() {
     --new-tokens "${NEW_TOKENS:-64}" --iters 3 "$@" 2>&1 |
     grep -E "^ +(1|16|64) |verify of|draft of|rror" | tee -a "$out/ab.txt"
 }
-if [[ " $stages " == *" attention "* ]]; then
-  log bench-kernels decode_attention
-  timeout $(($(left) > 60 ? 60 : $(left))) "$dflash" bench-kernels --only decode_attention \
-    --calls 20 --iters 10 2>&1 | tee -a "$out/ab.txt"
-  decode --batches 1 --drafter-fp8 --block-attention-128
-  decode --batches 1 --drafter-fp8
-fi
 if [[ " $stages " == *" b1 "* ]]; then
   log bench-kernels
   timeout $(($(left) > 60 ? 60 : $(left))) "$dflash" bench-kernels --only small_linear \
@@ -50,7 +40,6 @@ if [[ " $stages " == *" b1 "* ]]; then
 fi
 if [[ " $stages " == *" batches "* ]]; then
   decode --batches 16,64 --drafter-fp8
-  decode --batches 16,64 --drafter-fp8 --block-attention-128
   decode --batches 16,64 --drafter-fp8 --no-cluster-linear --no-group-major-queries
 fi
 log end

@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include <atomic>
-
 #include "common/error.h"
 
 namespace dflash::kernels {
@@ -15,8 +13,6 @@ void block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 namespace {
 
-std::atomic<bool> wide_heads{false};
-
 bool packed_heads(const at::Tensor& t) {
   return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2);
 }
@@ -26,8 +22,8 @@ bool packed_heads(const at::Tensor& t) {
 bool block_attention_serves(at::Device device, at::ScalarType dtype, int64_t head_dim,
                             int64_t max_count) {
   return device.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
-         (head_dim == 32 || head_dim == 64 || (head_dim == 128 && wide_heads.load())) &&
-         max_count >= 1 && max_count <= kBlockAttentionMaxRows;
+         (head_dim == 32 || head_dim == 64) && max_count >= 1 &&
+         max_count <= kBlockAttentionMaxRows;
 }
 
 bool block_attention_fits(const at::Tensor& q, const at::Tensor& k, int64_t max_count) {
@@ -36,9 +32,6 @@ bool block_attention_fits(const at::Tensor& q, const at::Tensor& k, int64_t max_
          k.scalar_type() == q.scalar_type() && k.size(2) == q.size(2) && k.size(1) > 0 &&
          q.size(1) % k.size(1) == 0;
 }
-
-bool block_attention_wide_heads() { return wide_heads.load(); }
-void set_block_attention_wide_heads(bool on) { wide_heads.store(on); }
 
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& cu_seqlens, const at::Tensor& key_starts,

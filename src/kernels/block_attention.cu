@@ -3,29 +3,21 @@
 // registers; warp w takes the 16-key tiles w, w + kWarps, ... of the entry's keys, reading K and
 // V straight from the cache (L2-resident at these sizes), and keeps its own running max, sum and
 // output, as flash does over its tiles. The warps' partial results merge through shared memory.
-// Keys past the entry's end read its last key (finite) and weigh zero. Heads of 128 (kSplit):
-// the keys are split further over the blocks of a thread-block cluster, which merge their
-// results through distributed shared memory in a fixed order, so that the few (entry, head)
-// pairs of a batch-1 step still occupy every SM.
+// Keys past the entry's end read its last key (finite) and weigh zero.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cooperative_groups.h>
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/cluster_launch.cuh"
 #include "kernels/float_cast.cuh"
 #include "kernels/mma.cuh"
 
 namespace dflash::kernels {
 namespace {
-
-namespace cg = cooperative_groups;
 
 // Eight warps: at 16 queries over a few hundred keys the kernel is bound by load latency, so
 // each warp should take few tiles (four warps: 12 us a layer at heads of 64 over 272 keys on an
@@ -33,11 +25,10 @@ namespace cg = cooperative_groups;
 constexpr int kWarps = 8;
 constexpr int kRows = 16;
 
-// Shared memory for the merge: each warp's output rows, maxima and sums (fp32), and with
-// kSplit the block's merged ones, which the cluster's blocks read.
-template <int D, bool kSplit>
+// Shared memory for the merge: each warp's output rows, maxima and sums (fp32).
+template <int D>
 constexpr size_t merge_smem() {
-  return sizeof(float) * (kWarps + (kSplit ? 1 : 0)) * kRows * (D + 2);
+  return sizeof(float) * kWarps * kRows * (D + 2);
 }
 
 struct Args {
@@ -66,7 +57,7 @@ __device__ __forceinline__ uint32_t pair(const T* lo, const T* hi) {
          (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(hi)) << 16);
 }
 
-template <typename T, int D, bool kSplit>
+template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32)
     block_attention_kernel(const T* __restrict__ q, const T* __restrict__ k,
                            const T* __restrict__ v, T* __restrict__ out, Args args) {
@@ -74,16 +65,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   auto s_o = reinterpret_cast<float(*)[kRows][D]>(smem);
   auto s_m = reinterpret_cast<float(*)[kRows]>(smem + kWarps * kRows * D);
   auto s_l = reinterpret_cast<float(*)[kRows]>(smem + kWarps * kRows * (D + 1));
-  // kSplit: the block's merged rows (unnormalized), maxima and sums.
-  float* b_o = smem + kWarps * kRows * (D + 2);
-  float* b_m = b_o + kRows * D;
-  float* b_l = b_m + kRows;
-  int rank = 0, ranks = 1;
-  if constexpr (kSplit) {
-    rank = static_cast<int>(cg::this_cluster().block_rank());
-    ranks = static_cast<int>(cg::this_cluster().num_blocks());
-  }
-  const int entry = blockIdx.x / ranks, h = blockIdx.y;
+  const int entry = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int row0 = args.cu_seqlens[entry], count = args.cu_seqlens[entry + 1] - row0;
   const int keys = args.seen[entry];
@@ -111,7 +93,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     return base + (key0 + min(j, keys - 1)) * args.kv_row_stride + kvh * D;
   };
 
-  for (int j0 = (rank * kWarps + warp) * 16; j0 < keys; j0 += ranks * kWarps * 16) {
+  for (int j0 = warp * 16; j0 < keys; j0 += kWarps * 16) {
     // The tile's K and V fragments, every load issued before the first is used (one latency a
     // tile, not one per product). B column g of S's tile nt is key j0 + 8 nt + g; B row pairs
     // of P V are keys j0 + 2t, +1 and j0 + 2t + 8, +9.
@@ -216,44 +198,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       sum += scale * s_l[w][r];
       acc += scale * s_o[w][r][d];
     }
-    if constexpr (kSplit) {
-      b_o[r * D + d] = acc;
-      if (d == 0) {
-        b_m[r] = big;
-        b_l[r] = sum;
-      }
-    } else {
-      out[((static_cast<int64_t>(row0) + r) * args.q_heads + h) * D + d] = from_float<T>(acc / sum);
-    }
+    out[((static_cast<int64_t>(row0) + r) * args.q_heads + h) * D + d] = from_float<T>(acc / sum);
   }
-  if constexpr (kSplit) {
-    // The cluster's blocks in rank order; each block finishes a share of the rows.
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    for (int i = rank * kWarps * 32 + threadIdx.x; i < count * D; i += ranks * kWarps * 32) {
-      const int r = i / D, d = i % D;
-      float big = -INFINITY;
-      for (int b = 0; b < ranks; ++b) big = fmaxf(big, cluster.map_shared_rank(b_m, b)[r]);
-      float sum = 0.f, acc = 0.f;
-      for (int b = 0; b < ranks; ++b) {
-        const float m_b = cluster.map_shared_rank(b_m, b)[r];
-        const float scale = m_b == -INFINITY ? 0.f : exp2f(m_b - big);
-        sum += scale * cluster.map_shared_rank(b_l, b)[r];
-        acc += scale * cluster.map_shared_rank(b_o, b)[r * D + d];
-      }
-      out[((static_cast<int64_t>(row0) + r) * args.q_heads + h) * D + d] = from_float<T>(acc / sum);
-    }
-    // No block leaves while another may still read its shared memory.
-    cluster.sync();
-  }
-}
-
-// How many blocks of a cluster split each (entry, head)'s keys: the most (up to 8) that keep
-// the grid within the SMs.
-unsigned choose_split(int64_t pairs, int sms) {
-  unsigned split = 1;
-  while (split < 8 && pairs * split * 2 <= sms) split *= 2;
-  return split;
 }
 
 }  // namespace
@@ -272,32 +218,19 @@ void block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
             k.stride(0),
             static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(d))),
             causal};
-  const int64_t entries = cu_seqlens.numel() - 1, heads = q.size(1);
+  const dim3 grid(static_cast<unsigned>(cu_seqlens.numel() - 1), static_cast<unsigned>(q.size(1)));
   dispatch_float(q.scalar_type(), "block attention", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
-      const auto* qp = reinterpret_cast<const T*>(q.data_ptr());
-      const auto* kp = reinterpret_cast<const T*>(k.data_ptr());
-      const auto* vp = reinterpret_cast<const T*>(v.data_ptr());
-      auto* op = reinterpret_cast<T*>(out.data_ptr());
-      const dim3 grid(static_cast<unsigned>(entries), static_cast<unsigned>(heads));
+      auto launch = [&](auto kernel, size_t smem) {
+        kernel<<<grid, kWarps * 32, smem, stream>>>(
+            reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
+            reinterpret_cast<const T*>(v.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), args);
+      };
       if (d == 32) {
-        block_attention_kernel<T, 32, false>
-            <<<grid, kWarps * 32, merge_smem<32, false>(), stream>>>(qp, kp, vp, op, args);
-      } else if (d == 64) {
-        block_attention_kernel<T, 64, false>
-            <<<grid, kWarps * 32, merge_smem<64, false>(), stream>>>(qp, kp, vp, op, args);
+        launch(block_attention_kernel<T, 32>, merge_smem<32>());
       } else {
-        auto kernel = block_attention_kernel<T, 128, true>;
-        constexpr size_t smem = merge_smem<128, true>();
-        static const cudaError_t opt_in = cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-        C10_CUDA_CHECK(opt_in);
-        const unsigned split =
-            choose_split(entries * heads,
-                         at::cuda::getDeviceProperties(q.device().index())->multiProcessorCount);
-        launch_in_clusters(kernel, dim3(grid.x * split, grid.y), dim3(kWarps * 32), smem, stream,
-                           split, qp, kp, vp, op, args);
+        launch(block_attention_kernel<T, 64>, merge_smem<64>());
       }
     } else {
       TORCH_CHECK(false, "block attention: fp32 has no tensor-core path");

@@ -8,13 +8,12 @@
 // attention faster than flash's split-KV kernel and its combine. It rounds as flash does: fp32
 // scores and sums, the probabilities rounded to the inputs' dtype before they weigh the values.
 // CUDA in bf16/fp16 with heads of 32 or 64 (block_attention_serves). Heads of 128 over the
-// hundreds of keys of an 8B target's context walked too many tiles per warp in one block per
-// (entry, head): flash's split-KV path (per-token attention, models/kv_cache.h) was faster there
-// (Qwen3-8B shape, 768 keys: the plain step 5.81 ms with flash, 6.32 ms with this kernel). For
-// heads of 128 the keys are now also split over the blocks of a thread-block cluster (up to 8,
-// as many as keep the grid within the SMs), merged through distributed shared memory; opt-in
-// (set_block_attention_wide_heads) until it has run on a GPU (written 2026-12-07 without one).
-// attention_with_lse (models/kv_cache.h) and flash are its references in the GPU tests.
+// hundreds of keys of an 8B target's context walk too many tiles per warp: flash's split-KV
+// path (per-token attention, models/kv_cache.h) is faster there (Qwen3-8B shape, 768 keys: the
+// plain step 5.81 ms with flash, 6.32 ms with this kernel), and splitting those keys further
+// over a thread-block cluster did not close it (25.0 us against flash's 23.1 at 16 queries over
+// 528 keys; removed, docs/DECODING.md). attention_with_lse (models/kv_cache.h) and flash are
+// its references in the GPU tests.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -30,11 +29,6 @@ inline constexpr int64_t kBlockAttentionMaxRows = 16;
 bool block_attention_serves(at::Device device, at::ScalarType dtype, int64_t head_dim,
                             int64_t max_count);
 bool block_attention_fits(const at::Tensor& q, const at::Tensor& k, int64_t max_count);
-
-// Whether heads of 128 are served too (off by default); process-wide so that `bench-decode
-// --block-attention-128` compares it with flash in one process.
-bool block_attention_wide_heads();
-void set_block_attention_wide_heads(bool on);
 
 // q: [T, Hq, D], entry i's queries at rows cu_seqlens[i] .. cu_seqlens[i + 1] (int32 [n + 1]);
 // k, v: [rows, Hkv, D], entry i's keys at rows key_starts[i] .. key_starts[i] + seen[i] (int32
