@@ -20,6 +20,7 @@
 #include "eval/draft_tree.h"
 #include "eval/generator.h"
 #include "eval/speculative.h"
+#include "kernels/block_attention.h"
 #include "kernels/cluster_linear.h"
 #include "models/drafter.h"
 #include "models/target.h"
@@ -46,6 +47,7 @@ struct BenchDecodeOptions {
   bool window_rings = true;           // sliding layers cache only their windows (gpt-oss)
   int64_t per_token_attention_max = -1;  // models::set_per_token_attention_max_tokens; -1: keep
   bool block_attention = true;           // models::set_block_attention_kernel
+  bool block_attention_128 = false;      // kernels::set_block_attention_wide_heads
   bool group_major_queries = true;       // models::set_group_major_queries
   bool cluster_linear = true;            // kernels::set_cluster_linear_enabled
   bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
@@ -301,6 +303,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   const at::Device device = device_option(o.device);
   if (!o.profile.empty() && !device.is_cuda()) fail("bench-decode: --profile needs a CUDA device");
   models::set_block_attention_kernel(o.block_attention);
+  kernels::set_block_attention_wide_heads(o.block_attention_128);
   models::set_group_major_queries(o.group_major_queries);
   kernels::set_cluster_linear_enabled(o.cluster_linear);
   if (o.per_token_attention_max >= 0) {
@@ -473,6 +476,9 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-block-attention{false}", o->block_attention,
                 "blocks of at most 16 tokens per sequence attend through flash (or per token) "
                 "instead of kernels/block_attention");
+  cmd->add_flag("--block-attention-128", o->block_attention_128,
+                "heads of 128 (Qwen3-8B) attend through kernels/block_attention, one block per KV "
+                "head and split of the keys, instead of flash");
   cmd->add_flag("--no-cluster-linear{false}", o->cluster_linear,
                 "the FP8 drafter's GEMMs at a block's 1-16 rows through cuBLASLt instead of "
                 "kernels/cluster_linear");

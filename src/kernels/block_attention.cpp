@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
+
 #include "common/error.h"
 
 namespace dflash::kernels {
@@ -10,8 +12,15 @@ namespace dflash::kernels {
 void block_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& cu_seqlens, const at::Tensor& key_starts,
                           const at::Tensor& seen, bool causal, at::Tensor& out);
+// block_attention_split.cu
+void block_attention_split_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& cu_seqlens, const at::Tensor& key_starts,
+                                const at::Tensor& seen, bool causal, int64_t max_seen,
+                                int64_t splits, at::Tensor& out);
 
 namespace {
+
+std::atomic<bool> wide_heads{false};
 
 bool packed_heads(const at::Tensor& t) {
   return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2);
@@ -22,7 +31,8 @@ bool packed_heads(const at::Tensor& t) {
 bool block_attention_serves(at::Device device, at::ScalarType dtype, int64_t head_dim,
                             int64_t max_count) {
   return device.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
-         (head_dim == 32 || head_dim == 64) && max_count >= 1 &&
+         (head_dim == 32 || head_dim == 64 || (head_dim == 128 && wide_heads.load())) &&
+         max_count >= 1 &&
          max_count <= kBlockAttentionMaxRows;
 }
 
@@ -33,9 +43,13 @@ bool block_attention_fits(const at::Tensor& q, const at::Tensor& k, int64_t max_
          q.size(1) % k.size(1) == 0;
 }
 
+bool block_attention_wide_heads() { return wide_heads.load(); }
+void set_block_attention_wide_heads(bool on) { wide_heads.store(on); }
+
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& cu_seqlens, const at::Tensor& key_starts,
-                           const at::Tensor& seen, bool causal) {
+                           const at::Tensor& seen, bool causal, int64_t max_seen,
+                           int64_t splits) {
   if (!block_attention_fits(q, k, 1) || v.sizes() != k.sizes() || !packed_heads(k) ||
       !packed_heads(v) || k.stride(0) != v.stride(0)) {
     fail("block attention: q {} {} over k {} / v {} is not a CUDA half-precision shape it serves",
@@ -56,7 +70,13 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);
-  if (qc.size(0) > 0) block_attention_cuda(qc, k, v, cu_seqlens, key_starts, seen, causal, out);
+  if (qc.size(0) == 0) return out;
+  if (qc.size(2) == 128) {
+    block_attention_split_cuda(qc, k, v, cu_seqlens, key_starts, seen, causal, max_seen, splits,
+                               out);
+  } else {
+    block_attention_cuda(qc, k, v, cu_seqlens, key_starts, seen, causal, out);
+  }
   return out;
 }
 

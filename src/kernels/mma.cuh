@@ -95,4 +95,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
+// The same, each matrix transposed: lane 4g + t receives elements (2t, g) and (2t + 1, g) of
+// each stored 8 x 8 matrix, the B fragment of a product whose k runs along the stored rows
+// (P V with V stored [key][dim]).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
 }  // namespace dflash::kernels

@@ -1,8 +1,9 @@
 // kernels::block_attention (a speculative step's small blocks over their cached keys) against
 // attention_with_lse, the masked reference that rounds as flash does, entry by entry: blocks of
-// 1 to 16 queries over 1 to 300 keys, causal and not, heads of 32 and 64, grouped queries
-// (1, 3 and 4 per key head), entries at scattered cache rows. On CPU: it serves nothing and
-// names what it cannot take.
+// 1 to 16 queries over 1 to 300 keys, causal and not, heads of 32, 64 and 128 (the last with
+// the keys in 1, 3 and 8 splits and as many as fill the SMs, 1 to 8 query heads per KV head:
+// one or two groups of 64 rows), grouped queries (1 to 8 per key head), entries at scattered
+// cache rows. On CPU: it serves nothing and names what it cannot take.
 #include "kernels/block_attention.h"
 
 #include <fmt/format.h>
@@ -23,14 +24,20 @@ struct Shape {
 
 TEST(BlockAttentionGpu, MatchesTheMaskedReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const bool wide = kernels::block_attention_wide_heads();
+  kernels::set_block_attention_wide_heads(true);
   // (queries, keys) per entry; the keys include the entry's own queries.
   const std::vector<std::pair<int32_t, int32_t>> entries = {
       {16, 272}, {1, 1}, {5, 5}, {16, 16}, {3, 40}, {16, 300}, {7, 129}, {1, 64}};
   const int64_t capacity = 320;
-  for (const Shape& s : {Shape{64, 6, 2}, Shape{64, 4, 1}, Shape{32, 4, 4}, Shape{64, 32, 8}}) {
-    for (bool causal : {true, false}) {
-      SCOPED_TRACE(fmt::format("head_dim {}, heads {}/{}, causal {}", s.head_dim, s.q_heads,
-                               s.kv_heads, causal));
+  for (const Shape& s : {Shape{64, 6, 2}, Shape{64, 4, 1}, Shape{32, 4, 4}, Shape{64, 32, 8},
+                         Shape{128, 32, 8}, Shape{128, 4, 1}, Shape{128, 2, 1}, Shape{128, 8, 1},
+                         Shape{128, 2, 2}}) {
+    for (const auto& [causal, splits] : std::vector<std::pair<bool, int64_t>>{
+             {true, 0}, {false, 0}, {true, 1}, {false, 3}, {true, 8}}) {
+      if (s.head_dim != 128 && splits != 0) continue;
+      SCOPED_TRACE(fmt::format("head_dim {}, heads {}/{}, causal {}, splits {}", s.head_dim,
+                               s.q_heads, s.kv_heads, causal, splits));
       auto gen = models::seeded_generator(at::kCPU, 11);
       const auto n = static_cast<int64_t>(entries.size());
       std::vector<int32_t> cu = {0}, starts, seen;
@@ -47,7 +54,8 @@ TEST(BlockAttentionGpu, MatchesTheMaskedReference) {
         return at::tensor(x, at::kInt).to(at::kCUDA);
       };
       auto got = kernels::block_attention(q.to(at::kCUDA), k.to(at::kCUDA), v.to(at::kCUDA),
-                                          cuda_int(cu), cuda_int(starts), cuda_int(seen), causal)
+                                          cuda_int(cu), cuda_int(starts), cuda_int(seen), causal,
+                                          /*max_seen=*/300, splits)
                      .cpu();
       for (int64_t i = 0; i < n; ++i) {
         const int64_t c = entries[i].first, keys = entries[i].second;
@@ -61,6 +69,7 @@ TEST(BlockAttentionGpu, MatchesTheMaskedReference) {
       }
     }
   }
+  kernels::set_block_attention_wide_heads(wide);
 }
 
 TEST(BlockAttention, ServesCudaHalfPrecisionOnlyAndNamesTheRest) {
@@ -70,10 +79,13 @@ TEST(BlockAttention, ServesCudaHalfPrecisionOnlyAndNamesTheRest) {
   EXPECT_FALSE(kernels::block_attention_serves(at::kCPU, at::kBFloat16, 64, 4));
   EXPECT_FALSE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 96, 4));
   EXPECT_FALSE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 128, 4));
+  kernels::set_block_attention_wide_heads(true);
+  EXPECT_TRUE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 128, 4));
+  kernels::set_block_attention_wide_heads(false);
   EXPECT_FALSE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 64, 17));
   EXPECT_TRUE(kernels::block_attention_serves(at::kCUDA, at::kHalf, 64, 16));
   auto cu = at::tensor(std::vector<int32_t>{0, 4}, at::kInt);
-  EXPECT_THROW(kernels::block_attention(q, k, k, cu, cu, cu, true), Error);
+  EXPECT_THROW(kernels::block_attention(q, k, k, cu, cu, cu, true, 4), Error);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "decode_test_util.h"
 #include "eval/generator.h"
 #include "eval/prefill_graph.h"
+#include "kernels/block_attention.h"
 #include "models/kv_cache.h"
 #include "models/target.h"
 #include "test_util.h"
@@ -163,7 +164,8 @@ TEST_F(DecodeGpu, GraphDecodeMatchesEagerWithRefill) {
 }
 
 // Small blocks attend as one-query sequences (AppendBatch::token_*, flash's split-KV path; heads
-// of 128; q head-major or group-major) or through kernels::block_attention (heads of 64): the
+// of 128; q head-major or group-major) or through kernels::block_attention (heads of 64, and of
+// 128 with its split kernel, kernels::set_block_attention_wide_heads): the
 // same logits, taps and block attention as flash's one tile per entry, over slots at different
 // lengths.
 TEST_F(DecodeGpu, SmallBlockAttentionPathsMatchFlashTiles) {
@@ -171,7 +173,9 @@ TEST_F(DecodeGpu, SmallBlockAttentionPathsMatchFlashTiles) {
     int64_t limit = models::per_token_attention_max_tokens();
     bool block = models::block_attention_kernel();
     bool group_major = models::group_major_queries();
+    bool wide = kernels::block_attention_wide_heads();
     ~Restore() {
+      kernels::set_block_attention_wide_heads(wide);
       models::set_per_token_attention_max_tokens(limit);
       models::set_block_attention_kernel(block);
       models::set_group_major_queries(group_major);
@@ -199,19 +203,23 @@ TEST_F(DecodeGpu, SmallBlockAttentionPathsMatchFlashTiles) {
     struct Path {
       const char* name;
       int64_t per_token_limit;
-      bool block_kernel, group_major;
+      bool block_kernel, group_major, wide_heads;
     };
-    const std::vector<Path> paths = {{"flash tiles", 0, false, false},
-                                     {"per token, q group-major", 64, false, true},
-                                     {"per token, q head-major", 64, false, false},
-                                     {"block kernel", 64, true, false}};
+    const std::vector<Path> paths = {{"flash tiles", 0, false, false, false},
+                                     {"per token, q group-major", 64, false, true, false},
+                                     {"per token, q head-major", 64, false, false, false},
+                                     {"block kernel", 64, true, false, false},
+                                     {"block kernel, heads of 128 too", 64, true, true, true}};
     for (const Path& p : paths) {
       models::set_per_token_attention_max_tokens(p.per_token_limit);
       models::set_block_attention_kernel(p.block_kernel);
       models::set_group_major_queries(p.group_major);
+      kernels::set_block_attention_wide_heads(p.wide_heads);
       auto batch = AppendBatch::make(cache, slots, {16, 5});
-      // The block kernel serves heads of 64 (not 128, whose blocks take per-token attention).
-      const bool per_token = p.per_token_limit > 0 && head_dim >= 128;
+      // The block kernel serves heads of 64, and of 128 with wide heads on; other blocks of
+      // heads of 128 take per-token attention.
+      const bool block_served = p.block_kernel && (head_dim < 128 || p.wide_heads);
+      const bool per_token = p.per_token_limit > 0 && head_dim >= 128 && !block_served;
       EXPECT_EQ(batch.per_token_attention(), per_token) << p.name;
       const auto offsets = models::group_major_query_offsets(batch, config_.num_heads,
                                                              config_.num_kv_heads, at::kBFloat16);
