@@ -47,7 +47,7 @@ struct BenchDecodeOptions {
   bool window_rings = true;           // sliding layers cache only their windows (gpt-oss)
   int64_t per_token_attention_max = -1;  // models::set_per_token_attention_max_tokens; -1: keep
   bool block_attention = true;           // models::set_block_attention_kernel
-  bool block_attention_128 = false;      // kernels::set_block_attention_wide_heads
+  bool block_attention_128 = true;       // kernels::set_block_attention_wide_heads
   bool group_major_queries = true;       // models::set_group_major_queries
   bool cluster_linear = true;            // kernels::set_cluster_linear_enabled
   bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
@@ -476,9 +476,9 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-block-attention{false}", o->block_attention,
                 "blocks of at most 16 tokens per sequence attend through flash (or per token) "
                 "instead of kernels/block_attention");
-  cmd->add_flag("--block-attention-128", o->block_attention_128,
-                "heads of 128 (Qwen3-8B) attend through kernels/block_attention, one block per KV "
-                "head and split of the keys, instead of flash");
+  cmd->add_flag("--no-block-attention-128{false}", o->block_attention_128,
+                "heads of 128 (Qwen3-8B) attend through flash (or per token) instead of "
+                "kernels/block_attention's split kernel");
   cmd->add_flag("--no-cluster-linear{false}", o->cluster_linear,
                 "the FP8 drafter's GEMMs at a block's 1-16 rows through cuBLASLt instead of "
                 "kernels/cluster_linear");

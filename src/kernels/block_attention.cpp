@@ -20,7 +20,7 @@ void block_attention_split_cuda(const at::Tensor& q, const at::Tensor& k, const 
 
 namespace {
 
-std::atomic<bool> wide_heads{false};
+std::atomic<bool> wide_heads{true};
 
 bool packed_heads(const at::Tensor& t) {
   return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2);
@@ -32,8 +32,7 @@ bool block_attention_serves(at::Device device, at::ScalarType dtype, int64_t hea
                             int64_t max_count) {
   return device.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
          (head_dim == 32 || head_dim == 64 || (head_dim == 128 && wide_heads.load())) &&
-         max_count >= 1 &&
-         max_count <= kBlockAttentionMaxRows;
+         max_count >= 1 && max_count <= kBlockAttentionMaxRows;
 }
 
 bool block_attention_fits(const at::Tensor& q, const at::Tensor& k, int64_t max_count) {
@@ -48,8 +47,7 @@ void set_block_attention_wide_heads(bool on) { wide_heads.store(on); }
 
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& cu_seqlens, const at::Tensor& key_starts,
-                           const at::Tensor& seen, bool causal, int64_t max_seen,
-                           int64_t splits) {
+                           const at::Tensor& seen, bool causal, int64_t max_seen, int64_t splits) {
   if (!block_attention_fits(q, k, 1) || v.sizes() != k.sizes() || !packed_heads(k) ||
       !packed_heads(v) || k.stride(0) != v.stride(0)) {
     fail("block attention: q {} {} over k {} / v {} is not a CUDA half-precision shape it serves",
@@ -67,6 +65,9 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   if (n < 1 || key_starts.numel() < n || seen.numel() < n) {
     fail("block attention: {} entries (cu_seqlens {}) but key_starts {} and seen {}", n,
          cu_seqlens.numel(), key_starts.numel(), seen.numel());
+  }
+  if (splits < 0 || splits > kBlockAttentionMaxSplits) {
+    fail("block attention: {} splits of the keys (0 to {})", splits, kBlockAttentionMaxSplits);
   }
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);

@@ -12,12 +12,13 @@
 // shape, 768 keys: the plain step 5.81 ms with flash, 6.32 ms with this kernel), and splitting
 // those keys further over a thread-block cluster did not close it (25.0 us against flash's 23.1
 // at 16 queries over 528 keys; removed, docs/DECODING.md). Heads of 128 therefore take a second
-// kernel (block_attention_split.cu), opt-in (set_block_attention_wide_heads) until measured:
-// one thread block per (entry, KV head, split of the keys) holding all of that KV head's query
-// rows, G per token (64 rows: 16 tokens of 4 query heads per KV head), so each key is read once
-// per KV head rather than once per query head, the keys split over enough blocks to fill the
-// SMs and the splits merged by a second launch. attention_with_lse (models/kv_cache.h) and flash
-// are the references in the GPU tests.
+// kernel (block_attention_split.cu): one thread block per (entry, KV head, split of the keys)
+// holding all of that KV head's query rows, G per token (64 rows: 16 tokens of 4 query heads
+// per KV head), so each key is read once per KV head rather than once per query head, the keys
+// split over enough blocks to fill the SMs and the splits merged by a second launch. At the
+// Qwen3-8B shape (H100, 528 keys) 12.9 us at 16 queries against flash's 22.9, 9.9 at one query
+// against 10.0 (docs/DECODING.md). attention_with_lse (models/kv_cache.h) and flash are the
+// references in the GPU tests.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -26,6 +27,8 @@
 namespace dflash::kernels {
 
 inline constexpr int64_t kBlockAttentionMaxRows = 16;
+// The most splits of the keys at heads of 128 (the merge holds one split per lane of a warp).
+inline constexpr int64_t kBlockAttentionMaxSplits = 32;
 
 // Whether block_attention serves heads of `head_dim` in `dtype` on `device` in blocks of at
 // most `max_count` tokens; block_attention_fits: queries q [T, Hq, D] over a cache's keys k
@@ -34,8 +37,8 @@ bool block_attention_serves(at::Device device, at::ScalarType dtype, int64_t hea
                             int64_t max_count);
 bool block_attention_fits(const at::Tensor& q, const at::Tensor& k, int64_t max_count);
 
-// Whether heads of 128 are served too (off by default); process-wide so that `bench-decode
-// --block-attention-128` compares it with flash in one process.
+// Whether heads of 128 are served too (on by default); process-wide so that `bench-decode
+// --no-block-attention-128` compares it with flash in one process.
 bool block_attention_wide_heads();
 void set_block_attention_wide_heads(bool on);
 

@@ -5,8 +5,9 @@
 // 16 w .. 16 w + 15 as the A operand of mma.sync m16n8k16. The split's keys pass through shared
 // memory in 32-key tiles (cp.async, two stages, 16-byte chunks XOR-swizzled by row so that
 // ldmatrix reads them without bank conflicts), each warp keeping its rows' running max, sum and
-// output as flash does over its tiles. One split writes the output itself; several write fp32
-// partial outputs with their maxima and sums, which a second kernel merges in split order.
+// output as flash does over its tiles. One split writes the output itself; several (at most 32)
+// write fp32 partial outputs with their maxima and sums, which a second kernel merges in split
+// order.
 // Keys past the split read zeros and weigh zero.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -31,6 +32,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kBlockRows = kWarps * 16;
 constexpr int kTileKeys = 32;
 constexpr int kChunks = kD / 8;  // 16-byte chunks a key row
+constexpr int kMergeRows = 4;    // (token, head) rows a merge block
 
 struct SplitArgs {
   const int32_t* cu_seqlens;
@@ -86,7 +88,9 @@ __global__ void __launch_bounds__(kThreads)
   const int base = (row_group * kWarps + warp) * 16;
   const bool busy = base < count * args.group;
   auto token_of = [&](int i) { return (base + i) / args.group; };
-  auto head_of = [&](int i) { return static_cast<int>(kvh) * args.group + (base + i) % args.group; };
+  auto head_of = [&](int i) {
+    return static_cast<int>(kvh) * args.group + (base + i) % args.group;
+  };
 
   auto load_tile = [&](int stage, int j0) {
     for (int c = threadIdx.x; c < kTileKeys * kChunks; c += kThreads) {
@@ -106,9 +110,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int half = 0; half < 2; ++half) {
       const int i = g + 8 * half;
       const bool valid = busy && token_of(i) < count;
-      const T* row = q + ((static_cast<int64_t>(row0) + (valid ? token_of(i) : 0)) * args.q_heads +
-                          (valid ? head_of(i) : 0)) *
-                             kD +
+      const T* row = q +
+                     ((static_cast<int64_t>(row0) + (valid ? token_of(i) : 0)) * args.q_heads +
+                      (valid ? head_of(i) : 0)) *
+                         kD +
                      kk * 16 + 2 * t;
       a[kk][half] = valid ? *reinterpret_cast<const uint32_t*>(row) : 0u;
       a[kk][2 + half] = valid ? *reinterpret_cast<const uint32_t*>(row + 8) : 0u;
@@ -117,8 +122,8 @@ __global__ void __launch_bounds__(kThreads)
   int limit[2];  // the last key rows g and g + 8 see
   for (int half = 0; half < 2; ++half) {
     const int i = g + 8 * half;
-    limit[half] = busy && token_of(i) < count ? (args.causal ? last_seen + token_of(i) : keys - 1)
-                                              : -1;
+    limit[half] =
+        busy && token_of(i) < count ? (args.causal ? last_seen + token_of(i) : keys - 1) : -1;
   }
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -234,31 +239,44 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block per (token, query head), one thread per dimension: the splits' partial outputs
-// weighed by exp2(m_s - max m) and divided by the weighed sums, in split order.
+// One warp per (token, query head) row, four rows a block: lane s holds split s's max and sum,
+// each lane four dimensions; the splits' partial outputs weighed by exp2(m_s - max m) and
+// divided by the weighed sums, in split order (the loads of all splits in flight at once).
 template <typename T>
-__global__ void __launch_bounds__(kD)
+__global__ void __launch_bounds__(kMergeRows * 32)
     block_attention_merge_kernel(const float* __restrict__ part_o,
                                  const float2* __restrict__ part_ml, T* __restrict__ out,
                                  int64_t rows, int splits) {
-  const int64_t row = blockIdx.x;
-  float big = -INFINITY;
-  for (int s = 0; s < splits; ++s) big = fmaxf(big, part_ml[s * rows + row].x);
-  float sum = 0.f, acc = 0.f;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeRows + threadIdx.x / 32;
+  if (row >= rows) return;
+  const float2 ml = lane < splits ? part_ml[lane * rows + row] : make_float2(-INFINITY, 0.f);
+  float big = ml.x;
+  for (int o = 16; o > 0; o /= 2) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+  const float w = ml.x == -INFINITY ? 0.f : exp2f(ml.x - big);
+  float sum = w * ml.y;
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
   for (int s = 0; s < splits; ++s) {
-    const float2 ml = part_ml[s * rows + row];
-    const float w = ml.x == -INFINITY ? 0.f : exp2f(ml.x - big);
-    sum += w * ml.y;
-    acc += w * part_o[(s * rows + row) * kD + threadIdx.x];
+    const float ws = __shfl_sync(0xffffffffu, w, s);
+    const float4 p = reinterpret_cast<const float4*>(part_o + (s * rows + row) * kD)[lane];
+    acc.x += ws * p.x;
+    acc.y += ws * p.y;
+    acc.z += ws * p.z;
+    acc.w += ws * p.w;
   }
-  out[row * kD + threadIdx.x] = from_float<T>(acc / sum);
+  T* dst = out + row * kD + 4 * lane;
+  store_pair(dst, acc.x / sum, acc.y / sum);
+  store_pair(dst + 2, acc.z / sum, acc.w / sum);
 }
 
 // Splits enough to give every SM a block, at most one per key tile.
 int64_t auto_splits(int64_t blocks, int64_t max_seen, at::Device device) {
   const int64_t sms = at::cuda::getDeviceProperties(device.index())->multiProcessorCount;
   const int64_t tiles = std::max<int64_t>(1, (max_seen + kTileKeys - 1) / kTileKeys);
-  return std::clamp<int64_t>((sms + blocks - 1) / blocks, 1, std::min<int64_t>(tiles, 32));
+  return std::clamp<int64_t>((sms + blocks - 1) / blocks, 1,
+                             std::min(tiles, kBlockAttentionMaxSplits));
 }
 
 }  // namespace
@@ -272,7 +290,8 @@ void block_attention_split_cuda(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t entries = cu_seqlens.numel() - 1, hq = q.size(1), hkv = k.size(1);
   const int group = static_cast<int>(hq / hkv);
   // Rows for the most tokens an entry may hold (the kernel skips the rows past its own).
-  const int row_groups = static_cast<int>((kBlockAttentionMaxRows * group + kBlockRows - 1) / kBlockRows);
+  const int row_groups =
+      static_cast<int>((kBlockAttentionMaxRows * group + kBlockRows - 1) / kBlockRows);
   if (splits <= 0) splits = auto_splits(entries * hkv * row_groups, max_seen, q.device());
   SplitArgs args{cu_seqlens.data_ptr<int32_t>(),
                  key_starts.data_ptr<int32_t>(),
@@ -309,7 +328,8 @@ void block_attention_split_cuda(const at::Tensor& q, const at::Tensor& k, const 
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (splits > 1) {
         const int64_t rows = q.size(0) * hq;
-        block_attention_merge_kernel<T><<<static_cast<unsigned>(rows), kD, 0, stream>>>(
+        const auto blocks = static_cast<unsigned>((rows + kMergeRows - 1) / kMergeRows);
+        block_attention_merge_kernel<T><<<blocks, kMergeRows * 32, 0, stream>>>(
             po, pml, reinterpret_cast<T*>(out.data_ptr()), rows, static_cast<int>(splits));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }

@@ -518,8 +518,8 @@ at::Tensor cached_attention(const at::Tensor& q, const KVCache& cache, int64_t l
   }
   if (flash && window == 0 && block_attention_kernel() &&
       kernels::block_attention_fits(q, k, batch.max_count)) {
-    return kernels::block_attention(q, k, v, batch.cu_seqlens, batch.key_starts, batch.seen,
-                                    causal, batch.max_seen);
+    return kernels::block_attention(q, k, v, batch.cu_seqlens, batch.key_starts, batch.seen, causal,
+                                    batch.max_seen);
   }
   if (flash && window == 0 && batch.per_token_attention()) {
     // One query per sequence: flash folds a KV head's query heads into the rows and splits the

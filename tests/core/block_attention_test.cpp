@@ -30,9 +30,9 @@ TEST(BlockAttentionGpu, MatchesTheMaskedReference) {
   const std::vector<std::pair<int32_t, int32_t>> entries = {
       {16, 272}, {1, 1}, {5, 5}, {16, 16}, {3, 40}, {16, 300}, {7, 129}, {1, 64}};
   const int64_t capacity = 320;
-  for (const Shape& s : {Shape{64, 6, 2}, Shape{64, 4, 1}, Shape{32, 4, 4}, Shape{64, 32, 8},
-                         Shape{128, 32, 8}, Shape{128, 4, 1}, Shape{128, 2, 1}, Shape{128, 8, 1},
-                         Shape{128, 2, 2}}) {
+  for (const Shape& s :
+       {Shape{64, 6, 2}, Shape{64, 4, 1}, Shape{32, 4, 4}, Shape{64, 32, 8}, Shape{128, 32, 8},
+        Shape{128, 4, 1}, Shape{128, 2, 1}, Shape{128, 8, 1}, Shape{128, 2, 2}}) {
     for (const auto& [causal, splits] : std::vector<std::pair<bool, int64_t>>{
              {true, 0}, {false, 0}, {true, 1}, {false, 3}, {true, 8}}) {
       if (s.head_dim != 128 && splits != 0) continue;
@@ -78,14 +78,17 @@ TEST(BlockAttention, ServesCudaHalfPrecisionOnlyAndNamesTheRest) {
   EXPECT_FALSE(kernels::block_attention_fits(q, k, 4));
   EXPECT_FALSE(kernels::block_attention_serves(at::kCPU, at::kBFloat16, 64, 4));
   EXPECT_FALSE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 96, 4));
-  EXPECT_FALSE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 128, 4));
-  kernels::set_block_attention_wide_heads(true);
   EXPECT_TRUE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 128, 4));
   kernels::set_block_attention_wide_heads(false);
+  EXPECT_FALSE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 128, 4));
+  kernels::set_block_attention_wide_heads(true);
   EXPECT_FALSE(kernels::block_attention_serves(at::kCUDA, at::kBFloat16, 64, 17));
   EXPECT_TRUE(kernels::block_attention_serves(at::kCUDA, at::kHalf, 64, 16));
   auto cu = at::tensor(std::vector<int32_t>{0, 4}, at::kInt);
   EXPECT_THROW(kernels::block_attention(q, k, k, cu, cu, cu, true, 4), Error);
+  EXPECT_THROW(
+      kernels::block_attention(q, k, k, cu, cu, cu, true, 4, kernels::kBlockAttentionMaxSplits + 1),
+      Error);
 }
 
 }  // namespace
