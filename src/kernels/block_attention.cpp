@@ -48,6 +48,9 @@ void set_block_attention_wide_heads(bool on) { wide_heads.store(on); }
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& cu_seqlens, const at::Tensor& key_starts,
                            const at::Tensor& seen, bool causal, int64_t max_seen, int64_t splits) {
+  if (splits < 0 || splits > kBlockAttentionMaxSplits) {
+    fail("block attention: {} splits of the keys (0 to {})", splits, kBlockAttentionMaxSplits);
+  }
   if (!block_attention_fits(q, k, 1) || v.sizes() != k.sizes() || !packed_heads(k) ||
       !packed_heads(v) || k.stride(0) != v.stride(0)) {
     fail("block attention: q {} {} over k {} / v {} is not a CUDA half-precision shape it serves",
@@ -65,9 +68,6 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   if (n < 1 || key_starts.numel() < n || seen.numel() < n) {
     fail("block attention: {} entries (cu_seqlens {}) but key_starts {} and seen {}", n,
          cu_seqlens.numel(), key_starts.numel(), seen.numel());
-  }
-  if (splits < 0 || splits > kBlockAttentionMaxSplits) {
-    fail("block attention: {} splits of the keys (0 to {})", splits, kBlockAttentionMaxSplits);
   }
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/attention_tile.cuh"
 #include "kernels/float_cast.cuh"
 #include "kernels/mma.cuh"
 
@@ -39,13 +40,6 @@ struct Args {
   float scale_log2;  // log2(e) / sqrt(D)
   bool causal;
 };
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  const T a = from_float<T>(lo), b = from_float<T>(hi);
-  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&a)) |
-         (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&b)) << 16);
-}
 
 __device__ __forceinline__ uint32_t load2(const void* p) {
   return *reinterpret_cast<const uint32_t*>(p);
@@ -137,16 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
     float alpha[2];
-    for (int i = 0; i < 2; ++i) {
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-      const float m_new = fmaxf(m[i], tile_max[i]);
-      // A row that has seen nothing yet keeps m = -inf and weighs every p zero.
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[i] = exp2f(m[i] - base);
-      m[i] = m_new;
-      tile_max[i] = base;
-    }
+    online_softmax_step(tile_max, m, alpha);
     // This thread's share of each row's sum (the quad's shares add up at the end).
     l[0] *= alpha[0];
     l[1] *= alpha[1];

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/attention_tile.cuh"
 #include "kernels/block_attention.h"
 #include "kernels/float_cast.cuh"
 #include "kernels/mma.cuh"
@@ -47,13 +48,6 @@ struct SplitArgs {
 // Element (key, dim) of a swizzled [kTileKeys][kD] tile.
 __device__ __forceinline__ int swizzled(int key, int chunk) {
   return key * kD + ((chunk ^ (key % 8)) * 8);
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  const T a = from_float<T>(lo), b = from_float<T>(hi);
-  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&a)) |
-         (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&b)) << 16);
 }
 
 template <typename T>
@@ -88,9 +82,7 @@ __global__ void __launch_bounds__(kThreads)
   const int base = (row_group * kWarps + warp) * 16;
   const bool busy = base < count * args.group;
   auto token_of = [&](int i) { return (base + i) / args.group; };
-  auto head_of = [&](int i) {
-    return static_cast<int>(kvh) * args.group + (base + i) % args.group;
-  };
+  auto head_of = [&](int i) { return kvh * args.group + (base + i) % args.group; };
 
   auto load_tile = [&](int stage, int j0) {
     for (int c = threadIdx.x; c < kTileKeys * kChunks; c += kThreads) {
@@ -167,16 +159,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       float alpha[2];
-      for (int i = 0; i < 2; ++i) {
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-        const float m_new = fmaxf(m[i], tile_max[i]);
-        // A row that has seen nothing yet keeps m = -inf and weighs every p zero.
-        const float shift = m_new == -INFINITY ? 0.f : m_new;
-        alpha[i] = exp2f(m[i] - shift);
-        m[i] = m_new;
-        tile_max[i] = shift;
-      }
+      online_softmax_step(tile_max, m, alpha);
       l[0] *= alpha[0];
       l[1] *= alpha[1];
 #pragma unroll

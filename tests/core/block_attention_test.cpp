@@ -7,6 +7,7 @@
 #include "kernels/block_attention.h"
 
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "common/error.h"
@@ -86,9 +87,12 @@ TEST(BlockAttention, ServesCudaHalfPrecisionOnlyAndNamesTheRest) {
   EXPECT_TRUE(kernels::block_attention_serves(at::kCUDA, at::kHalf, 64, 16));
   auto cu = at::tensor(std::vector<int32_t>{0, 4}, at::kInt);
   EXPECT_THROW(kernels::block_attention(q, k, k, cu, cu, cu, true, 4), Error);
-  EXPECT_THROW(
-      kernels::block_attention(q, k, k, cu, cu, cu, true, 4, kernels::kBlockAttentionMaxSplits + 1),
-      Error);
+  try {
+    kernels::block_attention(q, k, k, cu, cu, cu, true, 4, kernels::kBlockAttentionMaxSplits + 1);
+    ADD_FAILURE() << "33 splits accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("33 splits of the keys (0 to 32)"));
+  }
 }
 
 }  // namespace
