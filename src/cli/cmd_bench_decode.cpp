@@ -22,6 +22,7 @@
 #include "eval/speculative.h"
 #include "kernels/block_attention.h"
 #include "kernels/cluster_linear.h"
+#include "kernels/wgmma_linear.h"
 #include "models/drafter.h"
 #include "models/target.h"
 #include "obs/profile.h"
@@ -50,6 +51,7 @@ struct BenchDecodeOptions {
   bool block_attention_128 = true;       // kernels::set_block_attention_wide_heads
   bool group_major_queries = true;       // models::set_group_major_queries
   bool cluster_linear = true;            // kernels::set_cluster_linear_enabled
+  bool wgmma_linear = true;              // kernels::set_wgmma_linear_enabled
   bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
 };
 
@@ -306,6 +308,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   kernels::set_block_attention_wide_heads(o.block_attention_128);
   models::set_group_major_queries(o.group_major_queries);
   kernels::set_cluster_linear_enabled(o.cluster_linear);
+  kernels::set_wgmma_linear_enabled(o.wgmma_linear);
   if (o.per_token_attention_max >= 0) {
     models::set_per_token_attention_max_tokens(o.per_token_attention_max);
   }
@@ -482,6 +485,9 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-cluster-linear{false}", o->cluster_linear,
                 "the FP8 drafter's GEMMs at a block's 1-16 rows through cuBLASLt instead of "
                 "kernels/cluster_linear");
+  cmd->add_flag("--no-wgmma-linear{false}", o->wgmma_linear,
+                "the bf16 linears at a block's 2-16 rows (the target's verify pass, a bf16 "
+                "drafter) through cuBLAS instead of kernels/wgmma_linear");
   cmd->add_flag("--no-group-major-queries{false}", o->group_major_queries,
                 "per-token attention (target verify, drafter block) takes q head-major, which "
                 "flash regroups, instead of group-major from the q/k norm kernel");

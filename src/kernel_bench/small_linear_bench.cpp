@@ -5,11 +5,13 @@
 // `--drafter-fp8` (the drafter's linears at a speculative step's rows): x quantized per row and
 // the e4m3 GEMM over the weight's rows (kernels/fp8_rows), checked against its dequantizing
 // reference, through cuBLASLt and through kernels/cluster_linear at each split of K it takes. At
-// more than one row, what cuBLASLt's other algorithms give (kernels/tuned_gemm).
+// more than one row, what cuBLASLt's other algorithms give (kernels/tuned_gemm), and
+// kernels/wgmma_linear (the verify pass's bf16 linears at 2-16 rows) at each split of K.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <tuple>
 
 #include "kernel_bench/bench.h"
@@ -17,6 +19,7 @@
 #include "kernels/fp8_rows.h"
 #include "kernels/small_linear.h"
 #include "kernels/tuned_gemm.h"
+#include "kernels/wgmma_linear.h"
 
 namespace dflash::kernel_bench {
 
@@ -54,6 +57,19 @@ void bench_small_linear(const Bench& b) {
       }
       b.report("at::linear " + name, m, n, k,
                b.graph_us([&](int i) { at::linear(x, weights[i % copies]); }), moved);
+      if (m > 1 && kernels::wgmma_linear_fits(x, weights[0])) {
+        b.check(fmt::format("wgmma_linear {} ({} rows)", name, m),
+                kernels::wgmma_linear(x, weights[0]),
+                kernels::small_linear_reference(x, weights[0]), kRoundedOnce);
+        for (int split : {0, 1, 2, 4, 8}) {
+          if (k % (64 * std::max(split, 1)) != 0) continue;
+          b.report(
+              fmt::format("wgmma_linear {} s{}", name, split == 0 ? "auto" : std::to_string(split)),
+              m, n, k,
+              b.graph_us([&](int i) { kernels::wgmma_linear(x, weights[i % copies], {}, split); }),
+              moved);
+        }
+      }
       // Would another of cuBLASLt's algorithms stream the weight faster than ATen's pick (each
       // timed once per call with L2 flushed, as in a pass over many layers)?
       if (m > 1 && b.o.gemm_candidates) {

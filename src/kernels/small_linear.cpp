@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "kernels/wgmma_linear.h"
 
 namespace dflash::kernels {
 
@@ -74,10 +75,15 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 
 at::Tensor inference_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
-  const bool small =
-      x.is_cuda() && !c10::GradMode::is_enabled() && rows > 0 && rows <= kSmallLinearFasterRows &&
-      (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) && w.is_contiguous();
+  const bool inference = x.is_cuda() && !c10::GradMode::is_enabled() && rows > 0;
+  const bool small = inference && rows <= kSmallLinearFasterRows &&
+                     (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
+                     w.is_contiguous();
   if (small) return small_linear(x, w, b);
+  if (inference && rows <= kWgmmaLinearMaxRows && wgmma_linear_enabled() &&
+      wgmma_linear_fits(x, w, b)) {
+    return wgmma_linear(x, w, b);
+  }
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 

@@ -27,7 +27,8 @@ inline constexpr int64_t kSmallLinearFasterRows = 1;
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {});
 
 // A linear of an inference pass (no autograd): small_linear where it beats cuBLAS (CUDA,
-// bf16/fp16, at most kSmallLinearFasterRows rows), at::linear otherwise.
+// bf16/fp16, at most kSmallLinearFasterRows rows), wgmma_linear at a speculative block's rows
+// (up to 16, bf16, while enabled and where it fits), at::linear otherwise.
 at::Tensor inference_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {});
 
 // In fp32 on any device, rounded to x's dtype: the kernel's test reference.

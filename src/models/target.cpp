@@ -19,6 +19,7 @@
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
 #include "kernels/tuned_gemm.h"
+#include "kernels/wgmma_linear.h"
 #include "models/gpt_oss.h"
 #include "obs/stages.h"
 
@@ -28,8 +29,8 @@ namespace {
 // Whether a pass over x takes the fused kernels of kernels/decode_ops.h (one launch and one
 // read of the activations where ATen makes several), at any number of rows: prefill spends
 // as much on ATen's elementwise passes as on attention. Training the target (autograd) and
-// fp32 (the parity paths against transformers) keep ATen. Which rows also take small_linear
-// for the projections is decided per call (kSmallLinearFasterRows).
+// fp32 (the parity paths against transformers) keep ATen. Which rows also take small_linear or
+// wgmma_linear for the projections is decided per call (kernels::inference_linear).
 bool fused_kernels(const at::Tensor& x) {
   return x.is_cuda() && !c10::GradMode::is_enabled() &&
          (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
@@ -943,8 +944,8 @@ at::Tensor TargetModel::embed(const at::Tensor& tokens) const {
 
 at::Tensor TargetModel::lm_head(const at::Tensor& hidden) const {
   const int64_t rows = hidden.numel() / std::max<int64_t>(hidden.size(-1), 1);
-  const bool small = fused_kernels(hidden) && rows <= kernels::kSmallLinearFasterRows;
-  auto logits = small ? kernels::small_linear(hidden, lm_head_) : at::linear(hidden, lm_head_);
+  const bool few = fused_kernels(hidden) && rows <= kernels::kWgmmaLinearMaxRows;
+  auto logits = few ? kernels::inference_linear(hidden, lm_head_) : at::linear(hidden, lm_head_);
   return gather_vocab(logits, -1);
 }
 
@@ -998,7 +999,10 @@ at::Tensor TargetModel::decoder_layer(const TargetLayerWeights& w, at::Tensor x,
                             : linear8(kernels::quantize_rows_e4m3(in), rows);
   };
   auto linear = [&](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias) {
-    if (small) return kernels::small_linear(in, weight, bias);
+    // A decode step's row or a speculative block's: small_linear / wgmma_linear where they fit.
+    if (fused && t <= kernels::kWgmmaLinearMaxRows) {
+      return kernels::inference_linear(in, weight, bias);
+    }
     if (tuned && !bias.defined()) return kernels::linear_tuned(in, weight);
     return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);
   };

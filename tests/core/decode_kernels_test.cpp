@@ -13,6 +13,7 @@
 #include "kernels/decode_ops.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
+#include "kernels/wgmma_linear.h"
 #include "models/target.h"
 #include "test_util.h"
 
@@ -210,6 +211,101 @@ TEST(ClusterLinear, FitsOnlyItsShapes) {
   EXPECT_THROW(kernels::cluster_linear_out(out_gpu, rows(4, 512, gpu), w, 3, 4), Error);
   auto wrong = at::empty({4, 64}, out_gpu.options());
   EXPECT_THROW(kernels::cluster_linear_out(wrong, rows(4, 512, gpu), w), Error);
+}
+
+// wgmma_linear (the verify pass's bf16 linears at 2-16 rows) against the fp32 product on the
+// CPU, at every split of K over a cluster: N not a multiple of a block's 128 features (the TMA's
+// zero rows), rows from 1 to 16 (x's missing rows zeros), K from one 64-wide chunk to 12,288,
+// bias or none; each row's result the same bits whatever the other rows; inference_linear
+// takes it at these rows while enabled.
+TEST(WgmmaLinearGpu, MatchesReferenceAtEverySplit) {
+  if (!at::hasCUDA() || at::cuda::getDeviceProperties(0)->major < 9) {
+    GTEST_SKIP() << "no CUDA device of compute capability 9.0+";
+  }
+  at::manual_seed(11);
+  const c10::NoGradGuard no_grad;
+  struct Shape {
+    int64_t rows, n, k;
+    bool bias;
+  };
+  for (Shape s :
+       {Shape{16, 4096, 4096, false}, Shape{2, 200, 64, true}, Shape{9, 384, 2048, true},
+        Shape{15, 136, 12288, false}, Shape{1, 1000, 512, false}, Shape{16, 6144, 1024, true}}) {
+    SCOPED_TRACE(fmt::format("rows {} n {} k {} bias {}", s.rows, s.n, s.k, s.bias));
+    const auto x = at::randn({s.rows, s.k}).to(at::kBFloat16);
+    const auto w = (at::randn({s.n, s.k}) * 0.05).to(at::kBFloat16);
+    const auto b = s.bias ? at::randn({s.n}).to(at::kBFloat16) : at::Tensor();
+    // In fp32 on the CPU: the kernel's sums of exact bf16 products, rounded once to bf16 (half
+    // a step, 2^-9 of the magnitude) after fp32 accumulation in another order (1e-5 of the sum
+    // of magnitudes bounds it at these K); a wrong row, feature or k chunk would be off by the
+    // magnitude itself.
+    auto exact = at::linear(x.to(at::kFloat), w.to(at::kFloat));
+    if (s.bias) exact = exact + b.to(at::kFloat);
+    const auto magnitudes = at::mm(x.to(at::kFloat).abs(), w.to(at::kFloat).abs().t());
+    const auto xg = x.cuda(), wg = w.cuda(), bg = s.bias ? b.cuda() : at::Tensor();
+    ASSERT_TRUE(kernels::wgmma_linear_fits(xg, wg, bg));
+    auto rounded_once = [&](const at::Tensor& actual) {
+      auto excess = (actual.cpu().to(at::kFloat) - exact).abs() -
+                    (exact.abs() * (1.0 / 256) + magnitudes * 1e-5 + 1e-6);
+      EXPECT_LE(excess.max().item<double>(), 0.0);
+    };
+    int runs = 0;
+    for (int split : {1, 2, 4, 8}) {
+      if (s.k % (64 * split) != 0) continue;
+      SCOPED_TRACE(fmt::format("split {}", split));
+      const auto actual = kernels::wgmma_linear(xg, wg, bg, split);
+      ASSERT_EQ(actual.sizes(), (at::IntArrayRef{s.rows, s.n}));
+      rounded_once(actual);
+      // The last row alone: the same bits.
+      const auto one = kernels::wgmma_linear(xg.narrow(0, s.rows - 1, 1), wg, bg, split);
+      EXPECT_TRUE(at::equal(one, actual.narrow(0, s.rows - 1, 1)));
+      ++runs;
+    }
+    EXPECT_GT(runs, 0);
+    // inference_linear takes it (the built-in split) while enabled, cuBLAS otherwise.
+    if (s.rows > 1) {
+      EXPECT_TRUE(
+          at::equal(kernels::inference_linear(xg, wg, bg), kernels::wgmma_linear(xg, wg, bg)));
+      kernels::set_wgmma_linear_enabled(false);
+      rounded_once(kernels::inference_linear(xg, wg, bg));
+      kernels::set_wgmma_linear_enabled(true);
+    }
+  }
+  // Leading dimensions flatten to rows and come back.
+  const auto x3 = at::randn({2, 8, 128}).to(at::kBFloat16).cuda();
+  const auto w3 = at::randn({256, 128}).to(at::kBFloat16).cuda();
+  const auto y3 = kernels::wgmma_linear(x3, w3);
+  ASSERT_EQ(y3.sizes(), (at::IntArrayRef{2, 8, 256}));
+  EXPECT_TRUE(at::equal(y3.view({16, 256}), kernels::wgmma_linear(x3.view({16, 128}), w3)));
+}
+
+// Where wgmma_linear does not fit, inference_linear keeps cuBLAS: more than 16 rows, K off the
+// 64-wide chunks, another dtype or device, a strided weight; a bad split is named.
+TEST(WgmmaLinear, FitsOnlyItsShapes) {
+  auto bf16 = [](at::IntArrayRef sizes, at::Device device) {
+    return at::zeros(sizes, at::kBFloat16).to(device);
+  };
+  const at::Device cpu(at::kCPU);
+  EXPECT_FALSE(kernels::wgmma_linear_fits(bf16({4, 64}, cpu), bf16({128, 64}, cpu)));
+  EXPECT_THROW(kernels::wgmma_linear(bf16({4, 64}, cpu), bf16({128, 64}, cpu)), Error);
+  if (!at::hasCUDA() || at::cuda::getDeviceProperties(0)->major < 9) return;
+  const at::Device gpu(at::kCUDA, 0);
+  const auto w = bf16({128, 512}, gpu);
+  EXPECT_TRUE(kernels::wgmma_linear_fits(bf16({1, 512}, gpu), w));
+  EXPECT_TRUE(kernels::wgmma_linear_fits(bf16({16, 512}, gpu), w));
+  EXPECT_FALSE(kernels::wgmma_linear_fits(bf16({17, 512}, gpu), w));
+  EXPECT_FALSE(kernels::wgmma_linear_fits(bf16({4, 96}, gpu), bf16({128, 96}, gpu)));
+  EXPECT_FALSE(kernels::wgmma_linear_fits(bf16({4, 512}, gpu).to(at::kHalf), w.to(at::kHalf)));
+  EXPECT_FALSE(kernels::wgmma_linear_fits(bf16({4, 512}, gpu), bf16({512, 128}, gpu).t()));
+  EXPECT_FALSE(kernels::wgmma_linear_fits(bf16({4, 512}, gpu), w, bf16({64}, gpu)));
+  EXPECT_TRUE(kernels::wgmma_linear_fits(bf16({4, 512}, gpu), w, bf16({128}, gpu)));
+  try {
+    kernels::wgmma_linear(bf16({4, 512}, gpu), w, {}, 3);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not split over 3 blocks"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(SmallLinear, CpuIsAtLinearAndBadShapesAreNamed) {

@@ -1,0 +1,173 @@
+// The layout of wgmma_linear.h's kernel. A stage holds one 64-wide chunk of K: the weight's
+// 128 features x 64 k (16 KB: features 0-63, then 64-127, each 64 rows of 128 bytes) and x's 16
+// rows x 64 k (2 KB), as the TMA writes a box in the 128-byte swizzle (row r's 16-byte piece c
+// at r * 128 + (c ^ r % 8) * 16), which is the layout wgmma's descriptors name. Warp w of the
+// warpgroup holds features 16 w .. 16 w + 15 of each half, x's rows as D's columns.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cooperative_groups.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/error.h"
+#include "kernels/cluster_launch.cuh"
+#include "kernels/tma.cuh"
+#include "kernels/wgmma.cuh"
+
+namespace dflash::kernels {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 128;  // one warpgroup
+constexpr int kFeatures = 128;
+constexpr int kRows = 16;   // wgmma's N
+constexpr int kChunk = 64;  // k a stage: one 128-byte swizzle row of bf16
+constexpr int kStages = 4;
+constexpr int kWeightBytes = kFeatures * kChunk * 2;
+constexpr int kHalfBytes = kWeightBytes / 2;
+constexpr int kXBytes = kRows * kChunk * 2;
+constexpr int kStageBytes = kWeightBytes + kXBytes;  // a multiple of 1024: stages stay aligned
+constexpr int kPartialLd = kFeatures + 4;            // floats; rows 4 banks apart
+constexpr size_t kSharedBytes = kStages * kStageBytes + 1024 /* alignment */ + 64 /* barriers */;
+static_assert(kStageBytes % 1024 == 0);
+static_assert(kRows * kPartialLd * sizeof(float) <= kStages * kStageBytes);
+
+// A block: features [tile * 128, +128) over chunks [rank * chunks, +chunks) of K, rank its
+// place in the cluster.
+__global__ void __launch_bounds__(kThreads)
+    wgmma_linear_kernel(const __grid_constant__ CUtensorMap w_map,
+                        const __grid_constant__ CUtensorMap x_map,
+                        const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y,
+                        int rows, int64_t n, int chunks) {
+  extern __shared__ unsigned char raw[];
+  auto* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                                ~uintptr_t(1023));
+  auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int n0 = static_cast<int>(blockIdx.x / ranks) * kFeatures, c0 = rank * chunks;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  auto issue = [&](int i) {
+    unsigned char* stage = smem + (i % kStages) * kStageBytes;
+    uint64_t* barrier = &full[i % kStages];
+    mbarrier_arrive_expect_bytes(barrier, kStageBytes);
+    tma_load_2d(stage, &w_map, (c0 + i) * kChunk, n0, barrier);
+    tma_load_2d(stage + kWeightBytes, &x_map, (c0 + i) * kChunk, 0, barrier);
+  };
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages && i < chunks; ++i) issue(i);
+  }
+
+  float d[2][8] = {};
+  for (int i = 0; i < chunks; ++i) {
+    mbarrier_wait(&full[i % kStages], (i / kStages) & 1);
+    const unsigned char* stage = smem + (i % kStages) * kStageBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kChunk; kk += 16) {
+      const uint64_t xs = wgmma_b_descriptor(stage + kWeightBytes, kk);
+      wgmma_bf16_m64n16_ss(d[0], wgmma_b_descriptor(stage, kk), xs);
+      wgmma_bf16_m64n16_ss(d[1], wgmma_b_descriptor(stage + kHalfBytes, kk), xs);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    // Every warp has read the stage before thread 0 asks the TMA to overwrite it.
+    __syncthreads();
+    if (threadIdx.x == 0 && i + kStages < chunks) issue(i + kStages);
+  }
+
+  // Partial sums [16 rows][128 features] over the stages (every copy has landed), then each
+  // block of the cluster finishes 128 / ranks of the features, adding the ranks in order.
+  float* partial = reinterpret_cast<float*>(smem);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int f = h * 64 + warp * 16 + g + 8 * ((i >> 1) & 1);
+      const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+      partial[m * kPartialLd + f] = d[h][i];
+    }
+  }
+  cluster.sync();
+  const int share = kFeatures / ranks;
+  for (int i = threadIdx.x; i < rows * share; i += kThreads) {
+    const int m = i / share, f = rank * share + i % share;
+    const int64_t col = n0 + f;
+    float s = 0.f;
+    for (int r = 0; r < ranks; ++r) s += cluster.map_shared_rank(partial, r)[m * kPartialLd + f];
+    if (col < n) {
+      if (bias != nullptr) s += __bfloat162float(bias[col]);
+      y[m * n + col] = __float2bfloat16(s);
+    }
+  }
+  // No block leaves while another may still read its shared memory.
+  cluster.sync();
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                    cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      fail("wgmma linear: the CUDA driver has no cuTensorMapEncodeTiled");
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A bf16 matrix [rows, k] (contiguous) read in boxes of `box_rows` x 64, 128-byte swizzled;
+// boxes past its rows read zeros.
+CUtensorMap tensor_map(const at::Tensor& m, uint32_t box_rows, const char* what) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(m.size(1)),
+                              static_cast<cuuint64_t>(m.size(0))};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(m.size(1)) * 2};
+  const cuuint32_t box[2] = {kChunk, box_rows};
+  const cuuint32_t steps[2] = {1, 1};
+  const CUresult result =
+      encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m.data_ptr(), dims, strides, box,
+                     steps, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS) {
+    fail("wgmma linear: cuTensorMapEncodeTiled failed ({}) for {} [{}, {}]",
+         static_cast<int>(result), what, m.size(0), m.size(1));
+  }
+  return map;
+}
+
+}  // namespace
+
+// x [rows, K], w [N, K], b [N] or undefined, y [rows, N]: all bf16 contiguous on one GPU.
+void wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& y,
+                       int split) {
+  const c10::cuda::CUDAGuard guard(y.device());
+  const int64_t n = w.size(0), k = w.size(1);
+  static const cudaError_t opt_in = cudaFuncSetAttribute(
+      wgmma_linear_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  C10_CUDA_CHECK(opt_in);
+  launch_in_clusters(
+      wgmma_linear_kernel, dim3(static_cast<unsigned>((n + kFeatures - 1) / kFeatures * split)),
+      dim3(kThreads), kSharedBytes, c10::cuda::getCurrentCUDAStream(y.device().index()),
+      static_cast<unsigned>(split), tensor_map(w, kFeatures, "w"), tensor_map(x, kRows, "x"),
+      b.defined() ? reinterpret_cast<const __nv_bfloat16*>(b.data_ptr()) : nullptr,
+      reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<int>(x.size(0)), n,
+      static_cast<int>(k / kChunk / split));
+}
+
+}  // namespace dflash::kernels
