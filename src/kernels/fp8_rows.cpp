@@ -5,6 +5,7 @@
 
 #include "common/error.h"
 #include "kernels/cluster_linear.h"
+#include "kernels/wgmma_linear.h"
 
 namespace dflash::kernels {
 
@@ -150,6 +151,9 @@ void mm_fp8_rows_out(at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
   }
   if (a.data.size(0) == 0) return;
   // A speculative block's few rows: cuBLASLt would run a 128-row tile for them.
+  if (wgmma_linear_enabled() && wgmma_linear_e4m3_fits(a, b)) {
+    return wgmma_linear_e4m3_out(out, a, b);
+  }
   if (cluster_linear_enabled() && cluster_linear_fits(a, b)) return cluster_linear_out(out, a, b);
   // b^T is column-major as cuBLASLt wants the second operand; row-wise scales are [m, 1] and
   // [1, n]. Accumulation keeps its periodic promotion to fp32 (no fast accumulation): k runs

@@ -105,4 +105,15 @@ __device__ __forceinline__ void wgmma_bf16_m64n16_ss(float (&d)[8], uint64_t a, 
       : "l"(a), "l"(b), "r"(1));
 }
 
+// The same for e4m3 operands, 32 k a step (the same 32 bytes of each swizzled row).
+__device__ __forceinline__ void wgmma_e4m3_m64n16_ss(float (&d)[8], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "%8, %9, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
+      : "l"(a), "l"(b), "r"(1));
+}
+
 }  // namespace dflash::kernels

@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "kernels/fp8_rows.h"
+
 namespace dflash::kernels {
 
 inline constexpr int64_t kWgmmaLinearMaxRows = 16;
@@ -32,8 +34,15 @@ bool wgmma_linear_fits(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 at::Tensor wgmma_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {},
                         int split = 0);
 
-// Whether the inference linears of 2-16 rows take wgmma_linear where it fits (on by default);
-// process-wide so that `bench-decode --no-wgmma-linear` compares it with cuBLAS in one process.
+// The FP8 drafter's linears at a block's rows: out [rows, N] bf16 contiguous = (x.data *
+// x.scale) (w.data * w.scale)^T (the product mm_fp8_rows_out computes), fp32 sums each scaled
+// and rounded once; chunks of 128 e4m3 instead of 64 bf16, otherwise the rules above.
+bool wgmma_linear_e4m3_fits(const Fp8Rows& x, const Fp8Rows& w);
+void wgmma_linear_e4m3_out(at::Tensor& out, const Fp8Rows& x, const Fp8Rows& w, int split = 0);
+
+// Whether inference_linear (bf16, 2-16 rows) and mm_fp8_rows_out (e4m3, 1-16 rows) take
+// wgmma_linear where it fits (on by default); process-wide so that `bench-decode
+// --no-wgmma-linear` compares it with cuBLAS / cluster_linear in one process.
 bool wgmma_linear_enabled();
 void set_wgmma_linear_enabled(bool on);
 

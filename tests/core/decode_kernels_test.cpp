@@ -169,9 +169,11 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
       }
     }
     EXPECT_GT(runs, 0);
-    // mm_fp8_rows_out takes it (the built-in split) while enabled, cuBLASLt otherwise.
+    // mm_fp8_rows_out takes it (the built-in split) while enabled and wgmma_linear is not,
+    // cuBLASLt otherwise.
     auto through = at::empty_like(expected), cublas = at::empty_like(expected);
     kernels::cluster_linear_out(actual, x, w);
+    kernels::set_wgmma_linear_enabled(false);
     kernels::mm_fp8_rows_out(through, x, w);
     EXPECT_TRUE(at::equal(through, actual));
     if (s.n % 16 == 0) {  // at::_scaled_mm's condition
@@ -180,6 +182,7 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
       kernels::set_cluster_linear_enabled(true);
       rounded_once(cublas);
     }
+    kernels::set_wgmma_linear_enabled(true);
   }
 }
 
@@ -277,6 +280,57 @@ TEST(WgmmaLinearGpu, MatchesReferenceAtEverySplit) {
   const auto y3 = kernels::wgmma_linear(x3, w3);
   ASSERT_EQ(y3.sizes(), (at::IntArrayRef{2, 8, 256}));
   EXPECT_TRUE(at::equal(y3.view({16, 256}), kernels::wgmma_linear(x3.view({16, 128}), w3)));
+}
+
+// wgmma_linear's e4m3 variant (the FP8 drafter's linears) against the dequantized product, at
+// every split: N off the 128-feature tiles, 1-16 rows, K from one 128-wide chunk to 12,288;
+// mm_fp8_rows_out takes it while enabled.
+TEST(WgmmaLinearGpu, E4m3MatchesReferenceAtEverySplit) {
+  if (!at::hasCUDA() || !kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) {
+    GTEST_SKIP() << "no CUDA device of compute capability 9.0+";
+  }
+  at::manual_seed(12);
+  const c10::NoGradGuard no_grad;
+  struct Shape {
+    int64_t rows, n, k;
+  };
+  for (Shape s : {Shape{16, 4096, 4096}, Shape{1, 200, 128}, Shape{9, 384, 2048},
+                  Shape{15, 136, 12288}, Shape{3, 1000, 1024}}) {
+    SCOPED_TRACE(fmt::format("rows {} n {} k {}", s.rows, s.n, s.k));
+    const auto x = kernels::quantize_rows_e4m3(at::randn({s.rows, s.k}).to(at::kBFloat16).cuda());
+    const auto w = kernels::quantize_rows_e4m3((at::randn({s.n, s.k}) * 0.05).cuda());
+    ASSERT_TRUE(kernels::wgmma_linear_e4m3_fits(x, w));
+    // As cluster_linear's test: rounded once to bf16 after sums whose error the FP8 tensor
+    // cores' accumulation sets.
+    auto exact = at::empty({s.rows, s.n}, at::TensorOptions(at::kCUDA).dtype(at::kFloat));
+    kernels::mm_fp8_rows_reference_out(exact, x, w);
+    const auto magnitudes =
+        at::mm(kernels::dequantize_rows(x).abs(), kernels::dequantize_rows(w).abs().t());
+    auto rounded_once = [&](const at::Tensor& actual) {
+      auto excess =
+          (actual.to(at::kFloat) - exact).abs() - (exact.abs() * (1.0 / 256) + magnitudes * 1e-4);
+      EXPECT_LE(excess.max().item<double>(), 0.0);
+    };
+    auto actual = at::empty({s.rows, s.n}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+    int runs = 0;
+    for (int split : {1, 2, 4, 8}) {
+      if (s.k % (128 * split) != 0) continue;
+      SCOPED_TRACE(fmt::format("split {}", split));
+      kernels::wgmma_linear_e4m3_out(actual, x, w, split);
+      rounded_once(actual);
+      const kernels::Fp8Rows last{x.data.narrow(0, s.rows - 1, 1),
+                                  x.scale.narrow(0, s.rows - 1, 1)};
+      auto one = at::empty({1, s.n}, actual.options());
+      kernels::wgmma_linear_e4m3_out(one, last, w, split);
+      EXPECT_TRUE(at::equal(one, actual.narrow(0, s.rows - 1, 1)));
+      ++runs;
+    }
+    EXPECT_GT(runs, 0);
+    auto through = at::empty_like(actual);
+    kernels::wgmma_linear_e4m3_out(actual, x, w);
+    kernels::mm_fp8_rows_out(through, x, w);
+    EXPECT_TRUE(at::equal(through, actual));
+  }
 }
 
 // Where wgmma_linear does not fit, inference_linear keeps cuBLAS: more than 16 rows, K off the
