@@ -52,6 +52,7 @@ struct BenchDecodeOptions {
   bool group_major_queries = true;       // models::set_group_major_queries
   bool cluster_linear = true;            // kernels::set_cluster_linear_enabled
   bool wgmma_linear = true;              // kernels::set_wgmma_linear_enabled
+  bool wgmma_linear_fp8 = true;          // kernels::set_wgmma_linear_e4m3_enabled
   bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
 };
 
@@ -309,6 +310,7 @@ void run_bench_decode(const BenchDecodeOptions& o) {
   models::set_group_major_queries(o.group_major_queries);
   kernels::set_cluster_linear_enabled(o.cluster_linear);
   kernels::set_wgmma_linear_enabled(o.wgmma_linear);
+  kernels::set_wgmma_linear_e4m3_enabled(o.wgmma_linear_fp8);
   if (o.per_token_attention_max >= 0) {
     models::set_per_token_attention_max_tokens(o.per_token_attention_max);
   }
@@ -488,6 +490,9 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-wgmma-linear{false}", o->wgmma_linear,
                 "the bf16 linears at a block's 2-16 rows (the target's verify pass, a bf16 "
                 "drafter) through cuBLAS instead of kernels/wgmma_linear");
+  cmd->add_flag("--no-wgmma-linear-fp8{false}", o->wgmma_linear_fp8,
+                "the FP8 drafter's GEMMs at a block's 1-16 rows through kernels/cluster_linear "
+                "(or cuBLASLt) instead of kernels/wgmma_linear");
   cmd->add_flag("--no-group-major-queries{false}", o->group_major_queries,
                 "per-token attention (target verify, drafter block) takes q head-major, which "
                 "flash regroups, instead of group-major from the q/k norm kernel");

@@ -84,9 +84,9 @@ void bench_small_linear(const Bench& b) {
       const double fp8_moved = bytes / 2 + m * (k + 2.0 * n);
       // cuBLASLt's row-scaled GEMM (x quantized in the timed call, as a drafter linear does).
       const bool cluster = kernels::cluster_linear_enabled();
-      const bool wgmma = kernels::wgmma_linear_enabled();
+      const bool wgmma = kernels::wgmma_linear_e4m3_enabled();
       kernels::set_cluster_linear_enabled(false);
-      kernels::set_wgmma_linear_enabled(false);
+      kernels::set_wgmma_linear_e4m3_enabled(false);
       auto fp8_gemm = [&](int i) {
         kernels::mm_fp8_rows_out(out, kernels::quantize_rows_e4m3(x),
                                  fp8_weights[i % fp8_weights.size()]);
@@ -95,7 +95,7 @@ void bench_small_linear(const Bench& b) {
       b.check(fmt::format("fp8 rows {} ({} rows)", name, m), out, reference, kRoundedOnce);
       b.report("fp8 rows " + name, m, n, k, b.graph_us(fp8_gemm), fp8_moved);
       kernels::set_cluster_linear_enabled(cluster);
-      kernels::set_wgmma_linear_enabled(wgmma);
+      kernels::set_wgmma_linear_e4m3_enabled(wgmma);
       if (kernels::wgmma_linear_e4m3_fits(x8, fp8_weights[0])) {
         kernels::wgmma_linear_e4m3_out(out, x8, fp8_weights[0]);
         b.check(fmt::format("wgmma_linear e4m3 {} ({} rows)", name, m), out, reference,

@@ -21,6 +21,7 @@
 
 #include "kernels/attention_tile.cuh"
 #include "kernels/block_attention.h"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_cast.cuh"
 #include "kernels/mma.cuh"
 
@@ -230,6 +231,7 @@ __global__ void __launch_bounds__(kMergeRows * 32)
     block_attention_merge_kernel(const float* __restrict__ part_o,
                                  const float2* __restrict__ part_ml, T* __restrict__ out,
                                  int64_t rows, int splits) {
+  allow_dependent_launch();  // the GEMM after this one may start loading its weight
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeRows + threadIdx.x / 32;
   if (row >= rows) return;

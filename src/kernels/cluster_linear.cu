@@ -145,7 +145,7 @@ void launch(const Fp8Rows& x, const Fp8Rows& w, at::Tensor& y, int split) {
   launch_in_clusters(
       kernel, dim3(static_cast<unsigned>((n + kFeatures - 1) / kFeatures * split)), dim3(kThreads),
       shared, c10::cuda::getCurrentCUDAStream(y.device().index()), static_cast<unsigned>(split),
-      reinterpret_cast<const uint8_t*>(x.data.data_ptr()), x.scale.data_ptr<float>(),
+      false, reinterpret_cast<const uint8_t*>(x.data.data_ptr()), x.scale.data_ptr<float>(),
       static_cast<int>(x.data.size(0)), reinterpret_cast<const uint8_t*>(w.data.data_ptr()),
       w.scale.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), n, k, slice);
 }

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kernels/add_rms_norm.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_cast.cuh"
 #include "kernels/reduce.cuh"
 
@@ -34,6 +35,7 @@ __global__ void __launch_bounds__(kThreads)
     add_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ y,
                         const T* __restrict__ weight, T* __restrict__ sum, T* __restrict__ normed,
                         int64_t h, float eps) {
+  allow_dependent_launch();  // the GEMM after this one may start loading its weight
   const int64_t base = int64_t(blockIdx.x) * h;
   float squares = 0.f;
   for (int64_t i = threadIdx.x; i < h; i += kThreads) {
@@ -55,6 +57,7 @@ __global__ void __launch_bounds__(kThreads)
     add_rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ y,
                             const T* __restrict__ weight, T* __restrict__ sum,
                             T* __restrict__ normed, int64_t h, float eps) {
+  allow_dependent_launch();  // the GEMM after this one may start loading its weight
   using P = Vec<T>;
   const int64_t vecs = h / P::kSize, base = int64_t(blockIdx.x) * vecs;
   P s[kVecs];

@@ -151,7 +151,7 @@ void mm_fp8_rows_out(at::Tensor& out, const Fp8Rows& a, const Fp8Rows& b) {
   }
   if (a.data.size(0) == 0) return;
   // A speculative block's few rows: cuBLASLt would run a 128-row tile for them.
-  if (wgmma_linear_enabled() && wgmma_linear_e4m3_fits(a, b)) {
+  if (wgmma_linear_e4m3_enabled() && wgmma_linear_e4m3_fits(a, b)) {
     return wgmma_linear_e4m3_out(out, a, b);
   }
   if (cluster_linear_enabled() && cluster_linear_fits(a, b)) return cluster_linear_out(out, a, b);

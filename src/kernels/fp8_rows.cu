@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_cast.cuh"
 #include "kernels/reduce.cuh"
 
@@ -37,6 +38,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_rows_kernel(Parts<T> parts, int64_t cols, __nv_fp8_storage_t* __restrict__ out,
                          float* __restrict__ scales) {
+  allow_dependent_launch();  // the GEMM after this one may start loading its weight
   const int64_t row = blockIdx.x;
   float amax = 0.f;
   for (int p = 0; p < parts.count; ++p) {

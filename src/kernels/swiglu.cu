@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/float_cast.cuh"
 
 namespace dflash::kernels {
@@ -28,6 +29,7 @@ template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     swiglu_forward_kernel(Rows<const T> gate, Rows<const T> up, T* __restrict__ out, int64_t tokens,
                           int64_t f) {
+  allow_dependent_launch();  // the GEMM after this one may start loading its weight
   const int64_t per_row = f / kVec, n = tokens * per_row;
   for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < n;
        idx += int64_t(gridDim.x) * kThreads) {

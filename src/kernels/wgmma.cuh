@@ -91,29 +91,33 @@ __device__ __forceinline__ void wgmma_bf16<128>(float (&d)[64], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-// d += a b with both operands read by the tensor cores from shared memory: A (64 x 16) as 64
-// rows of K and B (16 x 16) as 16 rows of K, each in the 128-byte swizzle that
+// d = a b + (accumulate ? d : 0) with both operands read by the tensor cores from shared memory: A
+// (64 x 16) as 64 rows of K and B (16 x 16) as 16 rows of K, each in the 128-byte swizzle that
 // wgmma_b_descriptor describes (wgmma_linear's weight and x tiles, both as TMA writes them).
 // D is 64 x 16: d[0..3] columns 0..7 and d[4..7] columns 8..15 of the warp's 16 rows.
-__device__ __forceinline__ void wgmma_bf16_m64n16_ss(float (&d)[8], uint64_t a, uint64_t b) {
+__device__ __forceinline__ void wgmma_bf16_m64n16_ss(float (&d)[8], uint64_t a, uint64_t b,
+                                                     int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
       "%8, %9, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// The same for e4m3 operands, 32 k a step (the same 32 bytes of each swizzled row).
-__device__ __forceinline__ void wgmma_e4m3_m64n16_ss(float (&d)[8], uint64_t a, uint64_t b) {
+// The same for e4m3 operands, 32 k a step (the same 32 bytes of each swizzled row). Hopper's
+// FP8 MMAs keep fewer bits in the running sum than fp32 (about 14 below its leading one: a
+// long K drifts by percents), so callers add short runs of them into fp32 registers.
+__device__ __forceinline__ void wgmma_e4m3_m64n16_ss(float (&d)[8], uint64_t a, uint64_t b,
+                                                     int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
       "%8, %9, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(accumulate));
 }
 
 }  // namespace dflash::kernels

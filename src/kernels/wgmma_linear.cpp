@@ -21,7 +21,7 @@ namespace {
 constexpr int64_t kFeatures = 128;    // a block's output features
 constexpr int64_t kChunkBytes = 128;  // of each row, a pipeline stage
 
-std::atomic<bool> enabled{true};
+std::atomic<bool> enabled{true}, e4m3_enabled{true};
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -139,5 +139,7 @@ void wgmma_linear_e4m3_out(at::Tensor& out, const Fp8Rows& x, const Fp8Rows& w, 
 
 bool wgmma_linear_enabled() { return enabled.load(); }
 void set_wgmma_linear_enabled(bool on) { enabled.store(on); }
+bool wgmma_linear_e4m3_enabled() { return e4m3_enabled.load(); }
+void set_wgmma_linear_e4m3_enabled(bool on) { e4m3_enabled.store(on); }
 
 }  // namespace dflash::kernels

@@ -17,6 +17,7 @@
 
 #include "common/error.h"
 #include "kernels/cluster_launch.cuh"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/fp8_rows.h"
 #include "kernels/tma.cuh"
 #include "kernels/wgmma.cuh"
@@ -65,18 +66,28 @@ __global__ void __launch_bounds__(kThreads)
     fence_mbarrier_init();
   }
   __syncthreads();
-  auto issue = [&](int i) {
-    unsigned char* stage = smem + (i % kStages) * kStageBytes;
+  auto issue_weight = [&](int i) {
     uint64_t* barrier = &full[i % kStages];
     mbarrier_arrive_expect_bytes(barrier, kStageBytes);
-    tma_load_2d(stage, &w_map, (c0 + i) * kChunk, n0, barrier);
-    tma_load_2d(stage + kWeightBytes, &x_map, (c0 + i) * kChunk, 0, barrier);
+    tma_load_2d(smem + (i % kStages) * kStageBytes, &w_map, (c0 + i) * kChunk, n0, barrier);
   };
+  auto issue_x = [&](int i) {
+    tma_load_2d(smem + (i % kStages) * kStageBytes + kWeightBytes, &x_map, (c0 + i) * kChunk, 0,
+                &full[i % kStages]);
+  };
+  // The weight does not depend on the kernel before this one (launched programmatically, this
+  // may run while that one finishes); x, the scales and y do.
+  const int first = chunks < kStages ? chunks : kStages;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages && i < chunks; ++i) issue(i);
+    for (int i = 0; i < first; ++i) issue_weight(i);
+  }
+  wait_for_prerequisite_grids();
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < first; ++i) issue_x(i);
   }
 
-  float d[2][8] = {};
+  // Each chunk's products summed by the tensor cores into `part`, then added to `d` in fp32.
+  float d[2][8] = {}, part[2][8] = {};
   for (int i = 0; i < chunks; ++i) {
     mbarrier_wait(&full[i % kStages], (i / kStages) & 1);
     const unsigned char* stage = smem + (i % kStages) * kStageBytes;
@@ -87,18 +98,26 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t lo = wgmma_b_descriptor(stage + step, 0);
       const uint64_t hi = wgmma_b_descriptor(stage + kHalfBytes + step, 0);
       if constexpr (kE4m3) {
-        wgmma_e4m3_m64n16_ss(d[0], lo, xs);
-        wgmma_e4m3_m64n16_ss(d[1], hi, xs);
+        wgmma_e4m3_m64n16_ss(part[0], lo, xs, step);
+        wgmma_e4m3_m64n16_ss(part[1], hi, xs, step);
       } else {
-        wgmma_bf16_m64n16_ss(d[0], lo, xs);
-        wgmma_bf16_m64n16_ss(d[1], hi, xs);
+        wgmma_bf16_m64n16_ss(part[0], lo, xs, step);
+        wgmma_bf16_m64n16_ss(part[1], hi, xs, step);
       }
     }
     wgmma_commit();
     wgmma_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) d[h][j] += part[h][j];
+    }
     // Every warp has read the stage before thread 0 asks the TMA to overwrite it.
     __syncthreads();
-    if (threadIdx.x == 0 && i + kStages < chunks) issue(i + kStages);
+    if (threadIdx.x == 0 && i + kStages < chunks) {
+      issue_weight(i + kStages);
+      issue_x(i + kStages);
+    }
   }
 
   // Partial sums [16 rows][128 features] over the stages (every copy has landed), then each
@@ -179,8 +198,8 @@ void launch(const at::Tensor& x, const float* x_scale, const at::Tensor& w, cons
   launch_in_clusters(kernel, dim3(static_cast<unsigned>((n + kFeatures - 1) / kFeatures * split)),
                      dim3(kThreads), kSharedBytes,
                      c10::cuda::getCurrentCUDAStream(y.device().index()),
-                     static_cast<unsigned>(split), tensor_map(w, kFeatures, "w"),
-                     tensor_map(x, kRows, "x"), x_scale, w_scale,
+                     static_cast<unsigned>(split), /*programmatic=*/true,
+                     tensor_map(w, kFeatures, "w"), tensor_map(x, kRows, "x"), x_scale, w_scale,
                      b.defined() ? reinterpret_cast<const __nv_bfloat16*>(b.data_ptr()) : nullptr,
                      reinterpret_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<int>(x.size(0)), n,
                      static_cast<int>(w.size(1) / chunk / split));

@@ -173,7 +173,7 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
     // cuBLASLt otherwise.
     auto through = at::empty_like(expected), cublas = at::empty_like(expected);
     kernels::cluster_linear_out(actual, x, w);
-    kernels::set_wgmma_linear_enabled(false);
+    kernels::set_wgmma_linear_e4m3_enabled(false);
     kernels::mm_fp8_rows_out(through, x, w);
     EXPECT_TRUE(at::equal(through, actual));
     if (s.n % 16 == 0) {  // at::_scaled_mm's condition
@@ -182,7 +182,7 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
       kernels::set_cluster_linear_enabled(true);
       rounded_once(cublas);
     }
-    kernels::set_wgmma_linear_enabled(true);
+    kernels::set_wgmma_linear_e4m3_enabled(true);
   }
 }
 
