@@ -51,8 +51,8 @@ struct BenchDecodeOptions {
   bool block_attention_128 = true;       // kernels::set_block_attention_wide_heads
   bool group_major_queries = true;       // models::set_group_major_queries
   bool cluster_linear = true;            // kernels::set_cluster_linear_enabled
-  bool wgmma_linear = true;              // kernels::set_wgmma_linear_enabled
-  bool wgmma_linear_fp8 = true;          // kernels::set_wgmma_linear_e4m3_enabled
+  bool wgmma_linear = false;             // kernels::set_wgmma_linear_enabled
+  bool wgmma_linear_fp8 = false;         // kernels::set_wgmma_linear_e4m3_enabled
   bool drafter_fp8 = false;              // models::DraftModel's fp8_weights
 };
 
@@ -487,12 +487,12 @@ void add_bench_decode_command(CLI::App& app) {
   cmd->add_flag("--no-cluster-linear{false}", o->cluster_linear,
                 "the FP8 drafter's GEMMs at a block's 1-16 rows through cuBLASLt instead of "
                 "kernels/cluster_linear");
-  cmd->add_flag("--no-wgmma-linear{false}", o->wgmma_linear,
+  cmd->add_flag("--wgmma-linear", o->wgmma_linear,
                 "the bf16 linears at a block's 2-16 rows (the target's verify pass, a bf16 "
-                "drafter) through cuBLAS instead of kernels/wgmma_linear");
-  cmd->add_flag("--no-wgmma-linear-fp8{false}", o->wgmma_linear_fp8,
-                "the FP8 drafter's GEMMs at a block's 1-16 rows through kernels/cluster_linear "
-                "(or cuBLASLt) instead of kernels/wgmma_linear");
+                "drafter) through kernels/wgmma_linear instead of cuBLAS");
+  cmd->add_flag("--wgmma-linear-fp8", o->wgmma_linear_fp8,
+                "the FP8 drafter's GEMMs at a block's 1-16 rows through kernels/wgmma_linear "
+                "instead of kernels/cluster_linear (or cuBLASLt)");
   cmd->add_flag("--no-group-major-queries{false}", o->group_major_queries,
                 "per-token attention (target verify, drafter block) takes q head-major, which "
                 "flash regroups, instead of group-major from the q/k norm kernel");

@@ -41,8 +41,9 @@ bool wgmma_linear_e4m3_fits(const Fp8Rows& x, const Fp8Rows& w);
 void wgmma_linear_e4m3_out(at::Tensor& out, const Fp8Rows& x, const Fp8Rows& w, int split = 0);
 
 // Whether inference_linear (bf16, 2-16 rows) and mm_fp8_rows_out (e4m3, 1-16 rows) take
-// wgmma_linear where it fits; process-wide so that `bench-decode --no-wgmma-linear` and
-// `--no-wgmma-linear-fp8` compare it with cuBLAS / cluster_linear in one process.
+// wgmma_linear where it fits (off by default, see wgmma_linear.cpp); process-wide so that
+// `bench-decode --wgmma-linear` and `--wgmma-linear-fp8` compare it with cuBLAS /
+// cluster_linear in one process.
 bool wgmma_linear_enabled();
 void set_wgmma_linear_enabled(bool on);
 bool wgmma_linear_e4m3_enabled();

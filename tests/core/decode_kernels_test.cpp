@@ -173,6 +173,7 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
     // cuBLASLt otherwise.
     auto through = at::empty_like(expected), cublas = at::empty_like(expected);
     kernels::cluster_linear_out(actual, x, w);
+    const bool wgmma = kernels::wgmma_linear_e4m3_enabled();
     kernels::set_wgmma_linear_e4m3_enabled(false);
     kernels::mm_fp8_rows_out(through, x, w);
     EXPECT_TRUE(at::equal(through, actual));
@@ -182,7 +183,7 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
       kernels::set_cluster_linear_enabled(true);
       rounded_once(cublas);
     }
-    kernels::set_wgmma_linear_e4m3_enabled(true);
+    kernels::set_wgmma_linear_e4m3_enabled(wgmma);
   }
 }
 
@@ -267,11 +268,13 @@ TEST(WgmmaLinearGpu, MatchesReferenceAtEverySplit) {
     EXPECT_GT(runs, 0);
     // inference_linear takes it (the built-in split) while enabled, cuBLAS otherwise.
     if (s.rows > 1) {
+      const bool was = kernels::wgmma_linear_enabled();
+      kernels::set_wgmma_linear_enabled(true);
       EXPECT_TRUE(
           at::equal(kernels::inference_linear(xg, wg, bg), kernels::wgmma_linear(xg, wg, bg)));
       kernels::set_wgmma_linear_enabled(false);
       rounded_once(kernels::inference_linear(xg, wg, bg));
-      kernels::set_wgmma_linear_enabled(true);
+      kernels::set_wgmma_linear_enabled(was);
     }
   }
   // Leading dimensions flatten to rows and come back.
@@ -284,7 +287,7 @@ TEST(WgmmaLinearGpu, MatchesReferenceAtEverySplit) {
 
 // wgmma_linear's e4m3 variant (the FP8 drafter's linears) against the dequantized product, at
 // every split: N off the 128-feature tiles, 1-16 rows, K from one 128-wide chunk to 12,288;
-// mm_fp8_rows_out takes it while enabled.
+// mm_fp8_rows_out takes it while enabled (opt-in).
 TEST(WgmmaLinearGpu, E4m3MatchesReferenceAtEverySplit) {
   if (!at::hasCUDA() || !kernels::fp8_gemm_supported(at::Device(at::kCUDA, 0))) {
     GTEST_SKIP() << "no CUDA device of compute capability 9.0+";
@@ -328,7 +331,10 @@ TEST(WgmmaLinearGpu, E4m3MatchesReferenceAtEverySplit) {
     EXPECT_GT(runs, 0);
     auto through = at::empty_like(actual);
     kernels::wgmma_linear_e4m3_out(actual, x, w);
+    const bool was = kernels::wgmma_linear_e4m3_enabled();
+    kernels::set_wgmma_linear_e4m3_enabled(true);
     kernels::mm_fp8_rows_out(through, x, w);
+    kernels::set_wgmma_linear_e4m3_enabled(was);
     EXPECT_TRUE(at::equal(through, actual));
   }
 }
