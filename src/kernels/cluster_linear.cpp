@@ -1,12 +1,12 @@
 #include "kernels/cluster_linear.h"
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <fmt/ranges.h>
 
 #include <atomic>
 
 #include "common/error.h"
+#include "kernels/cluster_split.h"
 
 namespace dflash::kernels {
 
@@ -25,27 +25,7 @@ std::atomic<bool> enabled{true};
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-bool valid_split(int64_t k, int split) {
-  return (split == 1 || split == 2 || split == 4 || split == 8) && k % (split * kSliceStep) == 0 &&
-         k / split <= kMaxSlice;
-}
-
-// The fewest blocks of a cluster (1, 2, 4, 8) whose slices fit, going on to more while the
-// grid leaves more than an eighth of the SMs without a block; 0 where no split fits. (On an
-// H100 at 16 rows a block an SM beat two: o_proj 12.6 us split 4 against 15.8 split 8.)
-int choose_split(int64_t n, int64_t k, int sms) {
-  int chosen = 0;
-  for (int split : {1, 2, 4, 8}) {
-    if (!valid_split(k, split)) continue;
-    chosen = split;
-    if ((n + kFeatures - 1) / kFeatures * split * 8 >= 7 * sms) break;
-  }
-  return chosen;
-}
-
-int sm_count(const at::Tensor& t) {
-  return at::cuda::getDeviceProperties(t.device().index())->multiProcessorCount;
-}
+constexpr SliceRule kSlices{kSliceStep, kMaxSlice};
 
 bool e4m3_matrix(const at::Tensor& t) {
   return t.is_cuda() && t.dim() == 2 && t.scalar_type() == at::kFloat8_e4m3fn &&
@@ -65,11 +45,11 @@ bool cluster_linear_fits(const Fp8Rows& x, const Fp8Rows& w) {
            m.scale.numel() == m.data.size(0) && m.scale.device() == m.data.device();
   };
   // Past four blocks' features an SM (the LM head) cuBLASLt's tiles stream the weight faster.
-  const int sms = sm_count(x.data);
+  const int sms = sm_count(x.data.device());
   const int64_t n = w.data.size(0);
   return rows >= 1 && rows <= kClusterLinearMaxRows && n > 0 &&
          (n + kFeatures - 1) / kFeatures <= 4 * sms && scales(x) && scales(w) &&
-         choose_split(n, k, sms) > 0;
+         choose_cluster_split(n, k, kFeatures, kSlices, sms) > 0;
 }
 
 void cluster_linear_out(at::Tensor& out, const Fp8Rows& x, const Fp8Rows& w, int split,
@@ -84,8 +64,8 @@ void cluster_linear_out(at::Tensor& out, const Fp8Rows& x, const Fp8Rows& w, int
     fail("cluster linear: out must be contiguous bf16 [{}, {}] on {}, got {} {}", rows, n,
          x.data.device().str(), out.sizes(), c10::toString(out.scalar_type()));
   }
-  if (split == 0) split = choose_split(n, k, sm_count(out));
-  if (!valid_split(k, split) || (unroll != 2 && unroll != 4)) {
+  if (split == 0) split = choose_cluster_split(n, k, kFeatures, kSlices, sm_count(out.device()));
+  if (!valid_cluster_split(k, split, kSlices) || (unroll != 2 && unroll != 4)) {
     fail(
         "cluster linear: K {} does not split over {} blocks (slices of multiples of {} up to {}) "
         "or unroll {} is not 2 or 4",

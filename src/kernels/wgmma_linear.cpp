@@ -1,12 +1,12 @@
 #include "kernels/wgmma_linear.h"
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <fmt/ranges.h>
 
 #include <atomic>
 
 #include "common/error.h"
+#include "kernels/cluster_split.h"
 
 namespace dflash::kernels {
 
@@ -28,31 +28,6 @@ std::atomic<bool> enabled{false}, e4m3_enabled{false};
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// K's chunks (128 bytes of a row: 64 bf16, 128 e4m3) in `split` whole slices.
-bool valid_split(int64_t k, int64_t chunk, int split) {
-  return (split == 1 || split == 2 || split == 4 || split == 8) && k % (split * chunk) == 0;
-}
-
-// The fewest blocks of a cluster (1, 2, 4, 8) whose slices are whole chunks, going on to more
-// while the grid leaves more than an eighth of the SMs without a block; 0 where none fits.
-int choose_split(int64_t n, int64_t k, int64_t chunk, int sms) {
-  int chosen = 0;
-  for (int split : {1, 2, 4, 8}) {
-    if (!valid_split(k, chunk, split)) continue;
-    chosen = split;
-    if ((n + kFeatures - 1) / kFeatures * split * 8 >= 7 * sms) break;
-  }
-  return chosen;
-}
-
-int sm_count(const at::Tensor& t) {
-  return at::cuda::getDeviceProperties(t.device().index())->multiProcessorCount;
-}
-
-bool hopper(const at::Tensor& t) {
-  return at::cuda::getDeviceProperties(t.device().index())->major >= 9;
-}
-
 bool matrix_on(const at::Tensor& t, at::ScalarType dtype, const at::Tensor& like) {
   return t.is_cuda() && t.device() == like.device() && t.scalar_type() == dtype &&
          t.is_contiguous() && aligned16(t.data_ptr());
@@ -62,15 +37,18 @@ bool bf16_on(const at::Tensor& t, const at::Tensor& like) {
 }
 
 // The shape rule both variants share: 1-16 rows of x, N and K within the TMA's 32-bit
-// coordinates, K split into whole chunks.
+// coordinates, K split into whole chunks, on a GPU with the TMA and wgmma (compute capability
+// 9.0+, what fp8_gemm_supported tests).
 bool fits_shape(int64_t rows, int64_t n, int64_t k, int64_t chunk, const at::Tensor& x) {
   return rows >= 1 && rows <= kWgmmaLinearMaxRows && n > 0 && n < (int64_t{1} << 31) &&
-         k < (int64_t{1} << 31) && hopper(x) && choose_split(n, k, chunk, sm_count(x)) > 0;
+         k < (int64_t{1} << 31) && fp8_gemm_supported(x.device()) &&
+         choose_cluster_split(n, k, kFeatures, SliceRule{chunk}, sm_count(x.device())) > 0;
 }
 
 int checked_split(int split, int64_t n, int64_t k, int64_t chunk, const at::Tensor& x) {
-  if (split == 0) split = choose_split(n, k, chunk, sm_count(x));
-  if (!valid_split(k, chunk, split)) {
+  const SliceRule whole_chunks{chunk};
+  if (split == 0) split = choose_cluster_split(n, k, kFeatures, whole_chunks, sm_count(x.device()));
+  if (!valid_cluster_split(k, split, whole_chunks)) {
     fail(
         "wgmma linear: K {} does not split over {} blocks (1, 2, 4 or 8 slices of whole "
         "{}-wide chunks)",
