@@ -119,6 +119,46 @@ TEST(SmallLinearGpu, LeadingDimsBiasAndTooManyRows) {
                            at::linear(x32, w32), 1e-4, 1e-4));
 }
 
+// An FP8 small-row linear's operands (x's e4m3 rows, w's) and the checks cluster_linear and
+// wgmma_linear share. In fp32 a kernel's result is the exact one rounded once to bf16 (half a
+// bf16 step, 2^-9 of the magnitude) after sums whose error the FP8 tensor cores' accumulation
+// sets (about 2^-14 of the running sum: 1e-4 of the sum of magnitudes bounds it); a wrong row,
+// scale or k order would be off by the magnitude itself.
+struct Fp8SmallLinearCase {
+  kernels::Fp8Rows x, w;
+  at::Tensor exact, magnitudes;
+
+  Fp8SmallLinearCase(int64_t rows, int64_t n, int64_t k)
+      : x(kernels::quantize_rows_e4m3(at::randn({rows, k}).to(at::kBFloat16).cuda())),
+        w(kernels::quantize_rows_e4m3((at::randn({n, k}) * 0.05).cuda())),
+        exact(at::empty({rows, n}, at::TensorOptions(at::kCUDA).dtype(at::kFloat))),
+        magnitudes(
+            at::mm(kernels::dequantize_rows(x).abs(), kernels::dequantize_rows(w).abs().t())) {
+    kernels::mm_fp8_rows_reference_out(exact, x, w);
+  }
+
+  at::Tensor empty_result() const {
+    return at::empty_like(exact, exact.options().dtype(at::kBFloat16));
+  }
+
+  void expect_rounded_once(const at::Tensor& actual) const {
+    auto excess =
+        (actual.to(at::kFloat) - exact).abs() - (exact.abs() * (1.0 / 256) + magnitudes * 1e-4);
+    EXPECT_LE(excess.max().item<double>(), 0.0);
+  }
+
+  // `run(out, rows)` computes rows' linear into out; the last row alone gives the bits it got
+  // among all rows in `actual`.
+  template <typename Run>
+  void expect_last_row_alone(const at::Tensor& actual, Run run) const {
+    const int64_t rows = x.data.size(0);
+    const kernels::Fp8Rows last{x.data.narrow(0, rows - 1, 1), x.scale.narrow(0, rows - 1, 1)};
+    auto one = at::empty({1, actual.size(1)}, actual.options());
+    run(one, last);
+    EXPECT_TRUE(at::equal(one, actual.narrow(0, rows - 1, 1)));
+  }
+};
+
 // cluster_linear at 1-16 rows against the dequantizing fp32 reference (and beside cuBLASLt's
 // FP8 GEMM), at every split of K over a cluster and register depth: N not a multiple of a
 // block's 128 features, K from one 512-wide step to 4,096 a block; each row's result the same
@@ -135,43 +175,28 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
   for (Shape s : {Shape{16, 4096, 4096}, Shape{1, 200, 512}, Shape{9, 384, 2048},
                   Shape{15, 136, 12288}, Shape{3, 1000, 20480}}) {
     SCOPED_TRACE(fmt::format("rows {} n {} k {}", s.rows, s.n, s.k));
-    const auto x = kernels::quantize_rows_e4m3(at::randn({s.rows, s.k}).to(at::kBFloat16).cuda());
-    const auto w = kernels::quantize_rows_e4m3((at::randn({s.n, s.k}) * 0.05).cuda());
+    const Fp8SmallLinearCase c(s.rows, s.n, s.k);
+    const auto& x = c.x;
+    const auto& w = c.w;
     ASSERT_TRUE(kernels::cluster_linear_fits(x, w));
-    // In fp32: the kernel's result is it rounded once to bf16 (half a bf16 step, 2^-9 of the
-    // magnitude) after sums whose error the FP8 tensor cores' accumulation sets (about 2^-14 of
-    // the running sum: 1e-4 of the sum of magnitudes bounds it); a wrong row, scale or k order
-    // would be off by the magnitude itself.
-    auto exact = at::empty({s.rows, s.n}, at::TensorOptions(at::kCUDA).dtype(at::kFloat));
-    kernels::mm_fp8_rows_reference_out(exact, x, w);
-    const auto magnitudes =
-        at::mm(kernels::dequantize_rows(x).abs(), kernels::dequantize_rows(w).abs().t());
-    auto rounded_once = [&](const at::Tensor& actual) {
-      auto excess =
-          (actual.to(at::kFloat) - exact).abs() - (exact.abs() * (1.0 / 256) + magnitudes * 1e-4);
-      EXPECT_LE(excess.max().item<double>(), 0.0);
-    };
-    auto expected = exact.to(at::kBFloat16), actual = at::empty_like(expected);
+    auto actual = c.empty_result();
     int runs = 0;
     for (int split : {1, 2, 4, 8}) {
       if (s.k % (512 * split) != 0 || s.k / split > 4096) continue;
       for (int unroll : {2, 4}) {
         SCOPED_TRACE(fmt::format("split {} unroll {}", split, unroll));
         kernels::cluster_linear_out(actual, x, w, split, unroll);
-        rounded_once(actual);
-        // The last row alone: the same bits.
-        const kernels::Fp8Rows last{x.data.narrow(0, s.rows - 1, 1),
-                                    x.scale.narrow(0, s.rows - 1, 1)};
-        auto one = at::empty({1, s.n}, expected.options());
-        kernels::cluster_linear_out(one, last, w, split, unroll);
-        EXPECT_TRUE(at::equal(one, actual.narrow(0, s.rows - 1, 1)));
+        c.expect_rounded_once(actual);
+        c.expect_last_row_alone(actual, [&](at::Tensor& out, const kernels::Fp8Rows& rows) {
+          kernels::cluster_linear_out(out, rows, w, split, unroll);
+        });
         ++runs;
       }
     }
     EXPECT_GT(runs, 0);
     // mm_fp8_rows_out takes it (the built-in split) while enabled and wgmma_linear is not,
     // cuBLASLt otherwise.
-    auto through = at::empty_like(expected), cublas = at::empty_like(expected);
+    auto through = c.empty_result(), cublas = c.empty_result();
     kernels::cluster_linear_out(actual, x, w);
     const bool wgmma = kernels::wgmma_linear_e4m3_enabled();
     kernels::set_wgmma_linear_e4m3_enabled(false);
@@ -181,7 +206,7 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
       kernels::set_cluster_linear_enabled(false);
       kernels::mm_fp8_rows_out(cublas, x, w);
       kernels::set_cluster_linear_enabled(true);
-      rounded_once(cublas);
+      c.expect_rounded_once(cublas);
     }
     kernels::set_wgmma_linear_e4m3_enabled(wgmma);
   }
@@ -300,32 +325,20 @@ TEST(WgmmaLinearGpu, E4m3MatchesReferenceAtEverySplit) {
   for (Shape s : {Shape{16, 4096, 4096}, Shape{1, 200, 128}, Shape{9, 384, 2048},
                   Shape{15, 136, 12288}, Shape{3, 1000, 1024}}) {
     SCOPED_TRACE(fmt::format("rows {} n {} k {}", s.rows, s.n, s.k));
-    const auto x = kernels::quantize_rows_e4m3(at::randn({s.rows, s.k}).to(at::kBFloat16).cuda());
-    const auto w = kernels::quantize_rows_e4m3((at::randn({s.n, s.k}) * 0.05).cuda());
+    const Fp8SmallLinearCase c(s.rows, s.n, s.k);
+    const auto& x = c.x;
+    const auto& w = c.w;
     ASSERT_TRUE(kernels::wgmma_linear_e4m3_fits(x, w));
-    // As cluster_linear's test: rounded once to bf16 after sums whose error the FP8 tensor
-    // cores' accumulation sets.
-    auto exact = at::empty({s.rows, s.n}, at::TensorOptions(at::kCUDA).dtype(at::kFloat));
-    kernels::mm_fp8_rows_reference_out(exact, x, w);
-    const auto magnitudes =
-        at::mm(kernels::dequantize_rows(x).abs(), kernels::dequantize_rows(w).abs().t());
-    auto rounded_once = [&](const at::Tensor& actual) {
-      auto excess =
-          (actual.to(at::kFloat) - exact).abs() - (exact.abs() * (1.0 / 256) + magnitudes * 1e-4);
-      EXPECT_LE(excess.max().item<double>(), 0.0);
-    };
-    auto actual = at::empty({s.rows, s.n}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+    auto actual = c.empty_result();
     int runs = 0;
     for (int split : {1, 2, 4, 8}) {
       if (s.k % (128 * split) != 0) continue;
       SCOPED_TRACE(fmt::format("split {}", split));
       kernels::wgmma_linear_e4m3_out(actual, x, w, split);
-      rounded_once(actual);
-      const kernels::Fp8Rows last{x.data.narrow(0, s.rows - 1, 1),
-                                  x.scale.narrow(0, s.rows - 1, 1)};
-      auto one = at::empty({1, s.n}, actual.options());
-      kernels::wgmma_linear_e4m3_out(one, last, w, split);
-      EXPECT_TRUE(at::equal(one, actual.narrow(0, s.rows - 1, 1)));
+      c.expect_rounded_once(actual);
+      c.expect_last_row_alone(actual, [&](at::Tensor& out, const kernels::Fp8Rows& rows) {
+        kernels::wgmma_linear_e4m3_out(out, rows, w, split);
+      });
       ++runs;
     }
     EXPECT_GT(runs, 0);
