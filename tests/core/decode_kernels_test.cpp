@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "decode_test_util.h"
 #include "kernels/cluster_linear.h"
+#include "kernels/cluster_split.h"
 #include "kernels/decode_ops.h"
 #include "kernels/rotary.h"
 #include "kernels/small_linear.h"
@@ -210,6 +211,28 @@ TEST(ClusterLinearGpu, MatchesReferenceAtEverySplit) {
     }
     kernels::set_wgmma_linear_e4m3_enabled(wgmma);
   }
+}
+
+// The split rule both small-row linears share, at 132 SMs (an H100) on Qwen3-8B's shapes: the
+// fewest blocks of a cluster that leave at most an eighth of the SMs idle, within the kernel's
+// slice rule; 0 where no split fits it.
+TEST(ClusterSplit, FewestBlocksThatFillTheSms) {
+  const kernels::SliceRule cluster_linear{512, 4096}, wgmma_bf16{64};
+  EXPECT_EQ(kernels::choose_cluster_split(6144, 4096, 128, cluster_linear, 132), 4);   // qkv
+  EXPECT_EQ(kernels::choose_cluster_split(4096, 4096, 128, cluster_linear, 132), 4);   // o_proj
+  EXPECT_EQ(kernels::choose_cluster_split(24576, 4096, 128, cluster_linear, 132), 1);  // gate_up
+  EXPECT_EQ(kernels::choose_cluster_split(4096, 12288, 128, cluster_linear, 132), 4);  // down
+  EXPECT_EQ(kernels::choose_cluster_split(4096, 12288, 128, wgmma_bf16, 132), 4);
+  // Past 4,096 a slice: down_proj's K needs 4 blocks at least even where one would fill the SMs.
+  EXPECT_EQ(kernels::choose_cluster_split(1 << 20, 12288, 128, cluster_linear, 132), 4);
+  EXPECT_EQ(kernels::choose_cluster_split(1 << 20, 12288, 128, wgmma_bf16, 132), 1);
+  // Where more blocks would cut K off its steps (or none fits) the rule keeps what fits, or 0.
+  EXPECT_EQ(kernels::choose_cluster_split(128, 192, 128, wgmma_bf16, 132), 1);
+  EXPECT_EQ(kernels::choose_cluster_split(128, 100, 128, wgmma_bf16, 132), 0);
+  EXPECT_EQ(kernels::choose_cluster_split(128, 65536, 128, cluster_linear, 132), 0);
+  EXPECT_FALSE(kernels::valid_cluster_split(4096, 3, wgmma_bf16));
+  EXPECT_TRUE(kernels::valid_cluster_split(4096, 8, cluster_linear));
+  EXPECT_FALSE(kernels::valid_cluster_split(4096, 16, wgmma_bf16));
 }
 
 // Where cluster_linear does not fit, mm_fp8_rows_out keeps cuBLASLt: more than 16 rows, K off
